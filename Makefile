@@ -1,0 +1,29 @@
+# Two set-up commands: `make demo` (the main job) and `make test` (the suite).
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+
+.PHONY: venv test test-fast demo info clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch 2.13.0 CPU build on machines without CUDA (the supported GPU image brings torch 2.11 itself).
+venv: $(VPY)
+	@$(VPY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[test]"
+
+test: venv
+	$(VPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+demo: venv
+	$(PIP) install -q -e ".[demo]"
+	$(VENV)/bin/fp8attn demo $(DEMO_ARGS)
+
+info: venv
+	$(VENV)/bin/fp8attn info
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

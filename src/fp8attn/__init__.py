@@ -1,0 +1,11 @@
+"""fp8attn: FP8 attention for LLM inference and training (FA3-compatible API)."""
+from .interface import (flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
+                        write_kv_cache)
+from . import quant, reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
+    "write_kv_cache", "quant", "reference", "__version__",
+]

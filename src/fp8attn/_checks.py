@@ -1,0 +1,175 @@
+"""Argument validation for the public API.
+
+Every error names the argument, what was expected, what arrived, and the fix. Checks that read
+tensor *values* (and so would synchronize a GPU) run for CPU tensors always and for device tensors
+only when ``validate=True`` is passed (and never while a CUDA graph is being captured).
+"""
+from __future__ import annotations
+
+import torch
+
+from .quant import FP8_FORMATS, is_fp8
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HEADDIM = 256
+
+
+def _fail(exc, arg, expected, got, fix):
+    raise exc(f"{arg}: expected {expected}, got {got}. {fix}")
+
+
+def want_value_checks(t: torch.Tensor, validate: bool) -> bool:
+    """Value checks are free on CPU; on a GPU they sync, so they are opt-in and skipped in capture."""
+    if t.device.type == "cpu":
+        return True
+    if not validate:
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def check_tensor(name, t, ndim=None, allow_none=False):
+    if t is None and allow_none:
+        return
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(t).__name__, f"Pass {name} as a tensor.")
+    if ndim is not None and t.dim() not in (ndim if isinstance(ndim, tuple) else (ndim,)):
+        _fail(ValueError, name, f"a {ndim}-D tensor", f"shape {tuple(t.shape)}",
+              "See the docstring for the layout (batch, seqlen, nheads, headdim) / varlen (total, nheads, headdim).")
+    if t.dim() > 0 and t.stride(-1) != 1 and t.numel() > 1 and t.shape[-1] > 1:
+        _fail(ValueError, name, "a contiguous last dimension", f"stride {tuple(t.stride())}",
+              f"Call {name}.contiguous() (only the last dimension must be contiguous).")
+
+
+def check_qkv_dtypes(q, k, v, *, q_name="q", k_name="k", v_name="v", allow_mixed_q=False):
+    """q/k/v are all one FP8 format, or all the same 16/32-bit dtype (allow_mixed_q: 16-bit q over FP8 KV)."""
+    for name, t in ((q_name, q), (k_name, k), (v_name, v)):
+        if not (is_fp8(t.dtype) or t.dtype in _FLOATS):
+            _fail(TypeError, name, f"an FP8 ({', '.join(str(d) for d in FP8_FORMATS)}) or bf16/fp16/fp32 tensor",
+                  str(t.dtype), "Quantize with fp8attn.quantize_qkv or cast to bfloat16.")
+    if k.dtype != v.dtype:
+        _fail(TypeError, v_name, f"the dtype of {k_name} ({k.dtype})", str(v.dtype), f"Store {k_name} and {v_name} in one dtype.")
+    if q.dtype != k.dtype and not (allow_mixed_q and is_fp8(k.dtype) and q.dtype in (torch.bfloat16, torch.float16)):
+        allowed = f"{k.dtype}" + (" or bf16/fp16 (FP8 cache)" if allow_mixed_q and is_fp8(k.dtype) else "")
+        _fail(TypeError, q_name, allowed, str(q.dtype),
+              f"Give {q_name} the dtype of {k_name} (quantize both, or cast both to bfloat16).")
+    if torch.float8_e4m3fnuz in (q.dtype, k.dtype) and not (q.device.type == "cpu"):
+        _fail(NotImplementedError, k_name, "e4m3fn or e5m2 on this device", "float8_e4m3fnuz",
+              "e4m3fnuz is supported by the CPU reference path only (emulation); convert through fp32 to e4m3fn.")
+
+
+def check_heads(q, k, v, *, head_dim_axis=-1):
+    hq, hk = q.shape[-2], k.shape[-2]
+    if v.shape[-2] != hk:
+        _fail(ValueError, "v", f"nheads_k = {hk} heads (as k)", f"{v.shape[-2]}", "k and v must have the same number of heads.")
+    if hk == 0 or hq % hk != 0:
+        _fail(ValueError, "q", f"nheads_q divisible by nheads_k = {hk}", f"nheads_q = {hq}",
+              "Use a number of query heads that is a multiple of the KV heads (GQA/MQA).")
+    d, dv = q.shape[-1], v.shape[-1]
+    if k.shape[-1] != d:
+        _fail(ValueError, "k", f"headdim {d} (as q)", f"{k.shape[-1]}", "q and k must share the head dimension.")
+    for name, dim in (("q", d), ("v", dv)):
+        if dim % 8 != 0 or dim > MAX_HEADDIM or dim <= 0:
+            _fail(ValueError, name, f"a head dimension that is a multiple of 8 and <= {MAX_HEADDIM}", f"{dim}",
+                  "Pad the head dimension (e.g. to 64, 128 or 256).")
+
+
+def check_same_device(**tensors):
+    devs = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(devs.values())) > 1:
+        first = next(iter(devs))
+        for n, dv in devs.items():
+            if dv != devs[first]:
+                _fail(ValueError, n, f"device {devs[first]} (as {first})", str(dv), f"Move {n} to {devs[first]}.")
+
+
+def check_descale(name, d, batch, nheads_k, device):
+    if d is None:
+        return
+    check_tensor(name, d)
+    if d.dtype != torch.float32:
+        _fail(TypeError, name, "a float32 tensor", str(d.dtype), f"Pass {name}.float().")
+    if d.device != device:
+        _fail(ValueError, name, f"device {device}", str(d.device), f"Move {name} to {device}.")
+    ok = (d.numel() == 1 and d.dim() <= 2) or (d.dim() == 2 and d.shape[0] in (1, batch) and d.shape[1] in (1, nheads_k))
+    if not ok:
+        _fail(ValueError, name, f"shape ({batch}, {nheads_k}) = (batch, nheads_k), or a per-tensor (), (1,) or (1, 1), "
+              f"or per-sequence ({batch}, 1)", f"shape {tuple(d.shape)}",
+              "Pass one descale per (sequence, KV head), as FA3 does.")
+
+
+def check_descale_values(name, d, validate):
+    if d is None or not want_value_checks(d, validate):
+        return
+    bad = ~torch.isfinite(d) | (d <= 0)
+    if bool(bad.any()):
+        _fail(ValueError, name, "finite, positive descales", f"{int(bad.sum())} NaN/Inf/non-positive value(s)",
+              "Compute descales as max(amax, floor) / fp8_max (fp8attn.quant.compute_descale).")
+
+
+def check_cu_seqlens(name, cu, batch=None, validate=False):
+    check_tensor(name, cu, ndim=1)
+    if cu.dtype != torch.int32:
+        _fail(TypeError, name, "an int32 tensor", str(cu.dtype), f"Pass {name}.to(torch.int32).")
+    if batch is not None and cu.numel() != batch + 1:
+        _fail(ValueError, name, f"{batch + 1} entries (batch + 1)", f"{cu.numel()}", "cu_seqlens holds batch + 1 offsets starting at 0.")
+    if cu.numel() < 1:
+        _fail(ValueError, name, "at least one entry", "an empty tensor", "cu_seqlens holds batch + 1 offsets starting at 0.")
+    if want_value_checks(cu, validate) and cu.numel() > 1:
+        if bool((cu[1:] < cu[:-1]).any()) or int(cu[0]) != 0:
+            _fail(ValueError, name, "non-decreasing offsets starting at 0", f"{cu.tolist()[:16]}",
+                  "Build it as torch.nn.functional.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32).")
+
+
+def check_int32(name, t, ndim=None):
+    if t is None:
+        return
+    check_tensor(name, t, ndim=ndim)
+    if t.dtype != torch.int32:
+        _fail(TypeError, name, "an int32 tensor", str(t.dtype), f"Pass {name}.to(torch.int32).")
+
+
+def check_out(out, shape, dtype, device):
+    if out is None:
+        return
+    check_tensor("out", out)
+    if tuple(out.shape) != tuple(shape):
+        _fail(ValueError, "out", f"shape {tuple(shape)}", f"{tuple(out.shape)}", "Preallocate out with the output's shape.")
+    if out.dtype != dtype:
+        _fail(TypeError, "out", f"dtype {dtype}", str(out.dtype), "Allocate out with the output dtype (see out_dtype / out_scale).")
+    if out.device != device:
+        _fail(ValueError, "out", f"device {device}", str(out.device), f"Allocate out on {device}.")
+
+
+def check_out_dtype(out_dtype):
+    if out_dtype is not None and out_dtype not in SUPPORTED_OUT_DTYPES:
+        _fail(TypeError, "out_dtype", "torch.bfloat16, torch.float16 or torch.float32", str(out_dtype),
+              "For FP8 output pass out_scale= (static per-tensor scale) instead.")
+
+
+def check_out_scale(out_scale, device):
+    if out_scale is None:
+        return
+    check_tensor("out_scale", out_scale)
+    if out_scale.numel() != 1 or out_scale.dtype != torch.float32:
+        _fail(ValueError, "out_scale", "a float32 tensor with one element (static per-tensor scale)",
+              f"shape {tuple(out_scale.shape)} dtype {out_scale.dtype}",
+              "Only static per-tensor output scales fuse; quantize the output separately for other kinds.")
+    if out_scale.device != device:
+        _fail(ValueError, "out_scale", f"device {device}", str(out_scale.device), f"Move out_scale to {device}.")
+
+
+def check_window(window_size):
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(isinstance(w, int) for w in window_size)):
+        _fail(ValueError, "window_size", "a (left, right) pair of ints (-1 = unbounded)", repr(window_size),
+              "Pass window_size=(-1, -1) for no window.")
+
+
+def unsupported(name, value, default, why=""):
+    """Raise NotImplementedError for an FA3 argument this implementation does not support yet."""
+    if value is None or value is default:
+        return
+    if isinstance(value, (int, float, bool, tuple)) and value == default:
+        return
+    raise NotImplementedError(f"{name}={value!r} is not supported by fp8attn yet{': ' + why if why else ''}; "
+                              f"leave it at {default!r}.")

@@ -1,0 +1,63 @@
+"""Shared benchmark plumbing: timing, peer discovery, and the one results format (DESIGN §6)."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+__all__ = ["time_ms", "results_header", "write_results", "gpu_dirname", "attn_flops"]
+
+
+def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of ``fn()`` in milliseconds (CUDA events through triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def attn_flops(batch, nheads, seqlen_q, seqlen_k, headdim, headdim_v=None, causal=False, visible_pairs=None):
+    """4*B*H*Sq*Sk*D (2 for QK^T, 2 for PV); halved for causal, or the exact visible count."""
+    headdim_v = headdim if headdim_v is None else headdim_v
+    pairs = visible_pairs if visible_pairs is not None else seqlen_q * seqlen_k * (0.5 if causal else 1.0)
+    return 2.0 * batch * nheads * pairs * (headdim + headdim_v)
+
+
+def gpu_dirname() -> str:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    base = "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
+    return base if n <= 1 else f"{base}x{n}"
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:
+        return os.environ.get("FP8ATTN_COMMIT", "unknown")
+
+
+def results_header(routine: str) -> dict:
+    import triton
+
+    return {
+        "routine": routine,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__.split("+")[0],
+        "triton": triton.__version__,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": _git_sha(),
+        "cases": [],
+    }
+
+
+def write_results(doc: dict, out_dir: str | os.PathLike | None = None) -> Path:
+    """Write ``doc`` to ``<out_dir>/<routine>.json`` (default benchmarks/results/<gpu>/)."""
+    out_dir = Path(out_dir) if out_dir else Path("benchmarks") / "results" / gpu_dirname()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{doc['routine']}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path

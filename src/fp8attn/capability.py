@@ -1,0 +1,57 @@
+"""What this device / install supports; cached. Decides the execution path of each op."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import warnings
+
+import torch
+
+__all__ = ["has_triton", "triton_version", "kernel_path_ok", "execution_path", "warn_once"]
+
+
+@functools.lru_cache(None)
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(None)
+def triton_version() -> str | None:
+    if not has_triton():
+        return None
+    import triton
+
+    return triton.__version__
+
+
+@functools.lru_cache(None)
+def _cc(index: int):
+    return torch.cuda.get_device_capability(index)
+
+
+def kernel_path_ok(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on a CUDA device where our Triton kernels run (FP8 dots need sm89+;
+    the kernels are tuned for sm90). FP8ATTN_FORCE_REFERENCE=1 forces the reference path."""
+    if t.device.type != "cuda" or not has_triton() or os.environ.get("FP8ATTN_FORCE_REFERENCE") == "1":
+        return False
+    return _cc(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+def execution_path(device: str | torch.device | None = None) -> str:
+    """'triton' or 'reference' for tensors on ``device`` (default: cuda if available, else cpu)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "reference"
+    return "triton" if kernel_path_ok(torch.empty(0, device=dev)) else "reference"
+
+
+_warned: set = set()
+
+
+def warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -1,0 +1,401 @@
+"""FlashAttention-3-compatible public API (``flash_attn_interface``), extended for FP8 serving.
+
+FA3's names, argument order and defaults are kept exactly; extensions are keyword-only and come
+after FA3's parameters:
+
+* ``out=``       preallocated output (CUDA-graph friendly), written in place and returned.
+* ``out_dtype=`` bf16 (default for FP8 inputs), fp16 or fp32.
+* ``out_scale=`` static per-tensor FP8 output scale (float32, one element): the kernel writes
+  ``saturate(out / out_scale)`` in e4m3fn directly.
+* ``k_cache_scales=`` / ``v_cache_scales=`` per-token-head KV-cache descales
+  (num_blocks, page_size, nheads_k) float32 (``flash_attn_with_kvcache``).
+* ``validate=`` run the checks that read tensor values on GPU tensors too (they sync the device).
+
+Every function runs on CPU tensors through the reference path with the same semantics.
+Unsupported FA3 arguments raise NotImplementedError naming them; none is silently ignored.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _checks as C
+from . import ops
+from .quant import expand_descale, is_fp8
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
+           "write_kv_cache"]
+
+
+def _resolve_window(causal, window_size):
+    C.check_window(window_size)
+    left, right = window_size
+    if causal:  # FA3: causal is a window whose right edge is the diagonal
+        right = 0
+    return (int(left), int(right))
+
+
+def _common_unsupported(qv, attention_chunk, return_attn_probs=False):
+    C.unsupported("qv", qv, None, "the extra qv head (MLA absorbed form) is not implemented")
+    C.unsupported("attention_chunk", attention_chunk, 0, "chunked-local attention is not implemented")
+
+
+def _check_out_args(out, out_dtype, out_scale, oshape, q):
+    C.check_out_dtype(out_dtype)
+    C.check_out_scale(out_scale, q.device)
+    if out_scale is not None and out_dtype is not None:
+        raise ValueError(f"out_dtype: expected None when out_scale is given (the output is float8_e4m3fn), "
+                         f"got {out_dtype}. Drop out_dtype or out_scale.")
+    dt = ops._out_dtype(q, out_dtype, out_scale)
+    C.check_out(out, oshape, dt, q.device)
+
+
+def _descales(q_descale, k_descale, v_descale, batch, nheads_k, device, validate):
+    for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        C.check_descale(name, d, batch, nheads_k, device)
+        C.check_descale_values(name, d, validate)
+    return tuple(expand_descale(d, batch, nheads_k, device) for d in (q_descale, k_descale, v_descale))
+
+
+def _scale(softmax_scale, d):
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, *,
+                    out=None, out_dtype=None, out_scale=None, validate=False):
+    """Dense attention.
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads_q, headdim), float8_e4m3fn / float8_e5m2 / bf16 / fp16 / fp32.
+    k : (batch, seqlen_k, nheads_k, headdim), same dtype as q. nheads_q % nheads_k == 0.
+    v : (batch, seqlen_k, nheads_k, headdim_v), same dtype as q.
+    softmax_scale : float, default 1/sqrt(headdim).
+    causal : bool, bottom-right aligned (query i sees keys <= i + seqlen_k - seqlen_q).
+    q_descale, k_descale, v_descale : float32 (batch, nheads_k), or per-tensor (), (1,), (1, 1), or
+        per-sequence (batch, 1). Dequantized value = fp8 * descale. Default 1.
+    window_size : (left, right), -1 = unbounded; bottom-right aligned like causal.
+    softcap : float, logits -> softcap * tanh(logits / softcap) when > 0.
+    num_splits : must be 1 (the dense kernel does not split KV).
+    pack_gqa : None/False/True, a scheduling hint for GQA (the same result either way).
+    deterministic : accepted; every fp8attn forward is deterministic (bit-identical reruns).
+    sm_margin : must be 0.
+    return_attn_probs : when True also return the LSE (FA3 semantics; no probabilities).
+
+    Returns
+    -------
+    out : (batch, seqlen_q, nheads_q, headdim_v), bf16 for FP8 inputs (``out_dtype`` overrides), the
+        input dtype for 16/32-bit inputs, e4m3fn with ``out_scale``.
+    lse : (batch, nheads_q, seqlen_q) float32 natural-log (only with return_attn_probs). Rows that see
+        no key give out = 0 and lse = -inf.
+    """
+    _common_unsupported(qv, attention_chunk)
+    C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV; use flash_attn_with_kvcache for split-KV")
+    C.unsupported("sm_margin", sm_margin, 0)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        C.check_tensor(name, t, ndim=4)
+    C.check_same_device(q=q, k=k, v=v)
+    C.check_qkv_dtypes(q, k, v)
+    C.check_heads(q, k, v)
+    b, sq, hq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or v.shape[1] != k.shape[1]:
+        raise ValueError(f"k/v: expected batch {b} and matching seqlen_k, got k {tuple(k.shape)} v {tuple(v.shape)}. "
+                         "Give q, k and v the same batch and k, v the same seqlen.")
+    hk = k.shape[2]
+    _check_out_args(out, out_dtype, out_scale, (b, sq, hq, v.shape[-1]), q)
+    qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate)
+    o, lse = ops.dense_fwd(q, k, v, softmax_scale=_scale(softmax_scale, d), causal=bool(causal),
+                           window_size=_resolve_window(causal, window_size), softcap=float(softcap),
+                           q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, out_dtype=out_dtype,
+                           out=out, pack_gqa=pack_gqa)
+    return (o, lse) if return_attn_probs else o
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                           seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
+                           k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                           num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
+                           return_attn_probs=False, *, out=None, out_dtype=None, out_scale=None, validate=False):
+    """Variable-length attention over packed sequences.
+
+    Parameters
+    ----------
+    q : (total_q, nheads_q, headdim); k : (total_k, nheads_k, headdim); v : (total_k, nheads_k, headdim_v).
+    cu_seqlens_q, cu_seqlens_k : (batch + 1,) int32 non-decreasing offsets starting at 0.
+    max_seqlen_q, max_seqlen_k : int upper bounds of the per-sequence lengths.
+    seqused_q, seqused_k : optional (batch,) int32: tokens actually used per sequence (<= its length).
+    Other arguments as in :func:`flash_attn_func`; descales are (batch, nheads_k).
+
+    Returns
+    -------
+    out : (total_q, nheads_q, headdim_v); lse : (nheads_q, total_q) float32 (with return_attn_probs).
+    """
+    _common_unsupported(qv, attention_chunk)
+    C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV")
+    C.unsupported("sm_margin", sm_margin, 0)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        C.check_tensor(name, t, ndim=3)
+    C.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    C.check_qkv_dtypes(q, k, v)
+    C.check_heads(q, k, v)
+    C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate)
+    b = cu_seqlens_q.numel() - 1
+    C.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch=b, validate=validate)
+    C.check_int32("seqused_q", seqused_q, ndim=1)
+    C.check_int32("seqused_k", seqused_k, ndim=1)
+    for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
+        if not isinstance(mx, int) or mx < 0:
+            raise TypeError(f"{name}: expected a non-negative int, got {mx!r}. Pass the longest sequence length as an int.")
+        if C.want_value_checks(cu, validate) and cu.numel() > 1 and int((cu[1:] - cu[:-1]).max()) > mx:
+            raise ValueError(f"{name}: expected >= the longest sequence ({int((cu[1:] - cu[:-1]).max())}), got {mx}. "
+                             f"Pass the true maximum of the lengths in {name.replace('max_seqlen', 'cu_seqlens')}.")
+    hk = k.shape[1]
+    _check_out_args(out, out_dtype, out_scale, (q.shape[0], q.shape[1], v.shape[-1]), q)
+    qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate)
+    o, lse = ops.dense_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                           seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                           softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
+                           window_size=_resolve_window(causal, window_size), softcap=float(softcap),
+                           q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, out_dtype=out_dtype,
+                           out=out, pack_gqa=pack_gqa)
+    return (o, lse) if return_attn_probs else o
+
+
+def _new_token_slots(page_table, cache_seqlens, ps, batch, seqlen_new=None, cu_seqlens_k_new=None, total_new=None):
+    """Slot ids and batch rows for new tokens appended after ``cache_seqlens`` (no host sync)."""
+    dev = page_table.device
+    if cu_seqlens_k_new is None:
+        seq = torch.arange(batch, device=dev).repeat_interleave(seqlen_new)
+        pos_in_new = torch.arange(seqlen_new, device=dev).repeat(batch)
+        new_len = torch.full((batch,), seqlen_new, dtype=torch.int32, device=dev)
+    else:
+        tok = torch.arange(total_new, device=dev)
+        seq = torch.searchsorted(cu_seqlens_k_new[1:].long(), tok, right=True)
+        pos_in_new = tok - cu_seqlens_k_new.long()[seq]
+        new_len = (cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]).to(torch.int32)
+    pos = cache_seqlens.long()[seq] + pos_in_new
+    page_col = (pos // ps).clamp(max=page_table.shape[1] - 1)
+    slots = page_table.long()[seq, page_col] * ps + pos % ps
+    return slots, seq.to(torch.int32), new_len
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                            return_softmax_lse=False, *, out=None, out_dtype=None, out_scale=None,
+                            k_cache_scales=None, v_cache_scales=None, validate=False):
+    """Attention over a KV cache (contiguous or paged), optionally appending new K/V first.
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads_q, headdim), or varlen (total_q, nheads_q, headdim) with cu_seqlens_q.
+        bf16/fp16 over an FP8 cache (K/V dequantized in the kernel), or FP8 with an FP8 cache.
+    k_cache, v_cache : paged (num_blocks, page_size, nheads_k, headdim[_v]) with ``page_table``, or
+        contiguous (batch_cache, seqlen_cache, nheads_k, headdim[_v]). e4m3fn / e5m2 / bf16 / fp16.
+        Updated in place when k/v are given.
+    k, v : optional new tokens (batch, seqlen_new, nheads_k, headdim) (or (total_new, ...) with
+        cu_seqlens_k_new), 16-bit; quantized into an FP8 cache with k_descale/v_descale (or dynamic
+        per-token-head scales written to k_cache_scales/v_cache_scales); written at positions
+        cache_seqlens[b], cache_seqlens[b] + 1, ...
+    cache_seqlens : int or (batch,) int32: tokens already in the cache (before the append).
+    cache_batch_idx : (batch,) int32, rows of a contiguous cache used by each batch entry.
+    page_table : (batch, max_pages) int32; unused entries may hold -1.
+    cu_seqlens_q : (batch + 1,) int32 for varlen q (mixed prefill chunks and decode rows); max_seqlen_q int.
+    q_descale, k_descale, v_descale : float32 (batch, nheads_k) or per-tensor/per-sequence broadcasts.
+    causal, window_size, softcap, softmax_scale : as in :func:`flash_attn_func` (bottom-right alignment:
+        the queries are the last tokens of each sequence).
+    num_splits : 0 = heuristic from shapes (never from live lengths), 1 = no split, n = n KV splits.
+    return_softmax_lse : also return the LSE, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q).
+    k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32 per-token-head descales.
+    """
+    _common_unsupported(qv, attention_chunk)
+    for name, val in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_leftpad", cache_leftpad),
+                      ("rotary_seqlens", rotary_seqlens), ("scheduler_metadata", scheduler_metadata)):
+        C.unsupported(name, val, None, "apply rotary / left padding before the call")
+    C.unsupported("sm_margin", sm_margin, 0)
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {num_splits!r}. Pass 0, 1 or a split count.")
+    varlen = cu_seqlens_q is not None
+    C.check_tensor("q", q, ndim=3 if varlen else 4)
+    C.check_tensor("k_cache", k_cache, ndim=4)
+    C.check_tensor("v_cache", v_cache, ndim=4)
+    C.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
+                        cu_seqlens_q=cu_seqlens_q, k=k, v=v)
+    C.check_qkv_dtypes(q, k_cache, v_cache, k_name="k_cache", v_name="v_cache", allow_mixed_q=True)
+    C.check_heads(q, k_cache, v_cache)
+    hk = k_cache.shape[2]
+    if varlen:
+        C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate)
+        batch = cu_seqlens_q.numel() - 1
+        if max_seqlen_q is None:
+            raise ValueError("max_seqlen_q: expected an int with cu_seqlens_q, got None. Pass the longest query length.")
+    else:
+        batch = q.shape[0]
+    dev = q.device
+    # Contiguous caches are paged caches with one page per cache row.
+    if page_table is None:
+        C.unsupported("k_cache_scales", k_cache_scales, None, "per-token-head scales need a paged cache (page_table)")
+        if cache_batch_idx is not None:
+            C.check_int32("cache_batch_idx", cache_batch_idx, ndim=1)
+            pt = cache_batch_idx.view(-1, 1)
+        else:
+            if k_cache.shape[0] < batch:
+                raise ValueError(f"k_cache: expected at least batch={batch} rows, got {k_cache.shape[0]}. "
+                                 "Allocate one cache row per sequence or pass cache_batch_idx.")
+            pt = torch.arange(batch, device=dev, dtype=torch.int32).view(-1, 1)
+    else:
+        C.check_int32("page_table", page_table, ndim=2)
+        if cache_batch_idx is not None:
+            raise NotImplementedError("cache_batch_idx with page_table is not supported; index the page table instead.")
+        if page_table.shape[0] != batch:
+            raise ValueError(f"page_table: expected {batch} rows (batch), got {page_table.shape[0]}. One row per sequence.")
+        pt = page_table
+    ps = k_cache.shape[1]
+    capacity = pt.shape[1] * ps
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((batch,), capacity if k is None else 0, dtype=torch.int32, device=dev)
+    elif isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=dev)
+    else:
+        C.check_int32("cache_seqlens", cache_seqlens, ndim=1)
+        if cache_seqlens.numel() != batch:
+            raise ValueError(f"cache_seqlens: expected {batch} entries (batch), got {cache_seqlens.numel()}.")
+    for name, sc in (("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
+        if sc is not None:
+            C.check_tensor(name, sc, ndim=3)
+            if tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.dtype != torch.float32:
+                raise ValueError(f"{name}: expected float32 {tuple(k_cache.shape[:3])} (num_blocks, page_size, nheads_k), "
+                                 f"got {sc.dtype} {tuple(sc.shape)}. Allocate it beside the cache.")
+            if not is_fp8(k_cache.dtype):
+                raise ValueError(f"{name}: expected None for a {k_cache.dtype} cache, got a tensor. Scales apply to FP8 caches.")
+    if k_cache_scales is not None and k_descale is not None:
+        raise ValueError("k_descale: expected None with k_cache_scales (per-token-head scales replace it), got a tensor. Drop one.")
+    if v_cache_scales is not None and v_descale is not None:
+        raise ValueError("v_descale: expected None with v_cache_scales (per-token-head scales replace it), got a tensor. Drop one.")
+
+    if (k is None) != (v is None):
+        raise ValueError("k/v: expected both new K and new V or neither, got only one. Pass both to append.")
+    if k is not None:
+        C.check_tensor("k", k, ndim=3 if cu_seqlens_k_new is not None else 4)
+        C.check_tensor("v", v, ndim=3 if cu_seqlens_k_new is not None else 4)
+        if k.shape[-2] != hk or k.shape[-1] != k_cache.shape[-1] or v.shape[-1] != v_cache.shape[-1]:
+            raise ValueError(f"k: expected (..., {hk}, {k_cache.shape[-1]}) like the cache, got {tuple(k.shape)}.")
+        if cu_seqlens_k_new is not None:
+            C.check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, batch=batch, validate=validate)
+            slots, seq_idx, new_len = _new_token_slots(pt, cache_seqlens, ps, batch, cu_seqlens_k_new=cu_seqlens_k_new,
+                                                       total_new=k.shape[0])
+            kn, vn = k, v
+        else:
+            slots, seq_idx, new_len = _new_token_slots(pt, cache_seqlens, ps, batch, seqlen_new=k.shape[1])
+            kn, vn = k.reshape(-1, hk, k.shape[-1]), v.reshape(-1, hk, v.shape[-1])
+        total_len = cache_seqlens + new_len
+    else:
+        total_len = cache_seqlens
+    if C.want_value_checks(total_len, validate) and total_len.numel() and int(total_len.max()) > capacity:
+        raise ValueError(f"cache_seqlens: expected lengths <= the cache capacity {capacity} "
+                         f"(max_pages {pt.shape[1]} x page_size {ps}), got {int(total_len.max())}. "
+                         "Allocate more pages or shorten the sequence.")
+    if page_table is not None and C.want_value_checks(page_table, validate) and page_table.numel():
+        used = torch.arange(pt.shape[1], device=dev)[None, :] * ps < total_len.long()[:, None]
+        ids = pt[used]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= k_cache.shape[0]):
+            raise ValueError(f"page_table: expected page ids in [0, {k_cache.shape[0]}) for used pages, got range "
+                             f"[{int(ids.min())}, {int(ids.max())}]. Fix the block allocation.")
+    oshape = tuple(q.shape[:-1]) + (v_cache.shape[-1],)
+    _check_out_args(out, out_dtype, out_scale, oshape, q)
+    qd, kd, vd = _descales(q_descale, k_descale, v_descale, batch, hk, dev, validate)
+    if k is not None:
+        ops.write_kv_cache(kn, vn, k_cache, v_cache, slots, k_descale=kd if k_descale is not None else None,
+                           v_descale=vd if v_descale is not None else None, token_seq_idx=seq_idx,
+                           k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+    o, lse = ops.paged_fwd(q, k_cache, v_cache, pt, total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
+                           max_seqlen_q=max_seqlen_q, softmax_scale=_scale(softmax_scale, q.shape[-1]),
+                           causal=bool(causal), window_size=_resolve_window(causal, window_size),
+                           softcap=float(softcap), q_descale=qd, k_descale=kd, v_descale=vd,
+                           k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, out_scale=out_scale,
+                           out_dtype=out_dtype, out=out, num_splits=num_splits)
+    return (o, lse) if return_softmax_lse else o
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, *, out_scale=None):
+    """Merge split-KV partial results.
+
+    Parameters
+    ----------
+    out_partial : (num_splits, batch, seqlen, nheads, headdim) or (num_splits, total, nheads, headdim), float32.
+    lse_partial : (num_splits, batch, seqlen, nheads) or (num_splits, total, nheads), float32 natural-log.
+        An empty split has lse = -inf (its out_partial is ignored, even if NaN).
+    out : optional preallocated output of out_partial.shape[1:].
+    out_dtype : output dtype (default: out_partial's dtype).
+
+    Returns
+    -------
+    (out, lse) : out (batch, seqlen, nheads, headdim); lse (batch, seqlen, nheads) float32. Rows whose
+        splits are all empty give 0 and -inf.
+    """
+    C.check_tensor("out_partial", out_partial, ndim=(4, 5))
+    C.check_tensor("lse_partial", lse_partial, ndim=(3, 4))
+    if tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
+        raise ValueError(f"lse_partial: expected shape {tuple(out_partial.shape[:-1])} (out_partial without headdim), "
+                         f"got {tuple(lse_partial.shape)}. Pass the LSE of each split in (num_splits, batch, seqlen, nheads).")
+    for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}: expected float32, got {t.dtype}. Keep split partials in float32.")
+    C.check_same_device(out_partial=out_partial, lse_partial=lse_partial, out=out)
+    C.check_out_dtype(out_dtype)
+    C.check_out_scale(out_scale, out_partial.device)
+    dt = torch.float8_e4m3fn if out_scale is not None else (out_dtype or out_partial.dtype)
+    C.check_out(out, out_partial.shape[1:], dt, out_partial.device)
+    return ops.combine(out_partial, lse_partial, out=out, out_dtype=out_dtype, out_scale=out_scale)
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_descale=None, token_seq_idx=None,
+                   k_cache_scales=None, v_cache_scales=None, validate=False):
+    """Write (and quantize) new tokens into a paged KV cache, in place.
+
+    Parameters
+    ----------
+    k, v : (num_tokens, nheads_k, headdim[_v]) bf16 / fp16 / fp32.
+    k_cache, v_cache : (num_blocks, page_size, nheads_k, headdim[_v]) e4m3fn / e5m2 (quantized with a
+        saturating cast) or bf16 / fp16 (plain copy).
+    slot_mapping : (num_tokens,) int64 (or int32), ``block_id * page_size + offset``; negative = skip.
+    k_descale, v_descale : static descales, per-tensor (0-d / (1,) / (1, 1)) or per-(sequence, head)
+        (batch, nheads_k) with ``token_seq_idx`` (num_tokens,) int32 giving each token's row.
+    k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32: dynamic
+        per-token-head scales, computed (amax / fp8_max, floored) and stored here.
+    """
+    for name, t in (("k", k), ("v", v)):
+        C.check_tensor(name, t, ndim=3)
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"{name}: expected bf16/fp16/fp32 new tokens, got {t.dtype}. Pass the unquantized values.")
+    C.check_tensor("k_cache", k_cache, ndim=4)
+    C.check_tensor("v_cache", v_cache, ndim=4)
+    C.check_tensor("slot_mapping", slot_mapping, ndim=1)
+    C.check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping: expected int64 or int32, got {slot_mapping.dtype}. Pass slot ids as integers.")
+    if slot_mapping.numel() != k.shape[0]:
+        raise ValueError(f"slot_mapping: expected {k.shape[0]} entries (one per token), got {slot_mapping.numel()}.")
+    if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:]:
+        raise ValueError(f"k: expected (num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}) matching k_cache, got {tuple(k.shape)}.")
+    nb, ps = k_cache.shape[:2]
+    if C.want_value_checks(slot_mapping, validate) and slot_mapping.numel() and int(slot_mapping.max()) >= nb * ps:
+        raise ValueError(f"slot_mapping: expected slots < num_blocks * page_size = {nb * ps}, got {int(slot_mapping.max())}.")
+    for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if d is not None:
+            C.check_tensor(name, d)
+            if d.dtype != torch.float32:
+                raise TypeError(f"{name}: expected float32, got {d.dtype}. Pass {name}.float().")
+            if d.numel() != 1 and token_seq_idx is None:
+                raise ValueError(f"token_seq_idx: expected an int32 (num_tokens,) tensor with a per-(sequence, head) "
+                                 f"{name} of shape {tuple(d.shape)}, got None. Pass each token's batch row.")
+            C.check_descale_values(name, d, validate)
+    C.check_int32("token_seq_idx", token_seq_idx, ndim=1)
+    ops.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale=k_descale, v_descale=v_descale,
+                       token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)

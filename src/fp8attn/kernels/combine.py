@@ -1,0 +1,105 @@
+"""Split-KV combine: merge per-split partial outputs with their LSEs (FA3 ``flash_attn_combine``).
+
+Each split ``s`` of a row produced a normalized partial output ``o_s`` and its natural-log LSE
+``lse_s`` over a disjoint range of keys. The merged row is ``sum_s w_s * o_s`` with
+``w_s = exp(lse_s - lse)`` and ``lse = log(sum_s exp(lse_s))``. An empty split is ``(anything, -inf)``
+and gets weight exactly 0 (its partial is *selected* away, never multiplied, so a NaN partial of an
+empty split cannot leak); a row whose splits are all empty gives ``out = 0`` and ``lse = -inf``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LOG2E, LN2, output_epilogue
+
+__all__ = ["launch_combine"]
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+              torch.float8_e4m3fn: tl.float8e4nv}
+
+
+@triton.jit
+def _combine_kernel(OP, LP, O, LSE, OUT_SCALE,
+                    num_splits, seqlen, nheads,
+                    s_op_sp, s_op_b, s_op_s, s_op_h,
+                    s_lp_sp, s_lp_b, s_lp_s, s_lp_h,
+                    s_o_b, s_o_s, s_o_h,
+                    s_l_b, s_l_s, s_l_h,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                    STORE_LSE: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = row % nheads
+    bs = row // nheads
+    s = bs % seqlen
+    b = bs // seqlen
+
+    offs_sp = tl.arange(0, BLOCK_SPLITS)
+    lp_base = LP + b * s_lp_b + s * s_lp_s + h * s_lp_h
+    lses = tl.load(lp_base + offs_sp.to(tl.int64) * s_lp_sp, mask=offs_sp < num_splits, other=float("-inf"))
+    m = tl.max(lses, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp2((lses - m_safe) * LOG2E), 0)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    op_base = OP + b * s_op_b + s * s_op_s + h * s_op_h
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for sp in range(0, num_splits):
+        l_sp = tl.load(lp_base + sp * s_lp_sp)
+        w = tl.exp2((l_sp - m_safe) * LOG2E)
+        o = tl.load(op_base + sp * s_op_sp + offs_d, mask=dmask, other=0.0)
+        acc += tl.where(w > 0.0, o * w, 0.0)
+
+    empty = total == 0.0
+    out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
+    if OUT_FP8:
+        out_scale_inv = 1.0 / tl.load(OUT_SCALE)
+    else:
+        out_scale_inv = 1.0
+    y = output_epilogue(out, out_scale_inv, OUT_FP8, OUT_DTYPE)
+    tl.store(O + b * s_o_b + s * s_o_s + h * s_o_h + offs_d, y, mask=dmask)
+    if STORE_LSE:
+        lse = tl.where(empty, float("-inf"), (m_safe * LOG2E + tl.log2(tl.where(empty, 1.0, total))) * LN2)
+        tl.store(LSE + b * s_l_b + s * s_l_s + h * s_l_h, lse)
+
+
+def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor | None = None, *, out_scale: torch.Tensor | None = None) -> None:
+    """Merge split-KV partials into ``out`` (and ``lse``) in one launch.
+
+    Parameters
+    ----------
+    out_partial : (num_splits, batch, seqlen, nheads, headdim) float32, or varlen
+        (num_splits, total, nheads, headdim) float32. Any strides; the last dim contiguous.
+    lse_partial : (num_splits, batch, seqlen, nheads) float32, or varlen (num_splits, total, nheads);
+        natural-log LSE per split, ``-inf`` for an empty split. Any strides.
+    out : (batch, seqlen, nheads, headdim) (varlen: (total, nheads, headdim)), any 16/32-bit dtype,
+        or float8_e4m3fn with ``out_scale``. Written in place; last dim contiguous.
+    lse : optional (batch, seqlen, nheads) (varlen: (total, nheads)) float32 view, any strides (pass
+        ``lse.transpose(1, 2)`` of a (batch, nheads, seqlen) tensor). Written in place.
+    out_scale : optional 0-d / (1,) float32 static output scale: ``out`` receives
+        ``saturate(merged / out_scale)`` in e4m3fn (``common.output_epilogue``).
+    """
+    if out_partial.dim() == 4:  # varlen: add a unit batch dim
+        out_partial = out_partial.unsqueeze(1)
+        lse_partial = lse_partial.unsqueeze(1)
+        out = out.unsqueeze(0)
+        lse = lse.unsqueeze(0) if lse is not None else None
+    num_splits, batch, seqlen, nheads, d = out_partial.shape
+    assert out_partial.stride(-1) == 1 and out.stride(-1) == 1
+    rows = batch * seqlen * nheads
+    if rows == 0:
+        return
+    out_fp8 = out_scale is not None
+    lse_t = lse if lse is not None else lse_partial[0]
+    grid = (rows,)
+    _combine_kernel[grid](
+        out_partial, lse_partial, out, lse_t, out_scale if out_fp8 else lse_partial,
+        num_splits, seqlen, nheads,
+        *out_partial.stride()[:4], *lse_partial.stride(), *out.stride()[:3], *lse_t.stride(),
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SPLITS=triton.next_power_of_2(max(num_splits, 1)),
+        STORE_LSE=lse is not None, OUT_FP8=out_fp8, OUT_DTYPE=_TL_DTYPES[out.dtype],
+        num_warps=1 if d <= 128 else 2,
+    )

@@ -1,0 +1,116 @@
+"""Shared @triton.jit building blocks: ONE copy of the softmax step, the masks and the epilogues.
+
+Every attention kernel (dense, varlen, paged, split-KV, combine) is built from these helpers and
+varies only by constexpr flags. Conventions (docs/numerics.md):
+
+* Logits live in the log2 domain: ``s = (q . k) * qk_scale_log2`` where
+  ``qk_scale_log2 = softmax_scale * q_descale * k_descale * log2(e)`` (descales folded, never
+  applied in Python after the kernel). With softcap the scale is split: see ``scale_logits``.
+* Masked logits are IEEE ``-inf``; a row that has seen no key keeps ``m = -inf`` and is guarded, so
+  it produces ``out = 0`` and ``lse = -inf``, never NaN.
+* With ``P_FP8`` the probabilities are computed as ``exp2(s - m + P_OFFSET)`` so that they land in
+  ``[0, 2**P_OFFSET]`` (inside e4m3's range, max 448) before the cast to e4m3; the row sum carries the
+  same factor, so it cancels in ``acc / l`` and is removed from the LSE.
+* Two-level accumulation: each tile's ``P @ V`` is a fresh dot whose result is added to the fp32
+  accumulator (``acc += dot(p, v)``), so Hopper's reduced-precision FP8 accumulator never spans more
+  than one KV tile.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+P_OFFSET_FP8 = 8.0  # exp2 offset that puts P in [0, 256] for the e4m3 cast
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def scale_logits(qk, qk_scale_log2, softcap, SOFTCAP: tl.constexpr):
+    """Raw fp32 dot products -> log2-domain logits.
+
+    Without softcap ``qk_scale_log2`` is the full folded scale. With softcap it is the folded scale
+    *without* log2(e) divided by ``softcap`` (i.e. ``scale / softcap``), and the result is
+    ``softcap * tanh(qk * scale / softcap) * log2(e)``.
+    """
+    if SOFTCAP:
+        x = qk * qk_scale_log2
+        # tanh(x) = 1 - 2 / (exp(2x) + 1), stable for large |x|
+        t = 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+        return t * (softcap * LOG2E)
+    else:
+        return qk * qk_scale_log2
+
+
+@triton.jit
+def causal_window_mask(s, offs_m, offs_n, seqlen_q, seqlen_k,
+                       CAUSAL: tl.constexpr, WINDOW_LEFT, WINDOW_RIGHT, HAS_WINDOW: tl.constexpr):
+    """Apply key-length, causal and sliding-window masks (bottom-right aligned) with -inf.
+
+    offs_m: query positions within the sequence's queries; offs_n: key positions. Query i sees keys
+    j with j < seqlen_k and, when causal, j <= i + seqlen_k - seqlen_q; with a window, additionally
+    i + shift - WINDOW_LEFT <= j <= i + shift + WINDOW_RIGHT (negative bounds mean unbounded).
+    """
+    shift = seqlen_k - seqlen_q
+    keep = offs_n[None, :] < seqlen_k
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= offs_m[:, None] + shift)
+    if HAS_WINDOW:
+        if WINDOW_LEFT >= 0:
+            keep = keep & (offs_n[None, :] >= offs_m[:, None] + shift - WINDOW_LEFT)
+        if WINDOW_RIGHT >= 0:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + shift + WINDOW_RIGHT)
+    return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i, acc, v, P_FP8: tl.constexpr):
+    """One KV tile of the online softmax.
+
+    s: (BLOCK_M, BLOCK_N) fp32 log2-domain logits, -inf where masked.
+    m_i, l_i: (BLOCK_M,) fp32 running max / running sum. acc: (BLOCK_M, D) fp32.
+    v: (BLOCK_N, D) tile in its storage dtype (fp8 or 16-bit); rows that are masked must already be
+    zeroed by the caller's load (other=0) or be finite, because p is exactly 0 there.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    if P_FP8:
+        p = tl.exp2(s - m_safe[:, None] + P_OFFSET_FP8)
+    else:
+        p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if P_FP8:
+        acc += tl.dot(p.to(tl.float8e4nv), v)
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def finalize_rows(acc, m_i, l_i, v_descale, P_FP8: tl.constexpr):
+    """Normalize the accumulator and compute the natural-log LSE.
+
+    v_descale is folded into the final 1/rowsum. Rows with l == 0 (no visible key) give out = 0 and
+    lse = -inf.
+    """
+    empty = l_i == 0.0
+    inv = tl.where(empty, 0.0, v_descale / tl.where(empty, 1.0, l_i))
+    out = acc * inv[:, None]
+    if P_FP8:
+        lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i)) - P_OFFSET_FP8
+    else:
+        lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))
+    lse = tl.where(empty, float("-inf"), lse2 * LN2)
+    return out, lse
+
+
+@triton.jit
+def output_epilogue(out, out_scale_inv, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Cast the fp32 output for storage; with OUT_FP8, the fused static per-tensor FP8 quantization:
+    clamp(out / out_scale, -448, 448) cast to e4m3fn (no 16-bit round trip)."""
+    if OUT_FP8:
+        y = tl.minimum(tl.maximum(out * out_scale_inv, -E4M3_MAX), E4M3_MAX)
+        return y.to(tl.float8e4nv)
+    else:
+        return out.to(OUT_DTYPE)

@@ -1,0 +1,553 @@
+"""Dense + varlen attention forward (FP8 e4m3 or 16-bit Q/K/V) for Hopper: one Triton kernel family.
+
+The kernel is built from the shared helpers in ``kernels/common.py`` (logit scaling, masks, the
+online-softmax step, row finalization, output epilogue) and varies by constexpr flags only:
+varlen (cu_seqlens), causal, sliding window, softcap, packed GQA, per-block Q/K descales, fused
+FP8 output.
+
+Layout of V (the Hopper FP8 K-major rule, DESIGN §3): FP8 ``wgmma`` needs its B operand K-major,
+and for ``P @ V`` the contraction runs over the key sequence, so V's tile must have the sequence
+dimension contiguous. The kernel reads V through plain pointer loads with arbitrary strides, so it
+accepts either layout; ``launch_dense_fwd`` makes a sequence-contiguous copy of an FP8 V whose last
+dim is contiguous (``v_kmajor=None``, the default, on CUDA) before the launch. A caller that stores
+V that way already (e.g. a cache written transposed) passes the view and no copy is made. The cost
+of the copy and of the in-kernel alternative are measured in ``fp8attn bench dense`` and recorded in
+docs/perf-notes.md.
+
+All offsets are computed in int64.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    LOG2E,
+    causal_window_mask,
+    finalize_rows,
+    online_softmax_step,
+    output_epilogue,
+    scale_logits,
+)
+
+__all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _interpreter_compat():
+    """Work around three defects of triton 3.6's CPU interpreter (TRITON_INTERPRET=1 only).
+
+    1. Scalars (program ids, scalar arguments) are 1-element 1-d numpy arrays converted with
+       ``int(array)``, which numpy >= 2.4 rejects: any ``range()`` bound computed from a program id
+       fails. Convert through ``reshape(-1)[0]``.
+    2. Float -> e4m3 casts drop the rounding carry (7.99 -> 4 instead of 8), so a kernel's FP8 P
+       would be compared against the wrong numbers. Use torch's round-to-nearest-even cast after
+       the saturating clamp the GPU's ``cvt.satfinite`` applies.
+    3. ``tl.dot`` of bf16 operands multiplies the raw uint16 bit patterns. Widen them to fp32 first.
+
+    Compiled kernels are unaffected. Idempotent.
+    """
+    import numpy as np
+    from triton.runtime import interpreter as _ti
+
+    if getattr(_ti, "_fp8attn_compat", False):
+        return
+    _ti._fp8attn_compat = True
+
+    orig_patch = _ti._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _ti._patch_lang_tensor = patch_lang_tensor
+
+    builder = _ti.InterpreterBuilder
+    orig_fp_to_fp = builder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16):
+            x = torch.from_numpy(np.ascontiguousarray(src.data).astype(np.float32))
+            y = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return _ti.TensorHandle(y.reshape(src.data.shape), dst_type.scalar)
+        return orig_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder.create_fp_to_fp = create_fp_to_fp
+    orig_dot = builder.create_dot
+
+    def _widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            data = (h.data.astype(np.uint32) << 16).view(np.float32)
+            return _ti.TensorHandle(data, tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig_dot(self, _widen(a), _widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+
+
+if _INTERPRET:
+    _interpreter_compat()
+
+# descale modes (constexpr DESCALE_MODE)
+DESCALE_NONE = 0  # 16-bit inputs: no descales
+DESCALE_HEAD = 1  # (batch, nheads_k) for q, k, v (stride-0 broadcast views allowed)
+DESCALE_BLOCK = 2  # q: (batch, nheads_q, nblocks_q), k: (batch, nheads_k, nblocks_k); v per (batch, nheads_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autotune configurations (kept next to the kernel).
+# ---------------------------------------------------------------------------------------------
+def dense_fwd_configs():
+    """The autotune search space. Pruned per head dim / dtype by ``_prune_configs``."""
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    cfgs = []
+    for bm, bn, w, s in [
+        (128, 128, 8, 2),
+        (128, 128, 8, 3),
+        (128, 64, 8, 3),
+        (128, 64, 4, 3),
+        (64, 128, 4, 3),
+        (64, 64, 4, 3),
+    ]:
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+    return cfgs
+
+
+def _smem_bytes(bm, bn, bd, bdv, esize, stages):
+    return (bm * bd + stages * bn * (bd + bdv)) * esize
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    if _INTERPRET:
+        return configs[:1]
+    bd, bdv = kwargs["BLOCK_D"], kwargs["BLOCK_DV"]
+    fp8 = kwargs["IS_FP8"]
+    esize = 1 if fp8 else 2
+    out = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if _smem_bytes(bm, bn, bd, bdv, esize, c.num_stages) > 200 * 1024:
+            continue
+        # register budget: acc (bm x bdv fp32) + s (bm x bn fp32) per warp group
+        if bd >= 256 and bn > 64:
+            continue
+        if bd >= 256 and bm == 128 and c.num_warps < 8:
+            continue
+        if not fp8 and bd <= 128 and bn == 128 and c.num_stages > 2 and bd == 128:
+            continue
+        out.append(c)
+    return out or configs[-1:]
+
+
+_AUTOTUNE_KEY = ["BLOCK_D", "BLOCK_DV", "IS_FP8", "CAUSAL", "HAS_WINDOW", "IS_VARLEN", "PACK_GQA",
+                 "DESCALE_MODE", "SOFTCAP", "OUT_FP8", "max_seqlen_q_bucket"]
+
+
+@triton.jit
+def _attn_inner(acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
+                offs_m, offs_d, offs_dv, lo, hi, seqlen_q, seqlen_k, head_dim, head_dim_v,
+                qk_scale, softcap, window_left, window_right, kds_block,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                SOFTCAP: tl.constexpr, P_FP8: tl.constexpr, DESCALE_MODE: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr):
+    """Loop over KV tiles [lo, hi) (multiples of BLOCK_N from lo); MASKED adds load + logit masks."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n64 = offs_n.to(tl.int64)
+        k_ptrs = k_base + offs_n64[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (D, N)
+        v_ptrs = v_base + offs_n64[:, None] * stride_vn + offs_dv[None, :] * stride_vd  # (N, DV)
+        if MASKED:
+            n_ok = offs_n < seqlen_k
+            if EVEN_D:
+                kt = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                kt = tl.load(k_ptrs, mask=n_ok[None, :] & (offs_d[:, None] < head_dim), other=0.0)
+            if EVEN_DV:
+                v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs, mask=n_ok[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0)
+        else:
+            if EVEN_D:
+                kt = tl.load(k_ptrs)
+            else:
+                kt = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
+            if EVEN_DV:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < head_dim_v, other=0.0)
+        qk = tl.dot(q, kt)
+        if DESCALE_MODE == 2:
+            kblk = (offs_n // kds_block).to(tl.int64)
+            if MASKED:
+                kcol = tl.load(kds_base + kblk * stride_kds_blk, mask=offs_n < seqlen_k, other=1.0)
+            else:
+                kcol = tl.load(kds_base + kblk * stride_kds_blk)
+            s = scale_logits(qk, qrow_scale[:, None] * kcol[None, :], softcap, SOFTCAP)
+        else:
+            s = scale_logits(qk, qk_scale, softcap, SOFTCAP)
+        if MASKED:
+            s = causal_window_mask(s, offs_m, offs_n, seqlen_q, seqlen_k, CAUSAL,
+                                   window_left, window_right, HAS_WINDOW)
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, P_FP8)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _dense_fwd_kernel(
+    Q, K, V, Out, Lse,
+    QDs, KDs, VDs, OutScale,
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    stride_qds_b, stride_qds_h, stride_qds_blk,
+    stride_kds_b, stride_kds_h, stride_kds_blk,
+    stride_vds_b, stride_vds_h,
+    seqlen_q_static, seqlen_k_static, nheads_q, nheads_k, head_dim, head_dim_v,
+    qgroup, softmax_scale, softcap, window_left, window_right, qds_block, kds_block,
+    max_seqlen_q_bucket,
+    IS_FP8: tl.constexpr, P_FP8: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    PACK_GQA: tl.constexpr, DESCALE_MODE: tl.constexpr, OUT_FP8: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if REVERSE_M:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    b = tl.program_id(1)
+    h_prog = tl.program_id(2)  # q head, or kv head with PACK_GQA
+
+    # ---- sequence bounds -------------------------------------------------------------------
+    if IS_VARLEN:
+        q_start = tl.load(cu_seqlens_q + b).to(tl.int64)
+        k_start = tl.load(cu_seqlens_k + b).to(tl.int64)
+        seqlen_q = (tl.load(cu_seqlens_q + b + 1) - tl.load(cu_seqlens_q + b)).to(tl.int32)
+        seqlen_k = (tl.load(cu_seqlens_k + b + 1) - tl.load(cu_seqlens_k + b)).to(tl.int32)
+    else:
+        q_start = tl.zeros((), tl.int64)
+        k_start = tl.zeros((), tl.int64)
+        seqlen_q = seqlen_q_static
+        seqlen_k = seqlen_k_static
+    if HAS_SEQUSED_Q:
+        seqlen_q = tl.load(seqused_q + b).to(tl.int32)
+    if HAS_SEQUSED_K:
+        seqlen_k = tl.load(seqused_k + b).to(tl.int32)
+
+    if PACK_GQA:
+        n_rows = seqlen_q * qgroup
+        hk = h_prog
+    else:
+        n_rows = seqlen_q
+        hk = h_prog // qgroup
+    if pid_m * BLOCK_M >= n_rows:
+        return
+
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row index inside this (b, head) problem
+    if PACK_GQA:
+        offs_m = offs_r // qgroup  # query token
+        hq = hk * qgroup + offs_r % qgroup  # (BLOCK_M,) query head per row
+        tok_lo = (pid_m * BLOCK_M) // qgroup
+        tok_hi = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // qgroup, seqlen_q - 1)
+    else:
+        offs_m = offs_r
+        hq = tl.zeros((BLOCK_M,), tl.int32) + h_prog
+        tok_lo = pid_m * BLOCK_M
+        tok_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, seqlen_q - 1)
+    row_ok = offs_r < n_rows
+    hq64 = hq.to(tl.int64)
+    tok64 = q_start + offs_m.to(tl.int64)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    # ---- Q tile ----------------------------------------------------------------------------
+    q_ptrs = Q + b64 * stride_qb + tok64[:, None] * stride_qm + hq64[:, None] * stride_qh \
+        + offs_d[None, :] * stride_qd
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+
+    # ---- folded scales (DESIGN §3) ---------------------------------------------------------
+    if SOFTCAP:
+        base_scale = softmax_scale / softcap
+    else:
+        base_scale = softmax_scale * LOG2E
+    v_descale = 1.0
+    qrow_scale = tl.zeros((BLOCK_M,), tl.float32) + base_scale
+    kds_base = KDs
+    if DESCALE_MODE == 1:
+        qd = tl.load(QDs + b64 * stride_qds_b + hk64 * stride_qds_h)
+        kd = tl.load(KDs + b64 * stride_kds_b + hk64 * stride_kds_h)
+        v_descale = tl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
+        qk_scale = base_scale * qd * kd
+    elif DESCALE_MODE == 2:
+        qblk = (offs_m // qds_block).to(tl.int64)
+        qrow = tl.load(QDs + b64 * stride_qds_b + hq64 * stride_qds_h + qblk * stride_qds_blk,
+                       mask=row_ok, other=1.0)
+        qrow_scale = qrow * base_scale
+        kds_base = KDs + b64 * stride_kds_b + hk64 * stride_kds_h
+        v_descale = tl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
+        qk_scale = base_scale
+    else:
+        qk_scale = base_scale
+
+    # ---- KV range for this tile (bottom-right aligned masks) -------------------------------
+    shift = seqlen_k - seqlen_q
+    hi = seqlen_k
+    if CAUSAL:
+        hi = tl.minimum(hi, tok_hi + shift + 1)
+    lo = 0
+    if HAS_WINDOW:
+        if window_right >= 0:
+            hi = tl.minimum(hi, tok_hi + shift + window_right + 1)
+        if window_left >= 0:
+            lo = tl.maximum(tok_lo + shift - window_left, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, lo)
+    # fully visible tiles [full_lo, full_hi): no load or logit masks
+    full_hi_lim = seqlen_k
+    if CAUSAL:
+        full_hi_lim = tl.minimum(full_hi_lim, tok_lo + shift + 1)
+    full_lo_lim = lo
+    if HAS_WINDOW:
+        if window_right >= 0:
+            full_hi_lim = tl.minimum(full_hi_lim, tok_lo + shift + window_right + 1)
+        if window_left >= 0:
+            full_lo_lim = tl.maximum(tok_hi + shift - window_left, lo)
+    full_lo = tl.minimum(((full_lo_lim + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi)
+    full_hi = (tl.maximum(full_hi_lim, 0) // BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+
+    k_base = K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh
+    v_base = V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+
+    acc, m_i, l_i = _attn_inner(
+        acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
+        offs_m, offs_d, offs_dv, lo, full_lo, seqlen_q, seqlen_k, head_dim, head_dim_v,
+        qk_scale, softcap, window_left, window_right, kds_block,
+        True, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
+        BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV)
+    acc, m_i, l_i = _attn_inner(
+        acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
+        offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, head_dim, head_dim_v,
+        qk_scale, softcap, window_left, window_right, kds_block,
+        False, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
+        BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV)
+    acc, m_i, l_i = _attn_inner(
+        acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
+        offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, head_dim, head_dim_v,
+        qk_scale, softcap, window_left, window_right, kds_block,
+        True, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
+        BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV)
+
+    # ---- epilogue --------------------------------------------------------------------------
+    out, lse = finalize_rows(acc, m_i, l_i, v_descale, P_FP8)
+    if OUT_FP8:
+        out_scale_inv = 1.0 / tl.load(OutScale)
+    else:
+        out_scale_inv = 1.0
+    o = output_epilogue(out, out_scale_inv, OUT_FP8, OUT_DTYPE)
+    o_ptrs = Out + b64 * stride_ob + tok64[:, None] * stride_om + hq64[:, None] * stride_oh \
+        + offs_dv[None, :] * stride_od
+    if EVEN_DV:
+        tl.store(o_ptrs, o, mask=row_ok[:, None])
+    else:
+        tl.store(o_ptrs, o, mask=row_ok[:, None] & (offs_dv[None, :] < head_dim_v))
+    if WRITE_LSE:
+        l_ptrs = Lse + b64 * stride_lb + hq64 * stride_lh + tok64 * stride_lm
+        tl.store(l_ptrs, lse, mask=row_ok)
+
+
+_dense_fwd_tuned = triton.autotune(
+    configs=dense_fwd_configs(), key=_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_dense_fwd_kernel)
+
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+             torch.float8_e4m3fn: tl.float8e4nv}
+
+
+def transpose_v_kmajor(v: torch.Tensor) -> torch.Tensor:
+    """Copy V so that its sequence dimension is contiguous; return a view with V's logical shape.
+
+    Parameters
+    ----------
+    v : torch.Tensor
+        (batch, seqlen_k, nheads_k, headdim_v) or varlen (total_k, nheads_k, headdim_v), any dtype.
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape and values as ``v``; memory order (batch, nheads_k, headdim_v, seqlen_k)
+        (varlen: (nheads_k, headdim_v, total_k)), i.e. ``stride(-3) == 1``.
+    """
+    if v.dim() == 4:
+        return v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    return v.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length()) if n > 1 else 1
+
+
+def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap,
+                     q_descale, k_descale, v_descale, out_scale=None,
+                     cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                     max_seqlen_q=None, max_seqlen_k=None, pack_gqa=False,
+                     descale_block_q=None, descale_block_k=None, v_kmajor=None):
+    """Launch the dense/varlen forward kernel. No validation, no defaults (the API does that).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        (batch, seqlen_q, nheads_q, headdim) or varlen (total_q, nheads_q, headdim); float8_e4m3fn,
+        bfloat16 or float16; last dim contiguous (other strides arbitrary).
+    k : torch.Tensor
+        (batch, seqlen_k, nheads_k, headdim) or varlen (total_k, nheads_k, headdim), dtype of q.
+        nheads_q % nheads_k == 0.
+    v : torch.Tensor
+        (batch, seqlen_k, nheads_k, headdim_v) or varlen (total_k, nheads_k, headdim_v), dtype of q.
+        Either the last dim or the sequence dim is contiguous (see module docstring).
+    out : torch.Tensor
+        (batch, seqlen_q, nheads_q, headdim_v) or varlen (total_q, nheads_q, headdim_v); bf16, fp16,
+        fp32, or float8_e4m3fn when ``out_scale`` is given. Written in place.
+    lse : torch.Tensor or None
+        float32 (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q); natural-log LSE, -inf for
+        rows that see no key. Written in place when given.
+    softmax_scale : float
+    causal : bool
+        Bottom-right aligned causal mask.
+    window_size : tuple[int, int]
+        (left, right) sliding window; -1 is unbounded.
+    softcap : float
+        0.0 disables; otherwise logits are ``softcap * tanh(logits / softcap)``.
+    q_descale, k_descale, v_descale : torch.Tensor or None
+        float32 (batch, nheads_k) (stride-0 broadcast views allowed); None for 16-bit inputs.
+        Per-block mode (``descale_block_q``/``descale_block_k`` given): q_descale is float32
+        (batch, nheads_q, cdiv(seqlen_q, descale_block_q)) and k_descale float32
+        (batch, nheads_k, cdiv(seqlen_k, descale_block_k)); for varlen, batch is 1 and the block
+        index counts packed tokens of the whole batch. v_descale stays (batch, nheads_k).
+    out_scale : torch.Tensor or None
+        float32 scalar tensor (numel 1): fused static FP8 output ``clamp(out / out_scale)`` to e4m3.
+    cu_seqlens_q, cu_seqlens_k : torch.Tensor or None
+        int32 (batch + 1,): varlen mode when given.
+    seqused_q, seqused_k : torch.Tensor or None
+        int32 (batch,): number of used tokens per sequence (overrides the cu_seqlens length).
+    max_seqlen_q, max_seqlen_k : int or None
+        Grid capacity in varlen mode.
+    pack_gqa : bool
+        Pack the query heads that share a KV head into the M dimension of one tile.
+    descale_block_q, descale_block_k : int or None
+        Token block sizes of per-block descales.
+    v_kmajor : bool or None
+        None: make a sequence-contiguous copy of FP8 V when needed (CUDA only). True: always make
+        it. False: read V as given.
+    """
+    varlen = cu_seqlens_q is not None
+    is_fp8 = q.dtype == torch.float8_e4m3fn
+    if varlen:
+        batch = cu_seqlens_q.numel() - 1
+        total_q, nheads_q, d = q.shape
+        nheads_k = k.shape[1]
+        dv = v.shape[-1]
+        sq_static = int(max_seqlen_q)
+        sk_static = int(max_seqlen_k)
+        qs = (0, q.stride(0), q.stride(1), q.stride(2))
+        ks = (0, k.stride(0), k.stride(1), k.stride(2))
+        os_ = (0, out.stride(0), out.stride(1), out.stride(2))
+        ls = (0, lse.stride(0), lse.stride(1)) if lse is not None else (0, 0, 0)
+    else:
+        batch, sq_static, nheads_q, d = q.shape
+        sk_static = k.shape[1]
+        nheads_k = k.shape[2]
+        dv = v.shape[-1]
+        qs = q.stride()
+        ks = k.stride()
+        os_ = out.stride()
+        ls = lse.stride() if lse is not None else (0, 0, 0)
+    if v_kmajor is None:
+        v_kmajor = is_fp8 and v.is_cuda and v.stride(-1) == 1 and v.shape[-3] > 1
+    if v_kmajor and v.stride(-3) != 1:
+        v = transpose_v_kmajor(v)
+    vs = (0,) + tuple(v.stride()) if varlen else tuple(v.stride())
+
+    qgroup = nheads_q // nheads_k
+    pack = bool(pack_gqa) and qgroup > 1
+    per_block = descale_block_q is not None or descale_block_k is not None
+    if not is_fp8 and q_descale is None:
+        mode = DESCALE_NONE
+    else:
+        mode = DESCALE_BLOCK if per_block else DESCALE_HEAD
+    dummy = out  # never read when its flag is off
+    if mode == DESCALE_NONE:
+        QDs = KDs = VDs = dummy
+        qds = kds = (0, 0, 0)
+        vds = (0, 0)
+    else:
+        QDs, KDs, VDs = q_descale, k_descale, v_descale
+        if mode == DESCALE_HEAD:
+            qds = tuple(q_descale.stride()) + (0,)
+            kds = tuple(k_descale.stride()) + (0,)
+        else:
+            qds = tuple(q_descale.stride())
+            kds = tuple(k_descale.stride())
+        vds = tuple(v_descale.stride())
+    if out_scale is not None and not torch.is_tensor(out_scale):
+        out_scale = torch.tensor([float(out_scale)], device=q.device, dtype=torch.float32)
+
+    wl, wr = (int(window_size[0]), int(window_size[1])) if window_size is not None else (-1, -1)
+    if causal:
+        wr = -1 if wr < 0 else wr
+    has_window = wl >= 0 or wr >= 0
+    block_d = max(16, triton.next_power_of_2(d))
+    block_dv = max(16, triton.next_power_of_2(dv))
+    rows = sq_static * (qgroup if pack else 1)
+    heads_grid = nheads_k if pack else nheads_q
+
+    def grid(meta):
+        return (triton.cdiv(rows, meta["BLOCK_M"]), batch, heads_grid)
+
+    _dense_fwd_tuned[grid](
+        q, k, v, out, lse if lse is not None else dummy,
+        QDs, KDs, VDs, out_scale if out_scale is not None else dummy,
+        cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+        seqused_q if seqused_q is not None else dummy, seqused_k if seqused_k is not None else dummy,
+        *qs, *ks, *vs, *os_, *ls, *qds, *kds, *vds,
+        sq_static, sk_static, nheads_q, nheads_k, d, dv,
+        qgroup, float(softmax_scale), float(softcap), wl, wr,
+        int(descale_block_q or 1), int(descale_block_k or 1),
+        _bucket(sq_static),
+        IS_FP8=is_fp8, P_FP8=is_fp8, IS_VARLEN=varlen,
+        HAS_SEQUSED_Q=seqused_q is not None, HAS_SEQUSED_K=seqused_k is not None,
+        CAUSAL=bool(causal), HAS_WINDOW=has_window, SOFTCAP=float(softcap) != 0.0,
+        PACK_GQA=pack, DESCALE_MODE=mode, OUT_FP8=out.dtype == torch.float8_e4m3fn,
+        OUT_DTYPE=_TL_DTYPE[out.dtype], WRITE_LSE=lse is not None, REVERSE_M=bool(causal),
+        BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=block_d == d, EVEN_DV=block_dv == dv,
+    )
+    return out, lse

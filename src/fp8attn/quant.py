@@ -1,0 +1,193 @@
+"""FP8 formats, saturating casts, scales, quantize / dequantize (torch only).
+
+Convention: ``x ~= dequantize(x8, descale) = x8.float() * descale`` with
+``descale = max(amax, DESCALE_FLOOR * fp8_max) / fp8_max``.  The floor keeps a zero amax (an all-zero
+tensor, or a padded head) from producing a zero descale: a zero descale would turn masked ``-inf``
+logits into ``0 * -inf = NaN`` once it is folded into the softmax scale.
+
+Granularities (shape of the descale for an input of shape (batch, seqlen, heads, dim)):
+
+=================  =============================  ==========================================
+name               descale shape                  meaning
+=================  =============================  ==========================================
+per_tensor         ()                             one value (broadcast as a stride-0 view)
+per_head           (batch, heads)                 FA3's (batch, nheads_k) convention
+per_sequence       (batch, 1)                     one value per sequence, all heads
+per_token_head     (batch, seqlen, heads)         KV caches: (num_blocks, page_size, nheads_k)
+per_block          (batch, heads, nblocks)        ``block_size`` consecutive tokens per value
+=================  =============================  ==========================================
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "FP8_FORMATS", "GRANULARITIES", "DESCALE_FLOOR", "fp8_max", "is_fp8", "saturating_cast",
+    "compute_descale", "quantize", "dequantize", "expand_descale", "descale_for_tokens",
+]
+
+FP8_FORMATS = {
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+    torch.float8_e4m3fnuz: 240.0,
+}
+_ALIASES = {"e4m3": torch.float8_e4m3fn, "e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
+            "e4m3fnuz": torch.float8_e4m3fnuz}
+GRANULARITIES = ("per_tensor", "per_head", "per_sequence", "per_token_head", "per_block")
+# The smallest descale we emit, as a fraction of the format's max: amax below 2**-40 * fp8_max is
+# treated as 2**-40 * fp8_max, so descale >= 2**-40 (finite, non-zero, and tiny enough never to
+# matter for real data).
+DESCALE_FLOOR = 2.0 ** -40
+
+
+def _fmt(fp8_dtype) -> torch.dtype:
+    if isinstance(fp8_dtype, str):
+        if fp8_dtype not in _ALIASES:
+            raise ValueError(f"fp8_dtype: expected one of {sorted(_ALIASES)}, got {fp8_dtype!r}")
+        return _ALIASES[fp8_dtype]
+    if fp8_dtype not in FP8_FORMATS:
+        raise TypeError(f"fp8_dtype: expected one of {list(FP8_FORMATS)}, got {fp8_dtype}; "
+                        "use torch.float8_e4m3fn (default), torch.float8_e5m2 or torch.float8_e4m3fnuz")
+    return fp8_dtype
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_FORMATS
+
+
+def fp8_max(fp8_dtype=torch.float8_e4m3fn) -> float:
+    """Largest finite value of the format: 448 (e4m3fn), 57344 (e5m2), 240 (e4m3fnuz)."""
+    return FP8_FORMATS[_fmt(fp8_dtype)]
+
+
+def saturating_cast(x: torch.Tensor, fp8_dtype=torch.float8_e4m3fn) -> torch.Tensor:
+    """Cast to FP8 clamping to +-fp8_max (Inf saturates too); NaN stays NaN.
+
+    The clamp is explicit because older torch CPU casts did not saturate. For e4m3fnuz, NaN is
+    encoded as 0x80 by torch's own cast (never reinterpret fnuz bytes as fn).
+    """
+    dt = _fmt(fp8_dtype)
+    m = FP8_FORMATS[dt]
+    xf = x.float() if x.dtype not in (torch.float32, torch.float64) else x
+    return xf.clamp(-m, m).to(dt)
+
+
+def _reduce_dims(x: torch.Tensor, granularity: str):
+    """Dims to reduce amax over for a (batch, seqlen, heads, dim) tensor."""
+    if granularity == "per_tensor":
+        return None
+    if granularity == "per_head":
+        return (1, 3)
+    if granularity == "per_sequence":
+        return (1, 2, 3)
+    if granularity == "per_token_head":
+        return (3,)
+    raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
+
+
+def compute_descale(x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=torch.float8_e4m3fn,
+                    block_size: int = 128) -> torch.Tensor:
+    """Dynamic descale ``max(amax, floor) / fp8_max`` at the given granularity (float32).
+
+    Parameters
+    ----------
+    x : (batch, seqlen, heads, dim) tensor (any float dtype); per_tensor accepts any shape.
+    granularity : one of GRANULARITIES (see module docstring for the output shape).
+    block_size : tokens per scale for ``per_block``.
+
+    NaN in ``x`` is ignored for the amax (a NaN element has no magnitude to represent).
+    """
+    m = fp8_max(fp8_dtype)
+    a = x.detach().float().abs().nan_to_num(nan=0.0, posinf=m, neginf=m)
+    if granularity == "per_block":
+        if x.dim() != 4:
+            raise ValueError(f"x: per_block expects (batch, seqlen, heads, dim), got shape {tuple(x.shape)}")
+        b, s, h, _ = x.shape
+        nb = max(1, math.ceil(s / block_size))
+        pad = nb * block_size - s
+        a = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, pad))
+        amax = a.view(b, nb, block_size, h, -1).amax(dim=(2, 4)).transpose(1, 2).contiguous()
+    else:
+        dims = _reduce_dims(x, granularity)
+        if dims is not None and x.dim() != 4:
+            raise ValueError(f"x: {granularity} expects (batch, seqlen, heads, dim), got shape {tuple(x.shape)}")
+        amax = a.amax() if dims is None else a.amax(dim=dims)
+        if granularity == "per_sequence":
+            amax = amax.view(-1, 1)
+    return (amax.clamp_min(DESCALE_FLOOR * m) / m).to(torch.float32)
+
+
+def _broadcast(descale: torch.Tensor, shape, granularity: str, block_size: int) -> torch.Tensor:
+    """View a descale so it broadcasts against a (batch, seqlen, heads, dim) tensor."""
+    d = descale.float()
+    if granularity == "per_tensor":
+        return d.reshape([1] * len(shape)) if d.numel() == 1 else d
+    b, s, h, _ = shape
+    if granularity == "per_head":
+        return d.reshape(d.shape[0], 1, d.shape[-1], 1)
+    if granularity == "per_sequence":
+        return d.reshape(-1, 1, 1, 1)
+    if granularity == "per_token_head":
+        return d.reshape(d.shape[0], d.shape[1], d.shape[2], 1)
+    if granularity == "per_block":
+        idx = torch.arange(s, device=d.device) // block_size
+        return d[:, :, idx].transpose(1, 2).unsqueeze(-1)  # (b, s, h, 1)
+    raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
+
+
+def quantize(x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=torch.float8_e4m3fn,
+             descale: torch.Tensor | None = None, block_size: int = 128):
+    """Quantize ``x`` to FP8 with a saturating cast.
+
+    Parameters
+    ----------
+    x : (batch, seqlen, heads, dim) float tensor (per_tensor: any shape).
+    descale : static descale of the granularity's shape (see module docstring); computed from ``x``
+        (dynamic) when None.
+
+    Returns
+    -------
+    (x8, descale) : x8 has x's shape and dtype ``fp8_dtype``; descale is float32.
+    """
+    dt = _fmt(fp8_dtype)
+    if descale is None:
+        descale = compute_descale(x, granularity, dt, block_size)
+    d = _broadcast(descale, x.shape, granularity, block_size)
+    return saturating_cast(x.float() / d, dt), descale.float()
+
+
+def dequantize(x8: torch.Tensor, descale: torch.Tensor, granularity: str = "per_tensor",
+               dtype: torch.dtype = torch.float32, block_size: int = 128) -> torch.Tensor:
+    """``x8.to(dtype) * descale`` with the descale broadcast for its granularity."""
+    return (x8.to(torch.float32) * _broadcast(descale, x8.shape, granularity, block_size)).to(dtype)
+
+
+def expand_descale(descale: torch.Tensor | None, batch: int, nheads_k: int, device=None) -> torch.Tensor:
+    """Normalize a descale to FA3's (batch, nheads_k) float32 view (stride-0 for broadcasts).
+
+    Accepts None (-> ones), 0-d / (1,) / (1, 1) per-tensor, (batch, 1) per-sequence and
+    (batch, nheads_k). No copy is made for broadcasts.
+    """
+    if descale is None:
+        return torch.ones((), dtype=torch.float32, device=device).expand(batch, nheads_k)
+    d = descale.float()
+    if d.dim() == 0:
+        d = d.reshape(1, 1)
+    elif d.dim() == 1:
+        d = d.reshape(1, -1) if d.numel() == nheads_k and d.numel() != 1 else d.reshape(-1, 1)
+    return d.expand(batch, nheads_k)
+
+
+def descale_for_tokens(descale: torch.Tensor, token_seq_idx: torch.Tensor | None, num_tokens: int,
+                       nheads_k: int) -> torch.Tensor:
+    """Per-token (num_tokens, nheads_k) view of a per-tensor or per-(sequence, head) descale."""
+    d = descale.float()
+    if d.numel() == 1:
+        return d.reshape(1, 1).expand(num_tokens, nheads_k)
+    if token_seq_idx is None:
+        raise ValueError("token_seq_idx: required with a per-(sequence, head) descale of shape "
+                         f"{tuple(d.shape)}; pass the batch row of each token as an int32 tensor")
+    d = d.reshape(d.shape[0], -1).expand(d.shape[0], nheads_k)
+    return d[token_seq_idx.long()]

@@ -1,0 +1,286 @@
+"""The reference attention: dense, varlen and paged, in torch. Also the CPU execution path.
+
+Semantics (docs/numerics.md):
+
+* Inputs may be FP8 (with descales) or 16/32-bit. FP8 inputs are dequantized exactly
+  (``x8.float() * descale``) before any arithmetic, so tests that quantize first measure the kernel.
+* Causal and window masks align bottom-right: query ``i`` of a sequence with ``sq`` queries and
+  ``sk`` keys sees key ``j`` iff ``j <= i + sk - sq`` (causal) and
+  ``i + sk - sq - left <= j <= i + sk - sq + right`` (window; -1 = unbounded).
+* A row that sees no key outputs 0 with LSE ``-inf`` (never NaN). LSE is natural-log float32.
+* ``quantize_p=True`` models the kernels' FP8 P: probabilities ``exp(s - m)`` are scaled by 2**8
+  into e4m3's range, cast to e4m3 (saturating), and used for ``P @ V``; the row sum uses the
+  unquantized probabilities, as the kernels do.
+* ``out_scale`` gives the fused static FP8 output: ``saturate(out / out_scale)`` in e4m3fn.
+* ``compute_dtype=torch.float64`` is the oracle.
+
+Padding beyond ``seqlens_*`` (and unused paged slots) may hold NaN: it is selected away with
+``torch.where`` before any product, never multiplied by zero.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .quant import expand_descale, is_fp8, saturating_cast
+
+__all__ = ["attention_ref", "varlen_attention_ref", "paged_attention_ref", "combine_ref",
+           "gather_paged", "pad_varlen", "unpad_varlen"]
+
+P_SCALE = 256.0  # 2**8: P's offset into the e4m3 range (kernels use exp2(s - m + 8))
+
+
+def _dq(x: torch.Tensor, descale: torch.Tensor | None, token_descale: torch.Tensor | None,
+        cdt: torch.dtype) -> torch.Tensor:
+    """Dequantize (batch, seqlen, heads, dim) with a (batch, heads) and optional (batch, seqlen, heads) descale."""
+    y = x.to(cdt)
+    if descale is not None:
+        y = y * descale.to(cdt)[:, None, :, None]
+    if token_descale is not None:
+        y = y * token_descale.to(cdt)[..., None]
+    return y
+
+
+def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None, causal=False,
+                  window_size=(-1, -1), softcap=0.0, q_descale=None, k_descale=None, v_descale=None,
+                  k_token_descale=None, v_token_descale=None, quantize_p=False, out_scale=None,
+                  out_dtype=None, compute_dtype=torch.float32, return_lse=False):
+    """Padded dense attention.
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads_q, headdim) fp8 / bf16 / fp16 / fp32 / fp64.
+    k : (batch, seqlen_k, nheads_k, headdim), same dtype family as q.
+    v : (batch, seqlen_k, nheads_k, headdim_v).
+    seqlens_q, seqlens_k : (batch,) integer tensors of valid lengths (default: full).
+    q_descale, k_descale, v_descale : float32 (batch, nheads_k) or broadcastable per-tensor.
+    k_token_descale, v_token_descale : float32 (batch, seqlen_k, nheads_k) per-token-head scales.
+    out_scale : static per-tensor output scale; the output is then e4m3fn.
+
+    Returns
+    -------
+    out : (batch, seqlen_q, nheads_q, headdim_v); rows beyond seqlens_q are 0.
+    lse : (batch, nheads_q, seqlen_q) float32 (only with return_lse).
+    """
+    cdt = compute_dtype
+    b, sq, hq, d = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    dev = q.device
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if is_fp8(q.dtype) else q.dtype
+    fp8_in = is_fp8(q.dtype) or is_fp8(k.dtype)
+    qd = expand_descale(q_descale, b, hk, dev) if (q_descale is not None or fp8_in) else None
+    kd = expand_descale(k_descale, b, hk, dev) if (k_descale is not None or fp8_in) else None
+    vd = expand_descale(v_descale, b, hk, dev) if (v_descale is not None or fp8_in) else None
+    if seqlens_q is None:
+        seqlens_q = torch.full((b,), sq, dtype=torch.int64, device=dev)
+    if seqlens_k is None:
+        seqlens_k = torch.full((b,), sk, dtype=torch.int64, device=dev)
+    seqlens_q = seqlens_q.to(dev).long()
+    seqlens_k = seqlens_k.to(dev).long()
+
+    valid_q = torch.arange(sq, device=dev)[None, :] < seqlens_q[:, None]  # (b, sq)
+    valid_k = torch.arange(sk, device=dev)[None, :] < seqlens_k[:, None]  # (b, sk)
+    zero = torch.zeros((), dtype=cdt, device=dev)
+    g = hq // hk
+    qf = _dq(q, qd.repeat_interleave(g, dim=1) if qd is not None else None, None, cdt)
+    kf = _dq(k, kd, k_token_descale, cdt)
+    vf = _dq(v, None, v_token_descale, cdt)  # v_descale is applied after P @ V, like the kernels
+    qf = torch.where(valid_q[:, :, None, None], qf, zero)
+    kf = torch.where(valid_k[:, :, None, None], kf, zero)
+    vf = torch.where(valid_k[:, :, None, None], vf, zero)
+    kf = kf.repeat_interleave(g, dim=2)
+    vf = vf.repeat_interleave(g, dim=2)
+
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
+    if softcap and softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq, device=dev)[None, :, None]
+    j = torch.arange(sk, device=dev)[None, None, :]
+    shift = (seqlens_k - seqlens_q)[:, None, None]
+    keep = valid_k[:, None, :] & valid_q[:, :, None]
+    if causal:
+        keep = keep & (j <= i + shift)
+    left, right = window_size
+    if left is not None and left >= 0:
+        keep = keep & (j >= i + shift - left)
+    if right is not None and right >= 0:
+        keep = keep & (j <= i + shift + right)
+    s = torch.where(keep[:, None], s, torch.tensor(float("-inf"), dtype=cdt, device=dev))
+
+    m = s.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(torch.isinf(m) & (m < 0), zero, m)
+    p = torch.exp(s - m_safe)
+    l = p.sum(dim=-1, keepdim=True)
+    if quantize_p:
+        pq = saturating_cast(p * P_SCALE).to(cdt)
+        o = torch.einsum("bhqk,bkhd->bqhd", pq, vf) / P_SCALE
+    else:
+        o = torch.einsum("bhqk,bkhd->bqhd", p, vf)
+    empty = l == 0  # (b, h, q, 1)
+    inv = torch.where(empty, zero, 1.0 / torch.where(empty, torch.ones_like(l), l))
+    o = o * inv.permute(0, 2, 1, 3)
+    if vd is not None:
+        o = o * vd.to(cdt).repeat_interleave(g, dim=1)[:, None, :, None]
+    if out_scale is not None:
+        osc = out_scale.to(cdt) if torch.is_tensor(out_scale) else torch.tensor(out_scale, dtype=cdt)
+        o = saturating_cast(o / osc.reshape(()).to(dev))
+    else:
+        o = o.to(out_dtype)
+    if not return_lse:
+        return o
+    lse = torch.where(empty, torch.tensor(float("-inf"), dtype=cdt, device=dev),
+                      m_safe + torch.log(torch.where(empty, torch.ones_like(l), l)))
+    return o, lse.squeeze(-1).float()
+
+
+def pad_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """(total, heads, dim) + cu_seqlens (batch+1,) -> (batch, max_seqlen, heads, dim), zero padded."""
+    b = cu_seqlens.numel() - 1
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    pos = torch.arange(max_seqlen, device=x.device)
+    idx = (cu[:-1, None] + pos[None, :]).clamp(max=max(x.shape[0] - 1, 0))
+    valid = pos[None, :] < lens[:, None]
+    if x.shape[0] == 0:
+        return x.new_zeros((b, max_seqlen) + tuple(x.shape[1:]))
+    out = x[idx]  # (b, max_seqlen, ...)
+    return torch.where(valid[:, :, None, None], out, torch.zeros((), dtype=x.dtype, device=x.device)) \
+        if not is_fp8(x.dtype) else _fp8_where(valid, out)
+
+
+def _fp8_where(valid, out):
+    # torch.where has no fp8 kernel on every backend: select on the raw bytes instead.
+    raw = out.view(torch.uint8)
+    return torch.where(valid[:, :, None, None], raw, torch.zeros((), dtype=torch.uint8, device=raw.device)).view(out.dtype)
+
+
+def unpad_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Inverse of pad_varlen for the first dim pair: (batch, max_seqlen, ...) -> (total, ...)."""
+    cu = cu_seqlens.long()
+    lens = (cu[1:] - cu[:-1]).tolist()
+    parts = [x[i, :n] for i, n in enumerate(lens)]
+    return torch.cat(parts, dim=0) if parts else x.new_zeros((total,) + tuple(x.shape[2:]))
+
+
+def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         seqused_q=None, seqused_k=None, return_lse=False, **kw):
+    """Varlen attention: q (total_q, nheads_q, d), k/v (total_k, nheads_k, d), cu_seqlens int32.
+
+    ``seqused_*`` (batch,) limit the tokens used per sequence (the rest of its slot is ignored).
+    Returns out (total_q, nheads_q, dv) and, with return_lse, lse (nheads_q, total_q).
+    """
+    lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    if seqused_q is not None:
+        lq = torch.minimum(lq, seqused_q.long())
+    if seqused_k is not None:
+        lk = torch.minimum(lk, seqused_k.long())
+    qp = pad_varlen(q, cu_seqlens_q, max(int(max_seqlen_q), 1))
+    kp = pad_varlen(k, cu_seqlens_k, max(int(max_seqlen_k), 1))
+    vp = pad_varlen(v, cu_seqlens_k, max(int(max_seqlen_k), 1))
+    res = attention_ref(qp, kp, vp, seqlens_q=lq, seqlens_k=lk, return_lse=return_lse, **kw)
+    o, lse = res if return_lse else (res, None)
+    total_q = q.shape[0]
+    out = _scatter_rows(o, cu_seqlens_q, total_q)
+    if not return_lse:
+        return out
+    lse_flat = _scatter_rows(lse.transpose(1, 2), cu_seqlens_q, total_q).transpose(0, 1)
+    return out, lse_flat.contiguous()
+
+
+def _scatter_rows(x: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """(batch, max_seqlen, ...) -> (total, ...): row i of sequence b lands at cu_seqlens[b] + i."""
+    b, s = x.shape[:2]
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    pos = torch.arange(s, device=x.device)
+    valid = pos[None, :] < lens[:, None]
+    dst = (cu[:-1, None] + pos[None, :])[valid]
+    out = torch.zeros((total,) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device) if not is_fp8(x.dtype) \
+        else torch.zeros((total,) + tuple(x.shape[2:]), dtype=torch.uint8, device=x.device).view(x.dtype)
+    if is_fp8(x.dtype):
+        out.view(torch.uint8)[dst] = x.view(torch.uint8)[valid]
+    else:
+        out[dst] = x[valid]
+    return out
+
+
+def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, seqlens: torch.Tensor, max_len: int,
+                 cache_scales: torch.Tensor | None = None):
+    """Gather a paged cache into (batch, max_len, nheads_k, d) (+ (batch, max_len, nheads_k) scales).
+
+    Only the first ceil(len / page_size) page ids of each row are dereferenced meaningfully; other
+    positions read page 0 and are replaced by zeros (never multiplied), so -1 entries and NaN
+    poisoned slots never leak.
+    """
+    ps = cache.shape[1]
+    b = page_table.shape[0]
+    max_len = max(int(max_len), 1)
+    pos = torch.arange(max_len, device=cache.device)
+    page_col = (pos // ps).clamp(max=page_table.shape[1] - 1)
+    valid = pos[None, :] < seqlens.long()[:, None]
+    pages = page_table.long()[:, page_col]  # (b, max_len)
+    pages = torch.where(valid, pages, torch.zeros_like(pages)).clamp(min=0)
+    slot_off = (pos % ps)[None, :].expand(b, -1)
+    g = cache[pages, slot_off]  # (b, max_len, h, d)
+    g = _fp8_where(valid, g) if is_fp8(g.dtype) else torch.where(valid[:, :, None, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+    if cache_scales is None:
+        return g, None
+    sc = cache_scales[pages, slot_off]
+    sc = torch.where(valid[:, :, None], sc, torch.ones((), dtype=sc.dtype, device=sc.device))
+    return g, sc
+
+
+def paged_attention_ref(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=None,
+                        max_seqlen_q=None, k_cache_scales=None, v_cache_scales=None, return_lse=False, **kw):
+    """Attention of q over a paged cache.
+
+    q : (batch, seqlen_q, nheads_q, d), or varlen (total_q, nheads_q, d) with cu_seqlens_q.
+    k_cache, v_cache : (num_blocks, page_size, nheads_k, d / dv).
+    page_table : (batch, max_pages) int32. cache_seqlens : (batch,) int, valid cache tokens per row,
+        including the queries' own tokens (queries are the last tokens; bottom-right alignment).
+    k_cache_scales, v_cache_scales : optional (num_blocks, page_size, nheads_k) float32.
+    """
+    max_len = int(cache_seqlens.max().item()) if cache_seqlens.numel() else 1
+    kg, ks = gather_paged(k_cache, page_table, cache_seqlens, max_len, k_cache_scales)
+    vg, vs = gather_paged(v_cache, page_table, cache_seqlens, max_len, v_cache_scales)
+    if cu_seqlens_q is None:
+        return attention_ref(q, kg, vg, seqlens_k=cache_seqlens, k_token_descale=ks, v_token_descale=vs,
+                             return_lse=return_lse, **kw)
+    lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    msq = int(max_seqlen_q) if max_seqlen_q is not None else int(lq.max().item()) if lq.numel() else 1
+    qp = pad_varlen(q, cu_seqlens_q, max(msq, 1))
+    res = attention_ref(qp, kg, vg, seqlens_q=lq, seqlens_k=cache_seqlens, k_token_descale=ks,
+                        v_token_descale=vs, return_lse=return_lse, **kw)
+    o, lse = res if return_lse else (res, None)
+    out = _scatter_rows(o, cu_seqlens_q, q.shape[0])
+    if not return_lse:
+        return out
+    return out, _scatter_rows(lse.transpose(1, 2), cu_seqlens_q, q.shape[0]).transpose(0, 1).contiguous()
+
+
+def combine_ref(out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype=None, out_scale=None):
+    """Merge split-KV partial results (FA3 flash_attn_combine semantics).
+
+    out_partial : (num_splits, ..., headdim) float32; lse_partial : (num_splits, ...) float32, where
+    ``...`` is (batch, seqlen, nheads) or (total, nheads). An empty split is (anything finite, -inf).
+    Returns (out, lse) with out (..., headdim) and lse (...); all-empty rows give 0 and -inf.
+    """
+    lse = lse_partial.float()
+    m = lse.amax(dim=0)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m_safe)  # 0 for empty splits
+    s = w.sum(dim=0)
+    empty = s == 0
+    w = w / torch.where(empty, torch.ones_like(s), s)
+    o = torch.where(w[..., None] > 0, out_partial.float(), torch.zeros((), device=out_partial.device))
+    o = (o * w[..., None]).sum(dim=0)
+    lse_out = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(torch.where(empty, torch.ones_like(s), s)))
+    if out_scale is not None:
+        osc = out_scale if torch.is_tensor(out_scale) else torch.tensor(out_scale)
+        return saturating_cast(o / osc.float().reshape(()).to(o.device)), lse_out
+    return o.to(out_dtype or out_partial.dtype), lse_out
