@@ -18,10 +18,12 @@ varies only by constexpr flags. Conventions (docs/numerics.md):
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-P_OFFSET_FP8 = 8.0  # exp2 offset that puts P in [0, 256] for the e4m3 cast
-E4M3_MAX = 448.0
+# Globals read inside @triton.jit code must be tl.constexpr (the compiler rejects plain globals;
+# only the interpreter accepts them). Use float(X) for host-side arithmetic.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+P_OFFSET_FP8 = tl.constexpr(8.0)  # exp2 offset that puts P in [0, 256] for the e4m3 cast
+E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
