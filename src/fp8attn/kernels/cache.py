@@ -16,6 +16,8 @@ All cache offsets are int64 (an FP8 cache passes 2**31 elements at 2 GiB). The c
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -29,10 +31,24 @@ MODE_COPY, MODE_STATIC, MODE_DYNAMIC = 0, 1, 2
 
 
 @triton.jit
+def _round_to_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Round finite fp32 ``y`` to the FP8 grid (MANT mantissa bits, MIN_EXP smallest normal exponent)
+    with round-half-even, in fp32 arithmetic. Used only under TRITON_INTERPRET, whose fp32->fp8 cast
+    loses the carry into the exponent on some values (7.99 -> 4); the compiled cast is exact RNE."""
+    a = tl.abs(y)
+    e = tl.floor(tl.log2(tl.where(a > 0.0, a, 1.0)))
+    e = tl.maximum(e, MIN_EXP * 1.0)
+    ulp = tl.exp2(e - MANT)
+    q = y / ulp
+    q = (q + 12582912.0) - 12582912.0  # RNE to an integer (|q| < 2**(MANT + 2))
+    return q * ulp
+
+
+@triton.jit
 def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
                  s_xt, s_xh, s_cb, s_cp, s_ch, s_sb, s_sp, s_sh, s_db, s_dh,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr,
-                 FP8_MAX: tl.constexpr, FLOOR: tl.constexpr):
+                 FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, INTERP: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     m2 = hmask[:, None] & (offs_d[None, :] < D)
     x = tl.load(X + t * s_xt + heads[:, None] * s_xh + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -51,6 +67,11 @@ def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
             tl.store(CS + blk * s_sb + off * s_sp + heads * s_sh, ds, mask=hmask)
         y = x / ds[:, None]
         y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        if INTERP:
+            if FP8_MAX == 448.0:
+                y = _round_to_grid(y, 3, -6)
+            else:
+                y = _round_to_grid(y, 2, -14)
         tl.store(c_ptrs, y.to(C.dtype.element_ty), mask=m2)
 
 
@@ -63,7 +84,7 @@ def _write_kv_kernel(K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS,
                      s_kdb, s_kdh, s_vdb, s_vdh,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_H: tl.constexpr, MODE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
-                     FP8_MAX: tl.constexpr, FLOOR: tl.constexpr):
+                     FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, INTERP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot < 0:
@@ -78,10 +99,10 @@ def _write_kv_kernel(K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS,
     hmask = heads < nheads
     _quant_store(K, KC, KS, KD, t, seq, blk, off, heads, hmask,
                  s_kt, s_kh, s_kcb, s_kcp, s_kch, s_ksb, s_ksp, s_ksh, s_kdb, s_kdh,
-                 D, BLOCK_D, MODE, FP8_MAX, FLOOR)
+                 D, BLOCK_D, MODE, FP8_MAX, FLOOR, INTERP)
     _quant_store(V, VC, VS, VD, t, seq, blk, off, heads, hmask,
                  s_vt, s_vh, s_vcb, s_vcp, s_vch, s_vsb, s_vsp, s_vsh, s_vdb, s_vdh,
-                 DV, BLOCK_DV, MODE, FP8_MAX, FLOOR)
+                 DV, BLOCK_DV, MODE, FP8_MAX, FLOOR, INTERP)
 
 
 def _descale_strides(d: torch.Tensor | None, nheads_k: int):
@@ -156,5 +177,6 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         *kss, *vss, kdb, kdh, vdb, vdh,
         D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
         BLOCK_H=block_h, MODE=mode, HAS_SEQ_IDX=has_seq, FP8_MAX=fp8_max, FLOOR=DESCALE_FLOOR,
+        INTERP=os.environ.get("TRITON_INTERPRET", "0") == "1",
         num_warps=4,
     )

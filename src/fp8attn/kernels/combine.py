@@ -8,6 +8,8 @@ empty split cannot leak); a row whose splits are all empty gives ``out = 0`` and
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,14 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 
 @triton.jit
+def _combine_step(acc, lp_base, op_base, sp, s_lp_sp, s_op_sp, m_safe, offs_d, dmask):
+    l_sp = tl.load(lp_base + sp * s_lp_sp)
+    w = tl.exp2((l_sp - m_safe) * LOG2E)
+    o = tl.load(op_base + sp * s_op_sp + offs_d, mask=dmask, other=0.0)
+    return acc + tl.where(w > 0.0, o * w, 0.0)
+
+
+@triton.jit
 def _combine_kernel(OP, LP, O, LSE, OUT_SCALE,
                     num_splits, seqlen, nheads,
                     s_op_sp, s_op_b, s_op_s, s_op_h,
@@ -28,7 +38,8 @@ def _combine_kernel(OP, LP, O, LSE, OUT_SCALE,
                     s_o_b, s_o_s, s_o_h,
                     s_l_b, s_l_s, s_l_h,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                    STORE_LSE: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                    STORE_LSE: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                    INTERP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h = row % nheads
     bs = row // nheads
@@ -46,11 +57,14 @@ def _combine_kernel(OP, LP, O, LSE, OUT_SCALE,
     dmask = offs_d < HEAD_DIM
     op_base = OP + b * s_op_b + s * s_op_s + h * s_op_h
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for sp in range(0, num_splits):
-        l_sp = tl.load(lp_base + sp * s_lp_sp)
-        w = tl.exp2((l_sp - m_safe) * LOG2E)
-        o = tl.load(op_base + sp * s_op_sp + offs_d, mask=dmask, other=0.0)
-        acc += tl.where(w > 0.0, o * w, 0.0)
+    if INTERP:  # the interpreter's scalars are 1-element arrays that range() rejects
+        sp = 0
+        while sp < num_splits:
+            acc = _combine_step(acc, lp_base, op_base, sp, s_lp_sp, s_op_sp, m_safe, offs_d, dmask)
+            sp += 1
+    else:
+        for sp in range(0, num_splits):
+            acc = _combine_step(acc, lp_base, op_base, sp, s_lp_sp, s_op_sp, m_safe, offs_d, dmask)
 
     empty = total == 0.0
     out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
@@ -101,5 +115,5 @@ def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: to
         *out_partial.stride()[:4], *lse_partial.stride(), *out.stride()[:3], *lse_t.stride(),
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SPLITS=triton.next_power_of_2(max(num_splits, 1)),
         STORE_LSE=lse is not None, OUT_FP8=out_fp8, OUT_DTYPE=_TL_DTYPES[out.dtype],
-        num_warps=1 if d <= 128 else 2,
+        INTERP=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=1 if d <= 128 else 2,
     )

@@ -1,0 +1,443 @@
+"""Paged-KV attention forward: decode, chunked prefill, mixed batches and split-KV, in one kernel.
+
+One program handles one (query block, kv head, split). The query block packs the ``G = nheads_q /
+nheads_k`` query heads that share a kv head into the M dimension (row ``r`` is token ``r // G``, head
+``kv_head * G + r % G``), so each KV tile is read once per kv head. With ``cu_seqlens_q`` a batch
+mixes decode rows (one query) and prefill chunks (many queries) in ONE launch: the grid is
+``total_q // BLOCK_Q + batch`` programs (a capacity, never live data) and each program finds its
+sequence by a binary search over the query-block starts ``cu_seqlens_q[i] // BLOCK_Q + i``; surplus
+programs exit at once. Programs are visited in reverse order so the last (typically longest, prefill)
+sequences and the heavier causal blocks start first.
+
+Keys: ``cache_seqlens[b]`` valid tokens, queries being the last ``seqlen_q`` of them (bottom-right
+causal/window alignment). Page ids are looked up per key row (``page_table[b, j // page_size]``);
+every load is masked to ``j < kv_hi <= cache_seqlens[b]``, so ``-1`` page entries and NaN-poisoned
+slots past the length are never read.
+
+Numerics (``common``): descales are folded (``q_descale * k_descale`` into the logit scale,
+``v_descale`` into the final 1/rowsum); per-token-head cache scales multiply the logits' columns
+(K) and the dequantized V rows. Two MMA paths:
+
+* ``MMA_FP8``: Q, K and V all e4m3fn without per-token-head scales -> FP8 QK^T and FP8 P@V (P scaled
+  into e4m3's range by ``common.online_softmax_step``).
+* otherwise (16-bit Q over an FP8 cache, e5m2 caches, per-token-head scales, 16-bit caches): K/V
+  are upcast in registers to a 16-bit compute dtype (e4m3/e5m2 are exact in bf16/fp16) and the
+  dots run in 16 bits with fp32 accumulation.
+
+Split-KV: ``num_splits > 1`` divides each program's KV tiles evenly over the splits; each split
+writes a normalized fp32 partial and its LSE (an empty split writes 0 and -inf), and
+``combine.launch_combine`` merges them.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .combine import launch_combine
+from .common import causal_window_mask, finalize_rows, online_softmax_step, output_epilogue, scale_logits
+
+__all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config"]
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+       torch.float8_e4m3fn: tl.float8e4nv}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _find_seq(CU_Q, target, batch, BLOCK_Q: tl.constexpr):
+    """Largest i with cu_seqlens_q[i] // BLOCK_Q + i <= target (binary search, log2(batch) steps)."""
+    lo = 0
+    hi = batch
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(CU_Q + mid) // BLOCK_Q + mid
+        if start <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _kv_tile(start_n, end, q, tok, qlen, kv_len, kvh, pt_row, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
+             window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
+             s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask,
+             BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr,
+             CDT: tl.constexpr):
+    """One KV tile [start_n, start_n + BLOCK_N) of a program: gather pages, QK^T, masks, softmax step."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    kv_ok = offs_n < end
+    blk = tl.load(pt_row + offs_n // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    slot = offs_n % PAGE_SIZE
+    k_row = blk * s_kb + slot * s_kp + kvh * s_kh
+    k = tl.load(K + k_row[None, :] + offs_d[:, None], mask=kv_ok[None, :] & dmask[:, None], other=0.0)
+    if MMA_FP8:
+        qk = tl.dot(q, k)
+    else:
+        qk = tl.dot(q, k.to(CDT))
+    if HAS_KS:
+        ks = tl.load(KS + blk * s_ksb + slot * s_ksp + kvh * s_ksh, mask=kv_ok, other=0.0)
+        qk = qk * ks[None, :]
+    s = scale_logits(qk, scale, softcap, SOFTCAP)
+    s = causal_window_mask(s, tok, offs_n, qlen, kv_len, CAUSAL, window_left, window_right, HAS_WINDOW)
+    v_row = blk * s_vb + slot * s_vp + kvh * s_vh
+    v = tl.load(V + v_row[:, None] + offs_dv[None, :], mask=kv_ok[:, None] & dvmask[None, :], other=0.0)
+    if HAS_VS:
+        vs = tl.load(VS + blk * s_vsb + slot * s_vsp + kvh * s_vsh, mask=kv_ok, other=0.0)
+        v = (v.to(tl.float32) * vs[:, None]).to(CDT)
+    elif not MMA_FP8:
+        v = v.to(CDT)
+    return online_softmax_step(s, m_i, l_i, acc, v, MMA_FP8)
+
+
+@triton.jit
+def _paged_fwd_kernel(
+    Q, K, V, PT, SEQLENS, CU_Q, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
+    batch, seqlen_q,
+    s_qb, s_qt, s_qh,
+    s_kb, s_kp, s_kh, s_vb, s_vp, s_vh,
+    s_ptb,
+    s_ob, s_ot, s_oh, s_osp,
+    s_lb, s_lt, s_lh, s_lsp,
+    s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh,
+    s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
+    qk_scale, softcap, window_left, window_right, num_splits,
+    QG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
+    HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr, CDT: tl.constexpr,
+    STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if VARLEN:
+        pid = tl.num_programs(0) - 1 - pid
+        seq = _find_seq(CU_Q, pid, batch, BLOCK_Q)
+        q_start = tl.load(CU_Q + seq)
+        qlen = tl.load(CU_Q + seq + 1) - q_start
+        qblk = pid - (q_start // BLOCK_Q + seq)
+    else:
+        nqb = tl.cdiv(seqlen_q, BLOCK_Q)
+        seq = pid // nqb
+        qblk = pid % nqb
+        q_start = 0
+        qlen = seqlen_q
+    if qblk * BLOCK_Q >= qlen:
+        return
+    seq64 = seq.to(tl.int64)
+    kv_len = tl.load(SEQLENS + seq)
+
+    # ---- query rows: (token, head) pairs of this kv head's group ----
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = qblk * BLOCK_Q + offs_m // QG
+    hq = kvh * QG + offs_m % QG
+    row_ok = (offs_m < BLOCK_Q * QG) & (tok < qlen)
+    tok_g = (q_start + tok).to(tl.int64)  # token index in the q/out tensors
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dmask = offs_d < HEAD_DIM
+    dvmask = offs_dv < HEAD_DIM_V
+    q = tl.load(Q + seq64 * s_qb + tok_g[:, None] * s_qt + hq[:, None] * s_qh + offs_d[None, :],
+                mask=row_ok[:, None] & dmask[None, :], other=0.0)
+    if not MMA_FP8:
+        q = q.to(CDT)
+
+    # ---- folded descales (per (sequence, kv head)) ----
+    scale = qk_scale
+    if HAS_QD:
+        scale = scale * tl.load(QD + seq64 * s_qdb + kvh * s_qdh)
+    if HAS_KD:
+        scale = scale * tl.load(KD + seq64 * s_kdb + kvh * s_kdh)
+    if HAS_VD:
+        v_descale = tl.load(VD + seq64 * s_vdb + kvh * s_vdh)
+    else:
+        v_descale = 1.0
+
+    # ---- key range of this block and split ----
+    shift = kv_len - qlen
+    tok_lo = qblk * BLOCK_Q
+    tok_hi = tl.minimum(tok_lo + BLOCK_Q, qlen) - 1
+    kv_hi = kv_len
+    if CAUSAL:
+        kv_hi = tl.minimum(kv_hi, tok_hi + shift + 1)
+    kv_lo = 0
+    if HAS_WINDOW:
+        if window_right >= 0:
+            kv_hi = tl.minimum(kv_hi, tok_hi + shift + window_right + 1)
+        if window_left >= 0:
+            kv_lo = tl.maximum(tok_lo + shift - window_left, 0)
+    kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    kv_hi = tl.maximum(kv_hi, kv_lo)
+    n_tiles = tl.cdiv(kv_hi - kv_lo, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    start = kv_lo + split * per_split * BLOCK_N
+    end = tl.minimum(kv_hi, start + per_split * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    pt_row = PT + seq64 * s_ptb
+    # The interpreter keeps scalars as 1-element arrays that range() rejects: it runs a while loop
+    # (never pipelined); compiled code uses the pipelined for loop.
+    if INTERP:
+        start_n = start
+        while start_n < end:
+            m_i, l_i, acc = _kv_tile(
+                start_n, end, q, tok, qlen, kv_len, kvh, pt_row, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
+                window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
+                s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
+                SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT)
+            start_n += BLOCK_N
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _kv_tile(
+                start_n, end, q, tok, qlen, kv_len, kvh, pt_row, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
+                window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
+                s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
+                SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT)
+
+    out, lse = finalize_rows(acc, m_i, l_i, v_descale, MMA_FP8)
+    o_ptrs = O + seq64 * s_ob + tok_g[:, None] * s_ot + hq[:, None] * s_oh + offs_dv[None, :]
+    l_ptrs = LSE + seq64 * s_lb + tok_g * s_lt + hq * s_lh
+    if SPLIT:
+        o_ptrs += split.to(tl.int64) * s_osp
+        l_ptrs += split.to(tl.int64) * s_lsp
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & dvmask[None, :])
+        tl.store(l_ptrs, lse, mask=row_ok)
+    else:
+        if OUT_FP8:
+            out_scale_inv = 1.0 / tl.load(OUT_SCALE)
+        else:
+            out_scale_inv = 1.0
+        tl.store(o_ptrs, output_epilogue(out, out_scale_inv, OUT_FP8, OUT_DTYPE),
+                 mask=row_ok[:, None] & dvmask[None, :])
+        if STORE_LSE:
+            tl.store(l_ptrs, lse, mask=row_ok)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int = 132,
+                      num_q_blocks: int = 1, min_tokens_per_split: int = 512, max_splits: int = 128) -> int:
+    """Split count fixed from shapes (never from live lengths), so it can be captured in a CUDA graph.
+
+    Aims at about two waves of programs: ``batch * nheads_k * num_q_blocks * splits ~ 2 * num_sms``,
+    with at least ``min_tokens_per_split`` context tokens per split. Returns 1 when the batch already
+    fills the GPU or the context is short.
+    """
+    programs = max(1, batch * nheads_k * num_q_blocks)
+    if programs >= num_sms:
+        return 1
+    want = math.ceil(2 * num_sms / programs)
+    cap = max(1, max_context // min_tokens_per_split)
+    return int(max(1, min(want, cap, max_splits)))
+
+
+# (block_m, block_n, num_warps, num_stages) by regime; see docs/perf-notes.md.
+_CONFIGS = {
+    "decode": (16, 64, 4, 3),
+    "small": (64, 64, 4, 3),
+    "prefill": (128, 64, 8, 3),
+}
+
+
+def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override: dict | None = None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch; fixed from shapes."""
+    rows = max(1, max_seqlen_q) * qg
+    if rows <= 16 and qg <= 16:
+        bm, bn, nw, ns = _CONFIGS["decode"]
+    elif rows <= 64 and qg <= 64:
+        bm, bn, nw, ns = _CONFIGS["small"]
+    else:
+        bm, bn, nw, ns = _CONFIGS["prefill"]
+    bm = max(bm, triton.next_power_of_2(qg))
+    if headdim > 128:
+        bn = min(bn, 32)
+        if not mma_fp8 and bm > 64:
+            bm, nw = 64, 4
+    if override:
+        bm = override.get("block_m", bm)
+        bn = override.get("block_n", bn)
+        nw = override.get("num_warps", nw)
+        ns = override.get("num_stages", ns)
+    if _interpret():
+        ns = 1
+    return bm, bn, nw, ns
+
+
+def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: int | None = None):
+    """Preallocate split-KV partials for ``q`` (allocate once, outside CUDA-graph capture).
+
+    Returns ``(out_partial, lse_partial)``: float32 (num_splits, batch, seqlen_q, nheads_q, headdim_v) and
+    (num_splits, batch, seqlen_q, nheads_q); varlen q (total_q, nheads_q, d) gives
+    (num_splits, total_q, nheads_q, headdim_v) and (num_splits, total_q, nheads_q).
+    """
+    lead = tuple(q.shape[:-2])
+    h = q.shape[-2] if nheads_q is None else nheads_q
+    op = torch.empty((num_splits, *lead, h, headdim_v), dtype=torch.float32, device=q.device)
+    lp = torch.empty((num_splits, *lead, h), dtype=torch.float32, device=q.device)
+    return op, lp
+
+
+def _dstrides(d):
+    """Strides (over batch, over kv heads) of a descale broadcastable to (batch, nheads_k)."""
+    if d is None or d.numel() == 1:
+        return 0, 0
+    if d.dim() == 1:
+        return d.stride(0), 0
+    return (d.stride(0) if d.shape[0] > 1 else 0), (d.stride(1) if d.shape[1] > 1 else 0)
+
+
+def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                     cache_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, *,
+                     cu_seqlens_q: torch.Tensor | None = None, max_seqlen_q: int, softmax_scale: float,
+                     causal: bool, window_size=(-1, -1), softcap: float = 0.0,
+                     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+                     v_descale: torch.Tensor | None = None, k_cache_scales: torch.Tensor | None = None,
+                     v_cache_scales: torch.Tensor | None = None, out_scale: torch.Tensor | None = None,
+                     num_splits: int = 1, out_partial: torch.Tensor | None = None,
+                     lse_partial: torch.Tensor | None = None, config: dict | None = None) -> None:
+    """Attention of ``q`` over a paged KV cache; writes ``out`` (and ``lse``) in place.
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads_q, headdim) or varlen (total_q, nheads_q, headdim) with
+        ``cu_seqlens_q``; bf16/fp16, or float8_e4m3fn/e5m2 (with ``q_descale``). Last dim contiguous.
+    k_cache : (num_blocks, page_size, nheads_k, headdim) float8_e4m3fn/e5m2 or bf16/fp16.
+    v_cache : (num_blocks, page_size, nheads_k, headdim_v), same dtype as ``k_cache``.
+    page_table : (batch, max_pages) int32; entries past a row's pages are never read (may be -1).
+    cache_seqlens : (batch,) int32 valid cache tokens per row, the queries' own tokens included
+        (queries are the last tokens; causal/window masks align bottom-right).
+    out : (batch, seqlen_q, nheads_q, headdim_v) or varlen (total_q, nheads_q, headdim_v); bf16/fp16,
+        or float8_e4m3fn with ``out_scale``.
+    lse : optional float32 (batch, nheads_q, seqlen_q) (varlen: (nheads_q, total_q)), natural log;
+        rows that see no key get -inf (and out = 0).
+    cu_seqlens_q : (batch + 1,) int32 query offsets (varlen / mixed decode + prefill batches).
+    max_seqlen_q : capacity bound on queries per sequence (chooses the tile shape; not read from data).
+    q_descale, k_descale, v_descale : float32 per-tensor (0-d/(1,)/(1, 1)), (batch, 1) or
+        (batch, nheads_k) descales (folded in-kernel).
+    k_cache_scales, v_cache_scales : optional (num_blocks, page_size, nheads_k) float32 per-token-head
+        descales of the cache.
+    out_scale : optional 0-d/(1,) float32 static output scale (fused e4m3fn output).
+    num_splits : split-KV factor, fixed by the caller (``choose_num_splits``); > 1 writes partials
+        into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
+        them with ``launch_combine``.
+    config : optional tile override {block_m, block_n, num_warps, num_stages} (benchmarks).
+    """
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        total_q, hq, d = q.shape
+        batch = cu_seqlens_q.shape[0] - 1
+        seqlen_q = max_seqlen_q
+    else:
+        batch, seqlen_q, hq, d = q.shape
+    hk = k_cache.shape[2]
+    dv = v_cache.shape[-1]
+    page_size = k_cache.shape[1]
+    qg = hq // hk
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and out.stride(-1) == 1
+    fp8_cache = k_cache.dtype in _FP8
+    has_ks = k_cache_scales is not None
+    has_vs = v_cache_scales is not None
+    mma_fp8 = (q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
+               and v_cache.dtype == torch.float8_e4m3fn and not has_ks and not has_vs)
+    if q.dtype in (torch.bfloat16, torch.float16):
+        cdt = q.dtype
+    elif k_cache.dtype in (torch.bfloat16, torch.float16):
+        cdt = k_cache.dtype
+    else:
+        cdt = torch.bfloat16
+    if _interpret() and cdt == torch.bfloat16:
+        cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
+    bm, bn, nw, ns = paged_config(max_seqlen_q, qg, d, mma_fp8, config)
+    block_q = max(1, bm // qg)
+    if varlen:
+        grid0 = total_q // block_q + batch
+    else:
+        grid0 = batch * triton.cdiv(max(seqlen_q, 1), block_q)
+    if grid0 == 0 or batch == 0:
+        return
+    num_splits = max(1, int(num_splits))
+    split = num_splits > 1
+    if split and (out_partial is None or lse_partial is None):
+        out_partial, lse_partial = split_workspace(q, num_splits, dv, hq)
+
+    # strides of q / out / lse / partials as (batch, token, head[, split])
+    if varlen:
+        s_q = (0, q.stride(0), q.stride(1))
+        s_o_final = (0, out.stride(0), out.stride(1))
+        s_l_final = (0, lse.stride(1), lse.stride(0)) if lse is not None else (0, 0, 0)
+    else:
+        s_q = (q.stride(0), q.stride(1), q.stride(2))
+        s_o_final = (out.stride(0), out.stride(1), out.stride(2))
+        s_l_final = (lse.stride(0), lse.stride(2), lse.stride(1)) if lse is not None else (0, 0, 0)
+    if split:
+        o_t, l_t = out_partial, lse_partial
+        if varlen:
+            s_o = (0, o_t.stride(1), o_t.stride(2), o_t.stride(0))
+            s_l = (0, l_t.stride(1), l_t.stride(2), l_t.stride(0))
+        else:
+            s_o = (o_t.stride(1), o_t.stride(2), o_t.stride(3), o_t.stride(0))
+            s_l = (l_t.stride(1), l_t.stride(2), l_t.stride(3), l_t.stride(0))
+    else:
+        o_t = out
+        l_t = lse if lse is not None else out
+        s_o = (*s_o_final, 0)
+        s_l = (*s_l_final, 0)
+
+    dummy = cache_seqlens
+    has_qd = q_descale is not None
+    has_kd = k_descale is not None
+    has_vd = v_descale is not None
+    if softcap and softcap > 0:
+        qk_scale = softmax_scale / softcap
+    else:
+        qk_scale = softmax_scale * _LOG2E
+    wl, wr = window_size
+    wl = -1 if wl is None else int(wl)
+    wr = -1 if wr is None else int(wr)
+    has_window = wl >= 0 or wr >= 0
+    kss = k_cache_scales.stride() if has_ks else (0, 0, 0)
+    vss = v_cache_scales.stride() if has_vs else (0, 0, 0)
+    out_fp8 = out_scale is not None and not split
+    grid = (grid0, hk, num_splits)
+    _paged_fwd_kernel[grid](
+        q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q if varlen else dummy, o_t, l_t,
+        q_descale if has_qd else dummy, k_descale if has_kd else dummy, v_descale if has_vd else dummy,
+        k_cache_scales if has_ks else dummy, v_cache_scales if has_vs else dummy,
+        out_scale if out_fp8 else dummy,
+        batch, seqlen_q,
+        *s_q,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0),
+        *s_o, *s_l,
+        *_dstrides(q_descale), *_dstrides(k_descale), *_dstrides(v_descale),
+        *kss, *vss,
+        float(qk_scale), float(softcap or 0.0), wl, wr, num_splits,
+        QG=qg, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=block_q,
+        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+        PAGE_SIZE=page_size, VARLEN=varlen, CAUSAL=bool(causal), HAS_WINDOW=has_window,
+        SOFTCAP=bool(softcap and softcap > 0), HAS_QD=has_qd, HAS_KD=has_kd, HAS_VD=has_vd,
+        HAS_KS=has_ks, HAS_VS=has_vs, MMA_FP8=mma_fp8, CDT=_TL[cdt],
+        STORE_LSE=lse is not None, SPLIT=split, OUT_FP8=out_fp8,
+        OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
+        INTERP=_interpret(), num_warps=nw, num_stages=ns,
+    )
+    if split:
+        if varlen:
+            lse_view = lse.t() if lse is not None else None
+        else:
+            lse_view = lse.transpose(1, 2) if lse is not None else None
+        launch_combine(out_partial, lse_partial, out, lse_view, out_scale=out_scale)
