@@ -104,47 +104,60 @@ DESCALE_BLOCK = 2  # q: (batch, nheads_q, nblocks_q), k: (batch, nheads_k, nbloc
 # ---------------------------------------------------------------------------------------------
 # Autotune configurations (kept next to the kernel).
 # ---------------------------------------------------------------------------------------------
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class. Chosen from sm90 AOT compiles
+# (registers / spills, see docs/perf-notes.md): at d256 only BLOCK_M=64 with 8 warps avoids
+# spilling the (BLOCK_M x 256) fp32 accumulator; the first entry is the untuned default.
+_CFGS_FP8 = {
+    64: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3)],
+    128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)],
+    256: [(64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2)],
+}
+_CFGS_16 = {
+    64: [(128, 128, 8, 2), (128, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 2)],
+    256: [(64, 64, 8, 2), (64, 64, 4, 2)],
+}
+
+
+def _cfg(bm, bn, w, s):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+
+
 def dense_fwd_configs():
-    """The autotune search space. Pruned per head dim / dtype by ``_prune_configs``."""
+    """The autotune search space (union over head dims; ``_prune_configs`` picks per launch)."""
     if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    cfgs = []
-    for bm, bn, w, s in [
-        (128, 128, 8, 2),
-        (128, 128, 8, 3),
-        (128, 64, 8, 3),
-        (128, 64, 4, 3),
-        (64, 128, 4, 3),
-        (64, 64, 4, 3),
-    ]:
-        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
-    return cfgs
+        return [_cfg(16, 16, 4, 1)]
+    seen = []
+    for table in (_CFGS_FP8, _CFGS_16):
+        for lst in table.values():
+            for c in lst:
+                if c not in seen:
+                    seen.append(c)
+    return [_cfg(*c) for c in seen]
 
 
-def _smem_bytes(bm, bn, bd, bdv, esize, stages):
-    return (bm * bd + stages * bn * (bd + bdv)) * esize
+def _dclass(block_d, block_dv):
+    if block_dv > 128:
+        return 256
+    return 64 if max(block_d, block_dv) <= 64 else 128
+
+
+def default_config(block_d, block_dv, is_fp8):
+    """The untuned config (used under FP8ATTN_NO_AUTOTUNE=1 and the interpreter)."""
+    if _INTERPRET:
+        return (16, 16, 4, 1)
+    table = _CFGS_FP8 if is_fp8 else _CFGS_16
+    return table[_dclass(block_d, block_dv)][0]
 
 
 def _prune_configs(configs, named_args, **kwargs):
     if _INTERPRET:
         return configs[:1]
-    bd, bdv = kwargs["BLOCK_D"], kwargs["BLOCK_DV"]
-    fp8 = kwargs["IS_FP8"]
-    esize = 1 if fp8 else 2
-    out = []
-    for c in configs:
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        if _smem_bytes(bm, bn, bd, bdv, esize, c.num_stages) > 200 * 1024:
-            continue
-        # register budget: acc (bm x bdv fp32) + s (bm x bn fp32) per warp group
-        if bd >= 256 and bn > 64:
-            continue
-        if bd >= 256 and bm == 128 and c.num_warps < 8:
-            continue
-        if not fp8 and bd <= 128 and bn == 128 and c.num_stages > 2 and bd == 128:
-            continue
-        out.append(c)
-    return out or configs[-1:]
+    table = _CFGS_FP8 if kwargs["IS_FP8"] else _CFGS_16
+    want = table[_dclass(kwargs["BLOCK_D"], kwargs["BLOCK_DV"])]
+    out = [c for c in configs
+           if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in want]
+    return out or configs[:1]
 
 
 _AUTOTUNE_KEY = ["BLOCK_D", "BLOCK_DV", "IS_FP8", "CAUSAL", "HAS_WINDOW", "IS_VARLEN", "PACK_GQA",
@@ -468,7 +481,33 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     v_kmajor : bool or None
         None: make a sequence-contiguous copy of FP8 V when needed (CUDA only). True: always make
         it. False: read V as given.
+
+    Notes
+    -----
+    Autotuning runs on the first call per key (head dims, dtype, flags, seqlen bucket); set
+    ``FP8ATTN_NO_AUTOTUNE=1`` to use the default config (e.g. before CUDA-graph capture without a
+    warm-up call).
     """
+    args, kwargs, grid = _build_launch(
+        q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        out_scale=out_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa, descale_block_q=descale_block_q,
+        descale_block_k=descale_block_k, v_kmajor=v_kmajor)
+    if _INTERPRET or os.environ.get("FP8ATTN_NO_AUTOTUNE", "0") == "1":
+        bm, bn, w, st = default_config(kwargs["BLOCK_D"], kwargs["BLOCK_DV"], kwargs["IS_FP8"])
+        _dense_fwd_kernel[grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+    else:
+        _dense_fwd_tuned[grid](*args, **kwargs)
+    return out, lse
+
+
+def _build_launch(q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap,
+                  q_descale, k_descale, v_descale, out_scale, cu_seqlens_q, cu_seqlens_k,
+                  seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, pack_gqa,
+                  descale_block_q, descale_block_k, v_kmajor):
+    """Positional args, constexpr kwargs and grid of one launch (also used for AOT inspection)."""
     varlen = cu_seqlens_q is not None
     is_fp8 = q.dtype == torch.float8_e4m3fn
     if varlen:
@@ -533,7 +572,7 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_M"]), batch, heads_grid)
 
-    _dense_fwd_tuned[grid](
+    args = (
         q, k, v, out, lse if lse is not None else dummy,
         QDs, KDs, VDs, out_scale if out_scale is not None else dummy,
         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
@@ -543,6 +582,8 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
         qgroup, float(softmax_scale), float(softcap), wl, wr,
         int(descale_block_q or 1), int(descale_block_k or 1),
         _bucket(sq_static),
+    )
+    kwargs = dict(
         IS_FP8=is_fp8, P_FP8=is_fp8, IS_VARLEN=varlen,
         HAS_SEQUSED_Q=seqused_q is not None, HAS_SEQUSED_K=seqused_k is not None,
         CAUSAL=bool(causal), HAS_WINDOW=has_window, SOFTCAP=float(softcap) != 0.0,
@@ -550,4 +591,4 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
         OUT_DTYPE=_TL_DTYPE[out.dtype], WRITE_LSE=lse is not None, REVERSE_M=bool(causal),
         BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=block_d == d, EVEN_DV=block_dv == dv,
     )
-    return out, lse
+    return args, kwargs, grid
