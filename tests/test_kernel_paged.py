@@ -274,3 +274,116 @@ def test_split_workspace_and_heuristic():
     assert choose_num_splits(1, 8, 131072, 132) == 33
     assert choose_num_splits(1, 8, 600, 132) == 1
     assert choose_num_splits(16, 8, 32768, 132) == 3
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+def _gpu_case(seqlens, qlens, page_size, q_dtype, hq=32, hk=8, d=128, num_splits=1, varlen=True):
+    c = make_cache(seqlens, page_size, hk, d, device="cuda")
+    b = len(seqlens)
+    qd, kd, vd = rand_descale(b, hk, "cuda"), rand_descale(b, hk, "cuda"), rand_descale(b, hk, "cuda")
+    if varlen:
+        cu = cu_from_lens(qlens, "cuda")
+        q = torch.randn(sum(qlens), hq, d, device="cuda")
+        kw = dict(cu_seqlens_q=cu, max_seqlen_q=max(qlens))
+    else:
+        q = torch.randn(b, qlens[0], hq, d, device="cuda")
+        kw = {}
+    if q_dtype == E4M3:
+        q = saturating_cast(q * 2, E4M3)
+        dk = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    else:
+        q = q.to(q_dtype)
+        dk = dict(k_descale=kd, v_descale=vd)
+    out, lse = run_paged(q, c, num_splits=num_splits, **kw, **dk)
+    ref, ref_lse, lp = refs(q, c, quantize_p=q_dtype == E4M3, causal=True, **kw, **dk)
+    return out, lse, ref, ref_lse, lp, (q, c, kw, dk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,q_dtype,num_splits", [
+    (1, torch.bfloat16, 1), (16, torch.bfloat16, 5), (64, E4M3, 1), (64, E4M3, 5), (256, torch.bfloat16, 1),
+    (256, E4M3, 17)])
+def test_gpu_decode(page_size, q_dtype, num_splits):
+    seqlens = [4096, 1, 0, 1777, 300, 2049, 64, 3000]
+    out, lse, ref, ref_lse, lp, _ = _gpu_case(seqlens, [1] * 8, page_size, q_dtype, num_splits=num_splits,
+                                              varlen=False)
+    check(out, lse, ref, ref_lse, lp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, E4M3])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gpu_mixed_chunked(q_dtype, num_splits):
+    seqlens = [1500, 2300, 7, 900, 4000, 513]
+    qlens = [1, 300, 1, 129, 1000, 1]
+    out, lse, ref, ref_lse, lp, _ = _gpu_case(seqlens, qlens, 16, q_dtype, num_splits=num_splits)
+    check(out, lse, ref, ref_lse, lp)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_fp8_output_and_determinism():
+    seqlens = [1000, 37, 2500]
+    out, lse, ref, ref_lse, lp, (q, c, kw, dk) = _gpu_case(seqlens, [1, 200, 50], 64, E4M3)
+    out2, lse2 = run_paged(q, c, **kw, **dk)
+    assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2)
+    osc = torch.tensor(0.01, device="cuda")
+    for splits in (1, 3):
+        o8, _ = run_paged(q, c, **kw, **dk, out_scale=osc, num_splits=splits)
+        ob, _ = run_paged(q, c, **kw, **dk, num_splits=splits)
+        r8 = saturating_cast(ob.float() / 0.01).float()
+        assert ((o8.float() - r8).abs() <= 0.0626 * r8.abs() + 2 ** -9).all()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_short_replay_long():
+    hq, hk, d, ps, b = 32, 8, 128, 16, 4
+    seqlens = [3000, 2000, 4000, 1]
+    c = make_cache(seqlens, ps, hk, d, device="cuda")
+    q = torch.randn(b, 1, hq, d, device="cuda").to(torch.bfloat16)
+    kd, vd = rand_descale(b, hk, "cuda"), rand_descale(b, hk, "cuda")
+    splits = 4
+    op, lp = split_workspace(q, splits, d)
+    out = torch.empty(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(b, hq, 1, device="cuda")
+    seq_buf = torch.tensor([10, 5, 17, 1], dtype=torch.int32, device="cuda")
+
+    def launch():
+        launch_paged_fwd(q, c["k_cache"], c["v_cache"], c["page_table"], seq_buf, out, lse, max_seqlen_q=1,
+                         softmax_scale=d ** -0.5, causal=True, k_descale=kd, v_descale=vd, num_splits=splits,
+                         out_partial=op, lse_partial=lp)
+
+    launch()  # compile before capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch()
+    seq_buf.copy_(c["cache_seqlens"])
+    g.replay()
+    torch.cuda.synchronize()
+    eo, el = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=splits)
+    assert torch.equal(out, eo) and torch.equal(lse, el)
+    ref, ref_lse, lpref = refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
+    check(out, lse, ref, ref_lse, lpref)
+
+
+@pytest.mark.gpu
+def test_gpu_cache_over_2_31_elements():
+    hq, hk, d, ps = 8, 8, 128, 256
+    nb = (2 ** 31) // (ps * hk * d) + 3
+    kc = torch.empty(nb, ps, hk, d, dtype=E4M3, device="cuda")
+    vc = torch.empty(nb, ps, hk, d, dtype=E4M3, device="cuda")
+    pages = [nb - 1, nb - 3, 0, nb - 2]
+    seqlens = [700, 300]
+    pt = torch.tensor([[nb - 1, nb - 3, 0, -1], [nb - 2, 5, -1, -1]], dtype=torch.int32, device="cuda")
+    for t in (kc, vc):
+        for p in pages + [5]:
+            t[p] = saturating_cast(torch.randn(ps, hk, d, device="cuda"))
+        t[0, 700 - 512:].view(torch.uint8).fill_(0x7F)  # NaN tail of the last page
+        t[5, 300 - 256:].view(torch.uint8).fill_(0x7F)
+    c = dict(k_cache=kc, v_cache=vc, page_table=pt, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
+    q = torch.randn(2, 1, hq, d, device="cuda").to(torch.bfloat16)
+    out, lse = run_paged(q, c)
+    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True)
+    check(out, lse, ref, ref_lse, lp)

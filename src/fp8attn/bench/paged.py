@@ -1,0 +1,329 @@
+"""Paged-KV benchmarks: ``decode``, ``prefill_chunked`` and ``mixed`` (results format: DESIGN §6).
+
+* decode: B in {1, 8, 64, 256} x context {1k, 4k, 32k, 128k} (cases with more than 2**23 cached
+  tokens are skipped: 16 GiB of FP8 KV plus 32 GiB for the bf16 peers), 32 q / 8 kv heads, d128,
+  page 16 and 64, bf16 Q over an e4m3 cache, num_splits from ``choose_num_splits``. Peers: torch SDPA
+  (cuDNN and flash backends, bf16, GQA) on a contiguous (batch, heads, seqlen, d) cache.
+  ``ours.gbps`` = KV bytes read (K + V, FP8) / time; peers' gbps likewise with their bf16 bytes.
+* prefill_chunked: a 2048-token chunk over an 8192-token cached prefix (causal), FP8 Q over an
+  e4m3 cache, page 16/64; TF/s over the exact visible pairs. Peers: the dense FP8 forward
+  (``kernels.dense.launch_dense_fwd``, contiguous K and sequence-major V) on the same pairs, the
+  paged kernel with bf16 Q (``paged_bf16q``), torch SDPA cuDNN/flash bf16.
+* mixed: 32 decode rows (context 4096) + one 2048-token chunk over an 8192 prefix in ONE varlen
+  launch vs the two launched separately (peer ``separate``).
+
+Inputs larger than L2 are used as is; small working sets rotate over several page tables / cache
+copies (>= 256 MiB in all) so that timings measure HBM, not L2.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .common import attn_flops, results_header, time_ms, write_results
+
+__all__ = ["run_decode", "run_prefill_chunked", "run_mixed"]
+
+HQ, HK, D = 32, 8, 128
+E4M3 = torch.float8_e4m3fn
+ROTATE_BYTES = 256 << 20
+
+
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def _paged_pool(batch, ctx, page_size, n_rot, device="cuda"):
+    """K/V pool with n_rot disjoint randomly permuted page tables of shape (batch, ctx/page_size)."""
+    pages = math.ceil(ctx / page_size)
+    nb = batch * pages * n_rot
+    kc = torch.empty(nb, page_size, HK, D, dtype=E4M3, device=device)
+    vc = torch.empty(nb, page_size, HK, D, dtype=E4M3, device=device)
+    for t in (kc, vc):  # random e4m3 values (never time on zeros), in chunks to bound memory
+        flat = t.view(torch.uint8).view(-1)
+        step = 1 << 28
+        for s in range(0, flat.numel(), step):
+            n = min(step, flat.numel() - s)
+            flat[s:s + n] = torch.randn(n, device=device, dtype=torch.bfloat16).to(E4M3).view(torch.uint8)
+    perm = torch.randperm(nb, device=device, dtype=torch.int64).to(torch.int32)
+    pts = [perm[r * batch * pages:(r + 1) * batch * pages].view(batch, pages).contiguous() for r in range(n_rot)]
+    return kc, vc, pts
+
+
+def _rotating(fns):
+    i = [0]
+
+    def call():
+        fns[i[0] % len(fns)]()
+        i[0] += 1
+    return call
+
+
+def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None):
+    """Time torch SDPA (cuDNN / flash) bf16 with GQA on contiguous (B, HK, L, D) K/V."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    L = ctx if kv_len is None else kv_len
+    peers = {}
+    try:
+        ks = [torch.randn(batch, HK, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(n_rot)]
+        vs = [torch.randn(batch, HK, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(n_rot)]
+    except torch.OutOfMemoryError:
+        return {"sdpa_cudnn_bf16": None, "sdpa_flash_bf16": None}
+    kv_bytes = 2 * batch * HK * L * D * 2
+    for name, be in (("sdpa_cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash_bf16", SDPBackend.FLASH_ATTENTION)):
+        try:
+            def mk(r):
+                def f():
+                    with sdpa_kernel([be]):
+                        F.scaled_dot_product_attention(q_bhsd, ks[r], vs[r], is_causal=causal, enable_gqa=True)
+                return f
+            fns = [mk(r) for r in range(n_rot)]
+            fns[0]()
+            torch.cuda.synchronize()
+            ms = time_ms(_rotating(fns))
+            peers[name] = {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6}
+        except Exception as e:  # backend unavailable for this shape
+            peers[name] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+    del ks, vs
+    torch.cuda.empty_cache()
+    return peers
+
+
+def _rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def run_decode(out_dir=None, quick=False, configs=None):
+    """Decode over an FP8 paged cache; returns the results path."""
+    from ..kernels.paged import choose_num_splits, launch_paged_fwd, split_workspace
+    from ..reference import paged_attention_ref
+
+    doc = results_header("decode")
+    batches = [1, 8, 64, 256] if not quick else [1, 64]
+    ctxs = [1024, 4096, 32768, 131072] if not quick else [4096, 32768]
+    page_sizes = [16, 64]
+    nsm = _num_sms()
+    scale = D ** -0.5
+    for page_size in page_sizes:
+        for b in batches:
+            for L in ctxs:
+                if b * L > (1 << 23):
+                    continue
+                kv_bytes = 2 * b * L * HK * D  # FP8 K + V
+                n_rot = max(1, min(16, math.ceil(ROTATE_BYTES / kv_bytes)))
+                kc, vc, pts = _paged_pool(b, L, page_size, n_rot)
+                seqlens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+                q = torch.randn(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+                kd = torch.rand(b, HK, device="cuda") + 0.5
+                vd = torch.rand(b, HK, device="cuda") + 0.5
+                splits = choose_num_splits(b, HK, L, nsm)
+                op, lp = split_workspace(q, splits, D) if splits > 1 else (None, None)
+                out = torch.empty(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+                lse = torch.empty(b, HQ, 1, device="cuda")
+
+                def mk(r, cfg=None):
+                    return lambda: launch_paged_fwd(q, kc, vc, pts[r], seqlens, out, lse, max_seqlen_q=1,
+                                                    softmax_scale=scale, causal=True, k_descale=kd, v_descale=vd,
+                                                    num_splits=splits, out_partial=op, lse_partial=lp, config=cfg)
+                fns = [mk(r) for r in range(n_rot)]
+                fns[0]()
+                torch.cuda.synchronize()
+                err = None
+                if b * L <= (1 << 17):
+                    ref = paged_attention_ref(q, kc, vc, pts[0], seqlens, softmax_scale=scale, causal=True,
+                                              k_descale=kd, v_descale=vd, out_dtype=torch.float32)
+                    err = _rel_err(out, ref)
+                ms = time_ms(_rotating(fns))
+                case = {"case": f"d128 B{b} L{L} page{page_size}",
+                        "params": {"batch": b, "seqlen_q": 1, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
+                                   "headdim": D, "page_size": page_size, "causal": True, "num_splits": splits,
+                                   "q_dtype": "bf16", "kv_dtype": "e4m3"},
+                        "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": err},
+                        "peers": {}}
+                if configs and b == 64 and L == 4096:
+                    sweep = {}
+                    for cfg in configs:
+                        fns_c = [mk(r, cfg) for r in range(n_rot)]
+                        try:
+                            fns_c[0]()
+                            torch.cuda.synchronize()
+                            sweep[str(cfg)] = time_ms(_rotating(fns_c))
+                        except Exception as e:
+                            sweep[str(cfg)] = f"{type(e).__name__}: {str(e)[:100]}"
+                    case["config_sweep_ms"] = sweep
+                del kc, vc, pts
+                torch.cuda.empty_cache()
+                if page_size == page_sizes[0]:
+                    case["peers"] = _sdpa_peers(q.transpose(1, 2), b, L, n_rot)
+                doc["cases"].append(case)
+                print(f"decode {case['case']:28s} splits={splits:3d} ours {ms * 1e3:8.1f} us "
+                      f"{kv_bytes / ms / 1e6:7.0f} GB/s "
+                      + " ".join(f"{k}={v['ms'] * 1e3:.1f}us" for k, v in case["peers"].items() if v and v.get("ms")),
+                      flush=True)
+    return write_results(doc, out_dir)
+
+
+def _chunk_inputs(batch, prefix, chunk, page_size, q_dtype):
+    L = prefix + chunk
+    kc, vc, pts = _paged_pool(batch, L, page_size, 1)
+    q = torch.randn(batch, chunk, HQ, D, device="cuda")
+    q = q.to(E4M3) if q_dtype == E4M3 else q.to(q_dtype)
+    seqlens = torch.full((batch,), L, dtype=torch.int32, device="cuda")
+    return kc, vc, pts[0], q, seqlens
+
+
+def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192):
+    """A 2k chunk over an 8k cached prefix vs the dense FP8 forward on the same pairs."""
+    from ..kernels.paged import launch_paged_fwd
+    from ..reference import paged_attention_ref
+
+    doc = results_header("prefill_chunked")
+    scale = D ** -0.5
+    L = prefix + chunk
+    for page_size in ([16, 64] if not quick else [64]):
+        for batch in ([1, 4] if not quick else [1]):
+            kc, vc, pt, q8, seqlens = _chunk_inputs(batch, prefix, chunk, page_size, E4M3)
+            qd = torch.rand(batch, HK, device="cuda") + 0.5
+            kd = torch.rand(batch, HK, device="cuda") + 0.5
+            vd = torch.rand(batch, HK, device="cuda") + 0.5
+            out = torch.empty(batch, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
+            lse = torch.empty(batch, HQ, chunk, device="cuda")
+            pairs = chunk * prefix + chunk * (chunk + 1) / 2
+            flops = attn_flops(batch, HQ, chunk, L, D, visible_pairs=pairs)
+
+            def ours():
+                launch_paged_fwd(q8, kc, vc, pt, seqlens, out, lse, max_seqlen_q=chunk, softmax_scale=scale,
+                                 causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+            ours()
+            torch.cuda.synchronize()
+            err = None
+            if batch == 1:
+                ref = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=qd,
+                                          k_descale=kd, v_descale=vd, out_dtype=torch.float32)
+                err = _rel_err(out, ref)
+                del ref
+            ms = time_ms(ours)
+            peers = {}
+            qb = q8.float().to(torch.bfloat16)
+            out_b = torch.empty_like(out)
+
+            def ours_bf16():
+                launch_paged_fwd(qb, kc, vc, pt, seqlens, out_b, None, max_seqlen_q=chunk, softmax_scale=scale,
+                                 causal=True, k_descale=kd, v_descale=vd)
+            ours_bf16()
+            ms_b = time_ms(ours_bf16)
+            peers["paged_bf16q"] = {"ms": ms_b, "tflops": flops / ms_b / 1e9}
+            try:
+                from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
+                from ..reference import gather_paged
+                kg, _ = gather_paged(kc, pt, seqlens, L)
+                vg, _ = gather_paged(vc, pt, seqlens, L)
+                vg = transpose_v_kmajor(vg)
+                out_d = torch.empty_like(out)
+
+                def dense():
+                    launch_dense_fwd(q8, kg, vg, out_d, None, softmax_scale=scale, causal=True, window_size=(-1, -1),
+                                     softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd)
+                dense()
+                torch.cuda.synchronize()
+                ms_d = time_ms(dense)
+                peers["dense_fp8"] = {"ms": ms_d, "tflops": flops / ms_d / 1e9,
+                                      "max_abs_diff_vs_paged": (out_d.float() - out.float()).abs().max().item()}
+                del kg, vg
+            except Exception as e:
+                peers["dense_fp8"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+            if page_size == 64:
+                sp = _sdpa_peers(qb.transpose(1, 2), batch, L, 1, causal=False, kv_len=L)
+                # SDPA's causal is top-left aligned; a chunk over a prefix needs bottom-right, so the
+                # peers run non-causal over all L keys: their tflops use the full Sq*L pairs.
+                for k_, v_ in sp.items():
+                    if v_ and v_.get("ms"):
+                        v_["tflops"] = attn_flops(batch, HQ, chunk, L, D) / v_["ms"] / 1e9
+                        v_["note"] = "non-causal over all keys (full pairs)"
+                peers.update(sp)
+            case = {"case": f"d128 B{batch} chunk{chunk} prefix{prefix} page{page_size}",
+                    "params": {"batch": batch, "seqlen_q": chunk, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
+                               "headdim": D, "page_size": page_size, "causal": True, "q_dtype": "e4m3",
+                               "kv_dtype": "e4m3"},
+                    "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None, "err": err},
+                    "peers": peers}
+            doc["cases"].append(case)
+            print(f"prefill {case['case']:40s} ours {ms:.3f} ms {flops / ms / 1e9:6.0f} TF/s | "
+                  + " ".join(f"{k}={v['ms']:.3f}ms" for k, v in peers.items() if v and v.get("ms")), flush=True)
+            del kc, vc
+            torch.cuda.empty_cache()
+    return write_results(doc, out_dir)
+
+
+def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=2048, prefix=8192):
+    """32 decodes + one 2k chunk in one varlen launch vs the two launched separately."""
+    from ..kernels.paged import launch_paged_fwd
+
+    doc = results_header("mixed")
+    scale = D ** -0.5
+    for page_size in ([16, 64] if not quick else [64]):
+        for q_dtype in (E4M3, torch.bfloat16):
+            b = n_decode + 1
+            L_chunk = prefix + chunk
+            pages_d = math.ceil(decode_ctx / page_size)
+            pages_c = math.ceil(L_chunk / page_size)
+            kc, vc, pts = _paged_pool(1, n_decode * pages_d * page_size + pages_c * page_size, page_size, 1)
+            flat = pts[0].view(-1)
+            pt = torch.full((b, pages_c), -1, dtype=torch.int32, device="cuda")
+            pt[:n_decode, :pages_d] = flat[:n_decode * pages_d].view(n_decode, pages_d)
+            pt[n_decode, :] = flat[n_decode * pages_d:n_decode * pages_d + pages_c]
+            seqlens = torch.tensor([decode_ctx] * n_decode + [L_chunk], dtype=torch.int32, device="cuda")
+            qlens = [1] * n_decode + [chunk]
+            cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+            qf = torch.randn(sum(qlens), HQ, D, device="cuda")
+            q = qf.to(q_dtype)
+            dd = torch.rand(b, HK, device="cuda") + 0.5
+            dsc = dict(k_descale=dd, v_descale=dd)
+            if q_dtype == E4M3:
+                dsc["q_descale"] = dd
+            out = torch.empty(sum(qlens), HQ, D, device="cuda", dtype=torch.bfloat16)
+            lse = torch.empty(HQ, sum(qlens), device="cuda")
+
+            def mixed():
+                launch_paged_fwd(q, kc, vc, pt, seqlens, out, lse, cu_seqlens_q=cu, max_seqlen_q=chunk,
+                                 softmax_scale=scale, causal=True, **dsc)
+            qd_ = q[:n_decode].view(n_decode, 1, HQ, D)
+            qc_ = q[n_decode:].view(1, chunk, HQ, D)
+            od = torch.empty(n_decode, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+            oc = torch.empty(1, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
+            dsc_d = {k: v[:n_decode] for k, v in dsc.items()}
+            dsc_c = {k: v[n_decode:] for k, v in dsc.items()}
+
+            def separate():
+                launch_paged_fwd(qd_, kc, vc, pt[:n_decode], seqlens[:n_decode], od, None, max_seqlen_q=1,
+                                 softmax_scale=scale, causal=True, **dsc_d)
+                launch_paged_fwd(qc_, kc, vc, pt[n_decode:], seqlens[n_decode:], oc, None, max_seqlen_q=chunk,
+                                 softmax_scale=scale, causal=True, **dsc_c)
+            mixed()
+            separate()
+            torch.cuda.synchronize()
+            diff = max((out[:n_decode].float() - od.view(n_decode, HQ, D).float()).abs().max().item(),
+                       (out[n_decode:].float() - oc.view(chunk, HQ, D).float()).abs().max().item())
+            ms = time_ms(mixed)
+            ms_s = time_ms(separate)
+            pairs = n_decode * decode_ctx + chunk * prefix + chunk * (chunk + 1) / 2
+            flops = attn_flops(1, HQ, 1, 1, D, visible_pairs=pairs)
+            kv_bytes = 2 * HK * D * (n_decode * decode_ctx + L_chunk)
+            case = {"case": f"d128 {n_decode}x decode L{decode_ctx} + chunk{chunk} prefix{prefix} page{page_size} "
+                            f"q={'e4m3' if q_dtype == E4M3 else 'bf16'}",
+                    "params": {"batch": b, "seqlen_q": chunk, "seqlen_k": L_chunk, "nheads_q": HQ, "nheads_k": HK,
+                               "headdim": D, "page_size": page_size, "causal": True, "n_decode": n_decode,
+                               "decode_ctx": decode_ctx, "q_dtype": "e4m3" if q_dtype == E4M3 else "bf16",
+                               "kv_dtype": "e4m3"},
+                    "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": kv_bytes / ms / 1e6, "err": None,
+                             "max_abs_diff_vs_separate": diff},
+                    "peers": {"separate": {"ms": ms_s, "tflops": flops / ms_s / 1e9, "gbps": kv_bytes / ms_s / 1e6}}}
+            doc["cases"].append(case)
+            print(f"mixed {case['case']:60s} one launch {ms:.3f} ms | separate {ms_s:.3f} ms | diff {diff:.2e}",
+                  flush=True)
+            del kc, vc
+            torch.cuda.empty_cache()
+    return write_results(doc, out_dir)
