@@ -111,7 +111,7 @@ def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None
         keep = keep & (j <= i + shift + right)
     s = torch.where(keep[:, None], s, torch.tensor(float("-inf"), dtype=cdt, device=dev))
 
-    m = s.amax(dim=-1, keepdim=True)
+    m = s.amax(dim=-1, keepdim=True) if sk > 0 else s.new_full(s.shape[:-1] + (1,), float("-inf"))
     m_safe = torch.where(torch.isinf(m) & (m < 0), zero, m)
     p = torch.exp(s - m_safe)
     l = p.sum(dim=-1, keepdim=True)
