@@ -84,6 +84,11 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     deterministic : accepted; every fp8attn forward is deterministic (bit-identical reruns).
     sm_margin : must be 0.
     return_attn_probs : when True also return the LSE (FA3 semantics; no probabilities).
+    qv, attention_chunk : not supported yet; a non-default value raises NotImplementedError.
+    out : optional preallocated output, written in place and returned.
+    out_dtype : bf16 / fp16 / fp32 output. out_scale : float32 one-element static per-tensor scale;
+        the output is then e4m3fn ``saturate(out / out_scale)``, written by the kernel.
+    validate : also run the value checks (descale values) on GPU tensors (they sync the device).
 
     Returns
     -------
@@ -212,7 +217,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         the queries are the last tokens of each sequence).
     num_splits : 0 = heuristic from shapes (never from live lengths), 1 = no split, n = n KV splits.
     return_softmax_lse : also return the LSE, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q).
+    rotary_cos, rotary_sin, rotary_seqlens, rotary_interleaved, cache_leftpad, scheduler_metadata, qv,
+        attention_chunk, sm_margin : not supported yet; a non-default value raises NotImplementedError
+        (apply rotary embeddings before the call). rotary_interleaved only matters with rotary_cos.
+    pack_gqa : None/False/True, a scheduling hint (decode always packs the query heads of a KV head).
+    out : optional preallocated output (shape of the result, dtype as below), written in place.
+    out_dtype : bf16 (default for FP8 q), fp16 or fp32. out_scale : float32 one-element static scale;
+        the output is then e4m3fn ``saturate(out / out_scale)``.
     k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32 per-token-head descales.
+    validate : also run the value checks (page ids, lengths, descale values) on GPU tensors (syncs).
+
+    Returns
+    -------
+    out : q's shape with headdim_v, (batch, seqlen_q, nheads_q, headdim_v) or (total_q, nheads_q, headdim_v).
+    lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
     _common_unsupported(qv, attention_chunk)
     for name, val in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_leftpad", cache_leftpad),
@@ -333,6 +351,7 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, *, ou
         An empty split has lse = -inf (its out_partial is ignored, even if NaN).
     out : optional preallocated output of out_partial.shape[1:].
     out_dtype : output dtype (default: out_partial's dtype).
+    out_scale : float32 one-element static scale; the output is then e4m3fn ``saturate(out / out_scale)``.
 
     Returns
     -------
@@ -369,6 +388,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
         (batch, nheads_k) with ``token_seq_idx`` (num_tokens,) int32 giving each token's row.
     k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32: dynamic
         per-token-head scales, computed (amax / fp8_max, floored) and stored here.
+    validate : also check slot ids and descale values on GPU tensors (syncs the device).
     """
     for name, t in (("k", k), ("v", v)):
         C.check_tensor(name, t, ndim=3)
