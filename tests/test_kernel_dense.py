@@ -269,6 +269,10 @@ def test_gpu_gqa_features(hq, hk, pack, window, softcap):
 def test_gpu_vlayout_outdtype(v_kmajor, out_dtype):
     b, s, h, d = 2, 1000, 4, 128
     q, k, v = _fp8((b, s, h, d)), _fp8((b, s, h, d)), _fp8((b, s, h, d))
+    vt = transpose_v_kmajor(v)
+    assert vt.stride(1) == 1 and torch.equal(vt.float(), v.float())
+    vt3 = transpose_v_kmajor(v[0])
+    assert vt3.stride(0) == 1 and torch.equal(vt3.float(), v[0].float())
     qd, kd, vd = _descales(b, h)
     out, lse, args = _run(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, v_kmajor=v_kmajor,
                           out_dtype=out_dtype)

@@ -345,9 +345,15 @@ def _dense_fwd_kernel(
             full_hi_lim = tl.minimum(full_hi_lim, tok_lo + shift + window_right + 1)
         if window_left >= 0:
             full_lo_lim = tl.maximum(tok_hi + shift - window_left, lo)
-    full_lo = tl.minimum(((full_lo_lim + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi)
+    # every loop start is a multiple of BLOCK_N (the hints let the pipeliner issue aligned async
+    # copies of the sequence-contiguous V tile; without them V's loads are not pipelined)
+    hi_ceil = ((hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(((full_lo_lim + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi_ceil)
     full_hi = (tl.maximum(full_hi_lim, 0) // BLOCK_N) * BLOCK_N
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_ceil)
+    lo = tl.multiple_of(lo, BLOCK_N)
+    full_lo = tl.multiple_of(full_lo, BLOCK_N)
+    full_hi = tl.multiple_of(full_hi, BLOCK_N)
 
     k_base = K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh
     v_base = V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh
@@ -356,13 +362,14 @@ def _dense_fwd_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
 
-    acc, m_i, l_i = _attn_inner(
-        acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
-        offs_m, offs_d, offs_dv, lo, full_lo, seqlen_q, seqlen_k, head_dim, head_dim_v,
-        qk_scale, softcap, window_left, window_right, kds_block,
-        True, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
-        BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV)
+    if HAS_WINDOW:  # masked tiles left of the fully visible ones exist only with a left window
+        acc, m_i, l_i = _attn_inner(
+            acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
+            offs_m, offs_d, offs_dv, lo, full_lo, seqlen_q, seqlen_k, head_dim, head_dim_v,
+            qk_scale, softcap, window_left, window_right, kds_block,
+            True, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
+            BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV)
     acc, m_i, l_i = _attn_inner(
         acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
@@ -406,13 +413,30 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
              torch.float8_e4m3fn: tl.float8e4nv}
 
 
+@triton.jit
+def _transpose_sd_kernel(X, Y, seqlen, head_dim, stride_xb, stride_xs, stride_xh, stride_yb, stride_yh,
+                         stride_yd, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Y[b, h, d, s] = X[b, s, h, d] for one (BLOCK_S x BLOCK_D) tile."""
+    pid_s = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_s = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = (offs_s[:, None] < seqlen) & (offs_d[None, :] < head_dim)
+    x = tl.load(X + b * stride_xb + offs_s[:, None] * stride_xs + h * stride_xh + offs_d[None, :], mask=m)
+    tl.store(Y + b * stride_yb + h * stride_yh + offs_d[None, :] * stride_yd + offs_s[:, None], x, mask=m)
+
+
 def transpose_v_kmajor(v: torch.Tensor) -> torch.Tensor:
     """Copy V so that its sequence dimension is contiguous; return a view with V's logical shape.
+
+    One Triton pass on CUDA (a torch permute-copy elsewhere).
 
     Parameters
     ----------
     v : torch.Tensor
-        (batch, seqlen_k, nheads_k, headdim_v) or varlen (total_k, nheads_k, headdim_v), any dtype.
+        (batch, seqlen_k, nheads_k, headdim_v) or varlen (total_k, nheads_k, headdim_v), any dtype,
+        last dim contiguous.
 
     Returns
     -------
@@ -420,9 +444,21 @@ def transpose_v_kmajor(v: torch.Tensor) -> torch.Tensor:
         Same shape and values as ``v``; memory order (batch, nheads_k, headdim_v, seqlen_k)
         (varlen: (nheads_k, headdim_v, total_k)), i.e. ``stride(-3) == 1``.
     """
-    if v.dim() == 4:
-        return v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    return v.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    v4 = v.unsqueeze(0) if v.dim() == 3 else v
+    if not v.is_cuda or v4.stride(-1) != 1:
+        y = v4.permute(0, 2, 3, 1).contiguous()
+    else:
+        b, s, h, d = v4.shape
+        y = torch.empty(b, h, d, s, device=v.device, dtype=v.dtype)
+        bd = max(16, triton.next_power_of_2(d))
+        bs = 64 if bd <= 128 else 32
+        grid = (triton.cdiv(s, bs), b, h)
+        _transpose_sd_kernel[grid](v4.view(torch.uint8) if v.element_size() == 1 else v4,
+                                   y.view(torch.uint8) if v.element_size() == 1 else y,
+                                   s, d, v4.stride(0), v4.stride(1), v4.stride(2),
+                                   y.stride(0), y.stride(1), y.stride(2), BLOCK_S=bs, BLOCK_D=bd, num_warps=4)
+    out = y.permute(0, 3, 1, 2)
+    return out.squeeze(0) if v.dim() == 3 else out
 
 
 def _bucket(n: int) -> int:
