@@ -1,0 +1,270 @@
+"""The public API on CPU tensors (the reference path) over the edge grid of DESIGN.md §5.
+
+Every result is compared with the independent float64 oracle (tests/test_reference.py::naive_attention)
+computed from the dequantized inputs, with FA3's tolerance rule where the low-precision step is the
+output cast (bf16 for FP8 inputs).
+"""
+import math
+
+import pytest
+import torch
+from conftest import assert_close_fa3
+from test_reference import fp8_inputs, naive_attention, rand_descale
+
+from fp8attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from fp8attn.quant import quantize
+
+E4M3 = torch.float8_e4m3fn
+F64 = torch.float64
+
+
+def check(out, lse, ref, ref_lse, name="out"):
+    """out vs the float64 oracle: FA3 rule with the output-dtype rounding of the oracle as the low-precision
+    baseline; LSE: same -inf pattern, finite values within fp32 accuracy."""
+    assert not torch.isnan(out.float()).any(), f"{name}: NaN"
+    assert_close_fa3(out.float(), ref, ref.to(out.dtype).float(), name=name)
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+        assert not torch.isnan(lse).any()
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"{name}: -inf pattern of lse differs"
+        fin = torch.isfinite(ref_lse)
+        torch.testing.assert_close(lse[fin].double(), ref_lse[fin], atol=1e-4, rtol=1e-5)
+
+
+def make(kind, b, sq, sk, hq, hk, d, dv=None):
+    """q, k, v and descale kwargs; FP8 inputs carry random non-unit (batch, nheads_k) descales."""
+    dv = dv or d
+    if kind == "fp8":
+        q, k, v, qd, kd, vd = fp8_inputs(b, sq, sk, hq, hk, d, dv)
+        return q, k, v, dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    q, k, v = torch.randn(b, sq, hq, d), torch.randn(b, sk, hk, d), torch.randn(b, sk, hk, dv) * 2
+    return q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), {}
+
+
+SEQLEN_PAIRS = [(1, 1), (239, 1), (1, 239), (113, 203), (1023, 1024)] + \
+    [(a, c) for a in (127, 128, 129) for c in (127, 128, 129)]
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", SEQLEN_PAIRS)
+def test_dense_seqlen_grid(sq, sk, causal, kind):
+    big = sq * sk > 200_000
+    b, hq, hk, d = (1, 2, 1, 32) if big else (2, 4, 2, 64)
+    q, k, v, ds = make(kind, b, sq, sk, hq, hk, d)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **ds)
+    assert out.shape == (b, sq, hq, d) and out.dtype == torch.bfloat16
+    assert lse.shape == (b, hq, sq)
+    ref, ref_lse = naive_attention(q, k, v, causal=causal, **ds)
+    check(out, lse, ref, ref_lse)
+    if causal and sq > sk:  # the first sq - sk rows see nothing
+        assert (out[:, :sq - sk].float() == 0).all() and torch.isneginf(lse[:, :, :sq - sk]).all()
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 4), (4, 2), (6, 2), (8, 1), (16, 2), (3, 1)], ids=lambda x: str(x))
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_gqa_mqa_ratios(hq, hk, kind):
+    q, k, v, ds = make(kind, 2, 9, 14, hq, hk, 32)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **ds)
+    check(out, lse, *naive_attention(q, k, v, causal=True, **ds))
+    # pack_gqa is only a scheduling hint
+    for pg in (True, False):
+        assert torch.equal(flash_attn_func(q, k, v, causal=True, pack_gqa=pg, **ds), out)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256), (192, 128)], ids=lambda x: str(x))
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_head_dims(d, dv, kind):
+    q, k, v, ds = make(kind, 1, 17, 33, 2, 1, d, dv)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **ds)
+    assert out.shape == (1, 17, 2, dv)
+    check(out, lse, *naive_attention(q, k, v, causal=True, **ds))
+
+
+@pytest.mark.parametrize("window", [(0, 0), (3, 0), (5, 2), (-1, 4), (7, -1)], ids=str)
+@pytest.mark.parametrize("sq,sk", [(10, 25), (25, 10), (16, 16)])
+def test_sliding_window(window, sq, sk):
+    q, k, v, ds = make("fp8", 2, sq, sk, 4, 2, 32)
+    out, lse = flash_attn_func(q, k, v, window_size=window, return_attn_probs=True, **ds)
+    check(out, lse, *naive_attention(q, k, v, window_size=window, **ds))
+    # causal=True is a window whose right edge is 0
+    oc = flash_attn_func(q, k, v, causal=True, window_size=(window[0], -1), **ds)
+    assert torch.equal(oc, flash_attn_func(q, k, v, window_size=(window[0], 0), **ds))
+
+
+def test_fully_masked_rows():
+    q, k, v, ds = make("fp8", 2, 12, 4, 2, 1, 32)
+    for kw in (dict(causal=True), dict(window_size=(0, 0)), dict(window_size=(2, 0)), dict(causal=True, window_size=(1, -1))):
+        out, lse = flash_attn_func(q, k, v, return_attn_probs=True, **kw, **ds)
+        assert not torch.isnan(out.float()).any() and not torch.isnan(lse).any()
+        assert (out[:, :8].float() == 0).all() and torch.isneginf(lse[:, :, :8]).all()
+        check(out, lse, *naive_attention(q, k, v, **kw, **ds))
+    # a window that excludes every key of every row (queries far before the keys' diagonal)
+    q, k, v, ds = make("bf16", 1, 40, 4, 2, 2, 16)
+    out, lse = flash_attn_func(q, k, v, window_size=(0, 30), return_attn_probs=True)
+    check(out, lse, *naive_attention(q, k, v, window_size=(0, 30)))
+    assert torch.isneginf(lse[:, :, :6]).all()
+
+
+@pytest.mark.parametrize("softcap", [0.0, 2.0, 30.0])
+def test_softcap(softcap):
+    q, k, v, ds = make("fp8", 2, 11, 21, 4, 2, 64)
+    out, lse = flash_attn_func(q, k, v, softcap=softcap, softmax_scale=0.5, causal=True, return_attn_probs=True, **ds)
+    check(out, lse, *naive_attention(q, k, v, softcap=softcap, softmax_scale=0.5, causal=True, **ds))
+
+
+@pytest.mark.parametrize("gran", ["per_tensor", "per_sequence"])
+def test_descale_broadcasts(gran):
+    b, s, h, d = 3, 8, 2, 32
+    xs = [torch.randn(b, s, h, d) * c for c in (2, 1, 3)]
+    (q8, qd), (k8, kd), (v8, vd) = (quantize(x, gran) for x in xs)
+    if gran == "per_tensor":
+        qd, kd, vd = qd.reshape(1, 1), kd.reshape(()), vd.reshape(1)
+    out, lse = flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True)
+    ref = naive_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    check(out, lse, *ref)
+    # the same values passed as a full (batch, nheads_k) tensor give identical results
+    full = [d.reshape(-1, 1).expand(b, h).contiguous() if d.numel() > 1 else d.reshape(1, 1).expand(b, h).contiguous()
+            for d in (qd, kd, vd)]
+    assert torch.equal(flash_attn_func(q8, k8, v8, q_descale=full[0], k_descale=full[1], v_descale=full[2]), out)
+
+
+def test_descales_are_used():
+    """Changing a descale changes the output the predicted way (no silently ignored scale)."""
+    q, k, v, ds = make("fp8", 2, 6, 9, 2, 2, 32)
+    base = flash_attn_func(q, k, v, out_dtype=torch.float32, **ds)
+    vd2 = ds["v_descale"].clone()
+    vd2[1, 0] *= 2
+    o2 = flash_attn_func(q, k, v, out_dtype=torch.float32, **{**ds, "v_descale": vd2})
+    torch.testing.assert_close(o2[1, :, 0], 2 * base[1, :, 0])
+    torch.testing.assert_close(o2[0], base[0])
+    qd2 = ds["q_descale"] * 3
+    o3 = flash_attn_func(q, k, v, out_dtype=torch.float32, **{**ds, "q_descale": qd2})
+    assert (o3 - base).abs().max() > 1e-3
+    check(o3, None, naive_attention(q, k, v, **{**ds, "q_descale": qd2})[0], None)
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e5m2, torch.float8_e4m3fnuz])
+def test_other_fp8_formats_on_cpu(fmt):
+    q, k, v, qd, kd, vd = fp8_inputs(2, 7, 12, 2, 1, 32, fmt=fmt)
+    out, lse = flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=True, return_attn_probs=True)
+    check(out, lse, *naive_attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=True))
+
+
+def test_out_dtype_out_and_out_scale():
+    q, k, v, ds = make("fp8", 2, 9, 13, 4, 2, 32)
+    ref, _ = naive_attention(q, k, v, causal=True, **ds)
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        o = flash_attn_func(q, k, v, causal=True, out_dtype=dt, **ds)
+        assert o.dtype == dt
+        check(o, None, ref, None)
+        buf = torch.full((2, 9, 4, 32), float("nan"), dtype=dt)
+        o2 = flash_attn_func(q, k, v, causal=True, out=buf, out_dtype=dt if dt != torch.bfloat16 else None, **ds)
+        assert o2 is buf and torch.equal(buf, o)
+    osc = torch.tensor(0.02)
+    o8 = flash_attn_func(q, k, v, causal=True, out_scale=osc, **ds)
+    assert o8.dtype == E4M3
+    o32 = flash_attn_func(q, k, v, causal=True, out_dtype=torch.float32, **ds)
+    expect = (o32 / osc).clamp(-448, 448).to(E4M3)
+    # equal to clamp(out / out_scale).to(e4m3) within one e4m3 ulp
+    diff = (o8.view(torch.uint8).int() - expect.view(torch.uint8).int()).abs()
+    assert diff.max().item() <= 1
+    buf8 = torch.empty(2, 9, 4, 32, dtype=E4M3)
+    assert flash_attn_func(q, k, v, causal=True, out_scale=osc, out=buf8, **ds) is buf8
+
+
+def test_16bit_dtypes_keep_dtype():
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        q, k, v = (torch.randn(1, 5, 2, 16).to(dt) for _ in range(3))
+        out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+        assert out.dtype == dt
+        check(out, lse, *naive_attention(q, k, v))
+
+
+def test_deterministic_reruns():
+    q, k, v, ds = make("fp8", 2, 33, 47, 4, 2, 64)
+    a = flash_attn_func(q, k, v, causal=True, **ds)
+    b = flash_attn_func(q, k, v, causal=True, deterministic=True, **ds)
+    assert torch.equal(a, b)
+
+
+def test_softmax_scale_default():
+    q, k, v, ds = make("bf16", 1, 5, 7, 2, 2, 64)
+    assert torch.equal(flash_attn_func(q, k, v), flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(64)))
+
+
+# ----------------------------------------------------------------------------------------------- varlen
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_varlen_zero_length_sequences(causal, kind):
+    lq = [3, 0, 5, 1, 0, 129]
+    lk = [4, 2, 0, 7, 0, 128]
+    b, hq, hk, d = len(lq), 4, 2, 32
+    q, k, v, ds = make(kind, 1, sum(lq), sum(lk), hq, hk, d)
+    q, k, v = q[0], k[0], v[0]
+    if ds:  # per-sequence variation around the scales the values were quantized with
+        ds = {n: t.expand(b, hk) * rand_descale(b, hk, 0.5, 1.5) for n, t in ds.items()}
+    cq, ck = _cu(lq), _cu(lk)
+    out, lse = flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=causal, return_attn_probs=True, **ds)
+    assert out.shape == (sum(lq), hq, d) and lse.shape == (hq, sum(lq))
+    for i in range(b):
+        if lq[i] == 0:
+            continue
+        qs, ks = slice(int(cq[i]), int(cq[i + 1])), slice(int(ck[i]), int(ck[i + 1]))
+        dsi = {n: t[i:i + 1] for n, t in ds.items()}
+        ref, ref_lse = naive_attention(q[None, qs], k[None, ks], v[None, ks], causal=causal, **dsi)
+        check(out[None, qs], lse[None, :, qs], ref, ref_lse, name=f"seq{i}")
+        if lk[i] == 0:
+            assert (out[qs].float() == 0).all() and torch.isneginf(lse[:, qs]).all()
+
+
+def test_varlen_seqused():
+    lq, lk = [4, 6, 3], [5, 8, 2]
+    used_q, used_k = [2, 6, 0], [5, 3, 2]
+    q, k, v, ds = make("fp8", 1, sum(lq), sum(lk), 2, 1, 32)
+    q, k, v = q[0], k[0], v[0]
+    cq, ck = _cu(lq), _cu(lk)
+    ds = {n: t.expand(3, 1) * rand_descale(3, 1, 0.5, 1.5) for n, t in ds.items()}
+    out, lse = flash_attn_varlen_func(q, k, v, cq, ck, 6, 8, seqused_q=torch.tensor(used_q, dtype=torch.int32),
+                                      seqused_k=torch.tensor(used_k, dtype=torch.int32), causal=True,
+                                      return_attn_probs=True, **ds)
+    assert not torch.isnan(out.float()).any()
+    for i in range(3):
+        q0, k0 = int(cq[i]), int(ck[i])
+        if used_q[i]:
+            dsi = {n: t[i:i + 1] for n, t in ds.items()}
+            ref, ref_lse = naive_attention(q[None, q0:q0 + used_q[i]], k[None, k0:k0 + used_k[i]],
+                                           v[None, k0:k0 + used_k[i]], causal=True, **dsi)
+            check(out[None, q0:q0 + used_q[i]], lse[None, :, q0:q0 + used_q[i]], ref, ref_lse)
+        # rows past seqused_q are not attended: 0 output
+        assert (out[q0 + used_q[i]:int(cq[i + 1])].float() == 0).all()
+
+
+def test_varlen_all_empty_batch():
+    q = torch.randn(0, 2, 32).bfloat16()
+    k = torch.randn(0, 2, 32).bfloat16()
+    cu = torch.zeros(3, dtype=torch.int32)
+    out, lse = flash_attn_varlen_func(q, k, k, cu, cu, 0, 0, return_attn_probs=True)
+    assert out.shape == (0, 2, 32) and lse.shape == (2, 0)
+
+
+# ----------------------------------------------------------------------------- contiguous KV cache
+def test_kvcache_contiguous_with_cache_batch_idx():
+    bc, L, hk, d = 4, 20, 2, 32
+    kc8, kd = quantize(torch.randn(bc, L, hk, d), "per_tensor")
+    vc8, vd = quantize(torch.randn(bc, L, hk, d), "per_tensor")
+    kd, vd = kd.reshape(1, 1), vd.reshape(1, 1)
+    q = torch.randn(2, 3, 4, d).bfloat16()
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    lens = torch.tensor([20, 7], dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q, kc8, vc8, cache_seqlens=lens, cache_batch_idx=idx, k_descale=kd,
+                                       v_descale=vd, causal=True, return_softmax_lse=True)
+    for i in range(2):
+        r = int(idx[i])
+        ref, ref_lse = naive_attention(q[i:i + 1], kc8[r:r + 1, :lens[i]], vc8[r:r + 1, :lens[i]], causal=True,
+                                       k_descale=kd, v_descale=vd)
+        check(out[i:i + 1], lse[i:i + 1], ref, ref_lse)
