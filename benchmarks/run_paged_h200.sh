@@ -8,18 +8,23 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_paged.py tests/test_kernel_combine.py \
-    tests/test_kernel_cache.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    tests/test_kernel_cache.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 - <<'PY' 2>&1 | tee "$OUT/bench.log"
 import json, os
 from fp8attn.bench.paged import run_decode, run_prefill_chunked, run_mixed
 out = os.environ["OUT"]
-sweep = [{"block_n": bn, "num_stages": ns, "num_warps": nw}
-         for bn, ns, nw in [(32, 4, 4), (64, 2, 4), (64, 4, 4), (128, 2, 4), (128, 3, 4), (128, 3, 8)]]
-run_decode(out_dir=out, configs=sweep)
-run_prefill_chunked(out_dir=out)
-run_mixed(out_dir=out)
+import torch
+dec = [{"block_n": 64, "num_stages": 3}, {"block_n": 128, "num_stages": 2}, {"block_n": 32, "num_stages": 2},
+       {"block_n": 64, "num_stages": 2, "compute_dtype": torch.float16},
+       {"block_n": 128, "num_stages": 2, "compute_dtype": torch.float16}]
+pre = [{"block_m": 64, "num_warps": 4}, {"block_n": 128, "num_stages": 2}, {"num_stages": 2},
+       {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}]
+mix = [{"block_m": 64, "num_warps": 4}, {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}]
+run_decode(out_dir=out, configs=dec)
+run_prefill_chunked(out_dir=out, configs=pre)
+run_mixed(out_dir=out, configs=mix)
 print("\n== summary ==")
 for r in ("decode", "prefill_chunked", "mixed"):
     d = json.load(open(f"{out}/{r}.json"))

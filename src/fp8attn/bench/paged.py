@@ -51,6 +51,28 @@ def _paged_pool(batch, ctx, page_size, n_rot, device="cuda"):
     return kc, vc, pts
 
 
+def _graphed(fns):
+    """Capture each fn in a CUDA graph (after a warm-up call) and return a rotating replay callable.
+
+    Decode kernels run for tens of microseconds: eager timing would measure the host launch path.
+    Falls back to eager calls when capture fails."""
+    try:
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        graphs = []
+        for f in fns:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                f()
+            graphs.append(g)
+        torch.cuda.synchronize()
+        return _rotating([g.replay for g in graphs]), True
+    except Exception:
+        torch.cuda.synchronize()
+        return _rotating(fns), False
+
+
 def _rotating(fns):
     i = [0]
 
@@ -60,7 +82,7 @@ def _rotating(fns):
     return call
 
 
-def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None):
+def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=False):
     """Time torch SDPA (cuDNN / flash) bf16 with GQA on contiguous (B, HK, L, D) K/V."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
@@ -83,8 +105,9 @@ def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None):
             fns = [mk(r) for r in range(n_rot)]
             fns[0]()
             torch.cuda.synchronize()
-            ms = time_ms(_rotating(fns))
-            peers[name] = {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6}
+            call, graphed = _graphed(fns) if graph else (_rotating(fns), False)
+            ms = time_ms(call)
+            peers[name] = {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "cuda_graph": graphed}
         except Exception as e:  # backend unavailable for this shape
             peers[name] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:120]}"}
     del ks, vs
@@ -136,28 +159,30 @@ def run_decode(out_dir=None, quick=False, configs=None):
                     ref = paged_attention_ref(q, kc, vc, pts[0], seqlens, softmax_scale=scale, causal=True,
                                               k_descale=kd, v_descale=vd, out_dtype=torch.float32)
                     err = _rel_err(out, ref)
-                ms = time_ms(_rotating(fns))
+                call, graphed = _graphed(fns)
+                ms = time_ms(call)
                 case = {"case": f"d128 B{b} L{L} page{page_size}",
                         "params": {"batch": b, "seqlen_q": 1, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
                                    "headdim": D, "page_size": page_size, "causal": True, "num_splits": splits,
                                    "q_dtype": "bf16", "kv_dtype": "e4m3"},
-                        "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": err},
+                        "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": err,
+                                 "cuda_graph": graphed},
                         "peers": {}}
-                if configs and b == 64 and L == 4096:
+                if configs and (b, L) in ((64, 4096), (1, 131072), (8, 32768)):
                     sweep = {}
                     for cfg in configs:
                         fns_c = [mk(r, cfg) for r in range(n_rot)]
                         try:
                             fns_c[0]()
                             torch.cuda.synchronize()
-                            sweep[str(cfg)] = time_ms(_rotating(fns_c))
+                            sweep[str(cfg)] = time_ms(_graphed(fns_c)[0])
                         except Exception as e:
                             sweep[str(cfg)] = f"{type(e).__name__}: {str(e)[:100]}"
                     case["config_sweep_ms"] = sweep
                 del kc, vc, pts
                 torch.cuda.empty_cache()
                 if page_size == page_sizes[0]:
-                    case["peers"] = _sdpa_peers(q.transpose(1, 2), b, L, n_rot)
+                    case["peers"] = _sdpa_peers(q.transpose(1, 2), b, L, n_rot, graph=True)
                 doc["cases"].append(case)
                 print(f"decode {case['case']:28s} splits={splits:3d} ours {ms * 1e3:8.1f} us "
                       f"{kv_bytes / ms / 1e6:7.0f} GB/s "
@@ -175,7 +200,20 @@ def _chunk_inputs(batch, prefix, chunk, page_size, q_dtype):
     return kc, vc, pts[0], q, seqlens
 
 
-def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192):
+def _sweep(launch, configs):
+    """{str(config): median ms} of ``launch(config)`` for each tile override (errors recorded)."""
+    res = {}
+    for cfg in configs or []:
+        try:
+            launch(cfg)
+            torch.cuda.synchronize()
+            res[str(cfg)] = time_ms(lambda: launch(cfg))
+        except Exception as e:
+            res[str(cfg)] = f"{type(e).__name__}: {str(e)[:100]}"
+    return res
+
+
+def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, configs=None):
     """A 2k chunk over an 8k cached prefix vs the dense FP8 forward on the same pairs."""
     from ..kernels.paged import launch_paged_fwd
     from ..reference import paged_attention_ref
@@ -194,9 +232,9 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192):
             pairs = chunk * prefix + chunk * (chunk + 1) / 2
             flops = attn_flops(batch, HQ, chunk, L, D, visible_pairs=pairs)
 
-            def ours():
+            def ours(cfg=None):
                 launch_paged_fwd(q8, kc, vc, pt, seqlens, out, lse, max_seqlen_q=chunk, softmax_scale=scale,
-                                 causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+                                 causal=True, q_descale=qd, k_descale=kd, v_descale=vd, config=cfg)
             ours()
             torch.cuda.synchronize()
             err = None
@@ -244,12 +282,15 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192):
                         v_["tflops"] = attn_flops(batch, HQ, chunk, L, D) / v_["ms"] / 1e9
                         v_["note"] = "non-causal over all keys (full pairs)"
                 peers.update(sp)
+            sweep = _sweep(ours, configs) if batch == 1 else {}
             case = {"case": f"d128 B{batch} chunk{chunk} prefix{prefix} page{page_size}",
                     "params": {"batch": batch, "seqlen_q": chunk, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
                                "headdim": D, "page_size": page_size, "causal": True, "q_dtype": "e4m3",
                                "kv_dtype": "e4m3"},
                     "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None, "err": err},
                     "peers": peers}
+            if sweep:
+                case["config_sweep_ms"] = sweep
             doc["cases"].append(case)
             print(f"prefill {case['case']:40s} ours {ms:.3f} ms {flops / ms / 1e9:6.0f} TF/s | "
                   + " ".join(f"{k}={v['ms']:.3f}ms" for k, v in peers.items() if v and v.get("ms")), flush=True)
@@ -258,7 +299,7 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192):
     return write_results(doc, out_dir)
 
 
-def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=2048, prefix=8192):
+def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=2048, prefix=8192, configs=None):
     """32 decodes + one 2k chunk in one varlen launch vs the two launched separately."""
     from ..kernels.paged import launch_paged_fwd
 
@@ -287,9 +328,9 @@ def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=204
             out = torch.empty(sum(qlens), HQ, D, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(HQ, sum(qlens), device="cuda")
 
-            def mixed():
+            def mixed(cfg=None):
                 launch_paged_fwd(q, kc, vc, pt, seqlens, out, lse, cu_seqlens_q=cu, max_seqlen_q=chunk,
-                                 softmax_scale=scale, causal=True, **dsc)
+                                 softmax_scale=scale, causal=True, config=cfg, **dsc)
             qd_ = q[:n_decode].view(n_decode, 1, HQ, D)
             qc_ = q[n_decode:].view(1, chunk, HQ, D)
             od = torch.empty(n_decode, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -321,6 +362,8 @@ def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=204
                     "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": kv_bytes / ms / 1e6, "err": None,
                              "max_abs_diff_vs_separate": diff},
                     "peers": {"separate": {"ms": ms_s, "tflops": flops / ms_s / 1e9, "gbps": kv_bytes / ms_s / 1e6}}}
+            if q_dtype == E4M3 and configs:
+                case["config_sweep_ms"] = _sweep(mixed, configs)
             doc["cases"].append(case)
             print(f"mixed {case['case']:60s} one launch {ms:.3f} ms | separate {ms_s:.3f} ms | diff {diff:.2e}",
                   flush=True)

@@ -246,7 +246,7 @@ def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int 
 
 # (block_m, block_n, num_warps, num_stages) by regime; see docs/perf-notes.md.
 _CONFIGS = {
-    "decode": (16, 64, 4, 3),
+    "decode": (16, 64, 4, 2),
     "small": (64, 64, 4, 3),
     "prefill": (128, 64, 8, 3),
 }
@@ -333,7 +333,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_splits : split-KV factor, fixed by the caller (``choose_num_splits``); > 1 writes partials
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
         them with ``launch_combine``.
-    config : optional tile override {block_m, block_n, num_warps, num_stages} (benchmarks).
+    config : optional override {block_m, block_n, num_warps, num_stages, compute_dtype} (benchmarks).
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -358,6 +358,8 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         cdt = k_cache.dtype
     else:
         cdt = torch.bfloat16
+    if config and config.get("compute_dtype") is not None and not mma_fp8:
+        cdt = config["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
     if _interpret() and cdt == torch.bfloat16:
         cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
     bm, bn, nw, ns = paged_config(max_seqlen_q, qg, d, mma_fp8, config)
