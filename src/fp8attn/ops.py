@@ -39,6 +39,8 @@ registered kernel").
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import reference as ref
@@ -51,8 +53,9 @@ __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "quant_fp8_sta
 NAMESPACE = "fp8attn"
 
 
+@functools.lru_cache(None)
 def _kernel(module: str, name: str):
-    """Import a launch function lazily (kernels import triton)."""
+    """Import a launch function lazily (kernels import triton); cached (it is on the hot path)."""
     import importlib
 
     try:

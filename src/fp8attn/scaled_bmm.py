@@ -106,6 +106,12 @@ def launch_scaled_bmm():
         import triton.language as tl
     except ImportError:
         return None
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the interpreter fixes the dense kernel installs
+        from .kernels.dense import _interpreter_compat
+
+        _interpreter_compat()
 
     @triton.jit
     def _scaled_bmm_kernel(A, B, SA, SB, O, M, N, K,
@@ -122,8 +128,9 @@ def launch_scaled_bmm():
         a_ptr = A + bid * s_ab + offs_m[:, None].to(tl.int64) * s_am
         b_ptr = B + bid * s_bb + offs_n[None, :].to(tl.int64) * s_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
+        num_k = (K + BLOCK_K - 1) // BLOCK_K  # (not tl.cdiv: a jit helper the interpreter may not wrap)
+        for kt in range(0, num_k):
+            kk = kt * BLOCK_K + offs_k
             km = kk < K
             at = tl.load(a_ptr + kk[None, :].to(tl.int64) * s_ak, mask=mm[:, None] & km[None, :], other=0.0)
             bt = tl.load(b_ptr + kk[:, None].to(tl.int64) * s_bk, mask=km[:, None] & nm[None, :], other=0.0)

@@ -203,14 +203,13 @@ def _scale_node(graph, scale, before, device, fake_mode):
     return _set_val(n, fake_mode)
 
 
-def _replace_views(graph, src_new, views, after, fake_mode):
+def _replace_views(graph, src_new, views, fake_mode):
     cur = src_new
-    anchor = after
-    for v in views:
-        with graph.inserting_after(anchor):
+    for v in views:  # each new view sits where the old one was (its size arguments are defined there)
+        with graph.inserting_before(v):
             n = graph.call_function(v.target, (cur,) + tuple(v.args[1:]), dict(v.kwargs))
         _set_val(n, fake_mode)
-        cur = anchor = n
+        cur = n
     return cur
 
 
@@ -242,7 +241,7 @@ def _fuse_functional(graph, attn, getitem0, views, quant_nodes, scale, fake_mode
         _set_val(g, fake_mode)
         repl[user] = g
         anchor = g
-    out = _replace_views(graph, repl[getitem0], views, anchor, fake_mode)
+    out = _replace_views(graph, repl[getitem0], views, fake_mode)
     last = quant_nodes[0]
     last.replace_all_uses_with(out)
     for old, g in repl.items():
@@ -285,7 +284,7 @@ def _fuse_out_variant(graph, af, base_getitem, views, quant_nodes, scale, fake_m
         _set_val(g, fake_mode)
         repl[user] = g
         anchor = g
-    out = _replace_views(graph, repl[base_getitem], views, anchor, fake_mode)
+    out = _replace_views(graph, repl[base_getitem], views, fake_mode)
     quant_nodes[0].replace_all_uses_with(out)
     for old, g in repl.items():
         if old is not base_getitem:
