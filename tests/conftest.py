@@ -4,6 +4,10 @@ import os
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run in the interpreter; set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 try:
     from hypothesis import settings
 

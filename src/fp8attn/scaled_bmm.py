@@ -109,7 +109,7 @@ def launch_scaled_bmm():
     import os
 
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the interpreter fixes the dense kernel installs
-        from .kernels.dense import _interpreter_compat
+        from .kernels._interpret import _interpreter_compat
 
         _interpreter_compat()
 

@@ -15,8 +15,15 @@ varies only by constexpr flags. Conventions (docs/numerics.md):
   accumulator (``acc += dot(p, v)``), so Hopper's reduced-precision FP8 accumulator never spans more
   than one KV tile.
 """
+import os
+
 import triton
 import triton.language as tl
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":  # every kernel module imports this one
+    from ._interpret import _interpreter_compat
+
+    _interpreter_compat()
 
 # Globals read inside @triton.jit code must be tl.constexpr (the compiler rejects plain globals;
 # only the interpreter accepts them). Use float(X) for host-side arithmetic.

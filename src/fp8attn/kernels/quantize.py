@@ -38,7 +38,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 if _HAS_TRITON:
     if _INTERPRET:  # same interpreter fixes the dense kernel installs
-        from .dense import _interpreter_compat
+        from ._interpret import _interpreter_compat
         _interpreter_compat()
 
     @triton.jit
