@@ -16,15 +16,10 @@ import json, os
 from fp8attn.bench.paged import run_decode, run_prefill_chunked, run_mixed
 out = os.environ["OUT"]
 import torch
-dec = [{"block_n": 64, "num_stages": 3}, {"block_n": 128, "num_stages": 2}, {"block_n": 32, "num_stages": 2},
-       {"block_n": 64, "num_stages": 2, "compute_dtype": torch.float16},
-       {"block_n": 128, "num_stages": 2, "compute_dtype": torch.float16}]
-pre = [{"block_m": 64, "num_warps": 4}, {"block_n": 128, "num_stages": 2}, {"num_stages": 2},
-       {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}]
-mix = [{"block_m": 64, "num_warps": 4}, {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}]
+dec = [{"q_fp8": True}, {"block_n": 64, "num_stages": 2}, {"block_n": 64, "num_stages": 2, "compute_dtype": torch.bfloat16}]
 run_decode(out_dir=out, configs=dec)
-run_prefill_chunked(out_dir=out, configs=pre)
-run_mixed(out_dir=out, configs=mix)
+run_prefill_chunked(out_dir=out)
+run_mixed(out_dir=out)
 print("\n== summary ==")
 for r in ("decode", "prefill_chunked", "mixed"):
     d = json.load(open(f"{out}/{r}.json"))

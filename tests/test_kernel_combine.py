@@ -55,8 +55,8 @@ def test_combine_strided_lse_and_fp8_out():
     fin = torch.isfinite(rl)
     assert torch.allclose(lse_bhs.transpose(1, 2)[fin], rl[fin], atol=1e-5)
     o, r = out.float(), ref8.float()
-    if DEV == "cuda":  # exact up to one e4m3 ulp (~6.25% relative)
-        assert ((o - r).abs() <= 0.0626 * r.abs() + 2 ** -9).all()
+    if DEV == "cuda":  # exact up to one e4m3 ulp (<= 12.5% relative)
+        assert ((o - r).abs() <= 0.125 * r.abs() + 2 ** -9).all()
     else:  # the interpreter's e4m3 cast may drop a carry (a factor 2 on some values)
         assert ((o - r).abs() <= 0.51 * r.abs() + 2 ** -9).all()
         assert ((o - r).abs() <= 0.0626 * r.abs() + 2 ** -9).float().mean() > 0.8

@@ -333,7 +333,7 @@ def test_gpu_fused_fp8_output_and_determinism():
         o8, _ = run_paged(q, c, **kw, **dk, out_scale=osc, num_splits=splits)
         ob, _ = run_paged(q, c, **kw, **dk, num_splits=splits)
         r8 = saturating_cast(ob.float() / 0.01).float()
-        assert ((o8.float() - r8).abs() <= 0.0626 * r8.abs() + 2 ** -9).all()
+        assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2 ** -9).all()  # one e4m3 ulp
 
 
 @pytest.mark.gpu

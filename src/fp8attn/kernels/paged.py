@@ -21,8 +21,11 @@ Numerics (``common``): descales are folded (``q_descale * k_descale`` into the l
 * ``MMA_FP8``: Q, K and V all e4m3fn without per-token-head scales -> FP8 QK^T and FP8 P@V (P scaled
   into e4m3's range by ``common.online_softmax_step``).
 * otherwise (16-bit Q over an FP8 cache, e5m2 caches, per-token-head scales, 16-bit caches): K/V
-  are upcast in registers to a 16-bit compute dtype (e4m3/e5m2 are exact in bf16/fp16) and the
-  dots run in 16 bits with fp32 accumulation.
+  are upcast in registers to a 16-bit compute dtype and the dots run in 16 bits with fp32
+  accumulation. Over an FP8 cache that dtype is fp16 (e4m3/e5m2 are exact in fp16 and the upcast
+  is one cvt per pair; Q is cast to fp16 clamped to +-65504, P is rounded to fp16), except bf16 Q
+  with per-token-head V scales (bf16, as scaled V rows may leave fp16's range). A 16-bit cache uses
+  its own dtype.
 
 Split-KV: ``num_splits > 1`` divides each program's KV tiles evenly over the splits; each split
 writes a normalized fp32 partial and its LSE (an empty split writes 0 and -inf), and
@@ -149,6 +152,8 @@ def _paged_fwd_kernel(
     q = tl.load(Q + seq64 * s_qb + tok_g[:, None] * s_qt + hq[:, None] * s_qh + offs_d[None, :],
                 mask=row_ok[:, None] & dmask[None, :], other=0.0)
     if not MMA_FP8:
+        if CDT == tl.float16:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
         q = q.to(CDT)
 
     # ---- folded descales (per (sequence, kv head)) ----
@@ -246,7 +251,7 @@ def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int 
 
 # (block_m, block_n, num_warps, num_stages) by regime; see docs/perf-notes.md.
 _CONFIGS = {
-    "decode": (16, 64, 4, 2),
+    "decode": (16, 128, 4, 2),
     "small": (64, 64, 4, 3),
     "prefill": (128, 64, 8, 3),
 }
@@ -352,12 +357,14 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     has_vs = v_cache_scales is not None
     mma_fp8 = (q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
                and v_cache.dtype == torch.float8_e4m3fn and not has_ks and not has_vs)
-    if q.dtype in (torch.bfloat16, torch.float16):
-        cdt = q.dtype
-    elif k_cache.dtype in (torch.bfloat16, torch.float16):
+    if k_cache.dtype in (torch.bfloat16, torch.float16):
         cdt = k_cache.dtype
+    elif q.dtype == torch.bfloat16 and has_vs:
+        cdt = torch.bfloat16  # per-token-head scaled V rows may leave fp16's range
     else:
-        cdt = torch.bfloat16
+        # e4m3/e5m2 -> fp16 is one cvt per pair and exact (bf16 needs a detour through fp16/fp32 that
+        # made decode ALU-bound); q is cast to fp16 in-kernel, clamped to +-65504.
+        cdt = torch.float16
     if config and config.get("compute_dtype") is not None and not mma_fp8:
         cdt = config["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
     if _interpret() and cdt == torch.bfloat16:
