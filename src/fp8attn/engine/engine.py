@@ -41,6 +41,9 @@ class EngineConfig:
     max_context_len : prompt + generated tokens limit per sequence.
     truncate_prompts : keep the last tokens of too-long prompts instead of rejecting them.
     cuda_graphs : capture pure-decode steps in CUDA graphs (GPU only).
+    poison_cache : fill the cache with NaN at start (tests: unwritten slots must never be read).
+    record_steps : keep one timing record per step in ``LLMEngine.step_log``.
+    seed : base seed of sampled decoding (request i uses ``seed * 1000003 + i`` unless it sets one).
     """
 
     kv_cache_dtype: str = "bf16"
@@ -58,6 +61,7 @@ class EngineConfig:
     truncate_prompts: bool = False
     cuda_graphs: bool = True
     poison_cache: bool = False
+    record_steps: bool = False
     seed: int = 0
 
 
@@ -112,14 +116,17 @@ class LLMEngine:
             nb = int(cfg.kv_memory_bytes) // (bpt * cfg.page_size)
         else:
             nb = cfg.max_batch_size * blocks_needed(cfg.max_context_len, cfg.page_size)
-        if nb < blocks_needed(min(cfg.max_context_len, cfg.prefill_chunk_size), cfg.page_size):
-            raise ValueError(f"KV cache of {nb} blocks of {cfg.page_size} tokens is too small; "
-                             f"raise kv_memory_bytes/num_blocks")
+        if nb < 1:
+            raise ValueError(f"KV cache budget holds no block of {cfg.page_size} tokens "
+                             f"({bpt * cfg.page_size} bytes each); raise kv_memory_bytes/num_blocks")
         self.device = model.device
         self.max_pages = blocks_needed(cfg.max_context_len, cfg.page_size)
         static = cfg.kv_scale == "per_tensor" and cfg.static_k_descale is not None
+        use_graphs = bool(cfg.cuda_graphs and self.device.type == "cuda")
+        # one extra block, owned by no sequence, for the padding rows of CUDA-graph decode batches
+        self.scratch_block = nb if use_graphs else None
         self.cache = PagedKVCache(
-            mc.num_hidden_layers, nb, cfg.page_size, mc.num_key_value_heads, mc.head_dim, cfg.kv_cache_dtype,
+            mc.num_hidden_layers, nb + (1 if use_graphs else 0), cfg.page_size, mc.num_key_value_heads, mc.head_dim, cfg.kv_cache_dtype,
             cfg.kv_scale, k_descale=cfg.static_k_descale if static else None,
             v_descale=(cfg.static_v_descale if cfg.static_v_descale is not None else cfg.static_k_descale)
             if static else None, calib_margin=cfg.calib_margin, device=self.device, poison=cfg.poison_cache)
@@ -128,8 +135,9 @@ class LLMEngine:
                                    cfg.prefill_chunk_size)
         self._next_id = 0
         self.num_steps = 0
+        self.step_log: list[dict] = []
         self.graphs = None
-        if cfg.cuda_graphs and self.device.type == "cuda":
+        if use_graphs:
             from .cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)
@@ -250,12 +258,15 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress (KV cache too small for any waiting sequence)")
             return []
+        t_start = time.perf_counter()
         input_ids, positions, meta, logits_idx, forced_rows, sample_rows = self._build_inputs(out)
         self.cache.meta = meta
         logits = None
+        used_graph = False
         if (self.graphs is not None and out.is_pure_decode and len(sample_rows) == len(out.chunks)
                 and not meta.calib_tensor and meta.calib_rows is None):
             logits = self.graphs.run(input_ids, positions, meta)
+            used_graph = logits is not None
         if logits is None:
             with torch.inference_mode():
                 logits = self.model(input_ids, positions, self.cache, logits_idx)
@@ -296,6 +307,15 @@ class LLMEngine:
                     self.scheduler.finish(s, "length")
                 if s.status is SeqStatus.FINISHED:
                     finished.append(s)
+        if self.config.record_steps:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.step_log.append({
+                "step": self.num_steps - 1, "start_s": t_start, "ms": (time.perf_counter() - t_start) * 1e3,
+                "num_seqs": len(out.chunks), "num_tokens": out.num_tokens,
+                "prefill_tokens": sum(c.num_tokens for c in out.chunks if c.num_tokens > 1 or c.start < c.seq.prompt_len),
+                "decode_seqs": sum(1 for c in out.chunks if c.num_tokens == 1 and c.start >= c.seq.prompt_len),
+                "preempted": len(out.preempted), "graph": bool(used_graph)})
         for c in out.chunks:
             s = c.seq
             if s.forced_ids is not None and s.num_computed == len(s.tokens) and s.status is not SeqStatus.FINISHED:

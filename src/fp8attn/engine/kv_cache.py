@@ -160,14 +160,14 @@ class PagedKVCache:
                 self.k_descale[li].copy_(self.descale_from_amax(k.abs().amax()).reshape(1))
                 self.v_descale[li].copy_(self.descale_from_amax(v.abs().amax()).reshape(1))
             write_kv_cache(k, v, kc, vc, m.slot_mapping, k_descale=self.k_descale[li], v_descale=self.v_descale[li])
-            kd = self.k_descale[li].view(1, 1).expand(B, self.nheads_k)
-            vd = self.v_descale[li].view(1, 1).expand(B, self.nheads_k)
+            kd, vd = self.k_descale[li], self.v_descale[li]  # (1,): per-tensor
         elif self.is_fp8 and self.scale_mode == "per_seq_head":
             kd, vd = m.k_descale[li], m.v_descale[li]
             if m.calib_rows is not None:
                 for x, d in ((k, kd), (v, vd)):
                     amax = torch.zeros(B, self.nheads_k, device=x.device, dtype=torch.float32)
-                    amax.index_reduce_(0, m.token_seq_idx.long(), x.abs().amax(-1).float(), "amax")
+                    idx = m.token_seq_idx.long()[:, None].expand(-1, self.nheads_k)
+                    amax.scatter_reduce_(0, idx, x.abs().amax(-1).float(), "amax")
                     d.copy_(torch.where(m.calib_rows[:, None], self.descale_from_amax(amax), d))
             write_kv_cache(k, v, kc, vc, m.slot_mapping, k_descale=kd, v_descale=vd, token_seq_idx=m.token_seq_idx)
         elif self.is_fp8:  # per_token_head

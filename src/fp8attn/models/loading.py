@@ -77,7 +77,8 @@ def load_tokenizer(path=None):
     return tf.AutoTokenizer.from_pretrained(d, **kw)
 
 
-def load_pretrained(path=None, dtype=torch.float32, device="cpu", with_hf: bool = False):
+def load_pretrained(path=None, dtype=torch.float32, device="cpu", with_hf: bool = False,
+                    with_tokenizer: bool = True):
     """Load a Llama-architecture model and its tokenizer.
 
     Parameters
@@ -89,6 +90,8 @@ def load_pretrained(path=None, dtype=torch.float32, device="cpu", with_hf: bool 
         Weight and activation dtype of the returned :class:`LlamaModel`.
     with_hf : bool
         Also return the transformers model (float32, CPU) for cross-checks.
+    with_tokenizer : bool
+        Load the tokenizer (False: the tokenizer slot is None).
 
     Returns
     -------
@@ -106,9 +109,9 @@ def load_pretrained(path=None, dtype=torch.float32, device="cpu", with_hf: bool 
     arch = type(hf).__name__
     if "Llama" not in arch and getattr(hf.config, "model_type", "") not in ("llama", "mistral", "qwen2"):
         raise NotImplementedError(f"{arch}: only Llama-architecture models are supported by fp8attn.models")
-    tok = tf.AutoTokenizer.from_pretrained(d, **kw)
+    tok = tf.AutoTokenizer.from_pretrained(d, **kw) if with_tokenizer else None
     model = LlamaModel.from_hf_model(hf, dtype=dtype, device=device)
-    if not model.cfg.eos_token_id and tok.eos_token_id is not None:
+    if tok is not None and not model.cfg.eos_token_id and tok.eos_token_id is not None:
         model.cfg.eos_token_id = [tok.eos_token_id]
     if with_hf:
         return model, tok, hf
