@@ -33,6 +33,7 @@ writes a normalized fp32 partial and its LSE (an empty split writes 0 and -inf),
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -233,6 +234,13 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(None)
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int = 132,
                       num_q_blocks: int = 1, min_tokens_per_split: int = 512, max_splits: int = 128) -> int:
     """Split count fixed from shapes (never from live lengths), so it can be captured in a CUDA graph.
@@ -377,6 +385,9 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         grid0 = batch * triton.cdiv(max(seqlen_q, 1), block_q)
     if grid0 == 0 or batch == 0:
         return
+    if int(num_splits) <= 0:  # 0 = heuristic, fixed from shapes/capacities (CUDA-graph safe)
+        num_splits = choose_num_splits(batch, hk, page_table.shape[1] * k_cache.shape[1], _num_sms(q.device),
+                                       num_q_blocks=max(1, grid0 // max(batch, 1)))
     num_splits = max(1, int(num_splits))
     split = num_splits > 1
     if split and (out_partial is None or lse_partial is None):
