@@ -98,6 +98,10 @@ def test_gpu_vs_float64(gran, shape):
     ref = _oracle(a, bb, sa, sb)
     out = ops.scaled_bmm(a, bb, sa, sb, torch.float32)
     err = (out.double() - ref).abs().max().item()
-    assert err <= 1e-5 * ref.abs().max().item() + 1e-6, err
+    # Hopper's FP8 MMA accumulates one K tile (128) with a reduced-precision accumulator (~2**-14
+    # relative measured); tiles are summed in fp32. Bound: 2**-12 of the |a| @ |b| magnitude.
+    san, sbn = normalize_scales(a, bb, sa, sb)
+    mag = ((a.double().abs() * san.double()[:, :, None]) @ (bb.double().abs() * sbn.double()[:, None, :])).max().item()
+    assert err <= 2 ** -12 * mag, (err, mag)
     out16 = ops.scaled_bmm(a, bb.transpose(1, 2).contiguous().transpose(1, 2), sa, sb, torch.bfloat16)
     assert torch.allclose(out16.double(), ref, rtol=2 ** -7, atol=1e-5 * ref.abs().max().item())

@@ -144,13 +144,24 @@ def _dispatch_overhead():
         launch_paged_fwd(q, kc, vc, pt, lens, out, lse_, max_seqlen_q=1, softmax_scale=d ** -0.5, causal=True,
                          window_size=(-1, 0), softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd, num_splits=1)
 
+    from ..ops import _paged_impl
+
+    def via_impl():  # the op's Python implementation without the dispatcher
+        _paged_impl(*op_args)
+
+    fop = OPS["paged_fwd"]
+
+    def via_functional_op():
+        fop(*op_args[:-1])
+
     def via_api():
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, q_descale=qd, k_descale=kd,
                                 v_descale=vd, causal=True, num_splits=1, out=out)
     del lse
     res = {}
     for _ in range(3):  # best of 3 rounds, interleaved
-        for k, fn in (("launch_us", via_launch), ("op_us", via_op), ("api_us", via_api)):
+        for k, fn in (("launch_us", via_launch), ("impl_us", via_impl), ("op_us", via_op),
+                      ("functional_op_us", via_functional_op), ("api_us", via_api)):
             res[k] = min(res.get(k, 1e9), _host_us(fn))
     res["overhead_us"] = res["op_us"] - res["launch_us"]
     return {"case": "dispatch paged_fwd_out tiny decode (host us/call)",
@@ -177,6 +188,7 @@ def run(out_dir=None, quick=False):
         print(f"{r['case']:<48}{r['ours']['ms']:>10.4f}{r['peers']['unfused']['ms']:>12.4f}"
               f"{p['speedup_vs_unfused']:>9.3f}{p['max_ulp_vs_unfused']:>9d}{r['ours']['err']:>10.2e}")
     p = doc["cases"][-1]["params"]
-    print(f"dispatch: launch {p['launch_us']:.2f} us, op {p['op_us']:.2f} us, api {p['api_us']:.2f} us, "
+    print(f"dispatch: launch {p['launch_us']:.2f} us, impl {p['impl_us']:.2f} us, op {p['op_us']:.2f} us, "
+          f"functional op {p['functional_op_us']:.2f} us, api {p['api_us']:.2f} us, "
           f"op overhead {p['overhead_us']:.2f} us/call")
     return path
