@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .allocator import BlockAllocator, blocks_needed
@@ -179,25 +180,25 @@ class LLMEngine:
         forced_rows = []  # (seq, first logits row, target tokens)
         sample_rows = []  # (seq, logits row)
         B = len(out.chunks)
-        page_table = torch.full((B, self.max_pages), -1, dtype=torch.int32)
+        page_table = np.full((B, self.max_pages), -1, dtype=np.int32)
         row = 0
-        for b, c in enumerate(out.chunks):
+        for b, c in enumerate(out.chunks):  # plain Python/numpy: a few microseconds per sequence
             s = c.seq
-            p = torch.arange(c.start, c.start + c.num_tokens)
-            ids.extend(s.tokens[c.start:c.start + c.num_tokens])
-            pos.append(p)
-            bt = torch.tensor(s.block_table, dtype=torch.int64)
-            slots.append(bt[p // ps] * ps + p % ps)
-            seq_idx.append(torch.full((c.num_tokens,), b, dtype=torch.int32))
-            page_table[b, :len(s.block_table)] = bt.to(torch.int32)
+            a, e = c.start, c.start + c.num_tokens
+            bt = s.block_table
+            ids.extend(s.tokens[a:e])
+            pos.extend(range(a, e))
+            slots.extend(bt[t // ps] * ps + t % ps for t in range(a, e))
+            seq_idx.extend([b] * c.num_tokens)
+            page_table[b, :len(bt)] = bt
             cu.append(cu[-1] + c.num_tokens)
-            lens.append(c.start + c.num_tokens)
+            lens.append(e)
             if s.forced_ids is not None:
-                lo = max(c.start, s.prompt_len - 1)
-                hi = min(c.start + c.num_tokens, len(s.tokens) - 1)
+                lo = max(a, s.prompt_len - 1)
+                hi = min(e, len(s.tokens) - 1)
                 if hi > lo:
                     forced_rows.append((s, len(logits_rows), s.tokens[lo + 1:hi + 1]))
-                    logits_rows.extend(range(row + lo - c.start, row + hi - c.start))
+                    logits_rows.extend(range(row + lo - a, row + hi - a))
             elif c.sample:
                 sample_rows.append((s, len(logits_rows)))
                 logits_rows.append(row + c.num_tokens - 1)
@@ -205,26 +206,21 @@ class LLMEngine:
         to = lambda t: t.to(dev, non_blocking=True)
         meta = StepInputs(
             cu_seqlens_q=to(torch.tensor(cu, dtype=torch.int32)), max_seqlen_q=max(c.num_tokens for c in out.chunks),
-            cache_seqlens=to(torch.tensor(lens, dtype=torch.int32)), page_table=to(page_table),
-            slot_mapping=to(torch.cat(slots)), token_seq_idx=to(torch.cat(seq_idx)))
+            cache_seqlens=to(torch.tensor(lens, dtype=torch.int32)), page_table=to(torch.from_numpy(page_table)),
+            slot_mapping=to(torch.tensor(slots, dtype=torch.int64)), token_seq_idx=to(torch.tensor(seq_idx, dtype=torch.int32)))
         cache = self.cache
         if cache.is_fp8 and cache.scale_mode == "per_seq_head":
             L, H = cache.num_layers, cache.nheads_k
-            kd = torch.ones(L, B, H, device=dev)
-            vd = torch.ones(L, B, H, device=dev)
-            calib = torch.zeros(B, dtype=torch.bool)
-            for b, c in enumerate(out.chunks):
-                if c.seq.k_descale is None:
-                    calib[b] = True
-                else:
-                    kd[:, b] = c.seq.k_descale
-                    vd[:, b] = c.seq.v_descale
-            meta.k_descale, meta.v_descale = kd, vd
-            meta.calib_rows = to(calib) if bool(calib.any()) else None
+            one = torch.ones(L, H, device=dev)
+            seqs = [c.seq for c in out.chunks]
+            meta.k_descale = torch.stack([one if q.k_descale is None else q.k_descale for q in seqs], dim=1)
+            meta.v_descale = torch.stack([one if q.v_descale is None else q.v_descale for q in seqs], dim=1)
+            calib = [q.k_descale is None for q in seqs]
+            meta.calib_rows = to(torch.tensor(calib)) if any(calib) else None
         if cache.is_fp8 and cache.scale_mode == "per_tensor" and not cache.tensor_calibrated:
             meta.calib_tensor = True
         input_ids = to(torch.tensor(ids, dtype=torch.int64))
-        positions = to(torch.cat(pos))
+        positions = to(torch.tensor(pos, dtype=torch.int64))
         logits_idx = to(torch.tensor(logits_rows, dtype=torch.int64))
         return input_ids, positions, meta, logits_idx, forced_rows, sample_rows
 
