@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from conftest import assert_close_fa3  # noqa: E402
-from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, split_workspace  # noqa: E402
+from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, paged_config, split_workspace  # noqa: E402
 from fp8attn.quant import saturating_cast  # noqa: E402
 from fp8attn.reference import paged_attention_ref  # noqa: E402
 
@@ -262,6 +262,65 @@ def test_mixed_batch_equals_separate(num_splits):
         ob, lb = run_paged(q[None, s:e], cb, k_descale=kd[b:b + 1], v_descale=vd[b:b + 1])
         assert (ob[0].float() - out[s:e].float()).abs().max().item() <= 1e-2
         assert (lb[0] - lse[:, s:e]).abs().max().item() <= 1e-4
+
+
+# ---- tile path: page_size a multiple of BLOCK_N, one page id per KV tile, read one tile ahead
+
+
+def _wide_page_table(c, fill):
+    """The cache's page table as a column slice of a wider table whose extra columns hold ``fill``, so
+    that a page id read past a row's pages (and used) would address outside the pool."""
+    pt = c["page_table"]
+    wide = torch.full((pt.shape[0], pt.shape[1] + 3), fill, dtype=torch.int32, device=pt.device)
+    wide[:, :pt.shape[1]] = pt
+    return dict(c, page_table=wide[:, :pt.shape[1]])
+
+
+@pytest.mark.parametrize("page_size", [64, 256])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_tile_path_decode(page_size, num_splits):
+    hq, hk, d = 8, 2, 32
+    bn = paged_config(1, hq // hk, d, False, None, page_size)[1]
+    assert page_size % bn == 0  # the one-page-id-per-tile path is the one under test
+    seqlens = [300, 0, 129, 64, 1, 257]
+    c = _wide_page_table(make_cache(seqlens, page_size, hk, d, extra_pages=0), 1 << 30)
+    q = torch.randn(len(seqlens), 1, hq, d, device=DEV).to(torch.bfloat16)
+    kd, vd = rand_descale(len(seqlens), hk), rand_descale(len(seqlens), hk)
+    out, lse = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=num_splits)
+    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
+    check(out, lse, ref, ref_lse, lp)
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+
+
+def test_tile_path_window_splits_page256():
+    """Left window (first tile not at key 0), several tiles per page, splits ending inside a page."""
+    c = make_cache([250, 190, 600], 256, 2, 32)
+    q = torch.randn(3, 3, 4, 32, device=DEV).to(torch.bfloat16)
+    for window, splits in [((70, 0), 3), ((-1, -1), 5)]:
+        out, lse = run_paged(q, c, window_size=window, num_splits=splits, config={"block_m": 16, "block_n": 32})
+        ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, window_size=window)
+        check(out, lse, ref, ref_lse, lp)
+
+
+@pytest.mark.parametrize("pv_fp16", [False, True])
+def test_tile_path_chunked_prefill_fp8(pv_fp16):
+    """FP8 Q over an e4m3 cache, 64-row tiles (the wgmma branch) over page-64 tiles; pv_fp16 runs P@V
+    in fp16 (P not rounded to e4m3)."""
+    hq, hk, d = 4, 2, 32
+    seqlens, qlens = [200, 77], [40, 77]
+    c = make_cache(seqlens, 64, hk, d)
+    cu = cu_from_lens(qlens)
+    q8 = saturating_cast(torch.randn(sum(qlens), hq, d, device=DEV) * 2, E4M3)
+    qd, kd, vd = rand_descale(2, hk), rand_descale(2, hk), rand_descale(2, hk)
+    cfg = {"block_m": 64, "block_n": 64, "pv_fp16": pv_fp16}
+    out, lse = run_paged(q8, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), q_descale=qd, k_descale=kd,
+                         v_descale=vd, config=cfg)
+    ref, ref_lse, lp = refs(q8, c, quantize_p=not pv_fp16, causal=True, cu_seqlens_q=cu,
+                            max_seqlen_q=max(qlens), q_descale=qd, k_descale=kd, v_descale=vd)
+    # as in test_fp8q_fp8kv_mma_path: the interpreter's e4m3 cast of P drops carries (DESIGN §5)
+    loose = DEV == "cpu" and not pv_fp16
+    check(out, lse, ref, ref_lse, lp, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
+          lse_tol=0.05 if loose else 1e-3)
 
 
 def test_split_workspace_and_heuristic():

@@ -68,17 +68,41 @@ def _find_seq(CU_Q, target, batch, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(start_n, end, q, tok, qlen, kv_len, kvh, pt_row, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
+def _page_ids(pt_row, start_n, end, last_pg, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              TILE_IN_PAGE: tl.constexpr):
+    """Page ids of the KV tile starting at ``start_n`` (int32).
+
+    TILE_IN_PAGE: one scalar id (the tile lies in one page), read at ``min(start_n // PAGE_SIZE, last_pg)``
+    so that a prefetch past the split's last tile stays on a live entry. Otherwise one id per key row,
+    masked to ``offs_n < end`` (-1 entries past the length are never read).
+    """
+    if TILE_IN_PAGE:
+        return tl.load(pt_row + tl.minimum(start_n // PAGE_SIZE, last_pg))
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        return tl.load(pt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0)
+
+
+@triton.jit
+def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
              window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
              s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask,
              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
              SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr,
-             CDT: tl.constexpr):
-    """One KV tile [start_n, start_n + BLOCK_N) of a program: gather pages, QK^T, masks, softmax step."""
+             CDT: tl.constexpr, TILE_IN_PAGE: tl.constexpr, P_FP8: tl.constexpr):
+    """One KV tile [start_n, start_n + BLOCK_N) of a program: QK^T, masks, softmax step.
+
+    ``blk``: the tile's page ids from ``_page_ids`` (loaded one tile ahead by the caller). With
+    TILE_IN_PAGE (PAGE_SIZE % BLOCK_N == 0, start_n a multiple of BLOCK_N) it is one scalar and the
+    tile is a plain 2-D block of BLOCK_N consecutive slots of one page; otherwise one id per key row.
+    """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kv_ok = offs_n < end
-    blk = tl.load(pt_row + offs_n // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
-    slot = offs_n % PAGE_SIZE
+    blk = blk.to(tl.int64)
+    if TILE_IN_PAGE:
+        slot = tl.multiple_of(start_n % PAGE_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
+    else:
+        slot = offs_n % PAGE_SIZE
     k_row = blk * s_kb + slot * s_kp + kvh * s_kh
     k = tl.load(K + k_row[None, :] + offs_d[:, None], mask=kv_ok[None, :] & dmask[:, None], other=0.0)
     if MMA_FP8:
@@ -97,7 +121,15 @@ def _kv_tile(start_n, end, q, tok, qlen, kv_len, kvh, pt_row, K, V, KS, VS, m_i,
         v = (v.to(tl.float32) * vs[:, None]).to(CDT)
     elif not MMA_FP8:
         v = v.to(CDT)
-    return online_softmax_step(s, m_i, l_i, acc, v, MMA_FP8)
+    elif not P_FP8:
+        v = v.to(tl.float16)  # exact; FP8 QK^T, then P@V in fp16 (P rounded to fp16, not e4m3)
+    elif q.shape[0] >= 64:
+        # wgmma (BLOCK_M >= 64): the FP8 P@V needs V K-major (sequence-contiguous) in shared memory;
+        # the cache tile is headdim-contiguous, so it is transposed through registers. An op between
+        # the load and that shared-memory store lets the pipeliner stage the load as an async copy (a
+        # load feeding the store directly stayed a synchronous load). Rows are zero already (other=0).
+        v = tl.where(kv_ok[:, None], v, tl.zeros_like(v))
+    return online_softmax_step(s, m_i, l_i, acc, v, P_FP8)
 
 
 @triton.jit
@@ -118,7 +150,7 @@ def _paged_fwd_kernel(
     SOFTCAP: tl.constexpr, HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
     HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr, CDT: tl.constexpr,
     STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    INTERP: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr, P_FP8: tl.constexpr, INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -185,33 +217,43 @@ def _paged_fwd_kernel(
     kv_hi = tl.maximum(kv_hi, kv_lo)
     n_tiles = tl.cdiv(kv_hi - kv_lo, BLOCK_N)
     per_split = tl.cdiv(n_tiles, num_splits)
-    start = kv_lo + split * per_split * BLOCK_N
+    start = tl.multiple_of(kv_lo + split * per_split * BLOCK_N, BLOCK_N)
     end = tl.minimum(kv_hi, start + per_split * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     pt_row = PT + seq64 * s_ptb
+    # Page ids are read one tile ahead and carried through the loop: a page-id load in the same
+    # iteration as the K/V loads it addresses makes the pipeliner wait for every copy in flight
+    # (async_wait num = 0: no overlap of loads with MMAs, docs/perf-notes.md); carried, the K/V
+    # copies of later tiles stay in flight.
+    last_pg = tl.maximum(end - 1, 0) // PAGE_SIZE
+    nxt = _page_ids(pt_row, start, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
     # The interpreter keeps scalars as 1-element arrays that range() rejects: it runs a while loop
     # (never pipelined); compiled code uses the pipelined for loop.
     if INTERP:
         start_n = start
         while start_n < end:
+            blk = nxt
+            nxt = _page_ids(pt_row, start_n + BLOCK_N, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
             m_i, l_i, acc = _kv_tile(
-                start_n, end, q, tok, qlen, kv_len, kvh, pt_row, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
+                start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
                 window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
                 s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT)
+                SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8)
             start_n += BLOCK_N
     else:
         for start_n in range(start, end, BLOCK_N):
+            blk = nxt
+            nxt = _page_ids(pt_row, start_n + BLOCK_N, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
             m_i, l_i, acc = _kv_tile(
-                start_n, end, q, tok, qlen, kv_len, kvh, pt_row, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
+                start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
                 window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
                 s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT)
+                SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8)
 
-    out, lse = finalize_rows(acc, m_i, l_i, v_descale, MMA_FP8)
+    out, lse = finalize_rows(acc, m_i, l_i, v_descale, P_FP8)
     o_ptrs = O + seq64 * s_ob + tok_g[:, None] * s_ot + hq[:, None] * s_oh + offs_dv[None, :]
     l_ptrs = LSE + seq64 * s_lb + tok_g * s_lt + hq * s_lh
     if SPLIT:
@@ -257,16 +299,21 @@ def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int 
     return int(max(1, min(want, cap, max_splits)))
 
 
-# (block_m, block_n, num_warps, num_stages) by regime; see docs/perf-notes.md.
+# (block_m, block_n, num_warps, num_stages) by regime; see docs/perf-notes.md (paged, version 3).
 _CONFIGS = {
-    "decode": (16, 128, 4, 2),
+    "decode": (16, 64, 4, 4),
     "small": (64, 64, 4, 3),
     "prefill": (128, 64, 8, 3),
 }
 
 
-def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override: dict | None = None):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch; fixed from shapes."""
+def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override: dict | None = None,
+                 page_size: int | None = None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch; fixed from shapes.
+
+    With ``page_size`` >= 64 smaller than the regime's BLOCK_N, BLOCK_N drops to the page size so that
+    every KV tile lies in one page (one page id per tile). An explicit ``override`` is kept as given.
+    """
     rows = max(1, max_seqlen_q) * qg
     if rows <= 16 and qg <= 16:
         bm, bn, nw, ns = _CONFIGS["decode"]
@@ -279,6 +326,8 @@ def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overri
         bn = min(bn, 32)
         if not mma_fp8 and bm > 64:
             bm, nw = 64, 4
+    if page_size is not None and 64 <= page_size < bn and bn % page_size == 0:
+        bn = page_size
     if override:
         bm = override.get("block_m", bm)
         bn = override.get("block_n", bn)
@@ -346,7 +395,9 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_splits : split-KV factor, fixed by the caller (``choose_num_splits``); > 1 writes partials
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
         them with ``launch_combine``.
-    config : optional override {block_m, block_n, num_warps, num_stages, compute_dtype} (benchmarks).
+    config : optional override {block_m, block_n, num_warps, num_stages, compute_dtype, pv_fp16}
+        (benchmarks). ``pv_fp16`` (FP8 Q and cache only): FP8 QK^T, then P@V in fp16 with V upcast in
+        registers and P rounded to fp16 instead of e4m3 (no in-kernel transpose of V).
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -377,7 +428,9 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         cdt = config["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
     if _interpret() and cdt == torch.bfloat16:
         cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
-    bm, bn, nw, ns = paged_config(max_seqlen_q, qg, d, mma_fp8, config)
+    bm, bn, nw, ns = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size)
+    # FP8 P@V unless the benchmark override asks for the fp16 P@V variant (FP8 QK^T, fp16 P and V)
+    p_fp8 = mma_fp8 and not (config and config.get("pv_fp16"))
     block_q = max(1, bm // qg)
     if varlen:
         grid0 = total_q // block_q + batch
@@ -453,7 +506,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HAS_KS=has_ks, HAS_VS=has_vs, MMA_FP8=mma_fp8, CDT=_TL[cdt],
         STORE_LSE=lse is not None, SPLIT=split, OUT_FP8=out_fp8,
         OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
-        INTERP=_interpret(), num_warps=nw, num_stages=ns,
+        TILE_IN_PAGE=page_size % bn == 0, P_FP8=p_fp8, INTERP=_interpret(), num_warps=nw, num_stages=ns,
     )
     if split:
         if varlen:
