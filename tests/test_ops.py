@@ -78,7 +78,7 @@ def _dense_case(varlen=False, out_scale=None, out_dtype=None):
         v = torch.randn(b, sk, hk, d).to(E4M3)
         extra = (None, None, None, None, None, None)
     return (q, k, v) + extra + (0.2, True, -1, 0, 0.0, _descale(b, hk), _descale(b, hk), _descale(b, hk),
-                                out_scale, out_dtype, False)
+                                out_scale, out_dtype, False, 0)
 
 
 OSCALE = torch.tensor(0.013)

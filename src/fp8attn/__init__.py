@@ -3,10 +3,11 @@ from .interface import (flash_attn_combine, flash_attn_func, flash_attn_varlen_f
                         write_kv_cache)
 from . import quant, reference
 from .kernels.quantize import quantize_qkv
+from .compile import fused_output_quant_supported
 
 __version__ = "0.1.0"
 
 __all__ = [
     "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
-    "write_kv_cache", "quantize_qkv", "quant", "reference", "__version__",
+    "write_kv_cache", "quantize_qkv", "fused_output_quant_supported", "quant", "reference", "__version__",
 ]

@@ -58,6 +58,26 @@ def _descales(q_descale, k_descale, v_descale, batch, nheads_k, device, validate
     return tuple(expand_descale(d, batch, nheads_k, device) for d in (q_descale, k_descale, v_descale))
 
 
+def _block_descales(q_descale, k_descale, v_descale, block, batch, nheads_q, nheads_k, seqlen_q, seqlen_k,
+                    device, validate):
+    """Validate per-block Q/K descales (batch, heads, cdiv(seqlen, block)); V stays per (batch, KV head)."""
+    if not isinstance(block, int) or block < 16 or block > 256 or block & (block - 1):
+        raise ValueError(f"descale_block_size: expected a power of two in [16, 256], got {block!r}. "
+                         "Use the block_size passed to fp8attn.quantize_qkv(granularity='per_block').")
+    for name, d, h, s in (("q_descale", q_descale, nheads_q, seqlen_q), ("k_descale", k_descale, nheads_k, seqlen_k)):
+        want = (batch, h, -(-s // block))
+        if not isinstance(d, torch.Tensor) or tuple(d.shape) != want or d.dtype != torch.float32:
+            got = f"{d.dtype} {tuple(d.shape)}" if isinstance(d, torch.Tensor) else repr(d)
+            raise ValueError(f"{name}: expected float32 {want} (batch, heads, cdiv(seqlen, {block})) with "
+                             f"descale_block_size={block}, got {got}. Pass the per-block descales from quantize_qkv.")
+        if d.device != device:
+            raise ValueError(f"{name}: expected device {device}, got {d.device}. Move {name} to {device}.")
+        C.check_descale_values(name, d, validate)
+    C.check_descale("v_descale", v_descale, batch, nheads_k, device)
+    C.check_descale_values("v_descale", v_descale, validate)
+    return q_descale, k_descale, expand_descale(v_descale, batch, nheads_k, device)
+
+
 def _scale(softmax_scale, d):
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
 
@@ -65,7 +85,7 @@ def _scale(softmax_scale, d):
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                     pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, *,
-                    out=None, out_dtype=None, out_scale=None, validate=False):
+                    out=None, out_dtype=None, out_scale=None, descale_block_size=None, validate=False):
     """Dense attention.
 
     Parameters
@@ -88,6 +108,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     out : optional preallocated output, written in place and returned.
     out_dtype : bf16 / fp16 / fp32 output. out_scale : float32 one-element static per-tensor scale;
         the output is then e4m3fn ``saturate(out / out_scale)``, written by the kernel.
+    descale_block_size : per-block Q/K scales (``quantize_qkv(granularity="per_block")``): q_descale
+        float32 (batch, nheads_q, cdiv(seqlen_q, block)), k_descale (batch, nheads_k, cdiv(seqlen_k, block));
+        v_descale stays (batch, nheads_k). A power of two in [16, 256]. Varlen: batch 1 over packed tokens.
     validate : also run the value checks (descale values) on GPU tensors (they sync the device).
 
     Returns
@@ -111,11 +134,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                          "Give q, k and v the same batch and k, v the same seqlen.")
     hk = k.shape[2]
     _check_out_args(out, out_dtype, out_scale, (b, sq, hq, v.shape[-1]), q)
-    qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate)
+    if descale_block_size is None:
+        qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate)
+    else:
+        qd, kd, vd = _block_descales(q_descale, k_descale, v_descale, descale_block_size, b, hq, hk, sq,
+                                     k.shape[1], q.device, validate)
     o, lse = ops.dense_fwd(q, k, v, softmax_scale=_scale(softmax_scale, d), causal=bool(causal),
                            window_size=_resolve_window(causal, window_size), softcap=float(softcap),
                            q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, out_dtype=out_dtype,
-                           out=out, pack_gqa=pack_gqa)
+                           out=out, pack_gqa=pack_gqa, descale_block=descale_block_size or 0)
     return (o, lse) if return_attn_probs else o
 
 
@@ -123,7 +150,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
                            k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
                            num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
-                           return_attn_probs=False, *, out=None, out_dtype=None, out_scale=None, validate=False):
+                           return_attn_probs=False, *, out=None, out_dtype=None, out_scale=None,
+                           descale_block_size=None, validate=False):
     """Variable-length attention over packed sequences.
 
     Parameters
@@ -132,7 +160,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens_q, cu_seqlens_k : (batch + 1,) int32 non-decreasing offsets starting at 0.
     max_seqlen_q, max_seqlen_k : int upper bounds of the per-sequence lengths.
     seqused_q, seqused_k : optional (batch,) int32: tokens actually used per sequence (<= its length).
-    Other arguments as in :func:`flash_attn_func`; descales are (batch, nheads_k).
+    Other arguments as in :func:`flash_attn_func`; descales are (batch, nheads_k). With
+    ``descale_block_size`` the per-block Q/K descales run over the packed token index:
+    q_descale (1, nheads_q, cdiv(total_q, block)), k_descale (1, nheads_k, cdiv(total_k, block)).
 
     Returns
     -------
@@ -159,13 +189,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                              f"Pass the true maximum of the lengths in {name.replace('max_seqlen', 'cu_seqlens')}.")
     hk = k.shape[1]
     _check_out_args(out, out_dtype, out_scale, (q.shape[0], q.shape[1], v.shape[-1]), q)
-    qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate)
+    if descale_block_size is None:
+        qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate)
+    else:
+        qd, kd, _ = _block_descales(q_descale, k_descale, None, descale_block_size, 1, q.shape[1], hk,
+                                    q.shape[0], k.shape[0], q.device, validate)
+        C.check_descale("v_descale", v_descale, b, hk, q.device)
+        vd = expand_descale(v_descale, b, hk, q.device)
     o, lse = ops.dense_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                            seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                            softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
                            window_size=_resolve_window(causal, window_size), softcap=float(softcap),
                            q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, out_dtype=out_dtype,
-                           out=out, pack_gqa=pack_gqa)
+                           out=out, pack_gqa=pack_gqa, descale_block=descale_block_size or 0)
     return (o, lse) if return_attn_probs else o
 
 

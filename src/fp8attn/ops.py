@@ -97,7 +97,7 @@ def _dense_shapes(q, v, varlen):
 
 def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap, q_descale, k_descale, v_descale,
-                out_scale, out_dtype, pack_gqa, out):
+                out_scale, out_dtype, pack_gqa, descale_block, out):
     varlen = cu_seqlens_q is not None
     dt = _out_dtype(q, out_dtype, out_scale)
     oshape, lse_shape = _dense_shapes(q, v, varlen)
@@ -110,11 +110,16 @@ def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
                softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                out_scale=out_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-               max_seqlen_k=max_seqlen_k, pack_gqa=bool(pack_gqa))
+               max_seqlen_k=max_seqlen_k, pack_gqa=bool(pack_gqa),
+               descale_block_q=descale_block or None, descale_block_k=descale_block or None)
         return o, lse
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale,
               out_dtype=dt, return_lse=True)
+    if descale_block:  # per-block Q/K descales -> per-token scales for the reference
+        kw.update(q_descale=None, k_descale=None,
+                  q_token_descale=_block_tokens(q_descale, q, varlen, descale_block),
+                  k_token_descale=_block_tokens(k_descale, k, varlen, descale_block))
     if varlen:
         o, lse = ref.varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           seqused_q=seqused_q, seqused_k=seqused_k, **kw)
@@ -128,6 +133,14 @@ def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     else:
         o = _fresh(o)
     return o, _fresh(lse)
+
+
+def _block_tokens(descale, x, varlen, block):
+    """Per-block (batch, heads, nblocks) descales -> per-token: (batch, seqlen, heads), or (total, heads)
+    for varlen (whose blocks run over the packed token index, batch 1)."""
+    n = x.shape[0] if varlen else x.shape[1]
+    t = ref.block_descales_to_tokens(descale, n, block)
+    return t[0] if varlen else t
 
 
 def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
@@ -245,7 +258,7 @@ def _scaled_bmm_impl(a, b, scale_a, scale_b, out_dtype):
 
 def _dense_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap, q_descale, k_descale, v_descale,
-                out_scale, out_dtype, pack_gqa):
+                out_scale, out_dtype, pack_gqa, descale_block):
     oshape, lse_shape = _dense_shapes(q, v, cu_seqlens_q is not None)
     return (q.new_empty(oshape, dtype=_out_dtype(q, out_dtype, out_scale)),
             q.new_empty(lse_shape, dtype=torch.float32))
@@ -299,7 +312,7 @@ def _scaled_bmm_fake(a, b, scale_a, scale_b, out_dtype):
 _DENSE_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, "
                "Tensor? seqused_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, float softmax_scale, bool causal, "
                "int window_left, int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, "
-               "Tensor? v_descale, Tensor? out_scale, ScalarType? out_dtype, bool pack_gqa")
+               "Tensor? v_descale, Tensor? out_scale, ScalarType? out_dtype, bool pack_gqa, int descale_block")
 _PAGED_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cache_seqlens, "
                "Tensor? cu_seqlens_q, SymInt? max_seqlen_q, float softmax_scale, bool causal, int window_left, "
                "int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, "
@@ -406,7 +419,7 @@ def _no_backward(name, res, grad_inputs, out_given):
 def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
               max_seqlen_q=None, max_seqlen_k=None, softmax_scale, causal, window_size, softcap,
               q_descale, k_descale, v_descale, out_scale=None, out_dtype=None, out=None,
-              pack_gqa=None):
+              pack_gqa=None, descale_block=0):
     """Dense (4-D q) or varlen (3-D q + cu_seqlens) forward through ``fp8attn::dense_fwd[_out]``.
 
     Parameters
@@ -416,6 +429,8 @@ def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, 
     v : (batch, seqlen_k, nheads_k, headdim_v) or varlen (total_k, nheads_k, headdim_v).
     cu_seqlens_q, cu_seqlens_k : (batch + 1,) int32 (varlen). seqused_q, seqused_k : (batch,) int32.
     q_descale, k_descale, v_descale : float32 (batch, nheads_k) views (or None for 16-bit inputs).
+        With ``descale_block > 0``: q_descale (batch, nheads_q, cdiv(seqlen_q, block)) and k_descale
+        (batch, nheads_k, cdiv(seqlen_k, block)) per-block; varlen counts as batch 1 over packed tokens.
     out_scale : float32 one-element static output scale (output e4m3fn), or None.
     out : optional preallocated output (written in place and returned).
 
@@ -426,7 +441,7 @@ def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, 
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
             float(softmax_scale), bool(causal), window_size[0], window_size[1], float(softcap),
-            q_descale, k_descale, v_descale, out_scale, out_dtype, bool(pack_gqa))
+            q_descale, k_descale, v_descale, out_scale, out_dtype, bool(pack_gqa), int(descale_block))
     if _needs_grad(q, k, v):
         return _no_backward("dense_fwd", _dense_op(*args) if out is None else None, (q, k, v), out is not None)
     if out is None:

@@ -25,7 +25,7 @@ import torch
 
 from .quant import expand_descale, is_fp8, saturating_cast
 
-__all__ = ["attention_ref", "varlen_attention_ref", "paged_attention_ref", "combine_ref",
+__all__ = ["attention_ref", "varlen_attention_ref", "block_descales_to_tokens", "paged_attention_ref", "combine_ref",
            "gather_paged", "pad_varlen", "unpad_varlen"]
 
 P_SCALE = 256.0  # 2**8: P's offset into the e4m3 range (kernels use exp2(s - m + 8))
@@ -44,7 +44,7 @@ def _dq(x: torch.Tensor, descale: torch.Tensor | None, token_descale: torch.Tens
 
 def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None, causal=False,
                   window_size=(-1, -1), softcap=0.0, q_descale=None, k_descale=None, v_descale=None,
-                  k_token_descale=None, v_token_descale=None, quantize_p=False, out_scale=None,
+                  q_token_descale=None, k_token_descale=None, v_token_descale=None, quantize_p=False, out_scale=None,
                   out_dtype=None, compute_dtype=torch.float32, return_lse=False):
     """Padded dense attention.
 
@@ -55,6 +55,8 @@ def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None
     v : (batch, seqlen_k, nheads_k, headdim_v).
     seqlens_q, seqlens_k : (batch,) integer tensors of valid lengths (default: full).
     q_descale, k_descale, v_descale : float32 (batch, nheads_k) or broadcastable per-tensor.
+    q_token_descale : float32 (batch, seqlen_q, nheads_q) per-token-head Q scales (per-block descales
+        expanded to tokens: ``block_descales_to_tokens``).
     k_token_descale, v_token_descale : float32 (batch, seqlen_k, nheads_k) per-token-head scales.
     out_scale : static per-tensor output scale; the output is then e4m3fn.
 
@@ -86,7 +88,7 @@ def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None
     valid_k = torch.arange(sk, device=dev)[None, :] < seqlens_k[:, None]  # (b, sk)
     zero = torch.zeros((), dtype=cdt, device=dev)
     g = hq // hk
-    qf = _dq(q, qd.repeat_interleave(g, dim=1) if qd is not None else None, None, cdt)
+    qf = _dq(q, qd.repeat_interleave(g, dim=1) if qd is not None else None, q_token_descale, cdt)
     kf = _dq(k, kd, k_token_descale, cdt)
     vf = _dq(v, None, v_token_descale, cdt)  # v_descale is applied after P @ V, like the kernels
     qf = torch.where(valid_q[:, :, None, None], qf, zero)
@@ -137,6 +139,12 @@ def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None
     return o, lse.squeeze(-1).float()
 
 
+def block_descales_to_tokens(descale: torch.Tensor, seqlen: int, block_size: int) -> torch.Tensor:
+    """Per-block descales (batch, heads, cdiv(seqlen, block_size)) -> per-token (batch, seqlen, heads)."""
+    idx = torch.arange(seqlen, device=descale.device) // block_size
+    return descale[:, :, idx].transpose(1, 2)
+
+
 def pad_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     """(total, heads, dim) + cu_seqlens (batch+1,) -> (batch, max_seqlen, heads, dim), zero padded."""
     b = cu_seqlens.numel() - 1
@@ -171,6 +179,7 @@ def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     """Varlen attention: q (total_q, nheads_q, d), k/v (total_k, nheads_k, d), cu_seqlens int32.
 
     ``seqused_*`` (batch,) limit the tokens used per sequence (the rest of its slot is ignored).
+    ``q_token_descale`` / ``k_token_descale`` may be given per packed token, (total, heads).
     Returns out (total_q, nheads_q, dv) and, with return_lse, lse (nheads_q, total_q).
     """
     lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
@@ -182,6 +191,9 @@ def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     qp = pad_varlen(q, cu_seqlens_q, max(int(max_seqlen_q), 1))
     kp = pad_varlen(k, cu_seqlens_k, max(int(max_seqlen_k), 1))
     vp = pad_varlen(v, cu_seqlens_k, max(int(max_seqlen_k), 1))
+    for name, cu, ms in (("q_token_descale", cu_seqlens_q, max_seqlen_q), ("k_token_descale", cu_seqlens_k, max_seqlen_k)):
+        if kw.get(name) is not None:  # packed (total, heads) -> padded (batch, max_seqlen, heads)
+            kw[name] = pad_varlen(kw[name][..., None], cu, max(int(ms), 1))[..., 0]
     res = attention_ref(qp, kp, vp, seqlens_q=lq, seqlens_k=lk, return_lse=return_lse, **kw)
     o, lse = res if return_lse else (res, None)
     total_q = q.shape[0]
