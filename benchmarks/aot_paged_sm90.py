@@ -180,6 +180,7 @@ CASES = [
     {"name": "prefill e4m3q 2k/8k p64", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 64, "q": E4M3},
     {"name": "prefill bf16q 2k/8k p64", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 64, "q": torch.bfloat16},
     {"name": "prefill e4m3q 2k/8k p16", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 16, "q": E4M3},
+    {"name": "small e4m3q B32 q8 L4096 p64", "batch": 32, "qlen": 8, "ctx": 4096, "page_size": 64, "q": E4M3},
     {"name": "decode bf16q B64 L4096 p1", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 1, "q": torch.bfloat16},
 ]
 
