@@ -10,16 +10,21 @@ programs exit at once. Programs are visited in reverse order so the last (typica
 sequences and the heavier causal blocks start first.
 
 Keys: ``cache_seqlens[b]`` valid tokens, queries being the last ``seqlen_q`` of them (bottom-right
-causal/window alignment). Page ids are looked up per key row (``page_table[b, j // page_size]``);
-every load is masked to ``j < kv_hi <= cache_seqlens[b]``, so ``-1`` page entries and NaN-poisoned
-slots past the length are never read.
+causal/window alignment). When ``page_size`` is a multiple of BLOCK_N (TILE_IN_PAGE) each KV tile
+lies in one page and reads one page id; otherwise page ids are looked up per key row
+(``page_table[b, j // page_size]``). Page ids are read one tile ahead and carried through the loop,
+which keeps the K/V async copies of later tiles in flight (docs/perf-notes.md, paged version 3).
+Every K/V load is masked to ``j < kv_hi <= cache_seqlens[b]`` and page-table reads stay on the row's
+live pages (an empty range reads entry 0 and never uses it), so ``-1`` page entries and NaN-poisoned
+slots past the length are never used as addresses or read.
 
 Numerics (``common``): descales are folded (``q_descale * k_descale`` into the logit scale,
 ``v_descale`` into the final 1/rowsum); per-token-head cache scales multiply the logits' columns
 (K) and the dequantized V rows. Two MMA paths:
 
 * ``MMA_FP8``: Q, K and V all e4m3fn without per-token-head scales -> FP8 QK^T and FP8 P@V (P scaled
-  into e4m3's range by ``common.online_softmax_step``).
+  into e4m3's range by ``common.online_softmax_step``; ``P_FP8``). Benchmarks can ask for
+  ``config={"pv_fp16": True}``: FP8 QK^T, then P@V in fp16 (V upcast in registers, P in fp16).
 * otherwise (16-bit Q over an FP8 cache, e5m2 caches, per-token-head scales, 16-bit caches): K/V
   are upcast in registers to a 16-bit compute dtype and the dots run in 16 bits with fp32
   accumulation. Over an FP8 cache that dtype is fp16 (e4m3/e5m2 are exact in fp16 and the upcast
