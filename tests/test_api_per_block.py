@@ -68,3 +68,28 @@ def test_bad_block_descales_name_the_argument():
         fp8attn.flash_attn_func(q8, q8, q8, q_descale=torch.ones(1, 2), k_descale=good, descale_block_size=32)
     with pytest.raises(ValueError, match="k_descale"):
         fp8attn.flash_attn_func(q8, q8, q8, q_descale=good, k_descale=torch.ones(1, 2, 3), descale_block_size=32)
+
+
+def test_kernel_varlen_per_block_indexes_packed_tokens():
+    """The Triton kernel (interpreter on CPU, compiled on GPU) reads per-block descales of a multi-sequence
+    varlen batch by packed token index, like the reference."""
+    pytest.importorskip("triton")
+    from fp8attn.kernels.dense import launch_dense_fwd
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    cu_q = torch.tensor([0, 40, 40, 90], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, 50, 60, 140], dtype=torch.int32, device=dev)
+    q, k, v = (torch.randn(n, h, 64, generator=g).to(dev) for n, h in ((90, 2), (140, 1), (140, 1)))
+    k[60:] *= 8.0  # the last sequence's blocks carry much larger descales
+    q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(q, k, v, granularity="per_block", block_size=16)
+    out = torch.empty(90, 2, 64, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(2, 90, device=dev)
+    launch_dense_fwd(q8, k8, v8, out, lse, softmax_scale=0.125, causal=True, window_size=(-1, 0), softcap=0.0,
+                     q_descale=qd, k_descale=kd, v_descale=vd.expand(3, 1), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                     max_seqlen_q=50, max_seqlen_k=80, descale_block_q=16, descale_block_k=16)
+    ref = fp8attn.flash_attn_varlen_func(q8.cpu(), k8.cpu(), v8.cpu(), cu_q.cpu(), cu_k.cpu(), 50, 80, causal=True,
+                                         q_descale=qd.cpu(), k_descale=kd.cpu(), v_descale=vd.cpu().expand(3, 1),
+                                         descale_block_size=16)
+    err = (out.cpu().float() - ref.float()).abs().max().item()
+    assert err < 0.05, err

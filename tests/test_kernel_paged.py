@@ -281,12 +281,14 @@ def _wide_page_table(c, fill):
 def test_tile_path_decode(page_size, num_splits):
     hq, hk, d = 8, 2, 32
     bn = paged_config(1, hq // hk, d, False, None, page_size)[1]
-    assert page_size % bn == 0  # the one-page-id-per-tile path is the one under test
+    # the one-page-id-per-tile path is the one under test (decode defaults to 128-key tiles)
+    cfg = None if page_size % bn == 0 else {"block_m": 16, "block_n": 64}
+    assert page_size % (bn if cfg is None else cfg["block_n"]) == 0
     seqlens = [300, 0, 129, 64, 1, 257]
     c = _wide_page_table(make_cache(seqlens, page_size, hk, d, extra_pages=0), 1 << 30)
     q = torch.randn(len(seqlens), 1, hq, d, device=DEV).to(torch.bfloat16)
     kd, vd = rand_descale(len(seqlens), hk), rand_descale(len(seqlens), hk)
-    out, lse = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=num_splits)
+    out, lse = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=num_splits, config=cfg)
     ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
     check(out, lse, ref, ref_lse, lp)
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()

@@ -113,7 +113,7 @@ _AUTOTUNE_KEY = ["BLOCK_D", "BLOCK_DV", "IS_FP8", "CAUSAL", "HAS_WINDOW", "IS_VA
 def _attn_inner(acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
                 offs_m, offs_d, offs_dv, lo, hi, seqlen_q, seqlen_k, head_dim, head_dim_v,
-                qk_scale, softcap, window_left, window_right, kds_block,
+                qk_scale, softcap, window_left, window_right, kds_block, kds_tok0,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 SOFTCAP: tl.constexpr, P_FP8: tl.constexpr, DESCALE_MODE: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -145,7 +145,7 @@ def _attn_inner(acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
                 v = tl.load(v_ptrs, mask=offs_dv[None, :] < head_dim_v, other=0.0)
         qk = tl.dot(q, kt)
         if DESCALE_MODE == 2:
-            kblk = (offs_n // kds_block).to(tl.int64)
+            kblk = (kds_tok0 + offs_n.to(tl.int64)) // kds_block  # varlen: blocks over packed tokens
             if MASKED:
                 kcol = tl.load(kds_base + kblk * stride_kds_blk, mask=offs_n < seqlen_k, other=1.0)
             else:
@@ -257,7 +257,7 @@ def _dense_fwd_kernel(
         v_descale = tl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
         qk_scale = base_scale * qd * kd
     elif DESCALE_MODE == 2:
-        qblk = (offs_m // qds_block).to(tl.int64)
+        qblk = (q_start + offs_m.to(tl.int64)) // qds_block  # varlen: blocks over packed tokens
         qrow = tl.load(QDs + b64 * stride_qds_b + hq64 * stride_qds_h + qblk * stride_qds_blk,
                        mask=row_ok, other=1.0)
         qrow_scale = qrow * base_scale
@@ -312,21 +312,21 @@ def _dense_fwd_kernel(
             acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
             offs_m, offs_d, offs_dv, lo, full_lo, seqlen_q, seqlen_k, head_dim, head_dim_v,
-            qk_scale, softcap, window_left, window_right, kds_block,
+            qk_scale, softcap, window_left, window_right, kds_block, k_start,
             True, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
             BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV)
     acc, m_i, l_i = _attn_inner(
         acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
         offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, head_dim, head_dim_v,
-        qk_scale, softcap, window_left, window_right, kds_block,
+        qk_scale, softcap, window_left, window_right, kds_block, k_start,
         False, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
         BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV)
     acc, m_i, l_i = _attn_inner(
         acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
         offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, head_dim, head_dim_v,
-        qk_scale, softcap, window_left, window_right, kds_block,
+        qk_scale, softcap, window_left, window_right, kds_block, k_start,
         True, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
         BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV)
 
@@ -537,6 +537,8 @@ def _build_launch(q, k, v, out, lse, *, softmax_scale, causal, window_size, soft
         else:
             qds = tuple(q_descale.stride())
             kds = tuple(k_descale.stride())
+            if cu_seqlens_q is not None:  # varlen per-block descales are (1, heads, nblocks) over packed tokens
+                qds, kds = (0,) + qds[1:], (0,) + kds[1:]
         vds = tuple(v_descale.stride())
     if out_scale is not None and not torch.is_tensor(out_scale):
         out_scale = torch.tensor([float(out_scale)], device=q.device, dtype=torch.float32)
