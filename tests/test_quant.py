@@ -236,3 +236,12 @@ def test_bad_granularity_names_argument():
         compute_descale(torch.randn(1, 2, 1, 8), "per_row")
     with pytest.raises(ValueError, match="x"):
         compute_descale(torch.randn(2, 8), "per_head")
+
+
+def test_empty_inputs_get_floored_descales():
+    """Zero-length inputs (a sequence with no tokens) give the floor, not an error."""
+    from fp8attn.quant import DESCALE_FLOOR, compute_descale
+
+    assert compute_descale(torch.empty(0, 3)).item() == pytest.approx(DESCALE_FLOOR)
+    d = compute_descale(torch.empty(2, 0, 3, 8), "per_head")
+    assert d.shape == (2, 3) and (d > 0).all()

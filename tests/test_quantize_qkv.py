@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fp8attn import hadamard as had  # noqa: E402
-from fp8attn.kernels.quantize import quantize_qkv  # noqa: E402
+from fp8attn.qkv import quantize_qkv  # noqa: E402
 from fp8attn.quant import dequantize, quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -2,7 +2,7 @@
 from .interface import (flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                         write_kv_cache)
 from . import quant, reference
-from .kernels.quantize import quantize_qkv
+from .qkv import quantize_qkv
 from .compile import fused_output_quant_supported
 
 __version__ = "0.1.0"

@@ -113,7 +113,11 @@ def compute_descale(x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=
         dims = _reduce_dims(x, granularity)
         if dims is not None and x.dim() != 4:
             raise ValueError(f"x: {granularity} expects (batch, seqlen, heads, dim), got shape {tuple(x.shape)}")
-        amax = a.amax() if dims is None else a.amax(dim=dims)
+        if a.numel() == 0:  # empty input (e.g. a zero-length sequence): amax 0 -> the floor
+            shape = () if dims is None else [n for i, n in enumerate(a.shape) if i not in dims]
+            amax = a.new_zeros(shape)
+        else:
+            amax = a.amax() if dims is None else a.amax(dim=dims)
         if granularity == "per_sequence":
             amax = amax.view(-1, 1)
     return (amax.clamp_min(DESCALE_FLOOR * m) / m).to(torch.float32)

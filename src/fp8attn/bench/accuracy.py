@@ -35,7 +35,7 @@ def _oracle(q, k, v):
 
 def _run_variant(q, k, v, granularity, hadamard, block=128):
     from ..kernels.dense import launch_dense_fwd
-    from ..kernels.quantize import quantize_qkv
+    from ..qkv import quantize_qkv
 
     b, sq, h, d = q.shape
     out = torch.empty(b, sq, h, d, device=q.device, dtype=torch.float32)

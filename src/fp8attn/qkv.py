@@ -1,0 +1,165 @@
+"""``quantize_qkv``: 16-bit Q, K, V -> FP8 e4m3 with descales, optionally Hadamard-rotating Q and K.
+
+On CUDA (or under TRITON_INTERPRET=1) it runs the Triton tile kernel of kernels/quantize.py: a pass
+that computes the amax of every (batch, head, token block) — and, for per-block granularity,
+quantizes in the same pass since a tile is exactly one scale block — and, for per-tensor / per-head
+granularity, a second pass that quantizes with the reduced descale. The tiny amax reductions between
+the passes are torch ops (no host sync). A pure-torch path computes the same thing elsewhere.
+
+Descale convention (fp8attn.quant): ``descale = max(amax, DESCALE_FLOOR * 448) / 448`` and
+``x8 = saturate(x / descale)``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from . import hadamard as _had
+from .kernels.quantize import HAS_TRITON
+from .quant import DESCALE_FLOOR
+
+__all__ = ["quantize_qkv", "GRANULARITIES"]
+
+GRANULARITIES = ("per_tensor", "per_head", "per_block")
+E4M3_MAX = 448.0
+
+
+def _validate(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}. Pass {name} as a tensor.")
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"{name}: expected bf16/fp16/fp32, got {t.dtype}. quantize_qkv takes unquantized inputs.")
+        if t.dim() not in (3, 4):
+            raise ValueError(f"{name}: expected (batch, seqlen, heads, dim) or varlen (total, heads, dim), "
+                             f"got shape {tuple(t.shape)}. Reshape {name} to that layout.")
+    if not (q.dim() == k.dim() == v.dim()):
+        raise ValueError(f"q/k/v: expected the same layout, got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D tensors.")
+    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
+        raise ValueError(f"q: expected nheads_q divisible by nheads_k = {k.shape[-2]}, got {q.shape[-2]}.")
+
+
+def _as4d(x):
+    """(batch, seqlen, heads, dim) view; varlen (total, heads, dim) becomes batch 1."""
+    return x.unsqueeze(0) if x.dim() == 3 else x
+
+
+def _descale_from_amax(amax):
+    return (amax.float().clamp_min(DESCALE_FLOOR * E4M3_MAX) / E4M3_MAX).to(torch.float32)
+
+
+def _reduce(amax_blocks, granularity, nheads_k):
+    """(batch, heads, nblocks) block amaxes -> descale of the granularity, as a view the kernel reads
+    at [b, h, blk] and the dense kernel reads at [b, h_k] (per-head / per-tensor) or [b, h, blk]."""
+    b, h, nb = amax_blocks.shape
+    if granularity == "per_tensor":
+        d = _descale_from_amax(amax_blocks.amax()).reshape(1, 1)
+        return d.expand(b, nheads_k), d.reshape(1, 1, 1).expand(b, h, nb)
+    if granularity == "per_head":
+        g = h // nheads_k
+        a = amax_blocks.amax(dim=2).view(b, nheads_k, g).amax(dim=2)  # (b, h_k)
+        d = _descale_from_amax(a)
+        full = d.repeat_interleave(g, dim=1)[:, :, None].expand(b, h, nb)
+        return d, full
+    d = _descale_from_amax(amax_blocks)
+    return d, d
+
+
+def _torch_path(x, granularity, nheads_k, rotate, seed, block_t):
+    x4 = _as4d(x)
+    b, s, h, d = x4.shape
+    xf = _had.rotate(x4, seed) if rotate else x4.float()
+    xf = torch.nan_to_num(xf, nan=0.0) if not rotate else xf
+    nb = max(1, math.ceil(s / block_t))
+    a = torch.nn.functional.pad(xf.abs().nan_to_num(nan=0.0), (0, 0, 0, 0, 0, nb * block_t - s))
+    amax_blocks = a.view(b, nb, block_t, h, d).amax(dim=(2, 4)).transpose(1, 2)  # (b, h, nb)
+    ret, full = _reduce(amax_blocks, granularity, nheads_k)
+    idx = torch.arange(s, device=x.device) // block_t
+    dtok = full[:, :, idx].transpose(1, 2).unsqueeze(-1)  # (b, s, h, 1)
+    y = (xf / dtok).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (y.squeeze(0) if x.dim() == 3 else y), ret
+
+
+def _triton_path(x, granularity, nheads_k, rotate, seed, block_t):
+    from .kernels.quantize import launch_quant_tile
+
+    x4 = _as4d(x)
+    b, s, h, d = x4.shape
+    block_d = max(16, 1 << (d - 1).bit_length())
+    nb = max(1, -(-s // block_t))
+    y = torch.empty(b, s, h, d, device=x.device, dtype=torch.float8_e4m3fn)
+    if rotate:
+        r = torch.zeros(block_d, block_d, device=x.device, dtype=x.dtype)  # ±1: exact in any dtype
+        r[:d, :d] = _had.rotation_matrix(d, seed, device=x.device, dtype=x.dtype, normalized=False)
+        r_scale = 1.0 / math.sqrt(_had.hadamard_block_size(d))
+    else:
+        r, r_scale = y, 1.0
+    amax = torch.empty(b, h, nb, device=x.device, dtype=torch.float32)
+    launch = functools.partial(launch_quant_tile, x4, y, r, r_scale, amax, rotate=rotate, block_t=block_t,
+                               block_d=block_d)
+    if granularity == "per_block":  # a tile is exactly one scale block: one pass
+        ret = torch.empty(b, h, nb, device=x.device, dtype=torch.float32)
+        launch(ret, write_amax=False, quant=True, self_scale=True)
+    else:  # amax pass, tiny torch reduction (no host sync), quantize pass
+        launch(amax, write_amax=True, quant=False, self_scale=False)
+        ret, full = _reduce(amax, granularity, nheads_k)
+        launch(full, write_amax=False, quant=True, self_scale=False)
+    return (y.squeeze(0) if x.dim() == 3 else y), ret
+
+
+def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128, *,
+                 seed=_had.DEFAULT_SEED, backend="auto"):
+    """Quantize 16-bit Q, K, V to FP8 e4m3 with dynamic descales; optionally Hadamard-rotate Q and K.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        (batch, seqlen_q, nheads_q, headdim) or varlen (total_q, nheads_q, headdim); bf16/fp16/fp32.
+    k : torch.Tensor
+        (batch, seqlen_k, nheads_k, headdim) or varlen (total_k, nheads_k, headdim).
+    v : torch.Tensor
+        (batch, seqlen_k, nheads_k, headdim_v) or varlen (total_k, nheads_k, headdim_v).
+    granularity : {"per_tensor", "per_head", "per_block"}
+        per_tensor: one descale per tensor, returned as a stride-0 (batch, nheads_k) view.
+        per_head: float32 (batch, nheads_k) (FA3's convention; Q's amax spans the query heads that
+        share a KV head). per_block: q_descale float32 (batch, nheads_q, cdiv(seqlen_q, block_size)),
+        k_descale float32 (batch, nheads_k, cdiv(seqlen_k, block_size)); V stays per-head (batch,
+        nheads_k). Varlen inputs count as batch 1 (blocks run over the packed token index).
+    hadamard : bool
+        Rotate Q and K over the head dim by the same seeded random-sign Hadamard matrix before
+        quantizing (``Q K^T`` is unchanged; see fp8attn.hadamard). V is not rotated.
+    block_size : int
+        Tokens per scale block (power of two, 16..256) for per_block.
+    seed : int
+        Seed of the rotation's signs.
+    backend : {"auto", "triton", "torch"}
+        auto: Triton on CUDA tensors, torch otherwise.
+
+    Returns
+    -------
+    (q8, k8, v8, q_descale, k_descale, v_descale)
+        FP8 e4m3fn tensors of the inputs' shapes (contiguous) and float32 descales as above. With
+        per_block, pass ``descale_block_size=block_size`` to flash_attn_func / flash_attn_varlen_func.
+    """
+    _validate(q, k, v)
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}. "
+                         "Pick per_tensor, per_head (FA3's descales) or per_block.")
+    bt = int(block_size)
+    if granularity == "per_block" and (bt < 16 or bt > 256 or bt & (bt - 1)):
+        raise ValueError(f"block_size: expected a power of two in [16, 256], got {block_size}")
+    if granularity != "per_block":
+        bt = 64
+    hk = k.shape[-2]
+    use_triton = backend == "triton" or (backend == "auto" and HAS_TRITON and q.is_cuda)
+    if backend == "triton" and not HAS_TRITON:
+        raise ValueError("backend: expected 'auto' or 'torch' without triton installed, got 'triton'. "
+                         "Install triton or pass backend='torch'.")
+    fn = _triton_path if use_triton else _torch_path
+    q8, qd = fn(q, granularity, hk, hadamard, seed, bt)
+    k8, kd = fn(k, granularity, hk, hadamard, seed, bt)
+    vg = "per_head" if granularity == "per_block" else granularity
+    v8, vd = fn(v, vg, hk, False, seed, 64)
+    return q8, k8, v8, qd, kd, vd
