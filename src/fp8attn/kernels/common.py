@@ -72,6 +72,28 @@ def causal_window_mask(s, offs_m, offs_n, seqlen_q, seqlen_k,
 
 
 @triton.jit
+def kv_range(tok_lo, tok_hi, seqlen_q, seqlen_k, window_left, window_right,
+             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) that query rows tok_lo..tok_hi can see (bottom-right aligned causal/window).
+
+    lo is rounded down to a multiple of BLOCK_N (tiles start on BLOCK_N boundaries); hi >= lo.
+    Keys inside the range may still be masked per row (causal_window_mask)."""
+    shift = seqlen_k - seqlen_q
+    hi = seqlen_k
+    if CAUSAL:
+        hi = tl.minimum(hi, tok_hi + shift + 1)
+    lo = 0
+    if HAS_WINDOW:
+        if window_right >= 0:
+            hi = tl.minimum(hi, tok_hi + shift + window_right + 1)
+        if window_left >= 0:
+            lo = tl.maximum(tok_lo + shift - window_left, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, lo)
+    return lo, hi
+
+
+@triton.jit
 def online_softmax_step(s, m_i, l_i, acc, v, P_FP8: tl.constexpr):
     """One KV tile of the online softmax.
 

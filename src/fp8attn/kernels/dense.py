@@ -29,6 +29,7 @@ from .common import (
     LOG2E,
     causal_window_mask,
     finalize_rows,
+    kv_range,
     online_softmax_step,
     output_epilogue,
     scale_logits,
@@ -269,17 +270,7 @@ def _dense_fwd_kernel(
 
     # ---- KV range for this tile (bottom-right aligned masks) -------------------------------
     shift = seqlen_k - seqlen_q
-    hi = seqlen_k
-    if CAUSAL:
-        hi = tl.minimum(hi, tok_hi + shift + 1)
-    lo = 0
-    if HAS_WINDOW:
-        if window_right >= 0:
-            hi = tl.minimum(hi, tok_hi + shift + window_right + 1)
-        if window_left >= 0:
-            lo = tl.maximum(tok_lo + shift - window_left, 0)
-            lo = (lo // BLOCK_N) * BLOCK_N
-    hi = tl.maximum(hi, lo)
+    lo, hi = kv_range(tok_lo, tok_hi, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_N)
     # fully visible tiles [full_lo, full_hi): no load or logit masks
     full_hi_lim = seqlen_k
     if CAUSAL:

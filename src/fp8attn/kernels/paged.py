@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .combine import launch_combine
-from .common import causal_window_mask, finalize_rows, online_softmax_step, output_epilogue, scale_logits
+from .common import causal_window_mask, finalize_rows, kv_range, online_softmax_step, output_epilogue, scale_logits
 
 __all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config"]
 
@@ -155,7 +155,7 @@ def _paged_fwd_kernel(
     SOFTCAP: tl.constexpr, HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
     HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr, CDT: tl.constexpr,
     STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    TILE_IN_PAGE: tl.constexpr, P_FP8: tl.constexpr, INTERP: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr, P_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -206,20 +206,9 @@ def _paged_fwd_kernel(
         v_descale = 1.0
 
     # ---- key range of this block and split ----
-    shift = kv_len - qlen
     tok_lo = qblk * BLOCK_Q
     tok_hi = tl.minimum(tok_lo + BLOCK_Q, qlen) - 1
-    kv_hi = kv_len
-    if CAUSAL:
-        kv_hi = tl.minimum(kv_hi, tok_hi + shift + 1)
-    kv_lo = 0
-    if HAS_WINDOW:
-        if window_right >= 0:
-            kv_hi = tl.minimum(kv_hi, tok_hi + shift + window_right + 1)
-        if window_left >= 0:
-            kv_lo = tl.maximum(tok_lo + shift - window_left, 0)
-    kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
-    kv_hi = tl.maximum(kv_hi, kv_lo)
+    kv_lo, kv_hi = kv_range(tok_lo, tok_hi, qlen, kv_len, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_N)
     n_tiles = tl.cdiv(kv_hi - kv_lo, BLOCK_N)
     per_split = tl.cdiv(n_tiles, num_splits)
     start = tl.multiple_of(kv_lo + split * per_split * BLOCK_N, BLOCK_N)
@@ -235,28 +224,14 @@ def _paged_fwd_kernel(
     # copies of later tiles stay in flight.
     last_pg = tl.maximum(end - 1, 0) // PAGE_SIZE
     nxt = _page_ids(pt_row, start, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
-    # The interpreter keeps scalars as 1-element arrays that range() rejects: it runs a while loop
-    # (never pipelined); compiled code uses the pipelined for loop.
-    if INTERP:
-        start_n = start
-        while start_n < end:
-            blk = nxt
-            nxt = _page_ids(pt_row, start_n + BLOCK_N, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
-            m_i, l_i, acc = _kv_tile(
-                start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
-                window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
-                s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8)
-            start_n += BLOCK_N
-    else:
-        for start_n in range(start, end, BLOCK_N):
-            blk = nxt
-            nxt = _page_ids(pt_row, start_n + BLOCK_N, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
-            m_i, l_i, acc = _kv_tile(
-                start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
-                window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
-                s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8)
+    for start_n in range(start, end, BLOCK_N):
+        blk = nxt
+        nxt = _page_ids(pt_row, start_n + BLOCK_N, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
+        m_i, l_i, acc = _kv_tile(
+            start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
+            window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
+            s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
+            SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8)
 
     out, lse = finalize_rows(acc, m_i, l_i, v_descale, P_FP8)
     o_ptrs = O + seq64 * s_ob + tok_g[:, None] * s_ot + hq[:, None] * s_oh + offs_dv[None, :]
@@ -514,7 +489,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HAS_KS=has_ks, HAS_VS=has_vs, MMA_FP8=mma_fp8, CDT=_TL[cdt],
         STORE_LSE=lse is not None, SPLIT=split, OUT_FP8=out_fp8,
         OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
-        TILE_IN_PAGE=page_size % bn == 0, P_FP8=p_fp8, INTERP=_interpret(), num_warps=nw, num_stages=ns,
+        TILE_IN_PAGE=page_size % bn == 0, P_FP8=p_fp8, num_warps=nw, num_stages=ns,
     )
     if split:
         if varlen:
