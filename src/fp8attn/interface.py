@@ -22,7 +22,7 @@ import torch
 
 from . import _checks as C
 from . import ops
-from .quant import expand_descale, is_fp8
+from .quant import SCALE_STORAGE_DTYPES, expand_descale, is_fp8
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
            "write_kv_cache"]
@@ -260,7 +260,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     out : optional preallocated output (shape of the result, dtype as below), written in place.
     out_dtype : bf16 (default for FP8 q), fp16 or fp32. out_scale : float32 one-element static scale;
         the output is then e4m3fn ``saturate(out / out_scale)``.
-    k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32 per-token-head descales.
+    k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32 or bfloat16 per-token-head descales.
     validate : also run the value checks (page ids, lengths, descale values) on GPU tensors (syncs).
 
     Returns
@@ -323,9 +323,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     for name, sc in (("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
         if sc is not None:
             C.check_tensor(name, sc, ndim=3)
-            if tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.dtype != torch.float32:
-                raise ValueError(f"{name}: expected float32 {tuple(k_cache.shape[:3])} (num_blocks, page_size, nheads_k), "
-                                 f"got {sc.dtype} {tuple(sc.shape)}. Allocate it beside the cache.")
+            if tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.dtype not in SCALE_STORAGE_DTYPES:
+                raise ValueError(f"{name}: expected float32 or bfloat16 {tuple(k_cache.shape[:3])} (num_blocks, "
+                                 f"page_size, nheads_k), got {sc.dtype} {tuple(sc.shape)}. Allocate it beside the cache.")
             if not is_fp8(k_cache.dtype):
                 raise ValueError(f"{name}: expected None for a {k_cache.dtype} cache, got a tensor. Scales apply to FP8 caches.")
     if k_cache_scales is not None and k_descale is not None:
@@ -422,8 +422,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
     slot_mapping : (num_tokens,) int64 (or int32), ``block_id * page_size + offset``; negative = skip.
     k_descale, v_descale : static descales, per-tensor (0-d / (1,) / (1, 1)) or per-(sequence, head)
         (batch, nheads_k) with ``token_seq_idx`` (num_tokens,) int32 giving each token's row.
-    k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32: dynamic
-        per-token-head scales, computed (amax / fp8_max, floored) and stored here.
+    k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32 or bfloat16: dynamic
+        per-token-head scales, computed (amax / fp8_max, floored; for bf16 padded up by 2**-7 so rounding
+        never clips) and stored here; tokens are quantized with exactly the stored value.
     validate : also check slot ids and descale values on GPU tensors (syncs the device).
     """
     for name, t in (("k", k), ("v", v)):
@@ -453,5 +454,12 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
                                  f"{name} of shape {tuple(d.shape)}, got None. Pass each token's batch row.")
             C.check_descale_values(name, d, validate)
     C.check_int32("token_seq_idx", token_seq_idx, ndim=1)
+    if (k_cache_scales is None) != (v_cache_scales is None):
+        raise ValueError("k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither, got one. "
+                         "Allocate both beside the cache.")
+    for name, sc in (("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
+        if sc is not None and (tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.dtype not in SCALE_STORAGE_DTYPES):
+            raise ValueError(f"{name}: expected float32 or bfloat16 {tuple(k_cache.shape[:3])} (num_blocks, page_size, "
+                             f"nheads_k), got {sc.dtype} {tuple(sc.shape)}. Allocate it beside the cache.")
     ops.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale=k_descale, v_descale=v_descale,
                        token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)

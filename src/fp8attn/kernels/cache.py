@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant import scale_storage_pad
+
 __all__ = ["launch_write_kv_cache"]
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -48,7 +50,7 @@ def _round_to_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
                  s_xt, s_xh, s_cb, s_cp, s_ch, s_sb, s_sp, s_sh, s_db, s_dh,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr,
-                 FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, INTERP: tl.constexpr):
+                 FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, INTERP: tl.constexpr, SCALE_PAD: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     m2 = hmask[:, None] & (offs_d[None, :] < D)
     x = tl.load(X + t * s_xt + heads[:, None] * s_xh + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -64,6 +66,8 @@ def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
             a = tl.where(a == float("inf"), FP8_MAX, a)
             amax = tl.max(a, 1)
             ds = tl.maximum(amax, FLOOR * FP8_MAX) / FP8_MAX
+            # quantize with the value that is stored (bf16 scales: padded up, see quant.scale_storage_pad)
+            ds = (ds * SCALE_PAD).to(CS.dtype.element_ty).to(tl.float32)
             tl.store(CS + blk * s_sb + off * s_sp + heads * s_sh, ds, mask=hmask)
         y = x / ds[:, None]
         y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
@@ -84,7 +88,8 @@ def _write_kv_kernel(K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS,
                      s_kdb, s_kdh, s_vdb, s_vdh,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_H: tl.constexpr, MODE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
-                     FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, INTERP: tl.constexpr):
+                     FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, INTERP: tl.constexpr,
+                     K_SCALE_PAD: tl.constexpr, V_SCALE_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot < 0:
@@ -99,10 +104,10 @@ def _write_kv_kernel(K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS,
     hmask = heads < nheads
     _quant_store(K, KC, KS, KD, t, seq, blk, off, heads, hmask,
                  s_kt, s_kh, s_kcb, s_kcp, s_kch, s_ksb, s_ksp, s_ksh, s_kdb, s_kdh,
-                 D, BLOCK_D, MODE, FP8_MAX, FLOOR, INTERP)
+                 D, BLOCK_D, MODE, FP8_MAX, FLOOR, INTERP, K_SCALE_PAD)
     _quant_store(V, VC, VS, VD, t, seq, blk, off, heads, hmask,
                  s_vt, s_vh, s_vcb, s_vcp, s_vch, s_vsb, s_vsp, s_vsh, s_vdb, s_vdh,
-                 DV, BLOCK_DV, MODE, FP8_MAX, FLOOR, INTERP)
+                 DV, BLOCK_DV, MODE, FP8_MAX, FLOOR, INTERP, V_SCALE_PAD)
 
 
 def _descale_strides(d: torch.Tensor | None, nheads_k: int):
@@ -134,8 +139,10 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         per-(sequence, head) (batch, nheads_k) / per-sequence (batch, 1) with ``token_seq_idx``.
         Ignored for a 16-bit cache. Used when the cache scales are None.
     token_seq_idx : (num_tokens,) int32, the batch row of each token (per-(sequence, head) descales).
-    k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32. When given (both), the
-        per-token-head descale is computed dynamically from each (token, head) and stored there.
+    k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32 or bfloat16. When given
+        (both), the per-token-head descale is computed dynamically from each (token, head), rounded to
+        the storage dtype (padded up, ``quant.scale_storage_pad``) and stored there; the cache holds
+        the values quantized with exactly the stored descale.
     """
     num_tokens, nheads_k, d = k.shape
     dv = v.shape[-1]
@@ -178,5 +185,7 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
         BLOCK_H=block_h, MODE=mode, HAS_SEQ_IDX=has_seq, FP8_MAX=fp8_max, FLOOR=DESCALE_FLOOR,
         INTERP=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        K_SCALE_PAD=scale_storage_pad(k_cache_scales.dtype) if mode == MODE_DYNAMIC else 1.0,
+        V_SCALE_PAD=scale_storage_pad(v_cache_scales.dtype) if mode == MODE_DYNAMIC else 1.0,
         num_warps=4,
     )

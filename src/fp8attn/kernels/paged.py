@@ -115,14 +115,14 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
     else:
         qk = tl.dot(q, k.to(CDT))
     if HAS_KS:
-        ks = tl.load(KS + blk * s_ksb + slot * s_ksp + kvh * s_ksh, mask=kv_ok, other=0.0)
+        ks = tl.load(KS + blk * s_ksb + slot * s_ksp + kvh * s_ksh, mask=kv_ok, other=0.0).to(tl.float32)
         qk = qk * ks[None, :]
     s = scale_logits(qk, scale, softcap, SOFTCAP)
     s = causal_window_mask(s, tok, offs_n, qlen, kv_len, CAUSAL, window_left, window_right, HAS_WINDOW)
     v_row = blk * s_vb + slot * s_vp + kvh * s_vh
     v = tl.load(V + v_row[:, None] + offs_dv[None, :], mask=kv_ok[:, None] & dvmask[None, :], other=0.0)
     if HAS_VS:
-        vs = tl.load(VS + blk * s_vsb + slot * s_vsp + kvh * s_vsh, mask=kv_ok, other=0.0)
+        vs = tl.load(VS + blk * s_vsb + slot * s_vsp + kvh * s_vsh, mask=kv_ok, other=0.0).to(tl.float32)
         v = (v.to(tl.float32) * vs[:, None]).to(CDT)
     elif not MMA_FP8:
         v = v.to(CDT)
