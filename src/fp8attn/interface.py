@@ -223,6 +223,50 @@ def _new_token_slots(page_table, cache_seqlens, ps, batch, seqlen_new=None, cu_s
     return slots, seq.to(torch.int32), new_len
 
 
+def _rotate(q, kn, cos, sin, rotary_seqlens, interleaved, cache_seqlens, seq_idx, slots, cu_seqlens_q,
+            max_seqlen_q, batch, positional_q, validate):
+    """Apply FA3's rotary to the new keys and q (see flash_attn_with_kvcache). Returns (q, kn)."""
+    from .rotary import apply_rotary
+
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        C.check_tensor(name, t, ndim=2)
+    if kn is None:
+        raise ValueError("rotary_cos: expected new k/v with rotary tables (the rotation is applied to the new keys "
+                         "and to q), got k=None. Pass k= and v=, or rotate q yourself.")
+    if tuple(cos.shape) != tuple(sin.shape) or 2 * cos.shape[1] > q.shape[-1] or cos.shape[1] % 8 != 0:
+        raise ValueError(f"rotary_cos: expected (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim {q.shape[-1]} "
+                         f"and a multiple of 16, matching rotary_sin; got {tuple(cos.shape)} and {tuple(sin.shape)}.")
+    if is_fp8(q.dtype):
+        raise NotImplementedError("rotary_cos with an FP8 q is not supported: rotate the 16-bit q before quantizing it.")
+    base = cache_seqlens
+    if rotary_seqlens is not None:
+        C.check_int32("rotary_seqlens", rotary_seqlens, ndim=1)
+        base = rotary_seqlens
+    dev = q.device
+    # new keys: position base[b] + i (i = index among the sequence's new tokens)
+    first = torch.zeros(batch + 1, dtype=torch.long, device=dev)
+    first.scatter_reduce_(0, seq_idx.long(), torch.arange(seq_idx.numel(), device=dev), reduce="amin", include_self=False)
+    k_pos = base.long()[seq_idx.long()] + torch.arange(seq_idx.numel(), device=dev) - first[seq_idx.long()]
+    # queries: base[b] + i when causal / windowed, else base[b] for all of them
+    if cu_seqlens_q is None:
+        sq = q.shape[1]
+        q_seq = torch.arange(batch, device=dev).repeat_interleave(sq)
+        q_i = torch.arange(sq, device=dev).repeat(batch)
+    else:
+        tok = torch.arange(q.shape[0], device=dev)
+        q_seq = torch.searchsorted(cu_seqlens_q[1:].long(), tok, right=True)
+        q_i = tok - cu_seqlens_q.long()[q_seq]
+    q_pos = base.long()[q_seq] + (q_i if positional_q else 0)
+    if C.want_value_checks(q_pos, validate):
+        hi = max(int(k_pos.max()) if k_pos.numel() else 0, int(q_pos.max()) if q_pos.numel() else 0)
+        if hi >= cos.shape[0]:
+            raise ValueError(f"rotary_cos: expected at least {hi + 1} rows (the largest rotated position + 1), got "
+                             f"{cos.shape[0]}. Build the tables for the full context length.")
+    q3 = q.reshape(-1, q.shape[-2], q.shape[-1])
+    q = apply_rotary(q3, cos, sin, q_pos, interleaved).reshape(q.shape)
+    return q, apply_rotary(kn, cos, sin, k_pos, interleaved)
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
                             cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
@@ -253,9 +297,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         the queries are the last tokens of each sequence).
     num_splits : 0 = heuristic from shapes (never from live lengths), 1 = no split, n = n KV splits.
     return_softmax_lse : also return the LSE, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q).
-    rotary_cos, rotary_sin, rotary_seqlens, rotary_interleaved, cache_leftpad, scheduler_metadata, qv,
-        attention_chunk, sm_margin : not supported yet; a non-default value raises NotImplementedError
-        (apply rotary embeddings before the call). rotary_interleaved only matters with rotary_cos.
+    rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2), applied to the new k and to 16-bit q (FA3
+        semantics): k at positions cache_seqlens[b] + i; q at cache_seqlens[b] + i when causal or with a
+        window, else all of q at cache_seqlens[b]. Needs k/v. Features past rotary_dim are unchanged.
+    rotary_seqlens : optional (batch,) int32 positions used instead of cache_seqlens for the rotation.
+    rotary_interleaved : True rotates feature pairs (0, 1), (2, 3), ... (GPT-J); False pairs
+        (i, i + rotary_dim / 2) (GPT-NeoX).
+    cache_leftpad, scheduler_metadata, qv, attention_chunk, sm_margin : not supported yet; a non-default
+        value raises NotImplementedError.
     pack_gqa : None/False/True, a scheduling hint (decode always packs the query heads of a KV head).
     out : optional preallocated output (shape of the result, dtype as below), written in place.
     out_dtype : bf16 (default for FP8 q), fp16 or fp32. out_scale : float32 one-element static scale;
@@ -269,9 +318,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
     _common_unsupported(qv, attention_chunk)
-    for name, val in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_leftpad", cache_leftpad),
-                      ("rotary_seqlens", rotary_seqlens), ("scheduler_metadata", scheduler_metadata)):
-        C.unsupported(name, val, None, "apply rotary / left padding before the call")
+    for name, val in (("cache_leftpad", cache_leftpad), ("scheduler_metadata", scheduler_metadata)):
+        C.unsupported(name, val, None, "apply left padding before the call")
     C.unsupported("sm_margin", sm_margin, 0)
     if not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {num_splits!r}. Pass 0, 1 or a split count.")
@@ -364,6 +412,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     oshape = tuple(q.shape[:-1]) + (v_cache.shape[-1],)
     _check_out_args(out, out_dtype, out_scale, oshape, q)
     qd, kd, vd = _descales(q_descale, k_descale, v_descale, batch, hk, dev, validate)
+    if rotary_cos is not None or rotary_sin is not None:
+        q, kn = _rotate(q, kn if k is not None else None, rotary_cos, rotary_sin, rotary_seqlens, rotary_interleaved,
+                        cache_seqlens, seq_idx if k is not None else None, slots if k is not None else None,
+                        cu_seqlens_q, max_seqlen_q, batch, causal or tuple(window_size) != (-1, -1), validate)
+    elif rotary_seqlens is not None:
+        raise ValueError("rotary_seqlens: expected None without rotary_cos/rotary_sin, got a tensor. "
+                         "Pass the rotary tables too, or drop rotary_seqlens.")
     if k is not None:
         ops.write_kv_cache(kn, vn, k_cache, v_cache, slots, k_descale=kd if k_descale is not None else None,
                            v_descale=vd if v_descale is not None else None, token_seq_idx=seq_idx,
