@@ -6,8 +6,8 @@ set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then  # cudnn-frontend for the cuDNN FP8 peer (no package index there)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
+    && export PYTHONPATH="$PWD/.site"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
