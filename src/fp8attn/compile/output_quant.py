@@ -219,6 +219,20 @@ def _erase(graph, nodes):
             graph.erase_node(n)
 
 
+
+def _mirror_getitems(graph, old, new, fake_mode):
+    """Give ``new`` (a multi-output node replacing ``old``) a getitem for each getitem user of ``old``,
+    right after it; returns {old getitem: new getitem}."""
+    _set_val(new, fake_mode)
+    anchor, repl = new, {}
+    for user in list(old.users):  # getitem(old, i)
+        with graph.inserting_after(anchor):
+            g = graph.call_function(operator.getitem, (new, user.args[1]))
+        _set_val(g, fake_mode)
+        repl[user] = g
+        anchor = g
+    return repl
+
 def _fuse_functional(graph, attn, getitem0, views, quant_nodes, scale, fake_mode):
     op = attn.target
     names = [a.name for a in op._schema.arguments]
@@ -232,15 +246,7 @@ def _fuse_functional(graph, attn, getitem0, views, quant_nodes, scale, fake_mode
         args[names.index("out_dtype")] = None
     with graph.inserting_after(attn):
         new = graph.call_function(op, tuple(args))
-    _set_val(new, fake_mode)
-    anchor = new
-    repl = {}
-    for user in list(attn.users):  # getitem(attn, i)
-        with graph.inserting_after(anchor):
-            g = graph.call_function(operator.getitem, (new, user.args[1]))
-        _set_val(g, fake_mode)
-        repl[user] = g
-        anchor = g
+    repl = _mirror_getitems(graph, attn, new, fake_mode)
     out = _replace_views(graph, repl[getitem0], views, fake_mode)
     last = quant_nodes[0]
     last.replace_all_uses_with(out)
@@ -275,15 +281,7 @@ def _fuse_out_variant(graph, af, base_getitem, views, quant_nodes, scale, fake_m
     kw["_all_bases"] = [nb]
     with graph.inserting_after(af):
         new = graph.call_function(af.target, af.args, kw)
-    _set_val(new, fake_mode)
-    anchor = new
-    repl = {}
-    for user in list(af.users):
-        with graph.inserting_after(anchor):
-            g = graph.call_function(operator.getitem, (new, user.args[1]))
-        _set_val(g, fake_mode)
-        repl[user] = g
-        anchor = g
+    repl = _mirror_getitems(graph, af, new, fake_mode)
     out = _replace_views(graph, repl[base_getitem], views, fake_mode)
     quant_nodes[0].replace_all_uses_with(out)
     for old, g in repl.items():
