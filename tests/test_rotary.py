@@ -1,6 +1,4 @@
 """Rotary embeddings in flash_attn_with_kvcache (FA3 semantics) against an explicit loop."""
-import math
-
 import pytest
 import torch
 
@@ -66,7 +64,6 @@ def test_rotary_varlen_positions_and_fp8_cache():
     g = torch.Generator().manual_seed(12)
     hq, hk, d, ps = 2, 1, 64, 16
     prev = torch.tensor([0, 9], dtype=torch.int32)
-    new = [4, 1]
     cu = torch.tensor([0, 4, 5], dtype=torch.int32)
     cos, sin = _tables(32, d)
     q = torch.randn(5, hq, d, generator=g).bfloat16()

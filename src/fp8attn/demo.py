@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -309,7 +308,6 @@ class ByteTokenizer:
 
 
 def _load_for_drive(args, dev, dtype):
-    import torch
 
     from .models import LlamaConfig, LlamaModel, load_pretrained
 
@@ -419,7 +417,6 @@ def drive_main(argv=None) -> int:
     rc = _check_packages(pk)
     if rc:
         return rc
-    import torch
 
     from .data import sample_prompts
     from .engine import LLMEngine, PromptTooLong, SamplingParams

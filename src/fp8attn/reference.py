@@ -67,7 +67,7 @@ def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None
     """
     cdt = compute_dtype
     b, sq, hq, d = q.shape
-    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    sk, hk = k.shape[1], k.shape[2]
     dev = q.device
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)

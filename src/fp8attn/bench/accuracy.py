@@ -8,7 +8,6 @@ the same kernel is the 16-bit baseline. Error growth: the same metric at 4k, 32k
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch

@@ -18,7 +18,6 @@ All offsets are computed in int64.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch

@@ -394,7 +394,6 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     page_size = k_cache.shape[1]
     qg = hq // hk
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and out.stride(-1) == 1
-    fp8_cache = k_cache.dtype in _FP8
     has_ks = k_cache_scales is not None
     has_vs = v_cache_scales is not None
     mma_fp8 = (q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn

@@ -8,10 +8,7 @@ Descale convention (fp8attn.quant): ``descale = max(amax, DESCALE_FLOOR * 448) /
 """
 from __future__ import annotations
 
-import math
 import os
-
-import torch
 
 from ..quant import DESCALE_FLOOR
 
