@@ -38,7 +38,7 @@ class _Progress:
         self.t0 = time.perf_counter()
         self.last = -1.0
 
-    def __call__(self, done: int, total: int | None = None):
+    def __call__(self, done: int, total: int | None = None, tokens: int | None = None, max_tokens: int | None = None):
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -46,9 +46,11 @@ class _Progress:
             return
         self.last = now
         w = 30
-        f = min(done / self.total, 1.0)
+        # continuous batching finishes requests together at the end: fill the bar by tokens produced
+        f = min(tokens / max_tokens if tokens and max_tokens else done / self.total, 1.0) if done < self.total else 1.0
         bar = "#" * int(w * f) + "-" * (w - int(w * f))
-        sys.stderr.write(f"\r{self.label:<22} [{bar}] {done}/{self.total} {now - self.t0:6.1f}s")
+        toks = f" {tokens} tok" if tokens else ""  # scoring runs (forced tokens) generate none
+        sys.stderr.write(f"\r{self.label:<22} [{bar}] {done}/{self.total} done{toks} {now - self.t0:6.1f}s")
         sys.stderr.flush()
 
     def close(self):

@@ -325,7 +325,7 @@ class LLMEngine:
         """Run every prompt to completion (all arrive at once).
 
         Returns (outputs in input order, stats). Ctrl-C stops cleanly: unfinished requests are dropped,
-        finished ones are returned and ``stats["interrupted"]`` is True. ``progress(n_done, n_total)``
+        finished ones are returned and ``stats["interrupted"]`` is True. ``progress(n_done, n_total, tokens, max_tokens)``
         is called after every step.
         """
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -348,8 +348,9 @@ class LLMEngine:
             while self.scheduler.has_unfinished():
                 for s in self.step():
                     done[s.index] = _finish_output(s, t0)
-                if progress is not None:
-                    progress(len(done), len(prompts))
+                if progress is not None:  # finished requests, and tokens produced so far / at most
+                    progress(len(done), len(prompts), sum(len(x.output_ids) for x in seqs),
+                             sum(x.params.max_new_tokens for x in seqs))
         except KeyboardInterrupt:
             interrupted = True
             self.scheduler.abort_all()
