@@ -59,3 +59,12 @@ def test_accuracy_demo_console_script():
 def test_no_command_and_unknown_command():
     assert cli.main([]) == 2
     assert cli.main(["frobnicate"]) == 2
+
+
+def test_every_bench_routine_resolves_to_a_function():
+    import importlib
+
+    from fp8attn.cli import BENCH_ROUTINES
+
+    for name, (module, fn) in BENCH_ROUTINES.items():
+        assert callable(getattr(importlib.import_module(module), fn)), name

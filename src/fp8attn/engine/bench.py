@@ -199,3 +199,13 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def run(out_dir=None, quick=False):
+    """`fp8attn bench engine`: B64 / 4k context decode, bf16 vs FP8 caches (quick: fewer steps, no checks)."""
+    argv = ["--steps", "5" if quick else "20"] + ([] if quick else ["--check"])
+    if out_dir:
+        argv += ["--out", str(out_dir)]
+    rc = main(argv)
+    if rc:
+        raise SystemExit(rc)
