@@ -22,6 +22,7 @@ import torch
 
 from . import _checks as C
 from . import ops
+from .paged import slot_mapping_for
 from .quant import SCALE_STORAGE_DTYPES, expand_descale, is_fp8
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
@@ -205,26 +206,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (o, lse) if return_attn_probs else o
 
 
+def _token_rows(device, batch, seqlen=None, cu_seqlens=None, total=None):
+    """(batch row, index within the row) of every token of a padded (batch, seqlen) or packed (cu_seqlens)
+    layout, as int64 tensors in token order (no host sync)."""
+    if cu_seqlens is None:
+        return (torch.arange(batch, device=device).repeat_interleave(seqlen),
+                torch.arange(seqlen, device=device).repeat(batch))
+    tok = torch.arange(total, device=device)
+    seq = torch.searchsorted(cu_seqlens[1:].long(), tok, right=True)
+    return seq, tok - cu_seqlens.long()[seq]
+
+
 def _new_token_slots(page_table, cache_seqlens, ps, batch, seqlen_new=None, cu_seqlens_k_new=None, total_new=None):
-    """Slot ids and batch rows for new tokens appended after ``cache_seqlens`` (no host sync)."""
-    dev = page_table.device
+    """Slot ids, batch rows and positions among the new tokens, for tokens appended after ``cache_seqlens``."""
+    seq, pos_in_new = _token_rows(page_table.device, batch, seqlen_new, cu_seqlens_k_new, total_new)
     if cu_seqlens_k_new is None:
-        seq = torch.arange(batch, device=dev).repeat_interleave(seqlen_new)
-        pos_in_new = torch.arange(seqlen_new, device=dev).repeat(batch)
-        new_len = torch.full((batch,), seqlen_new, dtype=torch.int32, device=dev)
+        new_len = torch.full((batch,), seqlen_new, dtype=torch.int32, device=page_table.device)
     else:
-        tok = torch.arange(total_new, device=dev)
-        seq = torch.searchsorted(cu_seqlens_k_new[1:].long(), tok, right=True)
-        pos_in_new = tok - cu_seqlens_k_new.long()[seq]
         new_len = (cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]).to(torch.int32)
-    pos = cache_seqlens.long()[seq] + pos_in_new
-    page_col = (pos // ps).clamp(max=page_table.shape[1] - 1)
-    slots = page_table.long()[seq, page_col] * ps + pos % ps
-    return slots, seq.to(torch.int32), new_len
+    slots = slot_mapping_for(page_table, ps, seq, cache_seqlens.long()[seq] + pos_in_new)
+    return slots, seq.to(torch.int32), pos_in_new, new_len
 
 
-def _rotate(q, kn, cos, sin, rotary_seqlens, interleaved, cache_seqlens, seq_idx, slots, cu_seqlens_q,
-            max_seqlen_q, batch, positional_q, validate):
+def _rotate(q, kn, cos, sin, rotary_seqlens, interleaved, cache_seqlens, seq_idx, pos_in_new, cu_seqlens_q,
+            batch, positional_q, validate):
     """Apply FA3's rotary to the new keys and q (see flash_attn_with_kvcache). Returns (q, kn)."""
     from .rotary import apply_rotary
 
@@ -242,20 +247,13 @@ def _rotate(q, kn, cos, sin, rotary_seqlens, interleaved, cache_seqlens, seq_idx
     if rotary_seqlens is not None:
         C.check_int32("rotary_seqlens", rotary_seqlens, ndim=1)
         base = rotary_seqlens
-    dev = q.device
     # new keys: position base[b] + i (i = index among the sequence's new tokens)
-    first = torch.zeros(batch + 1, dtype=torch.long, device=dev)
-    first.scatter_reduce_(0, seq_idx.long(), torch.arange(seq_idx.numel(), device=dev), reduce="amin", include_self=False)
-    k_pos = base.long()[seq_idx.long()] + torch.arange(seq_idx.numel(), device=dev) - first[seq_idx.long()]
+    k_pos = base.long()[seq_idx.long()] + pos_in_new
     # queries: base[b] + i when causal / windowed, else base[b] for all of them
     if cu_seqlens_q is None:
-        sq = q.shape[1]
-        q_seq = torch.arange(batch, device=dev).repeat_interleave(sq)
-        q_i = torch.arange(sq, device=dev).repeat(batch)
+        q_seq, q_i = _token_rows(q.device, batch, seqlen=q.shape[1])
     else:
-        tok = torch.arange(q.shape[0], device=dev)
-        q_seq = torch.searchsorted(cu_seqlens_q[1:].long(), tok, right=True)
-        q_i = tok - cu_seqlens_q.long()[q_seq]
+        q_seq, q_i = _token_rows(q.device, batch, cu_seqlens=cu_seqlens_q, total=q.shape[0])
     q_pos = base.long()[q_seq] + (q_i if positional_q else 0)
     if C.want_value_checks(q_pos, validate):
         hi = max(int(k_pos.max()) if k_pos.numel() else 0, int(q_pos.max()) if q_pos.numel() else 0)
@@ -390,11 +388,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             raise ValueError(f"k: expected (..., {hk}, {k_cache.shape[-1]}) like the cache, got {tuple(k.shape)}.")
         if cu_seqlens_k_new is not None:
             C.check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, batch=batch, validate=validate)
-            slots, seq_idx, new_len = _new_token_slots(pt, cache_seqlens, ps, batch, cu_seqlens_k_new=cu_seqlens_k_new,
+            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch,
+                                                                   cu_seqlens_k_new=cu_seqlens_k_new,
                                                        total_new=k.shape[0])
             kn, vn = k, v
         else:
-            slots, seq_idx, new_len = _new_token_slots(pt, cache_seqlens, ps, batch, seqlen_new=k.shape[1])
+            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch,
+                                                                   seqlen_new=k.shape[1])
             kn, vn = k.reshape(-1, hk, k.shape[-1]), v.reshape(-1, hk, v.shape[-1])
         total_len = cache_seqlens + new_len
     else:
@@ -414,8 +414,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     qd, kd, vd = _descales(q_descale, k_descale, v_descale, batch, hk, dev, validate)
     if rotary_cos is not None or rotary_sin is not None:
         q, kn = _rotate(q, kn if k is not None else None, rotary_cos, rotary_sin, rotary_seqlens, rotary_interleaved,
-                        cache_seqlens, seq_idx if k is not None else None, slots if k is not None else None,
-                        cu_seqlens_q, max_seqlen_q, batch, causal or tuple(window_size) != (-1, -1), validate)
+                        cache_seqlens, seq_idx if k is not None else None, pos_in_new if k is not None else None,
+                        cu_seqlens_q, batch, causal or tuple(window_size) != (-1, -1), validate)
     elif rotary_seqlens is not None:
         raise ValueError("rotary_seqlens: expected None without rotary_cos/rotary_sin, got a tensor. "
                          "Pass the rotary tables too, or drop rotary_seqlens.")

@@ -44,7 +44,11 @@ def make_page_table(seqlens, page_size, num_blocks, generator=None, device="cpu"
 
 
 def slot_mapping_for(page_table, page_size, seq_idx, positions):
-    """Slots (block * page_size + offset) of tokens at ``positions`` of sequences ``seq_idx``."""
+    """Slots (block * page_size + offset) of tokens at ``positions`` of sequences ``seq_idx``.
+
+    The page column is clamped to the table's width, so a position past the capacity (rejected by the
+    API's value checks where they run) never indexes outside the table (no host sync needed)."""
     positions = positions.long()
-    pages = page_table.long()[seq_idx.long(), positions // page_size]
+    page_col = (positions // page_size).clamp(max=page_table.shape[1] - 1)
+    pages = page_table.long()[seq_idx.long(), page_col]
     return pages * page_size + positions % page_size
