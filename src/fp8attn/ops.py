@@ -257,12 +257,17 @@ def _scaled_bmm_impl(a, b, scale_a, scale_b, out_dtype):
 # Fakes (shapes/dtypes/strides only; no data access)
 # --------------------------------------------------------------------------------------------
 
-def _dense_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, window_left, window_right, softcap, q_descale, k_descale, v_descale,
-                out_scale, out_dtype, pack_gqa, descale_block):
+def _attn_fake(q, v, cu_seqlens_q, out_scale, out_dtype):
+    """(out, lse) of an attention op: out is q's shape with v's head dim, lse float32."""
     oshape, lse_shape = _dense_shapes(q, v, cu_seqlens_q is not None)
     return (q.new_empty(oshape, dtype=_out_dtype(q, out_dtype, out_scale)),
             q.new_empty(lse_shape, dtype=torch.float32))
+
+
+def _dense_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, window_left, window_right, softcap, q_descale, k_descale, v_descale,
+                out_scale, out_dtype, pack_gqa, descale_block):
+    return _attn_fake(q, v, cu_seqlens_q, out_scale, out_dtype)
 
 
 def _dense_out_fake(*args):
@@ -274,9 +279,7 @@ def _dense_out_fake(*args):
 def _paged_fake(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                 causal, window_left, window_right, softcap, q_descale, k_descale, v_descale, k_cache_scales,
                 v_cache_scales, out_scale, out_dtype, num_splits):
-    oshape, lse_shape = _dense_shapes(q, v_cache, cu_seqlens_q is not None)
-    return (q.new_empty(oshape, dtype=_out_dtype(q, out_dtype, out_scale)),
-            q.new_empty(lse_shape, dtype=torch.float32))
+    return _attn_fake(q, v_cache, cu_seqlens_q, out_scale, out_dtype)
 
 
 def _paged_out_fake(*args):

@@ -55,6 +55,18 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
+def _timed(fn, warmup: int, steps: int, dev) -> float:
+    """Seconds per call of ``fn`` over ``steps`` calls after ``warmup`` calls (device synchronized)."""
+    for _ in range(warmup):
+        fn()
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    _sync(dev)
+    return (time.perf_counter() - t0) / steps
+
+
 def time_decode(model, kv: str, scale: str, batch: int, context: int, steps: int, warmup: int = 3,
                 cuda_graphs: bool = True) -> dict:
     """Median-free simple timing: wall time of ``steps`` engine decode steps after ``warmup`` steps."""
@@ -64,29 +76,14 @@ def time_decode(model, kv: str, scale: str, batch: int, context: int, steps: int
     eng = LLMEngine(model, cfg)
     fill_decode_state(eng, batch, context, warmup + steps + 1)
     dev = eng.device
-    for _ in range(warmup):
-        eng.step()
-    _sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    _sync(dev)
-    dt = time.perf_counter() - t0
+    dt = _timed(eng.step, warmup, steps, dev) * steps
     res = {"kv": kv, "kv_scale": scale if kv.startswith("fp8") else None, "batch": batch, "context": context,
            "steps": steps, "step_ms": dt / steps * 1e3, "tokens_per_s": batch * steps / dt,
            "kv_cache_bytes": eng.cache.total_bytes, "kv_bytes_per_token": eng.cache.bytes_per_token,
            "graphs": eng.graphs is not None and not eng.graphs.disabled}
     # forward only (graph replay or eager forward), no scheduling / sampling
     if eng.graphs is not None and not eng.graphs.disabled and batch in eng.graphs.graphs:
-        g = eng.graphs.graphs[batch][0]
-        for _ in range(2):
-            g.replay()
-        _sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            g.replay()
-        _sync(dev)
-        res["forward_ms"] = (time.perf_counter() - t0) / steps * 1e3
+        res["forward_ms"] = _timed(eng.graphs.graphs[batch][0].replay, 2, steps, dev) * 1e3
     del eng
     if dev.type == "cuda":
         torch.cuda.empty_cache()
