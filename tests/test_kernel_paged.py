@@ -331,7 +331,8 @@ def test_split_workspace_and_heuristic():
     assert op.shape == (5, 3, 1, 8, 32) and lp.shape == (5, 3, 1, 8) and op.dtype == torch.float32
     op, lp = split_workspace(torch.empty(7, 8, 64), 2, 64)
     assert op.shape == (2, 7, 8, 64) and lp.shape == (2, 7, 8)
-    assert choose_num_splits(64, 8, 4096, 132) == 1
+    assert choose_num_splits(64, 8, 4096, 132) == 2
+    assert choose_num_splits(128, 8, 4096, 132) == 1
     assert choose_num_splits(1, 8, 131072, 132) == 33
     assert choose_num_splits(1, 8, 600, 132) == 1
     assert choose_num_splits(16, 8, 32768, 132) == 3
