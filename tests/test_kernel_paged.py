@@ -240,21 +240,24 @@ def test_chunked_prefill_equals_single_shot():
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_mixed_batch_equals_separate(num_splits):
-    """Decode rows (1 query) next to prefill chunks over cached prefixes, in one varlen launch."""
+@pytest.mark.parametrize("two_class", [True, False])
+def test_mixed_batch_equals_separate(num_splits, two_class):
+    """Decode rows (1 query), a 5-query row and prefill chunks over cached prefixes, in one varlen launch.
+
+    two_class: rows of <= 8 queries (BLOCK_M_S 16 / 2 heads per kv head) run in small-tile programs."""
     hq, hk, d = 4, 2, 32
-    seqlens = [40, 97, 1, 130, 0]
-    qlens = [1, 33, 1, 70, 0]
+    seqlens = [40, 97, 1, 130, 0, 21]
+    qlens = [1, 33, 1, 70, 0, 5]
     c = make_cache(seqlens, 16, hk, d)
     cu = cu_from_lens(qlens)
     q = torch.randn(sum(qlens), hq, d, device=DEV).to(torch.bfloat16)
-    kd, vd = rand_descale(5, hk), rand_descale(5, hk)
+    kd, vd = rand_descale(6, hk), rand_descale(6, hk)
     out, lse = run_paged(q, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), k_descale=kd, v_descale=vd,
-                         num_splits=num_splits)
+                         num_splits=num_splits, config={"two_class": two_class})
     ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens),
                             k_descale=kd, v_descale=vd)
     check(out, lse, ref, ref_lse, lp)
-    for b in range(5):
+    for b in range(6):
         if qlens[b] == 0:
             continue
         s, e = cu[b].item(), cu[b + 1].item()

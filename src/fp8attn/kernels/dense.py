@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import dense_tma
 from .common import (
     LOG2E,
     causal_window_mask,
@@ -458,7 +459,32 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     Autotuning runs on the first call per key (head dims, dtype, flags, seqlen bucket); set
     ``FP8ATTN_NO_AUTOTUNE=1`` to use the default config (e.g. before CUDA-graph capture without a
     warm-up call).
+
+    Inputs that ``dense_tma.supported`` accepts (e4m3 in, bf16 out, head dim 128, lengths that are
+    multiples of 128, per-(batch, kv head) descales, no varlen/window/softcap/out_scale; see there)
+    run on the TMA/wgmma kernel of ``dense_tma`` instead. ``FP8ATTN_DENSE_BACKEND`` selects:
+    unset or ``auto`` (that rule), ``triton`` (always this module's kernel), ``tma`` (the TMA kernel;
+    ValueError naming the reason when the inputs are not supported).
     """
+    backend = os.environ.get("FP8ATTN_DENSE_BACKEND", "auto") or "auto"
+    if backend not in ("auto", "triton", "tma"):
+        raise ValueError(f"FP8ATTN_DENSE_BACKEND: expected auto, triton or tma, got {backend!r}")
+    if backend != "triton":
+        if v_kmajor is None:  # same rule as _build_launch, which then leaves this V as is
+            v_kmajor = q.dtype == torch.float8_e4m3fn and v.is_cuda and v.stride(-1) == 1 and v.shape[-3] > 1
+        if v_kmajor and v.stride(-3) != 1:
+            v = transpose_v_kmajor(v)
+        why = "seqused_q/seqused_k are not supported" if seqused_q is not None or seqused_k is not None else \
+            dense_tma.unsupported_reason(
+                q, k, v, out, causal=causal, window_size=window_size, softcap=softcap, q_descale=q_descale,
+                k_descale=k_descale, v_descale=v_descale, out_scale=out_scale, cu_seqlens_q=cu_seqlens_q,
+                descale_block_q=descale_block_q, descale_block_k=descale_block_k, lse=lse)
+        if why is None:
+            return dense_tma.launch_dense_fwd_tma(
+                q, k, v, out, lse, softmax_scale=softmax_scale, causal=dense_tma.effective_causal(causal, window_size),
+                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        if backend == "tma":
+            raise ValueError(f"FP8ATTN_DENSE_BACKEND=tma: the TMA kernel does not support these inputs: {why}")
     args, kwargs, grid = _build_launch(
         q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,

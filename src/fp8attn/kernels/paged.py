@@ -138,6 +138,108 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
 
 
 @triton.jit
+def _query_block(seq, q_start, qlen, qblk, kvh, split,
+    Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
+    s_qb, s_qt, s_qh,
+    s_kb, s_kp, s_kh, s_vb, s_vp, s_vh,
+    s_ptb,
+    s_ob, s_ot, s_oh, s_osp,
+    s_lb, s_lt, s_lh, s_lsp,
+    s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh,
+    s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
+    qk_scale, softcap, window_left, window_right, num_splits,
+    QG: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
+    HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr, CDT: tl.constexpr,
+    STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    P_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+):
+    """One program's work: query block ``qblk`` (BLOCK_Q tokens x QG heads) of sequence ``seq`` against
+    kv head ``kvh``, KV split ``split``. Tile sizes are arguments so that one launch can hold two tile
+    classes (see the kernel)."""
+    if qblk * BLOCK_Q < qlen:
+        seq64 = seq.to(tl.int64)
+        kv_len = tl.load(SEQLENS + seq)
+
+        # ---- query rows: (token, head) pairs of this kv head's group ----
+        offs_m = tl.arange(0, BLOCK_M)
+        tok = qblk * BLOCK_Q + offs_m // QG
+        hq = kvh * QG + offs_m % QG
+        row_ok = (offs_m < BLOCK_Q * QG) & (tok < qlen)
+        tok_g = (q_start + tok).to(tl.int64)  # token index in the q/out tensors
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dmask = offs_d < HEAD_DIM
+        dvmask = offs_dv < HEAD_DIM_V
+        q = tl.load(Q + seq64 * s_qb + tok_g[:, None] * s_qt + hq[:, None] * s_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        if not MMA_FP8:
+            if CDT == tl.float16:
+                q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+            q = q.to(CDT)
+
+        # ---- folded descales (per (sequence, kv head)) ----
+        scale = qk_scale
+        if HAS_QD:
+            scale = scale * tl.load(QD + seq64 * s_qdb + kvh * s_qdh)
+        if HAS_KD:
+            scale = scale * tl.load(KD + seq64 * s_kdb + kvh * s_kdh)
+        if HAS_VD:
+            v_descale = tl.load(VD + seq64 * s_vdb + kvh * s_vdh)
+        else:
+            v_descale = 1.0
+
+        # ---- key range of this block and split ----
+        tok_lo = qblk * BLOCK_Q
+        tok_hi = tl.minimum(tok_lo + BLOCK_Q, qlen) - 1
+        kv_lo, kv_hi = kv_range(tok_lo, tok_hi, qlen, kv_len, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_N)
+        n_tiles = tl.cdiv(kv_hi - kv_lo, BLOCK_N)
+        per_split = tl.cdiv(n_tiles, num_splits)
+        start = tl.multiple_of(kv_lo + split * per_split * BLOCK_N, BLOCK_N)
+        end = tl.minimum(kv_hi, start + per_split * BLOCK_N)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        pt_row = PT + seq64 * s_ptb
+        # Page ids are read one tile ahead and carried through the loop: a page-id load in the same
+        # iteration as the K/V loads it addresses makes the pipeliner wait for every copy in flight
+        # (async_wait num = 0: no overlap of loads with MMAs, docs/perf-notes.md); carried, the K/V
+        # copies of later tiles stay in flight.
+        last_pg = tl.maximum(end - 1, 0) // PAGE_SIZE
+        nxt = _page_ids(pt_row, start, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
+        for start_n in range(start, end, BLOCK_N):
+            blk = nxt
+            nxt = _page_ids(pt_row, start_n + BLOCK_N, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
+            m_i, l_i, acc = _kv_tile(
+                start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
+                window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
+                s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
+                SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8)
+
+        out, lse = finalize_rows(acc, m_i, l_i, v_descale, P_FP8)
+        o_ptrs = O + seq64 * s_ob + tok_g[:, None] * s_ot + hq[:, None] * s_oh + offs_dv[None, :]
+        l_ptrs = LSE + seq64 * s_lb + tok_g * s_lt + hq * s_lh
+        if SPLIT:
+            o_ptrs += split.to(tl.int64) * s_osp
+            l_ptrs += split.to(tl.int64) * s_lsp
+            tl.store(o_ptrs, out, mask=row_ok[:, None] & dvmask[None, :])
+            tl.store(l_ptrs, lse, mask=row_ok)
+        else:
+            if OUT_FP8:
+                out_scale_inv = 1.0 / tl.load(OUT_SCALE)
+            else:
+                out_scale_inv = 1.0
+            tl.store(o_ptrs, output_epilogue(out, out_scale_inv, OUT_FP8, OUT_DTYPE),
+                     mask=row_ok[:, None] & dvmask[None, :])
+            if STORE_LSE:
+                tl.store(l_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
 def _paged_fwd_kernel(
     Q, K, V, PT, SEQLENS, CU_Q, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
     batch, seqlen_q,
@@ -149,114 +251,60 @@ def _paged_fwd_kernel(
     s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh,
     s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
     qk_scale, softcap, window_left, window_right, num_splits,
-    QG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+    QG: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
     HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr, CDT: tl.constexpr,
     STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    TILE_IN_PAGE: tl.constexpr, P_FP8: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_INNER: tl.constexpr,
+    P_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+    VARLEN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_INNER: tl.constexpr,
+    TWO_CLASS: tl.constexpr, BLOCK_M_S: tl.constexpr, BLOCK_N_S: tl.constexpr,
 ):
     if HEADS_INNER:
         # The kv heads of one query block are neighbouring programs: they run together and read the
         # same pages (heads are interleaved inside a page), which keeps DRAM accesses local.
-        pid = tl.program_id(0) // NUM_KV_HEADS
+        raw = tl.program_id(0) // NUM_KV_HEADS
         kvh = tl.program_id(0) % NUM_KV_HEADS
+        num_pid = tl.num_programs(0) // NUM_KV_HEADS
     else:
-        pid = tl.program_id(0)
+        raw = tl.program_id(0)
         kvh = tl.program_id(1)
+        num_pid = tl.num_programs(0)
     split = tl.program_id(2)
     if VARLEN:
-        num_pid = tl.num_programs(0) // NUM_KV_HEADS if HEADS_INNER else tl.num_programs(0)
-        pid = num_pid - 1 - pid
-        seq = _find_seq(CU_Q, pid, batch, BLOCK_Q)
-        q_start = tl.load(CU_Q + seq)
-        qlen = tl.load(CU_Q + seq + 1) - q_start
-        qblk = pid - (q_start // BLOCK_Q + seq)
+        # TWO_CLASS (mixed batches): the last ``batch`` programs serve, one each, the sequences with at
+        # most BLOCK_M_S // QG queries (decode rows) with small (BLOCK_M_S, BLOCK_N_S) tiles; the others
+        # serve the longer sequences with the large tiles. A sequence is skipped by the other class.
+        n_big = num_pid - batch if TWO_CLASS else num_pid
+        small_q = BLOCK_M_S // QG if TWO_CLASS else 0
+        if raw < n_big:
+            pid = n_big - 1 - raw  # reversed: the last (typically longest) sequences start first
+            seq = _find_seq(CU_Q, pid, batch, BLOCK_Q)
+            q_start = tl.load(CU_Q + seq)
+            qlen = tl.load(CU_Q + seq + 1) - q_start
+            qblk = pid - (q_start // BLOCK_Q + seq)
+            if qlen > small_q:
+                _query_block(seq, q_start, qlen, qblk, kvh, split,
+                             Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb, s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp, s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh, qk_scale, softcap, window_left, window_right, num_splits,
+                             QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
+            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
+        else:
+            seq = raw - n_big
+            q_start = tl.load(CU_Q + seq)
+            qlen = tl.load(CU_Q + seq + 1) - q_start
+            if qlen <= small_q:
+                _query_block(seq, q_start, qlen, 0, kvh, split,
+                             Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb, s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp, s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh, qk_scale, softcap, window_left, window_right, num_splits,
+                             QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
+            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, BLOCK_M_S, BLOCK_N_S, BLOCK_M_S // QG, PAGE_SIZE % BLOCK_N_S == 0)
     else:
         nqb = tl.cdiv(seqlen_q, BLOCK_Q)
-        seq = pid // nqb
-        qblk = pid % nqb
-        q_start = 0
-        qlen = seqlen_q
-    if qblk * BLOCK_Q >= qlen:
-        return
-    seq64 = seq.to(tl.int64)
-    kv_len = tl.load(SEQLENS + seq)
-
-    # ---- query rows: (token, head) pairs of this kv head's group ----
-    offs_m = tl.arange(0, BLOCK_M)
-    tok = qblk * BLOCK_Q + offs_m // QG
-    hq = kvh * QG + offs_m % QG
-    row_ok = (offs_m < BLOCK_Q * QG) & (tok < qlen)
-    tok_g = (q_start + tok).to(tl.int64)  # token index in the q/out tensors
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dmask = offs_d < HEAD_DIM
-    dvmask = offs_dv < HEAD_DIM_V
-    q = tl.load(Q + seq64 * s_qb + tok_g[:, None] * s_qt + hq[:, None] * s_qh + offs_d[None, :],
-                mask=row_ok[:, None] & dmask[None, :], other=0.0)
-    if not MMA_FP8:
-        if CDT == tl.float16:
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
-        q = q.to(CDT)
-
-    # ---- folded descales (per (sequence, kv head)) ----
-    scale = qk_scale
-    if HAS_QD:
-        scale = scale * tl.load(QD + seq64 * s_qdb + kvh * s_qdh)
-    if HAS_KD:
-        scale = scale * tl.load(KD + seq64 * s_kdb + kvh * s_kdh)
-    if HAS_VD:
-        v_descale = tl.load(VD + seq64 * s_vdb + kvh * s_vdh)
-    else:
-        v_descale = 1.0
-
-    # ---- key range of this block and split ----
-    tok_lo = qblk * BLOCK_Q
-    tok_hi = tl.minimum(tok_lo + BLOCK_Q, qlen) - 1
-    kv_lo, kv_hi = kv_range(tok_lo, tok_hi, qlen, kv_len, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_N)
-    n_tiles = tl.cdiv(kv_hi - kv_lo, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits)
-    start = tl.multiple_of(kv_lo + split * per_split * BLOCK_N, BLOCK_N)
-    end = tl.minimum(kv_hi, start + per_split * BLOCK_N)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    pt_row = PT + seq64 * s_ptb
-    # Page ids are read one tile ahead and carried through the loop: a page-id load in the same
-    # iteration as the K/V loads it addresses makes the pipeliner wait for every copy in flight
-    # (async_wait num = 0: no overlap of loads with MMAs, docs/perf-notes.md); carried, the K/V
-    # copies of later tiles stay in flight.
-    last_pg = tl.maximum(end - 1, 0) // PAGE_SIZE
-    nxt = _page_ids(pt_row, start, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
-    for start_n in range(start, end, BLOCK_N):
-        blk = nxt
-        nxt = _page_ids(pt_row, start_n + BLOCK_N, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
-        m_i, l_i, acc = _kv_tile(
-            start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
-            window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
-            s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
-            SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8)
-
-    out, lse = finalize_rows(acc, m_i, l_i, v_descale, P_FP8)
-    o_ptrs = O + seq64 * s_ob + tok_g[:, None] * s_ot + hq[:, None] * s_oh + offs_dv[None, :]
-    l_ptrs = LSE + seq64 * s_lb + tok_g * s_lt + hq * s_lh
-    if SPLIT:
-        o_ptrs += split.to(tl.int64) * s_osp
-        l_ptrs += split.to(tl.int64) * s_lsp
-        tl.store(o_ptrs, out, mask=row_ok[:, None] & dvmask[None, :])
-        tl.store(l_ptrs, lse, mask=row_ok)
-    else:
-        if OUT_FP8:
-            out_scale_inv = 1.0 / tl.load(OUT_SCALE)
-        else:
-            out_scale_inv = 1.0
-        tl.store(o_ptrs, output_epilogue(out, out_scale_inv, OUT_FP8, OUT_DTYPE),
-                 mask=row_ok[:, None] & dvmask[None, :])
-        if STORE_LSE:
-            tl.store(l_ptrs, lse, mask=row_ok)
+        _query_block(raw // nqb, 0, seqlen_q, raw % nqb, kvh, split,
+                     Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb, s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp, s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh, qk_scale, softcap, window_left, window_right, num_splits,
+                     QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
+            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
 
 
 def _interpret() -> bool:
@@ -390,7 +438,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
         them with ``launch_combine``.
     config : optional override {block_m, block_n, num_warps, num_stages, compute_dtype, pv_fp16,
-        heads_inner}
+        heads_inner, two_class}
         (benchmarks). ``pv_fp16`` (FP8 Q and cache only): FP8 QK^T, then P@V in fp16 with V upcast in
         registers and P rounded to fp16 instead of e4m3 (no in-kernel transpose of V).
     """
@@ -426,8 +474,12 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # FP8 P@V unless the benchmark override asks for the fp16 P@V variant (FP8 QK^T, fp16 P and V)
     p_fp8 = mma_fp8 and not (config and config.get("pv_fp16"))
     block_q = max(1, bm // qg)
+    # Mixed batches: decode rows get their own small-tile programs (one per sequence) instead of
+    # riding in the large prefill tiles (docs/perf-notes.md, paged mixed batches).
+    bm_s, bn_s = paged_config(1, qg, d, mma_fp8, None, page_size)[:2]
+    two_class = varlen and bm > bm_s and bool((config or {}).get("two_class", True))
     if varlen:
-        grid0 = total_q // block_q + batch
+        grid0 = total_q // block_q + batch + (batch if two_class else 0)
     else:
         grid0 = batch * triton.cdiv(max(seqlen_q, 1), block_q)
     if grid0 == 0 or batch == 0:
@@ -502,6 +554,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         STORE_LSE=lse is not None, SPLIT=split, OUT_FP8=out_fp8,
         OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
         TILE_IN_PAGE=page_size % bn == 0, P_FP8=p_fp8, NUM_KV_HEADS=hk, HEADS_INNER=heads_inner,
+        TWO_CLASS=two_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s,
         num_warps=nw, num_stages=ns,
     )
     if split:

@@ -1,0 +1,485 @@
+"""Dense FP8 attention forward for Hopper with TMA loads and asynchronous wgmma (Gluon).
+
+The fast path of ``dense.launch_dense_fwd`` for the common prefill case: e4m3 Q/K/V, bf16 output,
+head dim 128, sequence lengths that are multiples of 128, per-(batch, kv head) descales, optional
+bottom-right causal mask and LSE. Everything else stays on the Triton kernel (``supported``).
+
+Schedule (one CTA = one 128-row query block of one (batch, q head), 8 warps = 2 warpgroups of 64
+rows): K/V tiles stream through a ``NUM_STAGES``-deep ring of shared-memory buffers filled by TMA.
+In the loop over KV tiles, ``S_{j+1} = Q K_{j+1}^T`` is issued asynchronously before the softmax of
+tile ``j``, so the exp2 work of one tile runs under the next tile's QK^T; then ``P_j V_j`` is
+issued, the accumulator is rescaled while it runs, and one wait retires both MMAs.
+
+Operands as 2-D TMA views (no copies):
+
+* q, out: (batch * seqlen_q, nheads_q * 128); tile [b * seqlen_q + m0, h * 128]
+* k:      (batch * seqlen_k, nheads_k * 128); tile [b * seqlen_k + n0, hk * 128]
+* v:      sequence-contiguous (``dense.transpose_v_kmajor``), (batch * nheads_k * 128, seqlen_k);
+  tile [(b * nheads_k + hk) * 128, n0] -- the K-major B operand FP8 wgmma needs for P @ V.
+
+Because seqlen_q and seqlen_k are multiples of 128, no tile crosses into the next sequence's rows.
+
+Numerics match the Triton kernel (``common``): base-2 online softmax with
+``q_descale * k_descale * softmax_scale * log2(e)`` folded into the logit scale, P computed as
+``exp2(s - m + 8)`` (in [0, 256]) and cast to e4m3, the row sum taken over the fp32 P, each tile's
+P @ V started from a zero accumulator and added to the fp32 accumulator (two-level accumulation),
+``v_descale`` folded into the final 1 / rowsum.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON = True
+except ImportError:  # triton without Gluon: the fast path is simply unavailable
+    HAS_GLUON = False
+
+__all__ = ["supported", "unsupported_reason", "effective_causal", "launch_dense_fwd_tma", "HAS_GLUON"]
+
+HEAD_DIM = 128
+BLOCK_M = 128
+BLOCK_N = 128
+NUM_STAGES = 2
+NUM_WARPS = 8
+_LOG2E = 1.4426950408889634
+
+if HAS_GLUON:
+    # Globals read inside Gluon code must be constexpr.
+    _P_OFFSET = gl.constexpr(8.0)  # P = exp2(s - m + 8) lands in [0, 256] < 448 (e4m3 max)
+    _LN2 = gl.constexpr(0.6931471805599453)
+
+    @gluon.jit
+    def _softmax_tile(s, m_i, l_i, qk_scale, m0, n0, shift,
+                      p_layout: gl.constexpr, row_o: gl.constexpr, MASKED: gl.constexpr):
+        """One online-softmax step on a raw fp32 S tile (wgmma accumulator layout).
+
+        MASKED applies the bottom-right causal mask (key n visible to query m iff
+        n <= m + shift) as -inf on the raw logits; only the diagonal tile needs it.
+        Returns P as an e4m3 register A operand, alpha in the O row layout, new m and l.
+        """
+        s_layout: gl.constexpr = s.type.layout
+        if MASKED:
+            offs_m = m0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s_layout))
+            offs_n = n0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1) + shift
+            s = gl.where(keep, s, float("-inf"))
+        # qk_scale > 0 (descales are floored), so max(s) * scale == max(s * scale).
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        if MASKED:
+            # a row with no visible key so far keeps m = -inf; exp2(-inf - -inf) would be NaN
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = gl.exp2(m_i - m_use)
+        # one FFMA per element: s * scale - (m - 8)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use - _P_OFFSET, 1))
+        l_new = l_i * alpha + gl.sum(p, axis=1)  # fp32 sum before the cast; 2^8 cancels in acc / l
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        return p8, gl.convert_layout(alpha, row_o), m_new, l_new
+
+    @gluon.jit
+    def _refill(k_desc, k_row, k_col, k_bar, k_buf, k_pred, v_desc, v_row, v_col, v_bar, v_buf, v_pred):
+        """Refill one K stage and one V stage once both warpgroups have retired the MMAs reading them.
+
+        Every thread calls this after its own warpgroup_mma_wait; the CTA-wide barrier between
+        the expects and the copies makes sure the other warpgroup is done too, and is the only
+        barrier the membar analysis needs (otherwise it adds one between each expect and copy).
+        Arriving with expect_tx early is harmless: the phase cannot complete before its copy.
+        """
+        mbarrier.expect(k_bar, k_desc.block_type.nbytes, pred=k_pred)
+        mbarrier.expect(v_bar, v_desc.block_type.nbytes, pred=v_pred)
+        gl.thread_barrier()
+        tma.async_copy_global_to_shared(k_desc, [k_row, k_col], k_bar, k_buf, pred=k_pred)
+        tma.async_copy_global_to_shared(v_desc, [v_row, v_col], v_bar, v_buf, pred=v_pred)
+
+    @gluon.jit
+    def _finalize_rows(acc, m_i, l_i, v_descale):
+        """Normalize the accumulator and compute the natural-log LSE.
+
+        Replicates ``common.finalize_rows`` (P_FP8 branch) exactly: that helper is written for
+        Triton's layout-free tensors and cannot be called from Gluon code. Rows with l == 0
+        give out = 0 and lse = -inf. m_i and l_i must be in acc's row layout.
+        """
+        empty = l_i == 0.0
+        inv = gl.where(empty, 0.0, v_descale / gl.where(empty, 1.0, l_i))
+        out = acc * gl.expand_dims(inv, 1)
+        lse2 = m_i + gl.log2(gl.where(empty, 1.0, l_i)) - _P_OFFSET
+        lse = gl.where(empty, float("-inf"), lse2 * _LN2)
+        return out, lse
+
+    @gluon.jit
+    def _dense_fwd_tma_kernel(
+        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs,
+        stride_lb, stride_lh, stride_lm,
+        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+        seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
+        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        NW: gl.constexpr = gl.num_warps()
+        gl.static_assert(NW == 8)
+        gl.static_assert(BM == 128)
+        # BN == BM and 128-aligned lengths: a causal query block has exactly one masked (diagonal)
+        # KV tile, the last one.
+        gl.static_assert(BN == BM)
+
+        pid_m = gl.program_id(0)
+        if CAUSAL:  # longest query blocks (most keys) first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        pid_bh = gl.program_id(1)
+        b = pid_bh // nheads_q
+        h = pid_bh % nheads_q
+        hk = h // (nheads_q // nheads_k)
+        b64 = b.to(gl.int64)
+        hk64 = hk.to(gl.int64)
+
+        m0 = pid_m * BM
+        q_row = b * seqlen_q + m0
+        kv_row = b * seqlen_k
+        vt_row = (b * nheads_k + hk) * D
+        q_col = h * D
+        k_col = hk * D
+        shift = seqlen_k - seqlen_q
+        if CAUSAL:
+            n_tiles = (m0 + BM + shift) // BN  # keys < m0 + BM + shift <= seqlen_k
+        else:
+            n_tiles = seqlen_k // BN
+
+        # descales per (batch, kv head), read with their strides (stride-0 broadcast views allowed)
+        qd = gl.load(QDs + b64 * stride_qds_b + hk64 * stride_qds_h)
+        kd = gl.load(KDs + b64 * stride_kds_b + hk64 * stride_kds_h)
+        v_descale = gl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
+        qk_scale = softmax_scale_log2 * qd * kd
+
+        # 8 warps stacked along M: each warpgroup owns 64 rows, row reductions stay in a quad.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, BN, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, D, 32])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, D, BN], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # Prologue: Q and the first NUM_STAGES K/V tiles. All expects first, then one barrier,
+        # then the copies (one membar barrier instead of one per copy).
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.expect(k_bars.index(i), k_desc.block_type.nbytes, pred=i < n_tiles)
+            mbarrier.expect(v_bars.index(i), v_desc.block_type.nbytes, pred=i < n_tiles)
+        gl.thread_barrier()
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+        for i in gl.static_range(NUM_STAGES):
+            tma.async_copy_global_to_shared(k_desc, [kv_row + i * BN, k_col], k_bars.index(i),
+                                            k_smem.index(i), pred=i < n_tiles)
+            tma.async_copy_global_to_shared(v_desc, [vt_row, i * BN], v_bars.index(i),
+                                            v_smem.index(i), pred=i < n_tiles)
+
+        zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
+        zero_o = gl.zeros([BM, D], gl.float32, o_layout)
+        m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([BM], gl.float32, row_s)
+        acc = gl.zeros([BM, D], gl.float32, o_layout)
+
+        # S_0 = Q K_0^T, then refill K stage 0 (both warpgroups retired it: barrier first)
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_bars.index(0), 0)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+        gl.thread_barrier()
+        mbarrier.expect(k_bars.index(0), k_desc.block_type.nbytes, pred=NUM_STAGES < n_tiles)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + NUM_STAGES * BN, k_col], k_bars.index(0),
+                                        k_smem.index(0), pred=NUM_STAGES < n_tiles)
+
+        # Fully visible tiles 0 .. n_tiles - 2: QK_{j+1} runs under softmax_j.
+        for j in range(n_tiles - 1):
+            kn = (j + 1) % NUM_STAGES
+            mbarrier.wait(k_bars.index(kn), ((j + 1) // NUM_STAGES) & 1)
+            sn_tok = warpgroup_mma(q_smem, k_smem.index(kn).permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+            p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, m0, j * BN, shift,
+                                                p_layout, row_o, False)
+            vs = j % NUM_STAGES
+            mbarrier.wait(v_bars.index(vs), (j // NUM_STAGES) & 1)
+            # fresh accumulator per tile, added in fp32 below (two-level accumulation)
+            pv_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+            acc = acc * gl.expand_dims(alpha, 1)
+            s, pv = warpgroup_mma_wait(num_outstanding=0, deps=[sn_tok, pv_tok])
+            acc = acc + pv
+            tk = j + 1 + NUM_STAGES
+            tv = j + NUM_STAGES
+            _refill(k_desc, kv_row + tk * BN, k_col, k_bars.index(kn), k_smem.index(kn), tk < n_tiles,
+                    v_desc, vt_row, tv * BN, v_bars.index(vs), v_smem.index(vs), tv < n_tiles)
+
+        # Last tile: the diagonal one when causal (the only tile that needs the mask).
+        jl = n_tiles - 1
+        p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, m0, jl * BN, shift,
+                                            p_layout, row_o, CAUSAL)
+        vs = jl % NUM_STAGES
+        mbarrier.wait(v_bars.index(vs), (jl // NUM_STAGES) & 1)
+        pv_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+        acc = acc * gl.expand_dims(alpha, 1)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+        acc = acc + pv
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        # Epilogue: normalize (v_descale folded), bf16 via shared memory and a TMA store.
+        out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
+        if WRITE_LSE:
+            offs_m = (m0 + gl.arange(0, BM, layout=row_o)).to(gl.int64)
+            h64 = h.to(gl.int64)
+            gl.store(Lse + b64 * stride_lb + h64 * stride_lh + offs_m * stride_lm, lse)
+        o_smem = gl.allocate_shared_memory(gl.bfloat16, o_desc.block_type.shape, o_desc.layout)
+        o_smem.store(out.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [q_row, q_col], o_smem)
+        tma.store_wait(pendings=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
+def _layouts():
+    f8 = gl.float8e4nv
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], f8),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], f8),
+            gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], f8),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.bfloat16))
+
+
+def _rows_view(x):
+    """(batch, seqlen, nheads, 128) -> (batch * seqlen, nheads * 128) view, or None if not dense."""
+    b, s, h, d = x.shape
+    try:
+        y = x.view(b * s, h * d)
+    except RuntimeError:
+        return None
+    return y if y.stride() == (h * d, 1) else None
+
+
+def _vt_view(v):
+    """Sequence-contiguous V (batch, seqlen_k, nheads_k, 128) -> (batch * nheads_k * 128, seqlen_k)."""
+    b, s, h, d = v.shape
+    try:
+        y = v.permute(0, 2, 3, 1).view(b * h * d, s)
+    except RuntimeError:
+        return None
+    return y if y.stride() == (s, 1) else None
+
+
+def effective_causal(causal, window_size):
+    """Causal as the kernel sees it: the API passes causal as a window whose right edge is the
+    diagonal, ``(-1, 0)``, which is the same bottom-right causal mask."""
+    return bool(causal) or (window_size is not None and int(window_size[0]) < 0 and int(window_size[1]) == 0)
+
+
+def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descale, v_descale,
+                       out_scale, cu_seqlens_q, descale_block_q, descale_block_k, lse):
+    """Why the TMA fast path cannot run these inputs, or None when it can (see ``supported``)."""
+    if not HAS_GLUON:
+        return "triton.experimental.gluon is not available"
+    if cu_seqlens_q is not None:
+        return "varlen (cu_seqlens_q) is not supported"
+    wl, wr = (int(window_size[0]), int(window_size[1])) if window_size is not None else (-1, -1)
+    if wl >= 0 or wr > 0:
+        return f"sliding window {(wl, wr)} is not supported"
+    causal = effective_causal(causal, window_size)
+    if float(softcap) != 0.0:
+        return "softcap is not supported"
+    if out_scale is not None:
+        return "fused FP8 output (out_scale) is not supported"
+    if descale_block_q is not None or descale_block_k is not None:
+        return "per-block descales are not supported"
+    ts = (q, k, v, out)
+    if any(t.dtype != torch.float8_e4m3fn for t in ts[:3]):
+        return f"q, k, v must be float8_e4m3fn, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if out.dtype != torch.bfloat16:
+        return f"out must be bfloat16, got {out.dtype}"
+    if any(t.dim() != 4 for t in ts):
+        return "q, k, v, out must be 4-d (batch, seqlen, nheads, headdim)"
+    batch, sq, hq, d = q.shape
+    _, sk, hk, _ = k.shape
+    if d != HEAD_DIM or k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
+        return f"head dim must be {HEAD_DIM} for q, k and v, got {d}, {k.shape[-1]}, {v.shape[-1]}"
+    if k.shape[0] != batch or tuple(v.shape) != tuple(k.shape) or tuple(out.shape) != tuple(q.shape):
+        return "shape mismatch between q, k, v, out"
+    if hk == 0 or hq % hk != 0:
+        return f"nheads_q ({hq}) must be a multiple of nheads_k ({hk})"
+    if sq % BLOCK_M != 0 or sk % BLOCK_N != 0 or sq == 0 or sk == 0:
+        return f"seqlen_q ({sq}) and seqlen_k ({sk}) must be positive multiples of 128"
+    if causal and sq > sk:
+        return f"causal with seqlen_q ({sq}) > seqlen_k ({sk}) is not supported"
+    if max(batch * sq, batch * sk, batch * hk * HEAD_DIM) >= 2 ** 31:
+        return "too many rows for 32-bit TMA coordinates"
+    if _rows_view(q) is None or _rows_view(k) is None or _rows_view(out) is None:
+        return "q, k, out must be contiguous (batch, seqlen, nheads, 128)"
+    if _vt_view(v) is None:
+        return "v must be sequence-contiguous (memory order (batch, nheads_k, 128, seqlen_k))"
+    if any(t.data_ptr() % 16 for t in ts):
+        return "q, k, v, out must be 16-byte aligned"
+    for name, ds in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if ds is None:
+            return f"{name} is required"
+        if ds.dtype != torch.float32 or tuple(ds.shape) != (batch, hk):
+            return f"{name} must be float32 (batch, nheads_k)"
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (batch, hq, sq)):
+        return "lse must be float32 (batch, nheads_q, seqlen_q)"
+    # device checks last: the shape rules above hold (and are testable) without CUDA
+    dev = q.device
+    extra = (q_descale, k_descale, v_descale) + ((lse,) if lse is not None else ())
+    if not all(t.is_cuda for t in ts):
+        return "inputs must be CUDA tensors"
+    if any(t.device != dev for t in ts + extra):
+        return "all tensors must be on one device"
+    if _capability(dev.index if dev.index is not None else torch.cuda.current_device()) != (9, 0):
+        return "needs an sm90 (Hopper) GPU"
+    return None
+
+
+def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descale, v_descale,
+              out_scale, cu_seqlens_q, descale_block_q, descale_block_k, lse) -> bool:
+    """Whether ``launch_dense_fwd_tma`` handles these inputs.
+
+    Parameters
+    ----------
+    q, k, v, out : torch.Tensor
+        As for ``dense.launch_dense_fwd``; ``v`` already sequence-contiguous.
+    causal, window_size, softcap, q_descale, k_descale, v_descale, out_scale, cu_seqlens_q,
+    descale_block_q, descale_block_k, lse
+        As for ``dense.launch_dense_fwd``.
+
+    Returns
+    -------
+    bool
+        True for: CUDA tensors on an sm90 device; q, k, v float8_e4m3fn and out bfloat16; head dim
+        128; contiguous q, k, out (batch, seqlen, nheads, 128) and V in memory order
+        (batch, nheads_k, 128, seqlen_k); seqlen_q and seqlen_k multiples of 128; nheads_q a
+        multiple of nheads_k; causal only with seqlen_q <= seqlen_k; float32 (batch, nheads_k)
+        descales (broadcast views allowed); no varlen, sliding window (``(-1, 0)`` is the causal
+        mask), softcap, out_scale or per-block descales; lse None or float32 (batch, nheads_q, seqlen_q). ``unsupported_reason`` says
+        why not.
+    """
+    return unsupported_reason(q, k, v, out, causal=causal, window_size=window_size, softcap=softcap,
+                              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                              out_scale=out_scale, cu_seqlens_q=cu_seqlens_q,
+                              descale_block_q=descale_block_q, descale_block_k=descale_block_k,
+                              lse=lse) is None
+
+
+def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale, k_descale, v_descale):
+    """Launch the TMA/wgmma dense forward. No validation: call only when ``supported`` is True.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        float8_e4m3fn (batch, seqlen_q, nheads_q, 128), contiguous.
+    k : torch.Tensor
+        float8_e4m3fn (batch, seqlen_k, nheads_k, 128), contiguous.
+    v_kmajor : torch.Tensor
+        float8_e4m3fn (batch, seqlen_k, nheads_k, 128) with memory order
+        (batch, nheads_k, 128, seqlen_k) (``dense.transpose_v_kmajor``).
+    out : torch.Tensor
+        bfloat16 (batch, seqlen_q, nheads_q, 128), contiguous. Written in place.
+    lse : torch.Tensor or None
+        float32 (batch, nheads_q, seqlen_q), any strides; natural-log LSE written when given.
+    softmax_scale : float
+    causal : bool
+        Bottom-right aligned causal mask (seqlen_q <= seqlen_k).
+    q_descale, k_descale, v_descale : torch.Tensor
+        float32 (batch, nheads_k); stride-0 broadcast views allowed.
+
+    Returns
+    -------
+    tuple
+        ``(out, lse)``.
+    """
+    batch, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    ql, kl, vl, ol = _layouts()
+    q_desc = TensorDescriptor.from_tensor(_rows_view(q), [BLOCK_M, HEAD_DIM], ql)
+    k_desc = TensorDescriptor.from_tensor(_rows_view(k), [BLOCK_N, HEAD_DIM], kl)
+    v_desc = TensorDescriptor.from_tensor(_vt_view(v_kmajor), [HEAD_DIM, BLOCK_N], vl)
+    o_desc = TensorDescriptor.from_tensor(_rows_view(out), [BLOCK_M, HEAD_DIM], ol)
+    ls = lse.stride() if lse is not None else (0, 0, 0)
+    grid = (sq // BLOCK_M, batch * hq)
+    _dense_fwd_tma_kernel[grid](
+        q_desc, k_desc, v_desc, o_desc, lse if lse is not None else q_descale,
+        q_descale, k_descale, v_descale,
+        *ls, *q_descale.stride(), *k_descale.stride(), *v_descale.stride(),
+        sq, sk, hq, hk, float(softmax_scale) * _LOG2E,
+        CAUSAL=bool(causal), WRITE_LSE=lse is not None, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# ahead-of-time compile (inspection without a GPU)
+# ---------------------------------------------------------------------------------------------
+def _aot_compile(causal, write_lse=True, arch=90):
+    """Compile the kernel for ``sm_{arch}`` without a GPU; returns triton's compiled kernel.
+
+    Integer arguments are given the specializations a launch on supported inputs sees
+    (lengths and LSE/descale strides divisible by 16 are not assumed: strides vary).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ql, kl, vl, ol = _layouts()
+
+    def desc(shape, layout, dtype="fp8e4nv"):
+        return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
+
+    sig = {
+        "q_desc": desc([BLOCK_M, HEAD_DIM], ql), "k_desc": desc([BLOCK_N, HEAD_DIM], kl),
+        "v_desc": desc([HEAD_DIM, BLOCK_N], vl), "o_desc": desc([BLOCK_M, HEAD_DIM], ol, "bf16"),
+        "Lse": "*fp32", "QDs": "*fp32", "KDs": "*fp32", "VDs": "*fp32",
+        "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
+        "stride_qds_b": "i32", "stride_qds_h": "i32", "stride_kds_b": "i32", "stride_kds_h": "i32",
+        "stride_vds_b": "i32", "stride_vds_h": "i32",
+        "seqlen_q": "i32", "seqlen_k": "i32", "nheads_q": "i32", "nheads_k": "i32",
+        "softmax_scale_log2": "fp32",
+        "CAUSAL": "constexpr", "WRITE_LSE": "constexpr", "NUM_STAGES": "constexpr",
+    }
+    consts = {"CAUSAL": bool(causal), "WRITE_LSE": bool(write_lse), "NUM_STAGES": NUM_STAGES}
+    names = list(sig)
+    # pointers are 16-byte aligned; sequence lengths are multiples of 128
+    attrs = {(names.index(n),): [["tt.divisibility", 16]]
+             for n in ("Lse", "QDs", "KDs", "VDs", "seqlen_q", "seqlen_k")}
+    src = GluonASTSource(fn=_dense_fwd_tma_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 128), options={"num_warps": NUM_WARPS})
