@@ -1,9 +1,11 @@
 """TMA/wgmma dense forward (kernels/dense_tma) vs the reference, and its dispatch from launch_dense_fwd.
 
-CPU: ``supported`` rejects every case outside the fast path's contract, and the kernel compiles ahead
-of time for sm90 when the compiler is present. GPU (`gpu` marker, sm90): causal and non-causal,
-seqlen_q == / < seqlen_k, GQA, random per-(batch, kv head) descales, LSE, determinism, the
-FP8ATTN_DENSE_BACKEND switch.
+CPU: ``supported`` rejects every case outside the fast path's contract and accepts (up to the device
+check) head dims 64 and 128 and the fused FP8 output, and every kernel variant compiles ahead of time
+for sm90 when the compiler is present. GPU (`gpu` marker, sm90): head dims 64 and 128, causal and
+non-causal, seqlen_q == / < seqlen_k, GQA, random per-(batch, kv head) descales, LSE, determinism,
+the FP8ATTN_DENSE_BACKEND switch; the fused e4m3 output against the Triton kernel's (at most one
+e4m3 code apart) and against the reference, and under CUDA-graph replay with a changed out_scale.
 """
 import math
 import os
@@ -42,6 +44,13 @@ def _case(b=2, sq=256, sk=256, hq=8, hk=2, d=128, device="cpu"):
     return q, k, v, qd, kd, vd, out, lse
 
 
+def _codes(x):
+    """e4m3 bytes -> integers on one line (sign-magnitude: neighbouring values differ by 1)."""
+    u = x.view(torch.uint8).int()
+    mag = u & 0x7F
+    return torch.where(u >= 0x80, -mag, mag)
+
+
 def _kw(qd, kd, vd, lse, **over):
     kw = dict(causal=False, window_size=(-1, -1), softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd,
               out_scale=None, cu_seqlens_q=None, descale_block_q=None, descale_block_k=None, lse=lse)
@@ -65,7 +74,7 @@ def test_supported_rejects_outside_contract():
         "window": dict(window_size=(64, 0)),
         "right window": dict(window_size=(-1, 8)),
         "softcap": dict(softcap=20.0),
-        "out_scale": dict(out_scale=torch.tensor([0.01])),
+        "out_scale with bf16 out": dict(out_scale=torch.tensor([0.01])),
         "per-block": dict(descale_block_q=64, descale_block_k=64),
     }
     for name, over in cases.items():
@@ -76,8 +85,14 @@ def test_supported_rejects_outside_contract():
     assert dense_tma.effective_causal(False, (-1, 0)) and not dense_tma.effective_causal(False, (-1, -1))
     assert "CUDA" in dense_tma.unsupported_reason(q, k, vt, out, **_kw(qd, kd, vd, lse, window_size=(-1, 0)))
     # shape / dtype cases are rejected before the device check as well
-    q64, k64, v64, qd64, kd64, vd64, out64, lse64 = _case(d=64)
-    assert "head dim" in dense_tma.unsupported_reason(q64, k64, v64, out64, **_kw(qd64, kd64, vd64, lse64))
+    q256, k256, v256, qd256, kd256, vd256, out256, lse256 = _case(d=256)
+    why = dense_tma.unsupported_reason(q256, k256, v256, out256, **_kw(qd256, kd256, vd256, lse256))
+    assert "head dim" in why and "256" in why
+    q96, k96, v96, qd96, kd96, vd96, out96, lse96 = _case(d=96)
+    assert "head dim" in dense_tma.unsupported_reason(q96, k96, v96, out96, **_kw(qd96, kd96, vd96, lse96))
+    v64 = _fp8((2, 256, 2, 64), "cpu")  # head dim of v != head dim of q/k
+    out64 = torch.empty(2, 256, 8, 64, dtype=torch.bfloat16)
+    assert "head dim" in dense_tma.unsupported_reason(q, k, v64, out64, **kw)
     q2, k2, v2, qd2, kd2, vd2, out2, lse2 = _case(sq=200, sk=200)
     assert not dense_tma.supported(q2, k2, v2, out2, **_kw(qd2, kd2, vd2, lse2))
     qh, kh, vh = q.to(torch.float16), k.to(torch.float16), vt.to(torch.float16)
@@ -86,9 +101,38 @@ def test_supported_rejects_outside_contract():
     assert "bfloat16" in dense_tma.unsupported_reason(q, k, vt, out32, **kw)
 
 
+def test_supported_accepts_d64_and_fp8_out():
+    """Head dim 64 and the fused e4m3 output pass every shape/dtype rule: on CPU tensors the only
+    reason left is the device check."""
+    for d in (64, 128):
+        q, k, v, qd, kd, vd, out, lse = _case(d=d)
+        vt = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        for causal in (False, True):
+            why = dense_tma.unsupported_reason(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=causal))
+            assert "CUDA" in why, (d, causal, why)
+            assert not dense_tma.supported(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=causal))
+        out8 = torch.empty(out.shape, dtype=E4M3)
+        osc = torch.tensor([0.01])
+        for scale in (osc, torch.tensor(0.01), osc.reshape(1, 1)):
+            for lse_ in (lse, None):
+                why = dense_tma.unsupported_reason(q, k, vt, out8, **_kw(qd, kd, vd, lse_, out_scale=scale))
+                assert "CUDA" in why, (d, why)
+        bad = {
+            "e4m3 out without out_scale": (out8, None),
+            "out_scale with bf16 out": (out, osc),
+            "float64 out_scale": (out8, osc.double()),
+            "two-element out_scale": (out8, torch.tensor([0.01, 0.02])),
+            "python float out_scale": (out8, 0.01),
+            "fp16 out with out_scale": (out.half(), osc),
+        }
+        for name, (o, sc) in bad.items():
+            why = dense_tma.unsupported_reason(q, k, vt, o, **_kw(qd, kd, vd, lse, out_scale=sc))
+            assert why is not None and "CUDA" not in why, (d, name)
+
+
 @pytest.mark.gpu
 def test_supported_rejects_on_gpu():
-    """The shape/layout rules on CUDA tensors (seqlen 200, d64, non-contiguous V, causal sq > sk)."""
+    """The shape/layout rules on CUDA tensors (seqlen 200, d256, non-contiguous V, causal sq > sk)."""
     q, k, v, qd, kd, vd, out, lse = _case(device="cuda")
     vt = transpose_v_kmajor(v)
     if torch.cuda.get_device_capability() != (9, 0):
@@ -99,8 +143,15 @@ def test_supported_rejects_on_gpu():
     q2, k2, v2, qd2, kd2, vd2, out2, lse2 = _case(sq=200, sk=200, device="cuda")
     assert "multiples of 128" in dense_tma.unsupported_reason(q2, k2, transpose_v_kmajor(v2), out2,
                                                               **_kw(qd2, kd2, vd2, lse2))
-    q3, k3, v3, qd3, kd3, vd3, out3, lse3 = _case(d=64, device="cuda")
-    assert not dense_tma.supported(q3, k3, transpose_v_kmajor(v3), out3, **_kw(qd3, kd3, vd3, lse3))
+    q3, k3, v3, qd3, kd3, vd3, out3, lse3 = _case(d=256, device="cuda")
+    assert "256" in dense_tma.unsupported_reason(q3, k3, transpose_v_kmajor(v3), out3, **_kw(qd3, kd3, vd3, lse3))
+    q5, k5, v5, qd5, kd5, vd5, out5, lse5 = _case(d=64, device="cuda")
+    assert dense_tma.supported(q5, k5, transpose_v_kmajor(v5), out5, **_kw(qd5, kd5, vd5, lse5))
+    out8 = torch.empty(out5.shape, dtype=E4M3, device="cuda")
+    osc = torch.tensor([0.01], device="cuda")
+    assert dense_tma.supported(q5, k5, transpose_v_kmajor(v5), out8, **_kw(qd5, kd5, vd5, lse5, out_scale=osc))
+    assert "device" in dense_tma.unsupported_reason(q5, k5, transpose_v_kmajor(v5), out8,
+                                                    **_kw(qd5, kd5, vd5, lse5, out_scale=osc.cpu()))
     q4, k4, v4, qd4, kd4, vd4, out4, lse4 = _case(sq=512, sk=256, device="cuda")
     assert not dense_tma.supported(q4, k4, transpose_v_kmajor(v4), out4, **_kw(qd4, kd4, vd4, lse4, causal=True))
 
@@ -110,15 +161,18 @@ import os, sys
 os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, {src!r})
 from fp8attn.kernels import dense_tma
-for causal in (False, True):
-    k = dense_tma._aot_compile(causal, write_lse=True)
-    assert k.asm["cubin"], "no cubin"
-    print("ok", causal, k.metadata.shared)
+for d in (64, 128):
+    for causal in (False, True):
+        for out_fp8 in (False, True):
+            k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=out_fp8)
+            assert k.asm["cubin"], "no cubin"
+            print("ok", d, causal, out_fp8, k.metadata.shared)
 """
 
 
 def test_aot_compile_sm90():
-    """The Gluon kernel compiles for sm90 without a GPU (in a clean process: no interpreter mode)."""
+    """Every variant of the Gluon kernel (head dim 64/128 x causal x bf16/e4m3 output) compiles for sm90
+    without a GPU (in a clean process: no interpreter mode)."""
     if not dense_tma.HAS_GLUON:
         pytest.skip("triton without gluon")
     try:
@@ -132,7 +186,7 @@ def test_aot_compile_sm90():
     if r.returncode != 0 and ("ptxas" in out and ("not found" in out or "No such file" in out)):
         pytest.skip("ptxas not available")
     assert r.returncode == 0, out[-3000:]
-    assert out.count("ok ") == 2, out[-3000:]
+    assert out.count("ok ") == 8, out[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,40 +197,47 @@ def _need_sm90():
         pytest.skip("the TMA kernel needs an sm90 device")
 
 
-def _reference_check(q, k, v, qd, kd, vd, out, lse, causal, scale):
+def _reference_check(q, k, v, qd, kd, vd, out, lse, causal, scale, out_scale=None):
     kw = dict(softmax_scale=scale, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
               out_dtype=torch.float32)
     ref, ref_lse = attention_ref(q, k, v, return_lse=True, **kw)
     lowp = attention_ref(q, k, v, quantize_p=True, **kw)
-    # bf16 output: half an ulp of bf16 at the output's magnitude on top of the rule's floor
-    floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2 ** -8
-    assert_close_fa3(out.float(), ref, lowp, floor=floor)
+    if out_scale is None:
+        # bf16 output: half an ulp of bf16 at the output's magnitude on top of the rule's floor
+        floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2 ** -8
+        assert_close_fa3(out.float(), ref, lowp, floor=floor)
+    else:
+        # e4m3 output, dequantized: half an ulp of e4m3 at the output's magnitude on top of the floor
+        floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2 ** -4
+        assert_close_fa3(out.float() * out_scale.float(), ref, lowp, floor=floor)
     assert torch.isfinite(lse).all()
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq,sk", [(256, 256), (256, 640), (384, 384)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_tma_vs_reference(sq, sk, causal, monkeypatch):
+def test_gpu_tma_vs_reference(sq, sk, causal, d, monkeypatch):
     _need_sm90()
     monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")  # raises if the fast path were not taken
-    q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=sq, sk=sk, hq=8, hk=2, device="cuda")
+    q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=sq, sk=sk, hq=8, hk=2, d=d, device="cuda")
     vt = transpose_v_kmajor(v)
     assert dense_tma.supported(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=causal))
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
-    scale = 1.0 / math.sqrt(128)
+    scale = 1.0 / math.sqrt(d)
     launch_dense_fwd(q, k, v, out, lse, softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0,
                      q_descale=qd, k_descale=kd, v_descale=vd)
     _reference_check(q, k, v, qd, kd, vd, out, lse, causal, scale)
 
 
 @pytest.mark.gpu
-def test_gpu_tma_broadcast_descales_strided_lse_no_lse():
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_tma_broadcast_descales_strided_lse_no_lse(d):
     _need_sm90()
     b, s, hq, hk = 2, 512, 4, 4
-    q, k, v, _, _, _, out, _ = _case(b=b, sq=s, sk=s, hq=hq, hk=hk, device="cuda")
+    q, k, v, _, _, _, out, _ = _case(b=b, sq=s, sk=s, hq=hq, hk=hk, d=d, device="cuda")
     qd = torch.tensor(0.11, device="cuda").reshape(1, 1).expand(b, hk)  # stride-0 views
     kd = torch.rand(1, hk, device="cuda").mul(0.2).add(0.05).expand(b, hk)
     vd = torch.rand(b, 1, device="cuda").add(0.5).expand(b, hk)
@@ -195,13 +256,14 @@ def test_gpu_tma_broadcast_descales_strided_lse_no_lse():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_tma_deterministic_and_backend_switch(causal, monkeypatch):
+def test_gpu_tma_deterministic_and_backend_switch(causal, d, monkeypatch):
     _need_sm90()
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND", raising=False)  # the default dispatch
-    q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=1024, sk=1024, hq=8, hk=2, device="cuda")
+    q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=1024, sk=1024, hq=8, hk=2, d=d, device="cuda")
     assert dense_tma.supported(q, k, transpose_v_kmajor(v), out, **_kw(qd, kd, vd, lse, causal=causal))
-    kw = dict(softmax_scale=1.0 / math.sqrt(128), causal=causal, window_size=(-1, -1), softcap=0.0,
+    kw = dict(softmax_scale=1.0 / math.sqrt(d), causal=causal, window_size=(-1, -1), softcap=0.0,
               q_descale=qd, k_descale=kd, v_descale=vd)
     launch_dense_fwd(q, k, v, out, lse, **kw)
     for _ in range(3):
@@ -234,3 +296,94 @@ def test_gpu_flash_attn_func_takes_fast_path(monkeypatch):
     ref = attention_ref(q, k, v, softmax_scale=1.0 / math.sqrt(128), causal=True, q_descale=qd, k_descale=kd,
                         v_descale=vd, out_dtype=torch.float32)
     assert (out.float() - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk", [(256, 256), (256, 640), (1024, 1024)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_tma_fp8_out(sq, sk, causal, d, monkeypatch):
+    """Fused e4m3 output: within FP8 attention error of the Triton kernel's fused output (also where it
+    saturates), the reference within the FA3 rule after dequantizing, LSE as with bf16 output, and at
+    most one e4m3 code from this kernel's own bf16 output quantized afterwards."""
+    _need_sm90()
+    q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=sq, sk=sk, hq=8, hk=2, d=d, device="cuda")
+    scale = 1.0 / math.sqrt(d)
+    kw = dict(softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0,
+              q_descale=qd, k_descale=kd, v_descale=vd)
+    ref = attention_ref(q, k, v, softmax_scale=scale, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                        out_dtype=torch.float32)
+    calibrated = (ref.abs().max() / 448.0).reshape(1).float()
+    for osc in (calibrated, calibrated * 0.25):  # the second one saturates the largest outputs
+        out8 = torch.full(out.shape, float("nan"), device="cuda").to(E4M3)
+        lse.fill_(float("nan"))
+        assert dense_tma.supported(q, k, transpose_v_kmajor(v), out8, **_kw(qd, kd, vd, lse, causal=causal,
+                                                                             out_scale=osc))
+        monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")  # raises if the fast path were not taken
+        launch_dense_fwd(q, k, v, out8, lse, out_scale=osc, **kw)
+        monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "triton")
+        ot8, lt = torch.empty_like(out8), torch.empty_like(lse)
+        launch_dense_fwd(q, k, v, ot8, lt, out_scale=osc, **kw)
+        assert not torch.isnan(out8.float()).any()
+        # The Triton kernel may tile the keys differently (BLOCK_N 64 vs 128), which moves the running
+        # max and so the e4m3 rounding of P: the two agree within FP8 attention error, not bit-wise.
+        # Bit-level agreement is checked against this kernel's own bf16-output path below.
+        both = ref.abs().max().item() * (2e-3 + 2 ** -3)
+        assert (out8.float() - ot8.float()).abs().max().item() * osc.item() <= both
+        torch.testing.assert_close(lt, lse, atol=1e-3, rtol=1e-4)
+        if osc is calibrated:
+            _reference_check(q, k, v, qd, kd, vd, out8, lse, causal, scale, out_scale=osc)
+            _reference_check(q, k, v, qd, kd, vd, ot8, lt, causal, scale, out_scale=osc)
+        else:
+            assert out8.float().abs().max().item() == 448.0
+    # the fused output is the bf16 path's fp32 output quantized: compare with the bf16 output (the fp32
+    # values differ from their bf16 rounding by less than half a bf16 ulp, so at most one code apart)
+    monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")
+    launch_dense_fwd(q, k, v, out, None, **kw)
+    from_bf16 = (out.float() * (1.0 / calibrated)).clamp(-448, 448).to(E4M3)
+    out8 = torch.empty(out.shape, device="cuda", dtype=E4M3)
+    launch_dense_fwd(q, k, v, out8, None, out_scale=calibrated, **kw)
+    assert (_codes(out8) - _codes(from_bf16)).abs().max().item() <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_tma_fp8_out_cuda_graph(d, monkeypatch):
+    """out_scale is read on the device: a captured launch follows a new out_scale value on replay."""
+    _need_sm90()
+    monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")
+    q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=512, sk=512, hq=8, hk=2, d=d, device="cuda")
+    kw = dict(softmax_scale=1.0 / math.sqrt(d), causal=True, window_size=(-1, -1), softcap=0.0,
+              q_descale=qd, k_descale=kd, v_descale=vd)
+    osc = torch.tensor([0.002], device="cuda")
+    out8 = torch.empty(out.shape, device="cuda", dtype=E4M3)
+    launch_dense_fwd(q, k, v, out8, lse, out_scale=osc, **kw)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch_dense_fwd(q, k, v, out8, lse, out_scale=osc, **kw)
+    for value in (0.002, 0.004):
+        osc.fill_(value)
+        out8.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        ref8 = torch.empty_like(out8)
+        launch_dense_fwd(q, k, v, ref8, None, out_scale=osc, **kw)
+        assert torch.equal(out8.view(torch.uint8), ref8.view(torch.uint8)), value
+
+
+@pytest.mark.gpu
+def test_gpu_flash_attn_func_fp8_out_takes_fast_path(monkeypatch):
+    _need_sm90()
+    import fp8attn
+
+    monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")
+    for d in (64, 128):
+        q, k, v, qd, kd, vd, _, _ = _case(b=2, sq=256, sk=640, hq=8, hk=2, d=d, device="cuda")
+        osc = torch.tensor([0.003], device="cuda")
+        out = fp8attn.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_scale=osc)
+        out = out[0] if isinstance(out, tuple) else out
+        assert out.dtype == E4M3
+        ref = attention_ref(q, k, v, softmax_scale=1.0 / math.sqrt(d), causal=True, q_descale=qd, k_descale=kd,
+                            v_descale=vd, out_dtype=torch.float32)
+        assert (out.float() * 0.003 - ref.clamp(-448 * 0.003, 448 * 0.003)).abs().max().item() \
+            <= 0.12 * ref.abs().max().item()  # e4m3 rounding (2^-4 relative) + the FP8 attention error

@@ -460,8 +460,8 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     ``FP8ATTN_NO_AUTOTUNE=1`` to use the default config (e.g. before CUDA-graph capture without a
     warm-up call).
 
-    Inputs that ``dense_tma.supported`` accepts (e4m3 in, bf16 out, head dim 128, lengths that are
-    multiples of 128, per-(batch, kv head) descales, no varlen/window/softcap/out_scale; see there)
+    Inputs that ``dense_tma.supported`` accepts (e4m3 in, bf16 out or e4m3 out with out_scale, head dim
+    64 or 128, lengths that are multiples of 128, per-(batch, kv head) descales, no varlen/window/softcap; see there)
     run on the TMA/wgmma kernel of ``dense_tma`` instead. ``FP8ATTN_DENSE_BACKEND`` selects:
     unset or ``auto`` (that rule), ``triton`` (always this module's kernel), ``tma`` (the TMA kernel;
     ValueError naming the reason when the inputs are not supported).
@@ -482,7 +482,7 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
         if why is None:
             return dense_tma.launch_dense_fwd_tma(
                 q, k, v, out, lse, softmax_scale=softmax_scale, causal=dense_tma.effective_causal(causal, window_size),
-                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale)
         if backend == "tma":
             raise ValueError(f"FP8ATTN_DENSE_BACKEND=tma: the TMA kernel does not support these inputs: {why}")
     args, kwargs, grid = _build_launch(

@@ -1,8 +1,11 @@
 """Dense FP8 attention forward for Hopper with TMA loads and asynchronous wgmma (Gluon).
 
-The fast path of ``dense.launch_dense_fwd`` for the common prefill case: e4m3 Q/K/V, bf16 output,
-head dim 128, sequence lengths that are multiples of 128, per-(batch, kv head) descales, optional
-bottom-right causal mask and LSE. Everything else stays on the Triton kernel (``supported``).
+The fast path of ``dense.launch_dense_fwd`` for the common prefill case: e4m3 Q/K/V, head dim 64 or
+128 (the same for q/k and v), sequence lengths that are multiples of 128, per-(batch, kv head)
+descales, optional bottom-right causal mask and LSE; bf16 output, or e4m3 output with the fused
+static per-tensor scale ``out_scale``. Everything else stays on the Triton kernel (``supported``).
+One kernel covers all of these: the head dim (``D``, read from the Q descriptor's block shape), the
+output dtype (``OUT_FP8``), causal and LSE are compile-time constants.
 
 Schedule (one CTA = one 128-row query block of one (batch, q head), 8 warps = 2 warpgroups of 64
 rows): K/V tiles stream through a ``NUM_STAGES``-deep ring of shared-memory buffers filled by TMA.
@@ -10,12 +13,12 @@ In the loop over KV tiles, ``S_{j+1} = Q K_{j+1}^T`` is issued asynchronously be
 tile ``j``, so the exp2 work of one tile runs under the next tile's QK^T; then ``P_j V_j`` is
 issued, the accumulator is rescaled while it runs, and one wait retires both MMAs.
 
-Operands as 2-D TMA views (no copies):
+Operands as 2-D TMA views (no copies), D the head dim:
 
-* q, out: (batch * seqlen_q, nheads_q * 128); tile [b * seqlen_q + m0, h * 128]
-* k:      (batch * seqlen_k, nheads_k * 128); tile [b * seqlen_k + n0, hk * 128]
-* v:      sequence-contiguous (``dense.transpose_v_kmajor``), (batch * nheads_k * 128, seqlen_k);
-  tile [(b * nheads_k + hk) * 128, n0] -- the K-major B operand FP8 wgmma needs for P @ V.
+* q, out: (batch * seqlen_q, nheads_q * D); tile [b * seqlen_q + m0, h * D]
+* k:      (batch * seqlen_k, nheads_k * D); tile [b * seqlen_k + n0, hk * D]
+* v:      sequence-contiguous (``dense.transpose_v_kmajor``), (batch * nheads_k * D, seqlen_k);
+  tile [(b * nheads_k + hk) * D, n0] -- the K-major B operand FP8 wgmma needs for P @ V.
 
 Because seqlen_q and seqlen_k are multiples of 128, no tile crosses into the next sequence's rows.
 
@@ -23,7 +26,8 @@ Numerics match the Triton kernel (``common``): base-2 online softmax with
 ``q_descale * k_descale * softmax_scale * log2(e)`` folded into the logit scale, P computed as
 ``exp2(s - m + 8)`` (in [0, 256]) and cast to e4m3, the row sum taken over the fp32 P, each tile's
 P @ V started from a zero accumulator and added to the fp32 accumulator (two-level accumulation),
-``v_descale`` folded into the final 1 / rowsum.
+``v_descale`` folded into the final 1 / rowsum. The FP8 output is ``common.output_epilogue``'s
+``clamp(o * (1 / out_scale), -448, 448)`` cast to e4m3fn, with ``out_scale`` loaded in the kernel.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ except ImportError:  # triton without Gluon: the fast path is simply unavailable
 
 __all__ = ["supported", "unsupported_reason", "effective_causal", "launch_dense_fwd_tma", "HAS_GLUON"]
 
-HEAD_DIM = 128
+HEAD_DIMS = (64, 128)
 BLOCK_M = 128
 BLOCK_N = 128
 NUM_STAGES = 2
@@ -61,6 +65,7 @@ if HAS_GLUON:
     # Globals read inside Gluon code must be constexpr.
     _P_OFFSET = gl.constexpr(8.0)  # P = exp2(s - m + 8) lands in [0, 256] < 448 (e4m3 max)
     _LN2 = gl.constexpr(0.6931471805599453)
+    _E4M3_MAX = gl.constexpr(448.0)
 
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, qk_scale, m0, n0, shift,
@@ -122,12 +127,27 @@ if HAS_GLUON:
         return out, lse
 
     @gluon.jit
+    def _output_epilogue(out, OutScale, OUT_FP8: gl.constexpr):
+        """Cast the normalized fp32 output for storage: bf16, or with OUT_FP8 the fused static
+        per-tensor quantization clamp(out * (1 / out_scale), -448, 448) cast to e4m3fn.
+
+        Replicates ``common.output_epilogue`` and its caller's ``1.0 / load(OutScale)`` exactly
+        (same operations in the same order, so the same roundings).
+        """
+        if OUT_FP8:
+            out_scale_inv = 1.0 / gl.load(OutScale)
+            y = gl.minimum(gl.maximum(out * out_scale_inv, -_E4M3_MAX), _E4M3_MAX)
+            return y.to(gl.float8e4nv)
+        else:
+            return out.to(gl.bfloat16)
+
+    @gluon.jit
     def _dense_fwd_tma_kernel(
-        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs,
+        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
         stride_lb, stride_lh, stride_lm,
         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
         seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
-        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, NUM_STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):
         BM: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
@@ -135,6 +155,10 @@ if HAS_GLUON:
         NW: gl.constexpr = gl.num_warps()
         gl.static_assert(NW == 8)
         gl.static_assert(BM == 128)
+        gl.static_assert((D == 64) or (D == 128))
+        gl.static_assert(k_desc.block_type.shape[1] == D)
+        gl.static_assert(v_desc.block_type.shape[0] == D)
+        gl.static_assert(o_desc.block_type.shape[1] == D)
         # BN == BM and 128-aligned lengths: a causal query block has exactly one masked (diagonal)
         # KV tile, the last one.
         gl.static_assert(BN == BM)
@@ -255,14 +279,14 @@ if HAS_GLUON:
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
 
-        # Epilogue: normalize (v_descale folded), bf16 via shared memory and a TMA store.
+        # Epilogue: normalize (v_descale folded), bf16 or scaled e4m3 via shared memory and a TMA store.
         out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
         if WRITE_LSE:
             offs_m = (m0 + gl.arange(0, BM, layout=row_o)).to(gl.int64)
             h64 = h.to(gl.int64)
             gl.store(Lse + b64 * stride_lb + h64 * stride_lh + offs_m * stride_lm, lse)
-        o_smem = gl.allocate_shared_memory(gl.bfloat16, o_desc.block_type.shape, o_desc.layout)
-        o_smem.store(out.to(gl.bfloat16))
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, o_desc.block_type.shape, o_desc.layout)
+        o_smem.store(_output_epilogue(out, OutScale, OUT_FP8))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [q_row, q_col], o_smem)
         tma.store_wait(pendings=0)
@@ -276,16 +300,18 @@ def _capability(index):
     return torch.cuda.get_device_capability(index)
 
 
-def _layouts():
+@functools.lru_cache(maxsize=None)
+def _layouts(head_dim, out_fp8):
+    """Shared-memory layouts of the Q, K, V and output tiles for one head dim and output dtype."""
     f8 = gl.float8e4nv
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], f8),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], f8),
-            gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], f8),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.bfloat16))
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], f8),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], f8),
+            gl.NVMMASharedLayout.get_default_for([head_dim, BLOCK_N], f8),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], f8 if out_fp8 else gl.bfloat16))
 
 
 def _rows_view(x):
-    """(batch, seqlen, nheads, 128) -> (batch * seqlen, nheads * 128) view, or None if not dense."""
+    """(batch, seqlen, nheads, d) -> (batch * seqlen, nheads * d) view, or None if not dense."""
     b, s, h, d = x.shape
     try:
         y = x.view(b * s, h * d)
@@ -295,7 +321,7 @@ def _rows_view(x):
 
 
 def _vt_view(v):
-    """Sequence-contiguous V (batch, seqlen_k, nheads_k, 128) -> (batch * nheads_k * 128, seqlen_k)."""
+    """Sequence-contiguous V (batch, seqlen_k, nheads_k, d) -> (batch * nheads_k * d, seqlen_k)."""
     b, s, h, d = v.shape
     try:
         y = v.permute(0, 2, 3, 1).view(b * h * d, s)
@@ -323,21 +349,25 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
     causal = effective_causal(causal, window_size)
     if float(softcap) != 0.0:
         return "softcap is not supported"
-    if out_scale is not None:
-        return "fused FP8 output (out_scale) is not supported"
     if descale_block_q is not None or descale_block_k is not None:
         return "per-block descales are not supported"
     ts = (q, k, v, out)
     if any(t.dtype != torch.float8_e4m3fn for t in ts[:3]):
         return f"q, k, v must be float8_e4m3fn, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if out.dtype != torch.bfloat16:
-        return f"out must be bfloat16, got {out.dtype}"
+    if out_scale is None and out.dtype != torch.bfloat16:
+        return f"out must be bfloat16 (or float8_e4m3fn with out_scale), got {out.dtype}"
+    if out_scale is not None:
+        if out.dtype != torch.float8_e4m3fn:
+            return f"with out_scale, out must be float8_e4m3fn, got {out.dtype}"
+        if not torch.is_tensor(out_scale) or out_scale.dtype != torch.float32 or out_scale.numel() != 1:
+            return "out_scale must be a float32 tensor with one element"
     if any(t.dim() != 4 for t in ts):
         return "q, k, v, out must be 4-d (batch, seqlen, nheads, headdim)"
     batch, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    if d != HEAD_DIM or k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
-        return f"head dim must be {HEAD_DIM} for q, k and v, got {d}, {k.shape[-1]}, {v.shape[-1]}"
+    if d not in HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
+        return (f"head dim must be 64 or 128 and equal for q, k and v (256 and other head dims are not "
+                f"supported), got {d}, {k.shape[-1]}, {v.shape[-1]}")
     if k.shape[0] != batch or tuple(v.shape) != tuple(k.shape) or tuple(out.shape) != tuple(q.shape):
         return "shape mismatch between q, k, v, out"
     if hk == 0 or hq % hk != 0:
@@ -346,12 +376,12 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
         return f"seqlen_q ({sq}) and seqlen_k ({sk}) must be positive multiples of 128"
     if causal and sq > sk:
         return f"causal with seqlen_q ({sq}) > seqlen_k ({sk}) is not supported"
-    if max(batch * sq, batch * sk, batch * hk * HEAD_DIM) >= 2 ** 31:
+    if max(batch * sq, batch * sk, batch * hk * d) >= 2 ** 31:
         return "too many rows for 32-bit TMA coordinates"
     if _rows_view(q) is None or _rows_view(k) is None or _rows_view(out) is None:
-        return "q, k, out must be contiguous (batch, seqlen, nheads, 128)"
+        return "q, k, out must be contiguous (batch, seqlen, nheads, headdim)"
     if _vt_view(v) is None:
-        return "v must be sequence-contiguous (memory order (batch, nheads_k, 128, seqlen_k))"
+        return "v must be sequence-contiguous (memory order (batch, nheads_k, headdim, seqlen_k))"
     if any(t.data_ptr() % 16 for t in ts):
         return "q, k, v, out must be 16-byte aligned"
     for name, ds in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
@@ -363,7 +393,8 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
         return "lse must be float32 (batch, nheads_q, seqlen_q)"
     # device checks last: the shape rules above hold (and are testable) without CUDA
     dev = q.device
-    extra = (q_descale, k_descale, v_descale) + ((lse,) if lse is not None else ())
+    extra = (q_descale, k_descale, v_descale) + ((lse,) if lse is not None else ()) + \
+        ((out_scale,) if out_scale is not None else ())
     if not all(t.is_cuda for t in ts):
         return "inputs must be CUDA tensors"
     if any(t.device != dev for t in ts + extra):
@@ -388,13 +419,14 @@ def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descal
     Returns
     -------
     bool
-        True for: CUDA tensors on an sm90 device; q, k, v float8_e4m3fn and out bfloat16; head dim
-        128; contiguous q, k, out (batch, seqlen, nheads, 128) and V in memory order
-        (batch, nheads_k, 128, seqlen_k); seqlen_q and seqlen_k multiples of 128; nheads_q a
-        multiple of nheads_k; causal only with seqlen_q <= seqlen_k; float32 (batch, nheads_k)
-        descales (broadcast views allowed); no varlen, sliding window (``(-1, 0)`` is the causal
-        mask), softcap, out_scale or per-block descales; lse None or float32 (batch, nheads_q, seqlen_q). ``unsupported_reason`` says
-        why not.
+        True for: CUDA tensors on an sm90 device; q, k, v float8_e4m3fn; out bfloat16, or
+        float8_e4m3fn together with ``out_scale`` (a float32 tensor with one element, on the same
+        device); head dim 64 or 128, the same for q, k and v (256 is not supported); contiguous q,
+        k, out (batch, seqlen, nheads, d) and V in memory order (batch, nheads_k, d, seqlen_k);
+        seqlen_q and seqlen_k multiples of 128; nheads_q a multiple of nheads_k; causal only with
+        seqlen_q <= seqlen_k; float32 (batch, nheads_k) descales (broadcast views allowed); no
+        varlen, sliding window (``(-1, 0)`` is the causal mask), softcap or per-block descales; lse
+        None or float32 (batch, nheads_q, seqlen_q). ``unsupported_reason`` says why not.
     """
     return unsupported_reason(q, k, v, out, causal=causal, window_size=window_size, softcap=softcap,
                               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
@@ -403,20 +435,22 @@ def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descal
                               lse=lse) is None
 
 
-def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale, k_descale, v_descale):
+def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale, k_descale, v_descale,
+                         out_scale=None):
     """Launch the TMA/wgmma dense forward. No validation: call only when ``supported`` is True.
 
     Parameters
     ----------
     q : torch.Tensor
-        float8_e4m3fn (batch, seqlen_q, nheads_q, 128), contiguous.
+        float8_e4m3fn (batch, seqlen_q, nheads_q, d), contiguous; d is 64 or 128.
     k : torch.Tensor
-        float8_e4m3fn (batch, seqlen_k, nheads_k, 128), contiguous.
+        float8_e4m3fn (batch, seqlen_k, nheads_k, d), contiguous.
     v_kmajor : torch.Tensor
-        float8_e4m3fn (batch, seqlen_k, nheads_k, 128) with memory order
-        (batch, nheads_k, 128, seqlen_k) (``dense.transpose_v_kmajor``).
+        float8_e4m3fn (batch, seqlen_k, nheads_k, d) with memory order
+        (batch, nheads_k, d, seqlen_k) (``dense.transpose_v_kmajor``).
     out : torch.Tensor
-        bfloat16 (batch, seqlen_q, nheads_q, 128), contiguous. Written in place.
+        (batch, seqlen_q, nheads_q, d), contiguous: bfloat16, or float8_e4m3fn with ``out_scale``.
+        Written in place.
     lse : torch.Tensor or None
         float32 (batch, nheads_q, seqlen_q), any strides; natural-log LSE written when given.
     softmax_scale : float
@@ -424,6 +458,9 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
         Bottom-right aligned causal mask (seqlen_q <= seqlen_k).
     q_descale, k_descale, v_descale : torch.Tensor
         float32 (batch, nheads_k); stride-0 broadcast views allowed.
+    out_scale : torch.Tensor or None
+        float32, one element: the output is ``clamp(o / out_scale, -448, 448)`` in e4m3fn (read on
+        the device; no host synchronization).
 
     Returns
     -------
@@ -432,26 +469,28 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     """
     batch, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    ql, kl, vl, ol = _layouts()
-    q_desc = TensorDescriptor.from_tensor(_rows_view(q), [BLOCK_M, HEAD_DIM], ql)
-    k_desc = TensorDescriptor.from_tensor(_rows_view(k), [BLOCK_N, HEAD_DIM], kl)
-    v_desc = TensorDescriptor.from_tensor(_vt_view(v_kmajor), [HEAD_DIM, BLOCK_N], vl)
-    o_desc = TensorDescriptor.from_tensor(_rows_view(out), [BLOCK_M, HEAD_DIM], ol)
+    out_fp8 = out_scale is not None
+    ql, kl, vl, ol = _layouts(d, out_fp8)
+    q_desc = TensorDescriptor.from_tensor(_rows_view(q), [BLOCK_M, d], ql)
+    k_desc = TensorDescriptor.from_tensor(_rows_view(k), [BLOCK_N, d], kl)
+    v_desc = TensorDescriptor.from_tensor(_vt_view(v_kmajor), [d, BLOCK_N], vl)
+    o_desc = TensorDescriptor.from_tensor(_rows_view(out), [BLOCK_M, d], ol)
     ls = lse.stride() if lse is not None else (0, 0, 0)
     grid = (sq // BLOCK_M, batch * hq)
     _dense_fwd_tma_kernel[grid](
         q_desc, k_desc, v_desc, o_desc, lse if lse is not None else q_descale,
-        q_descale, k_descale, v_descale,
+        q_descale, k_descale, v_descale, out_scale if out_fp8 else q_descale,
         *ls, *q_descale.stride(), *k_descale.stride(), *v_descale.stride(),
         sq, sk, hq, hk, float(softmax_scale) * _LOG2E,
-        CAUSAL=bool(causal), WRITE_LSE=lse is not None, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+        CAUSAL=bool(causal), WRITE_LSE=lse is not None, OUT_FP8=out_fp8, NUM_STAGES=NUM_STAGES,
+        num_warps=NUM_WARPS)
     return out, lse
 
 
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compile (inspection without a GPU)
 # ---------------------------------------------------------------------------------------------
-def _aot_compile(causal, write_lse=True, arch=90):
+def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False):
     """Compile the kernel for ``sm_{arch}`` without a GPU; returns triton's compiled kernel.
 
     Integer arguments are given the specializations a launch on supported inputs sees
@@ -460,26 +499,28 @@ def _aot_compile(causal, write_lse=True, arch=90):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    ql, kl, vl, ol = _layouts()
+    ql, kl, vl, ol = _layouts(head_dim, out_fp8)
 
     def desc(shape, layout, dtype="fp8e4nv"):
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
     sig = {
-        "q_desc": desc([BLOCK_M, HEAD_DIM], ql), "k_desc": desc([BLOCK_N, HEAD_DIM], kl),
-        "v_desc": desc([HEAD_DIM, BLOCK_N], vl), "o_desc": desc([BLOCK_M, HEAD_DIM], ol, "bf16"),
-        "Lse": "*fp32", "QDs": "*fp32", "KDs": "*fp32", "VDs": "*fp32",
+        "q_desc": desc([BLOCK_M, head_dim], ql), "k_desc": desc([BLOCK_N, head_dim], kl),
+        "v_desc": desc([head_dim, BLOCK_N], vl),
+        "o_desc": desc([BLOCK_M, head_dim], ol, "fp8e4nv" if out_fp8 else "bf16"),
+        "Lse": "*fp32", "QDs": "*fp32", "KDs": "*fp32", "VDs": "*fp32", "OutScale": "*fp32",
         "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
         "stride_qds_b": "i32", "stride_qds_h": "i32", "stride_kds_b": "i32", "stride_kds_h": "i32",
         "stride_vds_b": "i32", "stride_vds_h": "i32",
         "seqlen_q": "i32", "seqlen_k": "i32", "nheads_q": "i32", "nheads_k": "i32",
         "softmax_scale_log2": "fp32",
-        "CAUSAL": "constexpr", "WRITE_LSE": "constexpr", "NUM_STAGES": "constexpr",
+        "CAUSAL": "constexpr", "WRITE_LSE": "constexpr", "OUT_FP8": "constexpr", "NUM_STAGES": "constexpr",
     }
-    consts = {"CAUSAL": bool(causal), "WRITE_LSE": bool(write_lse), "NUM_STAGES": NUM_STAGES}
+    consts = {"CAUSAL": bool(causal), "WRITE_LSE": bool(write_lse), "OUT_FP8": bool(out_fp8),
+              "NUM_STAGES": NUM_STAGES}
     names = list(sig)
     # pointers are 16-byte aligned; sequence lengths are multiples of 128
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
-             for n in ("Lse", "QDs", "KDs", "VDs", "seqlen_q", "seqlen_k")}
+             for n in ("Lse", "QDs", "KDs", "VDs", "OutScale", "seqlen_q", "seqlen_k")}
     src = GluonASTSource(fn=_dense_fwd_tma_kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 128), options={"num_warps": NUM_WARPS})
