@@ -267,3 +267,23 @@ def test_keyboard_interrupt_keeps_finished(tiny, monkeypatch):
     outs, st = eng.generate(prompts, SamplingParams(max_new_tokens=2))
     assert st["interrupted"] and [o.index for o in outs] == [0, 1]
     assert eng.allocator.num_free == eng.allocator.num_blocks and not eng.scheduler.has_unfinished()
+
+
+def test_per_token_head_scales_in_bfloat16(tiny):
+    """bf16-stored per-token-head scales: half the scale bytes, same behaviour as float32 scales."""
+    prompts = _prompts(5)
+    kw = dict(kv_cache_dtype="fp8", kv_scale="per_token_head", prefill_chunk_size=8, page_size=4)
+    ref, _, _ = _run(tiny, prompts, kv_cache_dtype="bf16")
+    o32, st32, e32 = _run(tiny, prompts, **kw)
+    o16, st16, e16 = _run(tiny, prompts, kv_scale_dtype="bfloat16", **kw)
+    assert e16.cache.k_scales[0].dtype == torch.bfloat16 and e32.cache.k_scales[0].dtype == torch.float32
+    L, H = TINY.num_hidden_layers, TINY.num_key_value_heads
+    assert st32["kv_bytes_per_token"] - st16["kv_bytes_per_token"] == 2 * L * H * 2  # 4 -> 2 bytes per scale
+    for r, a, b in zip(ref, o32, o16):
+        assert all(abs(x) < 50 for x in b.output_logprobs)
+        # the first token's logprob moves by about as much with bf16 scales as with float32 scales
+        d32 = abs(r.output_logprobs[0] - a.output_logprobs[0])
+        d16 = abs(r.output_logprobs[0] - b.output_logprobs[0])
+        assert d16 <= 2 * d32 + 0.02
+    with pytest.raises(ValueError, match="scale_dtype"):
+        _run(tiny, prompts[:1], kv_scale_dtype="float16", **kw)

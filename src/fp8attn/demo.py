@@ -73,7 +73,8 @@ def _engine_config(args, kv: str, scale: str, **over):
     kw = dict(kv_cache_dtype=kv, kv_scale=scale, page_size=args.page_size, max_batch_size=args.max_batch_size,
               max_batched_tokens=args.max_batched_tokens, prefill_chunk_size=args.prefill_chunk_size,
               max_context_len=args.max_context_len, calib_margin=args.calib_margin,
-              truncate_prompts=getattr(args, "truncate", False), seed=args.seed)
+              truncate_prompts=getattr(args, "truncate", False), seed=args.seed,
+              kv_scale_dtype=getattr(args, "kv_scale_dtype", "float32"))
     if getattr(args, "kv_memory_mb", None):
         kw["kv_memory_bytes"] = int(args.kv_memory_mb * 2 ** 20)
     kw.update(over)
@@ -103,6 +104,8 @@ def _demo_parser():
     p.add_argument("--max-context-len", type=int, default=1024)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--calib-margin", type=float, default=1.0)
+    p.add_argument("--kv-scale-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="storage of per-token-head scales (fp8_token_head)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -334,6 +337,8 @@ def _drive_parser():
     p.add_argument("--attention-type", choices=["bf16", "paged_fp8"], default="paged_fp8")
     p.add_argument("--kv-scale", choices=["per_tensor", "per_seq_head", "per_token_head"], default="per_tensor")
     p.add_argument("--calib-margin", type=float, default=1.0)
+    p.add_argument("--kv-scale-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="storage of per-token-head scales (--kv-scale per_token_head)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--min-prompt-tokens", type=int, default=4)
     p.add_argument("--max-prompt-tokens", type=int, default=None,

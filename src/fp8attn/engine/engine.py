@@ -30,6 +30,7 @@ class EngineConfig:
 
     kv_cache_dtype : "bf16" | "fp16" | "fp32" | "fp8" (e4m3fn) | "fp8_e5m2".
     kv_scale : FP8 scale granularity, "per_tensor" | "per_seq_head" | "per_token_head".
+    kv_scale_dtype : storage of per-token-head scales, "float32" | "bfloat16" (half the scale bytes).
     static_k_descale / static_v_descale : per-tensor descales (float or one per layer); None = calibrate
         from the first prefill step ("per_tensor") or from each sequence's first prefill chunk
         ("per_seq_head"), with ``calib_margin`` headroom.
@@ -49,6 +50,7 @@ class EngineConfig:
 
     kv_cache_dtype: str = "bf16"
     kv_scale: str = "per_tensor"
+    kv_scale_dtype: str = "float32"
     static_k_descale: object = None
     static_v_descale: object = None
     calib_margin: float = 1.0
@@ -110,7 +112,7 @@ class LLMEngine:
         if cfg.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_DTYPES)}, got {cfg.kv_cache_dtype!r}")
         bpt = PagedKVCache.bytes_per_token_for(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                               cfg.kv_cache_dtype, cfg.kv_scale)
+                                               cfg.kv_cache_dtype, cfg.kv_scale, cfg.kv_scale_dtype)
         if cfg.num_blocks is not None:
             nb = int(cfg.num_blocks)
         elif cfg.kv_memory_bytes is not None:
@@ -130,7 +132,8 @@ class LLMEngine:
             mc.num_hidden_layers, nb + (1 if use_graphs else 0), cfg.page_size, mc.num_key_value_heads, mc.head_dim, cfg.kv_cache_dtype,
             cfg.kv_scale, k_descale=cfg.static_k_descale if static else None,
             v_descale=(cfg.static_v_descale if cfg.static_v_descale is not None else cfg.static_k_descale)
-            if static else None, calib_margin=cfg.calib_margin, device=self.device, poison=cfg.poison_cache)
+            if static else None, calib_margin=cfg.calib_margin, device=self.device, poison=cfg.poison_cache,
+            scale_dtype=cfg.kv_scale_dtype)
         self.allocator = BlockAllocator(nb, cfg.page_size)
         self.scheduler = Scheduler(self.allocator, cfg.max_batch_size, cfg.max_batched_tokens,
                                    cfg.prefill_chunk_size)

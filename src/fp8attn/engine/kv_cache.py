@@ -12,6 +12,14 @@ __all__ = ["PagedKVCache", "StepInputs", "KV_DTYPES", "SCALE_MODES"]
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
              "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 SCALE_MODES = ("per_tensor", "per_seq_head", "per_token_head")
+SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _scale_dtype(name: str) -> torch.dtype:
+    if name not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype (kv_scale_dtype) must be one of {sorted(SCALE_DTYPES)}, got {name!r}. "
+                         "Use 'bfloat16' to halve the per-token-head scale bytes.")
+    return SCALE_DTYPES[name]
 
 
 def _api():
@@ -67,15 +75,20 @@ class PagedKVCache:
         headroom for later tokens that exceed the calibration amax (they saturate otherwise).
     poison : bool
         Fill the cache with NaN (tests: unused slots must never be read).
+    scale_dtype : "float32" | "bfloat16"
+        Storage of the per-token-head scales: bfloat16 halves their bytes (4 B per token and kv head
+        for K and V: 0.78% of a bf16 cache at d128); descales are rounded up on storage so that no
+        token clips (``quant.round_descale_for_storage``, applied by ``write_kv_cache``).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, nheads_k: int, head_dim: int,
                  kv_dtype: str = "bf16", scale_mode: str = "per_tensor", k_descale=None, v_descale=None,
-                 calib_margin: float = 1.0, device="cpu", poison: bool = False):
+                 calib_margin: float = 1.0, device="cpu", poison: bool = False, scale_dtype: str = "float32"):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         if scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+        self.scale_dtype = _scale_dtype(scale_dtype)
         self.dtype = KV_DTYPES[kv_dtype]
         self.kv_dtype = kv_dtype
         self.is_fp8 = quant.is_fp8(self.dtype)
@@ -99,8 +112,8 @@ class PagedKVCache:
         self.v = [alloc() for _ in range(num_layers)]
         self.k_scales = self.v_scales = None
         if self.scale_mode == "per_token_head":
-            self.k_scales = [torch.ones(shape[:3], device=self.device) for _ in range(num_layers)]
-            self.v_scales = [torch.ones(shape[:3], device=self.device) for _ in range(num_layers)]
+            self.k_scales = [torch.ones(shape[:3], device=self.device, dtype=self.scale_dtype) for _ in range(num_layers)]
+            self.v_scales = [torch.ones(shape[:3], device=self.device, dtype=self.scale_dtype) for _ in range(num_layers)]
         # per-tensor descales (num_layers, 1)
         self.k_descale = torch.ones(num_layers, 1, device=self.device)
         self.v_descale = torch.ones(num_layers, 1, device=self.device)
@@ -127,7 +140,7 @@ class PagedKVCache:
         """K + V bytes of one token over all layers (plus per-token scales when used)."""
         b = 2 * self.num_layers * self.nheads_k * self.head_dim * self.dtype.itemsize
         if self.scale_mode == "per_token_head":
-            b += 2 * self.num_layers * self.nheads_k * 4
+            b += 2 * self.num_layers * self.nheads_k * self.scale_dtype.itemsize
         return b
 
     @property
@@ -135,11 +148,12 @@ class PagedKVCache:
         return self.bytes_per_token * self.num_blocks * self.page_size
 
     @staticmethod
-    def bytes_per_token_for(num_layers, nheads_k, head_dim, kv_dtype, scale_mode="per_tensor") -> int:
+    def bytes_per_token_for(num_layers, nheads_k, head_dim, kv_dtype, scale_mode="per_tensor",
+                            scale_dtype="float32") -> int:
         dt = KV_DTYPES[kv_dtype]
         b = 2 * num_layers * nheads_k * head_dim * dt.itemsize
         if quant.is_fp8(dt) and scale_mode == "per_token_head":
-            b += 2 * num_layers * nheads_k * 4
+            b += 2 * num_layers * nheads_k * _scale_dtype(scale_dtype).itemsize
         return b
 
     # ------------------------------------------------------------------ attention callable
