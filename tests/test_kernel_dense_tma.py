@@ -95,6 +95,8 @@ def test_supported_rejects_outside_contract():
     assert "head dim" in dense_tma.unsupported_reason(q, k, v64, out64, **kw)
     q2, k2, v2, qd2, kd2, vd2, out2, lse2 = _case(sq=200, sk=200)
     assert not dense_tma.supported(q2, k2, v2, out2, **_kw(qd2, kd2, vd2, lse2))
+    q0, k0, v0, out0 = q[:0], k[:0], vt[:0], out[:0]  # empty batch: nothing to launch
+    assert "empty" in dense_tma.unsupported_reason(q0, k0, v0, out0, **_kw(qd[:0], kd[:0], vd[:0], lse[:0]))
     qh, kh, vh = q.to(torch.float16), k.to(torch.float16), vt.to(torch.float16)
     assert "float8_e4m3fn" in dense_tma.unsupported_reason(qh, kh, vh, out, **kw)
     out32 = out.float()

@@ -370,6 +370,8 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
                 f"supported), got {d}, {k.shape[-1]}, {v.shape[-1]}")
     if k.shape[0] != batch or tuple(v.shape) != tuple(k.shape) or tuple(out.shape) != tuple(q.shape):
         return "shape mismatch between q, k, v, out"
+    if batch == 0 or hq == 0:
+        return "empty batch or no heads (nothing to launch)"
     if hk == 0 or hq % hk != 0:
         return f"nheads_q ({hq}) must be a multiple of nheads_k ({hk})"
     if sq % BLOCK_M != 0 or sk % BLOCK_N != 0 or sq == 0 or sk == 0:
