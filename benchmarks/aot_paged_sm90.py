@@ -60,6 +60,8 @@ def _capture_launch(case):
         nb = 4  # pool size only changes addresses
         kc = torch.zeros(nb, page_size, HK, D, dtype=E4M3)
         vc = torch.zeros(nb, page_size, HK, D, dtype=E4M3)
+        if case.get("v_seq_major"):  # (nb, HK, D, page) memory order, viewed as (nb, page, HK, D)
+            vc = torch.zeros(nb, HK, D, page_size, dtype=E4M3).permute(0, 3, 1, 2)
         pt = torch.zeros(batch, pages, dtype=torch.int32)
         seqlens = torch.full((batch,), L, dtype=torch.int32)
         q = torch.zeros(batch, qlen, HQ, D, dtype=q_dtype)
@@ -158,6 +160,7 @@ def compile_case(case, dump=None):
         "smem": k.metadata.shared,
         "ctas_per_sm": occ,
         "LDL/STL": (len(re.findall(r"\bLDL\b", sass)), len(re.findall(r"\bSTL\b", sass))),
+        "STS.U8": len(re.findall(r"\bSTS\.U8\b", sass)),
         "res": res,
     }
     if dump:
@@ -179,6 +182,12 @@ CASES = [
      "q": torch.bfloat16, "splits": 33},
     {"name": "prefill e4m3q 2k/8k p64", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 64, "q": E4M3},
     {"name": "prefill bf16q 2k/8k p64", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 64, "q": torch.bfloat16},
+    {"name": "prefill e4m3q 2k/8k p64 vseq", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 64, "q": E4M3,
+     "v_seq_major": True},
+    {"name": "decode e4m3q B64 L4096 p64 vseq", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 64, "q": E4M3,
+     "v_seq_major": True},
+    {"name": "decode bf16q B64 L4096 p64 vseq", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 64,
+     "q": torch.bfloat16, "v_seq_major": True},
     {"name": "prefill e4m3q 2k/8k p16", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 16, "q": E4M3},
     {"name": "small e4m3q B32 q8 L4096 p64", "batch": 32, "qlen": 8, "ctx": 4096, "page_size": 64, "q": E4M3},
     {"name": "decode bf16q B64 L4096 p1", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 1, "q": torch.bfloat16},
@@ -202,7 +211,7 @@ def main(argv=None):
             print(f"{case['name']:32s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         print(f"{r['case']:32s} cfg={r['cfg']} tile={r['tile_in_page']} async_copy={r['async_copy']} "
-              f"cp.async={r['cp.async']} waits={r['waits']} smem={r['smem']} ctas/SM={r['ctas_per_sm']} ld.global={r['ld.global']} wgmma={r['wgmma']} LDL/STL={r['LDL/STL']} "
+              f"cp.async={r['cp.async']} waits={r['waits']} smem={r['smem']} ctas/SM={r['ctas_per_sm']} ld.global={r['ld.global']} wgmma={r['wgmma']} STS.U8={r['STS.U8']} LDL/STL={r['LDL/STL']} "
               f"| {r['res']}", flush=True)
 
 

@@ -268,3 +268,37 @@ def test_kvcache_contiguous_with_cache_batch_idx():
         ref, ref_lse = naive_attention(q[i:i + 1], kc8[r:r + 1, :lens[i]], vc8[r:r + 1, :lens[i]], causal=True,
                                        k_descale=kd, v_descale=vd)
         check(out[i:i + 1], lse[i:i + 1], ref, ref_lse)
+
+
+def test_kvcache_v_seq_major_append_and_attend():
+    """A sequence-major V cache through the public API: appends (k=, v=) and attention give the standard
+    layout's result; a V cache with any other non-contiguous last dim is rejected with the fix."""
+    from fp8attn.paged import alloc_paged_cache, is_v_seq_major
+
+    b, hq, hk, d, ps, nb = 2, 4, 2, 32, 16, 8
+    g = torch.Generator().manual_seed(0)
+    pt = torch.randperm(nb, generator=g).to(torch.int32).view(b, nb // b)
+    res = []
+    for seq_major in (False, True):
+        kc, vc = alloc_paged_cache(nb, ps, hk, d, poison_nan=True, v_seq_major=seq_major)
+        assert is_v_seq_major(vc) == seq_major
+        lens = torch.zeros(b, dtype=torch.int32)
+        torch.manual_seed(1)
+        outs = []
+        for step in (37, 1, 5):  # a prefill chunk, a decode token, a short chunk
+            q = torch.randn(b, step, hq, d).bfloat16()
+            k, v = torch.randn(b, step, hk, d).bfloat16(), torch.randn(b, step, hk, d).bfloat16()
+            o = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens, page_table=pt, causal=True,
+                                        k_descale=torch.tensor([[0.02]]), v_descale=torch.tensor([[0.03]]))
+            lens = lens + step
+            outs.append(o)
+        res.append(outs)
+    for a, s in zip(*res):
+        assert not torch.isnan(s.float()).any()
+        assert torch.equal(a, s)
+    kc, vc = alloc_paged_cache(nb, ps, hk, d)
+    bad = torch.empty(nb, ps, d, hk).permute(0, 1, 3, 2).to(vc.dtype)  # head dim strided by nheads_k
+    with pytest.raises(ValueError, match="v_cache.*sequence-major"):
+        flash_attn_with_kvcache(torch.randn(b, 1, hq, d).bfloat16(), kc, bad, page_table=pt,
+                                cache_seqlens=torch.ones(b, dtype=torch.int32),
+                                k_descale=torch.tensor([[0.02]]), v_descale=torch.tensor([[0.03]]))

@@ -113,3 +113,28 @@ def test_int64_offsets_large_cache():
     launch_write_kv_cache(k, v, kc, vc, slots, k_descale=torch.tensor(0.5, device="cuda"))
     got = kc[slots // ps, slots % ps]
     assert torch.equal(got.view(torch.uint8), saturating_cast(k.float() / 0.5).view(torch.uint8))
+
+
+@pytest.mark.parametrize("scales", ["static", "per_token_head", "bf16_copy"])
+def test_v_seq_major_cache_same_values(scales):
+    """A sequence-major V cache (memory order (blocks, heads, headdim, page)) receives exactly the values
+    of the standard layout; untouched slots stay poisoned."""
+    dtype = torch.bfloat16 if scales == "bf16_copy" else E4M3
+    k, v, kc, vc, slots = _setup(dv=24, page_size=8, dtype=dtype)
+    nb, ps, hk, dv = vc.shape
+    vs = torch.empty((nb, hk, dv, ps), dtype=dtype, device=DEV).permute(0, 3, 1, 2)
+    vs.copy_(vc) if dtype == torch.bfloat16 else vs.view(torch.uint8).copy_(vc.view(torch.uint8))
+    kc2 = kc.clone()
+    kw = {}
+    if scales == "static":
+        kw = dict(k_descale=torch.tensor(0.37, device=DEV), v_descale=torch.tensor([[1.9]], device=DEV))
+    elif scales == "per_token_head":
+        sc = lambda: torch.full((nb, ps, hk), float("nan"), device=DEV)  # noqa: E731
+        kw = dict(k_cache_scales=sc(), v_cache_scales=sc())
+        kw2 = dict(k_cache_scales=sc(), v_cache_scales=sc())
+    launch_write_kv_cache(k, v, kc, vc, slots, **kw)
+    launch_write_kv_cache(k, v, kc2, vs, slots, **(kw2 if scales == "per_token_head" else kw))
+    bits = (lambda t: t.view(torch.uint8)) if dtype != torch.bfloat16 else (lambda t: t.view(torch.int16))
+    assert torch.equal(bits(vs.contiguous()), bits(vc))
+    assert torch.equal(bits(kc2), bits(kc))
+    assert _untouched(vs.contiguous(), slots)

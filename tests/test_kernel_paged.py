@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 from conftest import assert_close_fa3  # noqa: E402
 from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, paged_config, split_workspace  # noqa: E402
+from fp8attn.paged import is_v_seq_major  # noqa: E402
 from fp8attn.quant import saturating_cast  # noqa: E402
 from fp8attn.reference import paged_attention_ref  # noqa: E402
 
@@ -326,6 +327,54 @@ def test_tile_path_chunked_prefill_fp8(pv_fp16):
     loose = DEV == "cpu" and not pv_fp16
     check(out, lse, ref, ref_lse, lp, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
           lse_tol=0.05 if loose else 1e-3)
+
+
+# ---- sequence-major V pages (memory order (num_blocks, nheads_k, headdim, page_size))
+
+
+def _v_seq_major(c):
+    """The same cache with V stored sequence-major inside each page (values, NaN poison included)."""
+    vc = c["v_cache"]
+    nb, ps, hk, dv = vc.shape
+    vs = torch.empty((nb, hk, dv, ps), dtype=vc.dtype, device=vc.device).permute(0, 3, 1, 2)
+    vs.view(torch.uint8).copy_(vc.view(torch.uint8)) if vc.element_size() == 1 else vs.copy_(vc)
+    assert is_v_seq_major(vs) and not is_v_seq_major(vc)
+    return dict(c, v_cache=vs)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("fp8_q", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_v_seq_major_cache(page_size, fp8_q, num_splits):
+    """Decode rows, a 5-query row and prefill chunks (two tile classes) over NaN-poisoned pages: a
+    sequence-major V cache gives the standard layout's result, within the reference rule."""
+    hq, hk, d = 4, 2, 32
+    seqlens, qlens = [40, 197, 1, 130, 21], [1, 70, 1, 33, 5]
+    c = make_cache(seqlens, page_size, hk, d)
+    cs = _v_seq_major(c)
+    cu = cu_from_lens(qlens)
+    q = torch.randn(sum(qlens), hq, d, device=DEV)
+    kw = dict(k_descale=rand_descale(5, hk), v_descale=rand_descale(5, hk))
+    if fp8_q:
+        q = saturating_cast(q * 2, E4M3)
+        kw["q_descale"] = rand_descale(5, hk)
+    else:
+        q = q.to(torch.bfloat16)
+    run = dict(cu_seqlens_q=cu, max_seqlen_q=max(qlens), num_splits=num_splits, **kw)
+    out_s, lse_s = run_paged(q, cs, **run)
+    out, lse = run_paged(q, c, **run)
+    ref, ref_lse, lp = refs(q, c, quantize_p=fp8_q, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens), **kw)
+    loose = DEV == "cpu" and fp8_q  # the interpreter's e4m3 cast of P drops carries (DESIGN §5)
+    floor = 0.06 * ref.abs().max().item() if loose else 2e-3
+    check(out_s, lse_s, ref, ref_lse, lp, floor=floor, lse_tol=0.05 if loose else 1e-3)
+    assert (out_s.float() - out.float()).abs().max().item() <= 2 * floor + 2.0 ** -6 * ref.abs().max().item()
+
+
+def test_v_seq_major_decode_config():
+    """Sequence-major V pages of >= 64 slots are read in one-page tiles at decode."""
+    assert paged_config(1, 4, 128, False, None, 64, v_seq_major=True)[1] == 64
+    assert paged_config(1, 4, 128, False, None, 64)[1] == 128
+    assert paged_config(1, 4, 128, False, None, 16, v_seq_major=True)[1] == paged_config(1, 4, 128, False, None, 16)[1]
 
 
 def test_split_workspace_and_heuristic():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .quant import FP8_FORMATS, is_fp8
+from .paged import is_v_seq_major
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -31,7 +32,7 @@ def want_value_checks(t: torch.Tensor, validate: bool) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def check_tensor(name, t, ndim=None, allow_none=False):
+def check_tensor(name, t, ndim=None, allow_none=False, allow_v_seq_major=False):
     if t is None and allow_none:
         return
     if not isinstance(t, torch.Tensor):
@@ -40,7 +41,11 @@ def check_tensor(name, t, ndim=None, allow_none=False):
         _fail(ValueError, name, f"a {ndim}-D tensor", f"shape {tuple(t.shape)}",
               "See the docstring for the layout (batch, seqlen, nheads, headdim) / varlen (total, nheads, headdim).")
     if t.dim() > 0 and t.stride(-1) != 1 and t.numel() > 1 and t.shape[-1] > 1:
-        _fail(ValueError, name, "a contiguous last dimension", f"stride {tuple(t.stride())}",
+        if allow_v_seq_major and is_v_seq_major(t):
+            return
+        also = (" or a sequence-major V cache (memory order (num_blocks, nheads_k, headdim, page_size), "
+                "fp8attn.paged.alloc_paged_cache(..., v_seq_major=True))") if allow_v_seq_major else ""
+        _fail(ValueError, name, "a contiguous last dimension" + also, f"stride {tuple(t.stride())}",
               f"Call {name}.contiguous() (only the last dimension must be contiguous).")
 
 

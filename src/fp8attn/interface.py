@@ -324,7 +324,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     varlen = cu_seqlens_q is not None
     C.check_tensor("q", q, ndim=3 if varlen else 4)
     C.check_tensor("k_cache", k_cache, ndim=4)
-    C.check_tensor("v_cache", v_cache, ndim=4)
+    C.check_tensor("v_cache", v_cache, ndim=4, allow_v_seq_major=True)
     C.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
                         cu_seqlens_q=cu_seqlens_q, k=k, v=v)
     C.check_qkv_dtypes(q, k_cache, v_cache, k_name="k_cache", v_name="v_cache", allow_mixed_q=True)
@@ -487,7 +487,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"{name}: expected bf16/fp16/fp32 new tokens, got {t.dtype}. Pass the unquantized values.")
     C.check_tensor("k_cache", k_cache, ndim=4)
-    C.check_tensor("v_cache", v_cache, ndim=4)
+    C.check_tensor("v_cache", v_cache, ndim=4, allow_v_seq_major=True)
     C.check_tensor("slot_mapping", slot_mapping, ndim=1)
     C.check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if slot_mapping.dtype not in (torch.int32, torch.int64):

@@ -3,25 +3,48 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache"]
+__all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "is_v_seq_major"]
 
 
 def alloc_paged_cache(num_blocks, page_size, nheads_k, headdim, dtype=torch.float8_e4m3fn, device="cpu",
-                      poison_nan=False, with_scales=False):
+                      poison_nan=False, with_scales=False, v_seq_major=False):
     """Allocate (k_cache, v_cache[, k_scales, v_scales]) of shape (num_blocks, page_size, nheads_k, headdim).
 
-    ``poison_nan`` fills every slot with NaN (for tests: unwritten slots must never be read)."""
+    ``poison_nan`` fills every slot with NaN (for tests: unwritten slots must never be read).
+    ``v_seq_major`` stores V sequence-major inside each page: the same (num_blocks, page_size, nheads_k,
+    headdim) shape, memory order (num_blocks, nheads_k, headdim, page_size). Every function taking a V
+    cache accepts it; on Hopper the FP8 P@V of chunked prefill then reads V tiles K-major instead of
+    transposing them (use page_size >= 64)."""
     shape = (num_blocks, page_size, nheads_k, headdim)
-    if poison_nan:
-        k = torch.full(shape, float("nan"), device=device).to(dtype)
-        v = torch.full(shape, float("nan"), device=device).to(dtype)
-    else:
-        k = torch.zeros(shape, device=device, dtype=dtype)
-        v = torch.zeros(shape, device=device, dtype=dtype)
+
+    def make(perm_shape=None):
+        if perm_shape is None:
+            t = torch.empty(shape, device=device, dtype=dtype)
+        else:  # (nb, hk, d, page) in memory, viewed as (nb, page, hk, d)
+            t = torch.empty((num_blocks, nheads_k, headdim, page_size), device=device, dtype=dtype).permute(0, 3, 1, 2)
+        if poison_nan:
+            t.copy_(torch.full(shape, float("nan"), device=device).to(dtype))
+        else:
+            t.view(torch.uint8).zero_() if t.is_contiguous() else t.copy_(torch.zeros(shape, device=device, dtype=dtype))
+        return t
+
+    k = make()
+    v = make(True if v_seq_major else None)
     if not with_scales:
         return k, v
     sc = lambda: torch.full(shape[:3], float("nan") if poison_nan else 1.0, device=device)  # noqa: E731
     return k, v, sc(), sc()
+
+
+def is_v_seq_major(v_cache: torch.Tensor) -> bool:
+    """True for a sequence-major V cache: shape (num_blocks, page_size, nheads_k, headdim) whose memory
+    order is (num_blocks, nheads_k, headdim, page_size) (``alloc_paged_cache(..., v_seq_major=True)``):
+    the slots of one page are contiguous, so a V tile is K-major for the FP8 P@V without a transpose."""
+    if v_cache.dim() != 4:
+        return False
+    nb, ps, hk, d = v_cache.shape
+    return (ps > 1 and d > 1 and v_cache.stride(1) == 1 and v_cache.stride(3) == ps
+            and v_cache.stride(2) == d * ps and (nb == 1 or v_cache.stride(0) == hk * d * ps))
 
 
 def make_page_table(seqlens, page_size, num_blocks, generator=None, device="cpu", fill=-1):

@@ -8,7 +8,8 @@
 * prefill_chunked: a 2048-token chunk over an 8192-token cached prefix (causal), FP8 Q over an
   e4m3 cache, page 16/64; TF/s over the exact visible pairs. Peers: the dense FP8 forward
   (``kernels.dense.launch_dense_fwd``, contiguous K and sequence-major V) on the same pairs, the
-  paged kernel with bf16 Q (``paged_bf16q``), torch SDPA cuDNN/flash bf16.
+  paged kernel with bf16 Q (``paged_bf16q``), the same cache with V sequence-major inside each page
+  (``paged_v_seq_major``, page >= 64), torch SDPA cuDNN/flash bf16.
 * mixed: 32 decode rows (context 4096) + one 2048-token chunk over an 8192 prefix in ONE varlen
   launch vs the two launched separately (peer ``separate``).
 
@@ -281,6 +282,21 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
                 del kg, vg
             except Exception as e:
                 peers["dense_fp8"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+            if page_size >= 64:  # the same cache with V sequence-major inside each page (K-major FP8 P@V)
+                nb_, ps_, hk_, dv_ = vc.shape
+                vs = torch.empty((nb_, hk_, dv_, ps_), dtype=vc.dtype, device=vc.device).permute(0, 3, 1, 2)
+                vs.view(torch.uint8).copy_(vc.view(torch.uint8))
+                out_s = torch.empty_like(out)
+
+                def ours_v_seq_major():
+                    launch_paged_fwd(q8, kc, vs, pt, seqlens, out_s, None, max_seqlen_q=chunk, softmax_scale=scale,
+                                     causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+                ours_v_seq_major()
+                torch.cuda.synchronize()
+                ms_s = time_ms(ours_v_seq_major)
+                peers["paged_v_seq_major"] = {"ms": ms_s, "tflops": flops / ms_s / 1e9,
+                                              "max_abs_diff_vs_paged": (out_s.float() - out.float()).abs().max().item()}
+                del vs, out_s
             if page_size == 64:
                 sp = _sdpa_peers(qb.transpose(1, 2), batch, L, 1, causal=False, kv_len=L)
                 # SDPA's causal is top-left aligned; a chunk over a prefix needs bottom-right, so the

@@ -48,13 +48,13 @@ def _round_to_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 @triton.jit
 def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
-                 s_xt, s_xh, s_cb, s_cp, s_ch, s_sb, s_sp, s_sh, s_db, s_dh,
+                 s_xt, s_xh, s_cb, s_cp, s_ch, s_cd, s_sb, s_sp, s_sh, s_db, s_dh,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr,
                  FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, INTERP: tl.constexpr, SCALE_PAD: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     m2 = hmask[:, None] & (offs_d[None, :] < D)
     x = tl.load(X + t * s_xt + heads[:, None] * s_xh + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-    c_ptrs = C + blk * s_cb + off * s_cp + heads[:, None] * s_ch + offs_d[None, :]
+    c_ptrs = C + blk * s_cb + off * s_cp + heads[:, None] * s_ch + offs_d[None, :] * s_cd  # s_cd: 1, or page_size (sequence-major V)
     if MODE == 0:
         tl.store(c_ptrs, x.to(C.dtype.element_ty), mask=m2)
     else:
@@ -83,7 +83,7 @@ def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
 def _write_kv_kernel(K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS,
                      nheads, page_size,
                      s_kt, s_kh, s_vt, s_vh,
-                     s_kcb, s_kcp, s_kch, s_vcb, s_vcp, s_vch,
+                     s_kcb, s_kcp, s_kch, s_kcd, s_vcb, s_vcp, s_vch, s_vcd,
                      s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
                      s_kdb, s_kdh, s_vdb, s_vdh,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -103,10 +103,10 @@ def _write_kv_kernel(K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS,
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < nheads
     _quant_store(K, KC, KS, KD, t, seq, blk, off, heads, hmask,
-                 s_kt, s_kh, s_kcb, s_kcp, s_kch, s_ksb, s_ksp, s_ksh, s_kdb, s_kdh,
+                 s_kt, s_kh, s_kcb, s_kcp, s_kch, s_kcd, s_ksb, s_ksp, s_ksh, s_kdb, s_kdh,
                  D, BLOCK_D, MODE, FP8_MAX, FLOOR, INTERP, K_SCALE_PAD)
     _quant_store(V, VC, VS, VD, t, seq, blk, off, heads, hmask,
-                 s_vt, s_vh, s_vcb, s_vcp, s_vch, s_vsb, s_vsp, s_vsh, s_vdb, s_vdh,
+                 s_vt, s_vh, s_vcb, s_vcp, s_vch, s_vcd, s_vsb, s_vsp, s_vsh, s_vdb, s_vdh,
                  DV, BLOCK_DV, MODE, FP8_MAX, FLOOR, INTERP, V_SCALE_PAD)
 
 
@@ -132,7 +132,9 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
     v : (num_tokens, nheads_k, headdim_v), same dtype as ``k``.
     k_cache : (num_blocks, page_size, nheads_k, headdim) float8_e4m3fn / float8_e5m2, or bf16/fp16
         (plain copy). Last dim contiguous.
-    v_cache : (num_blocks, page_size, nheads_k, headdim_v), same dtype as ``k_cache``.
+    v_cache : (num_blocks, page_size, nheads_k, headdim_v), same dtype as ``k_cache``; last dim
+        contiguous, or sequence-major (memory order (num_blocks, nheads_k, headdim_v, page_size),
+        ``fp8attn.paged.alloc_kv_cache(..., v_seq_major=True)``).
     slot_mapping : (num_tokens,) int64 (int32 accepted): ``block_id * page_size + offset``; negative
         entries are skipped.
     k_descale, v_descale : float32 static descales: per-tensor (0-d / (1,) / (1, 1)) or
@@ -148,7 +150,7 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
     dv = v.shape[-1]
     if num_tokens == 0:
         return
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
     page_size = k_cache.shape[1]
     is_fp8 = k_cache.dtype in _FP8_MAX
     if not is_fp8:
@@ -179,8 +181,8 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         k, v, k_cache, v_cache, slot_mapping, token_seq_idx if has_seq else slot_mapping, kd, vd, ks, vs,
         nheads_k, page_size,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         *kss, *vss, kdb, kdh, vdb, vdh,
         D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
         BLOCK_H=block_h, MODE=mode, HAS_SEQ_IDX=has_seq, FP8_MAX=fp8_max, FLOOR=DESCALE_FLOOR,

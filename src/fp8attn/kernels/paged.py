@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..paged import is_v_seq_major
 from .combine import launch_combine
 from .common import causal_window_mask, finalize_rows, kv_range, online_softmax_step, output_epilogue, scale_logits
 
@@ -94,7 +95,7 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
              s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask,
              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
              SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr,
-             CDT: tl.constexpr, TILE_IN_PAGE: tl.constexpr, P_FP8: tl.constexpr):
+             CDT: tl.constexpr, TILE_IN_PAGE: tl.constexpr, P_FP8: tl.constexpr, V_SEQ_MAJOR: tl.constexpr):
     """One KV tile [start_n, start_n + BLOCK_N) of a program: QK^T, masks, softmax step.
 
     ``blk``: the tile's page ids from ``_page_ids`` (loaded one tile ahead by the caller). With
@@ -120,7 +121,16 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
     s = scale_logits(qk, scale, softcap, SOFTCAP)
     s = causal_window_mask(s, tok, offs_n, qlen, kv_len, CAUSAL, window_left, window_right, HAS_WINDOW)
     v_row = blk * s_vb + slot * s_vp + kvh * s_vh
-    v = tl.load(V + v_row[:, None] + offs_dv[None, :], mask=kv_ok[:, None] & dvmask[None, :], other=0.0)
+    if V_SEQ_MAJOR:
+        # Sequence-major V pages (slots contiguous, head dim strided by PAGE_SIZE): the tile arrives
+        # K-major, as the FP8 P@V wants it, with no transpose. The load is not masked along the slots
+        # (a per-slot mask there would forbid vector loads and async copies): every slot it touches
+        # lies in a live page or page 0 (``_page_ids`` gives 0 past the length), and slots past the
+        # length are replaced by zeros before use (a select, so NaN-poisoned slots cannot leak).
+        v = tl.load(V + v_row[:, None] + offs_dv[None, :] * PAGE_SIZE, mask=dvmask[None, :], other=0.0)
+        v = tl.where(kv_ok[:, None], v, tl.zeros_like(v))
+    else:
+        v = tl.load(V + v_row[:, None] + offs_dv[None, :], mask=kv_ok[:, None] & dvmask[None, :], other=0.0)
     if HAS_VS:
         vs = tl.load(VS + blk * s_vsb + slot * s_vsp + kvh * s_vsh, mask=kv_ok, other=0.0).to(tl.float32)
         v = (v.to(tl.float32) * vs[:, None]).to(CDT)
@@ -129,10 +139,11 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
     elif not P_FP8:
         v = v.to(tl.float16)  # exact; FP8 QK^T, then P@V in fp16 (P rounded to fp16, not e4m3)
     elif q.shape[0] >= 64:
-        # wgmma (BLOCK_M >= 64): the FP8 P@V needs V K-major (sequence-contiguous) in shared memory;
-        # the cache tile is headdim-contiguous, so it is transposed through registers. An op between
-        # the load and that shared-memory store lets the pipeliner stage the load as an async copy (a
-        # load feeding the store directly stayed a synchronous load). Rows are zero already (other=0).
+        # wgmma (BLOCK_M >= 64): the FP8 P@V needs V K-major (sequence-contiguous) in shared memory.
+        # A headdim-contiguous cache tile is transposed through registers on its way there (byte-wise
+        # shared stores); a sequence-major tile is stored as loaded. Either way an op between the load
+        # and that shared-memory store lets the pipeliner stage the load as an async copy (a load
+        # feeding the store directly stayed a synchronous load). Rows are zero already (other=0).
         v = tl.where(kv_ok[:, None], v, tl.zeros_like(v))
     return online_softmax_step(s, m_i, l_i, acc, v, P_FP8)
 
@@ -154,7 +165,7 @@ def _query_block(seq, q_start, qlen, qblk, kvh, split,
     SOFTCAP: tl.constexpr, HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
     HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr, CDT: tl.constexpr,
     STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    P_FP8: tl.constexpr,
+    P_FP8: tl.constexpr, V_SEQ_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
 ):
     """One program's work: query block ``qblk`` (BLOCK_Q tokens x QG heads) of sequence ``seq`` against
@@ -218,7 +229,7 @@ def _query_block(seq, q_start, qlen, qblk, kvh, split,
                 start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
                 window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
                 s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8)
+                SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8, V_SEQ_MAJOR)
 
         out, lse = finalize_rows(acc, m_i, l_i, v_descale, P_FP8)
         o_ptrs = O + seq64 * s_ob + tok_g[:, None] * s_ot + hq[:, None] * s_oh + offs_dv[None, :]
@@ -257,7 +268,7 @@ def _paged_fwd_kernel(
     SOFTCAP: tl.constexpr, HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
     HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr, CDT: tl.constexpr,
     STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    P_FP8: tl.constexpr,
+    P_FP8: tl.constexpr, V_SEQ_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     VARLEN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_INNER: tl.constexpr,
     TWO_CLASS: tl.constexpr, BLOCK_M_S: tl.constexpr, BLOCK_N_S: tl.constexpr,
@@ -289,7 +300,7 @@ def _paged_fwd_kernel(
                 _query_block(seq, q_start, qlen, qblk, kvh, split,
                              Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb, s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp, s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh, qk_scale, softcap, window_left, window_right, num_splits,
                              QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
+            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
         else:
             seq = raw - n_big
             q_start = tl.load(CU_Q + seq)
@@ -298,13 +309,13 @@ def _paged_fwd_kernel(
                 _query_block(seq, q_start, qlen, 0, kvh, split,
                              Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb, s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp, s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh, qk_scale, softcap, window_left, window_right, num_splits,
                              QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, BLOCK_M_S, BLOCK_N_S, BLOCK_M_S // QG, PAGE_SIZE % BLOCK_N_S == 0)
+            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, V_SEQ_MAJOR, BLOCK_M_S, BLOCK_N_S, BLOCK_M_S // QG, PAGE_SIZE % BLOCK_N_S == 0)
     else:
         nqb = tl.cdiv(seqlen_q, BLOCK_Q)
         _query_block(raw // nqb, 0, seqlen_q, raw % nqb, kvh, split,
                      Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb, s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp, s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh, qk_scale, softcap, window_left, window_right, num_splits,
                      QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
+            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
 
 
 def _interpret() -> bool:
@@ -347,7 +358,7 @@ _CONFIGS = {
 
 
 def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override: dict | None = None,
-                 page_size: int | None = None):
+                 page_size: int | None = None, v_seq_major: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch; fixed from shapes.
 
     Outside decode, with ``page_size`` >= 64 smaller than the regime's BLOCK_N, BLOCK_N drops to the page
@@ -370,6 +381,10 @@ def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overri
     # (16,64,4,4) tile at page 64 (0.199 vs 0.218 ms, B64/L4096); prefill tiles are 64 keys already.
     if not decode and page_size is not None and 64 <= page_size < bn and bn % page_size == 0:
         bn = page_size
+    # A sequence-major V page is only contiguous inside the page: decode reads it in one-page tiles
+    # (the row-gathered 128-key tile spilled and lost V's async copies in the sm90 compile).
+    if decode and v_seq_major and page_size is not None and page_size >= 64 and page_size % 64 == 0:
+        bn, ns = 64, 4
     if override:
         bm = override.get("block_m", bm)
         bn = override.get("block_n", bn)
@@ -453,7 +468,8 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dv = v_cache.shape[-1]
     page_size = k_cache.shape[1]
     qg = hq // hk
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and out.stride(-1) == 1
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and out.stride(-1) == 1
+    assert v_cache.stride(-1) == 1 or is_v_seq_major(v_cache)
     has_ks = k_cache_scales is not None
     has_vs = v_cache_scales is not None
     mma_fp8 = (q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
@@ -470,13 +486,14 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         cdt = config["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
     if _interpret() and cdt == torch.bfloat16:
         cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
-    bm, bn, nw, ns = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size)
+    v_seq_major = is_v_seq_major(v_cache)
+    bm, bn, nw, ns = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major)
     # FP8 P@V unless the benchmark override asks for the fp16 P@V variant (FP8 QK^T, fp16 P and V)
     p_fp8 = mma_fp8 and not (config and config.get("pv_fp16"))
     block_q = max(1, bm // qg)
     # Mixed batches: decode rows get their own small-tile programs (one per sequence) instead of
     # riding in the large prefill tiles (docs/perf-notes.md, paged mixed batches).
-    bm_s, bn_s = paged_config(1, qg, d, mma_fp8, None, page_size)[:2]
+    bm_s, bn_s = paged_config(1, qg, d, mma_fp8, None, page_size, v_seq_major)[:2]
     two_class = varlen and bm > bm_s and bool((config or {}).get("two_class", True))
     if varlen:
         grid0 = total_q // block_q + batch + (batch if two_class else 0)
@@ -554,7 +571,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         STORE_LSE=lse is not None, SPLIT=split, OUT_FP8=out_fp8,
         OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
         TILE_IN_PAGE=page_size % bn == 0, P_FP8=p_fp8, NUM_KV_HEADS=hk, HEADS_INNER=heads_inner,
-        TWO_CLASS=two_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s,
+        TWO_CLASS=two_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major,
         num_warps=nw, num_stages=ns,
     )
     if split:
