@@ -74,7 +74,8 @@ def _engine_config(args, kv: str, scale: str, **over):
               max_batched_tokens=args.max_batched_tokens, prefill_chunk_size=args.prefill_chunk_size,
               max_context_len=args.max_context_len, calib_margin=args.calib_margin,
               truncate_prompts=getattr(args, "truncate", False), seed=args.seed,
-              kv_scale_dtype=getattr(args, "kv_scale_dtype", "float32"))
+              kv_scale_dtype=getattr(args, "kv_scale_dtype", "float32"),
+              v_seq_major=bool(getattr(args, "v_seq_major", False)))
     if getattr(args, "kv_memory_mb", None):
         kw["kv_memory_bytes"] = int(args.kv_memory_mb * 2 ** 20)
     kw.update(over)
@@ -339,6 +340,8 @@ def _drive_parser():
     p.add_argument("--calib-margin", type=float, default=1.0)
     p.add_argument("--kv-scale-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="storage of per-token-head scales (--kv-scale per_token_head)")
+    p.add_argument("--v-seq-major", action="store_true",
+                   help="store V sequence-major inside each page (K-major FP8 P@V for prefill chunks)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--min-prompt-tokens", type=int, default=4)
     p.add_argument("--max-prompt-tokens", type=int, default=None,

@@ -31,6 +31,7 @@ class EngineConfig:
     kv_cache_dtype : "bf16" | "fp16" | "fp32" | "fp8" (e4m3fn) | "fp8_e5m2".
     kv_scale : FP8 scale granularity, "per_tensor" | "per_seq_head" | "per_token_head".
     kv_scale_dtype : storage of per-token-head scales, "float32" | "bfloat16" (half the scale bytes).
+    v_seq_major : store V sequence-major inside each page (same results; K-major FP8 P@V for prefill).
     static_k_descale / static_v_descale : per-tensor descales (float or one per layer); None = calibrate
         from the first prefill step ("per_tensor") or from each sequence's first prefill chunk
         ("per_seq_head"), with ``calib_margin`` headroom.
@@ -51,6 +52,7 @@ class EngineConfig:
     kv_cache_dtype: str = "bf16"
     kv_scale: str = "per_tensor"
     kv_scale_dtype: str = "float32"
+    v_seq_major: bool = False
     static_k_descale: object = None
     static_v_descale: object = None
     calib_margin: float = 1.0
@@ -133,7 +135,7 @@ class LLMEngine:
             cfg.kv_scale, k_descale=cfg.static_k_descale if static else None,
             v_descale=(cfg.static_v_descale if cfg.static_v_descale is not None else cfg.static_k_descale)
             if static else None, calib_margin=cfg.calib_margin, device=self.device, poison=cfg.poison_cache,
-            scale_dtype=cfg.kv_scale_dtype)
+            scale_dtype=cfg.kv_scale_dtype, v_seq_major=cfg.v_seq_major)
         self.allocator = BlockAllocator(nb, cfg.page_size)
         self.scheduler = Scheduler(self.allocator, cfg.max_batch_size, cfg.max_batched_tokens,
                                    cfg.prefill_chunk_size)

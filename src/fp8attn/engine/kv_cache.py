@@ -75,6 +75,9 @@ class PagedKVCache:
         headroom for later tokens that exceed the calibration amax (they saturate otherwise).
     poison : bool
         Fill the cache with NaN (tests: unused slots must never be read).
+    v_seq_major : bool
+        Store V sequence-major inside each page (``fp8attn.paged.alloc_paged_cache(v_seq_major=True)``):
+        same results; the FP8 P@V of prefill chunks reads V K-major on Hopper.
     scale_dtype : "float32" | "bfloat16"
         Storage of the per-token-head scales: bfloat16 halves their bytes (4 B per token and kv head
         for K and V: 0.78% of a bf16 cache at d128); descales are rounded up on storage so that no
@@ -83,7 +86,8 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, nheads_k: int, head_dim: int,
                  kv_dtype: str = "bf16", scale_mode: str = "per_tensor", k_descale=None, v_descale=None,
-                 calib_margin: float = 1.0, device="cpu", poison: bool = False, scale_dtype: str = "float32"):
+                 calib_margin: float = 1.0, device="cpu", poison: bool = False, scale_dtype: str = "float32",
+                 v_seq_major: bool = False):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         if scale_mode not in SCALE_MODES:
@@ -100,8 +104,12 @@ class PagedKVCache:
         self.fp8_max = quant.fp8_max(self.dtype) if self.is_fp8 else None
         shape = (num_blocks, page_size, nheads_k, head_dim)
 
-        def alloc():
-            t = torch.empty(shape, dtype=self.dtype, device=self.device)
+        def alloc(seq_major=False):
+            if seq_major:  # (blocks, heads, headdim, page) in memory, viewed as (blocks, page, heads, headdim)
+                t = torch.empty((num_blocks, nheads_k, head_dim, page_size), dtype=self.dtype,
+                                device=self.device).permute(0, 3, 1, 2)
+            else:
+                t = torch.empty(shape, dtype=self.dtype, device=self.device)
             if poison:
                 t.view(torch.uint8).fill_(0x7F) if self.is_fp8 else t.fill_(float("nan"))
             else:
@@ -109,7 +117,7 @@ class PagedKVCache:
             return t
 
         self.k = [alloc() for _ in range(num_layers)]
-        self.v = [alloc() for _ in range(num_layers)]
+        self.v = [alloc(v_seq_major) for _ in range(num_layers)]
         self.k_scales = self.v_scales = None
         if self.scale_mode == "per_token_head":
             self.k_scales = [torch.ones(shape[:3], device=self.device, dtype=self.scale_dtype) for _ in range(num_layers)]
