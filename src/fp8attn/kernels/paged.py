@@ -298,24 +298,39 @@ def _paged_fwd_kernel(
             qblk = pid - (q_start // BLOCK_Q + seq)
             if qlen > small_q:
                 _query_block(seq, q_start, qlen, qblk, kvh, split,
-                             Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb, s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp, s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh, qk_scale, softcap, window_left, window_right, num_splits,
+                             Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
+                             s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb,
+                             s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp,
+                             s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
+                             qk_scale, softcap, window_left, window_right, num_splits,
                              QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
+                             HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE,
+                             P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
         else:
             seq = raw - n_big
             q_start = tl.load(CU_Q + seq)
             qlen = tl.load(CU_Q + seq + 1) - q_start
             if qlen <= small_q:
                 _query_block(seq, q_start, qlen, 0, kvh, split,
-                             Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb, s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp, s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh, qk_scale, softcap, window_left, window_right, num_splits,
+                             Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
+                             s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb,
+                             s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp,
+                             s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
+                             qk_scale, softcap, window_left, window_right, num_splits,
                              QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, V_SEQ_MAJOR, BLOCK_M_S, BLOCK_N_S, BLOCK_M_S // QG, PAGE_SIZE % BLOCK_N_S == 0)
+                             HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE,
+                             P_FP8, V_SEQ_MAJOR, BLOCK_M_S, BLOCK_N_S, BLOCK_M_S // QG, PAGE_SIZE % BLOCK_N_S == 0)
     else:
         nqb = tl.cdiv(seqlen_q, BLOCK_Q)
         _query_block(raw // nqb, 0, seqlen_q, raw % nqb, kvh, split,
-                     Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb, s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp, s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh, qk_scale, softcap, window_left, window_right, num_splits,
+                     Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
+                     s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb,
+                     s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp,
+                     s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
+                     qk_scale, softcap, window_left, window_right, num_splits,
                      QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-            HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE, P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
+                     HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE,
+                     P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
 
 
 def _interpret() -> bool:
