@@ -289,11 +289,12 @@ def test_per_token_head_scales_in_bfloat16(tiny):
         _run(tiny, prompts[:1], kv_scale_dtype="float16", **kw)
 
 
-def test_v_seq_major_cache_same_outputs(tiny):
-    """A sequence-major V cache (NaN-poisoned) gives the standard layout's tokens and logprobs."""
+@pytest.mark.parametrize("poison", [True, False])
+def test_v_seq_major_cache_same_outputs(tiny, poison):
+    """A sequence-major V cache (NaN-poisoned or zeroed) gives the standard layout's tokens and logprobs."""
     prompts = _prompts(4)
     for kv in ("fp8", "bf16"):
-        kw = dict(kv_cache_dtype=kv, prefill_chunk_size=8, page_size=8)
+        kw = dict(kv_cache_dtype=kv, prefill_chunk_size=8, page_size=8, poison_cache=poison)
         a, _, _ = _run(tiny, prompts, **kw)
         b, _, eng = _run(tiny, prompts, v_seq_major=True, **kw)
         assert eng.cache.v[0].stride(1) == 1 and eng.cache.k[0].is_contiguous()

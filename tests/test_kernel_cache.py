@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fp8attn.kernels.cache import launch_write_kv_cache  # noqa: E402
+from fp8attn.paged import to_v_seq_major  # noqa: E402
 from fp8attn.quant import compute_descale, saturating_cast  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,8 +123,7 @@ def test_v_seq_major_cache_same_values(scales):
     dtype = torch.bfloat16 if scales == "bf16_copy" else E4M3
     k, v, kc, vc, slots = _setup(dv=24, page_size=8, dtype=dtype)
     nb, ps, hk, dv = vc.shape
-    vs = torch.empty((nb, hk, dv, ps), dtype=dtype, device=DEV).permute(0, 3, 1, 2)
-    vs.copy_(vc) if dtype == torch.bfloat16 else vs.view(torch.uint8).copy_(vc.view(torch.uint8))
+    vs = to_v_seq_major(vc)
     kc2 = kc.clone()
     kw = {}
     if scales == "static":

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from conftest import assert_close_fa3  # noqa: E402
 from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, paged_config, split_workspace  # noqa: E402
-from fp8attn.paged import is_v_seq_major  # noqa: E402
+from fp8attn.paged import is_v_seq_major, to_v_seq_major  # noqa: E402
 from fp8attn.quant import saturating_cast  # noqa: E402
 from fp8attn.reference import paged_attention_ref  # noqa: E402
 
@@ -335,10 +335,9 @@ def test_tile_path_chunked_prefill_fp8(pv_fp16):
 def _v_seq_major(c):
     """The same cache with V stored sequence-major inside each page (values, NaN poison included)."""
     vc = c["v_cache"]
-    nb, ps, hk, dv = vc.shape
-    vs = torch.empty((nb, hk, dv, ps), dtype=vc.dtype, device=vc.device).permute(0, 3, 1, 2)
-    vs.view(torch.uint8).copy_(vc.view(torch.uint8)) if vc.element_size() == 1 else vs.copy_(vc)
+    vs = to_v_seq_major(vc)
     assert is_v_seq_major(vs) and not is_v_seq_major(vc)
+    assert torch.equal(vs.contiguous().view(torch.uint8), vc.view(torch.uint8))  # NaN poison included
     return dict(c, v_cache=vs)
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "is_v_seq_major"]
+__all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "empty_paged", "to_v_seq_major",
+           "is_v_seq_major"]
 
 
 def alloc_paged_cache(num_blocks, page_size, nheads_k, headdim, dtype=torch.float8_e4m3fn, device="cpu",
@@ -16,24 +17,29 @@ def alloc_paged_cache(num_blocks, page_size, nheads_k, headdim, dtype=torch.floa
     cache accepts it; on Hopper the FP8 P@V of chunked prefill then reads V tiles K-major instead of
     transposing them (use page_size >= 64)."""
     shape = (num_blocks, page_size, nheads_k, headdim)
-
-    def make(perm_shape=None):
-        if perm_shape is None:
-            t = torch.empty(shape, device=device, dtype=dtype)
-        else:  # (nb, hk, d, page) in memory, viewed as (nb, page, hk, d)
-            t = torch.empty((num_blocks, nheads_k, headdim, page_size), device=device, dtype=dtype).permute(0, 3, 1, 2)
-        if poison_nan:
-            t.copy_(torch.full(shape, float("nan"), device=device).to(dtype))
-        else:
-            t.view(torch.uint8).zero_() if t.is_contiguous() else t.copy_(torch.zeros(shape, device=device, dtype=dtype))
-        return t
-
-    k = make()
-    v = make(True if v_seq_major else None)
+    k = empty_paged(shape, dtype, device)
+    v = empty_paged(shape, dtype, device, seq_major=v_seq_major)
+    for t in (k, v):
+        t.fill_(float("nan")) if poison_nan else t.zero_()
     if not with_scales:
         return k, v
     sc = lambda: torch.full(shape[:3], float("nan") if poison_nan else 1.0, device=device)  # noqa: E731
     return k, v, sc(), sc()
+
+
+def empty_paged(shape, dtype, device, seq_major=False) -> torch.Tensor:
+    """Uninitialized (num_blocks, page_size, nheads_k, headdim) cache; ``seq_major`` puts it in the
+    memory order (num_blocks, nheads_k, headdim, page_size) (a sequence-major V cache)."""
+    if not seq_major:
+        return torch.empty(shape, dtype=dtype, device=device)
+    nb, ps, hk, d = shape
+    return torch.empty((nb, hk, d, ps), dtype=dtype, device=device).permute(0, 3, 1, 2)
+
+
+def to_v_seq_major(v_cache: torch.Tensor) -> torch.Tensor:
+    """A sequence-major copy of ``v_cache`` (same shape and values, NaN slots included)."""
+    out = empty_paged(v_cache.shape, v_cache.dtype, v_cache.device, seq_major=True)
+    return out.copy_(v_cache)
 
 
 def is_v_seq_major(v_cache: torch.Tensor) -> bool:

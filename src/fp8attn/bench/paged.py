@@ -225,6 +225,7 @@ def _sweep(launch, configs):
 def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, configs=None):
     """A 2k chunk over an 8k cached prefix vs the dense FP8 forward on the same pairs."""
     from ..kernels.paged import launch_paged_fwd
+    from ..paged import to_v_seq_major
     from ..reference import paged_attention_ref
 
     doc = results_header("prefill_chunked")
@@ -283,9 +284,7 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
             except Exception as e:
                 peers["dense_fp8"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
             if page_size >= 64:  # the same cache with V sequence-major inside each page (K-major FP8 P@V)
-                nb_, ps_, hk_, dv_ = vc.shape
-                vs = torch.empty((nb_, hk_, dv_, ps_), dtype=vc.dtype, device=vc.device).permute(0, 3, 1, 2)
-                vs.view(torch.uint8).copy_(vc.view(torch.uint8))
+                vs = to_v_seq_major(vc)
                 out_s = torch.empty_like(out)
 
                 def ours_v_seq_major():

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import quant
+from ..paged import empty_paged
 
 __all__ = ["PagedKVCache", "StepInputs", "KV_DTYPES", "SCALE_MODES"]
 
@@ -105,16 +106,8 @@ class PagedKVCache:
         shape = (num_blocks, page_size, nheads_k, head_dim)
 
         def alloc(seq_major=False):
-            if seq_major:  # (blocks, heads, headdim, page) in memory, viewed as (blocks, page, heads, headdim)
-                t = torch.empty((num_blocks, nheads_k, head_dim, page_size), dtype=self.dtype,
-                                device=self.device).permute(0, 3, 1, 2)
-            else:
-                t = torch.empty(shape, dtype=self.dtype, device=self.device)
-            if poison:
-                t.view(torch.uint8).fill_(0x7F) if self.is_fp8 else t.fill_(float("nan"))
-            else:
-                t.view(torch.uint8).zero_()
-            return t
+            t = empty_paged(shape, self.dtype, self.device, seq_major=seq_major)
+            return t.fill_(float("nan")) if poison else t.zero_()
 
         self.k = [alloc() for _ in range(num_layers)]
         self.v = [alloc(v_seq_major) for _ in range(num_layers)]
