@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..paged import is_v_seq_major
 from ..quant import scale_storage_pad
 
 __all__ = ["launch_write_kv_cache"]
@@ -54,7 +55,8 @@ def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
     offs_d = tl.arange(0, BLOCK_D)
     m2 = hmask[:, None] & (offs_d[None, :] < D)
     x = tl.load(X + t * s_xt + heads[:, None] * s_xh + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-    c_ptrs = C + blk * s_cb + off * s_cp + heads[:, None] * s_ch + offs_d[None, :] * s_cd  # s_cd: 1, or page_size (sequence-major V)
+    # s_cd: 1, or page_size for a sequence-major V cache
+    c_ptrs = C + blk * s_cb + off * s_cp + heads[:, None] * s_ch + offs_d[None, :] * s_cd
     if MODE == 0:
         tl.store(c_ptrs, x.to(C.dtype.element_ty), mask=m2)
     else:
@@ -134,7 +136,7 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         (plain copy). Last dim contiguous.
     v_cache : (num_blocks, page_size, nheads_k, headdim_v), same dtype as ``k_cache``; last dim
         contiguous, or sequence-major (memory order (num_blocks, nheads_k, headdim_v, page_size),
-        ``fp8attn.paged.alloc_kv_cache(..., v_seq_major=True)``).
+        ``fp8attn.paged.alloc_paged_cache(..., v_seq_major=True)``).
     slot_mapping : (num_tokens,) int64 (int32 accepted): ``block_id * page_size + offset``; negative
         entries are skipped.
     k_descale, v_descale : float32 static descales: per-tensor (0-d / (1,) / (1, 1)) or
@@ -151,6 +153,7 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
     if num_tokens == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert v_cache.stride(-1) == 1 or is_v_seq_major(v_cache)
     page_size = k_cache.shape[1]
     is_fp8 = k_cache.dtype in _FP8_MAX
     if not is_fp8:
