@@ -470,10 +470,7 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     if backend not in ("auto", "triton", "tma"):
         raise ValueError(f"FP8ATTN_DENSE_BACKEND: expected auto, triton or tma, got {backend!r}")
     if backend != "triton":
-        if v_kmajor is None:  # same rule as _build_launch, which then leaves this V as is
-            v_kmajor = q.dtype == torch.float8_e4m3fn and v.is_cuda and v.stride(-1) == 1 and v.shape[-3] > 1
-        if v_kmajor and v.stride(-3) != 1:
-            v = transpose_v_kmajor(v)
+        v = _kmajor_v(v, q.dtype == torch.float8_e4m3fn, v_kmajor)  # _build_launch then leaves it as is
         why = "seqused_q/seqused_k are not supported" if seqused_q is not None or seqused_k is not None else \
             dense_tma.unsupported_reason(
                 q, k, v, out, causal=causal, window_size=window_size, softcap=softcap, q_descale=q_descale,
@@ -498,6 +495,16 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     else:
         _dense_fwd_tuned[grid](*args, **kwargs)
     return out, lse
+
+
+def _kmajor_v(v, is_fp8, v_kmajor):
+    """V as the kernels read it: a sequence-contiguous copy (``transpose_v_kmajor``) when ``v_kmajor``
+    asks for one (None: for FP8 V on CUDA whose head dim is contiguous), else V as given."""
+    if v_kmajor is None:
+        v_kmajor = is_fp8 and v.is_cuda and v.stride(-1) == 1 and v.shape[-3] > 1
+    if v_kmajor and v.stride(-3) != 1:
+        v = transpose_v_kmajor(v)
+    return v
 
 
 def _build_launch(q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap,
@@ -527,10 +534,7 @@ def _build_launch(q, k, v, out, lse, *, softmax_scale, causal, window_size, soft
         ks = k.stride()
         os_ = out.stride()
         ls = lse.stride() if lse is not None else (0, 0, 0)
-    if v_kmajor is None:
-        v_kmajor = is_fp8 and v.is_cuda and v.stride(-1) == 1 and v.shape[-3] > 1
-    if v_kmajor and v.stride(-3) != 1:
-        v = transpose_v_kmajor(v)
+    v = _kmajor_v(v, is_fp8, v_kmajor)
     vs = (0,) + tuple(v.stride()) if varlen else tuple(v.stride())
 
     qgroup = nheads_q // nheads_k
