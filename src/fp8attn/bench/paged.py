@@ -123,6 +123,7 @@ def _rel_err(out, ref):
 def run_decode(out_dir=None, quick=False, configs=None):
     """Decode over an FP8 paged cache; returns the results path."""
     from ..kernels.paged import choose_num_splits, launch_paged_fwd, split_workspace
+    from ..paged import to_v_seq_major
     from ..reference import paged_attention_ref
 
     doc = results_header("decode")
@@ -188,10 +189,21 @@ def run_decode(out_dir=None, quick=False, configs=None):
                         except Exception as e:
                             sweep[str(cfg)] = f"{type(e).__name__}: {str(e)[:100]}"
                     case["config_sweep_ms"] = sweep
+                if page_size >= 64 and b * L >= (1 << 18):  # same cache, V sequence-major inside each page
+                    vs = to_v_seq_major(vc)
+                    fns_s = [lambda r=r: launch_paged_fwd(q, kc, vs, pts[r], seqlens, out, lse, max_seqlen_q=1,
+                                                          softmax_scale=scale, causal=True, k_descale=kd,
+                                                          v_descale=vd, num_splits=splits, out_partial=op,
+                                                          lse_partial=lp) for r in range(n_rot)]
+                    fns_s[0]()
+                    torch.cuda.synchronize()
+                    ms_s = time_ms(_graphed(fns_s)[0])
+                    case["peers"]["paged_v_seq_major"] = {"ms": ms_s, "gbps": kv_bytes / ms_s / 1e6}
+                    del vs
                 del kc, vc, pts
                 torch.cuda.empty_cache()
                 if page_size == page_sizes[0]:
-                    case["peers"] = _sdpa_peers(q.transpose(1, 2), b, L, n_rot, graph=True)
+                    case["peers"].update(_sdpa_peers(q.transpose(1, 2), b, L, n_rot, graph=True))
                 doc["cases"].append(case)
                 print(f"decode {case['case']:28s} splits={splits:3d} ours {ms * 1e3:8.1f} us "
                       f"{kv_bytes / ms / 1e6:7.0f} GB/s "
