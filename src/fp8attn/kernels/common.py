@@ -60,7 +60,8 @@ def causal_window_mask(s, offs_m, offs_n, seqlen_q, seqlen_k,
     i + shift - WINDOW_LEFT <= j <= i + shift + WINDOW_RIGHT (negative bounds mean unbounded).
     """
     shift = seqlen_k - seqlen_q
-    keep = offs_n[None, :] < seqlen_k
+    # full tile shape from the start: the window bounds are runtime branches, which must not change it
+    keep = tl.broadcast_to(offs_n[None, :] < seqlen_k, s.shape)
     if CAUSAL:
         keep = keep & (offs_n[None, :] <= offs_m[:, None] + shift)
     if HAS_WINDOW:
