@@ -95,6 +95,33 @@ def kv_range(tok_lo, tok_hi, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def full_tile_range(tok_lo, tok_hi, seqlen_q, seqlen_k, window_left, window_right,
+                    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, lo, hi):
+    """Tiles [full_lo, full_hi) of a loop over keys [lo, hi) that need no mask at all.
+
+    Their keys are below seqlen_k and visible to every query row tok_lo..tok_hi (bottom-right
+    causal/window). lo must be a multiple of BLOCK_N; the bounds returned are multiples of BLOCK_N with
+    lo <= full_lo <= full_hi <= ceil(hi / BLOCK_N) * BLOCK_N, so [lo, full_lo) and [full_hi, hi) are
+    the masked tiles.
+    """
+    shift = seqlen_k - seqlen_q
+    full_hi_lim = seqlen_k
+    if CAUSAL:
+        full_hi_lim = tl.minimum(full_hi_lim, tok_lo + shift + 1)
+    full_lo_lim = lo
+    if HAS_WINDOW:
+        if window_right >= 0:
+            full_hi_lim = tl.minimum(full_hi_lim, tok_lo + shift + window_right + 1)
+        if window_left >= 0:
+            full_lo_lim = tl.maximum(tok_hi + shift - window_left, lo)
+    hi_ceil = ((hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(((full_lo_lim + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi_ceil)
+    full_hi = (tl.maximum(full_hi_lim, 0) // BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_ceil)
+    return tl.multiple_of(full_lo, BLOCK_N), tl.multiple_of(full_hi, BLOCK_N)
+
+
+@triton.jit
 def online_softmax_step(s, m_i, l_i, acc, v, P_FP8: tl.constexpr):
     """One KV tile of the online softmax.
 

@@ -29,6 +29,7 @@ from .common import (
     LOG2E,
     causal_window_mask,
     finalize_rows,
+    full_tile_range,
     kv_range,
     online_softmax_step,
     output_epilogue,
@@ -269,27 +270,13 @@ def _dense_fwd_kernel(
         qk_scale = base_scale
 
     # ---- KV range for this tile (bottom-right aligned masks) -------------------------------
-    shift = seqlen_k - seqlen_q
     lo, hi = kv_range(tok_lo, tok_hi, seqlen_q, seqlen_k, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_N)
-    # fully visible tiles [full_lo, full_hi): no load or logit masks
-    full_hi_lim = seqlen_k
-    if CAUSAL:
-        full_hi_lim = tl.minimum(full_hi_lim, tok_lo + shift + 1)
-    full_lo_lim = lo
-    if HAS_WINDOW:
-        if window_right >= 0:
-            full_hi_lim = tl.minimum(full_hi_lim, tok_lo + shift + window_right + 1)
-        if window_left >= 0:
-            full_lo_lim = tl.maximum(tok_hi + shift - window_left, lo)
-    # every loop start is a multiple of BLOCK_N (the hints let the pipeliner issue aligned async
-    # copies of the sequence-contiguous V tile; without them V's loads are not pipelined)
-    hi_ceil = ((hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-    full_lo = tl.minimum(((full_lo_lim + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi_ceil)
-    full_hi = (tl.maximum(full_hi_lim, 0) // BLOCK_N) * BLOCK_N
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_ceil)
+    # fully visible tiles [full_lo, full_hi): no load or logit masks. Every loop start is a multiple
+    # of BLOCK_N (the hints let the pipeliner issue aligned async copies of the sequence-contiguous V
+    # tile; without them V's loads are not pipelined)
+    full_lo, full_hi = full_tile_range(tok_lo, tok_hi, seqlen_q, seqlen_k, window_left, window_right,
+                                       CAUSAL, HAS_WINDOW, BLOCK_N, lo, hi)
     lo = tl.multiple_of(lo, BLOCK_N)
-    full_lo = tl.multiple_of(full_lo, BLOCK_N)
-    full_hi = tl.multiple_of(full_hi, BLOCK_N)
 
     k_base = K + b64 * stride_kb + k_start * stride_kn + hk64 * stride_kh
     v_base = V + b64 * stride_vb + k_start * stride_vn + hk64 * stride_vh

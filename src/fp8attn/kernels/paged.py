@@ -48,7 +48,8 @@ import triton.language as tl
 
 from ..paged import is_v_seq_major
 from .combine import launch_combine
-from .common import causal_window_mask, finalize_rows, kv_range, online_softmax_step, output_epilogue, scale_logits
+from .common import (causal_window_mask, finalize_rows, full_tile_range, kv_range, online_softmax_step,
+                     output_epilogue, scale_logits)
 
 __all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config"]
 
@@ -95,12 +96,15 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
              s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask,
              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
              SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr,
-             CDT: tl.constexpr, TILE_IN_PAGE: tl.constexpr, P_FP8: tl.constexpr, V_SEQ_MAJOR: tl.constexpr):
+             CDT: tl.constexpr, TILE_IN_PAGE: tl.constexpr, P_FP8: tl.constexpr, V_SEQ_MAJOR: tl.constexpr,
+             MASKED: tl.constexpr):
     """One KV tile [start_n, start_n + BLOCK_N) of a program: QK^T, masks, softmax step.
 
     ``blk``: the tile's page ids from ``_page_ids`` (loaded one tile ahead by the caller). With
     TILE_IN_PAGE (PAGE_SIZE % BLOCK_N == 0, start_n a multiple of BLOCK_N) it is one scalar and the
     tile is a plain 2-D block of BLOCK_N consecutive slots of one page; otherwise one id per key row.
+    MASKED=False: every key of the tile is below ``end`` and visible to every query row (no causal or
+    window cut), so the length and logit masks are skipped.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kv_ok = offs_n < end
@@ -110,7 +114,10 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
     else:
         slot = offs_n % PAGE_SIZE
     k_row = blk * s_kb + slot * s_kp + kvh * s_kh
-    k = tl.load(K + k_row[None, :] + offs_d[:, None], mask=kv_ok[None, :] & dmask[:, None], other=0.0)
+    if MASKED:
+        k = tl.load(K + k_row[None, :] + offs_d[:, None], mask=kv_ok[None, :] & dmask[:, None], other=0.0)
+    else:
+        k = tl.load(K + k_row[None, :] + offs_d[:, None], mask=dmask[:, None], other=0.0)
     if MMA_FP8:
         qk = tl.dot(q, k)
     else:
@@ -119,7 +126,8 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
         ks = tl.load(KS + blk * s_ksb + slot * s_ksp + kvh * s_ksh, mask=kv_ok, other=0.0).to(tl.float32)
         qk = qk * ks[None, :]
     s = scale_logits(qk, scale, softcap, SOFTCAP)
-    s = causal_window_mask(s, tok, offs_n, qlen, kv_len, CAUSAL, window_left, window_right, HAS_WINDOW)
+    if MASKED:
+        s = causal_window_mask(s, tok, offs_n, qlen, kv_len, CAUSAL, window_left, window_right, HAS_WINDOW)
     v_row = blk * s_vb + slot * s_vp + kvh * s_vh
     if V_SEQ_MAJOR:
         # Sequence-major V pages (slots contiguous, head dim strided by PAGE_SIZE): the tile arrives
@@ -128,7 +136,8 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
         # lies in a live page or page 0 (``_page_ids`` gives 0 past the length), and slots past the
         # length are replaced by zeros before use (a select, so NaN-poisoned slots cannot leak).
         v = tl.load(V + v_row[:, None] + offs_dv[None, :] * PAGE_SIZE, mask=dvmask[None, :], other=0.0)
-        v = tl.where(kv_ok[:, None], v, tl.zeros_like(v))
+        if MASKED:
+            v = tl.where(kv_ok[:, None], v, tl.zeros_like(v))
     else:
         v = tl.load(V + v_row[:, None] + offs_dv[None, :], mask=kv_ok[:, None] & dvmask[None, :], other=0.0)
     if HAS_VS:
@@ -138,14 +147,40 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
         v = v.to(CDT)
     elif not P_FP8:
         v = v.to(tl.float16)  # exact; FP8 QK^T, then P@V in fp16 (P rounded to fp16, not e4m3)
-    elif q.shape[0] >= 64:
+    elif q.shape[0] >= 64 and not V_SEQ_MAJOR:
         # wgmma (BLOCK_M >= 64): the FP8 P@V needs V K-major (sequence-contiguous) in shared memory.
         # A headdim-contiguous cache tile is transposed through registers on its way there (byte-wise
-        # shared stores); a sequence-major tile is stored as loaded. Either way an op between the load
-        # and that shared-memory store lets the pipeliner stage the load as an async copy (a load
-        # feeding the store directly stayed a synchronous load). Rows are zero already (other=0).
+        # shared stores). An op between the load and that shared-memory store lets the pipeliner stage
+        # the load as an async copy (a load feeding the store directly stayed a synchronous load).
+        # Rows are zero already (other=0). A sequence-major tile is K-major as loaded.
         v = tl.where(kv_ok[:, None], v, tl.zeros_like(v))
     return online_softmax_step(s, m_i, l_i, acc, v, P_FP8)
+
+
+@triton.jit
+def _kv_loop(lo, hi, MASKED: tl.constexpr, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS,
+             m_i, l_i, acc, scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh,
+             s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask,
+             BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr,
+             CDT: tl.constexpr, TILE_IN_PAGE: tl.constexpr, P_FP8: tl.constexpr, V_SEQ_MAJOR: tl.constexpr):
+    """KV tiles [lo, hi) (lo a multiple of BLOCK_N) of one program, masked or not.
+
+    Page ids are read one tile ahead and carried through the loop: a page-id load in the same
+    iteration as the K/V loads it addresses makes the pipeliner wait for every copy in flight
+    (async_wait num = 0: no overlap of loads with MMAs, docs/perf-notes.md); carried, the K/V copies
+    of later tiles stay in flight.
+    """
+    nxt = _page_ids(pt_row, lo, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
+    for start_n in range(lo, hi, BLOCK_N):
+        blk = nxt
+        nxt = _page_ids(pt_row, start_n + BLOCK_N, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
+        m_i, l_i, acc = _kv_tile(
+            start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
+            window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
+            s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
+            SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8, V_SEQ_MAJOR, MASKED)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -216,20 +251,28 @@ def _query_block(seq, q_start, qlen, qblk, kvh, split,
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         pt_row = PT + seq64 * s_ptb
-        # Page ids are read one tile ahead and carried through the loop: a page-id load in the same
-        # iteration as the K/V loads it addresses makes the pipeliner wait for every copy in flight
-        # (async_wait num = 0: no overlap of loads with MMAs, docs/perf-notes.md); carried, the K/V
-        # copies of later tiles stay in flight.
         last_pg = tl.maximum(end - 1, 0) // PAGE_SIZE
-        nxt = _page_ids(pt_row, start, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
-        for start_n in range(start, end, BLOCK_N):
-            blk = nxt
-            nxt = _page_ids(pt_row, start_n + BLOCK_N, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
-            m_i, l_i, acc = _kv_tile(
-                start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc, scale, softcap,
-                window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
+        # Tiles [full_lo, full_hi) are below the length and visible to every row of the block: they
+        # run without masks; the tiles before (window) and after (causal diagonal, partial last tile)
+        # run masked. All three bounds are multiples of BLOCK_N inside [start, end].
+        full_lo, full_hi = full_tile_range(tok_lo, tok_hi, qlen, kv_len, window_left, window_right,
+                                           CAUSAL, HAS_WINDOW, BLOCK_N, start, end)
+        if HAS_WINDOW:  # without a left window full_lo == start
+            m_i, l_i, acc = _kv_loop(
+                start, full_lo, True, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i,
+                acc, scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
                 s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
                 SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8, V_SEQ_MAJOR)
+        m_i, l_i, acc = _kv_loop(
+            full_lo, full_hi, False, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc,
+            scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
+            s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
+            SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8, V_SEQ_MAJOR)
+        m_i, l_i, acc = _kv_loop(
+            full_hi, end, True, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc,
+            scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
+            s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
+            SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8, V_SEQ_MAJOR)
 
         out, lse = finalize_rows(acc, m_i, l_i, v_descale, P_FP8)
         o_ptrs = O + seq64 * s_ob + tok_g[:, None] * s_ot + hq[:, None] * s_oh + offs_dv[None, :]
