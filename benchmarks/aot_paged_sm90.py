@@ -188,6 +188,8 @@ CASES = [
      "v_seq_major": True},
     {"name": "decode bf16q B64 L4096 p64 vseq", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 64,
      "q": torch.bfloat16, "v_seq_major": True},
+    {"name": "prefill e4m3q 2k/8k p128 vseq", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 128, "q": E4M3,
+     "v_seq_major": True},
     {"name": "prefill e4m3q 2k/8k p16", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 16, "q": E4M3},
     {"name": "small e4m3q B32 q8 L4096 p64", "batch": 32, "qlen": 8, "ctx": 4096, "page_size": 64, "q": E4M3},
     {"name": "decode bf16q B64 L4096 p1", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 1, "q": torch.bfloat16},

@@ -341,7 +341,7 @@ def _v_seq_major(c):
     return dict(c, v_cache=vs)
 
 
-@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
 @pytest.mark.parametrize("fp8_q", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_v_seq_major_cache(page_size, fp8_q, num_splits):
@@ -369,11 +369,16 @@ def test_v_seq_major_cache(page_size, fp8_q, num_splits):
     assert (out_s.float() - out.float()).abs().max().item() <= 2 * floor + 2.0 ** -6 * ref.abs().max().item()
 
 
-def test_v_seq_major_decode_config():
-    """Sequence-major V pages of >= 64 slots are read in one-page tiles at decode."""
+def test_v_seq_major_tile_config():
+    """Sequence-major V pages of >= 64 slots are read in one-page tiles (decode and prefill)."""
     assert paged_config(1, 4, 128, False, None, 64, v_seq_major=True)[1] == 64
     assert paged_config(1, 4, 128, False, None, 64)[1] == 128
     assert paged_config(1, 4, 128, False, None, 16, v_seq_major=True)[1] == paged_config(1, 4, 128, False, None, 16)[1]
+    # prefill: 128-key one-page tiles for pages of 128+ slots, 64-key tiles for 64-slot pages
+    assert paged_config(2048, 4, 128, True, None, 128, v_seq_major=True)[:2] == (128, 128)
+    assert paged_config(2048, 4, 128, True, None, 256, v_seq_major=True)[1] == 128
+    assert paged_config(2048, 4, 128, True, None, 64, v_seq_major=True)[1] == 64
+    assert paged_config(2048, 4, 256, True, None, 128, v_seq_major=True)[1] <= 32
 
 
 def test_split_workspace_and_heuristic():
