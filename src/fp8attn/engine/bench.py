@@ -68,17 +68,17 @@ def _timed(fn, warmup: int, steps: int, dev) -> float:
 
 
 def time_decode(model, kv: str, scale: str, batch: int, context: int, steps: int, warmup: int = 3,
-                cuda_graphs: bool = True) -> dict:
+                cuda_graphs: bool = True, page_size: int = 16, v_seq_major: bool = False) -> dict:
     """Median-free simple timing: wall time of ``steps`` engine decode steps after ``warmup`` steps."""
     cfg = EngineConfig(kv_cache_dtype=kv, kv_scale=scale, max_batch_size=batch, max_batched_tokens=max(batch, 256),
-                       max_context_len=context + warmup + steps + 2, page_size=16, cuda_graphs=cuda_graphs,
-                       num_blocks=batch * (-(-(context + warmup + steps + 2) // 16)))
+                       max_context_len=context + warmup + steps + 2, page_size=page_size, cuda_graphs=cuda_graphs,
+                       num_blocks=batch * (-(-(context + warmup + steps + 2) // page_size)), v_seq_major=v_seq_major)
     eng = LLMEngine(model, cfg)
     fill_decode_state(eng, batch, context, warmup + steps + 1)
     dev = eng.device
     dt = _timed(eng.step, warmup, steps, dev) * steps
     res = {"kv": kv, "kv_scale": scale if kv.startswith("fp8") else None, "batch": batch, "context": context,
-           "steps": steps, "step_ms": dt / steps * 1e3, "tokens_per_s": batch * steps / dt,
+           "page_size": page_size, "v_seq_major": v_seq_major, "steps": steps, "step_ms": dt / steps * 1e3, "tokens_per_s": batch * steps / dt,
            "kv_cache_bytes": eng.cache.total_bytes, "kv_bytes_per_token": eng.cache.bytes_per_token,
            "graphs": eng.graphs is not None and not eng.graphs.disabled}
     # forward only (graph replay or eager forward), no scheduling / sampling
@@ -135,7 +135,9 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--preset", default="llama3-8b", choices=["llama3-8b", "tiny"])
-    p.add_argument("--cases", default="bf16,fp8,fp8_seq_head,fp8_2x", help="fp8_2x: FP8 with 2x batch (same KV bytes)")
+    p.add_argument("--cases", default="bf16,fp8,fp8_seq_head,fp8_2x",
+                   help="fp8_2x: FP8 with 2x batch (same KV bytes); fp8_p64: page 64; fp8_p64_vseq: page 64 with "
+                        "V sequence-major inside each page")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<gpu>)")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--check", action="store_true", help="run the GPU correctness checks first")
@@ -153,11 +155,15 @@ def main(argv=None) -> int:
     model = LlamaModel.random(cfg, dtype=dtype, device=dev, seed=0)
     runs = {}
     for c in [x for x in a.cases.split(",") if x]:
-        kv, scale, b = {"bf16": ("bf16", "per_tensor", a.batch), "fp8": ("fp8", "per_tensor", a.batch),
-                        "fp8_seq_head": ("fp8", "per_seq_head", a.batch),
-                        "fp8_2x": ("fp8", "per_tensor", 2 * a.batch)}[c]
+        kv, scale, b, page, vseq = {"bf16": ("bf16", "per_tensor", a.batch, 16, False),
+                                    "fp8": ("fp8", "per_tensor", a.batch, 16, False),
+                                    "fp8_seq_head": ("fp8", "per_seq_head", a.batch, 16, False),
+                                    "fp8_2x": ("fp8", "per_tensor", 2 * a.batch, 16, False),
+                                    "fp8_p64": ("fp8", "per_tensor", a.batch, 64, False),
+                                    "fp8_p64_vseq": ("fp8", "per_tensor", a.batch, 64, True)}[c]
         try:
-            runs[c] = time_decode(model, kv, scale, b, a.context, a.steps, cuda_graphs=not a.no_graphs)
+            runs[c] = time_decode(model, kv, scale, b, a.context, a.steps, cuda_graphs=not a.no_graphs,
+                                  page_size=page, v_seq_major=vseq)
         except Exception as e:  # keep the other cases
             runs[c] = {"error": f"{type(e).__name__}: {e}"}
         print(c, json.dumps(runs[c]), flush=True)
@@ -171,7 +177,7 @@ def main(argv=None) -> int:
         doc["cases"].append({
             "case": f"decode {c} B{r['batch']} ctx{r['context']}",
             "params": {"batch": r["batch"], "context": r["context"], "kv_cache": r["kv"], "kv_scale": r["kv_scale"],
-                       "page_size": 16, "steps": r["steps"], "cuda_graphs": r["graphs"],
+                       "page_size": r["page_size"], "v_seq_major": r["v_seq_major"], "steps": r["steps"], "cuda_graphs": r["graphs"],
                        "kv_cache_bytes": r["kv_cache_bytes"]},
             "ours": {"ms": r["step_ms"], "tokens_per_s": r["tokens_per_s"], "forward_ms": r.get("forward_ms"),
                      "tflops": None, "gbps": None, "err": None},
