@@ -58,19 +58,24 @@ def _capture_launch(case):
         batch, qlen, L, page_size, q_dtype = case["batch"], case["qlen"], case["ctx"], case["page_size"], case["q"]
         pages = -(-L // page_size)
         nb = 4  # pool size only changes addresses
-        kc = torch.zeros(nb, page_size, HK, D, dtype=E4M3)
-        vc = torch.zeros(nb, page_size, HK, D, dtype=E4M3)
+        kv_dtype = case.get("kv", E4M3)
+        kc = torch.zeros(nb, page_size, HK, D, dtype=kv_dtype)
+        vc = torch.zeros(nb, page_size, HK, D, dtype=kv_dtype)
         if case.get("v_seq_major"):  # (nb, HK, D, page) memory order, viewed as (nb, page, HK, D)
-            vc = torch.zeros(nb, HK, D, page_size, dtype=E4M3).permute(0, 3, 1, 2)
+            vc = torch.zeros(nb, HK, D, page_size, dtype=kv_dtype).permute(0, 3, 1, 2)
         pt = torch.zeros(batch, pages, dtype=torch.int32)
         seqlens = torch.full((batch,), L, dtype=torch.int32)
         q = torch.zeros(batch, qlen, HQ, D, dtype=q_dtype)
         out = torch.empty(batch, qlen, HQ, D, dtype=torch.bfloat16)
         lse = torch.empty(batch, HQ, qlen)
         dsc = torch.ones(batch, HK)
-        kw = dict(k_descale=dsc, v_descale=dsc)
+        kw = dict(k_descale=dsc, v_descale=dsc) if kv_dtype == E4M3 else {}
         if q_dtype == E4M3:
             kw["q_descale"] = dsc
+        if case.get("varlen"):  # a varlen batch (mixed decode + prefill launches: two tile classes)
+            q, out = q.view(batch * qlen, HQ, D), out.view(batch * qlen, HQ, D)
+            lse = torch.empty(HQ, batch * qlen)
+            kw["cu_seqlens_q"] = torch.arange(batch + 1, dtype=torch.int32) * qlen
         paged.launch_paged_fwd(q, kc, vc, pt, seqlens, out, lse, max_seqlen_q=qlen, softmax_scale=D ** -0.5,
                                causal=True, num_splits=case.get("splits", 1), config=case.get("config"), **kw)
     finally:
@@ -139,7 +144,7 @@ def compile_case(case, dump=None):
     fn, (grid, args, kwargs) = _capture_launch(case)
     sig, consts, attrs, opts = _specialize(fn, args, kwargs)
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     res, sass = _res_usage(k.asm["cubin"])
     m = re.search(r"REG:(\d+)", res)
@@ -192,6 +197,20 @@ CASES = [
      "v_seq_major": True},
     {"name": "prefill e4m3q 2k/8k p16", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 16, "q": E4M3},
     {"name": "small e4m3q B32 q8 L4096 p64", "batch": 32, "qlen": 8, "ctx": 4096, "page_size": 64, "q": E4M3},
+    {"name": "decode bf16q bf16kv B64 L4096 p16", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 16,
+     "q": torch.bfloat16, "kv": torch.bfloat16},
+    {"name": "prefill bf16q bf16kv 2k/8k p64", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 64,
+     "q": torch.bfloat16, "kv": torch.bfloat16},
+    {"name": "decode bf16q bf16kv varlen p16", "batch": 64, "qlen": 1, "ctx": 4121, "page_size": 16,
+     "q": torch.bfloat16, "kv": torch.bfloat16, "varlen": True},
+    {"name": "decode bf16q varlen p16", "batch": 64, "qlen": 1, "ctx": 4121, "page_size": 16, "q": torch.bfloat16,
+     "varlen": True},
+    {"name": "mixed e4m3q varlen 2k/8k p16", "batch": 2, "qlen": 2048, "ctx": 10240, "page_size": 16, "q": E4M3,
+     "varlen": True},
+    {"name": "mixed bf16q bf16kv varlen p16", "batch": 2, "qlen": 256, "ctx": 4096, "page_size": 16,
+     "q": torch.bfloat16, "kv": torch.bfloat16, "varlen": True},
+    {"name": "mixed bf16q varlen p64 vseq", "batch": 2, "qlen": 256, "ctx": 4096, "page_size": 64,
+     "q": torch.bfloat16, "varlen": True, "v_seq_major": True},
     {"name": "decode bf16q B64 L4096 p1", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 1, "q": torch.bfloat16},
 ]
 

@@ -202,6 +202,7 @@ def _query_block(seq, q_start, qlen, qblk, kvh, split,
     STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
     P_FP8: tl.constexpr, V_SEQ_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+    UNMASKED_TILES: tl.constexpr,
 ):
     """One program's work: query block ``qblk`` (BLOCK_Q tokens x QG heads) of sequence ``seq`` against
     kv head ``kvh``, KV split ``split``. Tile sizes are arguments so that one launch can hold two tile
@@ -252,22 +253,26 @@ def _query_block(seq, q_start, qlen, qblk, kvh, split,
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         pt_row = PT + seq64 * s_ptb
         last_pg = tl.maximum(end - 1, 0) // PAGE_SIZE
-        # Tiles [full_lo, full_hi) are below the length and visible to every row of the block: they
-        # run without masks; the tiles before (window) and after (causal diagonal, partial last tile)
-        # run masked. All three bounds are multiples of BLOCK_N inside [start, end].
-        full_lo, full_hi = full_tile_range(tok_lo, tok_hi, qlen, kv_len, window_left, window_right,
-                                           CAUSAL, HAS_WINDOW, BLOCK_N, start, end)
-        if HAS_WINDOW:  # without a left window full_lo == start
+        # UNMASKED_TILES: tiles [full_lo, full_hi) are below the length and visible to every row of
+        # the block; they run without masks, the tiles before (window) and after (causal diagonal,
+        # partial last tile) run masked. All bounds are multiples of BLOCK_N inside [start, end]. Each
+        # loop holds its own shared-memory ring, so launches whose ring would not fit twice (16-bit
+        # caches) run one masked loop over every tile.
+        full_hi = start
+        if UNMASKED_TILES:
+            full_lo, full_hi = full_tile_range(tok_lo, tok_hi, qlen, kv_len, window_left, window_right,
+                                               CAUSAL, HAS_WINDOW, BLOCK_N, start, end)
+            if HAS_WINDOW:  # without a left window full_lo == start
+                m_i, l_i, acc = _kv_loop(
+                    start, full_lo, True, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i,
+                    acc, scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp,
+                    s_ksh, s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL,
+                    HAS_WINDOW, SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8, V_SEQ_MAJOR)
             m_i, l_i, acc = _kv_loop(
-                start, full_lo, True, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i,
-                acc, scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
+                full_lo, full_hi, False, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc,
+                scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
                 s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
                 SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8, V_SEQ_MAJOR)
-        m_i, l_i, acc = _kv_loop(
-            full_lo, full_hi, False, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc,
-            scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
-            s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
-            SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8, V_SEQ_MAJOR)
         m_i, l_i, acc = _kv_loop(
             full_hi, end, True, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc,
             scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
@@ -314,7 +319,7 @@ def _paged_fwd_kernel(
     P_FP8: tl.constexpr, V_SEQ_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     VARLEN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_INNER: tl.constexpr,
-    TWO_CLASS: tl.constexpr, BLOCK_M_S: tl.constexpr, BLOCK_N_S: tl.constexpr,
+    TWO_CLASS: tl.constexpr, BLOCK_M_S: tl.constexpr, BLOCK_N_S: tl.constexpr, UNMASKED_TILES: tl.constexpr,
 ):
     if HEADS_INNER:
         # The kv heads of one query block are neighbouring programs: they run together and read the
@@ -348,21 +353,23 @@ def _paged_fwd_kernel(
                              qk_scale, softcap, window_left, window_right, num_splits,
                              QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
                              HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE,
-                             P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
-        else:
-            seq = raw - n_big
-            q_start = tl.load(CU_Q + seq)
-            qlen = tl.load(CU_Q + seq + 1) - q_start
-            if qlen <= small_q:
-                _query_block(seq, q_start, qlen, 0, kvh, split,
-                             Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
-                             s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb,
-                             s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp,
-                             s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
-                             qk_scale, softcap, window_left, window_right, num_splits,
-                             QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-                             HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE,
-                             P_FP8, V_SEQ_MAJOR, BLOCK_M_S, BLOCK_N_S, BLOCK_M_S // QG, PAGE_SIZE % BLOCK_N_S == 0)
+                             P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE, UNMASKED_TILES)
+        if TWO_CLASS:  # compiled only with two classes: each _query_block instance holds its own rings
+            if raw >= n_big:
+                seq = raw - n_big
+                q_start = tl.load(CU_Q + seq)
+                qlen = tl.load(CU_Q + seq + 1) - q_start
+                if qlen <= small_q:
+                    _query_block(seq, q_start, qlen, 0, kvh, split,
+                                 Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
+                                 s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb,
+                                 s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp,
+                                 s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
+                                 qk_scale, softcap, window_left, window_right, num_splits,
+                                 QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
+                                 HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8,
+                                 OUT_DTYPE, P_FP8, V_SEQ_MAJOR, BLOCK_M_S, BLOCK_N_S, BLOCK_M_S // QG,
+                                 PAGE_SIZE % BLOCK_N_S == 0, UNMASKED_TILES)
     else:
         nqb = tl.cdiv(seqlen_q, BLOCK_Q)
         _query_block(raw // nqb, 0, seqlen_q, raw % nqb, kvh, split,
@@ -373,7 +380,7 @@ def _paged_fwd_kernel(
                      qk_scale, softcap, window_left, window_right, num_splits,
                      QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
                      HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE,
-                     P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE)
+                     P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE, UNMASKED_TILES)
 
 
 def _interpret() -> bool:
@@ -516,7 +523,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
         them with ``launch_combine``.
     config : optional override {block_m, block_n, num_warps, num_stages, compute_dtype, pv_fp16,
-        heads_inner, two_class}
+        heads_inner, two_class, unmasked_tiles}
         (benchmarks). ``pv_fp16`` (FP8 Q and cache only): FP8 QK^T, then P@V in fp16 with V upcast in
         registers and P rounded to fp16 instead of e4m3 (no in-kernel transpose of V).
     """
@@ -611,6 +618,9 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     vss = v_cache_scales.stride() if has_vs else (0, 0, 0)
     out_fp8 = out_scale is not None and not split
     heads_inner = bool((config or {}).get("heads_inner", HEADS_INNER_DEFAULT))
+    # unmasked full tiles need a second shared-memory ring: FP8 caches only (a 16-bit cache's
+    # (16, 128, 4, 3) decode ring needed 264 KB of the 227 KB per block with both loops)
+    unmasked_tiles = bool((config or {}).get("unmasked_tiles", k_cache.element_size() == 1))
     grid = (grid0 * hk, 1, num_splits) if heads_inner else (grid0, hk, num_splits)
     _paged_fwd_kernel[grid](
         q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q if varlen else dummy, o_t, l_t,
@@ -634,7 +644,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         STORE_LSE=lse is not None, SPLIT=split, OUT_FP8=out_fp8,
         OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
         TILE_IN_PAGE=page_size % bn == 0, P_FP8=p_fp8, NUM_KV_HEADS=hk, HEADS_INNER=heads_inner,
-        TWO_CLASS=two_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major,
+        TWO_CLASS=two_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major, UNMASKED_TILES=unmasked_tiles,
         num_warps=nw, num_stages=ns,
     )
     if split:

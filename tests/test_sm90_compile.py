@@ -1,0 +1,40 @@
+"""The paged kernel's launch configurations compile for sm90 within the H200's shared memory.
+
+Shared memory is only checked by the driver when a kernel loads, so a configuration whose pipelined
+rings outgrow the 227 KB per block passes every interpreter test and fails on the GPU. This test
+compiles the launches of ``benchmarks/aot_paged_sm90.py`` (decode and prefill, FP8 and bf16 caches,
+both V layouts) ahead of time for sm90 on the CPU, in a subprocess (the compile needs the JIT, not the
+interpreter), and checks each kernel's static shared memory.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+H200_SMEM_PER_BLOCK = 232448  # bytes of dynamic shared memory one block may use on sm90
+
+
+def _ptxas_available() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is needed for the sm90 compile")
+def test_paged_launches_fit_shared_memory():
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_paged_sm90.py")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if " cfg=" in ln or " FAILED " in ln]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not [ln for ln in lines if " FAILED " in ln], "\n".join(lines)
+    smem = {ln.split(" cfg=")[0].strip(): int(re.search(r"smem=(\d+)", ln).group(1)) for ln in lines}
+    assert len(smem) >= 19 and any("bf16kv varlen" in k for k in smem), lines
+    too_big = {k: v for k, v in smem.items() if v > H200_SMEM_PER_BLOCK}
+    assert not too_big, f"shared memory over {H200_SMEM_PER_BLOCK} bytes per block: {too_big}"
