@@ -383,8 +383,12 @@ def _paged_fwd_kernel(
                      P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE, UNMASKED_TILES)
 
 
+# Fixed at import, like the @triton.jit decorators themselves (they pick the interpreter then).
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRET
 
 
 @functools.lru_cache(None)
@@ -424,11 +428,21 @@ _CONFIGS = {
 
 def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override: dict | None = None,
                  page_size: int | None = None, v_seq_major: bool = False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch; fixed from shapes.
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch; fixed from shapes (cached per shape class).
 
     Outside decode, with ``page_size`` >= 64 smaller than the regime's BLOCK_N, BLOCK_N drops to the page
     size so that every KV tile lies in one page (one page id per tile). An explicit ``override`` is kept as given.
     """
+    if override:
+        return _paged_config(max_seqlen_q, qg, headdim, mma_fp8, tuple(sorted(override.items())), page_size,
+                             v_seq_major)
+    return _paged_config(max_seqlen_q, qg, headdim, mma_fp8, (), page_size, v_seq_major)
+
+
+@functools.lru_cache(maxsize=1024)
+def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override_items: tuple,
+                  page_size: int | None, v_seq_major: bool):
+    override = dict(override_items)
     rows = max(1, max_seqlen_q) * qg
     decode = rows <= 16 and qg <= 16
     if decode:
