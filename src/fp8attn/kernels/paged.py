@@ -114,10 +114,10 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
     else:
         slot = offs_n % PAGE_SIZE
     k_row = blk * s_kb + slot * s_kp + kvh * s_kh
+    k_mask = dmask[:, None]
     if MASKED:
-        k = tl.load(K + k_row[None, :] + offs_d[:, None], mask=kv_ok[None, :] & dmask[:, None], other=0.0)
-    else:
-        k = tl.load(K + k_row[None, :] + offs_d[:, None], mask=dmask[:, None], other=0.0)
+        k_mask = k_mask & kv_ok[None, :]
+    k = tl.load(K + k_row[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
     if MMA_FP8:
         qk = tl.dot(q, k)
     else:
@@ -433,10 +433,8 @@ def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overri
     Outside decode, with ``page_size`` >= 64 smaller than the regime's BLOCK_N, BLOCK_N drops to the page
     size so that every KV tile lies in one page (one page id per tile). An explicit ``override`` is kept as given.
     """
-    if override:
-        return _paged_config(max_seqlen_q, qg, headdim, mma_fp8, tuple(sorted(override.items())), page_size,
-                             v_seq_major)
-    return _paged_config(max_seqlen_q, qg, headdim, mma_fp8, (), page_size, v_seq_major)
+    return _paged_config(max_seqlen_q, qg, headdim, mma_fp8, tuple(sorted((override or {}).items())), page_size,
+                         v_seq_major)
 
 
 @functools.lru_cache(maxsize=1024)
