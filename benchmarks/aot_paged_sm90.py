@@ -87,7 +87,7 @@ def _capture_launch(case):
 def _specialize(fn, args, kwargs):
     """(signature, constexprs, attrs, options) as the runtime launcher would build them."""
     params = fn.params
-    opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    opts = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if kwargs.get(k) is not None}
     bound = list(args) + [kwargs[p.name] for p in params[len(args):]]
     signature, constexprs, attrs = {}, {}, {}
     for i, (p, v) in enumerate(zip(params, bound)):

@@ -285,7 +285,7 @@ def _wide_page_table(c, fill):
 def test_tile_path_decode(page_size, num_splits):
     hq, hk, d = 8, 2, 32
     bn = paged_config(1, hq // hk, d, False, None, page_size)[1]
-    # the one-page-id-per-tile path is the one under test (decode defaults to 128-key tiles)
+    # the one-page-id-per-tile path is the one under test (the default for pages of 64+ slots)
     cfg = None if page_size % bn == 0 else {"block_m": 16, "block_n": 64}
     assert page_size % (bn if cfg is None else cfg["block_n"]) == 0
     seqlens = [300, 0, 129, 64, 1, 257]
@@ -371,8 +371,17 @@ def test_v_seq_major_cache(page_size, fp8_q, num_splits):
 
 def test_v_seq_major_tile_config():
     """Sequence-major V pages of >= 64 slots are read in one-page tiles (decode and prefill)."""
-    assert paged_config(1, 4, 128, False, None, 64, v_seq_major=True)[1] == 64
-    assert paged_config(1, 4, 128, False, None, 64)[1] == 128
+    cfg = paged_config(1, 4, 128, False, None, 64, v_seq_major=True)
+    assert (cfg[1], cfg[4]) == (64, 128)
+    assert paged_config(1, 4, 128, True, None, 64, v_seq_major=True)[1] == 64
+    # FA3's layout, bf16 Q over an FP8 cache: one-page tiles under a 128-register cap; FP8 Q (its V
+    # transpose spills under the cap) and 16-bit caches keep the row-gathered 128-key tile
+    cfg = paged_config(1, 4, 128, False, None, 64)
+    assert (cfg[1], cfg[4]) == (64, 128)
+    assert paged_config(1, 4, 128, True, None, 64)[1] == 128 and paged_config(1, 4, 128, True, None, 64)[4] is None
+    assert paged_config(1, 4, 128, False, None, 64, fp8_cache=False)[1] == 128
+    assert paged_config(1, 4, 128, False, None, 16)[1] == 128
+    assert paged_config(1, 4, 128, False, {"maxnreg": 96}, 64)[4] == 96
     assert paged_config(1, 4, 128, False, None, 16, v_seq_major=True)[1] == paged_config(1, 4, 128, False, None, 16)[1]
     # prefill: 128-key one-page tiles for pages of 128+ slots, 64-key tiles for 64-slot pages
     assert paged_config(2048, 4, 128, True, None, 128, v_seq_major=True)[:2] == (128, 128)
@@ -387,7 +396,8 @@ def test_split_workspace_and_heuristic():
     assert op.shape == (5, 3, 1, 8, 32) and lp.shape == (5, 3, 1, 8) and op.dtype == torch.float32
     op, lp = split_workspace(torch.empty(7, 8, 64), 2, 64)
     assert op.shape == (2, 7, 8, 64) and lp.shape == (2, 7, 8)
-    assert choose_num_splits(64, 8, 4096, 132) == 2
+    assert choose_num_splits(64, 8, 4096, 132) == 1  # 512 programs: three per SM, unsplit
+    assert choose_num_splits(48, 8, 4096, 132) == 2  # 384 programs: below three per SM
     assert choose_num_splits(128, 8, 4096, 132) == 1
     assert choose_num_splits(1, 8, 131072, 132) == 33
     assert choose_num_splits(1, 8, 600, 132) == 1

@@ -403,12 +403,14 @@ def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int 
     """Split count fixed from shapes (never from live lengths), so it can be captured in a CUDA graph.
 
     Aims at about two waves of programs: ``batch * nheads_k * num_q_blocks * splits ~ 2 * num_sms``,
-    with at least ``min_tokens_per_split`` context tokens per split; between two and four waves it
-    still splits in two (H200, 32/8 heads: B64/L4096 0.199 -> 0.193 ms, B64/L32k 1.446 -> 1.388 ms).
-    Returns 1 when the batch already fills the GPU four times over or the context is short.
+    with at least ``min_tokens_per_split`` context tokens per split; between one and three programs
+    per SM it splits in two. Returns 1 when the batch already gives every SM three programs (four
+    decode blocks are resident per SM) or the context is short: H200, 32/8 heads, B64 (512 programs),
+    3-stage decode tiles, sequence-major V: L4096 0.1388 ms unsplit vs 0.1456 in two splits, L32k
+    0.966 vs 0.981 ms; FA3's V layout 0.189 vs 0.191 ms (docs/perf-notes.md, paged round 7).
     """
     programs = max(1, batch * nheads_k * num_q_blocks)
-    if programs >= 4 * num_sms:
+    if programs >= 3 * num_sms:
         return 1
     want = 2 if programs >= num_sms else math.ceil(2 * num_sms / programs)
     cap = max(1, max_context // min_tokens_per_split)
@@ -427,20 +429,23 @@ _CONFIGS = {
 
 
 def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override: dict | None = None,
-                 page_size: int | None = None, v_seq_major: bool = False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch; fixed from shapes (cached per shape class).
+                 page_size: int | None = None, v_seq_major: bool = False, fp8_cache: bool = True):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg) for a launch; fixed from shapes (cached per shape class).
 
     Outside decode, with ``page_size`` >= 64 smaller than the regime's BLOCK_N, BLOCK_N drops to the page
-    size so that every KV tile lies in one page (one page id per tile). An explicit ``override`` is kept as given.
+    size so that every KV tile lies in one page (one page id per tile). ``maxnreg`` (None: the compiler's
+    choice) caps registers per thread where that buys a resident block per SM. An explicit ``override``
+    is kept as given.
     """
     return _paged_config(max_seqlen_q, qg, headdim, mma_fp8, tuple(sorted((override or {}).items())), page_size,
-                         v_seq_major)
+                         v_seq_major, fp8_cache)
 
 
 @functools.lru_cache(maxsize=1024)
 def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override_items: tuple,
-                  page_size: int | None, v_seq_major: bool):
+                  page_size: int | None, v_seq_major: bool, fp8_cache: bool):
     override = dict(override_items)
+    maxnreg = None
     rows = max(1, max_seqlen_q) * qg
     decode = rows <= 16 and qg <= 16
     if decode:
@@ -463,18 +468,26 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
     if (not decode and rows > 64 and v_seq_major and page_size is not None and page_size % 128 == 0
             and headdim <= 128):
         bn = 128
-    # A sequence-major V page is only contiguous inside the page: decode reads it in one-page tiles
-    # (the row-gathered 128-key tile spilled and lost V's async copies in the sm90 compile).
-    if decode and v_seq_major and page_size is not None and page_size >= 64 and page_size % 64 == 0:
+    one_page_tiles = page_size is not None and page_size >= 64 and page_size % 64 == 0
+    # Decode over an FP8 cache is bandwidth bound: four resident blocks per SM (128 registers per thread,
+    # 3-stage rings of 64-key one-page tiles, <= 57 KB) stream faster than three. H200, B64/L4096 unsplit:
+    # sequence-major V 0.139 ms vs 0.178 (136 registers) and 0.195 (4 stages); FA3's layout 0.172 vs
+    # 0.189 (168 registers). A sequence-major V page is contiguous only inside the page, so it is read in
+    # one-page tiles anyway (a row-gathered 128-key tile spilled). FA3's layout with FP8 Q keeps its
+    # 128-key tile: its in-register V transpose spills under the cap.
+    if decode and fp8_cache and one_page_tiles and headdim <= 128 and (v_seq_major or not mma_fp8):
+        bn, ns, maxnreg = 64, 3, 128
+    elif decode and v_seq_major and one_page_tiles:
         bn, ns = 64, 4
     if override:
         bm = override.get("block_m", bm)
         bn = override.get("block_n", bn)
         nw = override.get("num_warps", nw)
         ns = override.get("num_stages", ns)
+        maxnreg = override.get("maxnreg", maxnreg)
     if _interpret():
         ns = 1
-    return bm, bn, nw, ns
+    return bm, bn, nw, ns, maxnreg
 
 
 def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: int | None = None):
@@ -534,7 +547,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_splits : split-KV factor, fixed by the caller (``choose_num_splits``); > 1 writes partials
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
         them with ``launch_combine``.
-    config : optional override {block_m, block_n, num_warps, num_stages, compute_dtype, pv_fp16,
+    config : optional override {block_m, block_n, num_warps, num_stages, maxnreg, compute_dtype, pv_fp16,
         heads_inner, two_class, unmasked_tiles}
         (benchmarks). ``pv_fp16`` (FP8 Q and cache only): FP8 QK^T, then P@V in fp16 with V upcast in
         registers and P rounded to fp16 instead of e4m3 (no in-kernel transpose of V).
@@ -569,13 +582,14 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if _interpret() and cdt == torch.bfloat16:
         cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
     v_seq_major = is_v_seq_major(v_cache)
-    bm, bn, nw, ns = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major)
+    fp8_cache = k_cache.element_size() == 1
+    bm, bn, nw, ns, maxnreg = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major, fp8_cache)
     # FP8 P@V unless the benchmark override asks for the fp16 P@V variant (FP8 QK^T, fp16 P and V)
     p_fp8 = mma_fp8 and not (config and config.get("pv_fp16"))
     block_q = max(1, bm // qg)
     # Mixed batches: decode rows get their own small-tile programs (one per sequence) instead of
     # riding in the large prefill tiles (docs/perf-notes.md, paged mixed batches).
-    bm_s, bn_s = paged_config(1, qg, d, mma_fp8, None, page_size, v_seq_major)[:2]
+    bm_s, bn_s = paged_config(1, qg, d, mma_fp8, None, page_size, v_seq_major, fp8_cache)[:2]
     two_class = varlen and bm > bm_s and bool((config or {}).get("two_class", True))
     if varlen:
         grid0 = total_q // block_q + batch + (batch if two_class else 0)
@@ -632,7 +646,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     heads_inner = bool((config or {}).get("heads_inner", HEADS_INNER_DEFAULT))
     # unmasked full tiles need a second shared-memory ring: FP8 caches only (a 16-bit cache's
     # (16, 128, 4, 3) decode ring needed 264 KB of the 227 KB per block with both loops)
-    unmasked_tiles = bool((config or {}).get("unmasked_tiles", k_cache.element_size() == 1))
+    unmasked_tiles = bool((config or {}).get("unmasked_tiles", fp8_cache))
     grid = (grid0 * hk, 1, num_splits) if heads_inner else (grid0, hk, num_splits)
     _paged_fwd_kernel[grid](
         q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q if varlen else dummy, o_t, l_t,
@@ -657,7 +671,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
         TILE_IN_PAGE=page_size % bn == 0, P_FP8=p_fp8, NUM_KV_HEADS=hk, HEADS_INNER=heads_inner,
         TWO_CLASS=two_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major, UNMASKED_TILES=unmasked_tiles,
-        num_warps=nw, num_stages=ns,
+        num_warps=nw, num_stages=ns, maxnreg=maxnreg,
     )
     if split:
         if varlen:
