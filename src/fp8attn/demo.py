@@ -75,7 +75,7 @@ def _engine_config(args, kv: str, scale: str, **over):
               max_context_len=args.max_context_len, calib_margin=args.calib_margin,
               truncate_prompts=getattr(args, "truncate", False), seed=args.seed,
               kv_scale_dtype=getattr(args, "kv_scale_dtype", "float32"),
-              v_seq_major=bool(getattr(args, "v_seq_major", False)))
+              v_seq_major=getattr(args, "v_seq_major", None))
     if getattr(args, "kv_memory_mb", None):
         kw["kv_memory_bytes"] = int(args.kv_memory_mb * 2 ** 20)
     kw.update(over)
@@ -103,7 +103,7 @@ def _demo_parser():
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--prefill-chunk-size", type=int, default=512)
     p.add_argument("--max-context-len", type=int, default=1024)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--calib-margin", type=float, default=1.0)
     p.add_argument("--kv-scale-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="storage of per-token-head scales (fp8_token_head)")
@@ -340,8 +340,8 @@ def _drive_parser():
     p.add_argument("--calib-margin", type=float, default=1.0)
     p.add_argument("--kv-scale-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="storage of per-token-head scales (--kv-scale per_token_head)")
-    p.add_argument("--v-seq-major", action="store_true",
-                   help="store V sequence-major inside each page (K-major FP8 P@V for prefill chunks)")
+    p.add_argument("--v-seq-major", action=argparse.BooleanOptionalAction, default=None,
+                   help="store V sequence-major inside each page (default: on for FP8 caches)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--min-prompt-tokens", type=int, default=4)
     p.add_argument("--max-prompt-tokens", type=int, default=None,
@@ -351,7 +351,7 @@ def _drive_parser():
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-context-len", type=int, default=2048)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--kv-memory-mb", type=float, default=None, help="KV-cache budget in MiB (default: enough for "
                    "max-batch-size sequences of max-context-len tokens)")
     p.add_argument("--truncate", action="store_true", help="keep the last tokens of prompts over the context limit")
