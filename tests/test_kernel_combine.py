@@ -23,11 +23,11 @@ def _partials(shape_rows, num_splits, d):
     return op, lp
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 17])
+@pytest.mark.parametrize("num_splits,d", [(1, 40), (2, 40), (3, 40), (17, 40), (70, 128), (130, 40)])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_combine_matches_reference(num_splits, varlen):
+def test_combine_matches_reference(num_splits, d, varlen):
+    """Chunks of splits: 70 at d128 is two full chunks of 32 and a partial one; 130 at d40 three of 64."""
     rows = (5, 3) if varlen else (2, 3, 4)
-    d = 40
     op, lp = _partials(rows, num_splits, d)
     lp[:, 0, 1] = float("-inf")  # a row whose splits are all empty
     out = torch.full((*rows, d), float("nan"), device=DEV, dtype=torch.bfloat16)

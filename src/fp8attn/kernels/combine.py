@@ -23,11 +23,18 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 
 @triton.jit
-def _combine_step(acc, lp_base, op_base, sp, s_lp_sp, s_op_sp, m_safe, offs_d, dmask):
-    l_sp = tl.load(lp_base + sp * s_lp_sp)
-    w = tl.exp2((l_sp - m_safe) * LOG2E)
-    o = tl.load(op_base + sp * s_op_sp + offs_d, mask=dmask, other=0.0)
-    return acc + tl.where(w > 0.0, o * w, 0.0)
+def _combine_chunk(acc, lp_base, op_base, sp0, num_splits, s_lp_sp, s_op_sp, m_safe, offs_d, dmask,
+                   CHUNK: tl.constexpr):
+    """Add CHUNK splits' weighted partials to ``acc`` with one 2D load (independent loads in flight,
+    not one dependent round trip per split)."""
+    offs_sp = sp0 + tl.arange(0, CHUNK)
+    smask = offs_sp < num_splits
+    offs_sp = offs_sp.to(tl.int64)
+    l_sp = tl.load(lp_base + offs_sp * s_lp_sp, mask=smask, other=float("-inf"))
+    w = tl.exp2((l_sp - m_safe) * LOG2E)[:, None]  # 0 for empty and out-of-range splits
+    o = tl.load(op_base + offs_sp[:, None] * s_op_sp + offs_d[None, :], mask=smask[:, None] & dmask[None, :],
+                other=0.0)
+    return acc + tl.sum(tl.where(w > 0.0, o * w, 0.0), 0)
 
 
 @triton.jit
@@ -38,7 +45,7 @@ def _combine_kernel(OP, LP, O, LSE, OUT_SCALE,
                     s_o_b, s_o_s, s_o_h,
                     s_l_b, s_l_s, s_l_h,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                    STORE_LSE: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                    CHUNK: tl.constexpr, STORE_LSE: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
                     INTERP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h = row % nheads
@@ -58,13 +65,15 @@ def _combine_kernel(OP, LP, O, LSE, OUT_SCALE,
     op_base = OP + b * s_op_b + s * s_op_s + h * s_op_h
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if INTERP:  # the interpreter's scalars are 1-element arrays that range() rejects
-        sp = 0
-        while sp < num_splits:
-            acc = _combine_step(acc, lp_base, op_base, sp, s_lp_sp, s_op_sp, m_safe, offs_d, dmask)
-            sp += 1
+        sp0 = 0
+        while sp0 < num_splits:
+            acc = _combine_chunk(acc, lp_base, op_base, sp0, num_splits, s_lp_sp, s_op_sp, m_safe, offs_d, dmask,
+                                 CHUNK)
+            sp0 += CHUNK
     else:
-        for sp in range(0, num_splits):
-            acc = _combine_step(acc, lp_base, op_base, sp, s_lp_sp, s_op_sp, m_safe, offs_d, dmask)
+        for sp0 in range(0, num_splits, CHUNK):
+            acc = _combine_chunk(acc, lp_base, op_base, sp0, num_splits, s_lp_sp, s_op_sp, m_safe, offs_d, dmask,
+                                 CHUNK)
 
     empty = total == 0.0
     out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
@@ -109,11 +118,16 @@ def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: to
     out_fp8 = out_scale is not None
     lse_t = lse if lse is not None else lse_partial[0]
     grid = (rows,)
+    block_d = triton.next_power_of_2(d)
+    block_splits = triton.next_power_of_2(max(num_splits, 1))
+    # up to 4096 partial elements per chunk (32 fp32 registers per thread at 4 warps)
+    chunk = max(1, min(block_splits, 4096 // block_d))
+    nw = 1 if chunk * block_d <= 1024 else 4
     _combine_kernel[grid](
         out_partial, lse_partial, out, lse_t, out_scale if out_fp8 else lse_partial,
         num_splits, seqlen, nheads,
         *out_partial.stride()[:4], *lse_partial.stride(), *out.stride()[:3], *lse_t.stride(),
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SPLITS=triton.next_power_of_2(max(num_splits, 1)),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits, CHUNK=chunk,
         STORE_LSE=lse is not None, OUT_FP8=out_fp8, OUT_DTYPE=_TL_DTYPES[out.dtype],
-        INTERP=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=1 if d <= 128 else 2,
+        INTERP=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=nw,
     )
