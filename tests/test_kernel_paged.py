@@ -399,9 +399,10 @@ def test_split_workspace_and_heuristic():
     assert choose_num_splits(64, 8, 4096, 132) == 1  # 512 programs: three per SM, unsplit
     assert choose_num_splits(48, 8, 4096, 132) == 2  # 384 programs: below three per SM
     assert choose_num_splits(128, 8, 4096, 132) == 1
-    assert choose_num_splits(1, 8, 131072, 132) == 33
+    assert choose_num_splits(1, 8, 131072, 132) == 66
+    assert choose_num_splits(8, 8, 32768, 132) == 8
     assert choose_num_splits(1, 8, 600, 132) == 1
-    assert choose_num_splits(16, 8, 32768, 132) == 3
+    assert choose_num_splits(16, 8, 32768, 132) == 4
 
 
 # ------------------------------------------------------------------------------------------ GPU

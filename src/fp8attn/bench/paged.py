@@ -189,7 +189,7 @@ def run_decode(out_dir=None, quick=False, configs=None):
                         except Exception as e:
                             sweep[str(cfg)] = f"{type(e).__name__}: {str(e)[:100]}"
                     case["config_sweep_ms"] = sweep
-                if page_size >= 64 and b * L >= (1 << 18):  # same cache, V sequence-major inside each page
+                if page_size >= 64 and b * L >= (1 << 17):  # same cache, V sequence-major inside each page
                     vs = to_v_seq_major(vc)
                     fns_s = [lambda r=r: launch_paged_fwd(q, kc, vs, pts[r], seqlens, out, lse, max_seqlen_q=1,
                                                           softmax_scale=scale, causal=True, k_descale=kd,

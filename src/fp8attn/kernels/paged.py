@@ -398,21 +398,25 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Decode blocks resident per SM (64-key one-page tiles, 128 registers, 3 stages; the split target).
+DECODE_BLOCKS_PER_SM = 4
+
+
 def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int = 132,
                       num_q_blocks: int = 1, min_tokens_per_split: int = 512, max_splits: int = 128) -> int:
     """Split count fixed from shapes (never from live lengths), so it can be captured in a CUDA graph.
 
-    Aims at about two waves of programs: ``batch * nheads_k * num_q_blocks * splits ~ 2 * num_sms``,
-    with at least ``min_tokens_per_split`` context tokens per split; between one and three programs
-    per SM it splits in two. Returns 1 when the batch already gives every SM three programs (four
-    decode blocks are resident per SM) or the context is short: H200, 32/8 heads, B64 (512 programs),
-    3-stage decode tiles, sequence-major V: L4096 0.1388 ms unsplit vs 0.1456 in two splits, L32k
-    0.966 vs 0.981 ms; FA3's V layout 0.189 vs 0.191 ms (docs/perf-notes.md, paged round 7).
+    Below one program per SM, splits fill one wave of resident decode blocks:
+    ``splits = floor(DECODE_BLOCKS_PER_SM * num_sms / programs)``, with at least ``min_tokens_per_split``
+    context tokens per split (H200, 32/8 heads, FP8 cache page 64, sequence-major V: B1/L128k 66 splits
+    85 us vs 33 splits 92 us; B8/L32k 8 vs 5: 141 vs 159 us; B16/L32k 4 vs 3: 259 vs 267 us). From one
+    to three programs per SM it splits in two; from three per SM on it does not split (B64/L4096
+    unsplit 0.139 ms vs 0.146 in two splits). See docs/perf-notes.md, paged round 7.
     """
     programs = max(1, batch * nheads_k * num_q_blocks)
     if programs >= 3 * num_sms:
         return 1
-    want = 2 if programs >= num_sms else math.ceil(2 * num_sms / programs)
+    want = 2 if programs >= num_sms else (DECODE_BLOCKS_PER_SM * num_sms) // programs
     cap = max(1, max_context // min_tokens_per_split)
     return int(max(1, min(want, cap, max_splits)))
 
