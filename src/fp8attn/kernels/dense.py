@@ -551,8 +551,8 @@ def _build_launch(q, k, v, out, lse, *, softmax_scale, causal, window_size, soft
         out_scale = torch.tensor([float(out_scale)], device=q.device, dtype=torch.float32)
 
     wl, wr = (int(window_size[0]), int(window_size[1])) if window_size is not None else (-1, -1)
-    if causal:
-        wr = -1 if wr < 0 else wr
+    if causal:  # a right edge >= 0 is implied by the diagonal: the API's causal (-1, 0) is no window
+        wr = -1
     has_window = wl >= 0 or wr >= 0
     block_d = max(16, triton.next_power_of_2(d))
     block_dv = max(16, triton.next_power_of_2(dv))

@@ -643,6 +643,8 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     wl, wr = window_size
     wl = -1 if wl is None else int(wl)
     wr = -1 if wr is None else int(wr)
+    if causal:  # a right edge >= 0 is implied by the diagonal: the API's causal (-1, 0) is no window
+        wr = -1
     has_window = wl >= 0 or wr >= 0
     kss = k_cache_scales.stride() if has_ks else (0, 0, 0)
     vss = v_cache_scales.stride() if has_vs else (0, 0, 0)
