@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="llama3-8b", choices=["llama3-8b", "tiny"])
     p.add_argument("--cases", default="bf16,fp8,fp8_seq_head,fp8_2x",
                    help="fp8_2x: FP8 with 2x batch (same KV bytes); fp8_p64: page 64; fp8_p64_vseq: page 64 with "
-                        "V sequence-major inside each page")
+                        "V sequence-major inside each page (the engine's FP8 default); bf16_p64: bf16 cache at page 64 "
+                        "(the engine's 16-bit default); fp8_2x_p64_vseq: the FP8 default at 2x batch")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<gpu>)")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--check", action="store_true", help="run the GPU correctness checks first")
@@ -160,7 +161,9 @@ def main(argv=None) -> int:
                                     "fp8_seq_head": ("fp8", "per_seq_head", a.batch, 16, False),
                                     "fp8_2x": ("fp8", "per_tensor", 2 * a.batch, 16, False),
                                     "fp8_p64": ("fp8", "per_tensor", a.batch, 64, False),
-                                    "fp8_p64_vseq": ("fp8", "per_tensor", a.batch, 64, True)}[c]
+                                    "fp8_p64_vseq": ("fp8", "per_tensor", a.batch, 64, True),
+                                    "bf16_p64": ("bf16", "per_tensor", a.batch, 64, False),
+                                    "fp8_2x_p64_vseq": ("fp8", "per_tensor", 2 * a.batch, 64, True)}[c]
         try:
             runs[c] = time_decode(model, kv, scale, b, a.context, a.steps, cuda_graphs=not a.no_graphs,
                                   page_size=page, v_seq_major=vseq)
