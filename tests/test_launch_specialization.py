@@ -1,0 +1,79 @@
+"""Compile-time flags the launchers choose (no GPU: the kernel launch is captured, not run).
+
+Each flag selects a compiled variant; a wrong flag is silent (same numbers) but slow. Found on the
+H200: the API's causal window (-1, 0) compiled the sliding-window path into every causal call.
+"""
+import pytest
+import torch
+
+import fp8attn.kernels.dense as KD
+import fp8attn.kernels.paged as KP
+
+E4M3 = torch.float8_e4m3fn
+
+
+class _Capture:
+    def __init__(self):
+        self.kwargs = None
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.kwargs = kwargs
+        return launch
+
+
+def _paged_launch(monkeypatch, *, causal, window, q_dtype=torch.bfloat16, page=64, v_seq_major=False, lse=True):
+    cap = _Capture()
+    monkeypatch.setattr(KP, "_paged_fwd_kernel", cap)
+    monkeypatch.setattr(KP, "launch_combine", lambda *a, **k: None)
+    b, hq, hk, d, L = 64, 32, 8, 128, 4096
+    kc = torch.zeros(b * L // page, page, hk, d, dtype=E4M3)
+    vc = torch.zeros(b * L // page, hk, d, page, dtype=E4M3).permute(0, 3, 1, 2) if v_seq_major else kc.clone()
+    q = torch.zeros(b, 1, hq, d, dtype=q_dtype)
+    dsc = torch.ones(b, hk)
+    kw = {"q_descale": dsc} if q_dtype == E4M3 else {}
+    KP.launch_paged_fwd(q, kc, vc, torch.zeros(b, L // page, dtype=torch.int32), torch.full((b,), L, dtype=torch.int32),
+                        torch.empty(b, 1, hq, d, dtype=torch.bfloat16), torch.empty(b, hq, 1) if lse else None,
+                        max_seqlen_q=1, softmax_scale=d ** -0.5, causal=causal, window_size=window,
+                        k_descale=dsc, v_descale=dsc, num_splits=0, **kw)
+    return cap.kwargs
+
+
+@pytest.mark.parametrize("causal,window,has_window", [
+    (True, (-1, 0), False),   # the API's causal: the diagonal is the right edge
+    (True, (-1, 5), False),   # a right edge beyond the diagonal changes nothing under causal
+    (True, (64, 0), True),    # a left window stays
+    (False, (-1, 0), True),   # without causal a right edge of 0 is a window
+    (False, (-1, -1), False),
+])
+def test_paged_window_flag(monkeypatch, causal, window, has_window):
+    kw = _paged_launch(monkeypatch, causal=causal, window=window)
+    assert kw["HAS_WINDOW"] is has_window and kw["CAUSAL"] is causal
+
+
+@pytest.mark.parametrize("q_dtype,v_seq_major,maxnreg,block_n", [
+    (torch.bfloat16, False, 128, 64),  # FA3 layout, 16-bit Q: capped for 4 resident blocks per SM
+    (torch.bfloat16, True, 128, 64),
+    (E4M3, True, 128, 64),
+    (E4M3, False, None, 128),          # FP8 Q with FA3's layout: its V transpose would spill under the cap
+])
+@pytest.mark.parametrize("lse", [True, False])
+def test_paged_decode_register_cap(monkeypatch, q_dtype, v_seq_major, maxnreg, block_n, lse):
+    """The cap does not depend on the LSE output (an LSE output once cost 8 registers and a block per SM)."""
+    kw = _paged_launch(monkeypatch, causal=True, window=(-1, 0), q_dtype=q_dtype, v_seq_major=v_seq_major, lse=lse)
+    assert kw["maxnreg"] == maxnreg and kw["BLOCK_N"] == block_n
+    assert kw["SPLIT"] is False  # B64 x 8 kv heads = 512 programs: three per SM, unsplit
+
+
+@pytest.mark.parametrize("causal,window,has_window", [
+    (True, (-1, 0), False), (True, (32, 0), True), (False, (-1, 0), True), (False, (-1, -1), False)])
+def test_dense_window_flag(causal, window, has_window):
+    b, s, h, d = 1, 64, 2, 64
+    q = torch.zeros(b, s, h, d, dtype=torch.bfloat16)
+    one = torch.ones(b, h)
+    _, kwargs, _ = KD._build_launch(
+        q, q, q, torch.empty_like(q), None, softmax_scale=d ** -0.5, causal=causal, window_size=window, softcap=0.0,
+        q_descale=one, k_descale=one, v_descale=one, out_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
+        seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, pack_gqa=False,
+        descale_block_q=None, descale_block_k=None, v_kmajor=False)
+    assert kwargs["HAS_WINDOW"] is has_window
