@@ -22,7 +22,8 @@ class _Capture:
         return launch
 
 
-def _paged_launch(monkeypatch, *, causal, window, q_dtype=torch.bfloat16, page=64, v_seq_major=False, lse=True):
+def _paged_launch(monkeypatch, *, causal, window, q_dtype=torch.bfloat16, page=64, v_seq_major=False, lse=True,
+                  token_scales=False):
     cap = _Capture()
     monkeypatch.setattr(KP, "_paged_fwd_kernel", cap)
     monkeypatch.setattr(KP, "launch_combine", lambda *a, **k: None)
@@ -32,10 +33,14 @@ def _paged_launch(monkeypatch, *, causal, window, q_dtype=torch.bfloat16, page=6
     q = torch.zeros(b, 1, hq, d, dtype=q_dtype)
     dsc = torch.ones(b, hk)
     kw = {"q_descale": dsc} if q_dtype == E4M3 else {}
+    if token_scales:
+        kw.update(k_cache_scales=torch.ones(kc.shape[:3]), v_cache_scales=torch.ones(kc.shape[:3]))
+    else:
+        kw.update(k_descale=dsc, v_descale=dsc)
     KP.launch_paged_fwd(q, kc, vc, torch.zeros(b, L // page, dtype=torch.int32), torch.full((b,), L, dtype=torch.int32),
                         torch.empty(b, 1, hq, d, dtype=torch.bfloat16), torch.empty(b, hq, 1) if lse else None,
                         max_seqlen_q=1, softmax_scale=d ** -0.5, causal=causal, window_size=window,
-                        k_descale=dsc, v_descale=dsc, num_splits=0, **kw)
+                        num_splits=0, **kw)
     return cap.kwargs
 
 
@@ -63,6 +68,13 @@ def test_paged_decode_register_cap(monkeypatch, q_dtype, v_seq_major, maxnreg, b
     kw = _paged_launch(monkeypatch, causal=True, window=(-1, 0), q_dtype=q_dtype, v_seq_major=v_seq_major, lse=lse)
     assert kw["maxnreg"] == maxnreg and kw["BLOCK_N"] == block_n
     assert kw["SPLIT"] is False  # B64 x 8 kv heads = 512 programs: three per SM, unsplit
+
+
+@pytest.mark.parametrize("v_seq_major", [False, True])
+def test_paged_decode_token_scales_uncapped(monkeypatch, v_seq_major):
+    """Per-token-head cache scales spill under the cap (sm90 compile): they keep the uncapped tiles."""
+    kw = _paged_launch(monkeypatch, causal=True, window=(-1, 0), v_seq_major=v_seq_major, token_scales=True)
+    assert kw["maxnreg"] is None and kw["HAS_KS"] and kw["HAS_VS"]
 
 
 @pytest.mark.parametrize("causal,window,has_window", [

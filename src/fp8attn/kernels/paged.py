@@ -433,7 +433,8 @@ _CONFIGS = {
 
 
 def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override: dict | None = None,
-                 page_size: int | None = None, v_seq_major: bool = False, fp8_cache: bool = True):
+                 page_size: int | None = None, v_seq_major: bool = False, fp8_cache: bool = True,
+                 token_scales: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg) for a launch; fixed from shapes (cached per shape class).
 
     Outside decode, with ``page_size`` >= 64 smaller than the regime's BLOCK_N, BLOCK_N drops to the page
@@ -442,12 +443,12 @@ def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overri
     is kept as given.
     """
     return _paged_config(max_seqlen_q, qg, headdim, mma_fp8, tuple(sorted((override or {}).items())), page_size,
-                         v_seq_major, fp8_cache)
+                         v_seq_major, fp8_cache, token_scales)
 
 
 @functools.lru_cache(maxsize=1024)
 def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override_items: tuple,
-                  page_size: int | None, v_seq_major: bool, fp8_cache: bool):
+                  page_size: int | None, v_seq_major: bool, fp8_cache: bool, token_scales: bool):
     override = dict(override_items)
     maxnreg = None
     rows = max(1, max_seqlen_q) * qg
@@ -478,8 +479,10 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
     # sequence-major V 0.139 ms vs 0.178 (136 registers) and 0.195 (4 stages); FA3's layout 0.172 vs
     # 0.189 (168 registers). A sequence-major V page is contiguous only inside the page, so it is read in
     # one-page tiles anyway (a row-gathered 128-key tile spilled). FA3's layout with FP8 Q keeps its
-    # 128-key tile: its in-register V transpose spills under the cap.
-    if decode and fp8_cache and one_page_tiles and headdim <= 128 and (v_seq_major or not mma_fp8):
+    # 128-key tile: its in-register V transpose spills under the cap; so do per-token-head scales
+    # (23-28 spilled loads in the sm90 compile), which keep the uncapped tiles (not timed capped).
+    if (decode and fp8_cache and not token_scales and one_page_tiles and headdim <= 128
+            and (v_seq_major or not mma_fp8)):
         bn, ns, maxnreg = 64, 3, 128
     elif decode and v_seq_major and one_page_tiles:
         bn, ns = 64, 4
@@ -587,13 +590,14 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
     v_seq_major = is_v_seq_major(v_cache)
     fp8_cache = k_cache.element_size() == 1
-    bm, bn, nw, ns, maxnreg = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major, fp8_cache)
+    bm, bn, nw, ns, maxnreg = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major, fp8_cache,
+                                           has_ks or has_vs)
     # FP8 P@V unless the benchmark override asks for the fp16 P@V variant (FP8 QK^T, fp16 P and V)
     p_fp8 = mma_fp8 and not (config and config.get("pv_fp16"))
     block_q = max(1, bm // qg)
     # Mixed batches: decode rows get their own small-tile programs (one per sequence) instead of
     # riding in the large prefill tiles (docs/perf-notes.md, paged mixed batches).
-    bm_s, bn_s = paged_config(1, qg, d, mma_fp8, None, page_size, v_seq_major, fp8_cache)[:2]
+    bm_s, bn_s = paged_config(1, qg, d, mma_fp8, None, page_size, v_seq_major, fp8_cache, has_ks or has_vs)[:2]
     two_class = varlen and bm > bm_s and bool((config or {}).get("two_class", True))
     if varlen:
         grid0 = total_q // block_q + batch + (batch if two_class else 0)
