@@ -42,6 +42,6 @@ for case in ({"b": 4, "s": 4096, "causal": False}, {"b": 4, "s": 4096, "causal":
              {"b": 4, "s": 1024, "causal": True, "varlen": True, "block": True}, {"b": 2, "s": 1024, "causal": False, "block": True}):
     fn, (grid, args, kwargs) = capture(case)
     sig, consts, attrs, opts = A._specialize(fn, args, kwargs)
-    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 128), options=opts)
+    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
     ttgir = k.asm["ttgir"]; res, sass = A._res_usage(k.asm["cubin"])
     print(case, "async_copy", ttgir.count("async_copy_global_to_local"), "QGMMA", sass.count("QGMMA"), res)

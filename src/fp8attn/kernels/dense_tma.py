@@ -525,4 +525,4 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False):
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
              for n in ("Lse", "QDs", "KDs", "VDs", "OutScale", "seqlen_q", "seqlen_k")}
     src = GluonASTSource(fn=_dense_fwd_tma_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 128), options={"num_warps": NUM_WARPS})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": NUM_WARPS})
