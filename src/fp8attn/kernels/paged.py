@@ -55,7 +55,6 @@ __all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_co
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
        torch.float8_e4m3fn: tl.float8e4nv}
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LOG2E = math.log2(math.e)
 
 
@@ -464,8 +463,9 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
         bn = min(bn, 32)
         if not mma_fp8 and bm > 64:
             bm, nw = 64, 4
-    # Decode keeps its 128-key tiles: on the H200 the row-gathered (16,128,4,3) tile beat the one-page
-    # (16,64,4,4) tile at page 64 (0.199 vs 0.218 ms, B64/L4096); prefill tiles are 64 keys already.
+    # Uncapped decode keeps its 128-key tiles: on the H200 the row-gathered (16,128,4,3) tile beat the
+    # one-page (16,64,4,4) tile at page 64 (0.199 vs 0.218 ms, B64/L4096); prefill tiles are 64 keys
+    # already. The capped decode tiles below are one-page tiles.
     if not decode and page_size is not None and 64 <= page_size < bn and bn % page_size == 0:
         bn = page_size
     # Sequence-major V in pages of 128+ keys: 128-key one-page prefill tiles (H200, 2k chunk over 8k,
