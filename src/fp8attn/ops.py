@@ -45,7 +45,7 @@ import torch
 
 from . import reference as ref
 from .capability import kernel_path_ok
-from .quant import descale_for_tokens, fp8_max, round_descale_for_storage, saturating_cast, DESCALE_FLOOR
+from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 
 __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "quant_fp8_static", "scaled_bmm",
            "OPS", "NAMESPACE"]
@@ -222,7 +222,7 @@ def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, k_descale, v_des
             continue
         if scales is not None:  # per-token-head dynamic scales, stored beside the cache
             m = fp8_max(cache.dtype)
-            d = (xs.abs().nan_to_num(0.0).amax(dim=-1).clamp_min(DESCALE_FLOOR * m) / m).float()
+            d = descale_from_amax(xs.abs().nan_to_num(0.0).amax(dim=-1), m)
             d = round_descale_for_storage(d, scales.dtype)  # quantize with the value that is stored
             scales[blk, off] = d.to(scales.dtype)
         elif descale is not None:

@@ -18,7 +18,7 @@ import torch
 
 from . import hadamard as _had
 from .kernels.quantize import HAS_TRITON
-from .quant import DESCALE_FLOOR
+from .quant import descale_from_amax
 
 __all__ = ["quantize_qkv", "GRANULARITIES"]
 
@@ -46,24 +46,20 @@ def _as4d(x):
     return x.unsqueeze(0) if x.dim() == 3 else x
 
 
-def _descale_from_amax(amax):
-    return (amax.float().clamp_min(DESCALE_FLOOR * E4M3_MAX) / E4M3_MAX).to(torch.float32)
-
-
 def _reduce(amax_blocks, granularity, nheads_k):
     """(batch, heads, nblocks) block amaxes -> descale of the granularity, as a view the kernel reads
     at [b, h, blk] and the dense kernel reads at [b, h_k] (per-head / per-tensor) or [b, h, blk]."""
     b, h, nb = amax_blocks.shape
     if granularity == "per_tensor":
-        d = _descale_from_amax(amax_blocks.amax()).reshape(1, 1)
+        d = descale_from_amax(amax_blocks.amax(), E4M3_MAX).reshape(1, 1)
         return d.expand(b, nheads_k), d.reshape(1, 1, 1).expand(b, h, nb)
     if granularity == "per_head":
         g = h // nheads_k
         a = amax_blocks.amax(dim=2).view(b, nheads_k, g).amax(dim=2)  # (b, h_k)
-        d = _descale_from_amax(a)
+        d = descale_from_amax(a, E4M3_MAX)
         full = d.repeat_interleave(g, dim=1)[:, :, None].expand(b, h, nb)
         return d, full
-    d = _descale_from_amax(amax_blocks)
+    d = descale_from_amax(amax_blocks, E4M3_MAX)
     return d, d
 
 

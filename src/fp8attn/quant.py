@@ -26,7 +26,7 @@ import torch
 __all__ = [
     "FP8_FORMATS", "GRANULARITIES", "DESCALE_FLOOR", "fp8_max", "is_fp8", "saturating_cast",
     "compute_descale", "quantize", "dequantize", "expand_descale", "descale_for_tokens",
-    "SCALE_STORAGE_DTYPES", "scale_storage_pad", "round_descale_for_storage",
+    "SCALE_STORAGE_DTYPES", "scale_storage_pad", "round_descale_for_storage", "descale_from_amax",
 ]
 
 FP8_FORMATS = {
@@ -41,6 +41,11 @@ GRANULARITIES = ("per_tensor", "per_head", "per_sequence", "per_token_head", "pe
 # treated as 2**-40 * fp8_max, so descale >= 2**-40 (finite, non-zero, and tiny enough never to
 # matter for real data).
 DESCALE_FLOOR = 2.0 ** -40
+
+
+def descale_from_amax(amax: torch.Tensor, fp8_max_value: float) -> torch.Tensor:
+    """The module's descale convention, float32: ``max(amax, DESCALE_FLOOR * fp8_max) / fp8_max``."""
+    return (amax.float().clamp_min(DESCALE_FLOOR * fp8_max_value) / fp8_max_value).to(torch.float32)
 
 
 # Per-token-head KV-cache scales may be stored in float32 or bfloat16 (half the scale bytes: 4 B per
@@ -141,7 +146,7 @@ def compute_descale(x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=
             amax = a.amax() if dims is None else a.amax(dim=dims)
         if granularity == "per_sequence":
             amax = amax.view(-1, 1)
-    return (amax.clamp_min(DESCALE_FLOOR * m) / m).to(torch.float32)
+    return descale_from_amax(amax, m)
 
 
 def _broadcast(descale: torch.Tensor, shape, granularity: str, block_size: int) -> torch.Tensor:

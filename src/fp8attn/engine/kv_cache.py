@@ -132,8 +132,7 @@ class PagedKVCache:
         self.tensor_calibrated = True
 
     def descale_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
-        m = self.fp8_max
-        return (amax.float() * self.calib_margin).clamp_min(quant.DESCALE_FLOOR * m) / m
+        return quant.descale_from_amax(amax.float() * self.calib_margin, self.fp8_max)
 
     # ------------------------------------------------------------------ sizes
     @property
