@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant import FP8_FORMATS, is_fp8
+from .quant import FP8_FORMATS, SCALE_STORAGE_DTYPES, is_fp8
 from .paged import is_v_seq_major
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -128,6 +128,13 @@ def check_cu_seqlens(name, cu, batch=None, validate=False):
         if bool((cu[1:] < cu[:-1]).any()) or int(cu[0]) != 0:
             _fail(ValueError, name, "non-decreasing offsets starting at 0", f"{cu.tolist()[:16]}",
                   "Build it as torch.nn.functional.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32).")
+
+
+def check_cache_scales(name, sc, k_cache):
+    """Per-token-head scales beside a paged cache: float32 or bfloat16 (num_blocks, page_size, nheads_k)."""
+    if sc is not None and (tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.dtype not in SCALE_STORAGE_DTYPES):
+        _fail(ValueError, name, f"float32 or bfloat16 {tuple(k_cache.shape[:3])} (num_blocks, page_size, nheads_k)",
+              f"{sc.dtype} {tuple(sc.shape)}", "Allocate it beside the cache.")
 
 
 def check_int32(name, t, ndim=None):

@@ -23,7 +23,7 @@ import torch
 from . import _checks as C
 from . import ops
 from .paged import slot_mapping_for
-from .quant import SCALE_STORAGE_DTYPES, expand_descale, is_fp8
+from .quant import expand_descale, is_fp8
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
            "write_kv_cache"]
@@ -369,9 +369,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     for name, sc in (("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
         if sc is not None:
             C.check_tensor(name, sc, ndim=3)
-            if tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.dtype not in SCALE_STORAGE_DTYPES:
-                raise ValueError(f"{name}: expected float32 or bfloat16 {tuple(k_cache.shape[:3])} (num_blocks, "
-                                 f"page_size, nheads_k), got {sc.dtype} {tuple(sc.shape)}. Allocate it beside the cache.")
+            C.check_cache_scales(name, sc, k_cache)
             if not is_fp8(k_cache.dtype):
                 raise ValueError(f"{name}: expected None for a {k_cache.dtype} cache, got a tensor. Scales apply to FP8 caches.")
     if k_cache_scales is not None and k_descale is not None:
@@ -513,8 +511,6 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
         raise ValueError("k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither, got one. "
                          "Allocate both beside the cache.")
     for name, sc in (("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
-        if sc is not None and (tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.dtype not in SCALE_STORAGE_DTYPES):
-            raise ValueError(f"{name}: expected float32 or bfloat16 {tuple(k_cache.shape[:3])} (num_blocks, page_size, "
-                             f"nheads_k), got {sc.dtype} {tuple(sc.shape)}. Allocate it beside the cache.")
+        C.check_cache_scales(name, sc, k_cache)
     ops.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale=k_descale, v_descale=v_descale,
                        token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
