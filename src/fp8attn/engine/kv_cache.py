@@ -94,6 +94,7 @@ class PagedKVCache:
         if scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
         self.scale_dtype = _scale_dtype(scale_dtype)
+        self.scale_dtype_name = scale_dtype
         self.dtype = KV_DTYPES[kv_dtype]
         self.kv_dtype = kv_dtype
         self.is_fp8 = quant.is_fp8(self.dtype)
@@ -138,10 +139,8 @@ class PagedKVCache:
     @property
     def bytes_per_token(self) -> int:
         """K + V bytes of one token over all layers (plus per-token scales when used)."""
-        b = 2 * self.num_layers * self.nheads_k * self.head_dim * self.dtype.itemsize
-        if self.scale_mode == "per_token_head":
-            b += 2 * self.num_layers * self.nheads_k * self.scale_dtype.itemsize
-        return b
+        return self.bytes_per_token_for(self.num_layers, self.nheads_k, self.head_dim, self.kv_dtype,
+                                        self.scale_mode or "per_tensor", self.scale_dtype_name)
 
     @property
     def total_bytes(self) -> int:
