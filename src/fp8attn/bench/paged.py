@@ -151,14 +151,15 @@ def run_decode(out_dir=None, quick=False, configs=None):
 
                 q8 = q.float().to(E4M3)
 
-                def mk(r, cfg=None):
+                def mk(r, cfg=None, v_cache=None):
+                    v_cache = vc if v_cache is None else v_cache
                     if cfg and cfg.get("q_fp8"):  # FP8 Q over the FP8 cache (FP8 MMAs, no upcast)
                         cfg = {k_: v_ for k_, v_ in cfg.items() if k_ != "q_fp8"}
-                        return lambda: launch_paged_fwd(q8, kc, vc, pts[r], seqlens, out, lse, max_seqlen_q=1,
+                        return lambda: launch_paged_fwd(q8, kc, v_cache, pts[r], seqlens, out, lse, max_seqlen_q=1,
                                                         softmax_scale=scale, causal=True, q_descale=kd,
                                                         k_descale=kd, v_descale=vd, num_splits=splits,
                                                         out_partial=op, lse_partial=lp, config=cfg or None)
-                    return lambda: launch_paged_fwd(q, kc, vc, pts[r], seqlens, out, lse, max_seqlen_q=1,
+                    return lambda: launch_paged_fwd(q, kc, v_cache, pts[r], seqlens, out, lse, max_seqlen_q=1,
                                                     softmax_scale=scale, causal=True, k_descale=kd, v_descale=vd,
                                                     num_splits=splits, out_partial=op, lse_partial=lp, config=cfg)
                 fns = [mk(r) for r in range(n_rot)]
@@ -191,10 +192,7 @@ def run_decode(out_dir=None, quick=False, configs=None):
                     case["config_sweep_ms"] = sweep
                 if page_size >= 64 and b * L >= (1 << 17):  # same cache, V sequence-major inside each page
                     vs = to_v_seq_major(vc)
-                    fns_s = [lambda r=r: launch_paged_fwd(q, kc, vs, pts[r], seqlens, out, lse, max_seqlen_q=1,
-                                                          softmax_scale=scale, causal=True, k_descale=kd,
-                                                          v_descale=vd, num_splits=splits, out_partial=op,
-                                                          lse_partial=lp) for r in range(n_rot)]
+                    fns_s = [mk(r, v_cache=vs) for r in range(n_rot)]
                     fns_s[0]()
                     torch.cuda.synchronize()
                     ms_s = time_ms(_graphed(fns_s)[0])
@@ -254,9 +252,10 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
             pairs = chunk * prefix + chunk * (chunk + 1) / 2
             flops = attn_flops(batch, HQ, chunk, L, D, visible_pairs=pairs)
 
-            def ours(cfg=None):
-                launch_paged_fwd(q8, kc, vc, pt, seqlens, out, lse, max_seqlen_q=chunk, softmax_scale=scale,
-                                 causal=True, q_descale=qd, k_descale=kd, v_descale=vd, config=cfg)
+            def ours(cfg=None, q_=q8, v_cache=vc, o=out, lse_=lse):
+                launch_paged_fwd(q_, kc, v_cache, pt, seqlens, o, lse_, max_seqlen_q=chunk, softmax_scale=scale,
+                                 causal=True, q_descale=qd if q_.dtype == E4M3 else None, k_descale=kd,
+                                 v_descale=vd, config=cfg)
             ours()
             torch.cuda.synchronize()
             err = None
@@ -271,8 +270,7 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
             out_b = torch.empty_like(out)
 
             def ours_bf16():
-                launch_paged_fwd(qb, kc, vc, pt, seqlens, out_b, None, max_seqlen_q=chunk, softmax_scale=scale,
-                                 causal=True, k_descale=kd, v_descale=vd)
+                ours(q_=qb, o=out_b, lse_=None)
             ours_bf16()
             ms_b = time_ms(ours_bf16)
             peers["paged_bf16q"] = {"ms": ms_b, "tflops": flops / ms_b / 1e9}
@@ -300,8 +298,7 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
                 out_s = torch.empty_like(out)
 
                 def ours_v_seq_major():
-                    launch_paged_fwd(q8, kc, vs, pt, seqlens, out_s, None, max_seqlen_q=chunk, softmax_scale=scale,
-                                     causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+                    ours(v_cache=vs, o=out_s, lse_=None)
                 ours_v_seq_major()
                 torch.cuda.synchronize()
                 ms_s = time_ms(ours_v_seq_major)
