@@ -314,7 +314,6 @@ class ByteTokenizer:
 
 
 def _load_for_drive(args, dev, dtype):
-
     from .models import LlamaConfig, LlamaModel, load_pretrained
 
     if args.model and args.model.startswith("random:"):

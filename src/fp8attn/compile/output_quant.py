@@ -219,7 +219,6 @@ def _erase(graph, nodes):
             graph.erase_node(n)
 
 
-
 def _mirror_getitems(graph, old, new, fake_mode):
     """Give ``new`` (a multi-output node replacing ``old``) a getitem for each getitem user of ``old``,
     right after it; returns {old getitem: new getitem}."""
@@ -232,6 +231,7 @@ def _mirror_getitems(graph, old, new, fake_mode):
         repl[user] = g
         anchor = g
     return repl
+
 
 def _fuse_functional(graph, attn, getitem0, views, quant_nodes, scale, fake_mode):
     op = attn.target

@@ -203,10 +203,6 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def run(out_dir=None, quick=False):
     """`fp8attn bench engine`: B64 / 4k context decode, bf16 vs FP8 caches (quick: fewer steps, no checks)."""
     argv = ["--steps", "5" if quick else "20"] + ([] if quick else ["--check"])
@@ -215,3 +211,7 @@ def run(out_dir=None, quick=False):
     rc = main(argv)
     if rc:
         raise SystemExit(rc)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
