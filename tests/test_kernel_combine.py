@@ -7,7 +7,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fp8attn.kernels.combine import launch_combine  # noqa: E402
+from fp8attn.kernels.combine import combine_tiles, launch_combine  # noqa: E402
 from fp8attn.reference import combine_ref  # noqa: E402
 from fp8attn.quant import saturating_cast  # noqa: E402
 
@@ -23,10 +23,12 @@ def _partials(shape_rows, num_splits, d):
     return op, lp
 
 
-@pytest.mark.parametrize("num_splits,d", [(1, 40), (2, 40), (3, 40), (17, 40), (70, 128), (130, 40)])
+@pytest.mark.parametrize("num_splits,d", [(1, 40), (2, 40), (3, 40), (17, 40), (70, 128), (130, 40), (66, 96)])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_combine_matches_reference(num_splits, d, varlen):
-    """Chunks of splits: 70 at d128 is two full chunks of 32 and a partial one; 130 at d40 three of 64."""
+    """70 splits at d128: four programs per row (head-dim slices of 32), one load of 128 split slots
+    each; 130 at d40: two slices of 32 (the second mostly masked), two chunks of 128 splits; 66 at d96:
+    three slices of 32."""
     rows = (5, 3) if varlen else (2, 3, 4)
     op, lp = _partials(rows, num_splits, d)
     lp[:, 0, 1] = float("-inf")  # a row whose splits are all empty
@@ -40,6 +42,19 @@ def test_combine_matches_reference(num_splits, d, varlen):
     fin = torch.isfinite(rl)
     assert torch.equal(fin, torch.isfinite(lse))
     assert torch.allclose(lse[fin], rl[fin], atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_splits,d,tiles", [
+    (2, 128, (128, 2, 2, 1)),     # few splits: one program per row, one load
+    (8, 128, (128, 8, 8, 1)),
+    (66, 128, (32, 128, 128, 4)),  # B1/L128k decode: head-dim slices of 32, all splits in one load
+    (130, 40, (32, 256, 128, 4)),  # more splits than one load holds: two chunks
+    (17, 256, (128, 32, 32, 4)),
+])
+def test_combine_tiles(num_splits, d, tiles):
+    block_d, block_splits, chunk, nw = combine_tiles(num_splits, d)
+    assert (block_d, block_splits, chunk, nw) == tiles
+    assert chunk * block_d <= 4096 and block_d >= 32
 
 
 def test_combine_strided_lse_and_fp8_out():

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .common import LOG2E, LN2, output_epilogue
 
-__all__ = ["launch_combine"]
+__all__ = ["launch_combine", "combine_tiles"]
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
               torch.float8_e4m3fn: tl.float8e4nv}
@@ -48,6 +48,7 @@ def _combine_kernel(OP, LP, O, LSE, OUT_SCALE,
                     CHUNK: tl.constexpr, STORE_LSE: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
                     INTERP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    d0 = tl.program_id(1) * BLOCK_D  # this program's slice of the head dim
     h = row % nheads
     bs = row // nheads
     s = bs % seqlen
@@ -60,7 +61,7 @@ def _combine_kernel(OP, LP, O, LSE, OUT_SCALE,
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2((lses - m_safe) * LOG2E), 0)
 
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = d0 + tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_DIM
     op_base = OP + b * s_op_b + s * s_op_s + h * s_op_h
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -84,8 +85,25 @@ def _combine_kernel(OP, LP, O, LSE, OUT_SCALE,
     y = output_epilogue(out, out_scale_inv, OUT_FP8, OUT_DTYPE)
     tl.store(O + b * s_o_b + s * s_o_s + h * s_o_h + offs_d, y, mask=dmask)
     if STORE_LSE:
-        lse = tl.where(empty, float("-inf"), (m_safe * LOG2E + tl.log2(tl.where(empty, 1.0, total))) * LN2)
-        tl.store(LSE + b * s_l_b + s * s_l_s + h * s_l_h, lse)
+        if d0 == 0:  # one program of the row writes its LSE
+            lse = tl.where(empty, float("-inf"), (m_safe * LOG2E + tl.log2(tl.where(empty, 1.0, total))) * LN2)
+            tl.store(LSE + b * s_l_b + s * s_l_s + h * s_l_h, lse)
+
+
+def combine_tiles(num_splits: int, headdim: int):
+    """(BLOCK_D, BLOCK_SPLITS, CHUNK, num_warps) of a combine launch.
+
+    Up to 4096 partial elements per 2D load (32 fp32 registers per thread at 4 warps). Many splits
+    narrow each program to a slice of the head dim (at least 32 wide) so that all splits of a slice
+    arrive in one load and more programs share the rows: B1/L128k's 66 splits x 32 rows ran as 32
+    programs with three dependent chunk loads each; as 128 programs of (128 splits x 32) it is one.
+    """
+    block_splits = triton.next_power_of_2(max(num_splits, 1))
+    block_d = triton.next_power_of_2(headdim)
+    block_d = min(block_d, max(32, 4096 // block_splits))
+    chunk = max(1, min(block_splits, 4096 // block_d))
+    nw = 1 if chunk * block_d <= 1024 else 4
+    return block_d, block_splits, chunk, nw
 
 
 def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor,
@@ -117,12 +135,8 @@ def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: to
         return
     out_fp8 = out_scale is not None
     lse_t = lse if lse is not None else lse_partial[0]
-    grid = (rows,)
-    block_d = triton.next_power_of_2(d)
-    block_splits = triton.next_power_of_2(max(num_splits, 1))
-    # up to 4096 partial elements per chunk (32 fp32 registers per thread at 4 warps)
-    chunk = max(1, min(block_splits, 4096 // block_d))
-    nw = 1 if chunk * block_d <= 1024 else 4
+    block_d, block_splits, chunk, nw = combine_tiles(num_splits, d)
+    grid = (rows, triton.cdiv(d, block_d))
     _combine_kernel[grid](
         out_partial, lse_partial, out, lse_t, out_scale if out_fp8 else lse_partial,
         num_splits, seqlen, nheads,
