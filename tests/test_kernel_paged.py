@@ -241,11 +241,12 @@ def test_chunked_prefill_equals_single_shot():
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("two_class", [True, False])
-def test_mixed_batch_equals_separate(num_splits, two_class):
+@pytest.mark.parametrize("two_class,decode_first", [(True, False), (True, True), (False, False)])
+def test_mixed_batch_equals_separate(num_splits, two_class, decode_first):
     """Decode rows (1 query), a 5-query row and prefill chunks over cached prefixes, in one varlen launch.
 
-    two_class: rows of <= 8 queries (BLOCK_M_S 16 / 2 heads per kv head) run in small-tile programs."""
+    two_class: rows of <= 8 queries (BLOCK_M_S 16 / 2 heads per kv head) run in small-tile programs;
+    decode_first: those programs take the first program ids instead of the last."""
     hq, hk, d = 4, 2, 32
     seqlens = [40, 97, 1, 130, 0, 21]
     qlens = [1, 33, 1, 70, 0, 5]
@@ -254,7 +255,7 @@ def test_mixed_batch_equals_separate(num_splits, two_class):
     q = torch.randn(sum(qlens), hq, d, device=DEV).to(torch.bfloat16)
     kd, vd = rand_descale(6, hk), rand_descale(6, hk)
     out, lse = run_paged(q, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), k_descale=kd, v_descale=vd,
-                         num_splits=num_splits, config={"two_class": two_class})
+                         num_splits=num_splits, config={"two_class": two_class, "decode_first": decode_first})
     ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens),
                             k_descale=kd, v_descale=vd)
     check(out, lse, ref, ref_lse, lp)

@@ -77,6 +77,17 @@ def test_paged_decode_token_scales_uncapped(monkeypatch, v_seq_major):
     assert kw["maxnreg"] is None and kw["HAS_KS"] and kw["HAS_VS"]
 
 
+@pytest.mark.parametrize("q_dtype,page,v_seq_major,tile", [
+    (torch.bfloat16, 64, False, (128, 64, 4)),  # 16-bit Q over an FP8 cache: 4 warps of 32 query rows
+    (torch.bfloat16, 16, False, (128, 64, 4)),
+    (torch.bfloat16, 128, True, (128, 128, 8)),  # the 128-key sequence-major tile keeps 8 warps
+    (E4M3, 64, False, (128, 64, 8)),             # FP8 MMAs keep 8 warps
+])
+def test_paged_prefill_warps(q_dtype, page, v_seq_major, tile):
+    bm, bn, nw, _, _ = KP.paged_config(2048, 4, 128, q_dtype == E4M3, None, page, v_seq_major, True, False)
+    assert (bm, bn, nw) == tile
+
+
 @pytest.mark.parametrize("causal,window,has_window", [
     (True, (-1, 0), False), (True, (32, 0), True), (False, (-1, 0), True), (False, (-1, -1), False)])
 def test_dense_window_flag(causal, window, has_window):

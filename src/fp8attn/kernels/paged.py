@@ -7,7 +7,8 @@ mixes decode rows (one query) and prefill chunks (many queries) in ONE launch: t
 ``total_q // BLOCK_Q + batch`` programs (a capacity, never live data) and each program finds its
 sequence by a binary search over the query-block starts ``cu_seqlens_q[i] // BLOCK_Q + i``; surplus
 programs exit at once. Programs are visited in reverse order so the last (typically longest, prefill)
-sequences and the heavier causal blocks start first.
+sequences and the heavier causal blocks start first; in mixed batches the decode rows' small-tile
+programs come before all of them (memory-bound rows beside compute-bound tiles).
 
 Keys: ``cache_seqlens[b]`` valid tokens, queries being the last ``seqlen_q`` of them (bottom-right
 causal/window alignment). When ``page_size`` is a multiple of BLOCK_N (TILE_IN_PAGE) each KV tile
@@ -319,6 +320,7 @@ def _paged_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     VARLEN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_INNER: tl.constexpr,
     TWO_CLASS: tl.constexpr, BLOCK_M_S: tl.constexpr, BLOCK_N_S: tl.constexpr, UNMASKED_TILES: tl.constexpr,
+    DECODE_FIRST: tl.constexpr,
 ):
     if HEADS_INNER:
         # The kv heads of one query block are neighbouring programs: they run together and read the
@@ -337,8 +339,13 @@ def _paged_fwd_kernel(
         # serve the longer sequences with the large tiles. A sequence is skipped by the other class.
         n_big = num_pid - batch if TWO_CLASS else num_pid
         small_q = BLOCK_M_S // QG if TWO_CLASS else 0
-        if raw < n_big:
-            pid = n_big - 1 - raw  # reversed: the last (typically longest) sequences start first
+        # DECODE_FIRST: the small class takes the first ``batch`` program ids instead of the last, so
+        # the memory-bound decode rows stream beside the compute-bound prefill tiles instead of after
+        # them (H200, 32 decodes + a 2k chunk, bf16 Q page 64: 1.131 -> 1.056 ms; e4m3 Q 1.344 -> 1.319)
+        big_off = batch if (TWO_CLASS and DECODE_FIRST) else 0
+        small_off = 0 if DECODE_FIRST else n_big
+        if raw - big_off >= 0 and raw - big_off < n_big:
+            pid = n_big - 1 - (raw - big_off)  # reversed: the last (typically longest) sequences start first
             seq = _find_seq(CU_Q, pid, batch, BLOCK_Q)
             q_start = tl.load(CU_Q + seq)
             qlen = tl.load(CU_Q + seq + 1) - q_start
@@ -354,8 +361,8 @@ def _paged_fwd_kernel(
                              HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE,
                              P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE, UNMASKED_TILES)
         if TWO_CLASS:  # compiled only with two classes: each _query_block instance holds its own rings
-            if raw >= n_big:
-                seq = raw - n_big
+            if raw - small_off >= 0 and raw - small_off < batch:
+                seq = raw - small_off
                 q_start = tl.load(CU_Q + seq)
                 qlen = tl.load(CU_Q + seq + 1) - q_start
                 if qlen <= small_q:
@@ -473,6 +480,12 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
     if (not decode and rows > 64 and v_seq_major and page_size is not None and page_size % 128 == 0
             and headdim <= 128):
         bn = 128
+    # 16-bit Q over an FP8 cache in (128, 64) prefill tiles: 4 warps of 32 query rows beat 8 of 16
+    # (H200, bf16 Q, 2k chunk over 8k: page 16 1.061 -> 0.959 ms, page 64 1.037 -> 0.937, sequence-major
+    # V page 64 0.984 -> 0.863, page 128 1.074 -> 0.896). The (128, 128) sequence-major tile keeps 8
+    # warps (4: 0.880 -> 1.912 ms).
+    if not decode and fp8_cache and not mma_fp8 and not token_scales and (bm, bn) == (128, 64):
+        nw = 4
     one_page_tiles = page_size is not None and page_size >= 64 and page_size % 64 == 0
     # Decode over an FP8 cache is bandwidth bound: four resident blocks per SM (128 registers per thread,
     # 3-stage rings of 64-key one-page tiles, <= 57 KB) stream faster than three. H200, B64/L4096 unsplit:
@@ -555,7 +568,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
         them with ``launch_combine``.
     config : optional override {block_m, block_n, num_warps, num_stages, maxnreg, compute_dtype, pv_fp16,
-        heads_inner, two_class, unmasked_tiles}
+        heads_inner, two_class, decode_first, unmasked_tiles}
         (benchmarks). ``pv_fp16`` (FP8 Q and cache only): FP8 QK^T, then P@V in fp16 with V upcast in
         registers and P rounded to fp16 instead of e4m3 (no in-kernel transpose of V).
     """
@@ -681,7 +694,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
         TILE_IN_PAGE=page_size % bn == 0, P_FP8=p_fp8, NUM_KV_HEADS=hk, HEADS_INNER=heads_inner,
         TWO_CLASS=two_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major, UNMASKED_TILES=unmasked_tiles,
-        num_warps=nw, num_stages=ns, maxnreg=maxnreg,
+        DECODE_FIRST=bool((config or {}).get("decode_first", True)), num_warps=nw, num_stages=ns, maxnreg=maxnreg,
     )
     if split:
         if varlen:
