@@ -394,7 +394,7 @@ def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=204
                     "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": kv_bytes / ms / 1e6, "err": None,
                              "max_abs_diff_vs_separate": diff},
                     "peers": {"separate": {"ms": ms_s, "tflops": flops / ms_s / 1e9, "gbps": kv_bytes / ms_s / 1e6}}}
-            if q_dtype == E4M3 and configs:
+            if configs:
                 case["config_sweep_ms"] = _sweep(mixed, configs)
             doc["cases"].append(case)
             print(f"mixed {case['case']:60s} one launch {ms:.3f} ms | separate {ms_s:.3f} ms | diff {diff:.2e}",
