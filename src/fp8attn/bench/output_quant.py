@@ -17,7 +17,8 @@ bytes each path moves (KV/QKV read, output written; the unfused path adds the bf
 Dispatch overhead (case "dispatch ..."): host time per call of the registered op
 (``torch.ops.fp8attn.paged_fwd_out`` / ``dense_fwd_out``), of the public API, and of the launch
 function called directly, on a tiny problem so the GPU never limits the loop; ``overhead_us`` =
-op - launch.
+op - launch. ``noop_op_hop_us``: the dispatcher alone, a do-nothing op of the same schema vs a plain
+Python call of the same function (its floor for any Python-implemented op with these 21 arguments).
 """
 from __future__ import annotations
 
@@ -134,6 +135,31 @@ def _host_us(fn, n=2000):
     return el / n * 1e6
 
 
+_FLOOR_LIB = []
+
+
+def _dispatcher_floor(op_args):
+    """The dispatcher's own cost for this schema: a registered op with paged_fwd_out's schema whose
+    Python kernel does nothing, vs calling that Python function directly (the part of the overhead
+    that no change to the op's implementation can remove)."""
+    from ..ops import _SPECS
+
+    if not _FLOOR_LIB:
+        lib = torch.library.Library("fp8attn_bench", "FRAGMENT")
+        lib.define("noop" + _SPECS["paged_fwd_out"][0])
+        lib.impl("noop", _noop, "CompositeExplicitAutograd")
+        lib.impl("noop", torch.library.fallthrough_kernel, "Autograd")
+        _FLOOR_LIB.append(lib)
+    noop_op = torch.ops.fp8attn_bench.noop.default
+    diffs = sorted(_host_us(lambda: noop_op(*op_args), 2000) - _host_us(lambda: _noop(*op_args), 2000)
+                   for _ in range(11))
+    return {"noop_op_hop_us": diffs[len(diffs) // 2]}
+
+
+def _noop(*args):
+    return args[-1]
+
+
 def _dispatch_overhead():
     """Registered op vs direct launch on a tiny decode (host-bound loop)."""
     from .. import flash_attn_with_kvcache
@@ -181,6 +207,7 @@ def _dispatch_overhead():
     res["overhead_us"] = diffs[len(diffs) // 2]
     res["overhead_us_quartiles"] = [diffs[len(diffs) // 4], diffs[3 * len(diffs) // 4]]
     res["overhead_us_best_of_rounds"] = res["op_us"] - res["launch_us"]
+    res.update(_dispatcher_floor(op_args))
     return {"case": "dispatch paged_fwd_out tiny decode (host us/call)",
             "params": {"batch": b, "seqlen_k": L, "nheads_q": hq, "nheads_k": hk, "headdim": d, **res},
             "ours": {"ms": res["op_us"] / 1e3, "tflops": None, "gbps": None, "err": None},
@@ -208,5 +235,6 @@ def run(out_dir=None, quick=False):
     print(f"dispatch: launch {p['launch_us']:.2f} us, impl {p['impl_us']:.2f} us, op {p['op_us']:.2f} us, "
           f"functional op {p['functional_op_us']:.2f} us, api {p['api_us']:.2f} us, "
           f"op overhead {p['overhead_us']:.2f} us/call (median of 21 pairs; quartiles "
-          f"{p['overhead_us_quartiles'][0]:.2f}..{p['overhead_us_quartiles'][1]:.2f})")
+          f"{p['overhead_us_quartiles'][0]:.2f}..{p['overhead_us_quartiles'][1]:.2f}); a do-nothing op of "
+          f"the same schema costs {p['noop_op_hop_us']:.2f} us over a Python call")
     return path
