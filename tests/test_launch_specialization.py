@@ -8,6 +8,7 @@ import torch
 
 import fp8attn.kernels.dense as KD
 import fp8attn.kernels.paged as KP
+from fp8attn.kernels.common import window_flags
 
 E4M3 = torch.float8_e4m3fn
 
@@ -44,16 +45,28 @@ def _paged_launch(monkeypatch, *, causal, window, q_dtype=torch.bfloat16, page=6
     return cap.kwargs
 
 
-@pytest.mark.parametrize("causal,window,has_window", [
-    (True, (-1, 0), False),   # the API's causal: the diagonal is the right edge
-    (True, (-1, 5), False),   # a right edge beyond the diagonal changes nothing under causal
-    (True, (64, 0), True),    # a left window stays
-    (False, (-1, 0), True),   # without causal a right edge of 0 is a window
-    (False, (-1, -1), False),
-])
-def test_paged_window_flag(monkeypatch, causal, window, has_window):
+_WINDOW_CASES = [  # (causal, window) -> (CAUSAL, HAS_WINDOW)
+    (True, (-1, 0), True, False),    # the API's causal: the diagonal is the right edge
+    (True, (-1, 5), True, False),    # a right edge beyond the diagonal changes nothing under causal
+    (True, (64, 0), True, True),     # a left window stays
+    (False, (-1, 0), True, False),   # a window ending on the diagonal is the causal mask
+    (False, (32, 0), True, True),    # ... with a left window
+    (False, (-1, 3), False, True),   # a right edge past the diagonal is a window
+    (False, (-1, -1), False, False),
+]
+
+
+@pytest.mark.parametrize("causal,window,kernel_causal,has_window", _WINDOW_CASES)
+def test_window_flags(causal, window, kernel_causal, has_window):
+    c, wl, wr, hw = window_flags(causal, window)
+    assert (c, hw) == (kernel_causal, has_window)
+    assert wl == window[0] and wr == (-1 if c else window[1])
+
+
+@pytest.mark.parametrize("causal,window,kernel_causal,has_window", _WINDOW_CASES)
+def test_paged_window_flag(monkeypatch, causal, window, kernel_causal, has_window):
     kw = _paged_launch(monkeypatch, causal=causal, window=window)
-    assert kw["HAS_WINDOW"] is has_window and kw["CAUSAL"] is causal
+    assert kw["HAS_WINDOW"] is has_window and kw["CAUSAL"] is kernel_causal
 
 
 @pytest.mark.parametrize("q_dtype,v_seq_major,maxnreg,block_n", [
@@ -88,9 +101,8 @@ def test_paged_prefill_warps(q_dtype, page, v_seq_major, tile):
     assert (bm, bn, nw) == tile
 
 
-@pytest.mark.parametrize("causal,window,has_window", [
-    (True, (-1, 0), False), (True, (32, 0), True), (False, (-1, 0), True), (False, (-1, -1), False)])
-def test_dense_window_flag(causal, window, has_window):
+@pytest.mark.parametrize("causal,window,kernel_causal,has_window", _WINDOW_CASES)
+def test_dense_window_flag(causal, window, kernel_causal, has_window):
     b, s, h, d = 1, 64, 2, 64
     q = torch.zeros(b, s, h, d, dtype=torch.bfloat16)
     one = torch.ones(b, h)
@@ -99,4 +111,4 @@ def test_dense_window_flag(causal, window, has_window):
         q_descale=one, k_descale=one, v_descale=one, out_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
         seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, pack_gqa=False,
         descale_block_q=None, descale_block_k=None, v_kmajor=False)
-    assert kwargs["HAS_WINDOW"] is has_window
+    assert kwargs["HAS_WINDOW"] is has_window and kwargs["CAUSAL"] is kernel_causal

@@ -173,3 +173,18 @@ def output_epilogue(out, out_scale_inv, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.con
         return y.to(tl.float8e4nv)
     else:
         return out.to(OUT_DTYPE)
+
+
+def window_flags(causal, window_size):
+    """Host side, for every launcher: ``(causal, window_left, window_right, has_window)`` as the kernels
+    see them. A right edge of 0 is the diagonal, so any window ending there is the causal mask (FA3's
+    API passes causal as the window (-1, 0)); under causal a right edge is implied by the diagonal and
+    dropped. Only what is left selects the window path (``HAS_WINDOW``), whose extra masks and bounds
+    every causal call would otherwise compile in."""
+    wl, wr = window_size if window_size is not None else (-1, -1)
+    wl = -1 if wl is None else int(wl)
+    wr = -1 if wr is None else int(wr)
+    causal = bool(causal) or wr == 0
+    if causal:
+        wr = -1
+    return causal, wl, wr, wl >= 0 or wr >= 0

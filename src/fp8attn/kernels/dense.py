@@ -34,6 +34,7 @@ from .common import (
     online_softmax_step,
     output_epilogue,
     scale_logits,
+    window_flags,
 )
 
 __all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor"]
@@ -465,7 +466,7 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
                 descale_block_q=descale_block_q, descale_block_k=descale_block_k, lse=lse)
         if why is None:
             return dense_tma.launch_dense_fwd_tma(
-                q, k, v, out, lse, softmax_scale=softmax_scale, causal=dense_tma.effective_causal(causal, window_size),
+                q, k, v, out, lse, softmax_scale=softmax_scale, causal=window_flags(causal, window_size)[0],
                 q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale)
         if backend == "tma":
             raise ValueError(f"FP8ATTN_DENSE_BACKEND=tma: the TMA kernel does not support these inputs: {why}")
@@ -550,10 +551,7 @@ def _build_launch(q, k, v, out, lse, *, softmax_scale, causal, window_size, soft
     if out_scale is not None and not torch.is_tensor(out_scale):
         out_scale = torch.tensor([float(out_scale)], device=q.device, dtype=torch.float32)
 
-    wl, wr = (int(window_size[0]), int(window_size[1])) if window_size is not None else (-1, -1)
-    if causal:  # a right edge >= 0 is implied by the diagonal: the API's causal (-1, 0) is no window
-        wr = -1
-    has_window = wl >= 0 or wr >= 0
+    causal, wl, wr, has_window = window_flags(causal, window_size)
     block_d = max(16, triton.next_power_of_2(d))
     block_dv = max(16, triton.next_power_of_2(dv))
     rows = sq_static * (qgroup if pack else 1)

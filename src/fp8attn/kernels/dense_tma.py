@@ -52,7 +52,9 @@ try:
 except ImportError:  # triton without Gluon: the fast path is simply unavailable
     HAS_GLUON = False
 
-__all__ = ["supported", "unsupported_reason", "effective_causal", "launch_dense_fwd_tma", "HAS_GLUON"]
+from .common import window_flags
+
+__all__ = ["supported", "unsupported_reason", "launch_dense_fwd_tma", "HAS_GLUON"]
 
 HEAD_DIMS = (64, 128)
 BLOCK_M = 128
@@ -330,12 +332,6 @@ def _vt_view(v):
     return y if y.stride() == (s, 1) else None
 
 
-def effective_causal(causal, window_size):
-    """Causal as the kernel sees it: the API passes causal as a window whose right edge is the
-    diagonal, ``(-1, 0)``, which is the same bottom-right causal mask."""
-    return bool(causal) or (window_size is not None and int(window_size[0]) < 0 and int(window_size[1]) == 0)
-
-
 def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descale, v_descale,
                        out_scale, cu_seqlens_q, descale_block_q, descale_block_k, lse):
     """Why the TMA fast path cannot run these inputs, or None when it can (see ``supported``)."""
@@ -343,10 +339,9 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
         return "triton.experimental.gluon is not available"
     if cu_seqlens_q is not None:
         return "varlen (cu_seqlens_q) is not supported"
-    wl, wr = (int(window_size[0]), int(window_size[1])) if window_size is not None else (-1, -1)
-    if wl >= 0 or wr > 0:
-        return f"sliding window {(wl, wr)} is not supported"
-    causal = effective_causal(causal, window_size)
+    causal, wl, wr, has_window = window_flags(causal, window_size)
+    if has_window:
+        return f"sliding window {tuple(window_size)} is not supported"
     if float(softcap) != 0.0:
         return "softcap is not supported"
     if descale_block_q is not None or descale_block_k is not None:

@@ -50,7 +50,7 @@ import triton.language as tl
 from ..paged import is_v_seq_major
 from .combine import launch_combine
 from .common import (causal_window_mask, finalize_rows, full_tile_range, kv_range, online_softmax_step,
-                     output_epilogue, scale_logits)
+                     output_epilogue, scale_logits, window_flags)
 
 __all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config"]
 
@@ -657,12 +657,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         qk_scale = softmax_scale / softcap
     else:
         qk_scale = softmax_scale * _LOG2E
-    wl, wr = window_size
-    wl = -1 if wl is None else int(wl)
-    wr = -1 if wr is None else int(wr)
-    if causal:  # a right edge >= 0 is implied by the diagonal: the API's causal (-1, 0) is no window
-        wr = -1
-    has_window = wl >= 0 or wr >= 0
+    causal, wl, wr, has_window = window_flags(causal, window_size)
     kss = k_cache_scales.stride() if has_ks else (0, 0, 0)
     vss = v_cache_scales.stride() if has_vs else (0, 0, 0)
     out_fp8 = out_scale is not None and not split
