@@ -23,7 +23,7 @@ def _partials(shape_rows, num_splits, d):
     return op, lp
 
 
-@pytest.mark.parametrize("num_splits,d", [(1, 40), (2, 40), (3, 40), (17, 40), (70, 128), (130, 40), (66, 96)])
+@pytest.mark.parametrize("num_splits,d", [(1, 40), (2, 40), (3, 40), (17, 40), (64, 128), (70, 128), (130, 40), (66, 96)])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_combine_matches_reference(num_splits, d, varlen):
     """70 splits at d128: four programs per row (head-dim slices of 32), one load of 128 split slots

@@ -23,6 +23,21 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 
 @triton.jit
+def _load_partials(op_base, offs_sp, smask, s_op_sp, offs_d, dmask):
+    """Partials of the splits ``offs_sp`` (int64) for this program's head-dim slice, one 2D load."""
+    return tl.load(op_base + offs_sp[:, None] * s_op_sp + offs_d[None, :], mask=smask[:, None] & dmask[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _weighted_sum(l_sp, o, m_safe):
+    """sum_s exp(lse_s - m) * o_s; an empty or out-of-range split (lse -inf) weighs exactly 0 and its
+    partial is selected away, never multiplied (a NaN partial cannot leak)."""
+    w = tl.exp2((l_sp - m_safe) * LOG2E)[:, None]
+    return tl.sum(tl.where(w > 0.0, o * w, 0.0), 0)
+
+
+@triton.jit
 def _combine_chunk(acc, lp_base, op_base, sp0, num_splits, s_lp_sp, s_op_sp, m_safe, offs_d, dmask,
                    CHUNK: tl.constexpr):
     """Add CHUNK splits' weighted partials to ``acc`` with one 2D load (independent loads in flight,
@@ -31,10 +46,8 @@ def _combine_chunk(acc, lp_base, op_base, sp0, num_splits, s_lp_sp, s_op_sp, m_s
     smask = offs_sp < num_splits
     offs_sp = offs_sp.to(tl.int64)
     l_sp = tl.load(lp_base + offs_sp * s_lp_sp, mask=smask, other=float("-inf"))
-    w = tl.exp2((l_sp - m_safe) * LOG2E)[:, None]  # 0 for empty and out-of-range splits
-    o = tl.load(op_base + offs_sp[:, None] * s_op_sp + offs_d[None, :], mask=smask[:, None] & dmask[None, :],
-                other=0.0)
-    return acc + tl.sum(tl.where(w > 0.0, o * w, 0.0), 0)
+    o = _load_partials(op_base, offs_sp, smask, s_op_sp, offs_d, dmask)
+    return acc + _weighted_sum(l_sp, o, m_safe)
 
 
 @triton.jit
@@ -55,17 +68,23 @@ def _combine_kernel(OP, LP, O, LSE, OUT_SCALE,
     b = bs // seqlen
 
     offs_sp = tl.arange(0, BLOCK_SPLITS)
+    smask = offs_sp < num_splits
     lp_base = LP + b * s_lp_b + s * s_lp_s + h * s_lp_h
-    lses = tl.load(lp_base + offs_sp.to(tl.int64) * s_lp_sp, mask=offs_sp < num_splits, other=float("-inf"))
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    op_base = OP + b * s_op_b + s * s_op_s + h * s_op_h
+    if CHUNK == BLOCK_SPLITS:
+        # every split in one load, issued with the LSE load (before the max's reduction): one round trip
+        o_all = _load_partials(op_base, offs_sp.to(tl.int64), smask, s_op_sp, offs_d, dmask)
+    lses = tl.load(lp_base + offs_sp.to(tl.int64) * s_lp_sp, mask=smask, other=float("-inf"))
     m = tl.max(lses, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2((lses - m_safe) * LOG2E), 0)
 
-    offs_d = d0 + tl.arange(0, BLOCK_D)
-    dmask = offs_d < HEAD_DIM
-    op_base = OP + b * s_op_b + s * s_op_s + h * s_op_h
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if INTERP:  # the interpreter's scalars are 1-element arrays that range() rejects
+    if CHUNK == BLOCK_SPLITS:
+        acc = _weighted_sum(lses, o_all, m_safe)
+    elif INTERP:  # the interpreter's scalars are 1-element arrays that range() rejects
         sp0 = 0
         while sp0 < num_splits:
             acc = _combine_chunk(acc, lp_base, op_base, sp0, num_splits, s_lp_sp, s_op_sp, m_safe, offs_d, dmask,
