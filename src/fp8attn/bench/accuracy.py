@@ -5,6 +5,15 @@ entries), bf16. The oracle is float64 attention of those bf16 inputs. Each varia
 ``quantize_qkv`` (per-tensor, per-(batch, head), per-block, each with and without the Hadamard
 rotation of Q and K) and runs the dense kernel; RMSE = sqrt(mean((out - oracle)^2)). A bf16 run of
 the same kernel is the 16-bit baseline. Error growth: the same metric at 4k, 32k and 128k keys.
+
+Error budget (``error_budget``): which quantized operand the per-block + Hadamard error comes from,
+computed in float64 from the dequantized tensors with ``reference.attention_ref``: each of Q/K, V and
+P quantized alone and together (no kernel involved, so it is the same on any device).
+
+Runs on the GPU (the Triton kernels behind ``flash_attn_func``) or, without one, on the CPU through
+the reference path (minutes at the default sizes). The CPU path dequantizes exactly like the kernels
+but multiplies P@V with P unrounded (the kernels round P to e4m3, or to bf16 for bf16 inputs), so its
+figures are the quantization error of Q, K and V alone: lower than the GPU's, most visibly for bf16.
 """
 from __future__ import annotations
 
@@ -14,7 +23,7 @@ import torch
 
 from .common import results_header, write_results
 
-__all__ = ["run", "outlier_inputs"]
+__all__ = ["run", "outlier_inputs", "error_budget"]
 
 
 def outlier_inputs(shape, device="cuda", dtype=torch.bfloat16, gen=None):
@@ -25,6 +34,10 @@ def outlier_inputs(shape, device="cuda", dtype=torch.bfloat16, gen=None):
     return x.to(dtype)
 
 
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _oracle(q, k, v):
     from ..reference import attention_ref
 
@@ -33,21 +46,41 @@ def _oracle(q, k, v):
 
 
 def _run_variant(q, k, v, granularity, hadamard, block=128):
-    from ..kernels.dense import launch_dense_fwd
+    """The public dense API on the variant's FP8 inputs (float32 output, no output rounding)."""
+    from .. import flash_attn_func
     from ..qkv import quantize_qkv
 
-    b, sq, h, d = q.shape
-    out = torch.empty(b, sq, h, d, device=q.device, dtype=torch.float32)
-    kw = dict(softmax_scale=d ** -0.5, causal=False, window_size=(-1, -1), softcap=0.0)
     if granularity == "bf16":
-        launch_dense_fwd(q, k, v, out, None, q_descale=None, k_descale=None, v_descale=None, **kw)
-        return out
+        return flash_attn_func(q, k, v, out_dtype=torch.float32)
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, granularity, hadamard=hadamard, block_size=block)
-    extra = {}
+    return flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32,
+                           descale_block_size=block if granularity == "per_block" else None)
+
+
+def error_budget(q, k, v, ref, granularity="per_block", hadamard=True, block=128):
+    """RMSE vs ``ref`` with each operand quantized alone and together (float64, reference path).
+
+    Q and K are taken rotated and dequantized from ``quantize_qkv`` (the rotation leaves Q K^T
+    unchanged), V dequantized with its descale, P rounded to e4m3 as the kernels do."""
+    from ..qkv import quantize_qkv
+    from ..reference import attention_ref, block_descales_to_tokens
+
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, granularity, hadamard=hadamard, block_size=block)
     if granularity == "per_block":
-        extra = dict(descale_block_q=block, descale_block_k=block)
-    launch_dense_fwd(q8, k8, v8, out, None, q_descale=qd, k_descale=kd, v_descale=vd, **kw, **extra)
-    return out
+        qd = block_descales_to_tokens(qd, q.shape[1], block)[..., None]
+        kd = block_descales_to_tokens(kd, k.shape[1], block)[..., None]
+    else:
+        qd = qd.repeat_interleave(q.shape[2] // k.shape[2], dim=1)[:, None, :, None]
+        kd = kd[:, None, :, None]
+    qf, kf = q8.double() * qd.double(), k8.double() * kd.double()
+    vf = v8.double() * vd.double()[:, None, :, None]
+    qe, ke, ve = q.double(), k.double(), v.double()
+
+    def rmse(qx, kx, vx, quantize_p):
+        o = attention_ref(qx, kx, vx, compute_dtype=torch.float64, out_dtype=torch.float64, quantize_p=quantize_p)
+        return _rmse(o, ref)
+    return {"all": rmse(qf, kf, vf, True), "qk_only": rmse(qf, kf, ve, False), "v_only": rmse(qe, ke, vf, False),
+            "p_only": rmse(qe, ke, ve, True), "qkv_p_exact": rmse(qf, kf, vf, False)}
 
 
 def _rmse(out, ref):
@@ -58,14 +91,16 @@ VARIANTS = [("bf16", False), ("per_tensor", False), ("per_head", False), ("per_b
             ("per_tensor", True), ("per_head", True), ("per_block", True)]
 
 
-def run(out_dir=None, quick=False):
-    """Write accuracy.json into ``out_dir`` (default benchmarks/results/<gpu>/); returns the dict."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def run(out_dir=None, quick=False, seqlen=4096, growth_lens=None):
+    """Write accuracy.json into ``out_dir`` (default benchmarks/results/<gpu or cpu>/); returns the dict."""
+    dev = _device()
+    gen = torch.Generator(device=dev).manual_seed(0)
     doc = results_header("accuracy")
+    doc["device"] = dev
     b, h, d = 1, 8, 128
-    # 1) granularity table at 4k x 4k
-    s = 4096
-    q, k, v = (outlier_inputs((b, s, h, d), gen=gen) for _ in range(3))
+    # 1) granularity table at seqlen x seqlen
+    s = seqlen
+    q, k, v = (outlier_inputs((b, s, h, d), device=dev, gen=gen) for _ in range(3))
     ref = _oracle(q, k, v)
     for gran, had in VARIANTS:
         out = _run_variant(q, k, v, gran, had)
@@ -77,13 +112,14 @@ def run(out_dir=None, quick=False):
                              "ours": {"ms": None, "tflops": None, "gbps": None, "rmse": _rmse(out, ref),
                                       "err": float((out.double() - ref).norm() / ref.norm())},
                              "peers": {}})
+    doc["error_budget"] = {"case": f"per_block+hadamard S{s}", "rmse": error_budget(q, k, v, ref)}
     del q, k, v, ref
     # 2) error growth with the key length (queries: the last 256 positions, non-causal)
-    sq, hh = 256, 4
-    lens = [4096, 32768] if quick else [4096, 32768, 131072]
+    sq, hh = min(256, seqlen), 4
+    lens = growth_lens or ([4096, 32768] if quick else [4096, 32768, 131072])
     for sk in lens:
-        q = outlier_inputs((b, sq, hh, d), gen=gen)
-        k, v = (outlier_inputs((b, sk, hh, d), gen=gen) for _ in range(2))
+        q = outlier_inputs((b, sq, hh, d), device=dev, gen=gen)
+        k, v = (outlier_inputs((b, sk, hh, d), device=dev, gen=gen) for _ in range(2))
         ref = _oracle(q, k, v)
         for gran, had in [("bf16", False), ("per_tensor", False), ("per_head", False), ("per_block", True)]:
             out = _run_variant(q, k, v, gran, had)
@@ -95,7 +131,8 @@ def run(out_dir=None, quick=False):
                                           "err": float((out.double() - ref).norm() / ref.norm())},
                                  "peers": {}})
         del q, k, v, ref
-        torch.cuda.empty_cache()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
     # growth ratios (largest / 4k) per variant
     growth = {}
     for c in doc["cases"]:
@@ -108,6 +145,7 @@ def run(out_dir=None, quick=False):
     for c in doc["cases"]:
         print(f"{c['case']:36s} {c['ours']['rmse']:10.3e} {c['ours']['err']:10.3e}")
     print("growth ratio (max keys / 4k):", {n: round(r, 3) for n, r in doc["growth_ratio"].items()})
+    print("error budget,", doc["error_budget"]["case"], {n: f"{r:.2e}" for n, r in doc["error_budget"]["rmse"].items()})
     return doc
 
 
