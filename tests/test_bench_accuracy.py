@@ -5,9 +5,10 @@ from fp8attn.bench.accuracy import run
 
 
 def test_accuracy_routine_on_cpu(tmp_path):
-    doc = run(out_dir=tmp_path, seqlen=128, growth_lens=[128, 256])
-    saved = json.loads((tmp_path / "accuracy.json").read_text())
-    assert saved["device"] == doc["device"]
+    path = run(out_dir=tmp_path, seqlen=128, growth_lens=[128, 256])
+    assert path == tmp_path / "accuracy.json"
+    saved = json.loads(path.read_text())
+    assert saved["device"] in ("cpu", "cuda")
     rmse = {c["case"]: c["ours"]["rmse"] for c in saved["cases"]}
     assert len(rmse) == 7 + 2 * 4
     # FP8 quantization error dwarfs the 16-bit path's; the rotation cuts it on outlier inputs

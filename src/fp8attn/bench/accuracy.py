@@ -92,7 +92,7 @@ VARIANTS = [("bf16", False), ("per_tensor", False), ("per_head", False), ("per_b
 
 
 def run(out_dir=None, quick=False, seqlen=4096, growth_lens=None):
-    """Write accuracy.json into ``out_dir`` (default benchmarks/results/<gpu or cpu>/); returns the dict."""
+    """Write accuracy.json into ``out_dir`` (default benchmarks/results/<gpu or cpu>/); returns its path."""
     dev = _device()
     gen = torch.Generator(device=dev).manual_seed(0)
     doc = results_header("accuracy")
@@ -140,13 +140,13 @@ def run(out_dir=None, quick=False, seqlen=4096, growth_lens=None):
             name = c["case"].split()[1]
             growth.setdefault(name, {})[c["params"]["seqlen_k"]] = c["ours"]["rmse"]
     doc["growth_ratio"] = {n: v[max(v)] / v[min(v)] for n, v in growth.items()}
-    write_results(doc, out_dir)
+    path = write_results(doc, out_dir)
     print(f"{'case':36s} {'rmse':>10s} {'rel':>10s}")
     for c in doc["cases"]:
         print(f"{c['case']:36s} {c['ours']['rmse']:10.3e} {c['ours']['err']:10.3e}")
     print("growth ratio (max keys / 4k):", {n: round(r, 3) for n, r in doc["growth_ratio"].items()})
     print("error budget,", doc["error_budget"]["case"], {n: f"{r:.2e}" for n, r in doc["error_budget"]["rmse"].items()})
-    return doc
+    return path
 
 
 if __name__ == "__main__":
