@@ -18,17 +18,29 @@ E4M3 = torch.float8_e4m3fn
 F64 = torch.float64
 
 
-def check(out, lse, ref, ref_lse, name="out"):
-    """out vs the float64 oracle: FA3 rule with the output-dtype rounding of the oracle as the low-precision
-    baseline; LSE: same -inf pattern, finite values within fp32 accuracy."""
+def check(out, lse, ref, ref_lse, lowp=None, name="out"):
+    """out vs the float64 oracle: FA3 rule with the oracle's low-precision run (``lowp``: P rounded as
+    the kernel rounds it; default the exact oracle) rounded to the output dtype as the baseline; LSE:
+    same -inf pattern, finite values within fp32 accuracy."""
     assert not torch.isnan(out.float()).any(), f"{name}: NaN"
-    assert_close_fa3(out.float(), ref, ref.to(out.dtype).float(), name=name)
+    assert_close_fa3(out.float(), ref, (ref if lowp is None else lowp).to(out.dtype).float(), name=name)
     if lse is not None:
         assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
         assert not torch.isnan(lse).any()
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"{name}: -inf pattern of lse differs"
         fin = torch.isfinite(ref_lse)
         torch.testing.assert_close(lse[fin].double(), ref_lse[fin], atol=1e-4, rtol=1e-5)
+
+
+def oracle(q, k, v, p_round="dense", **kw):
+    """naive_attention plus the low-precision baseline of the path the API takes: by default the dense
+    kernels' P@V (P in e4m3 for e4m3 inputs, in the 16-bit input dtype for 16-bit inputs)."""
+    if p_round == "dense":
+        p_round = "e4m3" if q.dtype == E4M3 else q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
+    if p_round is None:
+        out, lse = naive_attention(q, k, v, **kw)
+        return out, lse, out
+    return naive_attention(q, k, v, p_round=p_round, **kw)
 
 
 def make(kind, b, sq, sk, hq, hk, d, dv=None):
@@ -55,8 +67,8 @@ def test_dense_seqlen_grid(sq, sk, causal, kind):
     out, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **ds)
     assert out.shape == (b, sq, hq, d) and out.dtype == torch.bfloat16
     assert lse.shape == (b, hq, sq)
-    ref, ref_lse = naive_attention(q, k, v, causal=causal, **ds)
-    check(out, lse, ref, ref_lse)
+    ref, ref_lse, lowp = oracle(q, k, v, causal=causal, **ds)
+    check(out, lse, ref, ref_lse, lowp)
     if causal and sq > sk:  # the first sq - sk rows see nothing
         assert (out[:, :sq - sk].float() == 0).all() and torch.isneginf(lse[:, :, :sq - sk]).all()
 
@@ -66,7 +78,7 @@ def test_dense_seqlen_grid(sq, sk, causal, kind):
 def test_gqa_mqa_ratios(hq, hk, kind):
     q, k, v, ds = make(kind, 2, 9, 14, hq, hk, 32)
     out, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **ds)
-    check(out, lse, *naive_attention(q, k, v, causal=True, **ds))
+    check(out, lse, *oracle(q, k, v, causal=True, **ds))
     # pack_gqa is only a scheduling hint
     for pg in (True, False):
         assert torch.equal(flash_attn_func(q, k, v, causal=True, pack_gqa=pg, **ds), out)
@@ -78,7 +90,7 @@ def test_head_dims(d, dv, kind):
     q, k, v, ds = make(kind, 1, 17, 33, 2, 1, d, dv)
     out, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **ds)
     assert out.shape == (1, 17, 2, dv)
-    check(out, lse, *naive_attention(q, k, v, causal=True, **ds))
+    check(out, lse, *oracle(q, k, v, causal=True, **ds))
 
 
 @pytest.mark.parametrize("window", [(0, 0), (3, 0), (5, 2), (-1, 4), (7, -1)], ids=str)
@@ -86,7 +98,7 @@ def test_head_dims(d, dv, kind):
 def test_sliding_window(window, sq, sk):
     q, k, v, ds = make("fp8", 2, sq, sk, 4, 2, 32)
     out, lse = flash_attn_func(q, k, v, window_size=window, return_attn_probs=True, **ds)
-    check(out, lse, *naive_attention(q, k, v, window_size=window, **ds))
+    check(out, lse, *oracle(q, k, v, window_size=window, **ds))
     # causal=True is a window whose right edge is 0
     oc = flash_attn_func(q, k, v, causal=True, window_size=(window[0], -1), **ds)
     assert torch.equal(oc, flash_attn_func(q, k, v, window_size=(window[0], 0), **ds))
@@ -98,11 +110,11 @@ def test_fully_masked_rows():
         out, lse = flash_attn_func(q, k, v, return_attn_probs=True, **kw, **ds)
         assert not torch.isnan(out.float()).any() and not torch.isnan(lse).any()
         assert (out[:, :8].float() == 0).all() and torch.isneginf(lse[:, :, :8]).all()
-        check(out, lse, *naive_attention(q, k, v, **kw, **ds))
+        check(out, lse, *oracle(q, k, v, **kw, **ds))
     # a window that excludes every key of every row (queries far before the keys' diagonal)
     q, k, v, ds = make("bf16", 1, 40, 4, 2, 2, 16)
     out, lse = flash_attn_func(q, k, v, window_size=(0, 30), return_attn_probs=True)
-    check(out, lse, *naive_attention(q, k, v, window_size=(0, 30)))
+    check(out, lse, *oracle(q, k, v, window_size=(0, 30)))
     assert torch.isneginf(lse[:, :, :6]).all()
 
 
@@ -110,7 +122,7 @@ def test_fully_masked_rows():
 def test_softcap(softcap):
     q, k, v, ds = make("fp8", 2, 11, 21, 4, 2, 64)
     out, lse = flash_attn_func(q, k, v, softcap=softcap, softmax_scale=0.5, causal=True, return_attn_probs=True, **ds)
-    check(out, lse, *naive_attention(q, k, v, softcap=softcap, softmax_scale=0.5, causal=True, **ds))
+    check(out, lse, *oracle(q, k, v, softcap=softcap, softmax_scale=0.5, causal=True, **ds))
 
 
 @pytest.mark.parametrize("gran", ["per_tensor", "per_sequence"])
@@ -121,7 +133,7 @@ def test_descale_broadcasts(gran):
     if gran == "per_tensor":
         qd, kd, vd = qd.reshape(1, 1), kd.reshape(()), vd.reshape(1)
     out, lse = flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True)
-    ref = naive_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    ref = oracle(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
     check(out, lse, *ref)
     # the same values passed as a full (batch, nheads_k) tensor give identical results
     full = [d.reshape(-1, 1).expand(b, h).contiguous() if d.numel() > 1 else d.reshape(1, 1).expand(b, h).contiguous()
@@ -141,23 +153,24 @@ def test_descales_are_used():
     qd2 = ds["q_descale"] * 3
     o3 = flash_attn_func(q, k, v, out_dtype=torch.float32, **{**ds, "q_descale": qd2})
     assert (o3 - base).abs().max() > 1e-3
-    check(o3, None, naive_attention(q, k, v, **{**ds, "q_descale": qd2})[0], None)
+    ref3 = oracle(q, k, v, **{**ds, "q_descale": qd2})
+    check(o3, None, ref3[0], None, ref3[2])
 
 
 @pytest.mark.parametrize("fmt", [torch.float8_e5m2, torch.float8_e4m3fnuz])
 def test_other_fp8_formats_on_cpu(fmt):
     q, k, v, qd, kd, vd = fp8_inputs(2, 7, 12, 2, 1, 32, fmt=fmt)
     out, lse = flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=True, return_attn_probs=True)
-    check(out, lse, *naive_attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=True))
+    check(out, lse, *oracle(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=True))
 
 
 def test_out_dtype_out_and_out_scale():
     q, k, v, ds = make("fp8", 2, 9, 13, 4, 2, 32)
-    ref, _ = naive_attention(q, k, v, causal=True, **ds)
+    ref, _, lowp = oracle(q, k, v, causal=True, **ds)
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         o = flash_attn_func(q, k, v, causal=True, out_dtype=dt, **ds)
         assert o.dtype == dt
-        check(o, None, ref, None)
+        check(o, None, ref, None, lowp)
         buf = torch.full((2, 9, 4, 32), float("nan"), dtype=dt)
         o2 = flash_attn_func(q, k, v, causal=True, out=buf, out_dtype=dt if dt != torch.bfloat16 else None, **ds)
         assert o2 is buf and torch.equal(buf, o)
@@ -178,7 +191,7 @@ def test_16bit_dtypes_keep_dtype():
         q, k, v = (torch.randn(1, 5, 2, 16).to(dt) for _ in range(3))
         out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
         assert out.dtype == dt
-        check(out, lse, *naive_attention(q, k, v))
+        check(out, lse, *oracle(q, k, v))
 
 
 def test_deterministic_reruns():
@@ -216,8 +229,8 @@ def test_varlen_zero_length_sequences(causal, kind):
             continue
         qs, ks = slice(int(cq[i]), int(cq[i + 1])), slice(int(ck[i]), int(ck[i + 1]))
         dsi = {n: t[i:i + 1] for n, t in ds.items()}
-        ref, ref_lse = naive_attention(q[None, qs], k[None, ks], v[None, ks], causal=causal, **dsi)
-        check(out[None, qs], lse[None, :, qs], ref, ref_lse, name=f"seq{i}")
+        ref, ref_lse, lowp = oracle(q[None, qs], k[None, ks], v[None, ks], causal=causal, **dsi)
+        check(out[None, qs], lse[None, :, qs], ref, ref_lse, lowp, name=f"seq{i}")
         if lk[i] == 0:
             assert (out[qs].float() == 0).all() and torch.isneginf(lse[:, qs]).all()
 
@@ -237,9 +250,9 @@ def test_varlen_seqused():
         q0, k0 = int(cq[i]), int(ck[i])
         if used_q[i]:
             dsi = {n: t[i:i + 1] for n, t in ds.items()}
-            ref, ref_lse = naive_attention(q[None, q0:q0 + used_q[i]], k[None, k0:k0 + used_k[i]],
-                                           v[None, k0:k0 + used_k[i]], causal=True, **dsi)
-            check(out[None, q0:q0 + used_q[i]], lse[None, :, q0:q0 + used_q[i]], ref, ref_lse)
+            ref, ref_lse, lowp = oracle(q[None, q0:q0 + used_q[i]], k[None, k0:k0 + used_k[i]],
+                                        v[None, k0:k0 + used_k[i]], causal=True, **dsi)
+            check(out[None, q0:q0 + used_q[i]], lse[None, :, q0:q0 + used_q[i]], ref, ref_lse, lowp)
         # rows past seqused_q are not attended: 0 output
         assert (out[q0 + used_q[i]:int(cq[i + 1])].float() == 0).all()
 
@@ -265,9 +278,10 @@ def test_kvcache_contiguous_with_cache_batch_idx():
                                        v_descale=vd, causal=True, return_softmax_lse=True)
     for i in range(2):
         r = int(idx[i])
-        ref, ref_lse = naive_attention(q[i:i + 1], kc8[r:r + 1, :lens[i]], vc8[r:r + 1, :lens[i]], causal=True,
-                                       k_descale=kd, v_descale=vd)
-        check(out[i:i + 1], lse[i:i + 1], ref, ref_lse)
+        # bf16 Q over an e4m3 cache: the paged kernel's fp16 dots (P rounded to fp16)
+        ref, ref_lse, lowp = oracle(q[i:i + 1], kc8[r:r + 1, :lens[i]], vc8[r:r + 1, :lens[i]], causal=True,
+                                    k_descale=kd, v_descale=vd, p_round=torch.float16)
+        check(out[i:i + 1], lse[i:i + 1], ref, ref_lse, lowp)
 
 
 def test_kvcache_v_seq_major_append_and_attend():
@@ -302,3 +316,30 @@ def test_kvcache_v_seq_major_append_and_attend():
         flash_attn_with_kvcache(torch.randn(b, 1, hq, d).bfloat16(), kc, bad, page_table=pt,
                                 cache_seqlens=torch.ones(b, dtype=torch.int32),
                                 k_descale=torch.tensor([[0.02]]), v_descale=torch.tensor([[0.03]]))
+
+
+# ------------------------------------------------------------------ the CPU path rounds P like the GPU
+def test_cpu_path_rounds_p_like_the_kernels():
+    """e4m3 inputs: P in e4m3 (FP8 P@V); bf16 inputs: P in bf16; bf16 Q over an e4m3 paged cache: P in
+    fp16 (the paged kernel's fp16 dots). Each equals the reference with that switch and differs from
+    the exact-P reference."""
+    from fp8attn.paged import make_page_table
+    from fp8attn.reference import attention_ref, paged_attention_ref
+
+    for kind, model in (("fp8", dict(quantize_p=True)), ("bf16", dict(p_dtype=torch.bfloat16))):
+        q, k, v, ds = make(kind, 2, 17, 40, 4, 2, 64)
+        out = flash_attn_func(q, k, v, causal=True, out_dtype=torch.float32, **ds)
+        kw = dict(causal=True, out_dtype=torch.float32, **ds)
+        assert torch.equal(out, attention_ref(q, k, v, **kw, **model)), kind
+        assert not torch.equal(out, attention_ref(q, k, v, **kw)), kind
+    lens, ps, hk, d = [40, 9], 16, 2, 64
+    pt = make_page_table(lens, ps, 8, generator=torch.Generator().manual_seed(0))
+    kc, kd = quantize(torch.randn(8, ps, hk, d), "per_tensor")
+    vc, vd = quantize(torch.randn(8, ps, hk, d), "per_tensor")
+    q = torch.randn(2, 3, 4, d).bfloat16()
+    cs = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(k_descale=kd.reshape(1, 1), v_descale=vd.reshape(1, 1), causal=True)
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw)
+    ref16 = paged_attention_ref(q, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16, **kw)
+    assert torch.equal(out, ref16)
+    assert not torch.equal(out, paged_attention_ref(q, kc, vc, pt, cs, out_dtype=torch.float32, **kw))

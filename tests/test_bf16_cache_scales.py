@@ -73,8 +73,10 @@ def test_attention_with_bf16_scales_matches_fp32_scales():
         outs[sdt] = fp8attn.flash_attn_with_kvcache(
             q, kc, vc, k=k, v=v, cache_seqlens=torch.zeros(B, dtype=torch.int32), page_table=pt, cu_seqlens_q=cu,
             cu_seqlens_k_new=cu, max_seqlen_q=70, causal=True, k_cache_scales=ks, v_cache_scales=vs)
+        # bf16 Q with per-token-head V scales: the kernel multiplies in bf16 (P rounded to bf16)
         ref = paged_attention_ref(q, kc, vc, pt, torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu,
-                                  max_seqlen_q=70, k_cache_scales=ks, v_cache_scales=vs, causal=True)
+                                  max_seqlen_q=70, k_cache_scales=ks, v_cache_scales=vs, causal=True,
+                                  p_dtype=torch.bfloat16)
         assert not torch.isnan(outs[sdt]).any()
         torch.testing.assert_close(outs[sdt].float(), ref.float(), atol=1e-2, rtol=0)
     # against attention over the unquantized K/V, bf16 scale storage costs (almost) nothing in accuracy

@@ -32,14 +32,23 @@ def _bh(d, b, hk):
     return d.reshape(d.shape[0], -1).expand(b, hk)
 
 
+def _round_p(p, p_round):
+    """P as a kernel multiplies it: e4m3 after scaling by 2**8 (then scaled back), or a 16-bit dtype."""
+    if p_round == "e4m3":
+        return saturating_cast((p * 256.0).float()).to(F64) / 256.0
+    return p.to(p_round).to(F64)
+
+
 def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     q_descale=None, k_descale=None, v_descale=None, k_token_descale=None,
-                    v_token_descale=None, seqlens_q=None, seqlens_k=None):
+                    v_token_descale=None, seqlens_q=None, seqlens_k=None, p_round=None):
     """Float64 oracle, one query row at a time.
 
     q : (b, sq, hq, d); k : (b, sk, hk, d); v : (b, sk, hk, dv) -- any float / fp8 dtype.
     Descales: None / per-tensor / (b, 1) / (b, hk); token descales (b, sk, hk).
     Returns out (b, sq, hq, dv) float64 (rows past seqlens_q are 0) and lse (b, hq, sq) float64.
+    p_round ("e4m3", torch.bfloat16 or torch.float16): also return, third, the output with P rounded
+    that way before P @ V (the row sum unrounded), the low-precision baseline of FA3's rule.
     """
     b, sq, hq, d = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -52,6 +61,7 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     if v_token_descale is not None:
         V = V * v_token_descale.to(F64)[..., None]
     out = torch.zeros(b, sq, hq, dv, dtype=F64)
+    out_lowp = torch.zeros(b, sq, hq, dv, dtype=F64)
     lse = torch.full((b, hq, sq), float("-inf"), dtype=F64)
     left, right = window_size
     for bi in range(b):
@@ -80,8 +90,10 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                 p = torch.exp(s - mx)
                 denom = p.sum()
                 out[bi, i, h] = (p @ V[bi, lo:hi + 1, kh]) / denom * vd[bi, kh]
+                if p_round is not None:
+                    out_lowp[bi, i, h] = (_round_p(p, p_round) @ V[bi, lo:hi + 1, kh]) / denom * vd[bi, kh]
                 lse[bi, h, i] = mx + torch.log(denom)
-    return out, lse
+    return (out, lse) if p_round is None else (out, lse, out_lowp)
 
 
 def rand_descale(b, hk, lo=0.3, hi=2.0):

@@ -45,6 +45,7 @@ import torch
 
 from . import reference as ref
 from .capability import kernel_path_ok
+from .paged import paged_precision
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 
 __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "quant_fp8_static", "scaled_bmm",
@@ -95,6 +96,13 @@ def _dense_shapes(q, v, varlen):
     return oshape, lse_shape
 
 
+def _dense_p_model(q, v):
+    """The dense kernel's P@V for the reference path: e4m3 P for e4m3 inputs (P_FP8), P in the input
+    dtype for 16-bit inputs, exact otherwise."""
+    return {"quantize_p": q.dtype == torch.float8_e4m3fn,
+            "p_dtype": v.dtype if v.dtype in (torch.bfloat16, torch.float16) else None}
+
+
 def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap, q_descale, k_descale, v_descale,
                 out_scale, out_dtype, pack_gqa, descale_block, out):
@@ -115,7 +123,7 @@ def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
         return o, lse
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale,
-              out_dtype=dt, return_lse=True)
+              out_dtype=dt, return_lse=True, **_dense_p_model(q, v))
     if descale_block:  # per-block Q/K descales -> per-token scales for the reference
         kw.update(q_descale=None, k_descale=None,
                   q_token_descale=_block_tokens(q_descale, q, varlen, descale_block),
@@ -162,11 +170,14 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
                v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
                out_scale=out_scale, num_splits=num_splits)
         return o, lse
+    fp8_mma, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, k_cache_scales is not None,
+                                   v_cache_scales is not None)
     o, lse = ref.paged_attention_ref(
         q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
         k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, softmax_scale=softmax_scale,
         causal=causal, window_size=window, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
-        v_descale=v_descale, out_scale=out_scale, out_dtype=dt, return_lse=True)
+        v_descale=v_descale, out_scale=out_scale, out_dtype=dt, return_lse=True, quantize_p=fp8_mma,
+        p_dtype=None if fp8_mma or k_cache.dtype == torch.float32 else cdt)  # fp32: a CPU/test cache format
     if out is not None:
         _into(out, o)
         o = out

@@ -4,7 +4,31 @@ from __future__ import annotations
 import torch
 
 __all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "empty_paged", "to_v_seq_major",
-           "is_v_seq_major"]
+           "is_v_seq_major", "paged_precision"]
+
+_E4M3 = torch.float8_e4m3fn
+
+
+def paged_precision(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_scales: bool):
+    """How the paged kernel multiplies: ``(fp8_mma, compute_dtype)``; one rule for the kernel's
+    launcher and the CPU path.
+
+    fp8_mma: Q, K and V all e4m3 without per-token-head scales -> FP8 QK^T and FP8 P@V (P scaled into
+    e4m3's range). Otherwise K/V are upcast in registers to ``compute_dtype`` and both dots run in it
+    (P rounded to it): a 16-bit cache's own dtype; bf16 for bf16 Q with per-token-head V scales (the
+    scaled rows may leave fp16's range); fp16 otherwise (e4m3/e5m2 -> fp16 is exact and one convert
+    per pair, where bf16 needs a detour that made decode ALU-bound; Q is cast to fp16, clamped to
+    +-65504).
+    """
+    fp8_mma = (q_dtype == _E4M3 and k_dtype == _E4M3 and v_dtype == _E4M3
+               and not k_token_scales and not v_token_scales)
+    if k_dtype in (torch.bfloat16, torch.float16):
+        cdt = k_dtype
+    elif q_dtype == torch.bfloat16 and v_token_scales:
+        cdt = torch.bfloat16
+    else:
+        cdt = torch.float16
+    return fp8_mma, cdt
 
 
 def alloc_paged_cache(num_blocks, page_size, nheads_k, headdim, dtype=torch.float8_e4m3fn, device="cpu",

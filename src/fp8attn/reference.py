@@ -10,7 +10,10 @@ Semantics (docs/numerics.md):
 * A row that sees no key outputs 0 with LSE ``-inf`` (never NaN). LSE is natural-log float32.
 * ``quantize_p=True`` models the kernels' FP8 P: probabilities ``exp(s - m)`` are scaled by 2**8
   into e4m3's range, cast to e4m3 (saturating), and used for ``P @ V``; the row sum uses the
-  unquantized probabilities, as the kernels do.
+  unquantized probabilities, as the kernels do. ``p_dtype=torch.bfloat16 / float16`` models a
+  16-bit P@V instead (P rounded to that dtype). The CPU execution path (ops.py) sets them the way
+  the GPU kernel of the same call multiplies, so both round P alike (P relative to the row's final
+  max here, to the running max of its tile in the kernels: the same rounding, not the same bits).
 * ``out_scale`` gives the fused static FP8 output: ``saturate(out / out_scale)`` in e4m3fn.
 * ``compute_dtype=torch.float64`` is the oracle.
 
@@ -45,7 +48,7 @@ def _dq(x: torch.Tensor, descale: torch.Tensor | None, token_descale: torch.Tens
 def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None, causal=False,
                   window_size=(-1, -1), softcap=0.0, q_descale=None, k_descale=None, v_descale=None,
                   q_token_descale=None, k_token_descale=None, v_token_descale=None, quantize_p=False, out_scale=None,
-                  out_dtype=None, compute_dtype=torch.float32, return_lse=False):
+                  out_dtype=None, compute_dtype=torch.float32, return_lse=False, p_dtype=None):
     """Padded dense attention.
 
     Parameters
@@ -59,6 +62,8 @@ def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None
         expanded to tokens: ``block_descales_to_tokens``).
     k_token_descale, v_token_descale : float32 (batch, seqlen_k, nheads_k) per-token-head scales.
     out_scale : static per-tensor output scale; the output is then e4m3fn.
+    quantize_p, p_dtype : P@V with P in e4m3 (scaled by 2**8) or rounded to a 16-bit dtype; default
+        exact (in ``compute_dtype``).
 
     Returns
     -------
@@ -120,6 +125,8 @@ def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None
     if quantize_p:
         pq = saturating_cast(p * P_SCALE).to(cdt)
         o = torch.einsum("bhqk,bkhd->bqhd", pq, vf) / P_SCALE
+    elif p_dtype is not None:
+        o = torch.einsum("bhqk,bkhd->bqhd", p.to(p_dtype).to(cdt), vf)
     else:
         o = torch.einsum("bhqk,bkhd->bqhd", p, vf)
     empty = l == 0  # (b, h, q, 1)

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..paged import is_v_seq_major
+from ..paged import is_v_seq_major, paged_precision
 from .combine import launch_combine
 from .common import (causal_window_mask, finalize_rows, full_tile_range, kv_range, online_softmax_step,
                      output_epilogue, scale_logits, window_flags)
@@ -587,16 +587,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert v_cache.stride(-1) == 1 or is_v_seq_major(v_cache)
     has_ks = k_cache_scales is not None
     has_vs = v_cache_scales is not None
-    mma_fp8 = (q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
-               and v_cache.dtype == torch.float8_e4m3fn and not has_ks and not has_vs)
-    if k_cache.dtype in (torch.bfloat16, torch.float16):
-        cdt = k_cache.dtype
-    elif q.dtype == torch.bfloat16 and has_vs:
-        cdt = torch.bfloat16  # per-token-head scaled V rows may leave fp16's range
-    else:
-        # e4m3/e5m2 -> fp16 is one cvt per pair and exact (bf16 needs a detour through fp16/fp32 that
-        # made decode ALU-bound); q is cast to fp16 in-kernel, clamped to +-65504.
-        cdt = torch.float16
+    mma_fp8, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs)
     if config and config.get("compute_dtype") is not None and not mma_fp8:
         cdt = config["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
     if _interpret() and cdt == torch.bfloat16:
