@@ -11,9 +11,8 @@ computed in float64 from the dequantized tensors with ``reference.attention_ref`
 P quantized alone and together (no kernel involved, so it is the same on any device).
 
 Runs on the GPU (the Triton kernels behind ``flash_attn_func``) or, without one, on the CPU through
-the reference path (minutes at the default sizes). The CPU path dequantizes exactly like the kernels
-but multiplies P@V with P unrounded (the kernels round P to e4m3, or to bf16 for bf16 inputs), so its
-figures are the quantization error of Q, K and V alone: lower than the GPU's, most visibly for bf16.
+the reference path (minutes at the default sizes), which rounds P as the kernels do (docs/numerics.md);
+the two differ by rounding order and by the random draw (the generators differ between devices).
 """
 from __future__ import annotations
 
