@@ -16,14 +16,13 @@ All cache offsets are int64 (an FP8 cache passes 2**31 elements at 2 GiB). The c
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..paged import is_v_seq_major
 from ..quant import scale_storage_pad
+from .common import INTERPRET
 
 __all__ = ["launch_write_kv_cache"]
 
@@ -189,7 +188,7 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         *kss, *vss, kdb, kdh, vdb, vdh,
         D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
         BLOCK_H=block_h, MODE=mode, HAS_SEQ_IDX=has_seq, FP8_MAX=fp8_max, FLOOR=DESCALE_FLOOR,
-        INTERP=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        INTERP=INTERPRET,
         K_SCALE_PAD=scale_storage_pad(k_cache_scales.dtype) if mode == MODE_DYNAMIC else 1.0,
         V_SCALE_PAD=scale_storage_pad(v_cache_scales.dtype) if mode == MODE_DYNAMIC else 1.0,
         num_warps=4,

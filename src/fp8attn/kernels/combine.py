@@ -8,13 +8,11 @@ empty split cannot leak); a row whose splits are all empty gives ``out = 0`` and
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, LN2, output_epilogue
+from .common import INTERPRET, LOG2E, LN2, output_epilogue
 
 __all__ = ["launch_combine", "combine_tiles"]
 
@@ -162,5 +160,5 @@ def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: to
         *out_partial.stride()[:4], *lse_partial.stride(), *out.stride()[:3], *lse_t.stride(),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits, CHUNK=chunk,
         STORE_LSE=lse is not None, OUT_FP8=out_fp8, OUT_DTYPE=_TL_DTYPES[out.dtype],
-        INTERP=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=nw,
+        INTERP=INTERPRET, num_warps=nw,
     )

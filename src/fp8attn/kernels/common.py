@@ -20,7 +20,11 @@ import os
 import triton
 import triton.language as tl
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":  # every kernel module imports this one
+# Read once at import, as the @triton.jit decorators choose the interpreter then; launchers pass it on
+# (a per-call read could disagree with how their kernels were built).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+if INTERPRET:  # every kernel module imports this one
     from ._interpret import _interpreter_compat
 
     _interpreter_compat()

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from . import dense_tma
 from .common import (
+    INTERPRET,
     LOG2E,
     causal_window_mask,
     finalize_rows,
@@ -39,7 +40,6 @@ from .common import (
 
 __all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 
@@ -73,7 +73,7 @@ def _cfg(bm, bn, w, s):
 
 def dense_fwd_configs():
     """The autotune search space (union over head dims; ``_prune_configs`` picks per launch)."""
-    if _INTERPRET:
+    if INTERPRET:
         return [_cfg(16, 16, 4, 1)]
     seen = []
     for table in (_CFGS_FP8, _CFGS_16):
@@ -92,14 +92,14 @@ def _dclass(block_d, block_dv):
 
 def default_config(block_d, block_dv, is_fp8):
     """The untuned config (used under FP8ATTN_NO_AUTOTUNE=1 and the interpreter)."""
-    if _INTERPRET:
+    if INTERPRET:
         return (16, 16, 4, 1)
     table = _CFGS_FP8 if is_fp8 else _CFGS_16
     return table[_dclass(block_d, block_dv)][0]
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    if _INTERPRET:
+    if INTERPRET:
         return configs[:1]
     table = _CFGS_FP8 if kwargs["IS_FP8"] else _CFGS_16
     want = table[_dclass(kwargs["BLOCK_D"], kwargs["BLOCK_DV"])]
@@ -477,7 +477,7 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
         seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa, descale_block_q=descale_block_q,
         descale_block_k=descale_block_k, v_kmajor=v_kmajor)
-    if _INTERPRET or os.environ.get("FP8ATTN_NO_AUTOTUNE", "0") == "1":
+    if INTERPRET or os.environ.get("FP8ATTN_NO_AUTOTUNE", "0") == "1":
         bm, bn, w, st = default_config(kwargs["BLOCK_D"], kwargs["BLOCK_DV"], kwargs["IS_FP8"])
         _dense_fwd_kernel[grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
     else:

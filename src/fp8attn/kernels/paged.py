@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -49,8 +48,8 @@ import triton.language as tl
 
 from ..paged import is_v_seq_major, paged_precision
 from .combine import launch_combine
-from .common import (causal_window_mask, finalize_rows, full_tile_range, kv_range, online_softmax_step,
-                     output_epilogue, scale_logits, window_flags)
+from .common import (INTERPRET, causal_window_mask, finalize_rows, full_tile_range, kv_range,
+                     online_softmax_step, output_epilogue, scale_logits, window_flags)
 
 __all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config"]
 
@@ -389,14 +388,6 @@ def _paged_fwd_kernel(
                      P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE, UNMASKED_TILES)
 
 
-# Fixed at import, like the @triton.jit decorators themselves (they pick the interpreter then).
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _interpret() -> bool:
-    return _INTERPRET
-
-
 @functools.lru_cache(None)
 def _num_sms(device) -> int:
     if device.type != "cuda":
@@ -505,7 +496,7 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
         nw = override.get("num_warps", nw)
         ns = override.get("num_stages", ns)
         maxnreg = override.get("maxnreg", maxnreg)
-    if _interpret():
+    if INTERPRET:
         ns = 1
     return bm, bn, nw, ns, maxnreg
 
@@ -590,7 +581,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mma_fp8, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs)
     if config and config.get("compute_dtype") is not None and not mma_fp8:
         cdt = config["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
-    if _interpret() and cdt == torch.bfloat16:
+    if INTERPRET and cdt == torch.bfloat16:
         cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
     v_seq_major = is_v_seq_major(v_cache)
     fp8_cache = k_cache.element_size() == 1
