@@ -21,13 +21,12 @@ import triton
 import triton.language as tl
 
 from ..paged import is_v_seq_major
-from ..quant import scale_storage_pad
+from ..quant import DESCALE_FLOOR, scale_storage_pad
 from .common import INTERPRET
 
 __all__ = ["launch_write_kv_cache"]
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-DESCALE_FLOOR = 2.0 ** -40  # == quant.DESCALE_FLOOR (kernels never import quant)
 
 MODE_COPY, MODE_STATIC, MODE_DYNAMIC = 0, 1, 2
 
