@@ -579,8 +579,9 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     has_ks = k_cache_scales is not None
     has_vs = v_cache_scales is not None
     mma_fp8, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs)
-    if config and config.get("compute_dtype") is not None and not mma_fp8:
-        cdt = config["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
+    cfg = config or {}  # benchmark overrides
+    if cfg.get("compute_dtype") is not None and not mma_fp8:
+        cdt = cfg["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
     if INTERPRET and cdt == torch.bfloat16:
         cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
     v_seq_major = is_v_seq_major(v_cache)
@@ -588,12 +589,12 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     bm, bn, nw, ns, maxnreg = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major, fp8_cache,
                                            has_ks or has_vs)
     # FP8 P@V unless the benchmark override asks for the fp16 P@V variant (FP8 QK^T, fp16 P and V)
-    p_fp8 = mma_fp8 and not (config and config.get("pv_fp16"))
+    p_fp8 = mma_fp8 and not cfg.get("pv_fp16")
     block_q = max(1, bm // qg)
     # Mixed batches: decode rows get their own small-tile programs (one per sequence) instead of
     # riding in the large prefill tiles (docs/perf-notes.md, paged mixed batches).
     bm_s, bn_s = paged_config(1, qg, d, mma_fp8, None, page_size, v_seq_major, fp8_cache, has_ks or has_vs)[:2]
-    two_class = varlen and bm > bm_s and bool((config or {}).get("two_class", True))
+    two_class = varlen and bm > bm_s and bool(cfg.get("two_class", True))
     if varlen:
         grid0 = total_q // block_q + batch + (batch if two_class else 0)
     else:
@@ -643,10 +644,10 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kss = k_cache_scales.stride() if has_ks else (0, 0, 0)
     vss = v_cache_scales.stride() if has_vs else (0, 0, 0)
     out_fp8 = out_scale is not None and not split
-    heads_inner = bool((config or {}).get("heads_inner", HEADS_INNER_DEFAULT))
+    heads_inner = bool(cfg.get("heads_inner", HEADS_INNER_DEFAULT))
     # unmasked full tiles need a second shared-memory ring: FP8 caches only (a 16-bit cache's
     # (16, 128, 4, 3) decode ring needed 264 KB of the 227 KB per block with both loops)
-    unmasked_tiles = bool((config or {}).get("unmasked_tiles", fp8_cache))
+    unmasked_tiles = bool(cfg.get("unmasked_tiles", fp8_cache))
     grid = (grid0 * hk, 1, num_splits) if heads_inner else (grid0, hk, num_splits)
     _paged_fwd_kernel[grid](
         q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q if varlen else dummy, o_t, l_t,
@@ -671,7 +672,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
         TILE_IN_PAGE=page_size % bn == 0, P_FP8=p_fp8, NUM_KV_HEADS=hk, HEADS_INNER=heads_inner,
         TWO_CLASS=two_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major, UNMASKED_TILES=unmasked_tiles,
-        DECODE_FIRST=bool((config or {}).get("decode_first", True)), num_warps=nw, num_stages=ns, maxnreg=maxnreg,
+        DECODE_FIRST=bool(cfg.get("decode_first", True)), num_warps=nw, num_stages=ns, maxnreg=maxnreg,
     )
     if split:
         if varlen:
