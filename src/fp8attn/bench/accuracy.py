@@ -59,27 +59,26 @@ def _run_variant(q, k, v, granularity, hadamard, block=128):
 def error_budget(q, k, v, ref, granularity="per_block", hadamard=True, block=128):
     """RMSE vs ``ref`` with each operand quantized alone and together (float64, reference path).
 
-    Q and K are taken rotated and dequantized from ``quantize_qkv`` (the rotation leaves Q K^T
-    unchanged), V dequantized with its descale, P rounded to e4m3 as the kernels do."""
+    The reference dequantizes the FP8 operands with their descales; Q and K come rotated from
+    ``quantize_qkv`` (the rotation leaves Q K^T unchanged); P is rounded to e4m3 as the kernels do."""
     from ..qkv import quantize_qkv
     from ..reference import attention_ref, block_descales_to_tokens
 
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, granularity, hadamard=hadamard, block_size=block)
+    qk_scales = dict(q_descale=qd, k_descale=kd)
     if granularity == "per_block":
-        qd = block_descales_to_tokens(qd, q.shape[1], block)[..., None]
-        kd = block_descales_to_tokens(kd, k.shape[1], block)[..., None]
-    else:
-        qd = qd.repeat_interleave(q.shape[2] // k.shape[2], dim=1)[:, None, :, None]
-        kd = kd[:, None, :, None]
-    qf, kf = q8.double() * qd.double(), k8.double() * kd.double()
-    vf = v8.double() * vd.double()[:, None, :, None]
-    qe, ke, ve = q.double(), k.double(), v.double()
+        qk_scales = dict(q_token_descale=block_descales_to_tokens(qd, q.shape[1], block),
+                         k_token_descale=block_descales_to_tokens(kd, k.shape[1], block))
 
-    def rmse(qx, kx, vx, quantize_p):
-        o = attention_ref(qx, kx, vx, compute_dtype=torch.float64, out_dtype=torch.float64, quantize_p=quantize_p)
+    def rmse(qx, kx, vx, quantize_p, **scales):
+        o = attention_ref(qx, kx, vx, compute_dtype=torch.float64, out_dtype=torch.float64, quantize_p=quantize_p,
+                          **scales)
         return _rmse(o, ref)
-    return {"all": rmse(qf, kf, vf, True), "qk_only": rmse(qf, kf, ve, False), "v_only": rmse(qe, ke, vf, False),
-            "p_only": rmse(qe, ke, ve, True), "qkv_p_exact": rmse(qf, kf, vf, False)}
+    return {"all": rmse(q8, k8, v8, True, v_descale=vd, **qk_scales),
+            "qk_only": rmse(q8, k8, v, False, **qk_scales),
+            "v_only": rmse(q, k, v8, False, v_descale=vd),
+            "p_only": rmse(q, k, v, True),
+            "qkv_p_exact": rmse(q8, k8, v8, False, v_descale=vd, **qk_scales)}
 
 
 def _rmse(out, ref):
