@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import quant
-from ..paged import empty_paged
+from ..paged import alloc_paged_cache
 
 __all__ = ["PagedKVCache", "StepInputs", "KV_DTYPES", "SCALE_MODES"]
 
@@ -106,12 +106,10 @@ class PagedKVCache:
         self.fp8_max = quant.fp8_max(self.dtype) if self.is_fp8 else None
         shape = (num_blocks, page_size, nheads_k, head_dim)
 
-        def alloc(seq_major=False):
-            t = empty_paged(shape, self.dtype, self.device, seq_major=seq_major)
-            return t.fill_(float("nan")) if poison else t.zero_()
-
-        self.k = [alloc() for _ in range(num_layers)]
-        self.v = [alloc(v_seq_major) for _ in range(num_layers)]
+        layers = [alloc_paged_cache(num_blocks, page_size, nheads_k, head_dim, self.dtype, self.device,
+                                    poison_nan=poison, v_seq_major=v_seq_major) for _ in range(num_layers)]
+        self.k = [k for k, _ in layers]
+        self.v = [v for _, v in layers]
         self.k_scales = self.v_scales = None
         if self.scale_mode == "per_token_head":
             self.k_scales = [torch.ones(shape[:3], device=self.device, dtype=self.scale_dtype) for _ in range(num_layers)]
