@@ -201,6 +201,31 @@ def test_deterministic_reruns():
     assert torch.equal(a, b)
 
 
+def _seq_major(v):
+    """v with the same values, memory order (batch, heads, dim, seqlen) (varlen: (heads, dim, total))."""
+    return v.movedim(-3, -1).contiguous().movedim(-1, -3)
+
+
+def test_v_with_contiguous_sequence_dim():
+    """FP8 V whose sequence dim is contiguous (quantize_qkv's v8) is accepted by the dense and varlen
+    APIs and gives the same result as row-major V; any other layout without a contiguous last dim is a
+    ValueError naming v and both accepted layouts."""
+    q, k, v, ds = make("fp8", 2, 33, 47, 4, 2, 64)
+    a = flash_attn_func(q, k, v, causal=True, **ds)
+    vs = _seq_major(v)
+    assert vs.stride(-3) == 1 and vs.stride(-1) != 1
+    assert torch.equal(flash_attn_func(q, k, vs, causal=True, **ds), a)
+    cu_q = torch.tensor([0, 33, 66], dtype=torch.int32)
+    cu_k = torch.tensor([0, 47, 94], dtype=torch.int32)
+    qv, kv, vv = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    var = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=33, max_seqlen_k=47, causal=True, **ds)
+    b = flash_attn_varlen_func(qv, kv, vv, **var)
+    assert torch.equal(flash_attn_varlen_func(qv, kv, _seq_major(vv), **var), b)
+    bad = v.transpose(-1, -2).contiguous().transpose(-1, -2)  # head dim strided, sequence dim not contiguous
+    with pytest.raises(ValueError, match=r"^v: .*contiguous sequence dimension"):
+        flash_attn_func(q, k, bad, **ds)
+
+
 def test_softmax_scale_default():
     q, k, v, ds = make("bf16", 1, 5, 7, 2, 2, 64)
     assert torch.equal(flash_attn_func(q, k, v), flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(64)))

@@ -388,3 +388,22 @@ def test_gpu_flash_attn_func_fp8_out_takes_fast_path(monkeypatch):
                             v_descale=vd, out_dtype=torch.float32)
         assert (out.float() * 0.003 - ref.clamp(-448 * 0.003, 448 * 0.003)).abs().max().item() \
             <= 0.12 * ref.abs().max().item()  # e4m3 rounding (2^-4 relative) + the FP8 attention error
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_quantize_qkv_v_feeds_tma_without_transpose(causal, monkeypatch):
+    """quantize_qkv's sequence-major v8 reaches the TMA kernel through flash_attn_func with no transpose
+    pass, bit-identical to the row-major v8 (which is transposed first)."""
+    _need_sm90()
+    import fp8attn
+    from fp8attn.kernels import dense as dense_mod
+
+    monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")
+    x = [torch.randn(2, 512, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2)]
+    q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(*x)
+    v8_rows = fp8attn.quantize_qkv(*x, v_layout="contiguous")[2]
+    row = fp8attn.flash_attn_func(q8, k8, v8_rows, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    monkeypatch.setattr(dense_mod, "transpose_v_kmajor", lambda v: pytest.fail("V transposed"))
+    seq = fp8attn.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(seq.view(torch.int16), row.view(torch.int16))

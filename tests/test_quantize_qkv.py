@@ -88,8 +88,8 @@ def test_zero_input_descale_floor_and_varlen():
 def test_roundtrip_error_and_hadamard_helps_with_outliers(hadamard):
     torch.manual_seed(1)
     b, s, h, d = 1, 64, 2, 64
-    x = torch.randn(b, s, h, d, device=DEV)
-    x = x + torch.randn_like(x) * 10 * (torch.rand_like(x) < 0.01)
+    x = torch.randn(b, s, h, d)  # drawn on the CPU: the same outliers on every device
+    x = (x + torch.randn_like(x) * 10 * (torch.rand_like(x) < 0.01)).to(DEV)
     q8, k8, v8, qd, kd, vd = quantize_qkv(x, x, x, "per_head", hadamard=hadamard, backend="triton")
     deq = q8.float() * qd[:, None, :, None]
     target = had.rotate(x) if hadamard else x
@@ -117,3 +117,23 @@ def test_gpu_triton_matches_torch(granularity, d):
             fa, fb = a.float(), b_.float()
             ulp = torch.exp2(torch.floor(torch.log2(fb.abs().clamp_min(2.0 ** -6))) - 3)
             assert ((fa - fb).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_v_layout_seq_major_default(backend, varlen):
+    """v8 defaults to a sequence-contiguous memory order (written in the quantize pass itself) with the
+    same values as the row-major layout; q8/k8 stay contiguous; a bad v_layout names the choices."""
+    q, k, v = _qkv()
+    if varlen:
+        q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    sm = quantize_qkv(q, k, v, backend=backend)
+    rm = quantize_qkv(q, k, v, backend=backend, v_layout="contiguous")
+    v8 = sm[2]
+    assert v8.shape == v.shape and v8.stride(-3) == 1 and not v8.is_contiguous()
+    assert rm[2].is_contiguous() and sm[0].is_contiguous() and sm[1].is_contiguous()
+    assert torch.equal(v8.contiguous().view(torch.uint8), rm[2].view(torch.uint8))
+    for a, b_ in zip(sm[3:], rm[3:]):
+        assert torch.equal(a, b_)
+    with pytest.raises(ValueError, match="v_layout"):
+        quantize_qkv(q, k, v, v_layout="kmajor")

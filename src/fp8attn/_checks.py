@@ -32,7 +32,7 @@ def want_value_checks(t: torch.Tensor, validate: bool) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def check_tensor(name, t, ndim=None, allow_none=False, allow_v_seq_major=False):
+def check_tensor(name, t, ndim=None, allow_none=False, allow_v_seq_major=False, allow_seq_contiguous=False):
     if t is None and allow_none:
         return
     if not isinstance(t, torch.Tensor):
@@ -43,8 +43,12 @@ def check_tensor(name, t, ndim=None, allow_none=False, allow_v_seq_major=False):
     if t.dim() > 0 and t.stride(-1) != 1 and t.numel() > 1 and t.shape[-1] > 1:
         if allow_v_seq_major and is_v_seq_major(t):
             return
+        if allow_seq_contiguous and t.dim() >= 3 and t.stride(-3) == 1:
+            return
         also = (" or a sequence-major V cache (memory order (num_blocks, nheads_k, headdim, page_size), "
                 "fp8attn.paged.alloc_paged_cache(..., v_seq_major=True))") if allow_v_seq_major else ""
+        if allow_seq_contiguous:
+            also = " or a contiguous sequence dimension (stride(-3) == 1, as quantize_qkv returns v8)"
         _fail(ValueError, name, "a contiguous last dimension" + also, f"stride {tuple(t.stride())}",
               f"Call {name}.contiguous() (only the last dimension must be contiguous).")
 

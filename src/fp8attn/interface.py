@@ -93,7 +93,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     ----------
     q : (batch, seqlen_q, nheads_q, headdim), float8_e4m3fn / float8_e5m2 / bf16 / fp16 / fp32.
     k : (batch, seqlen_k, nheads_k, headdim), same dtype as q. nheads_q % nheads_k == 0.
-    v : (batch, seqlen_k, nheads_k, headdim_v), same dtype as q.
+    v : (batch, seqlen_k, nheads_k, headdim_v), same dtype as q; the last dim contiguous, or the
+        sequence dim (memory order (batch, nheads_k, headdim_v, seqlen_k), ``quantize_qkv``'s v8): that
+        is the K-major operand of Hopper's FP8 P @ V, which FP8 V in any other layout is first copied
+        into on CUDA (one transpose pass over V).
     softmax_scale : float, default 1/sqrt(headdim).
     causal : bool, bottom-right aligned (query i sees keys <= i + seqlen_k - seqlen_q).
     q_descale, k_descale, v_descale : float32 (batch, nheads_k), or per-tensor (), (1,), (1, 1), or
@@ -125,7 +128,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV; use flash_attn_with_kvcache for split-KV")
     C.unsupported("sm_margin", sm_margin, 0)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        C.check_tensor(name, t, ndim=4)
+        C.check_tensor(name, t, ndim=4, allow_seq_contiguous=name == "v")
     C.check_same_device(q=q, k=k, v=v)
     C.check_qkv_dtypes(q, k, v)
     C.check_heads(q, k, v)
@@ -157,7 +160,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Parameters
     ----------
-    q : (total_q, nheads_q, headdim); k : (total_k, nheads_k, headdim); v : (total_k, nheads_k, headdim_v).
+    q : (total_q, nheads_q, headdim); k : (total_k, nheads_k, headdim); v : (total_k, nheads_k, headdim_v),
+        last dim or token dim contiguous (``quantize_qkv``'s v8: no transpose pass, as flash_attn_func).
     cu_seqlens_q, cu_seqlens_k : (batch + 1,) int32 non-decreasing offsets starting at 0.
     max_seqlen_q, max_seqlen_k : int upper bounds of the per-sequence lengths.
     seqused_q, seqused_k : optional (batch,) int32: tokens actually used per sequence (<= its length).
@@ -173,7 +177,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV")
     C.unsupported("sm_margin", sm_margin, 0)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        C.check_tensor(name, t, ndim=3)
+        C.check_tensor(name, t, ndim=3, allow_seq_contiguous=name == "v")
     C.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     C.check_qkv_dtypes(q, k, v)
     C.check_heads(q, k, v)

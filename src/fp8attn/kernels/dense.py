@@ -10,7 +10,8 @@ and for ``P @ V`` the contraction runs over the key sequence, so V's tile must h
 dimension contiguous. The kernel reads V through plain pointer loads with arbitrary strides, so it
 accepts either layout; ``launch_dense_fwd`` makes a sequence-contiguous copy of an FP8 V whose last
 dim is contiguous (``v_kmajor=None``, the default, on CUDA) before the launch. A caller that stores
-V that way already (e.g. a cache written transposed) passes the view and no copy is made. The cost
+V that way already (``quantize_qkv``'s v8, or a cache written transposed) passes the view and no copy
+is made (the public API accepts V with a contiguous sequence dim). The cost
 of the copy and of the in-kernel alternative are measured in ``fp8attn bench dense`` and recorded in
 docs/perf-notes.md.
 
