@@ -407,3 +407,34 @@ def test_gpu_quantize_qkv_v_feeds_tma_without_transpose(causal, monkeypatch):
     monkeypatch.setattr(dense_mod, "transpose_v_kmajor", lambda v: pytest.fail("V transposed"))
     seq = fp8attn.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
     assert torch.equal(seq.view(torch.int16), row.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_and_triton_paths_take_quantize_qkv_v(monkeypatch):
+    """quantize_qkv's sequence-major v8 on the paths the TMA kernel does not serve (varlen, a sliding
+    window, head dim 256): no transpose, the same result as row-major v8, and the reference rule."""
+    import fp8attn
+    from fp8attn.kernels import dense as dense_mod
+
+    lens = [300, 1, 517]
+    cu = torch.tensor([0, 300, 301, 818], dtype=torch.int32, device="cuda")
+    for d in (128, 256):
+        x = [torch.randn(818, h, d, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2)]
+        q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(*x, granularity="per_tensor")
+        v8_rows = fp8attn.quantize_qkv(*x, granularity="per_tensor", v_layout="contiguous")[2]
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=True,
+                  q_descale=qd.reshape(-1)[:1], k_descale=kd.reshape(-1)[:1], v_descale=vd.reshape(-1)[:1],
+                  window_size=(128, 0))
+        row = fp8attn.flash_attn_varlen_func(q8, k8, v8_rows, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(dense_mod, "transpose_v_kmajor", lambda v: pytest.fail("V transposed"))
+            seq = fp8attn.flash_attn_varlen_func(q8, k8, v8, **kw)
+        assert torch.equal(seq.view(torch.int16), row.view(torch.int16))
+        for i in range(len(lens)):  # each sequence against the reference on its slice
+            s0, s1 = int(cu[i]), int(cu[i + 1])
+            one = dict(softmax_scale=d ** -0.5, causal=True, window_size=(128, 0), q_descale=qd.reshape(-1)[:1],
+                       k_descale=kd.reshape(-1)[:1], v_descale=vd.reshape(-1)[:1], out_dtype=torch.float32)
+            ref = attention_ref(q8[None, s0:s1], k8[None, s0:s1], v8[None, s0:s1], **one)
+            lowp = attention_ref(q8[None, s0:s1], k8[None, s0:s1], v8[None, s0:s1], quantize_p=True, **one)
+            floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2 ** -8
+            assert_close_fa3(seq[None, s0:s1].float(), ref, lowp, floor=floor)
