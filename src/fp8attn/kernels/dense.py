@@ -450,7 +450,7 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     warm-up call).
 
     Inputs that ``dense_tma.supported`` accepts (e4m3 in, bf16 out or e4m3 out with out_scale, head dim
-    64 or 128, lengths that are multiples of 128, per-(batch, kv head) descales, no varlen/window/softcap; see there)
+    64, 128 or 256, lengths that are multiples of 128, per-(batch, kv head) descales, no varlen/window/softcap; see there)
     run on the TMA/wgmma kernel of ``dense_tma`` instead. ``FP8ATTN_DENSE_BACKEND`` selects:
     unset or ``auto`` (that rule), ``triton`` (always this module's kernel), ``tma`` (the TMA kernel;
     ValueError naming the reason when the inputs are not supported).

@@ -1,11 +1,13 @@
 """Dense FP8 attention forward for Hopper with TMA loads and asynchronous wgmma (Gluon).
 
-The fast path of ``dense.launch_dense_fwd`` for the common prefill case: e4m3 Q/K/V, head dim 64 or
-128 (the same for q/k and v), sequence lengths that are multiples of 128, per-(batch, kv head)
+The fast path of ``dense.launch_dense_fwd`` for the common prefill case: e4m3 Q/K/V, head dim 64,
+128 or 256 (the same for q/k and v), sequence lengths that are multiples of 128, per-(batch, kv head)
 descales, optional bottom-right causal mask and LSE; bf16 output, or e4m3 output with the fused
 static per-tensor scale ``out_scale``. Everything else stays on the Triton kernel (``supported``).
-One kernel covers all of these: the head dim (``D``, read from the Q descriptor's block shape), the
-output dtype (``OUT_FP8``), causal and LSE are compile-time constants.
+One kernel covers head dims 64 and 128: the head dim (``D``, read from the Q descriptor's block
+shape), the output dtype (``OUT_FP8``), causal and LSE are compile-time constants. Head dim 256 has
+its own schedule (``_dense_fwd_tma_d256_kernel``: operands in 128/64-wide pieces of the head dim,
+64-key tiles, no next-tile QK^T under the softmax) around the same softmax step and epilogues.
 
 Schedule (one CTA = one 128-row query block of one (batch, q head), 8 warps = 2 warpgroups of 64
 rows): K/V tiles stream through a ``NUM_STAGES``-deep ring of shared-memory buffers filled by TMA.
@@ -56,10 +58,11 @@ from .common import window_flags
 
 __all__ = ["supported", "unsupported_reason", "launch_dense_fwd_tma", "HAS_GLUON"]
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 BLOCK_M = 128
 BLOCK_N = 128
 NUM_STAGES = 2
+NUM_STAGES_BY_D = {64: NUM_STAGES, 128: NUM_STAGES, 256: NUM_STAGES}  # K/V ring depth per head dim
 NUM_WARPS = 8
 _LOG2E = 1.4426950408889634
 
@@ -144,6 +147,58 @@ if HAS_GLUON:
             return out.to(gl.bfloat16)
 
     @gluon.jit
+    def _init_barriers(NUM_STAGES: gl.constexpr):
+        """mbarriers of the Q load and of each K and V stage, initialized and fenced for TMA."""
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+        return q_bar, k_bars, v_bars
+
+    @gluon.jit
+    def _invalidate_barriers(q_bar, k_bars, v_bars, NUM_STAGES: gl.constexpr):
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+    @gluon.jit
+    def _query_block_setup(QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
+                           stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
+                           BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """This CTA's query block: ``(b, h, hk, m0, shift, n_tiles, qk_scale, v_descale)``.
+
+        Causal grids run the longest query blocks (most keys) first. ``n_tiles`` counts the KV tiles
+        the block sees (keys < m0 + BM + shift under the bottom-right causal mask). The descales are
+        per (batch, kv head), read with their strides (stride-0 broadcast views allowed), and the
+        Q/K ones are folded into the log2-domain logit scale.
+        """
+        pid_m = gl.program_id(0)
+        if CAUSAL:
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        pid_bh = gl.program_id(1)
+        b = pid_bh // nheads_q
+        h = pid_bh % nheads_q
+        hk = h // (nheads_q // nheads_k)
+        b64 = b.to(gl.int64)
+        hk64 = hk.to(gl.int64)
+        m0 = pid_m * BM
+        shift = seqlen_k - seqlen_q
+        if CAUSAL:
+            n_tiles = (m0 + BM + shift) // BN
+        else:
+            n_tiles = seqlen_k // BN
+        qd = gl.load(QDs + b64 * stride_qds_b + hk64 * stride_qds_h)
+        kd = gl.load(KDs + b64 * stride_kds_b + hk64 * stride_kds_h)
+        v_descale = gl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
+        return b, h, hk, m0, shift, n_tiles, softmax_scale_log2 * qd * kd, v_descale
+
+    @gluon.jit
     def _dense_fwd_tma_kernel(
         q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
         stride_lb, stride_lh, stride_lm,
@@ -165,33 +220,15 @@ if HAS_GLUON:
         # KV tile, the last one.
         gl.static_assert(BN == BM)
 
-        pid_m = gl.program_id(0)
-        if CAUSAL:  # longest query blocks (most keys) first
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        pid_bh = gl.program_id(1)
-        b = pid_bh // nheads_q
-        h = pid_bh % nheads_q
-        hk = h // (nheads_q // nheads_k)
+        b, h, hk, m0, shift, n_tiles, qk_scale, v_descale = _query_block_setup(
+            QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+            seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2, BM, BN, CAUSAL)
         b64 = b.to(gl.int64)
-        hk64 = hk.to(gl.int64)
-
-        m0 = pid_m * BM
         q_row = b * seqlen_q + m0
         kv_row = b * seqlen_k
         vt_row = (b * nheads_k + hk) * D
         q_col = h * D
         k_col = hk * D
-        shift = seqlen_k - seqlen_q
-        if CAUSAL:
-            n_tiles = (m0 + BM + shift) // BN  # keys < m0 + BM + shift <= seqlen_k
-        else:
-            n_tiles = seqlen_k // BN
-
-        # descales per (batch, kv head), read with their strides (stride-0 broadcast views allowed)
-        qd = gl.load(QDs + b64 * stride_qds_b + hk64 * stride_qds_h)
-        kd = gl.load(KDs + b64 * stride_kds_b + hk64 * stride_kds_h)
-        v_descale = gl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
-        qk_scale = softmax_scale_log2 * qd * kd
 
         # 8 warps stacked along M: each warpgroup owns 64 rows, row reductions stay in a quad.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -205,15 +242,7 @@ if HAS_GLUON:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, D, BN], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(k_bars.index(i), count=1)
-            mbarrier.init(v_bars.index(i), count=1)
-        fence_async_shared()
-        gl.thread_barrier()
+        q_bar, k_bars, v_bars = _init_barriers(NUM_STAGES)
 
         # Prologue: Q and the first NUM_STAGES K/V tiles. All expects first, then one barrier,
         # then the copies (one membar barrier instead of one per copy).
@@ -276,10 +305,7 @@ if HAS_GLUON:
         pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
         acc = acc + pv
 
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.invalidate(k_bars.index(i))
-            mbarrier.invalidate(v_bars.index(i))
+        _invalidate_barriers(q_bar, k_bars, v_bars, NUM_STAGES)
 
         # Epilogue: normalize (v_descale folded), bf16 or scaled e4m3 via shared memory and a TMA store.
         out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
@@ -293,6 +319,158 @@ if HAS_GLUON:
         tma.async_copy_shared_to_global(o_desc, [q_row, q_col], o_smem)
         tma.store_wait(pendings=0)
 
+    @gluon.jit
+    def _pv_quarter(acc, p8, v_buf, alpha, o_layout: gl.constexpr):
+        """acc * alpha + P @ V_quarter, the product from a zero accumulator (two-level accumulation)."""
+        zero_o = gl.zeros(acc.shape, gl.float32, o_layout)
+        pv_tok = warpgroup_mma(p8, v_buf.permute((1, 0)), zero_o, use_acc=False, is_async=True)
+        acc = acc * gl.expand_dims(alpha, 1)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+        return acc + pv
+
+    @gluon.jit
+    def _tile_step_d256(j, m_i, l_i, acc0, acc1, acc2, acc3, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
+                        v_desc, kv_row, k_col, vt_row, n_tiles, qk_scale, m0, shift, s_layout: gl.constexpr,
+                        o_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, MASKED: gl.constexpr):
+        """One KV tile of the head-dim-256 kernel. Q and K come in two 128-wide halves of the head dim:
+        S = Q_0 K_0^T + Q_1 K_1^T (one fp32 accumulator over the 256-long dot). V and O come in four
+        64-wide quarters: each P V_q starts from a zero accumulator and is added to its fp32 quarter
+        of O (two-level accumulation), so only one 64-wide product is live next to O's 128 registers
+        per thread. The stage's K and V buffers are refilled once both warpgroups retired them."""
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        DH: gl.constexpr = k_desc.block_type.shape[1]
+        DQ: gl.constexpr = v_desc.block_type.shape[0]
+        BM: gl.constexpr = q_smem.shape[1]
+        st = j % NUM_STAGES
+        ph = (j // NUM_STAGES) & 1
+        mbarrier.wait(k_bars.index(st), ph)
+        zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
+        s_tok = warpgroup_mma(q_smem.index(0), k_smem.index(2 * st).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+        s_tok = warpgroup_mma(q_smem.index(1), k_smem.index(2 * st + 1).permute((1, 0)), s_tok, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+        p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, m0, j * BN, shift, p_layout, row_o, MASKED)
+        mbarrier.wait(v_bars.index(st), ph)
+        acc0 = _pv_quarter(acc0, p8, v_smem.index(4 * st), alpha, o_layout)
+        acc1 = _pv_quarter(acc1, p8, v_smem.index(4 * st + 1), alpha, o_layout)
+        acc2 = _pv_quarter(acc2, p8, v_smem.index(4 * st + 2), alpha, o_layout)
+        acc3 = _pv_quarter(acc3, p8, v_smem.index(4 * st + 3), alpha, o_layout)
+        # refill this stage with tile j + NUM_STAGES
+        t = j + NUM_STAGES
+        pred = t < n_tiles
+        mbarrier.expect(k_bars.index(st), 2 * k_desc.block_type.nbytes, pred=pred)
+        mbarrier.expect(v_bars.index(st), 4 * v_desc.block_type.nbytes, pred=pred)
+        gl.thread_barrier()
+        for hh in gl.static_range(2):
+            tma.async_copy_global_to_shared(k_desc, [kv_row + t * BN, k_col + hh * DH], k_bars.index(st),
+                                            k_smem.index(2 * st + hh), pred=pred)
+        for qq in gl.static_range(4):
+            tma.async_copy_global_to_shared(v_desc, [vt_row + qq * DQ, t * BN], v_bars.index(st),
+                                            v_smem.index(4 * st + qq), pred=pred)
+        return m_i, l_i, acc0, acc1, acc2, acc3
+
+    @gluon.jit
+    def _dense_fwd_tma_d256_kernel(
+        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
+        stride_lb, stride_lh, stride_lm,
+        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+        seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
+        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):
+        """Head dim 256: the numerics of ``_dense_fwd_tma_kernel`` with Q/K in two 128-wide halves of
+        the head dim, V/O in four 64-wide quarters (``_tile_step_d256``) and 64-key tiles, so that O's
+        fp32 accumulator (128 registers per thread), one quarter's P V product and the S tile fit the
+        register file. No QK^T of the next tile runs under the softmax (its S would not fit)."""
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        DH: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        DQ: gl.constexpr = v_desc.block_type.shape[0]
+        NW: gl.constexpr = gl.num_warps()
+        gl.static_assert(NW == 8)
+        gl.static_assert(DH == 128)
+        gl.static_assert(DQ == 64)
+        gl.static_assert(o_desc.block_type.shape[1] == DQ)
+        gl.static_assert(BM % BN == 0)
+
+        b, h, hk, m0, shift, n_tiles, qk_scale, v_descale = _query_block_setup(
+            QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+            seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2, BM, BN, CAUSAL)
+        b64 = b.to(gl.int64)
+        q_row = b * seqlen_q + m0
+        kv_row = b * seqlen_k
+        vt_row = (b * nheads_k + hk) * (4 * DQ)
+        q_col = h * (2 * DH)
+        k_col = hk * (2 * DH)
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, BN, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, DQ, 32])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BM, DH], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2 * NUM_STAGES, BN, DH], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [4 * NUM_STAGES, DQ, BN], v_desc.layout)
+        q_bar, k_bars, v_bars = _init_barriers(NUM_STAGES)
+
+        # Prologue: Q and the first NUM_STAGES K/V tiles, in pieces.
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.expect(k_bars.index(i), 2 * k_desc.block_type.nbytes, pred=i < n_tiles)
+            mbarrier.expect(v_bars.index(i), 4 * v_desc.block_type.nbytes, pred=i < n_tiles)
+        gl.thread_barrier()
+        for hh in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [q_row, q_col + hh * DH], q_bar, q_smem.index(hh))
+        for i in gl.static_range(NUM_STAGES):
+            for hh in gl.static_range(2):
+                tma.async_copy_global_to_shared(k_desc, [kv_row + i * BN, k_col + hh * DH], k_bars.index(i),
+                                                k_smem.index(2 * i + hh), pred=i < n_tiles)
+            for qq in gl.static_range(4):
+                tma.async_copy_global_to_shared(v_desc, [vt_row + qq * DQ, i * BN], v_bars.index(i),
+                                                v_smem.index(4 * i + qq), pred=i < n_tiles)
+
+        m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([BM], gl.float32, row_s)
+        acc0 = gl.zeros([BM, DQ], gl.float32, o_layout)
+        acc1 = gl.zeros([BM, DQ], gl.float32, o_layout)
+        acc2 = gl.zeros([BM, DQ], gl.float32, o_layout)
+        acc3 = gl.zeros([BM, DQ], gl.float32, o_layout)
+        mbarrier.wait(q_bar, 0)
+
+        # One loop body: causal runs the mask on every tile (a no-op before the diagonal's BM // BN tiles);
+        # a second, masked copy of the loop for those tiles pushed the register count into spills.
+        for j in range(n_tiles):
+            m_i, l_i, acc0, acc1, acc2, acc3 = _tile_step_d256(
+                j, m_i, l_i, acc0, acc1, acc2, acc3, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc,
+                kv_row, k_col, vt_row, n_tiles, qk_scale, m0, shift, s_layout, o_layout, p_layout, row_o,
+                NUM_STAGES, CAUSAL)
+
+        _invalidate_barriers(q_bar, k_bars, v_bars, NUM_STAGES)
+
+        # Epilogue: each quarter normalized (v_descale folded), cast, staged in shared memory and stored by TMA.
+        m_o = gl.convert_layout(m_i, row_o)
+        l_o = gl.convert_layout(l_i, row_o)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [4, BM, DQ], o_desc.layout)
+        out, lse = _finalize_rows(acc0, m_o, l_o, v_descale)
+        o_smem.index(0).store(_output_epilogue(out, OutScale, OUT_FP8))
+        out, _ = _finalize_rows(acc1, m_o, l_o, v_descale)
+        o_smem.index(1).store(_output_epilogue(out, OutScale, OUT_FP8))
+        out, _ = _finalize_rows(acc2, m_o, l_o, v_descale)
+        o_smem.index(2).store(_output_epilogue(out, OutScale, OUT_FP8))
+        out, _ = _finalize_rows(acc3, m_o, l_o, v_descale)
+        o_smem.index(3).store(_output_epilogue(out, OutScale, OUT_FP8))
+        if WRITE_LSE:
+            offs_m = (m0 + gl.arange(0, BM, layout=row_o)).to(gl.int64)
+            h64 = h.to(gl.int64)
+            gl.store(Lse + b64 * stride_lb + h64 * stride_lh + offs_m * stride_lm, lse)
+        fence_async_shared()
+        for qq in gl.static_range(4):
+            tma.async_copy_shared_to_global(o_desc, [q_row, h * (4 * DQ) + qq * DQ], o_smem.index(qq))
+        tma.store_wait(pendings=0)
+
 
 # ---------------------------------------------------------------------------------------------
 # host side
@@ -302,14 +480,25 @@ def _capability(index):
     return torch.cuda.get_device_capability(index)
 
 
+def _tiles(head_dim):
+    """(head-dim width of a Q/K box, of a V/O box, keys per KV tile): head dim 256 runs Q/K in two
+    128-wide halves, V/O in four 64-wide quarters, with 64-key tiles (``_dense_fwd_tma_d256_kernel``)."""
+    return (128, 64, 64) if head_dim == 256 else (head_dim, head_dim, BLOCK_N)
+
+
 @functools.lru_cache(maxsize=None)
 def _layouts(head_dim, out_fp8):
     """Shared-memory layouts of the Q, K, V and output tiles for one head dim and output dtype."""
     f8 = gl.float8e4nv
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], f8),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], f8),
-            gl.NVMMASharedLayout.get_default_for([head_dim, BLOCK_N], f8),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], f8 if out_fp8 else gl.bfloat16))
+    dh, dv, bn = _tiles(head_dim)
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, dh], f8),
+            gl.NVMMASharedLayout.get_default_for([bn, dh], f8),
+            gl.NVMMASharedLayout.get_default_for([dv, bn], f8),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, dv], f8 if out_fp8 else gl.bfloat16))
+
+
+def _kernel_for(head_dim):
+    return _dense_fwd_tma_d256_kernel if head_dim == 256 else _dense_fwd_tma_kernel
 
 
 def _rows_view(x):
@@ -361,7 +550,7 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
     batch, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     if d not in HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
-        return (f"head dim must be 64 or 128 and equal for q, k and v (256 and other head dims are not "
+        return (f"head dim must be 64, 128 or 256 and equal for q, k and v (other head dims are not "
                 f"supported), got {d}, {k.shape[-1]}, {v.shape[-1]}")
     if k.shape[0] != batch or tuple(v.shape) != tuple(k.shape) or tuple(out.shape) != tuple(q.shape):
         return "shape mismatch between q, k, v, out"
@@ -418,7 +607,7 @@ def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descal
     bool
         True for: CUDA tensors on an sm90 device; q, k, v float8_e4m3fn; out bfloat16, or
         float8_e4m3fn together with ``out_scale`` (a float32 tensor with one element, on the same
-        device); head dim 64 or 128, the same for q, k and v (256 is not supported); contiguous q,
+        device); head dim 64, 128 or 256, the same for q, k and v; contiguous q,
         k, out (batch, seqlen, nheads, d) and V in memory order (batch, nheads_k, d, seqlen_k);
         seqlen_q and seqlen_k multiples of 128; nheads_q a multiple of nheads_k; causal only with
         seqlen_q <= seqlen_k; float32 (batch, nheads_k) descales (broadcast views allowed); no
@@ -439,7 +628,7 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     Parameters
     ----------
     q : torch.Tensor
-        float8_e4m3fn (batch, seqlen_q, nheads_q, d), contiguous; d is 64 or 128.
+        float8_e4m3fn (batch, seqlen_q, nheads_q, d), contiguous; d is 64, 128 or 256.
     k : torch.Tensor
         float8_e4m3fn (batch, seqlen_k, nheads_k, d), contiguous.
     v_kmajor : torch.Tensor
@@ -468,18 +657,19 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     sk, hk = k.shape[1], k.shape[2]
     out_fp8 = out_scale is not None
     ql, kl, vl, ol = _layouts(d, out_fp8)
-    q_desc = TensorDescriptor.from_tensor(_rows_view(q), [BLOCK_M, d], ql)
-    k_desc = TensorDescriptor.from_tensor(_rows_view(k), [BLOCK_N, d], kl)
-    v_desc = TensorDescriptor.from_tensor(_vt_view(v_kmajor), [d, BLOCK_N], vl)
-    o_desc = TensorDescriptor.from_tensor(_rows_view(out), [BLOCK_M, d], ol)
+    dh, dv, bn = _tiles(d)
+    q_desc = TensorDescriptor.from_tensor(_rows_view(q), [BLOCK_M, dh], ql)
+    k_desc = TensorDescriptor.from_tensor(_rows_view(k), [bn, dh], kl)
+    v_desc = TensorDescriptor.from_tensor(_vt_view(v_kmajor), [dv, bn], vl)
+    o_desc = TensorDescriptor.from_tensor(_rows_view(out), [BLOCK_M, dv], ol)
     ls = lse.stride() if lse is not None else (0, 0, 0)
     grid = (sq // BLOCK_M, batch * hq)
-    _dense_fwd_tma_kernel[grid](
+    _kernel_for(d)[grid](
         q_desc, k_desc, v_desc, o_desc, lse if lse is not None else q_descale,
         q_descale, k_descale, v_descale, out_scale if out_fp8 else q_descale,
         *ls, *q_descale.stride(), *k_descale.stride(), *v_descale.stride(),
         sq, sk, hq, hk, float(softmax_scale) * _LOG2E,
-        CAUSAL=bool(causal), WRITE_LSE=lse is not None, OUT_FP8=out_fp8, NUM_STAGES=NUM_STAGES,
+        CAUSAL=bool(causal), WRITE_LSE=lse is not None, OUT_FP8=out_fp8, NUM_STAGES=NUM_STAGES_BY_D[d],
         num_warps=NUM_WARPS)
     return out, lse
 
@@ -497,14 +687,15 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ql, kl, vl, ol = _layouts(head_dim, out_fp8)
+    dh, dv, bn = _tiles(head_dim)
 
     def desc(shape, layout, dtype="fp8e4nv"):
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
     sig = {
-        "q_desc": desc([BLOCK_M, head_dim], ql), "k_desc": desc([BLOCK_N, head_dim], kl),
-        "v_desc": desc([head_dim, BLOCK_N], vl),
-        "o_desc": desc([BLOCK_M, head_dim], ol, "fp8e4nv" if out_fp8 else "bf16"),
+        "q_desc": desc([BLOCK_M, dh], ql), "k_desc": desc([bn, dh], kl),
+        "v_desc": desc([dv, bn], vl),
+        "o_desc": desc([BLOCK_M, dv], ol, "fp8e4nv" if out_fp8 else "bf16"),
         "Lse": "*fp32", "QDs": "*fp32", "KDs": "*fp32", "VDs": "*fp32", "OutScale": "*fp32",
         "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
         "stride_qds_b": "i32", "stride_qds_h": "i32", "stride_kds_b": "i32", "stride_kds_h": "i32",
@@ -514,10 +705,10 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False):
         "CAUSAL": "constexpr", "WRITE_LSE": "constexpr", "OUT_FP8": "constexpr", "NUM_STAGES": "constexpr",
     }
     consts = {"CAUSAL": bool(causal), "WRITE_LSE": bool(write_lse), "OUT_FP8": bool(out_fp8),
-              "NUM_STAGES": NUM_STAGES}
+              "NUM_STAGES": NUM_STAGES_BY_D[head_dim]}
     names = list(sig)
     # pointers are 16-byte aligned; sequence lengths are multiples of 128
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
              for n in ("Lse", "QDs", "KDs", "VDs", "OutScale", "seqlen_q", "seqlen_k")}
-    src = GluonASTSource(fn=_dense_fwd_tma_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = GluonASTSource(fn=_kernel_for(head_dim), signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": NUM_WARPS})
