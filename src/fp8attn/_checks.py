@@ -45,10 +45,13 @@ def check_tensor(name, t, ndim=None, allow_none=False, allow_v_seq_major=False, 
             return
         if allow_seq_contiguous and t.dim() >= 3 and t.stride(-3) == 1:
             return
-        also = (" or a sequence-major V cache (memory order (num_blocks, nheads_k, headdim, page_size), "
-                "fp8attn.paged.alloc_paged_cache(..., v_seq_major=True))") if allow_v_seq_major else ""
-        if allow_seq_contiguous:
+        if allow_v_seq_major:
+            also = (" or a sequence-major V cache (memory order (num_blocks, nheads_k, headdim, page_size), "
+                    "fp8attn.paged.alloc_paged_cache(..., v_seq_major=True))")
+        elif allow_seq_contiguous:
             also = " or a contiguous sequence dimension (stride(-3) == 1, as quantize_qkv returns v8)"
+        else:
+            also = ""
         _fail(ValueError, name, "a contiguous last dimension" + also, f"stride {tuple(t.stride())}",
               f"Call {name}.contiguous() (only the last dimension must be contiguous).")
 

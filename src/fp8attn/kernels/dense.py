@@ -42,8 +42,6 @@ from .common import (
 __all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor"]
 
 
-
-
 # descale modes (constexpr DESCALE_MODE)
 DESCALE_NONE = 0  # 16-bit inputs: no descales
 DESCALE_HEAD = 1  # (batch, nheads_k) for q, k, v (stride-0 broadcast views allowed)

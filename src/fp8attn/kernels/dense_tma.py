@@ -62,7 +62,6 @@ HEAD_DIMS = (64, 128, 256)
 BLOCK_M = 128
 BLOCK_N = 128
 NUM_STAGES = 2
-NUM_STAGES_BY_D = {64: NUM_STAGES, 128: NUM_STAGES, 256: NUM_STAGES}  # K/V ring depth per head dim
 NUM_WARPS = 8
 _LOG2E = 1.4426950408889634
 
@@ -669,7 +668,7 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
         q_descale, k_descale, v_descale, out_scale if out_fp8 else q_descale,
         *ls, *q_descale.stride(), *k_descale.stride(), *v_descale.stride(),
         sq, sk, hq, hk, float(softmax_scale) * _LOG2E,
-        CAUSAL=bool(causal), WRITE_LSE=lse is not None, OUT_FP8=out_fp8, NUM_STAGES=NUM_STAGES_BY_D[d],
+        CAUSAL=bool(causal), WRITE_LSE=lse is not None, OUT_FP8=out_fp8, NUM_STAGES=NUM_STAGES,
         num_warps=NUM_WARPS)
     return out, lse
 
@@ -705,7 +704,7 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False):
         "CAUSAL": "constexpr", "WRITE_LSE": "constexpr", "OUT_FP8": "constexpr", "NUM_STAGES": "constexpr",
     }
     consts = {"CAUSAL": bool(causal), "WRITE_LSE": bool(write_lse), "OUT_FP8": bool(out_fp8),
-              "NUM_STAGES": NUM_STAGES_BY_D[head_dim]}
+              "NUM_STAGES": NUM_STAGES}
     names = list(sig)
     # pointers are 16-byte aligned; sequence lengths are multiples of 128
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
