@@ -438,3 +438,37 @@ def test_gpu_varlen_and_triton_paths_take_quantize_qkv_v(monkeypatch):
             lowp = attention_ref(q8[None, s0:s1], k8[None, s0:s1], v8[None, s0:s1], quantize_p=True, **one)
             floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2 ** -8
             assert_close_fa3(seq[None, s0:s1].float(), ref, lowp, floor=floor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("out_fp8", [False, True])
+def test_gpu_tma_direct_launch_equals_jit_launch(d, out_fp8):
+    """The first launch per (head dim, constexprs) goes through triton's JIT and keeps the compiled
+    kernel; later launches call it directly (dense_tma._launch). Both give the same bits, also when the
+    later launch changes every run-time integer (batch, lengths, heads, strides)."""
+    _need_sm90()
+    q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=256, sk=384, hq=4, hk=2, d=d, device="cuda")
+    scale = torch.tensor([0.37], device="cuda") if out_fp8 else None
+    if out_fp8:
+        out = torch.empty_like(out, dtype=E4M3)
+    vt = transpose_v_kmajor(v)
+    kw = dict(softmax_scale=0.09, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_scale=scale)
+    dense_tma._COMPILED.clear()
+    dense_tma.launch_dense_fwd_tma(q, k, vt, out, lse, **kw)  # JIT path
+    assert any(key[1] == d for key in dense_tma._COMPILED), "the compiled kernel was not kept"
+    out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
+    dense_tma.launch_dense_fwd_tma(q, k, vt, out2, lse2, **kw)  # direct path
+    assert torch.equal(out.view(torch.uint8), out2.view(torch.uint8)) and torch.equal(lse, lse2)
+    # other run-time integers on the kept kernel, against a fresh JIT launch of the same inputs
+    q3, k3, v3, qd3, kd3, vd3, out3, _ = _case(b=1, sq=128, sk=640, hq=6, hk=3, d=d, device="cuda")
+    if out_fp8:
+        out3 = torch.empty_like(out3, dtype=E4M3)
+    lse3 = torch.empty(1, 128, 6, device="cuda").permute(0, 2, 1)
+    kw3 = dict(kw, q_descale=qd3, k_descale=kd3, v_descale=vd3)
+    vt3 = transpose_v_kmajor(v3)
+    dense_tma.launch_dense_fwd_tma(q3, k3, vt3, out3, lse3, **kw3)
+    dense_tma._COMPILED.clear()
+    out4, lse4 = torch.empty_like(out3), torch.empty_like(lse3)
+    dense_tma.launch_dense_fwd_tma(q3, k3, vt3, out4, lse4, **kw3)
+    assert torch.equal(out3.view(torch.uint8), out4.view(torch.uint8)) and torch.equal(lse3, lse4)

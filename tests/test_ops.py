@@ -262,3 +262,45 @@ def test_import_twice_in_fresh_process_warning_free():
     r = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
     assert "Overriding a previously registered kernel" not in r.stderr
+
+
+def test_eager_calls_skip_the_dispatcher_only_when_unobservable():
+    """ops.dense_fwd / paged_fwd / combine call the implementation directly in plain eager mode; under a
+    dispatch mode, FakeTensor or torch.compile they go through fp8attn::* (graphs and modes see the op),
+    with the same numbers either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    b, s, h, d = 1, 16, 2, 32
+    q8, qd = _fp8((b, s, h, d))
+    k8, kd = _fp8((b, s, h, d))
+    v8, vd = _fp8((b, s, h, d))
+    assert ops._eager_direct(q8, k8, v8, None)
+    kw = dict(q_descale=qd.expand(b, h), k_descale=kd.expand(b, h), v_descale=vd.expand(b, h), causal=True)
+    o_direct, lse_direct = fp8attn.flash_attn_func(q8, k8, v8, return_attn_probs=True, **kw)
+    with Record() as rec:
+        assert not ops._eager_direct(q8, k8, v8, None)
+        o_op, lse_op = fp8attn.flash_attn_func(q8, k8, v8, return_attn_probs=True, **kw)
+    assert "fp8attn.dense_fwd.default" in rec.names
+    assert torch.equal(o_direct, o_op) and torch.equal(lse_direct, lse_op)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        assert not ops._eager_direct(mode.from_tensor(q8))
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    compiled = torch.compile(lambda q, k, v: fp8attn.flash_attn_func(q, k, v, **kw), backend=backend, fullgraph=True)
+    assert torch.equal(compiled(q8, k8, v8), o_direct)
+    assert any("fp8attn.dense_fwd" in t for t in seen), seen
