@@ -162,18 +162,19 @@ import os, sys
 os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, {src!r})
 from fp8attn.kernels import dense_tma
-for d in (64, 128, 256):
+for d, ws in ((64, False), (128, True), (128, False), (256, False)):
     for causal in (False, True):
         for out_fp8 in (False, True):
-            k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=out_fp8)
+            k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=out_fp8, ws=ws)
             assert k.asm["cubin"], "no cubin"
-            print("ok", d, causal, out_fp8, k.metadata.shared)
+            print("ok", d, ws, causal, out_fp8, k.metadata.shared)
 """
 
 
 def test_aot_compile_sm90():
-    """Every variant of the Gluon kernels (head dim 64/128/256 x causal x bf16/e4m3 output) compiles for sm90
-    without a GPU (in a clean process: no interpreter mode)."""
+    """Every variant of the Gluon kernels (head dim 64/128/256, at 128 the warp-specialized and the 8-warp
+    kernel, x causal x bf16/e4m3 output) compiles for sm90 without a GPU (in a clean process: no interpreter
+    mode)."""
     if not dense_tma.HAS_GLUON:
         pytest.skip("triton without gluon")
     try:
@@ -187,7 +188,7 @@ def test_aot_compile_sm90():
     if r.returncode != 0 and ("ptxas" in out and ("not found" in out or "No such file" in out)):
         pytest.skip("ptxas not available")
     assert r.returncode == 0, out[-3000:]
-    assert out.count("ok ") == 12, out[-3000:]
+    assert out.count("ok ") == 16, out[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,3 +473,28 @@ def test_gpu_tma_direct_launch_equals_jit_launch(d, out_fp8):
     out4, lse4 = torch.empty_like(out3), torch.empty_like(lse3)
     dense_tma.launch_dense_fwd_tma(q3, k3, vt3, out4, lse4, **kw3)
     assert torch.equal(out3.view(torch.uint8), out4.view(torch.uint8)) and torch.equal(lse3, lse4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(128, 128), (256, 640), (512, 512)])
+def test_gpu_tma_warp_specialized_equals_8warp_kernel(causal, sq, sk, monkeypatch):
+    """Head dim 128 runs the warp-specialized kernel (causal from seqlen_q 2048); forced onto both kernels
+    at small shapes, it gives the 8-warp kernel's bits (same softmax step and accumulation order), bf16
+    and fused e4m3 output, with GQA and per-(batch, kv head) descales, and passes the reference rule."""
+    _need_sm90()
+    q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=sq, sk=sk, hq=6, hk=2, d=128, device="cuda")
+    vt = transpose_v_kmajor(v)
+    monkeypatch.setattr(dense_tma, "_WS_MIN_CAUSAL_SEQLEN_Q", 0)
+    for out_scale in (None, torch.tensor([0.21], device="cuda")):
+        outs = []
+        for ws_dims in ((128,), ()):
+            monkeypatch.setattr(dense_tma, "_WS_HEAD_DIMS", ws_dims)
+            o = torch.empty_like(out, dtype=E4M3 if out_scale is not None else torch.bfloat16)
+            ls = torch.empty_like(lse)
+            dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, softmax_scale=0.088, causal=causal, q_descale=qd,
+                                           k_descale=kd, v_descale=vd, out_scale=out_scale)
+            outs.append((o, ls))
+        (o_ws, l_ws), (o_8w, l_8w) = outs
+        assert torch.equal(o_ws.view(torch.uint8), o_8w.view(torch.uint8)) and torch.equal(l_ws, l_8w)
+        _reference_check(q, k, v, qd, kd, vd, o_ws, l_ws, causal, 0.088, out_scale=out_scale)

@@ -4,16 +4,22 @@ The fast path of ``dense.launch_dense_fwd`` for the common prefill case: e4m3 Q/
 128 or 256 (the same for q/k and v), sequence lengths that are multiples of 128, per-(batch, kv head)
 descales, optional bottom-right causal mask and LSE; bf16 output, or e4m3 output with the fused
 static per-tensor scale ``out_scale``. Everything else stays on the Triton kernel (``supported``).
-One kernel covers head dims 64 and 128: the head dim (``D``, read from the Q descriptor's block
-shape), the output dtype (``OUT_FP8``), causal and LSE are compile-time constants. Head dim 256 has
-its own schedule (``_dense_fwd_tma_d256_kernel``: operands in 128/64-wide pieces of the head dim,
-64-key tiles, no next-tile QK^T under the softmax) around the same softmax step and epilogues.
+Three kernels share one softmax step (``_softmax_tile_f32``), one finalization and one output
+epilogue; head dim, output dtype (``OUT_FP8``), causal and LSE are compile-time constants:
 
-Schedule (one CTA = one 128-row query block of one (batch, q head), 8 warps = 2 warpgroups of 64
-rows): K/V tiles stream through a ``NUM_STAGES``-deep ring of shared-memory buffers filled by TMA.
-In the loop over KV tiles, ``S_{j+1} = Q K_{j+1}^T`` is issued asynchronously before the softmax of
-tile ``j``, so the exp2 work of one tile runs under the next tile's QK^T; then ``P_j V_j`` is
-issued, the accumulator is rescaled while it runs, and one wait retires both MMAs.
+* head dim 128 (causal: from seqlen_q 2048): ``_dense_fwd_tma_ws_kernel``, warp-specialized like FA3: a 1-warp TMA producer fills
+  a K/V ring guarded by per-stage ready/empty mbarriers, and two 4-warp consumers (64 query rows
+  each, 240 registers) take turns issuing their MMAs -- S_j = Q K_j^T together with P_{j-1} V_{j-1}
+  -- so one consumer's softmax overlaps the other's tensor-core work ("ping-pong").
+* head dim 64 (and 128 causal below seqlen_q 2048): ``_dense_fwd_tma_kernel``, 8 warps (2 warpgroups of 64 rows in lockstep); in the loop
+  over KV tiles ``S_{j+1}`` is issued asynchronously before the softmax of tile ``j``, then ``P_j V_j``,
+  the accumulator is rescaled while it runs, and one wait retires both MMAs. (The warp-specialized
+  kernel measured no faster there.)
+* head dim 256: ``_dense_fwd_tma_d256_kernel``: operands in 128/64-wide pieces of the head dim, 64-key
+  tiles, no next-tile QK^T under the softmax.
+
+One CTA covers one 128-row query block of one (batch, q head); K/V tiles stream through a
+``NUM_STAGES``-deep ring of shared-memory buffers filled by TMA.
 
 Operands as 2-D TMA views (no copies), D the head dim:
 
@@ -75,13 +81,13 @@ if HAS_GLUON:
     _E4M3_MAX = gl.constexpr(448.0)
 
     @gluon.jit
-    def _softmax_tile(s, m_i, l_i, qk_scale, m0, n0, shift,
-                      p_layout: gl.constexpr, row_o: gl.constexpr, MASKED: gl.constexpr):
+    def _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o: gl.constexpr, MASKED: gl.constexpr):
         """One online-softmax step on a raw fp32 S tile (wgmma accumulator layout).
 
         MASKED applies the bottom-right causal mask (key n visible to query m iff
         n <= m + shift) as -inf on the raw logits; only the diagonal tile needs it.
-        Returns P as an e4m3 register A operand, alpha in the O row layout, new m and l.
+        Returns P in fp32 (S's layout; ``_p_operand`` makes the e4m3 A operand of P V), alpha in
+        the O row layout, new m and l.
         """
         s_layout: gl.constexpr = s.type.layout
         if MASKED:
@@ -100,8 +106,19 @@ if HAS_GLUON:
         # one FFMA per element: s * scale - (m - 8)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_use - _P_OFFSET, 1))
         l_new = l_i * alpha + gl.sum(p, axis=1)  # fp32 sum before the cast; 2^8 cancels in acc / l
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-        return p8, gl.convert_layout(alpha, row_o), m_new, l_new
+        return p, gl.convert_layout(alpha, row_o), m_new, l_new
+
+    @gluon.jit
+    def _p_operand(p, p_layout: gl.constexpr):
+        """fp32 P in [0, 256] -> the e4m3 register A operand of P V."""
+        return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+
+    @gluon.jit
+    def _softmax_tile(s, m_i, l_i, qk_scale, m0, n0, shift,
+                      p_layout: gl.constexpr, row_o: gl.constexpr, MASKED: gl.constexpr):
+        """``_softmax_tile_f32`` returning P as the e4m3 A operand."""
+        p, alpha, m_new, l_new = _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o, MASKED)
+        return _p_operand(p, p_layout), alpha, m_new, l_new
 
     @gluon.jit
     def _refill(k_desc, k_row, k_col, k_bar, k_buf, k_pred, v_desc, v_row, v_col, v_bar, v_buf, v_pred):
@@ -478,6 +495,203 @@ if HAS_GLUON:
         tma.store_wait(pendings=0)
 
 
+    # -----------------------------------------------------------------------------------------
+    # Head dim 64 / 128: warp-specialized ping-pong (``_dense_fwd_tma_ws_kernel``)
+    # -----------------------------------------------------------------------------------------
+    _WS_CONSUMER_REGS = gl.constexpr(240)  # 2 x 128 threads x 240 + 32 x 24 <= 64K registers per SM
+    _WS_LOADER_REGS = gl.constexpr(24)
+
+    @gluon.jit
+    def _ws_turn_wait(turn, WG: gl.constexpr, k):
+        """Wait for this consumer's k-th turn to issue MMAs. Consumer 0 goes first (its wait on the
+        fresh barrier's parity 1 passes); consumer 1's k-th turn is consumer 0's k-th pass."""
+        mbarrier.wait(turn.index(WG), (k + 1 - WG) & 1)
+
+    @gluon.jit
+    def _ws_turn_pass(turn, WG: gl.constexpr):
+        mbarrier.arrive(turn.index(1 - WG))
+
+    @gluon.jit
+    def _ws_tile_step(j, p, alpha_prev, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                      turn, WG: gl.constexpr, zero_s, zero_o, qk_scale, mw, shift, p_layout: gl.constexpr,
+                      row_o: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr):
+        """KV tile j >= 1 of one consumer: in its turn, issue S_j = Q K_j^T and P_{j-1} V_{j-1} (fresh
+        accumulator), pass the turn, then softmax_j while P_{j-1} V_{j-1} runs, then add it to acc."""
+        TN: gl.constexpr = k_smem.shape[1]
+        p8 = _p_operand(p, p_layout)
+        ks = j % NUM_STAGES
+        vp = (j - 1) % NUM_STAGES
+        _ws_turn_wait(turn, WG, j)
+        mbarrier.wait(k_ready.index(ks), (j // NUM_STAGES) & 1)
+        s_tok = warpgroup_mma(qs, k_smem.index(ks).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(vp), ((j - 1) // NUM_STAGES) & 1)
+        pv_tok = warpgroup_mma(p8, v_smem.index(vp).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+        _ws_turn_pass(turn, WG)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(ks))
+        p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, j * TN, shift, row_o, MASKED)
+        acc = acc * gl.expand_dims(alpha_prev, 1)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+        mbarrier.arrive(v_empty.index(vp))
+        return p, alpha, m_i, l_i, acc + pv
+
+    @gluon.jit
+    def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty,
+                     v_empty, turn, o_desc, Lse, OutScale, lse_off, stride_lm, q_row, q_col, m0, shift,
+                     n_tiles, qk_scale, v_descale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+                     OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Consumer WG (4 warps) of a 128-row query block: rows m0 + 64 WG .. m0 + 64 WG + 63."""
+        NW: gl.constexpr = gl.num_warps()
+        gl.static_assert(NW == 4)
+        MH: gl.constexpr = q_smem.shape[1]
+        D: gl.constexpr = q_smem.shape[2]
+        TN: gl.constexpr = k_smem.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, TN, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, D, 32])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        qs = q_smem.index(WG)
+        mw = m0 + WG * MH
+        zero_s = gl.zeros([MH, TN], gl.float32, s_layout)
+        zero_o = gl.zeros([MH, D], gl.float32, o_layout)
+        m_i = gl.full([MH], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([MH], gl.float32, row_s)
+        acc = gl.zeros([MH, D], gl.float32, o_layout)
+
+        # tile 0: S_0 and its softmax (masked when it is the only, i.e. diagonal, tile)
+        mbarrier.wait(q_bars.index(WG), 0)
+        _ws_turn_wait(turn, WG, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(qs, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        _ws_turn_pass(turn, WG)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(0))
+        p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL)
+
+        # fully visible tiles; with CAUSAL the last tile is the diagonal one, masked
+        n_plain = n_tiles - 1 if CAUSAL else n_tiles
+        for j in range(1, n_plain):
+            p, alpha, m_i, l_i, acc = _ws_tile_step(
+                j, p, alpha, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, WG,
+                zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES, False)
+        if CAUSAL:
+            if n_tiles > 1:
+                p, alpha, m_i, l_i, acc = _ws_tile_step(
+                    n_tiles - 1, p, alpha, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                    turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES, True)
+
+        # the last tile's P V
+        jl = n_tiles - 1
+        vs = jl % NUM_STAGES
+        p8 = _p_operand(p, p_layout)
+        _ws_turn_wait(turn, WG, n_tiles)
+        mbarrier.wait(v_ready.index(vs), (jl // NUM_STAGES) & 1)
+        pv_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+        _ws_turn_pass(turn, WG)
+        acc = acc * gl.expand_dims(alpha, 1)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+        mbarrier.arrive(v_empty.index(vs))
+        acc = acc + pv
+
+        out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
+        if WRITE_LSE:
+            offs_m = (mw + gl.arange(0, MH, layout=row_o)).to(gl.int64)
+            gl.store(Lse + lse_off + offs_m * stride_lm, lse)
+        ob = o_smem.index(WG)
+        ob.store(_output_epilogue(out, OutScale, OUT_FP8))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [q_row + WG * MH, q_col], ob)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+                   q_row, q_col, kv_row, k_col, vt_row, n_tiles, NUM_STAGES: gl.constexpr):
+        """Producer warp: both Q halves once, then K/V tiles through the ring. A stage is refilled once
+        both consumers arrived on its empty barrier (count 2)."""
+        MH: gl.constexpr = q_desc.block_type.shape[0]
+        TN: gl.constexpr = k_desc.block_type.shape[0]
+        for w in gl.static_range(2):
+            mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + w * MH, q_col], q_bars.index(w), q_smem.index(w))
+        for t in range(n_tiles):
+            st = t % NUM_STAGES
+            eph = ((t // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
+            mbarrier.wait(k_empty.index(st), eph)
+            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + t * TN, k_col], k_ready.index(st), k_smem.index(st))
+            mbarrier.wait(v_empty.index(st), eph)
+            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [vt_row, t * TN], v_ready.index(st), v_smem.index(st))
+
+    @gluon.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_PTR_ARGS)
+    def _dense_fwd_tma_ws_kernel(
+        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
+        stride_lb, stride_lh, stride_lm,
+        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+        seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
+        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):
+        """Head dims 64 / 128, warp-specialized (FA3's schedule): a 1-warp TMA producer fills a K/V ring
+        (ready / empty mbarriers per stage, no CTA-wide barrier in the loop); two 4-warp consumers own
+        64 query rows each and take turns issuing their MMAs (S_j and P_{j-1} V_{j-1} together), so one
+        consumer's softmax runs while the other's MMAs use the tensor cores. Consumers run at 240
+        registers, the producer at 24. Same softmax step, accumulation and epilogues as the other kernels."""
+        MH: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        TN: gl.constexpr = k_desc.block_type.shape[0]
+        gl.static_assert(MH == 64)
+        gl.static_assert(TN == 2 * MH)  # one 128-row block = one KV tile: the diagonal tile is the last
+        gl.static_assert((D == 64) or (D == 128))
+        gl.static_assert(v_desc.block_type.shape[0] == D)
+
+        b, h, hk, m0, shift, n_tiles, qk_scale, v_descale = _query_block_setup(
+            QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+            seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2, 2 * MH, TN, CAUSAL)
+        q_row = b * seqlen_q + m0
+        kv_row = b * seqlen_k
+        vt_row = (b * nheads_k + hk) * D
+        q_col = h * D
+        k_col = hk * D
+        lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, MH, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, TN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, D, TN], v_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, MH, D], o_desc.layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(2):
+            mbarrier.init(q_bars.index(w), count=1)
+            mbarrier.init(turn.index(w), count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer
+            mbarrier.init(v_empty.index(i), count=2)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # (the argument tuples are written out: a tuple held in a variable loses the constexpr flags)
+        gl.warp_specialize([
+            (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn,
+                            o_desc, Lse, OutScale, lse_off, stride_lm, q_row, q_col, m0, shift, n_tiles, qk_scale,
+                            v_descale, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES)),
+            (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn,
+                            o_desc, Lse, OutScale, lse_off, stride_lm, q_row, q_col, m0, shift, n_tiles, qk_scale,
+                            v_descale, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES)),
+            (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
+                          v_empty, q_row, q_col, kv_row, k_col, vt_row, n_tiles, NUM_STAGES)),
+        ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
+
+
 # ---------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------
@@ -486,25 +700,45 @@ def _capability(index):
     return torch.cuda.get_device_capability(index)
 
 
-def _tiles(head_dim):
-    """(head-dim width of a Q/K box, of a V/O box, keys per KV tile): head dim 256 runs Q/K in two
+# Head dims on the warp-specialized kernel: 128 (+5-9% over the 8-warp kernel on the H200 from S2k,
+# the same bits). Causal blocks of short sequences are faster on the 8-warp kernel (S512 0.82x, S1k
+# 0.92x, S2k 1.02x on the warp-specialized one), so causal with seqlen_q below 2048 stays there. Head
+# dim 64 measured no gain (0.96-1.01x) and stays on ``_dense_fwd_tma_kernel``; 256 has its own.
+_WS_HEAD_DIMS = (128,)
+_WS_MIN_CAUSAL_SEQLEN_Q = 2048
+
+
+def _use_ws(head_dim, causal, seqlen_q):
+    return head_dim in _WS_HEAD_DIMS and not (causal and seqlen_q < _WS_MIN_CAUSAL_SEQLEN_Q)
+
+
+def _tiles(head_dim, ws):
+    """(rows of a Q/O box, head-dim width of a Q/K box, of a V/O box, keys per KV tile). The
+    warp-specialized kernel loads Q and stores O per 64-row consumer; head dim 256 runs Q/K in two
     128-wide halves, V/O in four 64-wide quarters, with 64-key tiles (``_dense_fwd_tma_d256_kernel``)."""
-    return (128, 64, 64) if head_dim == 256 else (head_dim, head_dim, BLOCK_N)
+    if head_dim == 256:
+        return (BLOCK_M, 128, 64, 64)
+    return (BLOCK_M // 2 if ws else BLOCK_M, head_dim, head_dim, BLOCK_N)
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts(head_dim, out_fp8):
-    """Shared-memory layouts of the Q, K, V and output tiles for one head dim and output dtype."""
+def _layouts(tiles, out_fp8):
+    """Shared-memory layouts of the Q, K, V and output boxes of ``_tiles(...)``."""
     f8 = gl.float8e4nv
-    dh, dv, bn = _tiles(head_dim)
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, dh], f8),
+    rows, dh, dv, bn = tiles
+    return (gl.NVMMASharedLayout.get_default_for([rows, dh], f8),
             gl.NVMMASharedLayout.get_default_for([bn, dh], f8),
             gl.NVMMASharedLayout.get_default_for([dv, bn], f8),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_M, dv], f8 if out_fp8 else gl.bfloat16))
+            gl.NVMMASharedLayout.get_default_for([rows, dv], f8 if out_fp8 else gl.bfloat16))
 
 
-def _kernel_for(head_dim):
-    return _dense_fwd_tma_d256_kernel if head_dim == 256 else _dense_fwd_tma_kernel
+def _kernel_for(head_dim, ws):
+    """(kernel, num_warps) (the warp-specialized kernel adds 5 worker warps)."""
+    if head_dim == 256:
+        return _dense_fwd_tma_d256_kernel, NUM_WARPS
+    if ws:
+        return _dense_fwd_tma_ws_kernel, 4
+    return _dense_fwd_tma_kernel, NUM_WARPS
 
 
 def _rows_2d(x):
@@ -656,14 +890,15 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     batch, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     out_fp8 = out_scale is not None
-    dh, dv, bn = _tiles(d)
-    descs = ((q, *_rows_2d(q), [BLOCK_M, dh]), (k, *_rows_2d(k), [bn, dh]),
-             (v_kmajor, *_vt_2d(v_kmajor), [dv, bn]), (out, *_rows_2d(out), [BLOCK_M, dv]))
+    ws = _use_ws(d, causal, sq)
+    rows, dh, dv, bn = _tiles(d, ws)
+    descs = ((q, *_rows_2d(q), [rows, dh]), (k, *_rows_2d(k), [bn, dh]),
+             (v_kmajor, *_vt_2d(v_kmajor), [dv, bn]), (out, *_rows_2d(out), [rows, dv]))
     ls = lse.stride() if lse is not None else (0, 0, 0)
     args = (lse if lse is not None else q_descale, q_descale, k_descale, v_descale,
             out_scale if out_fp8 else q_descale, *ls, *q_descale.stride(), *k_descale.stride(),
             *v_descale.stride(), sq, sk, hq, hk, float(softmax_scale) * _LOG2E)
-    _launch(d, (sq // BLOCK_M, batch * hq), descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES))
+    _launch(d, ws, (sq // BLOCK_M, batch * hq), descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES))
     return out, lse
 
 
@@ -677,8 +912,8 @@ class _HostDesc:
         self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
 
 
-# (device, head dim, constexprs) -> triton's compiled kernel. The kernels specialize on nothing else
-# (``_INT_ARGS`` / ``_PTR_ARGS``; descriptor block types follow from the head dim and output dtype).
+# (device, head dim, kernel, constexprs) -> triton's compiled kernel. The kernels specialize on nothing
+# else (``_INT_ARGS`` / ``_PTR_ARGS``; the descriptors' block types follow from head dim and output dtype).
 _COMPILED: dict = {}
 _DIRECT_LAUNCH = HAS_GLUON and triton.__version__.startswith("3.6.")
 
@@ -688,8 +923,8 @@ def _launch_hooks_set():
     return any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
-def _launch(d, grid, descs, args, consts):
-    """Launch the head-dim-``d`` kernel on the current device and stream.
+def _launch(d, ws, grid, descs, args, consts):
+    """Launch the head-dim-``d`` kernel (``ws``: the warp-specialized one) on the current device and stream.
 
     The first launch per (device, head dim, constexprs) goes through triton's JIT (compile, bind,
     specialize) and keeps the compiled kernel; later launches call it directly with the same argument
@@ -705,14 +940,15 @@ def _launch(d, grid, descs, args, consts):
     """
     drv = triton.runtime.driver.active  # the device and stream triton's own launch would use
     dev = drv.get_current_device()
-    key = (dev, d) + consts
+    kernel, num_warps = _kernel_for(d, ws)
+    key = (dev, d, kernel) + consts
     ck = _COMPILED.get(key)
     if ck is None or _launch_hooks_set() or max(args[5:-1]) >= 2 ** 31:
-        layouts = _layouts(d, consts[2])
+        layouts = _layouts(_tiles(d, ws), consts[2])
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
-        ck = _kernel_for(d)[grid](*tds, *args, CAUSAL=consts[0], WRITE_LSE=consts[1], OUT_FP8=consts[2],
-                                  NUM_STAGES=consts[3], num_warps=NUM_WARPS)
+        ck = kernel[grid](*tds, *args, CAUSAL=consts[0], WRITE_LSE=consts[1], OUT_FP8=consts[2],
+                          NUM_STAGES=consts[3], num_warps=num_warps)
         if _DIRECT_LAUNCH and not hasattr(ck, "result"):
             _COMPILED[key] = ck
         return
@@ -723,24 +959,28 @@ def _launch(d, grid, descs, args, consts):
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compile (inspection without a GPU)
 # ---------------------------------------------------------------------------------------------
-def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False):
+def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None):
     """Compile the kernel for ``sm_{arch}`` without a GPU; returns triton's compiled kernel.
 
     Arguments get the specializations of a launch: none (the jit decorator turns them off).
+    ``ws``: the warp-specialized kernel (default: whenever the head dim has it).
     """
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    ql, kl, vl, ol = _layouts(head_dim, out_fp8)
-    dh, dv, bn = _tiles(head_dim)
+    ws = head_dim in _WS_HEAD_DIMS if ws is None else ws
+    tiles = _tiles(head_dim, ws)
+    rows, dh, dv, bn = tiles
+    ql, kl, vl, ol = _layouts(tiles, out_fp8)
+    kernel, num_warps = _kernel_for(head_dim, ws)
 
     def desc(shape, layout, dtype="fp8e4nv"):
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
     sig = {
-        "q_desc": desc([BLOCK_M, dh], ql), "k_desc": desc([bn, dh], kl),
+        "q_desc": desc([rows, dh], ql), "k_desc": desc([bn, dh], kl),
         "v_desc": desc([dv, bn], vl),
-        "o_desc": desc([BLOCK_M, dv], ol, "fp8e4nv" if out_fp8 else "bf16"),
+        "o_desc": desc([rows, dv], ol, "fp8e4nv" if out_fp8 else "bf16"),
         "Lse": "*fp32", "QDs": "*fp32", "KDs": "*fp32", "VDs": "*fp32", "OutScale": "*fp32",
         "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
         "stride_qds_b": "i32", "stride_qds_h": "i32", "stride_kds_b": "i32", "stride_kds_h": "i32",
@@ -752,5 +992,5 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False):
     consts = {"CAUSAL": bool(causal), "WRITE_LSE": bool(write_lse), "OUT_FP8": bool(out_fp8),
               "NUM_STAGES": NUM_STAGES}
     # no attributes: a launch specializes no integer or pointer argument (_INT_ARGS, _PTR_ARGS)
-    src = GluonASTSource(fn=_kernel_for(head_dim), signature=sig, constexprs=consts, attrs={})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": NUM_WARPS})
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
