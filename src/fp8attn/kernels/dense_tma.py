@@ -635,11 +635,12 @@ if HAS_GLUON:
         seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
         CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):
-        """Head dims 64 / 128, warp-specialized (FA3's schedule): a 1-warp TMA producer fills a K/V ring
-        (ready / empty mbarriers per stage, no CTA-wide barrier in the loop); two 4-warp consumers own
-        64 query rows each and take turns issuing their MMAs (S_j and P_{j-1} V_{j-1} together), so one
-        consumer's softmax runs while the other's MMAs use the tensor cores. Consumers run at 240
-        registers, the producer at 24. Same softmax step, accumulation and epilogues as the other kernels."""
+        """Head dim 128 (64 compiles too, bit-identical but no faster: ``_WS_HEAD_DIMS``), warp-specialized
+        as in FA3: a 1-warp TMA producer fills a K/V ring (ready / empty mbarriers per stage, no CTA-wide
+        barrier in the loop); two 4-warp consumers own 64 query rows each and take turns issuing their
+        MMAs (S_j and P_{j-1} V_{j-1} together), so one consumer's softmax runs while the other's MMAs
+        use the tensor cores. Consumers run at 240 registers, the producer at 24. Same softmax step,
+        accumulation and epilogues as the other kernels."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         TN: gl.constexpr = k_desc.block_type.shape[0]
