@@ -137,3 +137,11 @@ def test_v_layout_seq_major_default(backend, varlen):
         assert torch.equal(a, b_)
     with pytest.raises(ValueError, match="v_layout"):
         quantize_qkv(q, k, v, v_layout="kmajor")
+
+
+def test_inputs_on_different_devices_are_rejected_by_name():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match=r"^k: expected device cpu \(as q\), got meta"):
+        quantize_qkv(q, q.to("meta"), q)
+    with pytest.raises(ValueError, match=r"^v: expected device cpu"):
+        quantize_qkv(q, q, q.to("meta"))

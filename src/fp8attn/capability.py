@@ -1,6 +1,7 @@
 """What this device / install supports; cached. Decides the execution path of each op."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -8,7 +9,7 @@ import warnings
 
 import torch
 
-__all__ = ["has_triton", "triton_version", "kernel_path_ok", "execution_path", "warn_once"]
+__all__ = ["has_triton", "triton_version", "kernel_path_ok", "execution_path", "warn_once", "launch_device"]
 
 
 @functools.lru_cache(None)
@@ -36,6 +37,16 @@ def kernel_path_ok(t: torch.Tensor) -> bool:
     if t.device.type != "cuda" or not has_triton() or os.environ.get("FP8ATTN_FORCE_REFERENCE") == "1":
         return False
     return _cc(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+def launch_device(t: torch.Tensor):
+    """A context that makes ``t``'s CUDA device current while kernels are launched: triton launches on
+    the current device, so inputs on another GPU (cuda:1 while cuda:0 is current) would otherwise run
+    on the wrong one. A no-op (no guard object) when ``t`` is already on the current device."""
+    idx = t.get_device()
+    if idx < 0 or idx == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(idx)
 
 
 def execution_path(device: str | torch.device | None = None) -> str:

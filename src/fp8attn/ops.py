@@ -51,7 +51,7 @@ import functools
 import torch
 
 from . import reference as ref
-from .capability import kernel_path_ok
+from .capability import kernel_path_ok, launch_device
 from .paged import paged_precision
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 
@@ -121,12 +121,13 @@ def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     if launch is not None:
         o = out if out is not None else torch.empty(oshape, dtype=dt, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        launch(q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal, window_size=window,
-               softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-               out_scale=out_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-               seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-               max_seqlen_k=max_seqlen_k, pack_gqa=bool(pack_gqa),
-               descale_block_q=descale_block or None, descale_block_k=descale_block or None)
+        with launch_device(q):
+            launch(q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal, window_size=window,
+                   softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                   out_scale=out_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
+                   max_seqlen_k=max_seqlen_k, pack_gqa=bool(pack_gqa),
+                   descale_block_q=descale_block or None, descale_block_k=descale_block or None)
         return o, lse
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale,
@@ -171,11 +172,12 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         if max_seqlen_q is None:
             max_seqlen_q = q.shape[1] if not varlen else q.shape[0]
-        launch(q, k_cache, v_cache, page_table, cache_seqlens, o, lse, cu_seqlens_q=cu_seqlens_q,
-               max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
-               window_size=window, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
-               v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
-               out_scale=out_scale, num_splits=num_splits)
+        with launch_device(q):
+            launch(q, k_cache, v_cache, page_table, cache_seqlens, o, lse, cu_seqlens_q=cu_seqlens_q,
+                   max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
+                   window_size=window, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
+                   v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
+                   out_scale=out_scale, num_splits=num_splits)
         return o, lse
     fp8_mma, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, k_cache_scales is not None,
                                    v_cache_scales is not None)
@@ -203,7 +205,8 @@ def _combine_impl(out_partial, lse_partial, out_scale, out_dtype, out):
     if launch is not None:
         o = out if out is not None else torch.empty(out_partial.shape[1:], dtype=dt, device=out_partial.device)
         lse = torch.empty(lse_partial.shape[1:], dtype=torch.float32, device=out_partial.device)
-        launch(out_partial, lse_partial, o, lse, out_scale=out_scale)
+        with launch_device(out_partial):
+            launch(out_partial, lse_partial, o, lse, out_scale=out_scale)
         return o, lse
     o, lse = ref.combine_ref(out_partial, lse_partial, out_dtype=dt, out_scale=out_scale)
     if out is not None:
@@ -218,8 +221,9 @@ def _write_kv_cache_impl(k, v, k_cache, v_cache, slot_mapping, k_descale, v_desc
                          k_cache_scales, v_cache_scales):
     launch = _kernel("cache", "launch_write_kv_cache") if kernel_path_ok(k) else None
     if launch is not None:
-        launch(k, v, k_cache, v_cache, slot_mapping, k_descale=k_descale, v_descale=v_descale,
-               token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+        with launch_device(k):
+            launch(k, v, k_cache, v_cache, slot_mapping, k_descale=k_descale, v_descale=v_descale,
+                   token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
         return
     _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
                           k_cache_scales, v_cache_scales)
@@ -258,7 +262,8 @@ def _quant_impl(x, scale):
         launch = launch_quant_fp8_static()
         if launch is not None:
             y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-            launch(x, scale, y)
+            with launch_device(x):
+                launch(x, scale, y)
             return y
     from .quant_ops import quant_fp8_static_torch
 
