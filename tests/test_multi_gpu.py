@@ -41,7 +41,10 @@ def _calls(dev):
     ones = torch.ones(b, h, device=dev)
     dec = fp8attn.flash_attn_with_kvcache(qd1, kc, vc, cache_seqlens=cs, page_table=pt, causal=True,
                                          k_descale=ones, v_descale=ones, num_splits=3)
-    return [q8, k8, v8, qd, kd, vd, dense, kc, vc, dec]
+    a8 = q8[0].transpose(0, 1).contiguous()  # (heads, seqlen, d) as a batch of matrices
+    bmm = fp8attn.ops.scaled_bmm(a8, k8[0].permute(1, 2, 0), qd[0].reshape(h, 1, 1).expand(h, s, 1).contiguous(),
+                                 kd[0].reshape(h, 1, 1).contiguous(), torch.bfloat16)
+    return [q8, k8, v8, qd, kd, vd, dense, kc, vc, dec, bmm]
 
 
 def test_inputs_on_a_non_current_gpu_match_the_same_call_on_that_gpu():

@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from .capability import kernel_path_ok
+from .capability import kernel_path_ok, launch_device
 
 __all__ = ["scaled_bmm_impl", "normalize_scales", "launch_scaled_bmm"]
 
@@ -89,7 +89,8 @@ def scaled_bmm_impl(a, b, scale_a, scale_b, out_dtype):
     if kernel_path_ok(a) and a.dtype in _FP8 and a.dtype == b.dtype:
         launch = launch_scaled_bmm()
         if launch is not None:
-            launch(a, b, sa, sb, out)
+            with launch_device(a):
+                launch(a, b, sa, sb, out)
             return out
     return out.copy_(scaled_bmm_torch(a, b, sa, sb, out_dtype))
 
