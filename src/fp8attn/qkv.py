@@ -11,13 +11,13 @@ Descale convention (fp8attn.quant): ``descale = max(amax, DESCALE_FLOOR * 448) /
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
 import torch
 
 from . import hadamard as _had
+from ._checks import check_same_device
 from .capability import launch_device
 from .kernels.quantize import HAS_TRITON
 from .quant import descale_from_amax
@@ -38,9 +38,7 @@ def _validate(q, k, v):
         if t.dim() not in (3, 4):
             raise ValueError(f"{name}: expected (batch, seqlen, heads, dim) or varlen (total, heads, dim), "
                              f"got shape {tuple(t.shape)}. Reshape {name} to that layout.")
-    for name, t in (("k", k), ("v", v)):
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}. Move {name} to {q.device}.")
+    check_same_device(q=q, k=k, v=v)
     if not (q.dim() == k.dim() == v.dim()):
         raise ValueError(f"q/k/v: expected the same layout, got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D tensors.")
     if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
@@ -186,7 +184,7 @@ def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128
         raise ValueError("backend: expected 'auto' or 'torch' without triton installed, got 'triton'. "
                          "Install triton or pass backend='torch'.")
     fn = _triton_path if use_triton else _torch_path
-    with launch_device(q) if use_triton else contextlib.nullcontext():
+    with launch_device(q):  # a no-op on the CPU
         q8, qd = fn(q, granularity, hk, hadamard, seed, bt)
         k8, kd = fn(k, granularity, hk, hadamard, seed, bt)
         vg = "per_head" if granularity == "per_block" else granularity

@@ -107,12 +107,7 @@ def launch_scaled_bmm():
         import triton.language as tl
     except ImportError:
         return None
-    import os
-
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the interpreter fixes the dense kernel installs
-        from .kernels._interpret import _interpreter_compat
-
-        _interpreter_compat()
+    from .kernels import common  # noqa: F401  (applies the interpreter fixes under TRITON_INTERPRET=1, once)
 
     @triton.jit
     def _scaled_bmm_kernel(A, B, SA, SB, O, M, N, K,

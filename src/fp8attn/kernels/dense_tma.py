@@ -494,9 +494,8 @@ if HAS_GLUON:
             tma.async_copy_shared_to_global(o_desc, [q_row, h * (4 * DQ) + qq * DQ], o_smem.index(qq))
         tma.store_wait(pendings=0)
 
-
     # -----------------------------------------------------------------------------------------
-    # Head dim 64 / 128: warp-specialized ping-pong (``_dense_fwd_tma_ws_kernel``)
+    # Head dim 128: warp-specialized ping-pong (``_dense_fwd_tma_ws_kernel``)
     # -----------------------------------------------------------------------------------------
     _WS_CONSUMER_REGS = gl.constexpr(240)  # 2 x 128 threads x 240 + 32 x 24 <= 64K registers per SM
     _WS_LOADER_REGS = gl.constexpr(24)

@@ -8,8 +8,6 @@ Descale convention (fp8attn.quant): ``descale = max(amax, DESCALE_FLOOR * 448) /
 """
 from __future__ import annotations
 
-import os
-
 from ..quant import DESCALE_FLOOR
 
 try:  # the package must import on machines without triton
@@ -24,13 +22,10 @@ except Exception:  # pragma: no cover - exercised only without triton
 __all__ = ["launch_quant_tile", "HAS_TRITON"]
 
 E4M3_MAX = 448.0
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 if HAS_TRITON:
-    if _INTERPRET:  # same interpreter fixes the dense kernel installs
-        from ._interpret import _interpreter_compat
-        _interpreter_compat()
+    from . import common  # noqa: F401  (applies the interpreter fixes under TRITON_INTERPRET=1, once)
 
     @triton.jit
     def _quant_tile_kernel(X, Y, R, Amax, Ds,
