@@ -479,13 +479,12 @@ def test_gpu_tma_direct_launch_equals_jit_launch(d, out_fp8):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(128, 128), (256, 640), (512, 512)])
 def test_gpu_tma_warp_specialized_equals_8warp_kernel(causal, sq, sk, monkeypatch):
-    """Head dim 128 runs the warp-specialized kernel (causal from seqlen_q 2048); forced onto both kernels
+    """Head dims 64 and 128 run the warp-specialized kernel; forced onto both kernels
     at small shapes, it gives the 8-warp kernel's bits (same softmax step and accumulation order), bf16
     and fused e4m3 output, with GQA and per-(batch, kv head) descales, and passes the reference rule."""
     _need_sm90()
     q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=sq, sk=sk, hq=6, hk=2, d=128, device="cuda")
     vt = transpose_v_kmajor(v)
-    monkeypatch.setattr(dense_tma, "_WS_MIN_CAUSAL_SEQLEN_Q", 0)
     for out_scale in (None, torch.tensor([0.21], device="cuda")):
         outs = []
         for ws_dims in ((128,), ()):
@@ -498,3 +497,33 @@ def test_gpu_tma_warp_specialized_equals_8warp_kernel(causal, sq, sk, monkeypatc
         (o_ws, l_ws), (o_8w, l_8w) = outs
         assert torch.equal(o_ws.view(torch.uint8), o_8w.view(torch.uint8)) and torch.equal(l_ws, l_8w)
         _reference_check(q, k, v, qd, kd, vd, o_ws, l_ws, causal, 0.088, out_scale=out_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_sms", [3, 7, None])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_tma_persistent_schedule_equals_8warp_kernel(causal, num_sms, d, monkeypatch):
+    """The warp-specialized kernel is persistent: one CTA per SM walks the query blocks in rounds
+    (alternating direction), with a double-buffered Q and one K/V ring across blocks. With the grid cut
+    to 3 or 7 CTAs (many rounds, odd and even, a partial last round) and at the real SM count, every
+    block is written and gives the 8-warp kernel's bits; so does a causal input on the one-block-per-CTA
+    grid (seqlen_q above ``_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q``)."""
+    _need_sm90()
+    q, k, v, qd, kd, vd, out, lse = _case(b=3, sq=640, sk=896, hq=4, hk=2, d=d, device="cuda")
+    vt = transpose_v_kmajor(v)
+    if num_sms is not None:
+        monkeypatch.setattr(dense_tma, "_num_sms", lambda index: num_sms)
+    for max_persistent in (8192, 0) if causal else (8192,):  # causal: persistent, then one block per CTA
+        monkeypatch.setattr(dense_tma, "_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q", max_persistent)
+        outs = []
+        for ws_dims in ((d,), ()):
+            monkeypatch.setattr(dense_tma, "_WS_HEAD_DIMS", ws_dims)
+            o, ls = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+            dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, softmax_scale=0.088, causal=causal, q_descale=qd,
+                                           k_descale=kd, v_descale=vd)
+            outs.append((o, ls))
+        (o_ws, l_ws), (o_8w, l_8w) = outs
+        assert not torch.isnan(o_ws).any() and not torch.isnan(l_ws).any(), "a query block was not written"
+        assert torch.equal(o_ws.view(torch.uint8), o_8w.view(torch.uint8)) and torch.equal(l_ws, l_8w)
+    _reference_check(q, k, v, qd, kd, vd, o_ws, l_ws, causal, 0.088)

@@ -7,19 +7,21 @@ static per-tensor scale ``out_scale``. Everything else stays on the Triton kerne
 Three kernels share one softmax step (``_softmax_tile_f32``), one finalization and one output
 epilogue; head dim, output dtype (``OUT_FP8``), causal and LSE are compile-time constants:
 
-* head dim 128 (causal: from seqlen_q 2048): ``_dense_fwd_tma_ws_kernel``, warp-specialized like FA3: a 1-warp TMA producer fills
-  a K/V ring guarded by per-stage ready/empty mbarriers, and two 4-warp consumers (64 query rows
-  each, 240 registers) take turns issuing their MMAs -- S_j = Q K_j^T together with P_{j-1} V_{j-1}
-  -- so one consumer's softmax overlaps the other's tensor-core work ("ping-pong").
-* head dim 64 (and 128 causal below seqlen_q 2048): ``_dense_fwd_tma_kernel``, 8 warps (2 warpgroups of 64 rows in lockstep); in the loop
-  over KV tiles ``S_{j+1}`` is issued asynchronously before the softmax of tile ``j``, then ``P_j V_j``,
-  the accumulator is rescaled while it runs, and one wait retires both MMAs. (The warp-specialized
-  kernel measured no faster there.)
+* head dims 64 and 128: ``_dense_fwd_tma_ws_kernel``, warp-specialized like FA3: a 1-warp TMA producer
+  fills a double-buffered Q and a K/V ring guarded by ready/empty mbarriers, and two 4-warp consumers
+  (64 query rows each, 240 registers) take turns issuing their MMAs -- S_j = Q K_j^T together with
+  P_{j-1} V_{j-1} -- so one consumer's softmax overlaps the other's tensor-core work ("ping-pong").
+  Persistent: one CTA per SM walks the query blocks in rounds, and a block's epilogue overlaps the
+  next block's loads (causal inputs longer than 8k run one block per CTA).
+* ``_dense_fwd_tma_kernel``: the same math in 8 warps (2 warpgroups of 64 rows in lockstep); in the
+  loop over KV tiles ``S_{j+1}`` is issued asynchronously before the softmax of tile ``j``, then
+  ``P_j V_j``, the accumulator is rescaled while it runs, and one wait retires both MMAs. Not
+  dispatched any more (``_WS_HEAD_DIMS``); the tests hold the warp-specialized kernel to its bits.
 * head dim 256: ``_dense_fwd_tma_d256_kernel``: operands in 128/64-wide pieces of the head dim, 64-key
   tiles, no next-tile QK^T under the softmax.
 
-One CTA covers one 128-row query block of one (batch, q head); K/V tiles stream through a
-``NUM_STAGES``-deep ring of shared-memory buffers filled by TMA.
+Except in the persistent kernel, one CTA covers one 128-row query block of one (batch, q head); K/V
+tiles stream through a ``NUM_STAGES``-deep ring of shared-memory buffers filled by TMA.
 
 Operands as 2-D TMA views (no copies), D the head dim:
 
@@ -72,7 +74,8 @@ NUM_WARPS = 8
 _LOG2E = 1.4426950408889634
 _PTR_ARGS = ("Lse", "QDs", "KDs", "VDs", "OutScale")
 _INT_ARGS = ("stride_lb", "stride_lh", "stride_lm", "stride_qds_b", "stride_qds_h", "stride_kds_b",
-             "stride_kds_h", "stride_vds_b", "stride_vds_h", "seqlen_q", "seqlen_k", "nheads_q", "nheads_k")
+             "stride_kds_h", "stride_vds_b", "stride_vds_h", "seqlen_q", "seqlen_k", "nheads_q", "nheads_k",
+             "batch")
 
 if HAS_GLUON:
     # Globals read inside Gluon code must be constexpr.
@@ -187,35 +190,47 @@ if HAS_GLUON:
             mbarrier.invalidate(v_bars.index(i))
 
     @gluon.jit
-    def _query_block_setup(QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
-                           stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
-                           BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
-        """This CTA's query block: ``(b, h, hk, m0, shift, n_tiles, qk_scale, v_descale)``.
-
-        Causal grids run the longest query blocks (most keys) first. ``n_tiles`` counts the KV tiles
-        the block sees (keys < m0 + BM + shift under the bottom-right causal mask). The descales are
-        per (batch, kv head), read with their strides (stride-0 broadcast views allowed), and the
-        Q/K ones are folded into the log2-domain logit scale.
-        """
-        pid_m = gl.program_id(0)
-        if CAUSAL:
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        pid_bh = gl.program_id(1)
+    def _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k,
+                     BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """Query block ``pid_m`` of head ``pid_bh``: ``(b, h, hk, m0, shift, n_tiles)``. ``n_tiles`` counts
+        the KV tiles the block sees (keys < m0 + BM + shift under the bottom-right causal mask)."""
         b = pid_bh // nheads_q
         h = pid_bh % nheads_q
         hk = h // (nheads_q // nheads_k)
-        b64 = b.to(gl.int64)
-        hk64 = hk.to(gl.int64)
         m0 = pid_m * BM
         shift = seqlen_k - seqlen_q
         if CAUSAL:
             n_tiles = (m0 + BM + shift) // BN
         else:
             n_tiles = seqlen_k // BN
+        return b, h, hk, m0, shift, n_tiles
+
+    @gluon.jit
+    def _block_scales(b, hk, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
+                      stride_vds_b, stride_vds_h, softmax_scale_log2):
+        """``(qk_scale, v_descale)``: the descales are per (batch, kv head), read with their strides
+        (stride-0 broadcast views allowed); the Q/K ones are folded into the log2-domain logit scale."""
+        b64 = b.to(gl.int64)
+        hk64 = hk.to(gl.int64)
         qd = gl.load(QDs + b64 * stride_qds_b + hk64 * stride_qds_h)
         kd = gl.load(KDs + b64 * stride_kds_b + hk64 * stride_kds_h)
         v_descale = gl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
-        return b, h, hk, m0, shift, n_tiles, softmax_scale_log2 * qd * kd, v_descale
+        return softmax_scale_log2 * qd * kd, v_descale
+
+    @gluon.jit
+    def _query_block_setup(QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
+                           stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
+                           BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """This CTA's query block (grid: query blocks x batch * heads): ``(b, h, hk, m0, shift, n_tiles,
+        qk_scale, v_descale)``. Causal grids run the longest query blocks (most keys) first."""
+        pid_m = gl.program_id(0)
+        if CAUSAL:
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        b, h, hk, m0, shift, n_tiles = _query_block(pid_m, gl.program_id(1), seqlen_q, seqlen_k, nheads_q,
+                                                    nheads_k, BM, BN, CAUSAL)
+        qk_scale, v_descale = _block_scales(b, hk, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
+                                            stride_kds_h, stride_vds_b, stride_vds_h, softmax_scale_log2)
+        return b, h, hk, m0, shift, n_tiles, qk_scale, v_descale
 
     # Integers and pointers are not specialized (values, divisibility, alignment): the compiled kernel
     # depends only on the constexprs and the descriptors' block types, which lets ``_launch`` reuse it.
@@ -224,7 +239,7 @@ if HAS_GLUON:
         q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
         stride_lb, stride_lh, stride_lm,
         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-        seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
+        seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
         CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):
         BM: gl.constexpr = q_desc.block_type.shape[0]
@@ -398,7 +413,7 @@ if HAS_GLUON:
         q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
         stride_lb, stride_lh, stride_lm,
         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-        seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
+        seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
         CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):
         """Head dim 256: the numerics of ``_dense_fwd_tma_kernel`` with Q/K in two 128-wide halves of
@@ -495,7 +510,7 @@ if HAS_GLUON:
         tma.store_wait(pendings=0)
 
     # -----------------------------------------------------------------------------------------
-    # Head dim 128: warp-specialized ping-pong (``_dense_fwd_tma_ws_kernel``)
+    # Head dims 64 and 128: warp-specialized ping-pong, persistent (``_dense_fwd_tma_ws_kernel``)
     # -----------------------------------------------------------------------------------------
     _WS_CONSUMER_REGS = gl.constexpr(240)  # 2 x 128 threads x 240 + 32 x 24 <= 64K registers per SM
     _WS_LOADER_REGS = gl.constexpr(24)
@@ -511,19 +526,20 @@ if HAS_GLUON:
         mbarrier.arrive(turn.index(1 - WG))
 
     @gluon.jit
-    def _ws_tile_step(j, p, alpha_prev, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                      turn, WG: gl.constexpr, zero_s, zero_o, qk_scale, mw, shift, p_layout: gl.constexpr,
+    def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready, k_empty,
+                      v_empty, turn, WG: gl.constexpr, zero_s, zero_o, qk_scale, mw, shift, p_layout: gl.constexpr,
                       row_o: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr):
-        """KV tile j >= 1 of one consumer: in its turn, issue S_j = Q K_j^T and P_{j-1} V_{j-1} (fresh
-        accumulator), pass the turn, then softmax_j while P_{j-1} V_{j-1} runs, then add it to acc."""
+        """KV tile j >= 1 of one consumer's query block (``g``: the same tile's index in this CTA's K/V
+        ring, ``k``: this consumer's turn count): in its turn, issue S_j = Q K_j^T and P_{j-1} V_{j-1}
+        (fresh accumulator), pass the turn, then softmax_j while P_{j-1} V_{j-1} runs, then add it to acc."""
         TN: gl.constexpr = k_smem.shape[1]
         p8 = _p_operand(p, p_layout)
-        ks = j % NUM_STAGES
-        vp = (j - 1) % NUM_STAGES
-        _ws_turn_wait(turn, WG, j)
-        mbarrier.wait(k_ready.index(ks), (j // NUM_STAGES) & 1)
+        ks = g % NUM_STAGES
+        vp = (g - 1) % NUM_STAGES
+        _ws_turn_wait(turn, WG, k)
+        mbarrier.wait(k_ready.index(ks), (g // NUM_STAGES) & 1)
         s_tok = warpgroup_mma(qs, k_smem.index(ks).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(vp), ((j - 1) // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(vp), ((g - 1) // NUM_STAGES) & 1)
         pv_tok = warpgroup_mma(p8, v_smem.index(vp).permute((1, 0)), zero_o, use_acc=False, is_async=True)
         _ws_turn_pass(turn, WG)
         s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
@@ -535,11 +551,12 @@ if HAS_GLUON:
         return p, alpha, m_i, l_i, acc + pv
 
     @gluon.jit
-    def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty,
-                     v_empty, turn, o_desc, Lse, OutScale, lse_off, stride_lm, q_row, q_col, m0, shift,
-                     n_tiles, qk_scale, v_descale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-                     OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """Consumer WG (4 warps) of a 128-row query block: rows m0 + 64 WG .. m0 + 64 WG + 63."""
+    def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready,
+                     k_empty, v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                     stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                     seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL: gl.constexpr,
+                     WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Consumer WG (4 warps): rows 64 WG .. 64 WG + 63 of each of this CTA's query blocks."""
         NW: gl.constexpr = gl.num_warps()
         gl.static_assert(NW == 4)
         MH: gl.constexpr = q_smem.shape[1]
@@ -552,94 +569,169 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-        qs = q_smem.index(WG)
-        mw = m0 + WG * MH
         zero_s = gl.zeros([MH, TN], gl.float32, s_layout)
         zero_o = gl.zeros([MH, D], gl.float32, o_layout)
-        m_i = gl.full([MH], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([MH], gl.float32, row_s)
-        acc = gl.zeros([MH, D], gl.float32, o_layout)
 
-        # tile 0: S_0 and its softmax (masked when it is the only, i.e. diagonal, tile)
-        mbarrier.wait(q_bars.index(WG), 0)
-        _ws_turn_wait(turn, WG, 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        s_tok = warpgroup_mma(qs, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        _ws_turn_pass(turn, WG)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(0))
-        p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL)
+        g0 = 0  # K/V tiles consumed by this CTA before the current query block (ring position)
+        k0 = 0  # this consumer's turns before the current query block
+        it = 0  # query blocks done by this CTA (Q double buffer)
+        n_mb = seqlen_q // (2 * MH)
+        n_blocks = n_mb * batch * nheads_q
+        for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
+            t = _ws_round_robin(r)
+            if t < n_blocks:
+                pid_m, pid_bh = _ws_block_of(t, n_mb, batch * nheads_q, CAUSAL)
+                b, h, hk, m0, shift, n_tiles = _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k,
+                                                            2 * MH, TN, CAUSAL)
+                qk_scale, v_descale = _block_scales(b, hk, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
+                                                    stride_kds_h, stride_vds_b, stride_vds_h, softmax_scale_log2)
+                qb = it % 2
+                qs = q_smem.index(2 * qb + WG)
+                mw = m0 + WG * MH
+                m_i = gl.full([MH], float("-inf"), gl.float32, row_s)
+                l_i = gl.zeros([MH], gl.float32, row_s)
+                acc = gl.zeros([MH, D], gl.float32, o_layout)
 
-        # fully visible tiles; with CAUSAL the last tile is the diagonal one, masked
-        n_plain = n_tiles - 1 if CAUSAL else n_tiles
-        for j in range(1, n_plain):
-            p, alpha, m_i, l_i, acc = _ws_tile_step(
-                j, p, alpha, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, WG,
-                zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES, False)
-        if CAUSAL:
-            if n_tiles > 1:
-                p, alpha, m_i, l_i, acc = _ws_tile_step(
-                    n_tiles - 1, p, alpha, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                    turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES, True)
+                # tile 0: S_0 and its softmax (masked when it is the only, i.e. diagonal, tile)
+                mbarrier.wait(q_ready.index(2 * qb + WG), (it // 2) & 1)
+                ks0 = g0 % NUM_STAGES
+                _ws_turn_wait(turn, WG, k0)
+                mbarrier.wait(k_ready.index(ks0), (g0 // NUM_STAGES) & 1)
+                s_tok = warpgroup_mma(qs, k_smem.index(ks0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                _ws_turn_pass(turn, WG)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+                mbarrier.arrive(k_empty.index(ks0))
+                p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL)
 
-        # the last tile's P V
-        jl = n_tiles - 1
-        vs = jl % NUM_STAGES
-        p8 = _p_operand(p, p_layout)
-        _ws_turn_wait(turn, WG, n_tiles)
-        mbarrier.wait(v_ready.index(vs), (jl // NUM_STAGES) & 1)
-        pv_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-        _ws_turn_pass(turn, WG)
-        acc = acc * gl.expand_dims(alpha, 1)
-        pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
-        mbarrier.arrive(v_empty.index(vs))
-        acc = acc + pv
+                # fully visible tiles; with CAUSAL the last tile is the diagonal one, masked
+                n_plain = n_tiles - 1 if CAUSAL else n_tiles
+                for j in range(1, n_plain):
+                    p, alpha, m_i, l_i, acc = _ws_tile_step(
+                        j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready, k_empty,
+                        v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES, False)
+                if CAUSAL:
+                    if n_tiles > 1:
+                        jm = n_tiles - 1
+                        p, alpha, m_i, l_i, acc = _ws_tile_step(
+                            jm, g0 + jm, k0 + jm, p, alpha, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready,
+                            k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o,
+                            NUM_STAGES, True)
 
-        out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
-        if WRITE_LSE:
-            offs_m = (mw + gl.arange(0, MH, layout=row_o)).to(gl.int64)
-            gl.store(Lse + lse_off + offs_m * stride_lm, lse)
-        ob = o_smem.index(WG)
-        ob.store(_output_epilogue(out, OutScale, OUT_FP8))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_row + WG * MH, q_col], ob)
+                # the last tile's P V
+                gl_ = g0 + n_tiles - 1
+                vs = gl_ % NUM_STAGES
+                p8 = _p_operand(p, p_layout)
+                _ws_turn_wait(turn, WG, k0 + n_tiles)
+                mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
+                pv_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+                _ws_turn_pass(turn, WG)
+                acc = acc * gl.expand_dims(alpha, 1)
+                pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+                mbarrier.arrive(v_empty.index(vs))
+                mbarrier.arrive(q_empty.index(2 * qb + WG))  # every S MMA of this block has completed
+                acc = acc + pv
+
+                out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o),
+                                          v_descale)
+                if WRITE_LSE:
+                    offs_m = (mw + gl.arange(0, MH, layout=row_o)).to(gl.int64)
+                    lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+                    gl.store(Lse + lse_off + offs_m * stride_lm, lse)
+                ob = o_smem.index(WG)
+                tma.store_wait(pendings=0)  # the previous block's output has left the buffer
+                ob.store(_output_epilogue(out, OutScale, OUT_FP8))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [b * seqlen_q + mw, h * D], ob)
+                g0 += n_tiles
+                k0 += n_tiles + 1
+                it += 1
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                   q_row, q_col, kv_row, k_col, vt_row, n_tiles, NUM_STAGES: gl.constexpr):
-        """Producer warp: both Q halves once, then K/V tiles through the ring. A stage is refilled once
-        both consumers arrived on its empty barrier (count 2)."""
+    def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                   v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, CAUSAL: gl.constexpr,
+                   NUM_STAGES: gl.constexpr):
+        """Producer warp: per query block, both Q halves into the free Q buffer, then its K/V tiles
+        through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
+        while the consumers finish the current one). A stage / Q half is refilled once its consumers
+        arrived on its empty barrier."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
         TN: gl.constexpr = k_desc.block_type.shape[0]
-        for w in gl.static_range(2):
-            mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row + w * MH, q_col], q_bars.index(w), q_smem.index(w))
-        for t in range(n_tiles):
-            st = t % NUM_STAGES
-            eph = ((t // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
-            mbarrier.wait(k_empty.index(st), eph)
-            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + t * TN, k_col], k_ready.index(st), k_smem.index(st))
-            mbarrier.wait(v_empty.index(st), eph)
-            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [vt_row, t * TN], v_ready.index(st), v_smem.index(st))
+        g = 0
+        it = 0
+        n_mb = seqlen_q // (2 * MH)
+        n_blocks = n_mb * batch * nheads_q
+        for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
+            t = _ws_round_robin(r)
+            if t < n_blocks:
+                pid_m, pid_bh = _ws_block_of(t, n_mb, batch * nheads_q, CAUSAL)
+                b, h, hk, m0, shift, n_tiles = _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k,
+                                                            2 * MH, TN, CAUSAL)
+                qb = it % 2
+                qph = ((it // 2) & 1) ^ 1  # the first two blocks' waits pass on fresh barriers
+                for w in gl.static_range(2):
+                    mbarrier.wait(q_empty.index(2 * qb + w), qph)
+                    mbarrier.expect(q_ready.index(2 * qb + w), q_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + m0 + w * MH, h * D],
+                                                    q_ready.index(2 * qb + w), q_smem.index(2 * qb + w))
+                kv_row = b * seqlen_k
+                vt_row = (b * nheads_k + hk) * D
+                for tt in range(n_tiles):
+                    st = g % NUM_STAGES
+                    eph = ((g // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
+                    mbarrier.wait(k_empty.index(st), eph)
+                    mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [kv_row + tt * TN, hk * D], k_ready.index(st),
+                                                    k_smem.index(st))
+                    mbarrier.wait(v_empty.index(st), eph)
+                    mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(v_desc, [vt_row, tt * TN], v_ready.index(st), v_smem.index(st))
+                    g += 1
+                it += 1
+
+    @gluon.jit
+    def _ws_round_robin(r):
+        """This CTA's block of round r: blocks r * grid .. r * grid + grid - 1 go one per CTA, in CTA
+        order on even rounds and in reverse order on odd ones. Causal blocks shrink along the order, and
+        alternating pairs a longer block with a shorter one (H200, causal S16k: a plain round robin
+        ran 6% behind the one-block-per-CTA grid, the alternating one 2%)."""
+        g = gl.num_programs(0)
+        c = gl.program_id(0)
+        return r * g + gl.where(r % 2 == 0, c, g - 1 - c)
+
+    @gluon.jit
+    def _ws_block_of(t, n_mb, n_bh, CAUSAL: gl.constexpr):
+        """Block index t -> (query block, batch * head). Non-causal: the query blocks of one head are
+        adjacent (concurrent CTAs share its K/V in L2). Causal on a persistent grid: the longest query
+        blocks (most keys) of every head first, so that the alternating round robin (``_ws_round_robin``)
+        balances the CTAs; causal on a full grid (one block per CTA, balanced by the hardware's dynamic
+        scheduling): per head, longest first, as the other kernels' grids."""
+        if CAUSAL:
+            if gl.num_programs(0) < n_mb * n_bh:
+                return n_mb - 1 - t // n_bh, t % n_bh
+            else:
+                return n_mb - 1 - t % n_mb, t // n_mb
+        else:
+            return t % n_mb, t // n_mb
 
     @gluon.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_PTR_ARGS)
     def _dense_fwd_tma_ws_kernel(
         q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
         stride_lb, stride_lh, stride_lm,
         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-        seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
+        seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
         CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):
-        """Head dim 128 (64 compiles too, bit-identical but no faster: ``_WS_HEAD_DIMS``), warp-specialized
-        as in FA3: a 1-warp TMA producer fills a K/V ring (ready / empty mbarriers per stage, no CTA-wide
-        barrier in the loop); two 4-warp consumers own 64 query rows each and take turns issuing their
-        MMAs (S_j and P_{j-1} V_{j-1} together), so one consumer's softmax runs while the other's MMAs
-        use the tensor cores. Consumers run at 240 registers, the producer at 24. Same softmax step,
-        accumulation and epilogues as the other kernels."""
+        """Head dims 64 and 128 (``_WS_HEAD_DIMS``), warp-specialized as in FA3, and persistent: a grid of
+        one CTA per SM walks the query blocks in rounds (``_ws_round_robin``, ``_ws_block_of``); a grid of
+        one CTA per block (long causal inputs) runs one each. A 1-warp TMA producer fills a
+        double-buffered Q and a K/V ring shared by all of the CTA's blocks (ready / empty mbarriers, no
+        CTA-wide barrier in the loop); two 4-warp consumers own 64 query rows each and take turns issuing
+        their MMAs (S_j and P_{j-1} V_{j-1} together), so one consumer's softmax runs while the other's
+        MMAs use the tensor cores, and a block's epilogue overlaps the next block's first loads.
+        Consumers run at 240 registers, the producer at 24. Same softmax step, accumulation and
+        epilogues as the other kernels (the same bits)."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         TN: gl.constexpr = k_desc.block_type.shape[0]
@@ -648,28 +740,21 @@ if HAS_GLUON:
         gl.static_assert((D == 64) or (D == 128))
         gl.static_assert(v_desc.block_type.shape[0] == D)
 
-        b, h, hk, m0, shift, n_tiles, qk_scale, v_descale = _query_block_setup(
-            QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-            seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2, 2 * MH, TN, CAUSAL)
-        q_row = b * seqlen_q + m0
-        kv_row = b * seqlen_k
-        vt_row = (b * nheads_k + hk) * D
-        q_col = h * D
-        k_col = hk * D
-        lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, MH, D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [4, MH, D], q_desc.layout)  # (Q buffer, half)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, TN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, D, TN], v_desc.layout)
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, MH, D], o_desc.layout)
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(4):  # (Q buffer, consumer)
+            mbarrier.init(q_ready.index(w), count=1)
+            mbarrier.init(q_empty.index(w), count=1)
         for w in gl.static_range(2):
-            mbarrier.init(q_bars.index(w), count=1)
             mbarrier.init(turn.index(w), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
@@ -681,14 +766,18 @@ if HAS_GLUON:
 
         # (the argument tuples are written out: a tuple held in a variable loses the constexpr flags)
         gl.warp_specialize([
-            (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn,
-                            o_desc, Lse, OutScale, lse_off, stride_lm, q_row, q_col, m0, shift, n_tiles, qk_scale,
-                            v_descale, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES)),
-            (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn,
-                            o_desc, Lse, OutScale, lse_off, stride_lm, q_row, q_col, m0, shift, n_tiles, qk_scale,
-                            v_descale, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES)),
-            (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
-                          v_empty, q_row, q_col, kv_row, k_col, vt_row, n_tiles, NUM_STAGES)),
+            (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                            OUT_FP8, NUM_STAGES)),
+            (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                            OUT_FP8, NUM_STAGES)),
+            (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, CAUSAL, NUM_STAGES)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 
@@ -700,16 +789,25 @@ def _capability(index):
     return torch.cuda.get_device_capability(index)
 
 
-# Head dims on the warp-specialized kernel: 128 (+5-9% over the 8-warp kernel on the H200 from S2k,
-# the same bits). Causal blocks of short sequences are faster on the 8-warp kernel (S512 0.82x, S1k
-# 0.92x, S2k 1.02x on the warp-specialized one), so causal with seqlen_q below 2048 stays there. Head
-# dim 64 measured no gain (0.96-1.01x) and stays on ``_dense_fwd_tma_kernel``; 256 has its own.
-_WS_HEAD_DIMS = (128,)
-_WS_MIN_CAUSAL_SEQLEN_Q = 2048
+@functools.lru_cache(maxsize=None)
+def _num_sms(index):
+    """The persistent kernel's grid: one CTA per SM (its shared memory and registers allow one)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _use_ws(head_dim, causal, seqlen_q):
-    return head_dim in _WS_HEAD_DIMS and not (causal and seqlen_q < _WS_MIN_CAUSAL_SEQLEN_Q)
+# Head dims on the warp-specialized kernel: 128 and 64 (H200, against the 8-warp kernel: d128 +5-9% from
+# S2k and, persistent, S512 +34% / S1k +19% non-causal, +5-6% causal; d64 +2-6%, the same bits). 256 has
+# its own kernel.
+_WS_HEAD_DIMS = (64, 128)
+# The warp-specialized kernel runs persistent (one CTA per SM walking the query blocks; a block's epilogue
+# overlaps the next one's loads) except for causal inputs longer than this: there a static schedule
+# balanced the CTAs less well than the hardware's dynamic one (H200, causal S16k: -2% to -6% persistent;
+# S8k and shorter: even or faster).
+_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 8192
+
+
+def _use_ws(head_dim):
+    return head_dim in _WS_HEAD_DIMS
 
 
 def _tiles(head_dim, ws):
@@ -890,15 +988,22 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     batch, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     out_fp8 = out_scale is not None
-    ws = _use_ws(d, causal, sq)
+    ws = _use_ws(d)
     rows, dh, dv, bn = _tiles(d, ws)
     descs = ((q, *_rows_2d(q), [rows, dh]), (k, *_rows_2d(k), [bn, dh]),
              (v_kmajor, *_vt_2d(v_kmajor), [dv, bn]), (out, *_rows_2d(out), [rows, dv]))
     ls = lse.stride() if lse is not None else (0, 0, 0)
     args = (lse if lse is not None else q_descale, q_descale, k_descale, v_descale,
             out_scale if out_fp8 else q_descale, *ls, *q_descale.stride(), *k_descale.stride(),
-            *v_descale.stride(), sq, sk, hq, hk, float(softmax_scale) * _LOG2E)
-    _launch(d, ws, (sq // BLOCK_M, batch * hq), descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES))
+            *v_descale.stride(), sq, sk, hq, hk, batch, float(softmax_scale) * _LOG2E)
+    blocks = (sq // BLOCK_M, batch * hq)
+    if ws:
+        n_blocks = blocks[0] * blocks[1]
+        persistent = not causal or sq <= _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
+        grid = (min(n_blocks, _num_sms(q.device.index)) if persistent else n_blocks, 1)
+    else:
+        grid = blocks
+    _launch(d, ws, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES))
     return out, lse
 
 
@@ -985,7 +1090,7 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
         "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
         "stride_qds_b": "i32", "stride_qds_h": "i32", "stride_kds_b": "i32", "stride_kds_h": "i32",
         "stride_vds_b": "i32", "stride_vds_h": "i32",
-        "seqlen_q": "i32", "seqlen_k": "i32", "nheads_q": "i32", "nheads_k": "i32",
+        "seqlen_q": "i32", "seqlen_k": "i32", "nheads_q": "i32", "nheads_k": "i32", "batch": "i32",
         "softmax_scale_log2": "fp32",
         "CAUSAL": "constexpr", "WRITE_LSE": "constexpr", "OUT_FP8": "constexpr", "NUM_STAGES": "constexpr",
     }
