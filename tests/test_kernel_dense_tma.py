@@ -527,3 +527,13 @@ def test_gpu_tma_persistent_schedule_equals_8warp_kernel(causal, num_sms, d, mon
         assert not torch.isnan(o_ws).any() and not torch.isnan(l_ws).any(), "a query block was not written"
         assert torch.equal(o_ws.view(torch.uint8), o_8w.view(torch.uint8)) and torch.equal(l_ws, l_8w)
     _reference_check(q, k, v, qd, kd, vd, o_ws, l_ws, causal, 0.088)
+
+
+def test_kernel_choice_by_head_dim_and_length():
+    """Head dims 64 and 128 run the warp-specialized kernel, except head dim 64 causal beyond the
+    persistent range (the 8-warp kernel); 256 has its own kernel (the rule of ``_use_ws``)."""
+    longest = dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
+    assert dense_tma._use_ws(128, True, 512) and dense_tma._use_ws(128, True, 4 * longest)
+    assert dense_tma._use_ws(64, False, 4 * longest) and dense_tma._use_ws(64, True, longest)
+    assert not dense_tma._use_ws(64, True, longest + 128)
+    assert not dense_tma._use_ws(256, False, 4096)

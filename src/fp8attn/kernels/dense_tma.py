@@ -15,8 +15,9 @@ epilogue; head dim, output dtype (``OUT_FP8``), causal and LSE are compile-time 
   next block's loads (causal inputs longer than 8k run one block per CTA).
 * ``_dense_fwd_tma_kernel``: the same math in 8 warps (2 warpgroups of 64 rows in lockstep); in the
   loop over KV tiles ``S_{j+1}`` is issued asynchronously before the softmax of tile ``j``, then
-  ``P_j V_j``, the accumulator is rescaled while it runs, and one wait retires both MMAs. Not
-  dispatched any more (``_WS_HEAD_DIMS``); the tests hold the warp-specialized kernel to its bits.
+  ``P_j V_j``, the accumulator is rescaled while it runs, and one wait retires both MMAs. Runs head
+  dim 64 causal inputs longer than 8k (``_use_ws``); the tests hold the warp-specialized kernel to
+  its bits.
 * head dim 256: ``_dense_fwd_tma_d256_kernel``: operands in 128/64-wide pieces of the head dim, 64-key
   tiles, no next-tile QK^T under the softmax.
 
@@ -796,8 +797,8 @@ def _num_sms(index):
 
 
 # Head dims on the warp-specialized kernel: 128 and 64 (H200, against the 8-warp kernel: d128 +5-9% from
-# S2k and, persistent, S512 +34% / S1k +19% non-causal, +5-6% causal; d64 +2-6%, the same bits). 256 has
-# its own kernel.
+# S2k and, persistent, S512 +34% / S1k +19% non-causal, +5-6% causal; d64 +2-6%, the same bits; see
+# ``_use_ws``). 256 has its own kernel.
 _WS_HEAD_DIMS = (64, 128)
 # The warp-specialized kernel runs persistent (one CTA per SM walking the query blocks; a block's epilogue
 # overlaps the next one's loads) except for causal inputs longer than this: there a static schedule
@@ -806,8 +807,11 @@ _WS_HEAD_DIMS = (64, 128)
 _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 8192
 
 
-def _use_ws(head_dim):
-    return head_dim in _WS_HEAD_DIMS
+def _use_ws(head_dim, causal, seqlen_q):
+    """The warp-specialized kernel, except head dim 64 causal beyond the persistent range, which ran
+    4-5% slower there on a one-block-per-CTA grid than the 8-warp kernel (H200, S16k)."""
+    return head_dim in _WS_HEAD_DIMS and not (
+        head_dim == 64 and causal and seqlen_q > _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q)
 
 
 def _tiles(head_dim, ws):
@@ -988,7 +992,7 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     batch, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     out_fp8 = out_scale is not None
-    ws = _use_ws(d)
+    ws = _use_ws(d, causal, sq)
     rows, dh, dv, bn = _tiles(d, ws)
     descs = ((q, *_rows_2d(q), [rows, dh]), (k, *_rows_2d(k), [bn, dh]),
              (v_kmajor, *_vt_2d(v_kmajor), [dv, bn]), (out, *_rows_2d(out), [rows, dv]))
