@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["time_ms", "results_header", "write_results", "gpu_dirname", "attn_flops"]
+__all__ = ["time_ms", "graph_replay", "rotating", "results_header", "write_results", "gpu_dirname", "attn_flops"]
 
 
 def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
@@ -17,6 +17,38 @@ def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def graph_replay(fns):
+    """Capture each fn in a CUDA graph (after a warm-up call) and return a rotating replay callable.
+
+    Returns ``(call, graphed)``. Kernels of tens of microseconds timed eagerly measure the host launch
+    path; a replay does not. Falls back to eager calls (``graphed`` False) when capture fails."""
+    try:
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        graphs = []
+        for f in fns:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                f()
+            graphs.append(g)
+        torch.cuda.synchronize()
+        return rotating([g.replay for g in graphs]), True
+    except Exception:
+        torch.cuda.synchronize()
+        return rotating(fns), False
+
+
+def rotating(fns):
+    """A callable that calls ``fns`` in turn (rotating inputs defeat the L2 between timed calls)."""
+    i = [0]
+
+    def call():
+        fns[i[0] % len(fns)]()
+        i[0] += 1
+    return call
 
 
 def attn_flops(batch, nheads, seqlen_q, seqlen_k, headdim, headdim_v=None, causal=False, visible_pairs=None):

@@ -3,7 +3,9 @@
 FA3's setup: 16 heads, batch * seqlen = 16k, seqlen 512..16k, head dims 64/128/256, causal on/off.
 ``ours`` times the public path (FP8 Q/K/V in (batch, seqlen, heads, dim), V's K-major copy included);
 ``ms_v_pretransposed`` is the kernel alone with V already stored sequence-contiguous, and
-``ms_v_inkernel`` reads the (batch, seqlen, heads, dim) V directly (the transpose is left to Triton).
+``ms_v_inkernel`` reads the (batch, seqlen, heads, dim) V directly (the transpose is left to Triton);
+``ms_graph`` / ``ms_v_pretransposed_graph`` replay the first two from CUDA graphs (no host time in
+them, where the eager short cases may have some).
 Peers: cudnn_fp8 (cuDNN FP8 SDPA through the cudnn-frontend wheel), sdpa_cudnn_bf16,
 sdpa_flash_bf16 (torch SDPA backends), flex_bf16 (FlexAttention, compiled; d128 only to bound compile
 time).
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .common import attn_flops, results_header, time_ms, write_results
+from .common import attn_flops, graph_replay, results_header, time_ms, write_results
 
 __all__ = ["run", "cudnn_fp8_sdpa"]
 
@@ -143,6 +145,14 @@ def run(out_dir=None, quick=False):
                     except Exception as e:
                         ours[f"ms_{key}"] = None
                         ours[f"error_{key}"] = f"{type(e).__name__}: {str(e)[:200]}"
+                # The same calls replayed from CUDA graphs: at short lengths the eager times can include
+                # host time (the row-major path launches a V transpose and allocates per call).
+                for key, fn in (("graph", ours_fn), ("v_pretransposed_graph", pre_fn)):
+                    call, graphed = graph_replay([fn])
+                    if graphed:
+                        t = time_ms(call)
+                        ours[f"ms_{key}"] = t
+                        ours[f"tflops_{key}"] = flops / t / 1e9
                 peers, errors = {}, {}
                 try:
                     cfn = cudnn_fp8_sdpa(b, nheads, s, d, causal)

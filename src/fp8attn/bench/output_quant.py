@@ -98,12 +98,12 @@ def _measure(case):
     max_ulp = int((_ulp_line(f8) - _ulp_line(u8)).abs().max().item())
     err = float((f8.float() * s - o32).norm() / o32.norm())
     # CUDA-graph replays: a decode call is shorter than its host launch path, so eager timing would
-    # measure the host (``bench.paged._graphed`` falls back to eager calls if capture fails).
-    from .paged import _graphed
+    # measure the host (``bench.common.graph_replay`` falls back to eager calls if capture fails).
+    from .common import graph_replay
     graphed = True
     calls = []
     for fn in (fused, unfused, lambda: attn(out=out16)):
-        call, ok = _graphed([fn])
+        call, ok = graph_replay([fn])
         graphed = graphed and ok
         calls.append(call)
     # two interleaved rounds, best of each (all kept in the row): with one round in a fixed order the

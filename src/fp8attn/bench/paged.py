@@ -52,37 +52,6 @@ def _paged_pool(batch, ctx, page_size, n_rot, device="cuda"):
     return kc, vc, pts
 
 
-def _graphed(fns):
-    """Capture each fn in a CUDA graph (after a warm-up call) and return a rotating replay callable.
-
-    Decode kernels run for tens of microseconds: eager timing would measure the host launch path.
-    Falls back to eager calls when capture fails."""
-    try:
-        for f in fns:
-            f()
-        torch.cuda.synchronize()
-        graphs = []
-        for f in fns:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                f()
-            graphs.append(g)
-        torch.cuda.synchronize()
-        return _rotating([g.replay for g in graphs]), True
-    except Exception:
-        torch.cuda.synchronize()
-        return _rotating(fns), False
-
-
-def _rotating(fns):
-    i = [0]
-
-    def call():
-        fns[i[0] % len(fns)]()
-        i[0] += 1
-    return call
-
-
 def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=False):
     """Time torch SDPA (cuDNN / flash) bf16 with GQA on contiguous (B, HK, L, D) K/V."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -106,7 +75,7 @@ def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=Fals
             fns = [mk(r) for r in range(n_rot)]
             fns[0]()
             torch.cuda.synchronize()
-            call, graphed = _graphed(fns) if graph else (_rotating(fns), False)
+            call, graphed = graph_replay(fns) if graph else (rotating(fns), False)
             ms = time_ms(call)
             peers[name] = {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "cuda_graph": graphed}
         except Exception as e:  # backend unavailable for this shape
@@ -170,7 +139,7 @@ def run_decode(out_dir=None, quick=False, configs=None):
                     ref = paged_attention_ref(q, kc, vc, pts[0], seqlens, softmax_scale=scale, causal=True,
                                               k_descale=kd, v_descale=vd, out_dtype=torch.float32)
                     err = _rel_err(out, ref)
-                call, graphed = _graphed(fns)
+                call, graphed = graph_replay(fns)
                 ms = time_ms(call)
                 case = {"case": f"d128 B{b} L{L} page{page_size}",
                         "params": {"batch": b, "seqlen_q": 1, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
@@ -186,7 +155,7 @@ def run_decode(out_dir=None, quick=False, configs=None):
                         try:
                             fns_c[0]()
                             torch.cuda.synchronize()
-                            sweep[str(cfg)] = time_ms(_graphed(fns_c)[0])
+                            sweep[str(cfg)] = time_ms(graph_replay(fns_c)[0])
                         except Exception as e:
                             sweep[str(cfg)] = f"{type(e).__name__}: {str(e)[:100]}"
                     case["config_sweep_ms"] = sweep
@@ -195,7 +164,7 @@ def run_decode(out_dir=None, quick=False, configs=None):
                     fns_s = [mk(r, v_cache=vs) for r in range(n_rot)]
                     fns_s[0]()
                     torch.cuda.synchronize()
-                    ms_s = time_ms(_graphed(fns_s)[0])
+                    ms_s = time_ms(graph_replay(fns_s)[0])
                     case["peers"]["paged_v_seq_major"] = {"ms": ms_s, "gbps": kv_bytes / ms_s / 1e6}
                     del vs
                 del kc, vc, pts
