@@ -801,9 +801,10 @@ def _num_sms(index):
 # ``_use_ws``). 256 has its own kernel.
 _WS_HEAD_DIMS = (64, 128)
 # The warp-specialized kernel runs persistent (one CTA per SM walking the query blocks; a block's epilogue
-# overlaps the next one's loads) except for causal inputs longer than this: there a static schedule
-# balanced the CTAs less well than the hardware's dynamic one (H200, causal S16k: -2% to -6% persistent;
-# S8k and shorter: even or faster).
+# overlaps the next one's loads) except for causal inputs longer than this (H200, causal S16k: -2% to -6%
+# persistent; S8k and shorter: even or faster). A load model puts the alternating schedule within 0.2% of
+# perfect balance there, so the likelier cause is its order: every head's K/V is live at once, where one
+# block per CTA in the hardware's order works through about one head at a time (not measured).
 _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 8192
 
 
