@@ -475,6 +475,18 @@ def test_gpu_tma_direct_launch_equals_jit_launch(d, out_fp8):
     assert torch.equal(out3.view(torch.uint8), out4.view(torch.uint8)) and torch.equal(lse3, lse4)
 
 
+def _on_both_kernels(monkeypatch, q, k, vt, out, lse, **kw):
+    """``[(out, lse) of the warp-specialized kernel, (out, lse) of the 8-warp kernel]`` for the same call,
+    the kernel choice (``_use_ws``) forced, each written into NaN-filled tensors shaped like out / lse."""
+    res = []
+    for ws in (True, False):
+        monkeypatch.setattr(dense_tma, "_use_ws", lambda head_dim, causal, seqlen_q, ws=ws: ws)
+        o, ls = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+        dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, **kw)
+        res.append((o, ls))
+    return res
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(128, 128), (256, 640), (512, 512)])
@@ -486,15 +498,10 @@ def test_gpu_tma_warp_specialized_equals_8warp_kernel(causal, sq, sk, monkeypatc
     q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=sq, sk=sk, hq=6, hk=2, d=128, device="cuda")
     vt = transpose_v_kmajor(v)
     for out_scale in (None, torch.tensor([0.21], device="cuda")):
-        outs = []
-        for ws_dims in ((128,), ()):
-            monkeypatch.setattr(dense_tma, "_WS_HEAD_DIMS", ws_dims)
-            o = torch.empty_like(out, dtype=E4M3 if out_scale is not None else torch.bfloat16)
-            ls = torch.empty_like(lse)
-            dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, softmax_scale=0.088, causal=causal, q_descale=qd,
-                                           k_descale=kd, v_descale=vd, out_scale=out_scale)
-            outs.append((o, ls))
-        (o_ws, l_ws), (o_8w, l_8w) = outs
+        o = torch.empty_like(out, dtype=E4M3 if out_scale is not None else torch.bfloat16)
+        (o_ws, l_ws), (o_8w, l_8w) = _on_both_kernels(
+            monkeypatch, q, k, vt, o, lse, softmax_scale=0.088, causal=causal, q_descale=qd, k_descale=kd,
+            v_descale=vd, out_scale=out_scale)
         assert torch.equal(o_ws.view(torch.uint8), o_8w.view(torch.uint8)) and torch.equal(l_ws, l_8w)
         _reference_check(q, k, v, qd, kd, vd, o_ws, l_ws, causal, 0.088, out_scale=out_scale)
 
@@ -516,14 +523,9 @@ def test_gpu_tma_persistent_schedule_equals_8warp_kernel(causal, num_sms, d, mon
         monkeypatch.setattr(dense_tma, "_num_sms", lambda index: num_sms)
     for max_persistent in (8192, 0) if causal else (8192,):  # causal: persistent, then one block per CTA
         monkeypatch.setattr(dense_tma, "_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q", max_persistent)
-        outs = []
-        for ws_dims in ((d,), ()):
-            monkeypatch.setattr(dense_tma, "_WS_HEAD_DIMS", ws_dims)
-            o, ls = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
-            dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, softmax_scale=0.088, causal=causal, q_descale=qd,
-                                           k_descale=kd, v_descale=vd)
-            outs.append((o, ls))
-        (o_ws, l_ws), (o_8w, l_8w) = outs
+        (o_ws, l_ws), (o_8w, l_8w) = _on_both_kernels(
+            monkeypatch, q, k, vt, out, lse, softmax_scale=0.088, causal=causal, q_descale=qd, k_descale=kd,
+            v_descale=vd)
         assert not torch.isnan(o_ws).any() and not torch.isnan(l_ws).any(), "a query block was not written"
         assert torch.equal(o_ws.view(torch.uint8), o_8w.view(torch.uint8)) and torch.equal(l_ws, l_8w)
     _reference_check(q, k, v, qd, kd, vd, o_ws, l_ws, causal, 0.088)
