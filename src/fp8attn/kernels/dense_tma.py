@@ -576,14 +576,12 @@ if HAS_GLUON:
         g0 = 0  # K/V tiles consumed by this CTA before the current query block (ring position)
         k0 = 0  # this consumer's turns before the current query block
         it = 0  # query blocks done by this CTA (Q double buffer)
-        n_mb = seqlen_q // (2 * MH)
-        n_blocks = n_mb * batch * nheads_q
+        n_blocks = (seqlen_q // (2 * MH)) * batch * nheads_q
         for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
             t = _ws_round_robin(r)
             if t < n_blocks:
-                pid_m, pid_bh = _ws_block_of(t, n_mb, batch * nheads_q, CAUSAL)
-                b, h, hk, m0, shift, n_tiles = _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k,
-                                                            2 * MH, TN, CAUSAL)
+                b, h, hk, m0, shift, n_tiles = _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH,
+                                                         TN, CAUSAL)
                 qk_scale, v_descale = _block_scales(b, hk, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
                                                     stride_kds_h, stride_vds_b, stride_vds_h, softmax_scale_log2)
                 qb = it % 2
@@ -661,14 +659,12 @@ if HAS_GLUON:
         TN: gl.constexpr = k_desc.block_type.shape[0]
         g = 0
         it = 0
-        n_mb = seqlen_q // (2 * MH)
-        n_blocks = n_mb * batch * nheads_q
+        n_blocks = (seqlen_q // (2 * MH)) * batch * nheads_q
         for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
             t = _ws_round_robin(r)
             if t < n_blocks:
-                pid_m, pid_bh = _ws_block_of(t, n_mb, batch * nheads_q, CAUSAL)
-                b, h, hk, m0, shift, n_tiles = _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k,
-                                                            2 * MH, TN, CAUSAL)
+                b, h, hk, m0, shift, n_tiles = _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH,
+                                                         TN, CAUSAL)
                 qb = it % 2
                 qph = ((it // 2) & 1) ^ 1  # the first two blocks' waits pass on fresh barriers
                 for w in gl.static_range(2):
@@ -700,6 +696,15 @@ if HAS_GLUON:
         g = gl.num_programs(0)
         c = gl.program_id(0)
         return r * g + gl.where(r % 2 == 0, c, g - 1 - c)
+
+    @gluon.jit
+    def _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, BM: gl.constexpr, BN: gl.constexpr,
+                  CAUSAL: gl.constexpr):
+        """Block t of the persistent schedule -> ``_query_block``'s ``(b, h, hk, m0, shift, n_tiles)``;
+        the producer and both consumers walk the blocks through this one mapping."""
+        n_mb = seqlen_q // BM
+        pid_m, pid_bh = _ws_block_of(t, n_mb, batch * nheads_q, CAUSAL)
+        return _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k, BM, BN, CAUSAL)
 
     @gluon.jit
     def _ws_block_of(t, n_mb, n_bh, CAUSAL: gl.constexpr):
