@@ -166,6 +166,7 @@ def compile_case(case, dump=None):
         "ctas_per_sm": occ,
         "LDL/STL": (len(re.findall(r"\bLDL\b", sass)), len(re.findall(r"\bSTL\b", sass))),
         "STS.U8": len(re.findall(r"\bSTS\.U8\b", sass)),
+        "LDS.U8": len(re.findall(r"\bLDS\.U8\b", sass)),
         "res": res,
     }
     if dump:
@@ -232,7 +233,7 @@ def main(argv=None):
             print(f"{case['name']:32s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         print(f"{r['case']:32s} cfg={r['cfg']} tile={r['tile_in_page']} async_copy={r['async_copy']} "
-              f"cp.async={r['cp.async']} waits={r['waits']} smem={r['smem']} ctas/SM={r['ctas_per_sm']} ld.global={r['ld.global']} wgmma={r['wgmma']} STS.U8={r['STS.U8']} LDL/STL={r['LDL/STL']} "
+              f"cp.async={r['cp.async']} waits={r['waits']} smem={r['smem']} ctas/SM={r['ctas_per_sm']} ld.global={r['ld.global']} wgmma={r['wgmma']} STS.U8={r['STS.U8']} LDS.U8={r['LDS.U8']} LDL/STL={r['LDL/STL']} "
               f"| {r['res']}", flush=True)
 
 

@@ -35,6 +35,30 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 P_OFFSET_FP8 = tl.constexpr(8.0)  # exp2 offset that puts P in [0, 256] for the e4m3 cast
 E4M3_MAX = tl.constexpr(448.0)
+_CVT_ASM = tl.constexpr(not INTERPRET)  # the interpreter runs no PTX
+
+
+@triton.jit
+def upcast_fp8_in_place(x):
+    """FP8 (e4m3fn / e5m2) tile -> fp16 (exact), converted in the tile's own register layout.
+
+    ``x.to(tl.float16)`` feeding a dot lets the compiler move the cast after the shared-memory read of
+    the dot operand. For a tile whose contiguous dim is the dot's N (V rows in FA3's cache layout),
+    that read is byte-wise (one shared load per element: the mma fragment pairs elements along K).
+    An opaque (non-pure) conversion keeps the cast here, so the operand is read as 16-bit values
+    with ldmatrix.trans instead.
+    """
+    if _CVT_ASM:
+        if x.dtype == tl.float8e4nv:
+            asm: tl.constexpr = ("{ .reg .b16 a<2>; mov.b32 {a0, a1}, $2; "
+                                 "cvt.rn.f16x2.e4m3x2 $0, a0; cvt.rn.f16x2.e4m3x2 $1, a1; }")
+        else:
+            asm: tl.constexpr = ("{ .reg .b16 a<2>; mov.b32 {a0, a1}, $2; "
+                                 "cvt.rn.f16x2.e5m2x2 $0, a0; cvt.rn.f16x2.e5m2x2 $1, a1; }")
+        return tl.inline_asm_elementwise(asm, "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16,
+                                         is_pure=False, pack=4)
+    else:
+        return x.to(tl.float16)
 
 
 @triton.jit

@@ -49,7 +49,7 @@ import triton.language as tl
 from ..paged import is_v_seq_major, paged_precision
 from .combine import launch_combine
 from .common import (INTERPRET, causal_window_mask, finalize_rows, full_tile_range, kv_range,
-                     online_softmax_step, output_epilogue, scale_logits, window_flags)
+                     online_softmax_step, output_epilogue, scale_logits, upcast_fp8_in_place, window_flags)
 
 __all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config"]
 
@@ -142,6 +142,8 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
     if HAS_VS:
         vs = tl.load(VS + blk * s_vsb + slot * s_vsp + kvh * s_vsh, mask=kv_ok, other=0.0).to(tl.float32)
         v = (v.to(tl.float32) * vs[:, None]).to(CDT)
+    elif not MMA_FP8 and not V_SEQ_MAJOR and V.dtype.element_ty != CDT and CDT == tl.float16:
+        v = upcast_fp8_in_place(v)  # FA3's layout: V's transposed operand read as 16-bit, not byte-wise
     elif not MMA_FP8:
         v = v.to(CDT)
     elif not P_FP8:
