@@ -7,19 +7,22 @@ static per-tensor scale ``out_scale``. Everything else stays on the Triton kerne
 Three kernels share one softmax step (``_softmax_tile_f32``), one finalization and one output
 epilogue; head dim, output dtype (``OUT_FP8``), causal and LSE are compile-time constants:
 
-* head dims 64 and 128: ``_dense_fwd_tma_ws_kernel``, warp-specialized like FA3: a 1-warp TMA producer
+* ``_dense_fwd_tma_ws_kernel`` (every head dim), warp-specialized like FA3: a 1-warp TMA producer
   fills a double-buffered Q and a K/V ring guarded by ready/empty mbarriers, and two 4-warp consumers
   (64 query rows each, 240 registers) take turns issuing their MMAs -- S_j = Q K_j^T together with
   P_{j-1} V_{j-1} -- so one consumer's softmax overlaps the other's tensor-core work ("ping-pong").
   Persistent: one CTA per SM walks the query blocks in rounds, and a block's epilogue overlaps the
-  next block's loads (causal inputs longer than 8k run one block per CTA).
+  next block's loads (causal inputs longer than 8k run one block per CTA). Head dim 256 splits the
+  operands as the d256 kernel below (``_ws_attend_d256``).
 * ``_dense_fwd_tma_kernel``: the same math in 8 warps (2 warpgroups of 64 rows in lockstep); in the
   loop over KV tiles ``S_{j+1}`` is issued asynchronously before the softmax of tile ``j``, then
   ``P_j V_j``, the accumulator is rescaled while it runs, and one wait retires both MMAs. Runs head
   dim 64 causal inputs longer than 8k (``_use_ws``); the tests hold the warp-specialized kernel to
   its bits.
-* head dim 256: ``_dense_fwd_tma_d256_kernel``: operands in 128/64-wide pieces of the head dim, 64-key
-  tiles, no next-tile QK^T under the softmax.
+* ``_dense_fwd_tma_d256_kernel``: head dim 256 in 8 warps, operands in 128/64-wide pieces of the head
+  dim, 64-key tiles, no next-tile QK^T under the softmax. Not dispatched since the warp-specialized
+  kernel took head dim 256 (+1-22% on the H200, the same bits); kept as the independent schedule the
+  tests compare that kernel's bits with.
 
 Except in the persistent kernel, one CTA covers one 128-row query block of one (batch, q head); K/V
 tiles stream through a ``NUM_STAGES``-deep ring of shared-memory buffers filled by TMA.
@@ -511,7 +514,7 @@ if HAS_GLUON:
         tma.store_wait(pendings=0)
 
     # -----------------------------------------------------------------------------------------
-    # Head dims 64 and 128: warp-specialized ping-pong, persistent (``_dense_fwd_tma_ws_kernel``)
+    # Warp-specialized ping-pong, persistent (``_dense_fwd_tma_ws_kernel``), every head dim
     # -----------------------------------------------------------------------------------------
     _WS_CONSUMER_REGS = gl.constexpr(240)  # 2 x 128 threads x 240 + 32 x 24 <= 64K registers per SM
     _WS_LOADER_REGS = gl.constexpr(24)
@@ -527,7 +530,18 @@ if HAS_GLUON:
         mbarrier.arrive(turn.index(1 - WG))
 
     @gluon.jit
-    def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready, k_empty,
+    def _ws_qk(q_smem, qi, k_smem, ks, zero_s, NQK: gl.constexpr):
+        """Issue S = Q K^T of K/V stage ``ks`` for the Q buffer starting at ``qi``: one wgmma, or with the
+        head dim in NQK parts (head dim 256: two 128-wide halves) a chain into one fp32 accumulator."""
+        tok = warpgroup_mma(q_smem.index(qi), k_smem.index(NQK * ks).permute((1, 0)), zero_s, use_acc=False,
+                            is_async=True)
+        for hh in gl.static_range(1, NQK):
+            tok = warpgroup_mma(q_smem.index(qi + hh), k_smem.index(NQK * ks + hh).permute((1, 0)), tok,
+                                is_async=True)
+        return tok
+
+    @gluon.jit
+    def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready, k_empty,
                       v_empty, turn, WG: gl.constexpr, zero_s, zero_o, qk_scale, mw, shift, p_layout: gl.constexpr,
                       row_o: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr):
         """KV tile j >= 1 of one consumer's query block (``g``: the same tile's index in this CTA's K/V
@@ -539,7 +553,7 @@ if HAS_GLUON:
         vp = (g - 1) % NUM_STAGES
         _ws_turn_wait(turn, WG, k)
         mbarrier.wait(k_ready.index(ks), (g // NUM_STAGES) & 1)
-        s_tok = warpgroup_mma(qs, k_smem.index(ks).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_tok = _ws_qk(q_smem, qi, k_smem, ks, zero_s, 1)
         mbarrier.wait(v_ready.index(vp), ((g - 1) // NUM_STAGES) & 1)
         pv_tok = warpgroup_mma(p8, v_smem.index(vp).permute((1, 0)), zero_o, use_acc=False, is_async=True)
         _ws_turn_pass(turn, WG)
@@ -552,26 +566,76 @@ if HAS_GLUON:
         return p, alpha, m_i, l_i, acc + pv
 
     @gluon.jit
+    def _ws_block_begin(t, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
+                        stride_kds_h, stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch,
+                        softmax_scale_log2, MH: gl.constexpr, TN: gl.constexpr, CAUSAL: gl.constexpr):
+        """A consumer's view of block t: ``(b, h, mw, shift, n_tiles, qk_scale, v_descale, qb)``, ``mw`` its
+        first query row and ``qb`` the Q buffer (the block's parity in this CTA's order ``it``)."""
+        b, h, hk, m0, shift, n_tiles = _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN,
+                                                 CAUSAL)
+        qk_scale, v_descale = _block_scales(b, hk, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
+                                            stride_kds_h, stride_vds_b, stride_vds_h, softmax_scale_log2)
+        return b, h, m0 + WG * MH, shift, n_tiles, qk_scale, v_descale, it % 2
+
+    @gluon.jit
+    def _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG: gl.constexpr, g0, k0, it, zero_s,
+                       qk_scale, mw, shift, row_o: gl.constexpr, NQK: gl.constexpr, NUM_STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+        """KV tile 0 of a block: S_0 in this consumer's turn, then its softmax (masked under CAUSAL, where
+        tile 0 may be on the diagonal). Returns ``(p, alpha, m_i, l_i)`` as ``_softmax_tile_f32``."""
+        m_i = gl.full([zero_s.shape[0]], float("-inf"), gl.float32, gl.SliceLayout(1, zero_s.type.layout))
+        l_i = gl.zeros([zero_s.shape[0]], gl.float32, gl.SliceLayout(1, zero_s.type.layout))
+        mbarrier.wait(q_ready.index(qi // NQK), (it // 2) & 1)
+        ks0 = g0 % NUM_STAGES
+        _ws_turn_wait(turn, WG, k0)
+        mbarrier.wait(k_ready.index(ks0), (g0 // NUM_STAGES) & 1)
+        s_tok = _ws_qk(q_smem, qi, k_smem, ks0, zero_s, NQK)
+        _ws_turn_pass(turn, WG)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(ks0))
+        return _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL)
+
+    @gluon.jit
+    def _ws_store_rows(out, o_smem, oi, o_desc, row, col, OutScale, OUT_FP8: gl.constexpr):
+        """Cast one consumer's normalized output part, stage it in ``o_smem[oi]`` and start its TMA store
+        (the buffer's previous store must have completed: ``tma.store_wait`` before the first part)."""
+        ob = o_smem.index(oi)
+        ob.store(_output_epilogue(out, OutScale, OUT_FP8))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [row, col], ob)
+
+    @gluon.jit
+    def _ws_store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o: gl.constexpr):
+        offs_m = (mw + gl.arange(0, lse.shape[0], layout=row_o)).to(gl.int64)
+        lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+        gl.store(Lse + lse_off + offs_m * stride_lm, lse)
+
+    @gluon.constexpr_function
+    def _ws_mma_layouts(NW, TN, DO):
+        """``(s_layout, o_layout, p_layout)`` of a consumer warpgroup: the wgmma accumulator layouts of S
+        (TN keys wide) and of one O part (DO wide), and P's e4m3 register operand of P V."""
+        s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, TN, 32])
+        o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, DO, 32])
+        return s_layout, o_layout, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+
+    @gluon.jit
     def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready,
                      k_empty, v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                      stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                      seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL: gl.constexpr,
-                     WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """Consumer WG (4 warps): rows 64 WG .. 64 WG + 63 of each of this CTA's query blocks."""
-        NW: gl.constexpr = gl.num_warps()
-        gl.static_assert(NW == 4)
+                     WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     HEAD_DIM: gl.constexpr):
+        """Consumer WG (4 warps): rows 64 WG .. 64 WG + 63 of each of this CTA's query blocks, walked in the
+        producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or ``_ws_attend_d256``."""
+        gl.static_assert(gl.num_warps() == 4)
         MH: gl.constexpr = q_smem.shape[1]
-        D: gl.constexpr = q_smem.shape[2]
         TN: gl.constexpr = k_smem.shape[1]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                           instr_shape=[16, TN, 32])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                           instr_shape=[16, D, 32])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        DO: gl.constexpr = v_smem.shape[1]  # head-dim width of one O part (the whole head below 256)
+        s_layout: gl.constexpr = _ws_mma_layouts(4, TN, DO)[0]
+        o_layout: gl.constexpr = _ws_mma_layouts(4, TN, DO)[1]
+        p_layout: gl.constexpr = _ws_mma_layouts(4, TN, DO)[2]
         zero_s = gl.zeros([MH, TN], gl.float32, s_layout)
-        zero_o = gl.zeros([MH, D], gl.float32, o_layout)
+        zero_o = gl.zeros([MH, DO], gl.float32, o_layout)
 
         g0 = 0  # K/V tiles consumed by this CTA before the current query block (ring position)
         k0 = 0  # this consumer's turns before the current query block
@@ -580,83 +644,202 @@ if HAS_GLUON:
         for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
             t = _ws_round_robin(r)
             if t < n_blocks:
-                b, h, hk, m0, shift, n_tiles = _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH,
-                                                         TN, CAUSAL)
-                qk_scale, v_descale = _block_scales(b, hk, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
-                                                    stride_kds_h, stride_vds_b, stride_vds_h, softmax_scale_log2)
-                qb = it % 2
-                qs = q_smem.index(2 * qb + WG)
-                mw = m0 + WG * MH
-                m_i = gl.full([MH], float("-inf"), gl.float32, row_s)
-                l_i = gl.zeros([MH], gl.float32, row_s)
-                acc = gl.zeros([MH, D], gl.float32, o_layout)
-
-                # tile 0: S_0 and its softmax (masked when it is the only, i.e. diagonal, tile)
-                mbarrier.wait(q_ready.index(2 * qb + WG), (it // 2) & 1)
-                ks0 = g0 % NUM_STAGES
-                _ws_turn_wait(turn, WG, k0)
-                mbarrier.wait(k_ready.index(ks0), (g0 // NUM_STAGES) & 1)
-                s_tok = warpgroup_mma(qs, k_smem.index(ks0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                _ws_turn_pass(turn, WG)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
-                mbarrier.arrive(k_empty.index(ks0))
-                p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL)
-
-                # fully visible tiles; with CAUSAL the last tile is the diagonal one, masked
-                n_plain = n_tiles - 1 if CAUSAL else n_tiles
-                for j in range(1, n_plain):
-                    p, alpha, m_i, l_i, acc = _ws_tile_step(
-                        j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready, k_empty,
-                        v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES, False)
-                if CAUSAL:
-                    if n_tiles > 1:
-                        jm = n_tiles - 1
-                        p, alpha, m_i, l_i, acc = _ws_tile_step(
-                            jm, g0 + jm, k0 + jm, p, alpha, m_i, l_i, acc, qs, k_smem, v_smem, k_ready, v_ready,
-                            k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o,
-                            NUM_STAGES, True)
-
-                # the last tile's P V
-                gl_ = g0 + n_tiles - 1
-                vs = gl_ % NUM_STAGES
-                p8 = _p_operand(p, p_layout)
-                _ws_turn_wait(turn, WG, k0 + n_tiles)
-                mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
-                pv_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-                _ws_turn_pass(turn, WG)
-                acc = acc * gl.expand_dims(alpha, 1)
-                pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
-                mbarrier.arrive(v_empty.index(vs))
-                mbarrier.arrive(q_empty.index(2 * qb + WG))  # every S MMA of this block has completed
-                acc = acc + pv
-
-                out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o),
-                                          v_descale)
-                if WRITE_LSE:
-                    offs_m = (mw + gl.arange(0, MH, layout=row_o)).to(gl.int64)
-                    lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-                    gl.store(Lse + lse_off + offs_m * stride_lm, lse)
-                ob = o_smem.index(WG)
-                tma.store_wait(pendings=0)  # the previous block's output has left the buffer
-                ob.store(_output_epilogue(out, OutScale, OUT_FP8))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [b * seqlen_q + mw, h * D], ob)
+                b, h, mw, shift, n_tiles, qk_scale, v_descale, qb = _ws_block_begin(
+                    t, it, WG, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b,
+                    stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, MH, TN, CAUSAL)
+                if HEAD_DIM == 256:
+                    _ws_attend_d256(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
+                                    k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                                    o_desc, Lse, OutScale, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
+                                    o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES)
+                else:
+                    _ws_attend(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
+                               k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                               o_desc, Lse, OutScale, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
+                               o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES)
                 g0 += n_tiles
                 k0 += n_tiles + 1
                 it += 1
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                   v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, CAUSAL: gl.constexpr,
+    def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem, k_smem,
+                   v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc, Lse, OutScale,
+                   stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o, o_layout: gl.constexpr,
+                   p_layout: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr,
                    NUM_STAGES: gl.constexpr):
-        """Producer warp: per query block, both Q halves into the free Q buffer, then its K/V tiles
+        """One consumer's 64 rows of one query block, head dims 64 and 128: Q in buffer ``qi``, KV tiles
+        from ring position ``g0``, turns from ``k0``; normalized rows stored by TMA, LSE by plain stores."""
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        acc = gl.zeros(zero_o.shape, gl.float32, o_layout)
+        p, alpha, m_i, l_i = _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
+                                            zero_s, qk_scale, mw, shift, row_o, 1, NUM_STAGES, CAUSAL)
+
+        # fully visible tiles; with CAUSAL the last tile is the diagonal one, masked
+        n_plain = n_tiles - 1 if CAUSAL else n_tiles
+        for j in range(1, n_plain):
+            p, alpha, m_i, l_i, acc = _ws_tile_step(
+                j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready, k_empty,
+                v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES, False)
+        if CAUSAL:
+            if n_tiles > 1:
+                jm = n_tiles - 1
+                p, alpha, m_i, l_i, acc = _ws_tile_step(
+                    jm, g0 + jm, k0 + jm, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
+                    k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
+                    True)
+
+        # the last tile's P V
+        gl_ = g0 + n_tiles - 1
+        vs = gl_ % NUM_STAGES
+        p8 = _p_operand(p, p_layout)
+        _ws_turn_wait(turn, WG, k0 + n_tiles)
+        mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
+        pv_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+        _ws_turn_pass(turn, WG)
+        acc = acc * gl.expand_dims(alpha, 1)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+        mbarrier.arrive(v_empty.index(vs))
+        mbarrier.arrive(q_empty.index(qi))  # every S MMA of this block has completed
+        acc = acc + pv
+
+        out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
+        if WRITE_LSE:
+            _ws_store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
+        tma.store_wait(pendings=0)  # the previous block's output has left the buffer
+        _ws_store_rows(out, o_smem, WG, o_desc, b * seqlen_q + mw, h * zero_o.shape[1], OutScale, OUT_FP8)
+
+    @gluon.jit
+    def _ws_pv_quarters(acc0, acc1, acc2, acc3, pv0, p8, v_smem, vi, alpha, o_layout: gl.constexpr):
+        """Head dim 256: add P V to O's four 64-wide quarters, O rescaled by ``alpha``. Quarter 0's product
+        ``pv0`` was issued in the consumer's turn; quarters 1-3 run here, each from a zero accumulator
+        (two-level accumulation with one 32-register product live at a time)."""
+        acc0 = acc0 * gl.expand_dims(alpha, 1) + pv0
+        acc1 = _pv_quarter(acc1, p8, v_smem.index(vi + 1), alpha, o_layout)
+        acc2 = _pv_quarter(acc2, p8, v_smem.index(vi + 2), alpha, o_layout)
+        acc3 = _pv_quarter(acc3, p8, v_smem.index(vi + 3), alpha, o_layout)
+        return acc0, acc1, acc2, acc3
+
+    @gluon.jit
+    def _ws_tile_step_d256(j, g, k, p, alpha_prev, m_i, l_i, acc0, acc1, acc2, acc3, q_smem, qi, k_smem, v_smem,
+                           k_ready, v_ready, k_empty, v_empty, turn, WG: gl.constexpr, zero_s, zero_o, qk_scale, mw,
+                           shift, o_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, P_EARLY: gl.constexpr):
+        """``_ws_tile_step`` for head dim 256: in the turn, S_j (two head-dim halves) and the first quarter
+        of P_{j-1} V_{j-1}; softmax_j under them; then the other three quarters (``_ws_pv_quarters``).
+        ``p`` (and the P returned) is fp32 with P_EARLY, converted to the e4m3 operand here before the
+        turn, else already the operand (converted at the end of the previous step)."""
+        TN: gl.constexpr = k_smem.shape[1]
+        if P_EARLY:
+            p8 = _p_operand(p, p_layout)
+        else:
+            p8 = p
+        ks = g % NUM_STAGES
+        vp = (g - 1) % NUM_STAGES
+        _ws_turn_wait(turn, WG, k)
+        mbarrier.wait(k_ready.index(ks), (g // NUM_STAGES) & 1)
+        s_tok = _ws_qk(q_smem, qi, k_smem, ks, zero_s, 2)
+        mbarrier.wait(v_ready.index(vp), ((g - 1) // NUM_STAGES) & 1)
+        pv_tok = warpgroup_mma(p8, v_smem.index(4 * vp).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+        _ws_turn_pass(turn, WG)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(ks))
+        p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, j * TN, shift, row_o, MASKED)
+        pv0 = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+        acc0, acc1, acc2, acc3 = _ws_pv_quarters(acc0, acc1, acc2, acc3, pv0, p8, v_smem, 4 * vp, alpha_prev,
+                                                 o_layout)
+        mbarrier.arrive(v_empty.index(vp))
+        if not P_EARLY:
+            p = _p_operand(p, p_layout)
+        return p, alpha, m_i, l_i, acc0, acc1, acc2, acc3
+
+    @gluon.jit
+    def _ws_attend_d256(WG: gl.constexpr, qb, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
+                        k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc,
+                        Lse, OutScale, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
+                        o_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
+                        WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """``_ws_attend`` for head dim 256 (Q buffer ``qb``: boxes 2 qb and 2 qb + 1): Q/K in two 128-wide
+        halves of the head dim, V/O in four 64-wide quarters and 64-key tiles, so that O's 128 fp32
+        registers per thread, the S tile and one quarter's product fit 240 registers. A 128-row block
+        spans two KV tiles of the diagonal: under CAUSAL both run masked. P's conversion to the e4m3
+        operand runs at the start of the step that uses it when non-causal (the loop's P relabelling:
+        16 PRMT per tile instead of 95, +8-13% on the H200), at the end of the step that computes it when
+        causal (there the early conversion spilled more and ran 2-8% slower)."""
+        P_EARLY: gl.constexpr = not CAUSAL
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        MH: gl.constexpr = zero_o.shape[0]
+        DQ: gl.constexpr = zero_o.shape[1]
+        N_DIAG: gl.constexpr = 2 * MH // k_smem.shape[1]  # KV tiles that cross a block's diagonal
+        qi = 2 * qb
+        acc0 = gl.zeros([MH, DQ], gl.float32, o_layout)
+        acc1 = gl.zeros([MH, DQ], gl.float32, o_layout)
+        acc2 = gl.zeros([MH, DQ], gl.float32, o_layout)
+        acc3 = gl.zeros([MH, DQ], gl.float32, o_layout)
+        p, alpha, m_i, l_i = _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
+                                            zero_s, qk_scale, mw, shift, row_o, 2, NUM_STAGES, CAUSAL)
+        if not P_EARLY:
+            p = _p_operand(p, p_layout)
+        n_plain = n_tiles - N_DIAG if CAUSAL else n_tiles
+        for j in range(1, n_plain):
+            p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _ws_tile_step_d256(
+                j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc0, acc1, acc2, acc3, q_smem, qi, k_smem, v_smem, k_ready,
+                v_ready, k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, o_layout, p_layout, row_o,
+                NUM_STAGES, False, P_EARLY)
+        if CAUSAL:
+            for j in range(gl.maximum(n_plain, 1), n_tiles):
+                p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _ws_tile_step_d256(
+                    j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc0, acc1, acc2, acc3, q_smem, qi, k_smem, v_smem,
+                    k_ready, v_ready, k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, o_layout,
+                    p_layout, row_o, NUM_STAGES, True, P_EARLY)
+
+        # the last tile's P V
+        gl_ = g0 + n_tiles - 1
+        vs = gl_ % NUM_STAGES
+        if P_EARLY:
+            p8 = _p_operand(p, p_layout)
+        else:
+            p8 = p
+        _ws_turn_wait(turn, WG, k0 + n_tiles)
+        mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
+        pv_tok = warpgroup_mma(p8, v_smem.index(4 * vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+        _ws_turn_pass(turn, WG)
+        pv0 = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+        acc0, acc1, acc2, acc3 = _ws_pv_quarters(acc0, acc1, acc2, acc3, pv0, p8, v_smem, 4 * vs, alpha, o_layout)
+        mbarrier.arrive(v_empty.index(vs))
+        mbarrier.arrive(q_empty.index(qb))
+
+        m_o = gl.convert_layout(m_i, row_o)
+        l_o = gl.convert_layout(l_i, row_o)
+        row = b * seqlen_q + mw
+        col = h * (4 * DQ)
+        tma.store_wait(pendings=0)  # the previous block's output has left the buffers
+        out, lse = _finalize_rows(acc0, m_o, l_o, v_descale)
+        _ws_store_rows(out, o_smem, 4 * WG, o_desc, row, col, OutScale, OUT_FP8)
+        out, _ = _finalize_rows(acc1, m_o, l_o, v_descale)
+        _ws_store_rows(out, o_smem, 4 * WG + 1, o_desc, row, col + DQ, OutScale, OUT_FP8)
+        out, _ = _finalize_rows(acc2, m_o, l_o, v_descale)
+        _ws_store_rows(out, o_smem, 4 * WG + 2, o_desc, row, col + 2 * DQ, OutScale, OUT_FP8)
+        out, _ = _finalize_rows(acc3, m_o, l_o, v_descale)
+        _ws_store_rows(out, o_smem, 4 * WG + 3, o_desc, row, col + 3 * DQ, OutScale, OUT_FP8)
+        if WRITE_LSE:
+            _ws_store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
+
+    @gluon.jit
+    def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                   v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM: gl.constexpr,
+                   CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
         through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
-        while the consumers finish the current one). A stage / Q half is refilled once its consumers
-        arrived on its empty barrier."""
+        while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
+        arrived on its empty barrier. Boxes narrower than the head dim (256: Q/K halves, V quarters)
+        land in consecutive buffers under one barrier."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
-        D: gl.constexpr = q_desc.block_type.shape[1]
         TN: gl.constexpr = k_desc.block_type.shape[0]
+        NQK: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[1]
+        NV: gl.constexpr = HEAD_DIM // v_desc.block_type.shape[0]
+        DQK: gl.constexpr = q_desc.block_type.shape[1]
+        DV: gl.constexpr = v_desc.block_type.shape[0]
         g = 0
         it = 0
         n_blocks = (seqlen_q // (2 * MH)) * batch * nheads_q
@@ -669,21 +852,26 @@ if HAS_GLUON:
                 qph = ((it // 2) & 1) ^ 1  # the first two blocks' waits pass on fresh barriers
                 for w in gl.static_range(2):
                     mbarrier.wait(q_empty.index(2 * qb + w), qph)
-                    mbarrier.expect(q_ready.index(2 * qb + w), q_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + m0 + w * MH, h * D],
-                                                    q_ready.index(2 * qb + w), q_smem.index(2 * qb + w))
+                    mbarrier.expect(q_ready.index(2 * qb + w), NQK * q_desc.block_type.nbytes)
+                    for hh in gl.static_range(NQK):
+                        tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + m0 + w * MH, h * HEAD_DIM + hh * DQK],
+                                                        q_ready.index(2 * qb + w),
+                                                        q_smem.index(NQK * (2 * qb + w) + hh))
                 kv_row = b * seqlen_k
-                vt_row = (b * nheads_k + hk) * D
+                vt_row = (b * nheads_k + hk) * HEAD_DIM
                 for tt in range(n_tiles):
                     st = g % NUM_STAGES
                     eph = ((g // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
                     mbarrier.wait(k_empty.index(st), eph)
-                    mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [kv_row + tt * TN, hk * D], k_ready.index(st),
-                                                    k_smem.index(st))
+                    mbarrier.expect(k_ready.index(st), NQK * k_desc.block_type.nbytes)
+                    for hh in gl.static_range(NQK):
+                        tma.async_copy_global_to_shared(k_desc, [kv_row + tt * TN, hk * HEAD_DIM + hh * DQK],
+                                                        k_ready.index(st), k_smem.index(NQK * st + hh))
                     mbarrier.wait(v_empty.index(st), eph)
-                    mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(v_desc, [vt_row, tt * TN], v_ready.index(st), v_smem.index(st))
+                    mbarrier.expect(v_ready.index(st), NV * v_desc.block_type.nbytes)
+                    for qq in gl.static_range(NV):
+                        tma.async_copy_global_to_shared(v_desc, [vt_row + qq * DV, tt * TN], v_ready.index(st),
+                                                        v_smem.index(NV * st + qq))
                     g += 1
                 it += 1
 
@@ -728,28 +916,36 @@ if HAS_GLUON:
         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
         seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
         CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
     ):
-        """Head dims 64 and 128 (``_WS_HEAD_DIMS``), warp-specialized as in FA3, and persistent: a grid of
-        one CTA per SM walks the query blocks in rounds (``_ws_round_robin``, ``_ws_block_of``); a grid of
-        one CTA per block (long causal inputs) runs one each. A 1-warp TMA producer fills a
+        """Head dims 64, 128 and 256 (``_WS_HEAD_DIMS``), warp-specialized as in FA3, and persistent: a
+        grid of one CTA per SM walks the query blocks in rounds (``_ws_round_robin``, ``_ws_block_of``); a
+        grid of one CTA per block (long causal inputs) runs one each. A 1-warp TMA producer fills a
         double-buffered Q and a K/V ring shared by all of the CTA's blocks (ready / empty mbarriers, no
         CTA-wide barrier in the loop); two 4-warp consumers own 64 query rows each and take turns issuing
-        their MMAs (S_j and P_{j-1} V_{j-1} together), so one consumer's softmax runs while the other's
-        MMAs use the tensor cores, and a block's epilogue overlaps the next block's first loads.
-        Consumers run at 240 registers, the producer at 24. Same softmax step, accumulation and
-        epilogues as the other kernels (the same bits)."""
+        their MMAs (S_j and P_{j-1} V_{j-1} together; at head dim 256 S_j and P V's first quarter), so one
+        consumer's softmax runs while the other's MMAs use the tensor cores, and a block's epilogue
+        overlaps the next block's first loads. Consumers run at 240 registers, the producer at 24. Same
+        softmax step, accumulation and epilogues as the other kernels (the same bits)."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
-        D: gl.constexpr = q_desc.block_type.shape[1]
+        DQK: gl.constexpr = q_desc.block_type.shape[1]
         TN: gl.constexpr = k_desc.block_type.shape[0]
+        DV: gl.constexpr = v_desc.block_type.shape[0]
+        NQK: gl.constexpr = HEAD_DIM // DQK  # Q/K boxes per head (256: two 128-wide halves)
+        NV: gl.constexpr = HEAD_DIM // DV  # V/O boxes per head (256: four 64-wide quarters)
         gl.static_assert(MH == 64)
-        gl.static_assert(TN == 2 * MH)  # one 128-row block = one KV tile: the diagonal tile is the last
-        gl.static_assert((D == 64) or (D == 128))
-        gl.static_assert(v_desc.block_type.shape[0] == D)
+        gl.static_assert(o_desc.block_type.shape[1] == DV)
+        if HEAD_DIM == 256:
+            gl.static_assert((NQK == 2) and (NV == 4) and (TN == 64))
+        else:
+            gl.static_assert((NQK == 1) and (NV == 1) and (HEAD_DIM == 64 or HEAD_DIM == 128))
+            gl.static_assert(TN == 2 * MH)  # one 128-row block = one KV tile: the diagonal tile is the last
 
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [4, MH, D], q_desc.layout)  # (Q buffer, half)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, TN, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, D, TN], v_desc.layout)
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, MH, D], o_desc.layout)
+        # Q: (Q buffer, consumer, box); K: (stage, box); V: (stage, box); O: (consumer, box)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [4 * NQK, MH, DQK], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES * NQK, TN, DQK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES * NV, DV, TN], v_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2 * NV, MH, DV], o_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -776,14 +972,15 @@ if HAS_GLUON:
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES)),
+                            OUT_FP8, NUM_STAGES, HEAD_DIM)),
             (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES)),
+                            OUT_FP8, NUM_STAGES, HEAD_DIM)),
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, CAUSAL, NUM_STAGES)),
+                          k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
+                          NUM_STAGES)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 
@@ -801,10 +998,10 @@ def _num_sms(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Head dims on the warp-specialized kernel: 128 and 64 (H200, against the 8-warp kernel: d128 +5-9% from
-# S2k and, persistent, S512 +34% / S1k +19% non-causal, +5-6% causal; d64 +2-6%, the same bits; see
-# ``_use_ws``). 256 has its own kernel.
-_WS_HEAD_DIMS = (64, 128)
+# Head dims on the warp-specialized kernel (H200, against the 8-warp kernels, the same bits: d128 +5-9% from
+# S2k and, persistent, S512 +34% / S1k +19% non-causal, +5-6% causal; d64 +2-6%, see ``_use_ws``; d256
+# +11-15% non-causal, +1% causal S512, +9-22% causal S1k-S16k).
+_WS_HEAD_DIMS = (64, 128, 256)
 # The warp-specialized kernel runs persistent (one CTA per SM walking the query blocks; a block's epilogue
 # overlaps the next one's loads) except for causal inputs longer than this (H200, causal S16k: -2% to -6%
 # persistent; S8k and shorter: even or faster). A load model puts the alternating schedule within 0.2% of
@@ -825,7 +1022,7 @@ def _tiles(head_dim, ws):
     warp-specialized kernel loads Q and stores O per 64-row consumer; head dim 256 runs Q/K in two
     128-wide halves, V/O in four 64-wide quarters, with 64-key tiles (``_dense_fwd_tma_d256_kernel``)."""
     if head_dim == 256:
-        return (BLOCK_M, 128, 64, 64)
+        return (BLOCK_M // 2 if ws else BLOCK_M, 128, 64, 64)
     return (BLOCK_M // 2 if ws else BLOCK_M, head_dim, head_dim, BLOCK_N)
 
 
@@ -842,10 +1039,10 @@ def _layouts(tiles, out_fp8):
 
 def _kernel_for(head_dim, ws):
     """(kernel, num_warps) (the warp-specialized kernel adds 5 worker warps)."""
-    if head_dim == 256:
-        return _dense_fwd_tma_d256_kernel, NUM_WARPS
     if ws:
         return _dense_fwd_tma_ws_kernel, 4
+    if head_dim == 256:
+        return _dense_fwd_tma_d256_kernel, NUM_WARPS
     return _dense_fwd_tma_kernel, NUM_WARPS
 
 
@@ -1013,7 +1210,7 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
         grid = (min(n_blocks, _num_sms(q.device.index)) if persistent else n_blocks, 1)
     else:
         grid = blocks
-    _launch(d, ws, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES))
+    _launch(d, ws, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES) + ((d,) if ws else ()))
     return out, lse
 
 
@@ -1030,6 +1227,7 @@ class _HostDesc:
 # (device, head dim, kernel, constexprs) -> triton's compiled kernel. The kernels specialize on nothing
 # else (``_INT_ARGS`` / ``_PTR_ARGS``; the descriptors' block types follow from head dim and output dtype).
 _COMPILED: dict = {}
+_CONST_NAMES = ("CAUSAL", "WRITE_LSE", "OUT_FP8", "NUM_STAGES", "HEAD_DIM")
 _DIRECT_LAUNCH = HAS_GLUON and triton.__version__.startswith("3.6.")
 
 
@@ -1051,7 +1249,8 @@ def _launch(d, ws, grid, descs, args, consts):
     ----------
     descs : four (tensor, shape, strides, block_shape) tuples: the Q, K, V and output TMA views.
     args : the kernel's remaining run-time arguments in signature order.
-    consts : (CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES).
+    consts : the constexprs in ``_CONST_NAMES`` order: (CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES), and HEAD_DIM
+        for the warp-specialized kernel.
     """
     drv = triton.runtime.driver.active  # the device and stream triton's own launch would use
     dev = drv.get_current_device()
@@ -1062,8 +1261,7 @@ def _launch(d, ws, grid, descs, args, consts):
         layouts = _layouts(_tiles(d, ws), consts[2])
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
-        ck = kernel[grid](*tds, *args, CAUSAL=consts[0], WRITE_LSE=consts[1], OUT_FP8=consts[2],
-                          NUM_STAGES=consts[3], num_warps=num_warps)
+        ck = kernel[grid](*tds, *args, **dict(zip(_CONST_NAMES, consts)), num_warps=num_warps)
         if _DIRECT_LAUNCH and not hasattr(ck, "result"):
             _COMPILED[key] = ck
         return
@@ -1106,6 +1304,9 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
     }
     consts = {"CAUSAL": bool(causal), "WRITE_LSE": bool(write_lse), "OUT_FP8": bool(out_fp8),
               "NUM_STAGES": NUM_STAGES}
+    if ws:
+        sig["HEAD_DIM"] = "constexpr"
+        consts["HEAD_DIM"] = head_dim
     # no attributes: a launch specializes no integer or pointer argument (_INT_ARGS, _PTR_ARGS)
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
