@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .common import attn_flops, results_header, time_ms, write_results
+from .common import attn_flops, graph_replay, results_header, rotating, time_ms, write_results
 
 __all__ = ["run_decode", "run_prefill_chunked", "run_mixed"]
 
