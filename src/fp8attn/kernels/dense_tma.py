@@ -1020,7 +1020,8 @@ def _use_ws(head_dim, causal, seqlen_q):
 def _tiles(head_dim, ws):
     """(rows of a Q/O box, head-dim width of a Q/K box, of a V/O box, keys per KV tile). The
     warp-specialized kernel loads Q and stores O per 64-row consumer; head dim 256 runs Q/K in two
-    128-wide halves, V/O in four 64-wide quarters, with 64-key tiles (``_dense_fwd_tma_d256_kernel``)."""
+    128-wide halves, V/O in four 64-wide quarters, with 64-key tiles (``_ws_attend_d256``, and the 8-warp
+    ``_dense_fwd_tma_d256_kernel``)."""
     if head_dim == 256:
         return (BLOCK_M // 2 if ws else BLOCK_M, 128, 64, 64)
     return (BLOCK_M // 2 if ws else BLOCK_M, head_dim, head_dim, BLOCK_N)
