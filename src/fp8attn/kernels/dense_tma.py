@@ -158,6 +158,12 @@ if HAS_GLUON:
         return out, lse
 
     @gluon.jit
+    def _store_lse(lse, Lse, b, h, m0, stride_lb, stride_lh, stride_lm, row_o: gl.constexpr):
+        """Store the LSE of query rows m0 .. m0 + len(lse) - 1 of (batch b, head h) (int64 offsets)."""
+        offs_m = (m0 + gl.arange(0, lse.shape[0], layout=row_o)).to(gl.int64)
+        gl.store(Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + offs_m * stride_lm, lse)
+
+    @gluon.jit
     def _output_epilogue(out, OutScale, OUT_FP8: gl.constexpr):
         """Cast the normalized fp32 output for storage: bf16, or with OUT_FP8 the fused static
         per-tensor quantization clamp(out * (1 / out_scale), -448, 448) cast to e4m3fn.
@@ -171,6 +177,14 @@ if HAS_GLUON:
             return y.to(gl.float8e4nv)
         else:
             return out.to(gl.bfloat16)
+
+    @gluon.jit
+    def _store_rows(out, ob, o_desc, row, col, OutScale, OUT_FP8: gl.constexpr):
+        """Cast a normalized output tile, stage it in the shared buffer ``ob`` and start its TMA store to
+        [row, col] (``ob``'s previous store must have completed: ``tma.store_wait`` first)."""
+        ob.store(_output_epilogue(out, OutScale, OUT_FP8))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [row, col], ob)
 
     @gluon.jit
     def _init_barriers(NUM_STAGES: gl.constexpr):
@@ -263,7 +277,6 @@ if HAS_GLUON:
         b, h, hk, m0, shift, n_tiles, qk_scale, v_descale = _query_block_setup(
             QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
             seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2, BM, BN, CAUSAL)
-        b64 = b.to(gl.int64)
         q_row = b * seqlen_q + m0
         kv_row = b * seqlen_k
         vt_row = (b * nheads_k + hk) * D
@@ -350,13 +363,9 @@ if HAS_GLUON:
         # Epilogue: normalize (v_descale folded), bf16 or scaled e4m3 via shared memory and a TMA store.
         out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
         if WRITE_LSE:
-            offs_m = (m0 + gl.arange(0, BM, layout=row_o)).to(gl.int64)
-            h64 = h.to(gl.int64)
-            gl.store(Lse + b64 * stride_lb + h64 * stride_lh + offs_m * stride_lm, lse)
+            _store_lse(lse, Lse, b, h, m0, stride_lb, stride_lh, stride_lm, row_o)
         o_smem = gl.allocate_shared_memory(o_desc.dtype, o_desc.block_type.shape, o_desc.layout)
-        o_smem.store(_output_epilogue(out, OutScale, OUT_FP8))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_row, q_col], o_smem)
+        _store_rows(out, o_smem, o_desc, q_row, q_col, OutScale, OUT_FP8)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -438,7 +447,6 @@ if HAS_GLUON:
         b, h, hk, m0, shift, n_tiles, qk_scale, v_descale = _query_block_setup(
             QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
             seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2, BM, BN, CAUSAL)
-        b64 = b.to(gl.int64)
         q_row = b * seqlen_q + m0
         kv_row = b * seqlen_k
         vt_row = (b * nheads_k + hk) * (4 * DQ)
@@ -505,9 +513,7 @@ if HAS_GLUON:
         out, _ = _finalize_rows(acc3, m_o, l_o, v_descale)
         o_smem.index(3).store(_output_epilogue(out, OutScale, OUT_FP8))
         if WRITE_LSE:
-            offs_m = (m0 + gl.arange(0, BM, layout=row_o)).to(gl.int64)
-            h64 = h.to(gl.int64)
-            gl.store(Lse + b64 * stride_lb + h64 * stride_lh + offs_m * stride_lm, lse)
+            _store_lse(lse, Lse, b, h, m0, stride_lb, stride_lh, stride_lm, row_o)
         fence_async_shared()
         for qq in gl.static_range(4):
             tma.async_copy_shared_to_global(o_desc, [q_row, h * (4 * DQ) + qq * DQ], o_smem.index(qq))
@@ -594,21 +600,6 @@ if HAS_GLUON:
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(ks0))
         return _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL)
-
-    @gluon.jit
-    def _ws_store_rows(out, o_smem, oi, o_desc, row, col, OutScale, OUT_FP8: gl.constexpr):
-        """Cast one consumer's normalized output part, stage it in ``o_smem[oi]`` and start its TMA store
-        (the buffer's previous store must have completed: ``tma.store_wait`` before the first part)."""
-        ob = o_smem.index(oi)
-        ob.store(_output_epilogue(out, OutScale, OUT_FP8))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [row, col], ob)
-
-    @gluon.jit
-    def _ws_store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o: gl.constexpr):
-        offs_m = (mw + gl.arange(0, lse.shape[0], layout=row_o)).to(gl.int64)
-        lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-        gl.store(Lse + lse_off + offs_m * stride_lm, lse)
 
     @gluon.constexpr_function
     def _ws_mma_layouts(NW, TN, DO):
@@ -705,9 +696,9 @@ if HAS_GLUON:
 
         out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
         if WRITE_LSE:
-            _ws_store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
+            _store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
         tma.store_wait(pendings=0)  # the previous block's output has left the buffer
-        _ws_store_rows(out, o_smem, WG, o_desc, b * seqlen_q + mw, h * zero_o.shape[1], OutScale, OUT_FP8)
+        _store_rows(out, o_smem.index(WG), o_desc, b * seqlen_q + mw, h * zero_o.shape[1], OutScale, OUT_FP8)
 
     @gluon.jit
     def _ws_pv_quarters(acc0, acc1, acc2, acc3, pv0, p8, v_smem, vi, alpha, o_layout: gl.constexpr):
@@ -815,15 +806,15 @@ if HAS_GLUON:
         col = h * (4 * DQ)
         tma.store_wait(pendings=0)  # the previous block's output has left the buffers
         out, lse = _finalize_rows(acc0, m_o, l_o, v_descale)
-        _ws_store_rows(out, o_smem, 4 * WG, o_desc, row, col, OutScale, OUT_FP8)
+        _store_rows(out, o_smem.index(4 * WG), o_desc, row, col, OutScale, OUT_FP8)
         out, _ = _finalize_rows(acc1, m_o, l_o, v_descale)
-        _ws_store_rows(out, o_smem, 4 * WG + 1, o_desc, row, col + DQ, OutScale, OUT_FP8)
+        _store_rows(out, o_smem.index(4 * WG + 1), o_desc, row, col + DQ, OutScale, OUT_FP8)
         out, _ = _finalize_rows(acc2, m_o, l_o, v_descale)
-        _ws_store_rows(out, o_smem, 4 * WG + 2, o_desc, row, col + 2 * DQ, OutScale, OUT_FP8)
+        _store_rows(out, o_smem.index(4 * WG + 2), o_desc, row, col + 2 * DQ, OutScale, OUT_FP8)
         out, _ = _finalize_rows(acc3, m_o, l_o, v_descale)
-        _ws_store_rows(out, o_smem, 4 * WG + 3, o_desc, row, col + 3 * DQ, OutScale, OUT_FP8)
+        _store_rows(out, o_smem.index(4 * WG + 3), o_desc, row, col + 3 * DQ, OutScale, OUT_FP8)
         if WRITE_LSE:
-            _ws_store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
+            _store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
 
     @gluon.jit
     def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
