@@ -14,6 +14,10 @@ epilogue; head dim, output dtype (``OUT_FP8``), causal and LSE are compile-time 
   Persistent: one CTA per SM walks the query blocks in rounds, and a block's epilogue overlaps the
   next block's loads (causal inputs longer than 8k run one block per CTA). Head dim 256 splits the
   operands as the d256 kernel below (``_ws_attend_d256``).
+* ``_paged_fwd_tma_ws_kernel``: the warp-specialized kernel's partitions over a paged FP8 KV cache
+  (chunked prefill, ``paged_tma``): the producer reads each tile's page from the page table, key
+  counts come per sequence from the device, and the tiles at the diagonal or the sequence's end run
+  masked (``PAGED``; head dims 64 and 128).
 * ``_dense_fwd_tma_kernel``: the same math in 8 warps (2 warpgroups of 64 rows in lockstep); in the
   loop over KV tiles ``S_{j+1}`` is issued asynchronously before the softmax of tile ``j``, then
   ``P_j V_j``, the accumulator is rescaled while it runs, and one wait retires both MMAs. Runs head
@@ -80,6 +84,8 @@ _PTR_ARGS = ("Lse", "QDs", "KDs", "VDs", "OutScale")
 _INT_ARGS = ("stride_lb", "stride_lh", "stride_lm", "stride_qds_b", "stride_qds_h", "stride_kds_b",
              "stride_kds_h", "stride_vds_b", "stride_vds_h", "seqlen_q", "seqlen_k", "nheads_q", "nheads_k",
              "batch")
+_PAGED_PTR_ARGS = _PTR_ARGS + ("PageTable", "SeqlensK")
+_PAGED_INT_ARGS = tuple(a for a in _INT_ARGS if a != "seqlen_k") + ("stride_pt", "page_size")
 
 if HAS_GLUON:
     # Globals read inside Gluon code must be constexpr.
@@ -88,11 +94,13 @@ if HAS_GLUON:
     _E4M3_MAX = gl.constexpr(448.0)
 
     @gluon.jit
-    def _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o: gl.constexpr, MASKED: gl.constexpr):
+    def _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o: gl.constexpr, MASKED: gl.constexpr,
+                          n_lim=0, KEY_LIMIT: gl.constexpr = False):
         """One online-softmax step on a raw fp32 S tile (wgmma accumulator layout).
 
         MASKED applies the bottom-right causal mask (key n visible to query m iff
-        n <= m + shift) as -inf on the raw logits; only the diagonal tile needs it.
+        n <= m + shift) as -inf on the raw logits; only the diagonal tile needs it. KEY_LIMIT (paged
+        caches) also hides keys n >= n_lim, the slots past the sequence's end, whatever they hold.
         Returns P in fp32 (S's layout; ``_p_operand`` makes the e4m3 A operand of P V), alpha in
         the O row layout, new m and l.
         """
@@ -100,7 +108,10 @@ if HAS_GLUON:
         if MASKED:
             offs_m = m0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s_layout))
             offs_n = n0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1) + shift
+            if KEY_LIMIT:
+                keep = gl.expand_dims(offs_n, 0) <= gl.minimum(gl.expand_dims(offs_m, 1) + shift, n_lim - 1)
+            else:
+                keep = gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1) + shift
             s = gl.where(keep, s, float("-inf"))
         # qk_scale > 0 (descales are floored), so max(s) * scale == max(s * scale).
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
@@ -209,15 +220,23 @@ if HAS_GLUON:
 
     @gluon.jit
     def _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k,
-                     BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+                     BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr, PAGED: gl.constexpr = False):
         """Query block ``pid_m`` of head ``pid_bh``: ``(b, h, hk, m0, shift, n_tiles)``. ``n_tiles`` counts
-        the KV tiles the block sees (keys < m0 + BM + shift under the bottom-right causal mask)."""
+        the KV tiles the block sees (keys < m0 + BM + shift under the bottom-right causal mask). PAGED:
+        any ``seqlen_k`` (the last tile may run past it), at least one tile (masked when nothing is
+        visible, so rows that see no key get out = 0 and lse = -inf)."""
         b = pid_bh // nheads_q
         h = pid_bh % nheads_q
         hk = h // (nheads_q // nheads_k)
         m0 = pid_m * BM
         shift = seqlen_k - seqlen_q
-        if CAUSAL:
+        if PAGED:
+            if CAUSAL:
+                n_end = gl.minimum(m0 + BM + shift, seqlen_k)
+            else:
+                n_end = seqlen_k
+            n_tiles = gl.maximum((gl.maximum(n_end, 0) + BN - 1) // BN, 1)
+        elif CAUSAL:
             n_tiles = (m0 + BM + shift) // BN
         else:
             n_tiles = seqlen_k // BN
@@ -549,10 +568,12 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready, k_empty,
                       v_empty, turn, WG: gl.constexpr, zero_s, zero_o, qk_scale, mw, shift, p_layout: gl.constexpr,
-                      row_o: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr):
+                      row_o: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, n_lim=0,
+                      KEY_LIMIT: gl.constexpr = False):
         """KV tile j >= 1 of one consumer's query block (``g``: the same tile's index in this CTA's K/V
         ring, ``k``: this consumer's turn count): in its turn, issue S_j = Q K_j^T and P_{j-1} V_{j-1}
-        (fresh accumulator), pass the turn, then softmax_j while P_{j-1} V_{j-1} runs, then add it to acc."""
+        (fresh accumulator), pass the turn, then softmax_j while P_{j-1} V_{j-1} runs, then add it to acc.
+        ``n_lim`` / KEY_LIMIT: as ``_softmax_tile_f32``."""
         TN: gl.constexpr = k_smem.shape[1]
         p8 = _p_operand(p, p_layout)
         ks = g % NUM_STAGES
@@ -565,7 +586,8 @@ if HAS_GLUON:
         _ws_turn_pass(turn, WG)
         s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(ks))
-        p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, j * TN, shift, row_o, MASKED)
+        p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, j * TN, shift, row_o, MASKED, n_lim,
+                                               KEY_LIMIT)
         acc = acc * gl.expand_dims(alpha_prev, 1)
         pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
         mbarrier.arrive(v_empty.index(vp))
@@ -574,21 +596,28 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_block_begin(t, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
                         stride_kds_h, stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch,
-                        softmax_scale_log2, MH: gl.constexpr, TN: gl.constexpr, CAUSAL: gl.constexpr):
-        """A consumer's view of block t: ``(b, h, mw, shift, n_tiles, qk_scale, v_descale, qb)``, ``mw`` its
-        first query row and ``qb`` the Q buffer (the block's parity in this CTA's order ``it``)."""
-        b, h, hk, m0, shift, n_tiles = _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN,
-                                                 CAUSAL)
+                        softmax_scale_log2, MH: gl.constexpr, TN: gl.constexpr, CAUSAL: gl.constexpr, SeqlensK,
+                        PAGED: gl.constexpr):
+        """A consumer's view of block t: ``(b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, seqlen_k)``,
+        ``mw`` its first query row, ``qb`` the Q buffer (the block's parity in this CTA's order ``it``) and
+        ``seqlen_k`` the sequence's keys. PAGED non-causal: ``shift = seqlen_k``, which leaves only the
+        key limit in the masked tiles' bound ``n <= min(m + shift, seqlen_k - 1)``."""
+        b, h, hk, m0, shift, n_tiles, seqlen_k = _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH,
+                                                           TN, CAUSAL, SeqlensK, PAGED)
+        if PAGED:
+            if not CAUSAL:
+                shift = seqlen_k
         qk_scale, v_descale = _block_scales(b, hk, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
                                             stride_kds_h, stride_vds_b, stride_vds_h, softmax_scale_log2)
-        return b, h, m0 + WG * MH, shift, n_tiles, qk_scale, v_descale, it % 2
+        return b, h, m0 + WG * MH, shift, n_tiles, qk_scale, v_descale, it % 2, seqlen_k
 
     @gluon.jit
     def _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG: gl.constexpr, g0, k0, it, zero_s,
                        qk_scale, mw, shift, row_o: gl.constexpr, NQK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr):
+                       CAUSAL: gl.constexpr, n_lim=0, KEY_LIMIT: gl.constexpr = False):
         """KV tile 0 of a block: S_0 in this consumer's turn, then its softmax (masked under CAUSAL, where
-        tile 0 may be on the diagonal). Returns ``(p, alpha, m_i, l_i)`` as ``_softmax_tile_f32``."""
+        tile 0 may be on the diagonal, or KEY_LIMIT). Returns ``(p, alpha, m_i, l_i)`` as
+        ``_softmax_tile_f32``."""
         m_i = gl.full([zero_s.shape[0]], float("-inf"), gl.float32, gl.SliceLayout(1, zero_s.type.layout))
         l_i = gl.zeros([zero_s.shape[0]], gl.float32, gl.SliceLayout(1, zero_s.type.layout))
         mbarrier.wait(q_ready.index(qi // NQK), (it // 2) & 1)
@@ -599,7 +628,7 @@ if HAS_GLUON:
         _ws_turn_pass(turn, WG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(ks0))
-        return _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL)
+        return _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL or KEY_LIMIT, n_lim, KEY_LIMIT)
 
     @gluon.constexpr_function
     def _ws_mma_layouts(NW, TN, DO):
@@ -615,9 +644,11 @@ if HAS_GLUON:
                      stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                      seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL: gl.constexpr,
                      WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     HEAD_DIM: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, SeqlensK, v_clean, PAGED: gl.constexpr):
         """Consumer WG (4 warps): rows 64 WG .. 64 WG + 63 of each of this CTA's query blocks, walked in the
-        producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or ``_ws_attend_d256``."""
+        producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or ``_ws_attend_d256``.
+        PAGED (head dims 64, 128): per-sequence key counts from ``SeqlensK``, the V tail barrier
+        ``v_clean`` (``_ws_clean_v_tail``)."""
         gl.static_assert(gl.num_warps() == 4)
         MH: gl.constexpr = q_smem.shape[1]
         TN: gl.constexpr = k_smem.shape[1]
@@ -631,13 +662,15 @@ if HAS_GLUON:
         g0 = 0  # K/V tiles consumed by this CTA before the current query block (ring position)
         k0 = 0  # this consumer's turns before the current query block
         it = 0  # query blocks done by this CTA (Q double buffer)
+        nc = 0  # PAGED: blocks whose last V tile was cleaned (``v_clean``'s phase)
         n_blocks = (seqlen_q // (2 * MH)) * batch * nheads_q
         for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
             t = _ws_round_robin(r)
             if t < n_blocks:
-                b, h, mw, shift, n_tiles, qk_scale, v_descale, qb = _ws_block_begin(
+                b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, sk = _ws_block_begin(
                     t, it, WG, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b,
-                    stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, MH, TN, CAUSAL)
+                    stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, MH, TN, CAUSAL,
+                    SeqlensK, PAGED)
                 if HEAD_DIM == 256:
                     _ws_attend_d256(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
                                     k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
@@ -647,7 +680,9 @@ if HAS_GLUON:
                     _ws_attend(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
                                k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                                o_desc, Lse, OutScale, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
-                               o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES)
+                               o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, sk, v_clean, nc & 1, PAGED)
+                    if PAGED:
+                        nc += (n_tiles * TN > sk).to(gl.int32)
                 g0 += n_tiles
                 k0 += n_tiles + 1
                 it += 1
@@ -658,32 +693,54 @@ if HAS_GLUON:
                    v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc, Lse, OutScale,
                    stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o, o_layout: gl.constexpr,
                    p_layout: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr,
-                   NUM_STAGES: gl.constexpr):
+                   NUM_STAGES: gl.constexpr, seqlen_k=0, v_clean=None, clean_phase=0, PAGED: gl.constexpr = False):
         """One consumer's 64 rows of one query block, head dims 64 and 128: Q in buffer ``qi``, KV tiles
-        from ring position ``g0``, turns from ``k0``; normalized rows stored by TMA, LSE by plain stores."""
+        from ring position ``g0``, turns from ``k0``; normalized rows stored by TMA, LSE by plain stores.
+        PAGED: ``seqlen_k`` keys of any count; tiles that every row of this consumer sees whole run
+        unmasked, the others (tile 0, the diagonal, the sequence's end) masked, and the last V tile is
+        cleaned past the end (``_ws_clean_v_tail``, phase ``clean_phase``)."""
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        TN: gl.constexpr = k_smem.shape[1]
         acc = gl.zeros(zero_o.shape, gl.float32, o_layout)
         p, alpha, m_i, l_i = _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
-                                            zero_s, qk_scale, mw, shift, row_o, 1, NUM_STAGES, CAUSAL)
+                                            zero_s, qk_scale, mw, shift, row_o, 1, NUM_STAGES, CAUSAL, seqlen_k,
+                                            PAGED)
 
-        # fully visible tiles; with CAUSAL the last tile is the diagonal one, masked
-        n_plain = n_tiles - 1 if CAUSAL else n_tiles
-        for j in range(1, n_plain):
-            p, alpha, m_i, l_i, acc = _ws_tile_step(
-                j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready, k_empty,
-                v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES, False)
-        if CAUSAL:
-            if n_tiles > 1:
-                jm = n_tiles - 1
+        if PAGED:
+            n_plain = gl.minimum(gl.maximum(gl.minimum(mw + shift + 1, seqlen_k) // TN, 1), n_tiles)
+            for j in range(1, n_plain):
                 p, alpha, m_i, l_i, acc = _ws_tile_step(
-                    jm, g0 + jm, k0 + jm, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
+                    j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
                     k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
-                    True)
+                    False)
+            for j in range(n_plain, n_tiles):
+                p, alpha, m_i, l_i, acc = _ws_tile_step(
+                    j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
+                    k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
+                    True, seqlen_k, True)
+        else:
+            # fully visible tiles; with CAUSAL the last tile is the diagonal one, masked
+            n_plain = n_tiles - 1 if CAUSAL else n_tiles
+            for j in range(1, n_plain):
+                p, alpha, m_i, l_i, acc = _ws_tile_step(
+                    j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
+                    k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
+                    False)
+            if CAUSAL:
+                if n_tiles > 1:
+                    jm = n_tiles - 1
+                    p, alpha, m_i, l_i, acc = _ws_tile_step(
+                        jm, g0 + jm, k0 + jm, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
+                        k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o,
+                        NUM_STAGES, True)
 
         # the last tile's P V
         gl_ = g0 + n_tiles - 1
         vs = gl_ % NUM_STAGES
         p8 = _p_operand(p, p_layout)
+        if PAGED:
+            mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
+            _ws_clean_v_tail(v_smem.index(vs), (n_tiles - 1) * TN, seqlen_k, v_clean, clean_phase, WG)
         _ws_turn_wait(turn, WG, k0 + n_tiles)
         mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
         pv_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
@@ -699,6 +756,25 @@ if HAS_GLUON:
             _store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
         tma.store_wait(pendings=0)  # the previous block's output has left the buffer
         _store_rows(out, o_smem.index(WG), o_desc, b * seqlen_q + mw, h * zero_o.shape[1], OutScale, OUT_FP8)
+
+    @gluon.jit
+    def _ws_clean_v_tail(v_buf, n0, seqlen_k, v_clean, phase, WG: gl.constexpr):
+        """Paged caches: when a block's last V tile (keys n0 .. n0 + TN - 1) runs past the sequence's end,
+        its slots there hold no data (NaN in a poisoned cache); P is 0 for them, but 0 * NaN is NaN in
+        P V. Consumer 0 zeroes those key columns in shared memory, then signals ``v_clean``; consumer 1
+        waits for it (it reaches this tile after consumer 0, so the wait costs it nothing)."""
+        TN: gl.constexpr = v_buf.shape[1]
+        if n0 + TN > seqlen_k:
+            if WG == 0:
+                layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
+                x = v_buf.load(layout)
+                keys = n0 + gl.arange(0, TN, layout=gl.SliceLayout(0, layout))
+                v_buf.store(gl.where(gl.expand_dims(keys < seqlen_k, 0), x, gl.zeros_like(x)))
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(v_clean)
+            else:
+                mbarrier.wait(v_clean, phase)
 
     @gluon.jit
     def _ws_pv_quarters(acc0, acc1, acc2, acc3, pv0, p8, v_smem, vi, alpha, o_layout: gl.constexpr):
@@ -819,12 +895,16 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                    v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM: gl.constexpr,
-                   CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr):
+                   CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, stride_pt, page_size,
+                   PAGED: gl.constexpr):
         """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
         through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
         while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
         arrived on its empty barrier. Boxes narrower than the head dim (256: Q/K halves, V quarters)
-        land in consecutive buffers under one barrier."""
+        land in consecutive buffers under one barrier. PAGED: a tile's keys lie in one page (page_size is
+        a multiple of the tile), found through ``PageTable`` (read before the wait for the stage, so
+        the load's latency hides under it); K as (num_blocks * page_size, nheads_k * D) rows, V
+        sequence-major as (num_blocks * nheads_k * D, page_size)."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
         TN: gl.constexpr = k_desc.block_type.shape[0]
         NQK: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[1]
@@ -837,8 +917,8 @@ if HAS_GLUON:
         for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
             t = _ws_round_robin(r)
             if t < n_blocks:
-                b, h, hk, m0, shift, n_tiles = _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH,
-                                                         TN, CAUSAL)
+                b, h, hk, m0, shift, n_tiles, sk = _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH,
+                                                             TN, CAUSAL, SeqlensK, PAGED)
                 qb = it % 2
                 qph = ((it // 2) & 1) ^ 1  # the first two blocks' waits pass on fresh barriers
                 for w in gl.static_range(2):
@@ -848,20 +928,28 @@ if HAS_GLUON:
                         tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + m0 + w * MH, h * HEAD_DIM + hh * DQK],
                                                         q_ready.index(2 * qb + w),
                                                         q_smem.index(NQK * (2 * qb + w) + hh))
-                kv_row = b * seqlen_k
-                vt_row = (b * nheads_k + hk) * HEAD_DIM
                 for tt in range(n_tiles):
+                    if PAGED:
+                        n = tt * TN
+                        pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size), 0)
+                        k_row = pg * page_size + n % page_size
+                        v_row = (pg * nheads_k + hk) * HEAD_DIM
+                        v_col = n % page_size
+                    else:
+                        k_row = b * sk + tt * TN
+                        v_row = (b * nheads_k + hk) * HEAD_DIM
+                        v_col = tt * TN
                     st = g % NUM_STAGES
                     eph = ((g // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
                     mbarrier.wait(k_empty.index(st), eph)
                     mbarrier.expect(k_ready.index(st), NQK * k_desc.block_type.nbytes)
                     for hh in gl.static_range(NQK):
-                        tma.async_copy_global_to_shared(k_desc, [kv_row + tt * TN, hk * HEAD_DIM + hh * DQK],
+                        tma.async_copy_global_to_shared(k_desc, [k_row, hk * HEAD_DIM + hh * DQK],
                                                         k_ready.index(st), k_smem.index(NQK * st + hh))
                     mbarrier.wait(v_empty.index(st), eph)
                     mbarrier.expect(v_ready.index(st), NV * v_desc.block_type.nbytes)
                     for qq in gl.static_range(NV):
-                        tma.async_copy_global_to_shared(v_desc, [vt_row + qq * DV, tt * TN], v_ready.index(st),
+                        tma.async_copy_global_to_shared(v_desc, [v_row + qq * DV, v_col], v_ready.index(st),
                                                         v_smem.index(NV * st + qq))
                     g += 1
                 it += 1
@@ -878,12 +966,17 @@ if HAS_GLUON:
 
     @gluon.jit
     def _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, BM: gl.constexpr, BN: gl.constexpr,
-                  CAUSAL: gl.constexpr):
-        """Block t of the persistent schedule -> ``_query_block``'s ``(b, h, hk, m0, shift, n_tiles)``;
-        the producer and both consumers walk the blocks through this one mapping."""
+                  CAUSAL: gl.constexpr, SeqlensK, PAGED: gl.constexpr):
+        """Block t of the persistent schedule -> ``_query_block``'s ``(b, h, hk, m0, shift, n_tiles)`` and the
+        sequence's key count (PAGED: read from ``SeqlensK``); the producer and both consumers walk the
+        blocks through this one mapping."""
         n_mb = seqlen_q // BM
         pid_m, pid_bh = _ws_block_of(t, n_mb, batch * nheads_q, CAUSAL)
-        return _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k, BM, BN, CAUSAL)
+        if PAGED:
+            seqlen_k = gl.load(SeqlensK + pid_bh // nheads_q)
+        b, h, hk, m0, shift, n_tiles = _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k, BM, BN,
+                                                    CAUSAL, PAGED)
+        return b, h, hk, m0, shift, n_tiles, seqlen_k
 
     @gluon.jit
     def _ws_block_of(t, n_mb, n_bh, CAUSAL: gl.constexpr):
@@ -900,24 +993,12 @@ if HAS_GLUON:
         else:
             return t % n_mb, t // n_mb
 
-    @gluon.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_PTR_ARGS)
-    def _dense_fwd_tma_ws_kernel(
-        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
-        stride_lb, stride_lh, stride_lm,
-        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-        seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
-        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
-        HEAD_DIM: gl.constexpr,
-    ):
-        """Head dims 64, 128 and 256 (``_WS_HEAD_DIMS``), warp-specialized as in FA3, and persistent: a
-        grid of one CTA per SM walks the query blocks in rounds (``_ws_round_robin``, ``_ws_block_of``); a
-        grid of one CTA per block (long causal inputs) runs one each. A 1-warp TMA producer fills a
-        double-buffered Q and a K/V ring shared by all of the CTA's blocks (ready / empty mbarriers, no
-        CTA-wide barrier in the loop); two 4-warp consumers own 64 query rows each and take turns issuing
-        their MMAs (S_j and P_{j-1} V_{j-1} together; at head dim 256 S_j and P V's first quarter), so one
-        consumer's softmax runs while the other's MMAs use the tensor cores, and a block's epilogue
-        overlaps the next block's first loads. Consumers run at 240 registers, the producer at 24. Same
-        softmax step, accumulation and epilogues as the other kernels (the same bits)."""
+    @gluon.jit
+    def _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 N_TURN: gl.constexpr):
+        """The warp-specialized kernels' shared memory, mbarriers initialized: ``(q_smem, k_smem, v_smem,
+        o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty)``. ``turn`` holds N_TURN
+        single-arrival barriers: the consumers' two turns (the paged kernel adds its V tail barrier)."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
         DQK: gl.constexpr = q_desc.block_type.shape[1]
         TN: gl.constexpr = k_desc.block_type.shape[0]
@@ -939,7 +1020,7 @@ if HAS_GLUON:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2 * NV, MH, DV], o_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [N_TURN, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -947,7 +1028,7 @@ if HAS_GLUON:
         for w in gl.static_range(4):  # (Q buffer, consumer)
             mbarrier.init(q_ready.index(w), count=1)
             mbarrier.init(q_empty.index(w), count=1)
-        for w in gl.static_range(2):
+        for w in gl.static_range(N_TURN):
             mbarrier.init(turn.index(w), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
@@ -956,6 +1037,28 @@ if HAS_GLUON:
             mbarrier.init(v_empty.index(i), count=2)
         fence_async_shared()
         gl.thread_barrier()
+        return q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty
+
+    @gluon.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_PTR_ARGS)
+    def _dense_fwd_tma_ws_kernel(
+        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
+        stride_lb, stride_lh, stride_lm,
+        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+        seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
+        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+    ):
+        """Head dims 64, 128 and 256 (``_WS_HEAD_DIMS``), warp-specialized as in FA3, and persistent: a
+        grid of one CTA per SM walks the query blocks in rounds (``_ws_round_robin``, ``_ws_block_of``); a
+        grid of one CTA per block (long causal inputs) runs one each. A 1-warp TMA producer fills a
+        double-buffered Q and a K/V ring shared by all of the CTA's blocks (ready / empty mbarriers, no
+        CTA-wide barrier in the loop); two 4-warp consumers own 64 query rows each and take turns issuing
+        their MMAs (S_j and P_{j-1} V_{j-1} together; at head dim 256 S_j and P V's first quarter), so one
+        consumer's softmax runs while the other's MMAs use the tensor cores, and a block's epilogue
+        overlaps the next block's first loads. Consumers run at 240 registers, the producer at 24. Same
+        softmax step, accumulation and epilogues as the other kernels (the same bits)."""
+        q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty = _ws_smem(
+            q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 2)
 
         # (the argument tuples are written out: a tuple held in a variable loses the constexpr flags)
         gl.warp_specialize([
@@ -963,17 +1066,53 @@ if HAS_GLUON:
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM)),
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, turn, False)),
             (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM)),
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, turn, False)),
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
-                          NUM_STAGES)),
+                          NUM_STAGES, Lse, Lse, 0, 1, False)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
+
+    @gluon.jit(do_not_specialize=_PAGED_INT_ARGS, do_not_specialize_on_alignment=_PAGED_PTR_ARGS)
+    def _paged_fwd_tma_ws_kernel(
+        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale, PageTable, SeqlensK,
+        stride_lb, stride_lh, stride_lm,
+        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+        stride_pt, page_size, seqlen_q, nheads_q, nheads_k, batch, softmax_scale_log2,
+        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+    ):
+        """``_dense_fwd_tma_ws_kernel`` over a paged FP8 KV cache (chunked prefill): the same partitions
+        with PAGED. Each sequence's key count comes from ``SeqlensK`` (any count; queries are the last
+        ``seqlen_q`` of them), a tile's page from ``PageTable`` (the producer reads it); the tiles that
+        cross the diagonal or the sequence's end run masked, and the slots of the last V tile past the
+        end are zeroed in shared memory before P V reads them (``_ws_clean_v_tail``). Head dims 64 and
+        128; ``page_size`` a multiple of the 128-key tile; V sequence-major within each page."""
+        gl.static_assert(HEAD_DIM != 256)
+        q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty = _ws_smem(
+            q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 3)
+        v_clean = turn.index(2)
+
+        gl.warp_specialize([
+            (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                            seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, v_clean, True)),
+            (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                            seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, v_clean, True)),
+            (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
+                          NUM_STAGES, PageTable, SeqlensK, stride_pt, page_size, True)),
+        ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 # ---------------------------------------------------------------------------------------------
 # host side
@@ -1228,8 +1367,9 @@ def _launch_hooks_set():
     return any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
-def _launch(d, ws, grid, descs, args, consts):
-    """Launch the head-dim-``d`` kernel (``ws``: the warp-specialized one) on the current device and stream.
+def _launch(d, ws, grid, descs, args, consts, paged=False):
+    """Launch the head-dim-``d`` kernel (``ws``: the warp-specialized one; ``paged``: its paged-cache
+    variant, ``_paged_fwd_tma_ws_kernel``) on the current device and stream.
 
     The first launch per (device, head dim, constexprs) goes through triton's JIT (compile, bind,
     specialize) and keeps the compiled kernel; later launches call it directly with the same argument
@@ -1246,10 +1386,11 @@ def _launch(d, ws, grid, descs, args, consts):
     """
     drv = triton.runtime.driver.active  # the device and stream triton's own launch would use
     dev = drv.get_current_device()
-    kernel, num_warps = _kernel_for(d, ws)
+    kernel, num_warps = (_paged_fwd_tma_ws_kernel, 4) if paged else _kernel_for(d, ws)
+    n_ptr = len(_PAGED_PTR_ARGS if paged else _PTR_ARGS)
     key = (dev, d, kernel) + consts
     ck = _COMPILED.get(key)
-    if ck is None or _launch_hooks_set() or max(args[5:-1]) >= 2 ** 31:
+    if ck is None or _launch_hooks_set() or max(args[n_ptr:-1]) >= 2 ** 31:
         layouts = _layouts(_tiles(d, ws), consts[2])
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
@@ -1264,33 +1405,37 @@ def _launch(d, ws, grid, descs, args, consts):
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compile (inspection without a GPU)
 # ---------------------------------------------------------------------------------------------
-def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None):
+def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None, paged=False):
     """Compile the kernel for ``sm_{arch}`` without a GPU; returns triton's compiled kernel.
 
     Arguments get the specializations of a launch: none (the jit decorator turns them off).
-    ``ws``: the warp-specialized kernel (default: whenever the head dim has it).
+    ``ws``: the warp-specialized kernel (default: whenever the head dim has it). ``paged``: the
+    paged-cache kernel (``_paged_fwd_tma_ws_kernel``; head dims 64 and 128).
     """
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    ws = head_dim in _WS_HEAD_DIMS if ws is None else ws
+    ws = (head_dim in _WS_HEAD_DIMS if ws is None else ws) or paged
     tiles = _tiles(head_dim, ws)
     rows, dh, dv, bn = tiles
     ql, kl, vl, ol = _layouts(tiles, out_fp8)
-    kernel, num_warps = _kernel_for(head_dim, ws)
+    kernel, num_warps = (_paged_fwd_tma_ws_kernel, 4) if paged else _kernel_for(head_dim, ws)
 
     def desc(shape, layout, dtype="fp8e4nv"):
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
+    # in the kernels' parameter order
+    ptrs = ("Lse", "QDs", "KDs", "VDs", "OutScale") + (("PageTable", "SeqlensK") if paged else ())
+    ints = ("stride_lb", "stride_lh", "stride_lm", "stride_qds_b", "stride_qds_h", "stride_kds_b",
+            "stride_kds_h", "stride_vds_b", "stride_vds_h") + \
+        (("stride_pt", "page_size", "seqlen_q") if paged else ("seqlen_q", "seqlen_k")) + \
+        ("nheads_q", "nheads_k", "batch")
     sig = {
         "q_desc": desc([rows, dh], ql), "k_desc": desc([bn, dh], kl),
         "v_desc": desc([dv, bn], vl),
         "o_desc": desc([rows, dv], ol, "fp8e4nv" if out_fp8 else "bf16"),
-        "Lse": "*fp32", "QDs": "*fp32", "KDs": "*fp32", "VDs": "*fp32", "OutScale": "*fp32",
-        "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
-        "stride_qds_b": "i32", "stride_qds_h": "i32", "stride_kds_b": "i32", "stride_kds_h": "i32",
-        "stride_vds_b": "i32", "stride_vds_h": "i32",
-        "seqlen_q": "i32", "seqlen_k": "i32", "nheads_q": "i32", "nheads_k": "i32", "batch": "i32",
+        **{n: "*i32" if n in ("PageTable", "SeqlensK") else "*fp32" for n in ptrs},
+        **{n: "i32" for n in ints},
         "softmax_scale_log2": "fp32",
         "CAUSAL": "constexpr", "WRITE_LSE": "constexpr", "OUT_FP8": "constexpr", "NUM_STAGES": "constexpr",
     }

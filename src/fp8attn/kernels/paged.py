@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from ..paged import is_v_seq_major, paged_precision
+from . import paged_tma
 from .combine import launch_combine
 from .common import (INTERPRET, causal_window_mask, finalize_rows, full_tile_range, kv_range,
                      online_softmax_step, output_epilogue, scale_logits, upcast_fp8_in_place, window_flags)
@@ -561,9 +562,15 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
         them with ``launch_combine``.
     config : optional override {block_m, block_n, num_warps, num_stages, maxnreg, compute_dtype, pv_fp16,
-        heads_inner, two_class, decode_first, unmasked_tiles}
+        heads_inner, two_class, decode_first, unmasked_tiles, tma}
         (benchmarks). ``pv_fp16`` (FP8 Q and cache only): FP8 QK^T, then P@V in fp16 with V upcast in
-        registers and P rounded to fp16 instead of e4m3 (no in-kernel transpose of V).
+        registers and P rounded to fp16 instead of e4m3 (no in-kernel transpose of V). ``tma=False``
+        keeps FP8 prefill chunks that ``paged_tma`` accepts on this kernel.
+
+    Notes
+    -----
+    FP8 prefill chunks over a sequence-major V cache with pages of 128 (or a multiple) run on the
+    warp-specialized TMA kernel of ``paged_tma`` when it accepts the inputs (``paged_tma.unsupported_reason``).
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -586,6 +593,18 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         cdt = cfg["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
     if INTERPRET and cdt == torch.bfloat16:
         cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
+    if not INTERPRET and cfg.get("tma", True) and q.is_cuda:
+        why = paged_tma.unsupported_reason(
+            q, k_cache, v_cache, page_table, cache_seqlens, out, lse, cu_seqlens_q=cu_seqlens_q, causal=causal,
+            window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
+            out_scale=out_scale, num_splits=num_splits)
+        if why is None:
+            paged_tma.launch_paged_prefill_tma(
+                q, k_cache, v_cache, page_table, cache_seqlens, out, lse, softmax_scale=softmax_scale,
+                causal=window_flags(causal, window_size)[0], q_descale=q_descale, k_descale=k_descale,
+                v_descale=v_descale, out_scale=out_scale)
+            return
     v_seq_major = is_v_seq_major(v_cache)
     fp8_cache = k_cache.element_size() == 1
     bm, bn, nw, ns, maxnreg = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major, fp8_cache,

@@ -1,0 +1,181 @@
+"""Chunked prefill over a paged FP8 KV cache on the warp-specialized TMA kernel (Hopper).
+
+The fast path of ``paged.launch_paged_fwd`` for prefill chunks: ``dense_tma``'s warp-specialized
+persistent kernel with its producer reading each 128-key tile's page from the page table
+(``_paged_fwd_tma_ws_kernel``). A tile is one TMA box of K and one of sequence-major V, so the page
+size must be a multiple of 128 and V sequence-major within each page (``paged.alloc_paged_cache(...,
+v_seq_major=True)``). Sequence lengths come from ``cache_seqlens`` on the device (any value, zero
+included; the queries are the last ``seqlen_q`` keys, bottom-right causal). Tiles that cross the
+diagonal or the sequence's end run masked, and the last V tile's slots past the end are zeroed in
+shared memory before P V reads them, so unused slots (NaN in a poisoned cache) never reach the output.
+
+Numerics are ``dense_tma``'s (the same softmax step, two-level accumulation and epilogues): where the
+lengths are multiples of 128 the output is bit-identical to the dense kernel run on the gathered
+K/V. Everything else (varlen / mixed batches, 16-bit Q or cache, per-token-head scales, page sizes
+below 128, windows, softcap, explicit splits) stays on the Triton kernel; ``unsupported_reason``
+says why.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..paged import is_v_seq_major
+from . import dense_tma
+from .common import window_flags
+
+__all__ = ["unsupported_reason", "launch_paged_prefill_tma", "HEAD_DIMS"]
+
+HEAD_DIMS = (64, 128)
+_TILE = dense_tma.BLOCK_N  # keys per KV tile = rows per query block
+
+
+def _descale_ok(ds, batch, nheads_k):
+    """A descale broadcastable to (batch, nheads_k): one element, (batch,), (batch, 1), (batch, nheads_k)."""
+    if ds.dtype != torch.float32:
+        return False
+    if ds.numel() == 1:
+        return True
+    if ds.dim() == 1:
+        return ds.shape[0] == batch
+    return ds.dim() == 2 and ds.shape[0] in (1, batch) and ds.shape[1] in (1, nheads_k)
+
+
+def _descale_strides(ds):
+    """(stride over batch, stride over kv heads) of a descale accepted by ``_descale_ok``."""
+    if ds.numel() == 1:
+        return 0, 0
+    if ds.dim() == 1:
+        return ds.stride(0), 0
+    return (ds.stride(0) if ds.shape[0] > 1 else 0), (ds.stride(1) if ds.shape[1] > 1 else 0)
+
+
+def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, cu_seqlens_q, causal,
+                       window_size, softcap, q_descale, k_descale, v_descale, k_cache_scales, v_cache_scales,
+                       out_scale, num_splits):
+    """Why ``launch_paged_prefill_tma`` cannot run these inputs, or None when it can.
+
+    Parameters are those of ``paged.launch_paged_fwd``. Supported: CUDA tensors on an sm90 device;
+    q (batch, seqlen_q, nheads_q, d) float8_e4m3fn, contiguous, seqlen_q a positive multiple of 128;
+    d 64 or 128 for q, k and v; k_cache float8_e4m3fn (num_blocks, page_size, nheads_k, d) contiguous,
+    v_cache the same values sequence-major (``paged.is_v_seq_major``); page_size a multiple of 128;
+    nheads_q a multiple of nheads_k; int32 page_table (batch, max_pages) with unit last stride and
+    int32 cache_seqlens (batch,); float32 descales broadcastable to (batch, nheads_k) (None reads as
+    1); out bfloat16, or float8_e4m3fn with a one-element float32 ``out_scale``; lse None or float32
+    (batch, nheads_q, seqlen_q); no varlen, window, softcap, per-token-head cache scales, or
+    ``num_splits`` above 1 (0, the heuristic, runs unsplit here: the kernel is persistent).
+    """
+    if not dense_tma.HAS_GLUON:
+        return "triton.experimental.gluon is not available"
+    if cu_seqlens_q is not None:
+        return "varlen queries (cu_seqlens_q) are not supported"
+    if int(num_splits) > 1:
+        return f"num_splits={num_splits}: the kernel does not split the keys"
+    if window_flags(causal, window_size)[3]:
+        return f"sliding window {tuple(window_size)} is not supported"
+    if softcap and float(softcap) != 0.0:
+        return "softcap is not supported"
+    if k_cache_scales is not None or v_cache_scales is not None:
+        return "per-token-head cache scales are not supported"
+    if any(t.dtype != torch.float8_e4m3fn for t in (q, k_cache, v_cache)):
+        return f"q, k_cache, v_cache must be float8_e4m3fn, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+    if out_scale is None and out.dtype != torch.bfloat16:
+        return f"out must be bfloat16 (or float8_e4m3fn with out_scale), got {out.dtype}"
+    if out_scale is not None and (out.dtype != torch.float8_e4m3fn or not torch.is_tensor(out_scale)
+                                  or out_scale.dtype != torch.float32 or out_scale.numel() != 1):
+        return "with out_scale, out must be float8_e4m3fn and out_scale a one-element float32 tensor"
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        return "q must be (batch, seqlen_q, nheads_q, d) and the caches (num_blocks, page_size, nheads_k, d)"
+    batch, sq, hq, d = q.shape
+    nb, ps, hk, dk = k_cache.shape
+    if d not in HEAD_DIMS or dk != d or v_cache.shape[-1] != d:
+        return f"head dim must be 64 or 128 for q, k and v, got {d}, {dk}, {v_cache.shape[-1]}"
+    if tuple(v_cache.shape) != tuple(k_cache.shape) or tuple(out.shape) != tuple(q.shape):
+        return "shape mismatch between q/out or k_cache/v_cache"
+    if batch == 0 or hq == 0 or sq == 0 or sq % _TILE != 0:
+        return f"seqlen_q ({sq}) must be a positive multiple of {_TILE} (and batch, nheads_q positive)"
+    if ps % _TILE != 0:
+        return f"page_size ({ps}) must be a multiple of {_TILE}"
+    if hk == 0 or hq % hk != 0:
+        return f"nheads_q ({hq}) must be a multiple of nheads_k ({hk})"
+    if not is_v_seq_major(v_cache):
+        return "v_cache must be sequence-major within each page (paged.to_v_seq_major)"
+    if not (q.is_contiguous() and k_cache.is_contiguous() and out.is_contiguous()):
+        return "q, k_cache, out must be contiguous"
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != batch \
+            or page_table.stride(1) != 1:
+        return "page_table must be int32 (batch, max_pages) with unit last stride"
+    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,) or cache_seqlens.stride(0) != 1:
+        return "cache_seqlens must be contiguous int32 (batch,)"
+    for name, ds in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if ds is not None and not _descale_ok(ds, batch, hk):
+            return f"{name} must be float32 broadcastable to (batch, nheads_k)"
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (batch, hq, sq)):
+        return "lse must be float32 (batch, nheads_q, seqlen_q)"
+    if max(batch * sq, nb * ps, nb * hk * d, page_table.stride(0) * batch) >= 2 ** 31:
+        return "too many rows for 32-bit TMA coordinates"
+    ts = (q, k_cache, v_cache, out)
+    if any(t.data_ptr() % 16 for t in ts):
+        return "q, k_cache, v_cache, out must be 16-byte aligned"
+    # device checks last: the shape rules above hold (and are testable) without CUDA
+    extra = tuple(t for t in (page_table, cache_seqlens, q_descale, k_descale, v_descale, lse, out_scale)
+                  if t is not None)
+    if not all(t.is_cuda for t in ts):
+        return "inputs must be CUDA tensors"
+    if any(t.device != q.device for t in ts + extra):
+        return "all tensors must be on one device"
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if dense_tma._capability(index) != (9, 0):
+        return "needs an sm90 (Hopper) GPU"
+    return None
+
+
+def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, softmax_scale, causal,
+                             q_descale=None, k_descale=None, v_descale=None, out_scale=None):
+    """Launch the paged TMA prefill kernel. No validation: call only when ``unsupported_reason`` is None.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        float8_e4m3fn (batch, seqlen_q, nheads_q, d), contiguous; the last seqlen_q keys of each sequence.
+    k_cache : torch.Tensor
+        float8_e4m3fn (num_blocks, page_size, nheads_k, d), contiguous.
+    v_cache : torch.Tensor
+        float8_e4m3fn (num_blocks, page_size, nheads_k, d), memory order (num_blocks, nheads_k, d,
+        page_size).
+    page_table : torch.Tensor
+        int32 (batch, max_pages); entries past a sequence's pages are never read.
+    cache_seqlens : torch.Tensor
+        int32 (batch,): keys per sequence, the queries' own included.
+    out : torch.Tensor
+        (batch, seqlen_q, nheads_q, d), contiguous: bfloat16, or float8_e4m3fn with ``out_scale``.
+    lse : torch.Tensor or None
+        float32 (batch, nheads_q, seqlen_q), natural log; -inf (and out = 0) for rows that see no key.
+    softmax_scale : float
+    causal : bool
+        Bottom-right aligned causal mask.
+    q_descale, k_descale, v_descale : torch.Tensor or None
+        float32, broadcastable to (batch, nheads_k); None reads as 1.
+    out_scale : torch.Tensor or None
+        float32, one element: the fused e4m3 output's static scale.
+    """
+    batch, sq, hq, d = q.shape
+    nb, ps, hk, _ = k_cache.shape
+    one = None
+    if q_descale is None or k_descale is None or v_descale is None:
+        one = torch.ones((), device=q.device, dtype=torch.float32)
+    qd, kd, vd = (x if x is not None else one for x in (q_descale, k_descale, v_descale))
+    rows, dh, dv, bn = dense_tma._tiles(d, True)
+    descs = ((q, [batch * sq, hq * d], [hq * d, 1], [rows, dh]),
+             (k_cache, [nb * ps, hk * d], [hk * d, 1], [bn, dh]),
+             (v_cache, [nb * hk * d, ps], [ps, 1], [dv, bn]),
+             (out, [batch * sq, hq * d], [hq * d, 1], [rows, dv]))
+    ls = lse.stride() if lse is not None else (0, 0, 0)
+    args = (lse if lse is not None else qd, qd, kd, vd, out_scale if out_scale is not None else qd, page_table,
+            cache_seqlens, *ls, *_descale_strides(qd), *_descale_strides(kd), *_descale_strides(vd),
+            page_table.stride(0), ps, sq, hq, hk, batch, float(softmax_scale) * dense_tma._LOG2E)
+    n_blocks = (sq // dense_tma.BLOCK_M) * batch * hq
+    persistent = not causal or sq <= dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
+    grid = (min(n_blocks, dense_tma._num_sms(q.device.index)) if persistent else n_blocks, 1)
+    dense_tma._launch(d, True, grid, descs, args,
+                      (bool(causal), lse is not None, out_scale is not None, dense_tma.NUM_STAGES, d), paged=True)
+    return out, lse
