@@ -64,7 +64,9 @@ def test_unsupported_reasons_name_the_rule():
         assert why is not None and words in why, (kw, why)
     assert "float8_e4m3fn" in _reason(q.to(torch.bfloat16), c)
     assert "seqlen_q (200)" in _reason(q[:, :200], c)
-    assert "page_size (64)" in _reason(q, _v_seq_major(make_cache([300, 700], 64, 2, 64, device="cpu")))
+    assert "page_size (32)" in _reason(q, _v_seq_major(make_cache([300, 700], 32, 2, 64, device="cpu")))
+    assert _reason(q, _v_seq_major(make_cache([300, 700], 64, 2, 64, device="cpu"))) == "inputs must be CUDA tensors"
+    assert [paged_tma.block_n(p) for p in (64, 128, 192, 256)] == [64, 128, 64, 128]
     assert "sequence-major" in _reason(q, dict(c, v_cache=c["v_cache"].contiguous()))
     q256, c256, _ = _inputs([300], 128, 128, 2, 2, 256, "cpu")
     assert "head dim" in _reason(q256, c256)
@@ -95,7 +97,7 @@ def _run(q, c, dk, causal, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("page_size", [128, 256])
+@pytest.mark.parametrize("page_size", [64, 128, 256])
 def test_gpu_against_reference(d, causal, page_size):
     # lengths past the chunk by 0, 77, 1000 keys, one shorter than the chunk, one empty
     sq = 256

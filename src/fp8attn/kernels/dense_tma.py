@@ -766,7 +766,8 @@ if HAS_GLUON:
         TN: gl.constexpr = v_buf.shape[1]
         if n0 + TN > seqlen_k:
             if WG == 0:
-                layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
+                layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (TN // 16), TN // 16], [gl.num_warps(), 1],
+                                                        [1, 0])
                 x = v_buf.load(layout)
                 keys = n0 + gl.arange(0, TN, layout=gl.SliceLayout(0, layout))
                 v_buf.store(gl.where(gl.expand_dims(keys < seqlen_k, 0), x, gl.zeros_like(x)))
@@ -998,7 +999,8 @@ if HAS_GLUON:
                  N_TURN: gl.constexpr):
         """The warp-specialized kernels' shared memory, mbarriers initialized: ``(q_smem, k_smem, v_smem,
         o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty)``. ``turn`` holds N_TURN
-        single-arrival barriers: the consumers' two turns (the paged kernel adds its V tail barrier)."""
+        single-arrival barriers: the consumers' two turns (the paged kernel, N_TURN = 3, adds its V tail
+        barrier)."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
         DQK: gl.constexpr = q_desc.block_type.shape[1]
         TN: gl.constexpr = k_desc.block_type.shape[0]
@@ -1011,7 +1013,9 @@ if HAS_GLUON:
             gl.static_assert((NQK == 2) and (NV == 4) and (TN == 64))
         else:
             gl.static_assert((NQK == 1) and (NV == 1) and (HEAD_DIM == 64 or HEAD_DIM == 128))
-            gl.static_assert(TN == 2 * MH)  # one 128-row block = one KV tile: the diagonal tile is the last
+            # one 128-row block = one KV tile: the diagonal tile is the last (the paged kernel masks by
+            # bounds and also runs 64-key tiles, for 64-slot pages)
+            gl.static_assert(TN == 2 * MH or (N_TURN == 3 and TN == MH))
 
         # Q: (Q buffer, consumer, box); K: (stage, box); V: (stage, box); O: (consumer, box)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [4 * NQK, MH, DQK], q_desc.layout)
@@ -1367,9 +1371,10 @@ def _launch_hooks_set():
     return any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
-def _launch(d, ws, grid, descs, args, consts, paged=False):
+def _launch(d, ws, grid, descs, args, consts, paged=False, tiles=None):
     """Launch the head-dim-``d`` kernel (``ws``: the warp-specialized one; ``paged``: its paged-cache
-    variant, ``_paged_fwd_tma_ws_kernel``) on the current device and stream.
+    variant, ``_paged_fwd_tma_ws_kernel``, whose ``tiles`` may differ from ``_tiles(d, ws)``) on the
+    current device and stream.
 
     The first launch per (device, head dim, constexprs) goes through triton's JIT (compile, bind,
     specialize) and keeps the compiled kernel; later launches call it directly with the same argument
@@ -1388,10 +1393,11 @@ def _launch(d, ws, grid, descs, args, consts, paged=False):
     dev = drv.get_current_device()
     kernel, num_warps = (_paged_fwd_tma_ws_kernel, 4) if paged else _kernel_for(d, ws)
     n_ptr = len(_PAGED_PTR_ARGS if paged else _PTR_ARGS)
-    key = (dev, d, kernel) + consts
+    tiles = tiles or _tiles(d, ws)
+    key = (dev, d, kernel, tiles) + consts
     ck = _COMPILED.get(key)
     if ck is None or _launch_hooks_set() or max(args[n_ptr:-1]) >= 2 ** 31:
-        layouts = _layouts(_tiles(d, ws), consts[2])
+        layouts = _layouts(tiles, consts[2])
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
         ck = kernel[grid](*tds, *args, **dict(zip(_CONST_NAMES, consts)), num_warps=num_warps)
@@ -1405,18 +1411,20 @@ def _launch(d, ws, grid, descs, args, consts, paged=False):
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compile (inspection without a GPU)
 # ---------------------------------------------------------------------------------------------
-def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None, paged=False):
+def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None, paged=False, block_n=None):
     """Compile the kernel for ``sm_{arch}`` without a GPU; returns triton's compiled kernel.
 
     Arguments get the specializations of a launch: none (the jit decorator turns them off).
     ``ws``: the warp-specialized kernel (default: whenever the head dim has it). ``paged``: the
-    paged-cache kernel (``_paged_fwd_tma_ws_kernel``; head dims 64 and 128).
+    paged-cache kernel (``_paged_fwd_tma_ws_kernel``; head dims 64 and 128), ``block_n`` its keys per tile.
     """
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ws = (head_dim in _WS_HEAD_DIMS if ws is None else ws) or paged
     tiles = _tiles(head_dim, ws)
+    if block_n:
+        tiles = (*tiles[:3], block_n)
     rows, dh, dv, bn = tiles
     ql, kl, vl, ol = _layouts(tiles, out_fp8)
     kernel, num_warps = (_paged_fwd_tma_ws_kernel, 4) if paged else _kernel_for(head_dim, ws)
