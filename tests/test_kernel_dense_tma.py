@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from conftest import assert_close_fa3  # noqa: E402
 
 from fp8attn.kernels import dense_tma  # noqa: E402
-from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor  # noqa: E402
+from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor, varlen_v_kmajor  # noqa: E402
 from fp8attn.reference import attention_ref  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -61,6 +61,61 @@ def _kw(qd, kd, vd, lse, **over):
 # ---------------------------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------------------------
+def test_varlen_v_kmajor_layout():
+    """Each sequence's V keys contiguous from a 16-aligned column, in order (CPU path: zeros elsewhere), and
+    the map of query blocks to sequences."""
+    lens = [300, 0, 7, 1, 517, 16]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    v = _fp8((int(cu[-1]), 2, 64), "cpu")
+    vt, sob = varlen_v_kmajor(v, cu, cu, int(cu[-1]), 128)
+    starts = [int(cu[b]) // 128 + b for b in range(len(lens))]
+    assert sob.tolist() == [max(b for b in range(len(lens)) if starts[b] <= i) for i in range(int(cu[-1]) // 128 + len(lens))]
+    assert vt.dtype == E4M3 and vt.shape == (2, 64, 16 * (int(cu[-1]) // 16 + len(lens) + 1)) and vt.is_contiguous()
+    used = torch.zeros(vt.shape[-1], dtype=torch.bool)
+    end = 0
+    for b, L in enumerate(lens):
+        c0 = 16 * (int(cu[b]) // 16 + b)
+        assert c0 % 16 == 0 and c0 >= end
+        assert torch.equal(vt[:, :, c0:c0 + L].view(torch.uint8), v[int(cu[b]):int(cu[b + 1])].permute(1, 2, 0).view(torch.uint8))
+        used[c0:c0 + L] = True
+        end = c0 + L
+    assert not vt.view(torch.uint8)[:, :, ~used].any()
+
+
+def test_varlen_preferred_rule():
+    assert dense_tma.varlen_preferred(128, 2048) and dense_tma.varlen_preferred(128, 8192)
+    assert not dense_tma.varlen_preferred(128, 1024) and not dense_tma.varlen_preferred(64, 8192)
+    assert not dense_tma.varlen_preferred(128, None)
+
+
+def test_varlen_rules():
+    """Varlen inputs the bounded kernel takes pass every shape rule (only the device check is left on
+    the CPU); the others are named."""
+    total_q, total_k, hq, hk, d = 818, 832, 8, 2, 128
+    q, k = _fp8((total_q, hq, d), "cpu"), _fp8((total_k, hk, d), "cpu")
+    vt = _fp8((total_k, hk, d), "cpu").permute(1, 2, 0).contiguous().permute(2, 0, 1)  # sequence-contiguous
+    out = torch.empty(total_q, hq, d, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 300, 301, 818], dtype=torch.int32)
+    cu_k = torch.tensor([0, 300, 310, 832], dtype=torch.int32)
+    ds = torch.ones(3, hk)
+    kw = _kw(ds, ds, ds, torch.empty(hq, total_q), causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert dense_tma.unsupported_reason(q, k, vt, out, **kw) == "inputs must be CUDA tensors"
+    assert dense_tma.unsupported_reason(q, k, k, out, **kw) == "inputs must be CUDA tensors"  # V in any layout
+    cases = [
+        ((q, k, vt, out), dict(cu_seqlens_k=None), "cu_seqlens_k"),
+        ((q, k, vt[:800], out), {}, "shape mismatch"),
+        ((q, k, vt, out), dict(lse=torch.empty(total_q, hq)), "(nheads_q, total_q)"),
+        ((q, k, vt, out), dict(cu_seqlens_k=cu_k.long()), "int32"),
+        ((q, k, vt, out), dict(window_size=(64, 0)), "window"),
+    ]
+    for args, over, words in cases:
+        why = dense_tma.unsupported_reason(*args, **dict(kw, **over))
+        assert why is not None and words in why, (words, why)
+    q256, k256 = _fp8((total_q, hq, 256), "cpu"), _fp8((total_k, hk, 256), "cpu")
+    out256 = torch.empty(total_q, hq, 256, dtype=torch.bfloat16)
+    assert "head dim" in dense_tma.unsupported_reason(q256, k256, k256, out256, **kw)
+
+
 def test_supported_rejects_outside_contract():
     q, k, v, qd, kd, vd, out, lse = _case()
     vt = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # sequence-contiguous layout
@@ -171,19 +226,22 @@ for d, ws in ((64, False), (128, True), (128, False), (256, True), (256, False))
 for d in (64, 128):
     for causal in (False, True):
         for out_fp8 in (False, True):
-            k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=out_fp8, paged=True)
+            k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=out_fp8, mode=dense_tma.MODE_PAGED)
             assert k.asm["cubin"], "no cubin"
             print("ok paged", d, causal, out_fp8, k.metadata.shared)
-        k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, paged=True, block_n=64)
+        k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, mode=dense_tma.MODE_PAGED, block_n=64)
         assert k.asm["cubin"], "no cubin"
         print("ok paged 64-key tiles", d, causal, k.metadata.shared)
+        k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, mode=dense_tma.MODE_VARLEN)
+        assert k.asm["cubin"], "no cubin"
+        print("ok varlen", d, causal, k.metadata.shared)
 """
 
 
 def test_aot_compile_sm90():
     """Every variant of the Gluon kernels (head dim 64/128/256, at 128 and 256 the warp-specialized and the
     8-warp kernels, x causal x bf16/e4m3 output), and the paged-cache kernel at head dims 64 and 128 (and with
-    64-key tiles), compiles for sm90 without a GPU (in a clean process: no interpreter mode)."""
+    64-key tiles) and in varlen mode, compiles for sm90 without a GPU (in a clean process: no interpreter mode)."""
     if not dense_tma.HAS_GLUON:
         pytest.skip("triton without gluon")
     try:
@@ -197,7 +255,7 @@ def test_aot_compile_sm90():
     if r.returncode != 0 and ("ptxas" in out and ("not found" in out or "No such file" in out)):
         pytest.skip("ptxas not available")
     assert r.returncode == 0, out[-3000:]
-    assert out.count("ok ") == 32, out[-3000:]
+    assert out.count("ok ") == 36, out[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,3 +609,101 @@ def test_kernel_choice_by_head_dim_and_length():
     assert not dense_tma._use_ws(64, True, longest + 128)
     assert dense_tma._use_ws(256, False, 4096) and dense_tma._use_ws(256, True, 4 * longest)
     assert dense_tma._kernel_for(256, True) == (dense_tma._dense_fwd_tma_ws_kernel, 4)
+
+
+def _varlen_case(lens_q, lens_k, hq=8, hk=2, d=128):
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    b = len(lens_q)
+    q, k, v = (_fp8((int(cu[-1]), h, d), "cuda") for cu, h in ((cu_q, hq), (cu_k, hk), (cu_k, hk)))
+    qd = torch.rand(b, hk, device="cuda") * 0.28 + 0.02
+    kd = torch.rand(b, hk, device="cuda") * 0.28 + 0.02
+    vd = torch.rand(b, hk, device="cuda") * 1.5 + 0.5
+    return q, k, v, qd, kd, vd, cu_q, cu_k
+
+
+def _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=True):
+    calls = []
+    real = dense_tma._launch_varlen
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    out = torch.full((*q.shape[:2], v.shape[-1]), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
+    lens_q, lens_k = (cu[1:] - cu[:-1] for cu in (cu_q, cu_k))
+    dense_tma._launch_varlen = spy
+    old = os.environ.get("FP8ATTN_DENSE_BACKEND")
+    os.environ["FP8ATTN_DENSE_BACKEND"] = "tma" if expect_tma else "triton"  # (auto prefers Triton below 2k)
+    try:
+        launch_dense_fwd(q, k, v, out, lse, softmax_scale=q.shape[-1] ** -0.5, causal=causal, window_size=(-1, -1),
+                         softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                         max_seqlen_q=int(lens_q.max()), max_seqlen_k=int(lens_k.max()))
+    finally:
+        dense_tma._launch_varlen = real
+        if old is None:
+            os.environ.pop("FP8ATTN_DENSE_BACKEND")
+        else:
+            os.environ["FP8ATTN_DENSE_BACKEND"] = old
+    assert calls == ([1] if expect_tma else []), "varlen TMA dispatch"
+    return out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_tma_varlen_vs_reference_and_triton(d, causal):
+    """Varlen on the bounded warp-specialized kernel: lengths off the 128 grid, a one-query sequence, an
+    empty one, a key count that is not a multiple of 16; every sequence against the reference on its
+    slice, the whole batch against the Triton kernel, and repeated runs bit-identical."""
+    _need_sm90()
+    lens_q, lens_k = [300, 1, 0, 517, 128, 1000], [300, 50, 7, 901, 128, 1000]
+    q, k, v, qd, kd, vd, cu_q, cu_k = _varlen_case(lens_q, lens_k, d=d)
+    out, lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
+    for i in range(len(lens_q)):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        if q1 == q0:
+            continue
+        one = (q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], qd[i:i + 1], kd[i:i + 1], vd[i:i + 1])
+        _reference_check(*one, out[None, q0:q1], lse[None, :, q0:q1], causal, d ** -0.5)
+    out2, lse2 = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
+    assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2)
+    tri, tri_lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=False)
+    assert (out.float() - tri.float()).abs().max().item() <= 2e-2 * tri.float().abs().max().item()
+    torch.testing.assert_close(lse, tri_lse, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_tma_varlen_bits_equal_dense(causal):
+    """Equal sequences of 384 queries / 640 keys: the varlen blocks are the dense kernel's blocks, tile
+    for tile, so the same bits."""
+    _need_sm90()
+    b, sq, sk, hq, hk, d = 2, 384, 640, 8, 2, 128
+    q, k, v, qd, kd, vd, cu_q, cu_k = _varlen_case([sq] * b, [sk] * b, hq, hk, d)
+    out, lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
+    od = torch.empty(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    ld = torch.empty(b, hq, sq, device="cuda")
+    dense_tma.launch_dense_fwd_tma(q.view(b, sq, hq, d), k.view(b, sk, hk, d), transpose_v_kmajor(v.view(b, sk, hk, d)),
+                                   od, ld, softmax_scale=d ** -0.5, causal=causal, q_descale=qd, k_descale=kd,
+                                   v_descale=vd)
+    assert torch.equal(out.view(b, sq, hq, d).view(torch.int16), od.view(torch.int16))
+    assert torch.equal(lse.view(hq, b, sq).transpose(0, 1), ld)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_v_kmajor_matches_cpu():
+    """The one-pass CUDA layout kernel writes what the torch path writes (every sequence's columns) and the
+    same query-block map."""
+    lens = [300, 0, 7, 1, 517, 16, 1000]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens_q = [5, 0, 300, 128, 1, 0, 700]
+    cq = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    v = _fp8((int(cu[-1]), 2, 128), "cpu")
+    ref, ref_sob = varlen_v_kmajor(v, cu, cq, int(cq[-1]), 128)
+    got, sob = varlen_v_kmajor(v.cuda(), cu.cuda(), cq.cuda(), int(cq[-1]), 128)
+    assert torch.equal(sob.cpu(), ref_sob)
+    for b, L in enumerate(lens):
+        c0 = 16 * (int(cu[b]) // 16 + b)
+        assert torch.equal(got[:, :, c0:c0 + L].cpu().view(torch.uint8), ref[:, :, c0:c0 + L].view(torch.uint8))

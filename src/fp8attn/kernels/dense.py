@@ -39,7 +39,7 @@ from .common import (
     window_flags,
 )
 
-__all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor"]
+__all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor", "varlen_v_kmajor"]
 
 
 # descale modes (constexpr DESCALE_MODE)
@@ -337,9 +337,9 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 
 @triton.jit
-def _transpose_sd_kernel(X, Y, seqlen, head_dim, stride_xb, stride_xs, stride_xh, stride_yb, stride_yh,
-                         stride_yd, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Y[b, h, d, s] = X[b, s, h, d] for one (BLOCK_S x BLOCK_D) tile."""
+def _transpose_sd_kernel(X, Y, Dest, seqlen, head_dim, stride_xb, stride_xs, stride_xh, stride_yb, stride_yh,
+                         stride_yd, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DEST: tl.constexpr):
+    """Y[b, h, d, s] = X[b, s, h, d] for one (BLOCK_S x BLOCK_D) tile (HAS_DEST: Y[b, h, d, Dest[s]])."""
     pid_s = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -347,7 +347,11 @@ def _transpose_sd_kernel(X, Y, seqlen, head_dim, stride_xb, stride_xs, stride_xh
     offs_d = tl.arange(0, BLOCK_D)
     m = (offs_s[:, None] < seqlen) & (offs_d[None, :] < head_dim)
     x = tl.load(X + b * stride_xb + offs_s[:, None] * stride_xs + h * stride_xh + offs_d[None, :], mask=m)
-    tl.store(Y + b * stride_yb + h * stride_yh + offs_d[None, :] * stride_yd + offs_s[:, None], x, mask=m)
+    if HAS_DEST:
+        col = tl.load(Dest + offs_s, mask=offs_s < seqlen, other=0).to(tl.int64)
+    else:
+        col = offs_s
+    tl.store(Y + b * stride_yb + h * stride_yh + offs_d[None, :] * stride_yd + col[:, None], x, mask=m)
 
 
 def transpose_v_kmajor(v: torch.Tensor) -> torch.Tensor:
@@ -373,15 +377,113 @@ def transpose_v_kmajor(v: torch.Tensor) -> torch.Tensor:
     else:
         b, s, h, d = v4.shape
         y = torch.empty(b, h, d, s, device=v.device, dtype=v.dtype)
-        bd = max(16, triton.next_power_of_2(d))
-        bs = 64 if bd <= 128 else 32
-        grid = (triton.cdiv(s, bs), b, h)
-        _transpose_sd_kernel[grid](v4.view(torch.uint8) if v.element_size() == 1 else v4,
-                                   y.view(torch.uint8) if v.element_size() == 1 else y,
-                                   s, d, v4.stride(0), v4.stride(1), v4.stride(2),
-                                   y.stride(0), y.stride(1), y.stride(2), BLOCK_S=bs, BLOCK_D=bd, num_warps=4)
+        _launch_transpose(v4, y)
     out = y.permute(0, 3, 1, 2)
     return out.squeeze(0) if v.dim() == 3 else out
+
+
+def _launch_transpose(v4, y, dest=None):
+    """``_transpose_sd_kernel`` over (batch, seqlen, nheads, d) ``v4`` into ``y`` (batch, nheads, d, columns)."""
+    b, s, h, d = v4.shape
+    bd = max(16, triton.next_power_of_2(d))
+    bs = 64 if bd <= 128 else 32
+    one_byte = v4.element_size() == 1
+    _transpose_sd_kernel[(triton.cdiv(s, bs), b, h)](
+        v4.view(torch.uint8) if one_byte else v4, y.view(torch.uint8) if one_byte else y,
+        dest if dest is not None else y, s, d, v4.stride(0), v4.stride(1), v4.stride(2), y.stride(0), y.stride(1),
+        y.stride(2), BLOCK_S=bs, BLOCK_D=bd, HAS_DEST=dest is not None, num_warps=4)
+
+
+@triton.jit
+def _last_le(Cu, batch, x, steps, BM: tl.constexpr):
+    """Per element of ``x``: the last b in [0, batch) with ``Cu[b] // BM + b * (BM > 1) <= x`` (binary
+    search, ``steps`` >= log2(batch) halvings)."""
+    lo = tl.zeros_like(x)
+    hi = tl.zeros_like(x) + batch - 1
+    for _ in range(steps):
+        mid = (lo + hi + 1) // 2
+        if BM > 1:
+            ok = tl.load(Cu + mid) // BM + mid <= x
+        else:
+            ok = tl.load(Cu + mid) <= x
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _varlen_v_layout_kernel(X, Y, CuK, CuQ, SeqOfBlock, total_k, batch, n_blocks, steps, head_dim,
+                            stride_xs, stride_xh, stride_yh, stride_yd, BM: tl.constexpr, BLOCK_S: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+    """``varlen_v_kmajor`` in one pass: V tile (BLOCK_S tokens, head h) -> Y[h, :, column of each token];
+    the programs of head 0 also write ``SeqOfBlock`` for BLOCK_S query blocks."""
+    pid_s = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    seq = _last_le(CuK, batch, offs_s, steps, 1)
+    start = tl.load(CuK + seq)
+    dest = (16 * (start // 16 + seq) + offs_s - start).to(tl.int64)
+    m = (offs_s[:, None] < total_k) & (offs_d[None, :] < head_dim)
+    x = tl.load(X + offs_s.to(tl.int64)[:, None] * stride_xs + h * stride_xh + offs_d[None, :], mask=m)
+    tl.store(Y + h * stride_yh + offs_d[None, :] * stride_yd + dest[:, None], x, mask=m)
+    if h == 0:
+        tl.store(SeqOfBlock + offs_s, _last_le(CuQ, batch, offs_s, steps, BM), mask=offs_s < n_blocks)
+
+
+def varlen_v_kmajor(v: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None,
+                    total_q: int = 0, block_m: int = 128):
+    """Varlen V laid out for the TMA kernel, and its map of query blocks to sequences.
+
+    V becomes (nheads_k, d, columns) with sequence b's keys contiguous from column
+    ``16 * (cu_seqlens_k[b] // 16 + b)`` (a TMA box must start on 16 bytes; the start grows by more
+    than each sequence's length); columns between sequences are not written (the kernel never uses
+    them). With ``cu_seqlens_q``, also the sequence of each of the ``total_q // block_m + batch`` query
+    blocks (sequence b's blocks start at ``cu_seqlens_q[b] // block_m + b``; ``total_q`` = the number of
+    queries). One Triton pass on CUDA, no host synchronization; torch elsewhere.
+
+    Parameters
+    ----------
+    v : torch.Tensor
+        (total_k, nheads_k, d), any dtype, last dim contiguous.
+    cu_seqlens_k, cu_seqlens_q : torch.Tensor
+        int32 (batch + 1,).
+
+    Returns
+    -------
+    tuple
+        ``(v_laid_out, seq_of_block)``: (nheads_k, d, 16 * (total_k // 16 + batch + 1)), contiguous, ``v``'s
+        dtype; int32 (total_q // block_m + batch,) or None.
+    """
+    total_k, hk, d = v.shape
+    batch = cu_seqlens_k.numel() - 1
+    cols = 16 * (total_k // 16 + batch + 1)
+    n_blocks = total_q // block_m + batch if cu_seqlens_q is not None else 0
+    if v.is_cuda and v.stride(-1) == 1:
+        one_byte = v.element_size() == 1
+        y = torch.empty(hk, d, cols, device=v.device, dtype=torch.uint8 if one_byte else v.dtype)
+        cq = cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_k
+        sob = torch.empty(max(n_blocks, 1), device=v.device, dtype=torch.int32)
+        bs = 64
+        grid = (max(triton.cdiv(total_k, bs), triton.cdiv(n_blocks, bs), 1), hk)
+        _varlen_v_layout_kernel[grid](
+            v.view(torch.uint8) if one_byte else v, y, cu_seqlens_k, cq, sob, total_k, batch, n_blocks,
+            max(1, batch.bit_length()), d, v.stride(0), v.stride(1), y.stride(0), y.stride(1), BM=block_m,
+            BLOCK_S=bs, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4)
+        return y.view(v.dtype), (sob if cu_seqlens_q is not None else None)
+    tok = torch.arange(total_k, device=v.device, dtype=torch.int32)
+    seq = (torch.searchsorted(cu_seqlens_k, tok, right=True) - 1).to(torch.int32)
+    start = cu_seqlens_k[seq.long()]
+    dest = 16 * (start // 16 + seq) + (tok - start)
+    y = torch.zeros(hk, d, cols, device=v.device, dtype=torch.uint8 if v.element_size() == 1 else v.dtype)
+    src = v.view(torch.uint8) if v.element_size() == 1 else v
+    y.index_copy_(2, dest.long(), src.permute(1, 2, 0))
+    sob = None
+    if cu_seqlens_q is not None:
+        starts = cu_seqlens_q[:-1] // block_m + torch.arange(batch, device=v.device, dtype=torch.int32)
+        blocks = torch.arange(n_blocks, device=v.device, dtype=torch.int32)
+        sob = (torch.searchsorted(starts, blocks, right=True) - 1).to(torch.int32)
+    return y.view(v.dtype), sob
 
 
 def _bucket(n: int) -> int:
@@ -448,7 +550,8 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     warm-up call).
 
     Inputs that ``dense_tma.supported`` accepts (e4m3 in, bf16 out or e4m3 out with out_scale, head dim
-    64, 128 or 256, lengths that are multiples of 128, per-(batch, kv head) descales, no varlen/window/softcap; see there)
+    64, 128 or 256, lengths that are multiples of 128, per-(batch, kv head) descales, no window/softcap;
+    varlen at head dims 64 and 128, taken by default where ``dense_tma.varlen_preferred``; see there)
     run on the TMA/wgmma kernel of ``dense_tma`` instead. ``FP8ATTN_DENSE_BACKEND`` selects:
     unset or ``auto`` (that rule), ``triton`` (always this module's kernel), ``tma`` (the TMA kernel;
     ValueError naming the reason when the inputs are not supported).
@@ -457,16 +560,25 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     if backend not in ("auto", "triton", "tma"):
         raise ValueError(f"FP8ATTN_DENSE_BACKEND: expected auto, triton or tma, got {backend!r}")
     if backend != "triton":
-        v = _kmajor_v(v, q.dtype == torch.float8_e4m3fn, v_kmajor)  # _build_launch then leaves it as is
-        why = "seqused_q/seqused_k are not supported" if seqused_q is not None or seqused_k is not None else \
+        if cu_seqlens_q is None:  # (varlen: the TMA kernel lays V out itself, varlen_v_kmajor)
+            v = _kmajor_v(v, q.dtype == torch.float8_e4m3fn, v_kmajor)  # _build_launch then leaves it as is
+        if seqused_q is not None or seqused_k is not None:
+            why = "seqused_q/seqused_k are not supported"
+        elif backend == "auto" and cu_seqlens_q is not None and not dense_tma.varlen_preferred(q.shape[-1],
+                                                                                              max_seqlen_q):
+            why = "varlen: the Triton kernel is the faster one for these shapes (dense_tma.varlen_preferred)"
+        else:
+            why = \
             dense_tma.unsupported_reason(
                 q, k, v, out, causal=causal, window_size=window_size, softcap=softcap, q_descale=q_descale,
                 k_descale=k_descale, v_descale=v_descale, out_scale=out_scale, cu_seqlens_q=cu_seqlens_q,
-                descale_block_q=descale_block_q, descale_block_k=descale_block_k, lse=lse)
+                descale_block_q=descale_block_q, descale_block_k=descale_block_k, lse=lse,
+                cu_seqlens_k=cu_seqlens_k)
         if why is None:
             return dense_tma.launch_dense_fwd_tma(
                 q, k, v, out, lse, softmax_scale=softmax_scale, causal=window_flags(causal, window_size)[0],
-                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale)
+                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
         if backend == "tma":
             raise ValueError(f"FP8ATTN_DENSE_BACKEND=tma: the TMA kernel does not support these inputs: {why}")
     args, kwargs, grid = _build_launch(

@@ -14,10 +14,10 @@ epilogue; head dim, output dtype (``OUT_FP8``), causal and LSE are compile-time 
   Persistent: one CTA per SM walks the query blocks in rounds, and a block's epilogue overlaps the
   next block's loads (causal inputs longer than 8k run one block per CTA). Head dim 256 splits the
   operands as the d256 kernel below (``_ws_attend_d256``).
-* ``_paged_fwd_tma_ws_kernel``: the warp-specialized kernel's partitions over a paged FP8 KV cache
-  (chunked prefill, ``paged_tma``): the producer reads each tile's page from the page table, key
-  counts come per sequence from the device, and the tiles at the diagonal or the sequence's end run
-  masked (``PAGED``; head dims 64 and 128).
+* ``_bounded_fwd_tma_ws_kernel``: the warp-specialized kernel's partitions with per-sequence bounds
+  (``MODE``): over a paged FP8 KV cache (chunked prefill, ``paged_tma``: the producer reads each
+  tile's page from the page table) and/or with varlen queries and keys (``cu_seqlens``); lengths come
+  from the device, and the tiles at the diagonal or a sequence's end run masked (head dims 64, 128).
 * ``_dense_fwd_tma_kernel``: the same math in 8 warps (2 warpgroups of 64 rows in lockstep); in the
   loop over KV tiles ``S_{j+1}`` is issued asynchronously before the softmax of tile ``j``, then
   ``P_j V_j``, the accumulator is rescaled while it runs, and one wait retires both MMAs. Runs head
@@ -84,8 +84,13 @@ _PTR_ARGS = ("Lse", "QDs", "KDs", "VDs", "OutScale")
 _INT_ARGS = ("stride_lb", "stride_lh", "stride_lm", "stride_qds_b", "stride_qds_h", "stride_kds_b",
              "stride_kds_h", "stride_vds_b", "stride_vds_h", "seqlen_q", "seqlen_k", "nheads_q", "nheads_k",
              "batch")
-_PAGED_PTR_ARGS = _PTR_ARGS + ("PageTable", "SeqlensK")
-_PAGED_INT_ARGS = tuple(a for a in _INT_ARGS if a != "seqlen_k") + ("stride_pt", "page_size")
+_BOUNDED_PTR_ARGS = _PTR_ARGS + ("PageTable", "SeqlensK", "CuQ", "CuK", "SeqOfBlock", "Out")
+_BOUNDED_INT_ARGS = tuple(a for a in _INT_ARGS if a != "seqlen_k") + ("stride_pt", "page_size", "stride_om",
+                                                                      "stride_oh")
+# Where the warp-specialized kernel's sequences come from (its MODE): fixed lengths (dense); a paged cache
+# (key counts per sequence); varlen queries (cu_seqlens_q) over contiguous varlen K/V (cu_seqlens_k) or a
+# paged cache.
+MODE_DENSE, MODE_PAGED, MODE_VARLEN, MODE_PAGED_VARLEN = 0, 1, 2, 3
 
 if HAS_GLUON:
     # Globals read inside Gluon code must be constexpr.
@@ -169,10 +174,17 @@ if HAS_GLUON:
         return out, lse
 
     @gluon.jit
-    def _store_lse(lse, Lse, b, h, m0, stride_lb, stride_lh, stride_lm, row_o: gl.constexpr):
-        """Store the LSE of query rows m0 .. m0 + len(lse) - 1 of (batch b, head h) (int64 offsets)."""
-        offs_m = (m0 + gl.arange(0, lse.shape[0], layout=row_o)).to(gl.int64)
-        gl.store(Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + offs_m * stride_lm, lse)
+    def _store_lse(lse, Lse, b, h, m0, stride_lb, stride_lh, stride_lm, row_o: gl.constexpr, n_rows=0,
+                   MASKED: gl.constexpr = False):
+        """Store the LSE of query rows m0 .. m0 + len(lse) - 1 of (batch b, head h) (int64 offsets); MASKED:
+        only the first ``n_rows`` of them."""
+        if MASKED:
+            rows = gl.arange(0, lse.shape[0], layout=row_o)
+            offs_m = (m0 + rows).to(gl.int64)
+            gl.store(Lse + h.to(gl.int64) * stride_lh + offs_m * stride_lm, lse, mask=rows < n_rows)
+        else:
+            offs_m = (m0 + gl.arange(0, lse.shape[0], layout=row_o)).to(gl.int64)
+            gl.store(Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + offs_m * stride_lm, lse)
 
     @gluon.jit
     def _output_epilogue(out, OutScale, OUT_FP8: gl.constexpr):
@@ -198,6 +210,24 @@ if HAS_GLUON:
         tma.async_copy_shared_to_global(o_desc, [row, col], ob)
 
     @gluon.jit
+    def _store_rows_masked(out, ob, Out, row, n_rows, col_off, stride_om, OutScale, OUT_FP8: gl.constexpr):
+        """Varlen: cast a normalized output tile, stage it in the shared buffer ``ob`` and copy its first
+        ``n_rows`` rows to ``Out`` at rows ``row ..``, element offset ``col_off`` (int64), with 16-byte
+        plain stores (a TMA store would also write the rows past the sequence, which belong to the
+        next one; storing from the MMA layout would need a 64-bit address per element)."""
+        ob.store(_output_epilogue(out, OutScale, OUT_FP8))
+        gl.thread_barrier()
+        VEC: gl.constexpr = 16 // ob.dtype.primitive_bitwidth * 8
+        TC: gl.constexpr = min(32, ob.shape[1] // VEC)
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TC, TC], [gl.num_warps(), 1], [1, 0])
+        rows = gl.arange(0, ob.shape[0], layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, ob.shape[1], layout=gl.SliceLayout(0, layout))
+        offs = gl.expand_dims((row + rows).to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+        mask = gl.expand_dims(rows < n_rows, 1) & gl.expand_dims(cols < ob.shape[1], 0)
+        gl.store(Out + col_off + offs, ob.load(layout), mask=mask)
+        gl.thread_barrier()  # the buffer is free again
+
+    @gluon.jit
     def _init_barriers(NUM_STAGES: gl.constexpr):
         """mbarriers of the Q load and of each K and V stage, initialized and fenced for TMA."""
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -220,9 +250,9 @@ if HAS_GLUON:
 
     @gluon.jit
     def _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k,
-                     BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr, PAGED: gl.constexpr = False):
+                     BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr, BOUNDED: gl.constexpr = False):
         """Query block ``pid_m`` of head ``pid_bh``: ``(b, h, hk, m0, shift, n_tiles)``. ``n_tiles`` counts
-        the KV tiles the block sees (keys < m0 + BM + shift under the bottom-right causal mask). PAGED:
+        the KV tiles the block sees (keys < m0 + BM + shift under the bottom-right causal mask). BOUNDED:
         any ``seqlen_k`` (the last tile may run past it), at least one tile (masked when nothing is
         visible, so rows that see no key get out = 0 and lse = -inf)."""
         b = pid_bh // nheads_q
@@ -230,7 +260,7 @@ if HAS_GLUON:
         hk = h // (nheads_q // nheads_k)
         m0 = pid_m * BM
         shift = seqlen_k - seqlen_q
-        if PAGED:
+        if BOUNDED:
             if CAUSAL:
                 n_end = gl.minimum(m0 + BM + shift, seqlen_k)
             else:
@@ -596,20 +626,21 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_block_begin(t, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
                         stride_kds_h, stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch,
-                        softmax_scale_log2, MH: gl.constexpr, TN: gl.constexpr, CAUSAL: gl.constexpr, SeqlensK,
-                        PAGED: gl.constexpr):
-        """A consumer's view of block t: ``(b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, seqlen_k)``,
-        ``mw`` its first query row, ``qb`` the Q buffer (the block's parity in this CTA's order ``it``) and
-        ``seqlen_k`` the sequence's keys. PAGED non-causal: ``shift = seqlen_k``, which leaves only the
-        key limit in the masked tiles' bound ``n <= min(m + shift, seqlen_k - 1)``."""
-        b, h, hk, m0, shift, n_tiles, seqlen_k = _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH,
-                                                           TN, CAUSAL, SeqlensK, PAGED)
-        if PAGED:
+                        softmax_scale_log2, MH: gl.constexpr, TN: gl.constexpr, CAUSAL: gl.constexpr, SeqlensK, CuQ,
+                        CuK, SeqOfBlock, MODE: gl.constexpr):
+        """A consumer's view of block t: ``(b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, seqlen_k,
+        q_row, len_q)``, ``mw`` its first query row, ``qb`` the Q buffer (the block's parity in this CTA's
+        order ``it``), the rest as ``_ws_block``. Per-sequence bounds (MODE != dense), non-causal: ``shift =
+        seqlen_k``, which leaves only the key limit in the masked tiles' bound ``n <= min(m + shift,
+        seqlen_k - 1)``."""
+        b, h, hk, m0, shift, n_tiles, seqlen_k, q_row, k_row, len_q = _ws_block(
+            t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK, CuQ, CuK, SeqOfBlock, MODE)
+        if MODE != 0:
             if not CAUSAL:
                 shift = seqlen_k
         qk_scale, v_descale = _block_scales(b, hk, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
                                             stride_kds_h, stride_vds_b, stride_vds_h, softmax_scale_log2)
-        return b, h, m0 + WG * MH, shift, n_tiles, qk_scale, v_descale, it % 2, seqlen_k
+        return b, h, m0 + WG * MH, shift, n_tiles, qk_scale, v_descale, it % 2, seqlen_k, q_row, len_q
 
     @gluon.jit
     def _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG: gl.constexpr, g0, k0, it, zero_s,
@@ -644,11 +675,13 @@ if HAS_GLUON:
                      stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                      seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL: gl.constexpr,
                      WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, SeqlensK, v_clean, PAGED: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, SeqlensK, CuQ, CuK, SeqOfBlock, Out, stride_om, stride_oh, v_clean,
+                     MODE: gl.constexpr):
         """Consumer WG (4 warps): rows 64 WG .. 64 WG + 63 of each of this CTA's query blocks, walked in the
         producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or ``_ws_attend_d256``.
-        PAGED (head dims 64, 128): per-sequence key counts from ``SeqlensK``, the V tail barrier
-        ``v_clean`` (``_ws_clean_v_tail``)."""
+        MODE != dense (head dims 64, 128): per-sequence bounds (``_ws_block``), the V tail barrier
+        ``v_clean`` (``_ws_clean_v_tail``); varlen rows are stored through ``Out`` (row stride
+        ``stride_om``, head stride ``stride_oh``) with a row mask."""
         gl.static_assert(gl.num_warps() == 4)
         MH: gl.constexpr = q_smem.shape[1]
         TN: gl.constexpr = k_smem.shape[1]
@@ -662,16 +695,21 @@ if HAS_GLUON:
         g0 = 0  # K/V tiles consumed by this CTA before the current query block (ring position)
         k0 = 0  # this consumer's turns before the current query block
         it = 0  # query blocks done by this CTA (Q double buffer)
-        nc = 0  # PAGED: blocks whose last V tile was cleaned (``v_clean``'s phase)
-        n_blocks = (seqlen_q // (2 * MH)) * batch * nheads_q
+        nc = 0  # per-sequence bounds: blocks whose last V tile was cleaned (``v_clean``'s phase)
+        n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, MODE)
         for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
             t = _ws_round_robin(r)
             if t < n_blocks:
-                b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, sk = _ws_block_begin(
+                b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, sk, q_row, len_q = _ws_block_begin(
                     t, it, WG, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b,
                     stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, MH, TN, CAUSAL,
-                    SeqlensK, PAGED)
-                if HEAD_DIM == 256:
+                    SeqlensK, CuQ, CuK, SeqOfBlock, MODE)
+                run = True
+                if MODE >= 2:
+                    run = n_tiles > 0  # varlen: the capacity's spare blocks
+                if not run:
+                    pass
+                elif HEAD_DIM == 256:
                     _ws_attend_d256(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
                                     k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                                     o_desc, Lse, OutScale, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
@@ -680,12 +718,14 @@ if HAS_GLUON:
                     _ws_attend(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
                                k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                                o_desc, Lse, OutScale, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
-                               o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, sk, v_clean, nc & 1, PAGED)
-                    if PAGED:
+                               o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, sk, v_clean, nc & 1, q_row,
+                               len_q, Out, stride_om, stride_oh, MODE)
+                    if MODE != 0:
                         nc += (n_tiles * TN > sk).to(gl.int32)
-                g0 += n_tiles
-                k0 += n_tiles + 1
-                it += 1
+                if run:
+                    g0 += n_tiles
+                    k0 += n_tiles + 1
+                    it += 1
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -693,20 +733,22 @@ if HAS_GLUON:
                    v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc, Lse, OutScale,
                    stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o, o_layout: gl.constexpr,
                    p_layout: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, seqlen_k=0, v_clean=None, clean_phase=0, PAGED: gl.constexpr = False):
+                   NUM_STAGES: gl.constexpr, seqlen_k=0, v_clean=None, clean_phase=0, q_row=0, len_q=0, Out=None,
+                   stride_om=0, stride_oh=0, MODE: gl.constexpr = 0):
         """One consumer's 64 rows of one query block, head dims 64 and 128: Q in buffer ``qi``, KV tiles
         from ring position ``g0``, turns from ``k0``; normalized rows stored by TMA, LSE by plain stores.
-        PAGED: ``seqlen_k`` keys of any count; tiles that every row of this consumer sees whole run
-        unmasked, the others (tile 0, the diagonal, the sequence's end) masked, and the last V tile is
-        cleaned past the end (``_ws_clean_v_tail``, phase ``clean_phase``)."""
+        Per-sequence bounds (MODE != dense): ``seqlen_k`` keys of any count; tiles that every row of this
+        consumer sees whole run unmasked, the others (tile 0, the diagonal, the sequence's end) masked,
+        and the last V tile is cleaned past the end (``_ws_clean_v_tail``, phase ``clean_phase``). Varlen:
+        the sequence's ``len_q`` queries start at row ``q_row``; rows past them are not stored."""
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         TN: gl.constexpr = k_smem.shape[1]
         acc = gl.zeros(zero_o.shape, gl.float32, o_layout)
         p, alpha, m_i, l_i = _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
                                             zero_s, qk_scale, mw, shift, row_o, 1, NUM_STAGES, CAUSAL, seqlen_k,
-                                            PAGED)
+                                            MODE != 0)
 
-        if PAGED:
+        if MODE != 0:
             n_plain = gl.minimum(gl.maximum(gl.minimum(mw + shift + 1, seqlen_k) // TN, 1), n_tiles)
             for j in range(1, n_plain):
                 p, alpha, m_i, l_i, acc = _ws_tile_step(
@@ -738,7 +780,7 @@ if HAS_GLUON:
         gl_ = g0 + n_tiles - 1
         vs = gl_ % NUM_STAGES
         p8 = _p_operand(p, p_layout)
-        if PAGED:
+        if MODE != 0:
             mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
             _ws_clean_v_tail(v_smem.index(vs), (n_tiles - 1) * TN, seqlen_k, v_clean, clean_phase, WG)
         _ws_turn_wait(turn, WG, k0 + n_tiles)
@@ -752,10 +794,16 @@ if HAS_GLUON:
         acc = acc + pv
 
         out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
-        if WRITE_LSE:
-            _store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
-        tma.store_wait(pendings=0)  # the previous block's output has left the buffer
-        _store_rows(out, o_smem.index(WG), o_desc, b * seqlen_q + mw, h * zero_o.shape[1], OutScale, OUT_FP8)
+        if MODE >= 2:  # varlen: the block may end past the sequence's queries; its rows stored with a mask
+            if WRITE_LSE:
+                _store_lse(lse, Lse, 0, h, q_row + mw, 0, stride_lh, stride_lm, row_o, len_q - mw, True)
+            _store_rows_masked(out, o_smem.index(WG), Out, q_row + mw, len_q - mw, h.to(gl.int64) * stride_oh,
+                               stride_om, OutScale, OUT_FP8)
+        else:
+            if WRITE_LSE:
+                _store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
+            tma.store_wait(pendings=0)  # the previous block's output has left the buffer
+            _store_rows(out, o_smem.index(WG), o_desc, b * seqlen_q + mw, h * zero_o.shape[1], OutScale, OUT_FP8)
 
     @gluon.jit
     def _ws_clean_v_tail(v_buf, n0, seqlen_k, v_clean, phase, WG: gl.constexpr):
@@ -896,16 +944,19 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                    v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM: gl.constexpr,
-                   CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, stride_pt, page_size,
-                   PAGED: gl.constexpr):
+                   CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, CuQ, CuK, SeqOfBlock,
+                   stride_pt, page_size, MODE: gl.constexpr):
         """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
         through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
         while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
         arrived on its empty barrier. Boxes narrower than the head dim (256: Q/K halves, V quarters)
-        land in consecutive buffers under one barrier. PAGED: a tile's keys lie in one page (page_size is
-        a multiple of the tile), found through ``PageTable`` (read before the wait for the stage, so
-        the load's latency hides under it); K as (num_blocks * page_size, nheads_k * D) rows, V
-        sequence-major as (num_blocks * nheads_k * D, page_size)."""
+        land in consecutive buffers under one barrier. Paged (MODE 1, 3): a tile's keys lie in one page
+        (page_size is a multiple of the tile), found through ``PageTable`` (read before the wait for the
+        stage, so the load's latency hides under it); K as (num_blocks * page_size, nheads_k * D) rows, V
+        sequence-major as (num_blocks * nheads_k * D, page_size). Varlen K/V (MODE 2): K as (total_k,
+        nheads_k * D) rows, V sequence-contiguous as (nheads_k * D, columns) with each sequence from a
+        16-byte aligned column (``dense.varlen_v_kmajor``). Varlen Q (MODE 2, 3): rows
+        of the (total_q, nheads_q * D) view; the capacity's spare blocks load nothing."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
         TN: gl.constexpr = k_desc.block_type.shape[0]
         NQK: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[1]
@@ -914,46 +965,55 @@ if HAS_GLUON:
         DV: gl.constexpr = v_desc.block_type.shape[0]
         g = 0
         it = 0
-        n_blocks = (seqlen_q // (2 * MH)) * batch * nheads_q
+        n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, MODE)
         for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
             t = _ws_round_robin(r)
             if t < n_blocks:
-                b, h, hk, m0, shift, n_tiles, sk = _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH,
-                                                             TN, CAUSAL, SeqlensK, PAGED)
-                qb = it % 2
-                qph = ((it // 2) & 1) ^ 1  # the first two blocks' waits pass on fresh barriers
-                for w in gl.static_range(2):
-                    mbarrier.wait(q_empty.index(2 * qb + w), qph)
-                    mbarrier.expect(q_ready.index(2 * qb + w), NQK * q_desc.block_type.nbytes)
-                    for hh in gl.static_range(NQK):
-                        tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + m0 + w * MH, h * HEAD_DIM + hh * DQK],
-                                                        q_ready.index(2 * qb + w),
-                                                        q_smem.index(NQK * (2 * qb + w) + hh))
-                for tt in range(n_tiles):
-                    if PAGED:
-                        n = tt * TN
-                        pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size), 0)
-                        k_row = pg * page_size + n % page_size
-                        v_row = (pg * nheads_k + hk) * HEAD_DIM
-                        v_col = n % page_size
-                    else:
-                        k_row = b * sk + tt * TN
-                        v_row = (b * nheads_k + hk) * HEAD_DIM
-                        v_col = tt * TN
-                    st = g % NUM_STAGES
-                    eph = ((g // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
-                    mbarrier.wait(k_empty.index(st), eph)
-                    mbarrier.expect(k_ready.index(st), NQK * k_desc.block_type.nbytes)
-                    for hh in gl.static_range(NQK):
-                        tma.async_copy_global_to_shared(k_desc, [k_row, hk * HEAD_DIM + hh * DQK],
-                                                        k_ready.index(st), k_smem.index(NQK * st + hh))
-                    mbarrier.wait(v_empty.index(st), eph)
-                    mbarrier.expect(v_ready.index(st), NV * v_desc.block_type.nbytes)
-                    for qq in gl.static_range(NV):
-                        tma.async_copy_global_to_shared(v_desc, [v_row + qq * DV, v_col], v_ready.index(st),
-                                                        v_smem.index(NV * st + qq))
-                    g += 1
-                it += 1
+                b, h, hk, m0, shift, n_tiles, sk, q_row, k_row0, len_q = _ws_block(
+                    t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK, CuQ, CuK,
+                    SeqOfBlock, MODE)
+                run = True
+                if MODE >= 2:
+                    run = n_tiles > 0
+                if run:
+                    qb = it % 2
+                    qph = ((it // 2) & 1) ^ 1  # the first two blocks' waits pass on fresh barriers
+                    for w in gl.static_range(2):
+                        mbarrier.wait(q_empty.index(2 * qb + w), qph)
+                        mbarrier.expect(q_ready.index(2 * qb + w), NQK * q_desc.block_type.nbytes)
+                        for hh in gl.static_range(NQK):
+                            tma.async_copy_global_to_shared(q_desc, [q_row + m0 + w * MH, h * HEAD_DIM + hh * DQK],
+                                                            q_ready.index(2 * qb + w),
+                                                            q_smem.index(NQK * (2 * qb + w) + hh))
+                    for tt in range(n_tiles):
+                        if MODE % 2 == 1:
+                            n = tt * TN
+                            pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size), 0)
+                            k_row = pg * page_size + n % page_size
+                            v_row = (pg * nheads_k + hk) * HEAD_DIM
+                            v_col = n % page_size
+                        elif MODE == 2:
+                            k_row = k_row0 + tt * TN
+                            v_row = hk * HEAD_DIM
+                            v_col = _varlen_v_start(k_row0, b) + tt * TN
+                        else:
+                            k_row = k_row0 + tt * TN
+                            v_row = (b * nheads_k + hk) * HEAD_DIM
+                            v_col = tt * TN
+                        st = g % NUM_STAGES
+                        eph = ((g // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
+                        mbarrier.wait(k_empty.index(st), eph)
+                        mbarrier.expect(k_ready.index(st), NQK * k_desc.block_type.nbytes)
+                        for hh in gl.static_range(NQK):
+                            tma.async_copy_global_to_shared(k_desc, [k_row, hk * HEAD_DIM + hh * DQK],
+                                                            k_ready.index(st), k_smem.index(NQK * st + hh))
+                        mbarrier.wait(v_empty.index(st), eph)
+                        mbarrier.expect(v_ready.index(st), NV * v_desc.block_type.nbytes)
+                        for qq in gl.static_range(NV):
+                            tma.async_copy_global_to_shared(v_desc, [v_row + qq * DV, v_col], v_ready.index(st),
+                                                            v_smem.index(NV * st + qq))
+                        g += 1
+                    it += 1
 
     @gluon.jit
     def _ws_round_robin(r):
@@ -967,17 +1027,54 @@ if HAS_GLUON:
 
     @gluon.jit
     def _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, BM: gl.constexpr, BN: gl.constexpr,
-                  CAUSAL: gl.constexpr, SeqlensK, PAGED: gl.constexpr):
-        """Block t of the persistent schedule -> ``_query_block``'s ``(b, h, hk, m0, shift, n_tiles)`` and the
-        sequence's key count (PAGED: read from ``SeqlensK``); the producer and both consumers walk the
-        blocks through this one mapping."""
-        n_mb = seqlen_q // BM
-        pid_m, pid_bh = _ws_block_of(t, n_mb, batch * nheads_q, CAUSAL)
-        if PAGED:
-            seqlen_k = gl.load(SeqlensK + pid_bh // nheads_q)
-        b, h, hk, m0, shift, n_tiles = _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k, BM, BN,
-                                                    CAUSAL, PAGED)
-        return b, h, hk, m0, shift, n_tiles, seqlen_k
+                  CAUSAL: gl.constexpr, SeqlensK, CuQ, CuK, SeqOfBlock, MODE: gl.constexpr):
+        """Block t of the persistent schedule -> ``(b, h, hk, m0, shift, n_tiles, seqlen_k, q_row, k_row,
+        len_q)``: ``_query_block``'s values, the sequence's key count, the rows of its first query and key
+        in the Q and K views, and its query count; the producer and both consumers walk the blocks through
+        this one mapping. MODE (``MODE_*``): dense; paged (key counts from ``SeqlensK``); varlen, where
+        each head has ``seqlen_q // BM + batch`` blocks (``seqlen_q`` = total queries) shared by the
+        sequences as the Triton kernels share them (sequence b's blocks start at ``CuQ[b] // BM + b``; the
+        host maps blocks to sequences in ``SeqOfBlock``), keys from ``CuK`` or a paged cache, and a block
+        past its sequence's queries gets ``n_tiles = 0``."""
+        if MODE >= 2:
+            pid_m, h = _ws_block_of(t, seqlen_q // BM + batch, nheads_q, CAUSAL)
+            b = gl.load(SeqOfBlock + pid_m)
+            q_row = gl.load(CuQ + b)
+            len_q = gl.load(CuQ + b + 1) - q_row
+            if MODE == 3:
+                k_row = q_row * 0
+                seqlen_k = gl.load(SeqlensK + b)
+            else:
+                k_row = gl.load(CuK + b)
+                seqlen_k = gl.load(CuK + b + 1) - k_row
+            _, _, hk, m0, shift, n_tiles = _query_block(pid_m - q_row // BM - b, b * nheads_q + h, len_q, seqlen_k,
+                                                        nheads_q, nheads_k, BM, BN, CAUSAL, True)
+            n_tiles = gl.where(m0 < len_q, n_tiles, 0)
+        else:
+            pid_m, pid_bh = _ws_block_of(t, seqlen_q // BM, batch * nheads_q, CAUSAL)
+            if MODE == 1:
+                seqlen_k = gl.load(SeqlensK + pid_bh // nheads_q)
+            b, h, hk, m0, shift, n_tiles = _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k, BM,
+                                                        BN, CAUSAL, MODE == 1)
+            q_row = b * seqlen_q
+            k_row = b * seqlen_k
+            len_q = seqlen_q
+        return b, h, hk, m0, shift, n_tiles, seqlen_k, q_row, k_row, len_q
+
+    @gluon.jit
+    def _varlen_v_start(k_start, b):
+        """Column of sequence b's first key in ``dense.varlen_v_kmajor``'s V: 16-byte aligned, as the inner
+        coordinate of a swizzled TMA box must be (an unaligned one stops the kernel with an illegal
+        instruction on the H200). ``16 * (k_start // 16 + b)`` grows by more than each sequence's length."""
+        return 16 * (k_start // 16 + b)
+
+    @gluon.jit
+    def _ws_num_blocks(seqlen_q, batch, nheads_q, BM: gl.constexpr, MODE: gl.constexpr):
+        """Query blocks of the persistent schedule (varlen: a capacity, see ``_ws_block``)."""
+        if MODE >= 2:
+            return (seqlen_q // BM + batch) * nheads_q
+        else:
+            return (seqlen_q // BM) * batch * nheads_q
 
     @gluon.jit
     def _ws_block_of(t, n_mb, n_bh, CAUSAL: gl.constexpr):
@@ -1070,33 +1167,34 @@ if HAS_GLUON:
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, turn, False)),
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, Lse, Lse, 0, 0, turn, 0)),
             (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, turn, False)),
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, Lse, Lse, 0, 0, turn, 0)),
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
-                          NUM_STAGES, Lse, Lse, 0, 1, False)),
+                          NUM_STAGES, Lse, Lse, Lse, Lse, Lse, 0, 1, 0)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
-
-    @gluon.jit(do_not_specialize=_PAGED_INT_ARGS, do_not_specialize_on_alignment=_PAGED_PTR_ARGS)
-    def _paged_fwd_tma_ws_kernel(
-        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale, PageTable, SeqlensK,
+    @gluon.jit(do_not_specialize=_BOUNDED_INT_ARGS, do_not_specialize_on_alignment=_BOUNDED_PTR_ARGS)
+    def _bounded_fwd_tma_ws_kernel(
+        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale, PageTable, SeqlensK, CuQ, CuK, SeqOfBlock, Out,
         stride_lb, stride_lh, stride_lm,
         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-        stride_pt, page_size, seqlen_q, nheads_q, nheads_k, batch, softmax_scale_log2,
+        stride_pt, page_size, stride_om, stride_oh, seqlen_q, nheads_q, nheads_k, batch, softmax_scale_log2,
         CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
-        HEAD_DIM: gl.constexpr,
+        HEAD_DIM: gl.constexpr, MODE: gl.constexpr,
     ):
-        """``_dense_fwd_tma_ws_kernel`` over a paged FP8 KV cache (chunked prefill): the same partitions
-        with PAGED. Each sequence's key count comes from ``SeqlensK`` (any count; queries are the last
-        ``seqlen_q`` of them), a tile's page from ``PageTable`` (the producer reads it); the tiles that
-        cross the diagonal or the sequence's end run masked, and the slots of the last V tile past the
-        end are zeroed in shared memory before P V reads them (``_ws_clean_v_tail``). Head dims 64 and
-        128; ``page_size`` a multiple of the 128-key tile; V sequence-major within each page."""
+        """``_dense_fwd_tma_ws_kernel`` with per-sequence bounds, MODE (``MODE_*``): a paged FP8 KV cache
+        (chunked prefill; key counts from ``SeqlensK``, a tile's page from ``PageTable``, read by the
+        producer), varlen queries (``CuQ``; ``seqlen_q`` is then the total, rows stored through ``Out``
+        with a mask) over varlen K/V (``CuK``) or a paged cache. Sequences of any length (queries are
+        the last keys): the tiles that cross the diagonal or a sequence's end run masked, and the slots
+        of the last V tile past the end are zeroed in shared memory before P V reads them
+        (``_ws_clean_v_tail``). Head dims 64 and 128; pages a multiple of the tile (64 or 128 keys), V
+        sequence-major within each page."""
         gl.static_assert(HEAD_DIM != 256)
         q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty = _ws_smem(
             q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 3)
@@ -1107,15 +1205,17 @@ if HAS_GLUON:
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, v_clean, True)),
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, CuQ, CuK, SeqOfBlock, Out, stride_om, stride_oh,
+                            v_clean, MODE)),
             (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, v_clean, True)),
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, CuQ, CuK, SeqOfBlock, Out, stride_om, stride_oh,
+                            v_clean, MODE)),
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
-                          NUM_STAGES, PageTable, SeqlensK, stride_pt, page_size, True)),
+                          NUM_STAGES, PageTable, SeqlensK, CuQ, CuK, SeqOfBlock, stride_pt, page_size, MODE)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 # ---------------------------------------------------------------------------------------------
@@ -1136,12 +1236,22 @@ def _num_sms(index):
 # S2k and, persistent, S512 +34% / S1k +19% non-causal, +5-6% causal; d64 +2-6%, see ``_use_ws``; d256
 # +11-15% non-causal, +1% causal S512, +9-22% causal S1k-S16k).
 _WS_HEAD_DIMS = (64, 128, 256)
+_VARLEN_HEAD_DIMS = (64, 128)  # the bounded kernel's
 # The warp-specialized kernel runs persistent (one CTA per SM walking the query blocks; a block's epilogue
 # overlaps the next one's loads) except for causal inputs longer than this (H200, causal S16k: -2% to -6%
 # persistent; S8k and shorter: even or faster). A load model puts the alternating schedule within 0.2% of
 # perfect balance there, so the likelier cause is its order: every head's K/V is live at once, where one
 # block per CTA in the hardware's order works through about one head at a time (not measured).
 _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 8192
+
+
+def varlen_preferred(head_dim, max_seqlen_q):
+    """Whether varlen inputs that the TMA kernel supports go to it by default (``FP8ATTN_DENSE_BACKEND``
+    unset): head dim 128 with sequences up to at least 2048 queries. Measured on the H200 (eager calls,
+    V laid out by ``dense.varlen_v_kmajor`` in each call; ``explore/dense_varlen_tma.json``): d128 1.20-1.73x
+    the Triton kernel with max_seqlen_q 4096 (8 random lengths 512-4096, 4 x 4096), 0.43-0.97x with 16 x
+    1024 (host-bound: the call's host work exceeds the GPU time); d64 0.70-1.49x at 4096."""
+    return head_dim == 128 and max_seqlen_q is not None and int(max_seqlen_q) >= 2048
 
 
 def _use_ws(head_dim, causal, seqlen_q):
@@ -1196,29 +1306,20 @@ def _vt_2d(v):
 
 
 def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descale, v_descale,
-                       out_scale, cu_seqlens_q, descale_block_q, descale_block_k, lse):
+                       out_scale, cu_seqlens_q, descale_block_q, descale_block_k, lse, cu_seqlens_k=None):
     """Why the TMA fast path cannot run these inputs, or None when it can (see ``supported``)."""
     if not HAS_GLUON:
         return "triton.experimental.gluon is not available"
+    why = options_reason(q, k, v, out, window_size=window_size, softcap=softcap, out_scale=out_scale,
+                         per_block=descale_block_q is not None or descale_block_k is not None)
+    if why:
+        return why
     if cu_seqlens_q is not None:
-        return "varlen (cu_seqlens_q) is not supported"
-    causal, wl, wr, has_window = window_flags(causal, window_size)
-    if has_window:
-        return f"sliding window {tuple(window_size)} is not supported"
-    if float(softcap) != 0.0:
-        return "softcap is not supported"
-    if descale_block_q is not None or descale_block_k is not None:
-        return "per-block descales are not supported"
+        return _varlen_unsupported_reason(q, k, v, out, q_descale=q_descale, k_descale=k_descale,
+                                          v_descale=v_descale, out_scale=out_scale, cu_seqlens_q=cu_seqlens_q,
+                                          cu_seqlens_k=cu_seqlens_k, lse=lse)
+    causal = window_flags(causal, window_size)[0]
     ts = (q, k, v, out)
-    if any(t.dtype != torch.float8_e4m3fn for t in ts[:3]):
-        return f"q, k, v must be float8_e4m3fn, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if out_scale is None and out.dtype != torch.bfloat16:
-        return f"out must be bfloat16 (or float8_e4m3fn with out_scale), got {out.dtype}"
-    if out_scale is not None:
-        if out.dtype != torch.float8_e4m3fn:
-            return f"with out_scale, out must be float8_e4m3fn, got {out.dtype}"
-        if not torch.is_tensor(out_scale) or out_scale.dtype != torch.float32 or out_scale.numel() != 1:
-            return "out_scale must be a float32 tensor with one element"
     if any(t.dim() != 4 for t in ts):
         return "q, k, v, out must be 4-d (batch, seqlen, nheads, headdim)"
     batch, sq, hq, d = q.shape
@@ -1242,6 +1343,34 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
         return "q, k, out must be contiguous (batch, seqlen, nheads, headdim)"
     if not v.permute(0, 2, 3, 1).is_contiguous():
         return "v must be sequence-contiguous (memory order (batch, nheads_k, headdim, seqlen_k))"
+    return _common_unsupported_reason(ts, batch, hq, hk, q_descale, k_descale, v_descale, out_scale, lse,
+                                      (batch, hq, sq), "(batch, nheads_q, seqlen_q)")
+
+
+def options_reason(q, k, v, out, *, window_size, softcap, out_scale, per_block=False, names=("q", "k", "v")):
+    """The rules every TMA kernel shares: no sliding window, softcap or per-block descales; e4m3 q/k/v;
+    bf16 out, or e4m3 out with a one-element float32 ``out_scale``. None when they hold."""
+    if window_flags(False, window_size)[3]:
+        return f"sliding window {tuple(window_size)} is not supported"
+    if softcap and float(softcap) != 0.0:
+        return "softcap is not supported"
+    if per_block:
+        return "per-block descales are not supported"
+    if any(t.dtype != torch.float8_e4m3fn for t in (q, k, v)):
+        return f"{', '.join(names)} must be float8_e4m3fn, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if out_scale is None and out.dtype != torch.bfloat16:
+        return f"out must be bfloat16 (or float8_e4m3fn with out_scale), got {out.dtype}"
+    if out_scale is not None:
+        if out.dtype != torch.float8_e4m3fn:
+            return f"with out_scale, out must be float8_e4m3fn, got {out.dtype}"
+        if not torch.is_tensor(out_scale) or out_scale.dtype != torch.float32 or out_scale.numel() != 1:
+            return "out_scale must be a float32 tensor with one element"
+    return None
+
+
+def _common_unsupported_reason(ts, batch, hq, hk, q_descale, k_descale, v_descale, out_scale, lse, lse_shape,
+                               lse_name, extra=()):
+    """The alignment, descale, LSE and device rules of the dense and varlen paths."""
     if any(t.data_ptr() % 16 for t in ts):
         return "q, k, v, out must be 16-byte aligned"
     for name, ds in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
@@ -1249,11 +1378,12 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
             return f"{name} is required"
         if ds.dtype != torch.float32 or tuple(ds.shape) != (batch, hk):
             return f"{name} must be float32 (batch, nheads_k)"
-    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (batch, hq, sq)):
-        return "lse must be float32 (batch, nheads_q, seqlen_q)"
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != lse_shape):
+        return f"lse must be float32 {lse_name}"
     # device checks last: the shape rules above hold (and are testable) without CUDA
+    q = ts[0]
     dev = q.device
-    extra = (q_descale, k_descale, v_descale) + ((lse,) if lse is not None else ()) + \
+    extra = tuple(extra) + (q_descale, k_descale, v_descale) + ((lse,) if lse is not None else ()) + \
         ((out_scale,) if out_scale is not None else ())
     if not all(t.is_cuda for t in ts):
         return "inputs must be CUDA tensors"
@@ -1262,6 +1392,37 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
     if _capability(dev.index if dev.index is not None else torch.cuda.current_device()) != (9, 0):
         return "needs an sm90 (Hopper) GPU"
     return None
+
+
+def _varlen_unsupported_reason(q, k, v, out, *, q_descale, k_descale, v_descale, out_scale, cu_seqlens_q,
+                               cu_seqlens_k, lse):
+    """``unsupported_reason`` for varlen inputs (``_bounded_fwd_tma_ws_kernel`` in ``MODE_VARLEN``), after
+    ``options_reason``."""
+    if cu_seqlens_k is None:
+        return "varlen needs cu_seqlens_k"
+    ts = (q, k, v, out)
+    if any(t.dim() != 3 for t in ts):
+        return "varlen q, k, v, out must be 3-d (total, nheads, headdim)"
+    total_q, hq, d = q.shape
+    total_k, hk, _ = k.shape
+    if d not in _VARLEN_HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
+        return f"varlen head dim must be 64 or 128 for q, k and v, got {d}, {k.shape[-1]}, {v.shape[-1]}"
+    if tuple(v.shape) != tuple(k.shape) or tuple(out.shape) != tuple(q.shape):
+        return "shape mismatch between q/out or k/v"
+    if total_q == 0 or hq == 0 or hk == 0 or hq % hk != 0:
+        return f"nheads_q ({hq}) must be a positive multiple of nheads_k ({hk}), total_q positive"
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.stride(0) != 1:
+            return f"{name} must be contiguous int32 (batch + 1,)"
+    batch = cu_seqlens_q.numel() - 1
+    if cu_seqlens_k.numel() != batch + 1 or batch < 1:
+        return "cu_seqlens_q and cu_seqlens_k must have batch + 1 entries (batch >= 1)"
+    if not (q.is_contiguous() and k.is_contiguous() and out.is_contiguous()):
+        return "varlen q, k, out must be contiguous (total, nheads, headdim)"
+    if max(total_q + 128 * (batch + 1), 16 * (total_k // 16 + batch + 1) + 128, hk * d) >= 2 ** 31:
+        return "too many rows for 32-bit TMA coordinates"
+    return _common_unsupported_reason(ts, batch, hq, hk, q_descale, k_descale, v_descale, out_scale, lse,
+                                      (hq, total_q), "(nheads_q, total_q)", extra=(cu_seqlens_q, cu_seqlens_k))
 
 
 def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descale, v_descale,
@@ -1296,7 +1457,7 @@ def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descal
 
 
 def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale, k_descale, v_descale,
-                         out_scale=None):
+                         out_scale=None, cu_seqlens_q=None, cu_seqlens_k=None):
     """Launch the TMA/wgmma dense forward. No validation: call only when ``supported`` is True.
 
     Parameters
@@ -1321,12 +1482,20 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     out_scale : torch.Tensor or None
         float32, one element: the output is ``clamp(o / out_scale, -448, 448)`` in e4m3fn (read on
         the device; no host synchronization).
+    cu_seqlens_q, cu_seqlens_k : torch.Tensor or None
+        int32 (batch + 1,): varlen inputs (head dims 64, 128), q/out (total_q, nheads_q, d), k
+        (total_k, nheads_k, d), v_kmajor (total_k, nheads_k, d) in any layout (laid out again by
+        ``dense.varlen_v_kmajor``), lse (nheads_q, total_q).
 
     Returns
     -------
     tuple
         ``(out, lse)``.
     """
+    if cu_seqlens_q is not None:
+        return _launch_varlen(q, k, v_kmajor, out, lse, softmax_scale=softmax_scale, causal=causal,
+                              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale,
+                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     batch, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     out_fp8 = out_scale is not None
@@ -1346,6 +1515,34 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     else:
         grid = blocks
     _launch(d, ws, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES) + ((d,) if ws else ()))
+    return out, lse
+
+
+def _launch_varlen(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale, k_descale, v_descale, out_scale,
+                   cu_seqlens_q, cu_seqlens_k):
+    """``launch_dense_fwd_tma`` for varlen inputs: the bounded kernel in ``MODE_VARLEN``, persistent over a
+    capacity of ``total_q // 128 + batch`` query blocks per head (spare blocks exit at once)."""
+    total_q, hq, d = q.shape
+    total_k, hk, _ = k.shape
+    batch = cu_seqlens_q.numel() - 1
+    rows, dh, dv, bn = tiles = _tiles(d, True)
+    from .dense import varlen_v_kmajor  # (dense imports this module)
+
+    vt, seq_of_block = varlen_v_kmajor(v_kmajor, cu_seqlens_k, cu_seqlens_q, total_q, BLOCK_M)
+    descs = ((q, [total_q, hq * d], [hq * d, 1], [rows, dh]), (k, [total_k, hk * d], [hk * d, 1], [bn, dh]),
+             (vt, [hk * d, vt.shape[-1]], [vt.shape[-1], 1], [dv, bn]),
+             (out, [total_q, hq * d], [hq * d, 1], [rows, dv]))
+    ls = (0, lse.stride(0), lse.stride(1)) if lse is not None else (0, 0, 0)
+    out_fp8 = out_scale is not None
+    args = (lse if lse is not None else q_descale, q_descale, k_descale, v_descale,
+            out_scale if out_fp8 else q_descale, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, seq_of_block,
+            out, *ls,
+            *q_descale.stride(), *k_descale.stride(), *v_descale.stride(), 0, 1, out.stride(0), out.stride(1),
+            total_q, hq, hk, batch, float(softmax_scale) * _LOG2E)
+    n_blocks = (total_q // BLOCK_M + batch) * hq
+    grid = (min(n_blocks, _num_sms(q.device.index)), 1)
+    _launch(d, True, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES, d, MODE_VARLEN),
+            bounded=True, tiles=tiles)
     return out, lse
 
 
@@ -1371,10 +1568,10 @@ def _launch_hooks_set():
     return any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
-def _launch(d, ws, grid, descs, args, consts, paged=False, tiles=None):
-    """Launch the head-dim-``d`` kernel (``ws``: the warp-specialized one; ``paged``: its paged-cache
-    variant, ``_paged_fwd_tma_ws_kernel``, whose ``tiles`` may differ from ``_tiles(d, ws)``) on the
-    current device and stream.
+def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
+    """Launch the head-dim-``d`` kernel (``ws``: the warp-specialized one; ``bounded``: its variant with
+    per-sequence bounds, ``_bounded_fwd_tma_ws_kernel``, whose ``tiles`` may differ from ``_tiles(d, ws)``)
+    on the current device and stream.
 
     The first launch per (device, head dim, constexprs) goes through triton's JIT (compile, bind,
     specialize) and keeps the compiled kernel; later launches call it directly with the same argument
@@ -1387,12 +1584,12 @@ def _launch(d, ws, grid, descs, args, consts, paged=False, tiles=None):
     descs : four (tensor, shape, strides, block_shape) tuples: the Q, K, V and output TMA views.
     args : the kernel's remaining run-time arguments in signature order.
     consts : the constexprs in ``_CONST_NAMES`` order: (CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES), and HEAD_DIM
-        for the warp-specialized kernel.
+        for the warp-specialized kernel, and MODE for the bounded one.
     """
     drv = triton.runtime.driver.active  # the device and stream triton's own launch would use
     dev = drv.get_current_device()
-    kernel, num_warps = (_paged_fwd_tma_ws_kernel, 4) if paged else _kernel_for(d, ws)
-    n_ptr = len(_PAGED_PTR_ARGS if paged else _PTR_ARGS)
+    kernel, num_warps = (_bounded_fwd_tma_ws_kernel, 4) if bounded else _kernel_for(d, ws)
+    n_ptr = len(_BOUNDED_PTR_ARGS if bounded else _PTR_ARGS)
     tiles = tiles or _tiles(d, ws)
     key = (dev, d, kernel, tiles) + consts
     ck = _COMPILED.get(key)
@@ -1400,7 +1597,7 @@ def _launch(d, ws, grid, descs, args, consts, paged=False, tiles=None):
         layouts = _layouts(tiles, consts[2])
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
-        ck = kernel[grid](*tds, *args, **dict(zip(_CONST_NAMES, consts)), num_warps=num_warps)
+        ck = kernel[grid](*tds, *args, **dict(zip(_CONST_NAMES + ("MODE",), consts)), num_warps=num_warps)
         if _DIRECT_LAUNCH and not hasattr(ck, "result"):
             _COMPILED[key] = ck
         return
@@ -1411,38 +1608,41 @@ def _launch(d, ws, grid, descs, args, consts, paged=False, tiles=None):
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compile (inspection without a GPU)
 # ---------------------------------------------------------------------------------------------
-def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None, paged=False, block_n=None):
+def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None, mode=None, block_n=None):
     """Compile the kernel for ``sm_{arch}`` without a GPU; returns triton's compiled kernel.
 
     Arguments get the specializations of a launch: none (the jit decorator turns them off).
-    ``ws``: the warp-specialized kernel (default: whenever the head dim has it). ``paged``: the
-    paged-cache kernel (``_paged_fwd_tma_ws_kernel``; head dims 64 and 128), ``block_n`` its keys per tile.
+    ``ws``: the warp-specialized kernel (default: whenever the head dim has it). ``mode``: the kernel
+    with per-sequence bounds (``_bounded_fwd_tma_ws_kernel``, ``MODE_*``; head dims 64 and 128),
+    ``block_n`` its keys per tile.
     """
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    ws = (head_dim in _WS_HEAD_DIMS if ws is None else ws) or paged
+    bounded = mode is not None
+    ws = (head_dim in _WS_HEAD_DIMS if ws is None else ws) or bounded
     tiles = _tiles(head_dim, ws)
     if block_n:
         tiles = (*tiles[:3], block_n)
     rows, dh, dv, bn = tiles
     ql, kl, vl, ol = _layouts(tiles, out_fp8)
-    kernel, num_warps = (_paged_fwd_tma_ws_kernel, 4) if paged else _kernel_for(head_dim, ws)
+    kernel, num_warps = (_bounded_fwd_tma_ws_kernel, 4) if bounded else _kernel_for(head_dim, ws)
 
     def desc(shape, layout, dtype="fp8e4nv"):
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
     # in the kernels' parameter order
-    ptrs = ("Lse", "QDs", "KDs", "VDs", "OutScale") + (("PageTable", "SeqlensK") if paged else ())
+    ptrs = _BOUNDED_PTR_ARGS if bounded else _PTR_ARGS
     ints = ("stride_lb", "stride_lh", "stride_lm", "stride_qds_b", "stride_qds_h", "stride_kds_b",
             "stride_kds_h", "stride_vds_b", "stride_vds_h") + \
-        (("stride_pt", "page_size", "seqlen_q") if paged else ("seqlen_q", "seqlen_k")) + \
+        (("stride_pt", "page_size", "stride_om", "stride_oh", "seqlen_q") if bounded else ("seqlen_q", "seqlen_k")) + \
         ("nheads_q", "nheads_k", "batch")
     sig = {
         "q_desc": desc([rows, dh], ql), "k_desc": desc([bn, dh], kl),
         "v_desc": desc([dv, bn], vl),
         "o_desc": desc([rows, dv], ol, "fp8e4nv" if out_fp8 else "bf16"),
-        **{n: "*i32" if n in ("PageTable", "SeqlensK") else "*fp32" for n in ptrs},
+        **{n: "*i32" if n in ("PageTable", "SeqlensK", "CuQ", "CuK", "SeqOfBlock") else
+           ("*fp8e4nv" if out_fp8 else "*bf16") if n == "Out" else "*fp32" for n in ptrs},
         **{n: "i32" for n in ints},
         "softmax_scale_log2": "fp32",
         "CAUSAL": "constexpr", "WRITE_LSE": "constexpr", "OUT_FP8": "constexpr", "NUM_STAGES": "constexpr",
@@ -1452,6 +1652,9 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
     if ws:
         sig["HEAD_DIM"] = "constexpr"
         consts["HEAD_DIM"] = head_dim
+    if bounded:
+        sig["MODE"] = "constexpr"
+        consts["MODE"] = int(mode)
     # no attributes: a launch specializes no integer or pointer argument (_INT_ARGS, _PTR_ARGS)
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})

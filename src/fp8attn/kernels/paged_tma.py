@@ -2,7 +2,7 @@
 
 The fast path of ``paged.launch_paged_fwd`` for prefill chunks: ``dense_tma``'s warp-specialized
 persistent kernel with its producer reading each KV tile's page from the page table
-(``_paged_fwd_tma_ws_kernel``). A tile is one TMA box of K and one of sequence-major V, so the page
+(``_bounded_fwd_tma_ws_kernel`` in ``MODE_PAGED``). A tile is one TMA box of K and one of sequence-major V, so the page
 size must be a multiple of 64 (64-slot pages run 64-key tiles, larger ones 128-key tiles) and V
 sequence-major within each page (``paged.alloc_paged_cache(...,
 v_seq_major=True)``). Sequence lengths come from ``cache_seqlens`` on the device (any value, zero
@@ -22,7 +22,6 @@ import torch
 
 from ..paged import is_v_seq_major
 from . import dense_tma
-from .common import window_flags
 
 __all__ = ["unsupported_reason", "launch_paged_prefill_tma", "block_n", "HEAD_DIMS"]
 
@@ -77,19 +76,12 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
         return "varlen queries (cu_seqlens_q) are not supported"
     if int(num_splits) > 1:
         return f"num_splits={num_splits}: the kernel does not split the keys"
-    if window_flags(causal, window_size)[3]:
-        return f"sliding window {tuple(window_size)} is not supported"
-    if softcap and float(softcap) != 0.0:
-        return "softcap is not supported"
     if k_cache_scales is not None or v_cache_scales is not None:
         return "per-token-head cache scales are not supported"
-    if any(t.dtype != torch.float8_e4m3fn for t in (q, k_cache, v_cache)):
-        return f"q, k_cache, v_cache must be float8_e4m3fn, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-    if out_scale is None and out.dtype != torch.bfloat16:
-        return f"out must be bfloat16 (or float8_e4m3fn with out_scale), got {out.dtype}"
-    if out_scale is not None and (out.dtype != torch.float8_e4m3fn or not torch.is_tensor(out_scale)
-                                  or out_scale.dtype != torch.float32 or out_scale.numel() != 1):
-        return "with out_scale, out must be float8_e4m3fn and out_scale a one-element float32 tensor"
+    why = dense_tma.options_reason(q, k_cache, v_cache, out, window_size=window_size, softcap=softcap,
+                                   out_scale=out_scale, names=("q", "k_cache", "v_cache"))
+    if why:
+        return why
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         return "q must be (batch, seqlen_q, nheads_q, d) and the caches (num_blocks, page_size, nheads_k, d)"
     batch, sq, hq, d = q.shape
@@ -182,12 +174,14 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
              (out, [batch * sq, hq * d], [hq * d, 1], [rows, dv]))
     ls = lse.stride() if lse is not None else (0, 0, 0)
     args = (lse if lse is not None else qd, qd, kd, vd, out_scale if out_scale is not None else qd, page_table,
-            cache_seqlens, *ls, *_descale_strides(qd), *_descale_strides(kd), *_descale_strides(vd),
-            page_table.stride(0), ps, sq, hq, hk, batch, float(softmax_scale) * dense_tma._LOG2E)
+            cache_seqlens, cache_seqlens, cache_seqlens, cache_seqlens, out, *ls, *_descale_strides(qd), *_descale_strides(kd),
+            *_descale_strides(vd), page_table.stride(0), ps, 0, 0, sq, hq, hk, batch,
+            float(softmax_scale) * dense_tma._LOG2E)
     n_blocks = (sq // dense_tma.BLOCK_M) * batch * hq
     persistent = not causal or sq <= dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
     grid = (min(n_blocks, dense_tma._num_sms(q.device.index)) if persistent else n_blocks, 1)
     dense_tma._launch(d, True, grid, descs, args,
-                      (bool(causal), lse is not None, out_scale is not None, num_stages or dense_tma.NUM_STAGES, d), paged=True,
+                      (bool(causal), lse is not None, out_scale is not None, num_stages or dense_tma.NUM_STAGES, d,
+                       dense_tma.MODE_PAGED), bounded=True,
                       tiles=(rows, dh, dv, bn))
     return out, lse
