@@ -16,7 +16,7 @@ epilogue; head dim, output dtype (``OUT_FP8``), causal and LSE are compile-time 
   operands as the d256 kernel below (``_ws_attend_d256``).
 * ``_bounded_fwd_tma_ws_kernel``: the warp-specialized kernel's partitions with per-sequence bounds
   (``MODE``): over a paged FP8 KV cache (chunked prefill, ``paged_tma``: the producer reads each
-  tile's page from the page table) and/or with varlen queries and keys (``cu_seqlens``); lengths come
+  tile's page from the page table) or with varlen queries and keys (``cu_seqlens``); lengths come
   from the device, and the tiles at the diagonal or a sequence's end run masked (head dims 64, 128).
 * ``_dense_fwd_tma_kernel``: the same math in 8 warps (2 warpgroups of 64 rows in lockstep); in the
   loop over KV tiles ``S_{j+1}`` is issued asynchronously before the softmax of tile ``j``, then
@@ -88,9 +88,8 @@ _BOUNDED_PTR_ARGS = _PTR_ARGS + ("PageTable", "SeqlensK", "CuQ", "CuK", "SeqOfBl
 _BOUNDED_INT_ARGS = tuple(a for a in _INT_ARGS if a != "seqlen_k") + ("stride_pt", "page_size", "stride_om",
                                                                       "stride_oh")
 # Where the warp-specialized kernel's sequences come from (its MODE): fixed lengths (dense); a paged cache
-# (key counts per sequence); varlen queries (cu_seqlens_q) over contiguous varlen K/V (cu_seqlens_k) or a
-# paged cache.
-MODE_DENSE, MODE_PAGED, MODE_VARLEN, MODE_PAGED_VARLEN = 0, 1, 2, 3
+# (key counts per sequence, fixed query count); varlen queries and keys (cu_seqlens_q / cu_seqlens_k).
+MODE_DENSE, MODE_PAGED, MODE_VARLEN = 0, 1, 2
 
 if HAS_GLUON:
     # Globals read inside Gluon code must be constexpr.
@@ -705,7 +704,7 @@ if HAS_GLUON:
                     stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, MH, TN, CAUSAL,
                     SeqlensK, CuQ, CuK, SeqOfBlock, MODE)
                 run = True
-                if MODE >= 2:
+                if MODE == 2:
                     run = n_tiles > 0  # varlen: the capacity's spare blocks
                 if not run:
                     pass
@@ -794,7 +793,7 @@ if HAS_GLUON:
         acc = acc + pv
 
         out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
-        if MODE >= 2:  # varlen: the block may end past the sequence's queries; its rows stored with a mask
+        if MODE == 2:  # varlen: the block may end past the sequence's queries; its rows stored with a mask
             if WRITE_LSE:
                 _store_lse(lse, Lse, 0, h, q_row + mw, 0, stride_lh, stride_lm, row_o, len_q - mw, True)
             _store_rows_masked(out, o_smem.index(WG), Out, q_row + mw, len_q - mw, h.to(gl.int64) * stride_oh,
@@ -950,12 +949,12 @@ if HAS_GLUON:
         through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
         while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
         arrived on its empty barrier. Boxes narrower than the head dim (256: Q/K halves, V quarters)
-        land in consecutive buffers under one barrier. Paged (MODE 1, 3): a tile's keys lie in one page
+        land in consecutive buffers under one barrier. Paged (MODE 1): a tile's keys lie in one page
         (page_size is a multiple of the tile), found through ``PageTable`` (read before the wait for the
         stage, so the load's latency hides under it); K as (num_blocks * page_size, nheads_k * D) rows, V
         sequence-major as (num_blocks * nheads_k * D, page_size). Varlen K/V (MODE 2): K as (total_k,
         nheads_k * D) rows, V sequence-contiguous as (nheads_k * D, columns) with each sequence from a
-        16-byte aligned column (``dense.varlen_v_kmajor``). Varlen Q (MODE 2, 3): rows
+        16-byte aligned column (``dense.varlen_v_kmajor``). Varlen Q (MODE 2): rows
         of the (total_q, nheads_q * D) view; the capacity's spare blocks load nothing."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
         TN: gl.constexpr = k_desc.block_type.shape[0]
@@ -973,7 +972,7 @@ if HAS_GLUON:
                     t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK, CuQ, CuK,
                     SeqOfBlock, MODE)
                 run = True
-                if MODE >= 2:
+                if MODE == 2:
                     run = n_tiles > 0
                 if run:
                     qb = it % 2
@@ -986,7 +985,7 @@ if HAS_GLUON:
                                                             q_ready.index(2 * qb + w),
                                                             q_smem.index(NQK * (2 * qb + w) + hh))
                     for tt in range(n_tiles):
-                        if MODE % 2 == 1:
+                        if MODE == 1:
                             n = tt * TN
                             pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size), 0)
                             k_row = pg * page_size + n % page_size
@@ -1034,19 +1033,15 @@ if HAS_GLUON:
         this one mapping. MODE (``MODE_*``): dense; paged (key counts from ``SeqlensK``); varlen, where
         each head has ``seqlen_q // BM + batch`` blocks (``seqlen_q`` = total queries) shared by the
         sequences as the Triton kernels share them (sequence b's blocks start at ``CuQ[b] // BM + b``; the
-        host maps blocks to sequences in ``SeqOfBlock``), keys from ``CuK`` or a paged cache, and a block
+        host maps blocks to sequences in ``SeqOfBlock``), keys from ``CuK``, and a block
         past its sequence's queries gets ``n_tiles = 0``."""
-        if MODE >= 2:
+        if MODE == 2:
             pid_m, h = _ws_block_of(t, seqlen_q // BM + batch, nheads_q, CAUSAL)
             b = gl.load(SeqOfBlock + pid_m)
             q_row = gl.load(CuQ + b)
             len_q = gl.load(CuQ + b + 1) - q_row
-            if MODE == 3:
-                k_row = q_row * 0
-                seqlen_k = gl.load(SeqlensK + b)
-            else:
-                k_row = gl.load(CuK + b)
-                seqlen_k = gl.load(CuK + b + 1) - k_row
+            k_row = gl.load(CuK + b)
+            seqlen_k = gl.load(CuK + b + 1) - k_row
             _, _, hk, m0, shift, n_tiles = _query_block(pid_m - q_row // BM - b, b * nheads_q + h, len_q, seqlen_k,
                                                         nheads_q, nheads_k, BM, BN, CAUSAL, True)
             n_tiles = gl.where(m0 < len_q, n_tiles, 0)
@@ -1071,7 +1066,7 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_num_blocks(seqlen_q, batch, nheads_q, BM: gl.constexpr, MODE: gl.constexpr):
         """Query blocks of the persistent schedule (varlen: a capacity, see ``_ws_block``)."""
-        if MODE >= 2:
+        if MODE == 2:
             return (seqlen_q // BM + batch) * nheads_q
         else:
             return (seqlen_q // BM) * batch * nheads_q
@@ -1190,7 +1185,7 @@ if HAS_GLUON:
         """``_dense_fwd_tma_ws_kernel`` with per-sequence bounds, MODE (``MODE_*``): a paged FP8 KV cache
         (chunked prefill; key counts from ``SeqlensK``, a tile's page from ``PageTable``, read by the
         producer), varlen queries (``CuQ``; ``seqlen_q`` is then the total, rows stored through ``Out``
-        with a mask) over varlen K/V (``CuK``) or a paged cache. Sequences of any length (queries are
+        with a mask) over varlen K/V (``CuK``). Sequences of any length (queries are
         the last keys): the tiles that cross the diagonal or a sequence's end run masked, and the slots
         of the last V tile past the end are zeroed in shared memory before P V reads them
         (``_ws_clean_v_tail``). Head dims 64 and 128; pages a multiple of the tile (64 or 128 keys), V
