@@ -440,7 +440,8 @@ def varlen_v_kmajor(v: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_seqlens_q: t
     than each sequence's length); columns between sequences are not written (the kernel never uses
     them). With ``cu_seqlens_q``, also the sequence of each of the ``total_q // block_m + batch`` query
     blocks (sequence b's blocks start at ``cu_seqlens_q[b] // block_m + b``; ``total_q`` = the number of
-    queries). One Triton pass on CUDA, no host synchronization; torch elsewhere.
+    queries). One Triton pass (``_varlen_v_layout_kernel``; on CUDA, or on the CPU under the
+    interpreter), no host synchronization; torch otherwise (``_varlen_v_kmajor_torch``).
 
     Parameters
     ----------
@@ -459,7 +460,7 @@ def varlen_v_kmajor(v: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_seqlens_q: t
     batch = cu_seqlens_k.numel() - 1
     cols = 16 * (total_k // 16 + batch + 1)
     n_blocks = total_q // block_m + batch if cu_seqlens_q is not None else 0
-    if v.is_cuda and v.stride(-1) == 1:
+    if (v.is_cuda or INTERPRET) and v.stride(-1) == 1:
         one_byte = v.element_size() == 1
         y = torch.empty(hk, d, cols, device=v.device, dtype=torch.uint8 if one_byte else v.dtype)
         cq = cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_k
@@ -471,6 +472,14 @@ def varlen_v_kmajor(v: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_seqlens_q: t
             max(1, batch.bit_length()), d, v.stride(0), v.stride(1), y.stride(0), y.stride(1), BM=block_m,
             BLOCK_S=bs, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4)
         return y.view(v.dtype), (sob if cu_seqlens_q is not None else None)
+    return _varlen_v_kmajor_torch(v, cu_seqlens_k, cu_seqlens_q, n_blocks, block_m)
+
+
+def _varlen_v_kmajor_torch(v, cu_seqlens_k, cu_seqlens_q, n_blocks, block_m):
+    """``varlen_v_kmajor`` in torch operations (zeros between sequences)."""
+    total_k, hk, d = v.shape
+    batch = cu_seqlens_k.numel() - 1
+    cols = 16 * (total_k // 16 + batch + 1)
     tok = torch.arange(total_k, device=v.device, dtype=torch.int32)
     seq = (torch.searchsorted(cu_seqlens_k, tok, right=True) - 1).to(torch.int32)
     start = cu_seqlens_k[seq.long()]

@@ -1421,7 +1421,7 @@ def _varlen_unsupported_reason(q, k, v, out, *, q_descale, k_descale, v_descale,
 
 
 def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descale, v_descale,
-              out_scale, cu_seqlens_q, descale_block_q, descale_block_k, lse) -> bool:
+              out_scale, cu_seqlens_q, descale_block_q, descale_block_k, lse, cu_seqlens_k=None) -> bool:
     """Whether ``launch_dense_fwd_tma`` handles these inputs.
 
     Parameters
@@ -1429,7 +1429,7 @@ def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descal
     q, k, v, out : torch.Tensor
         As for ``dense.launch_dense_fwd``; ``v`` already sequence-contiguous.
     causal, window_size, softcap, q_descale, k_descale, v_descale, out_scale, cu_seqlens_q,
-    descale_block_q, descale_block_k, lse
+    descale_block_q, descale_block_k, lse, cu_seqlens_k
         As for ``dense.launch_dense_fwd``.
 
     Returns
@@ -1441,14 +1441,16 @@ def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descal
         k, out (batch, seqlen, nheads, d) and V in memory order (batch, nheads_k, d, seqlen_k);
         seqlen_q and seqlen_k multiples of 128; nheads_q a multiple of nheads_k; causal only with
         seqlen_q <= seqlen_k; float32 (batch, nheads_k) descales (broadcast views allowed); no
-        varlen, sliding window (``(-1, 0)`` is the causal mask), softcap or per-block descales; lse
-        None or float32 (batch, nheads_q, seqlen_q). ``unsupported_reason`` says why not.
+        sliding window (``(-1, 0)`` is the causal mask), softcap or per-block descales; lse None or
+        float32 (batch, nheads_q, seqlen_q). Varlen (``cu_seqlens_q`` and ``cu_seqlens_k``, int32): head
+        dims 64 and 128, contiguous q/k/out (total, nheads, d), V in any layout, lse None or (nheads_q,
+        total_q). ``unsupported_reason`` says why not.
     """
     return unsupported_reason(q, k, v, out, causal=causal, window_size=window_size, softcap=softcap,
                               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                               out_scale=out_scale, cu_seqlens_q=cu_seqlens_q,
                               descale_block_q=descale_block_q, descale_block_k=descale_block_k,
-                              lse=lse) is None
+                              lse=lse, cu_seqlens_k=cu_seqlens_k) is None
 
 
 def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale, k_descale, v_descale,
