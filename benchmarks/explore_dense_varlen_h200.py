@@ -1,0 +1,80 @@
+"""FP8 varlen forward on one H200: the warp-specialized TMA kernel vs the Triton kernel, and the dense TMA
+kernel on equal-length batches (the source of ``results/h200/explore/dense_varlen_tma.json``).
+
+Eager calls timed with CUDA events (``bench.common.time_ms``), so each call's host work counts. The
+Triton kernel gets V already sequence-contiguous; the TMA call lays V out per sequence itself
+(``dense.varlen_v_kmajor``, also timed alone). Usage (repo root, GPU machine):
+``OUT=<dir> PYTHONPATH=src python benchmarks/explore_dense_varlen_h200.py``.
+"""
+import json
+import os
+
+import torch
+
+from fp8attn.bench.common import time_ms
+from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor, varlen_v_kmajor
+
+E4M3 = torch.float8_e4m3fn
+H = HK = 16
+CASES = (("8 random 512..4k", [3001, 517, 4096, 1200, 2222, 640, 3333, 1000]), ("4 x 4096", [4096] * 4),
+         ("16 x 1024", [1024] * 16))
+
+
+def _with_backend(name, fn):
+    os.environ["FP8ATTN_DENSE_BACKEND"] = name
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return time_ms(fn)
+    finally:
+        os.environ.pop("FP8ATTN_DENSE_BACKEND")
+
+
+def main():
+    torch.manual_seed(0)
+    rows = []
+    for d in (128, 64):
+        for name, lens in CASES:
+            for causal in (False, True):
+                cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+                total, b = int(cu[-1]), len(lens)
+                q = torch.randn(total, H, d, device="cuda").to(E4M3)
+                k = torch.randn(total, HK, d, device="cuda").to(E4M3)
+                v = transpose_v_kmajor(torch.randn(total, HK, d, device="cuda").to(E4M3))
+                ds = torch.rand(b, HK, device="cuda") + 0.5
+                out = torch.empty(total, H, d, device="cuda", dtype=torch.bfloat16)
+                flops = 4 * H * d * sum(L * (L + 1) / 2 if causal else L * L for L in lens)
+
+                def call():
+                    launch_dense_fwd(q, k, v, out, None, softmax_scale=d ** -0.5, causal=causal,
+                                     window_size=(-1, -1), softcap=0.0, q_descale=ds, k_descale=ds, v_descale=ds,
+                                     cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                                     max_seqlen_k=max(lens))
+                ms_t = _with_backend("tma", call)
+                o_tma = out.clone()
+                ms_r = _with_backend("triton", call)
+                row = dict(d=d, lens=name, causal=causal, tma_ms=ms_t, tma_tflops=flops / ms_t / 1e9,
+                           triton_ms=ms_r, triton_tflops=flops / ms_r / 1e9, speedup=ms_r / ms_t,
+                           max_diff=(o_tma.float() - out.float()).abs().max().item())
+                if len(set(lens)) == 1:
+                    L = lens[0]
+                    od = torch.empty(b, L, H, d, device="cuda", dtype=torch.bfloat16)
+                    vv = transpose_v_kmajor(v.view(b, L, HK, d).contiguous())
+
+                    def dense():
+                        launch_dense_fwd(q.view(b, L, H, d), k.view(b, L, HK, d), vv, od, None,
+                                         softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0,
+                                         q_descale=ds, k_descale=ds, v_descale=ds)
+                    dense()
+                    torch.cuda.synchronize()
+                    row["dense_ms"] = time_ms(dense)
+                    row["vs_dense"] = row["dense_ms"] / ms_t
+                row["v_layout_ms"] = time_ms(lambda: varlen_v_kmajor(v, cu))
+                rows.append(row)
+                print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "dense_varlen_tma.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
