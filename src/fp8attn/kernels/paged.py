@@ -518,13 +518,7 @@ def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: 
     return op, lp
 
 
-def _dstrides(d):
-    """Strides (over batch, over kv heads) of a descale broadcastable to (batch, nheads_k)."""
-    if d is None or d.numel() == 1:
-        return 0, 0
-    if d.dim() == 1:
-        return d.stride(0), 0
-    return (d.stride(0) if d.shape[0] > 1 else 0), (d.stride(1) if d.shape[1] > 1 else 0)
+_dstrides = paged_tma.descale_strides
 
 
 def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

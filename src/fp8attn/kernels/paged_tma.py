@@ -2,9 +2,9 @@
 
 The fast path of ``paged.launch_paged_fwd`` for prefill chunks: ``dense_tma``'s warp-specialized
 persistent kernel with its producer reading each KV tile's page from the page table
-(``_bounded_fwd_tma_ws_kernel`` in ``MODE_PAGED``). A tile is one TMA box of K and one of sequence-major V, so the page
-size must be a multiple of 64 (64-slot pages run 64-key tiles, larger ones 128-key tiles) and V
-sequence-major within each page (``paged.alloc_paged_cache(...,
+(``_bounded_fwd_tma_ws_kernel`` in ``MODE_PAGED``). A tile is one TMA box of K and one of
+sequence-major V, so the page size must be a multiple of 64 (64-slot pages run 64-key tiles, larger
+ones 128-key tiles) and V sequence-major within each page (``paged.alloc_paged_cache(...,
 v_seq_major=True)``). Sequence lengths come from ``cache_seqlens`` on the device (any value, zero
 included; the queries are the last ``seqlen_q`` keys, bottom-right causal). Tiles that cross the
 diagonal or the sequence's end run masked, and the last V tile's slots past the end are zeroed in
@@ -12,9 +12,9 @@ shared memory before P V reads them, so unused slots (NaN in a poisoned cache) n
 
 Numerics are ``dense_tma``'s (the same softmax step, two-level accumulation and epilogues): with
 128-key tiles and lengths that are multiples of 128 the output is bit-identical to the dense kernel
-run on the gathered K/V. Everything else (varlen / mixed batches, 16-bit Q or cache, per-token-head scales, page sizes
-below 64, windows, softcap, explicit splits) stays on the Triton kernel; ``unsupported_reason``
-says why.
+run on the gathered K/V. Everything else (varlen / mixed batches, 16-bit Q or cache, per-token-head
+scales, page sizes below 64, windows, softcap, explicit splits) stays on the Triton kernel;
+``unsupported_reason`` says why.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 from ..paged import is_v_seq_major
 from . import dense_tma
 
-__all__ = ["unsupported_reason", "launch_paged_prefill_tma", "block_n", "HEAD_DIMS"]
+__all__ = ["unsupported_reason", "launch_paged_prefill_tma", "block_n", "descale_strides", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128)
 _TILE = dense_tma.BLOCK_N  # rows per query block, keys per KV tile (64 for 64-slot pages)
@@ -46,9 +46,10 @@ def _descale_ok(ds, batch, nheads_k):
     return ds.dim() == 2 and ds.shape[0] in (1, batch) and ds.shape[1] in (1, nheads_k)
 
 
-def _descale_strides(ds):
-    """(stride over batch, stride over kv heads) of a descale accepted by ``_descale_ok``."""
-    if ds.numel() == 1:
+def descale_strides(ds):
+    """(stride over batch, stride over kv heads) of a descale broadcastable to (batch, nheads_k) (None, one
+    element: zeros)."""
+    if ds is None or ds.numel() == 1:
         return 0, 0
     if ds.dim() == 1:
         return ds.stride(0), 0
@@ -174,8 +175,8 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
              (out, [batch * sq, hq * d], [hq * d, 1], [rows, dv]))
     ls = lse.stride() if lse is not None else (0, 0, 0)
     args = (lse if lse is not None else qd, qd, kd, vd, out_scale if out_scale is not None else qd, page_table,
-            cache_seqlens, cache_seqlens, cache_seqlens, cache_seqlens, out, *ls, *_descale_strides(qd), *_descale_strides(kd),
-            *_descale_strides(vd), page_table.stride(0), ps, 0, 0, sq, hq, hk, batch,
+            cache_seqlens, cache_seqlens, cache_seqlens, cache_seqlens, out, *ls, *descale_strides(qd), *descale_strides(kd),
+            *descale_strides(vd), page_table.stride(0), ps, 0, 0, sq, hq, hk, batch,
             float(softmax_scale) * dense_tma._LOG2E)
     n_blocks = (sq // dense_tma.BLOCK_M) * batch * hq
     persistent = not causal or sq <= dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
