@@ -17,7 +17,7 @@ for step in "${steps[@]}"; do
   case "$step" in
     tests)
       FP8ATTN_NO_AUTOTUNE=1 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu \
-        ${TESTS_K:+-k "$TESTS_K"} tests/test_kernel_dense.py tests/test_quantize_qkv.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+        ${TESTS_K:+-k "$TESTS_K"} tests/test_kernel_dense.py tests/test_kernel_dense_tma.py tests/test_quantize_qkv.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     bench) python3 -c "from fp8attn.bench import dense; dense.run('$OUT')" 2>&1 | tee "$OUT/bench_dense.log" | tail -45 ;;
     bench-quick) python3 -c "from fp8attn.bench import dense; dense.run('$OUT', quick=True)" 2>&1 | tee "$OUT/bench_dense.log" | tail -12 ;;
     accuracy) python3 -c "from fp8attn.bench import accuracy; accuracy.run('$OUT')" 2>&1 | tee "$OUT/accuracy.log" | tail -25 ;;
