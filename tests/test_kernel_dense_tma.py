@@ -117,6 +117,7 @@ def test_varlen_rules():
         ((q, k, vt, out), dict(lse=torch.empty(total_q, hq)), "(nheads_q, total_q)"),
         ((q, k, vt, out), dict(cu_seqlens_k=cu_k.long()), "int32"),
         ((q, k, vt, out), dict(window_size=(64, 0)), "window"),
+        ((q, k, vt, out.to(E4M3)), dict(out_scale=torch.ones(1)), "out_scale"),
     ]
     for args, over, words in cases:
         why = dense_tma.unsupported_reason(*args, **dict(kw, **over))

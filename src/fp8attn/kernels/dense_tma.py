@@ -1395,6 +1395,8 @@ def _varlen_unsupported_reason(q, k, v, out, *, q_descale, k_descale, v_descale,
     ``options_reason``."""
     if cu_seqlens_k is None:
         return "varlen needs cu_seqlens_k"
+    if out_scale is not None:  # compiled for sm90, not yet run on a GPU: the Triton kernel serves it
+        return "varlen with the fused FP8 output (out_scale) runs on the Triton kernel"
     ts = (q, k, v, out)
     if any(t.dim() != 3 for t in ts):
         return "varlen q, k, v, out must be 3-d (total, nheads, headdim)"
@@ -1443,8 +1445,8 @@ def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descal
         seqlen_q <= seqlen_k; float32 (batch, nheads_k) descales (broadcast views allowed); no
         sliding window (``(-1, 0)`` is the causal mask), softcap or per-block descales; lse None or
         float32 (batch, nheads_q, seqlen_q). Varlen (``cu_seqlens_q`` and ``cu_seqlens_k``, int32): head
-        dims 64 and 128, contiguous q/k/out (total, nheads, d), V in any layout, lse None or (nheads_q,
-        total_q). ``unsupported_reason`` says why not.
+        dims 64 and 128, bf16 out, contiguous q/k/out (total, nheads, d), V in any layout, lse None or
+        (nheads_q, total_q). ``unsupported_reason`` says why not.
     """
     return unsupported_reason(q, k, v, out, causal=causal, window_size=window_size, softcap=softcap,
                               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
