@@ -337,9 +337,9 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 
 @triton.jit
-def _transpose_sd_kernel(X, Y, Dest, seqlen, head_dim, stride_xb, stride_xs, stride_xh, stride_yb, stride_yh,
-                         stride_yd, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DEST: tl.constexpr):
-    """Y[b, h, d, s] = X[b, s, h, d] for one (BLOCK_S x BLOCK_D) tile (HAS_DEST: Y[b, h, d, Dest[s]])."""
+def _transpose_sd_kernel(X, Y, seqlen, head_dim, stride_xb, stride_xs, stride_xh, stride_yb, stride_yh,
+                         stride_yd, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Y[b, h, d, s] = X[b, s, h, d] for one (BLOCK_S x BLOCK_D) tile."""
     pid_s = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -347,11 +347,7 @@ def _transpose_sd_kernel(X, Y, Dest, seqlen, head_dim, stride_xb, stride_xs, str
     offs_d = tl.arange(0, BLOCK_D)
     m = (offs_s[:, None] < seqlen) & (offs_d[None, :] < head_dim)
     x = tl.load(X + b * stride_xb + offs_s[:, None] * stride_xs + h * stride_xh + offs_d[None, :], mask=m)
-    if HAS_DEST:
-        col = tl.load(Dest + offs_s, mask=offs_s < seqlen, other=0).to(tl.int64)
-    else:
-        col = offs_s
-    tl.store(Y + b * stride_yb + h * stride_yh + offs_d[None, :] * stride_yd + col[:, None], x, mask=m)
+    tl.store(Y + b * stride_yb + h * stride_yh + offs_d[None, :] * stride_yd + offs_s[:, None], x, mask=m)
 
 
 def transpose_v_kmajor(v: torch.Tensor) -> torch.Tensor:
@@ -377,21 +373,15 @@ def transpose_v_kmajor(v: torch.Tensor) -> torch.Tensor:
     else:
         b, s, h, d = v4.shape
         y = torch.empty(b, h, d, s, device=v.device, dtype=v.dtype)
-        _launch_transpose(v4, y)
+        bd = max(16, triton.next_power_of_2(d))
+        bs = 64 if bd <= 128 else 32
+        grid = (triton.cdiv(s, bs), b, h)
+        _transpose_sd_kernel[grid](v4.view(torch.uint8) if v.element_size() == 1 else v4,
+                                   y.view(torch.uint8) if v.element_size() == 1 else y,
+                                   s, d, v4.stride(0), v4.stride(1), v4.stride(2),
+                                   y.stride(0), y.stride(1), y.stride(2), BLOCK_S=bs, BLOCK_D=bd, num_warps=4)
     out = y.permute(0, 3, 1, 2)
     return out.squeeze(0) if v.dim() == 3 else out
-
-
-def _launch_transpose(v4, y, dest=None):
-    """``_transpose_sd_kernel`` over (batch, seqlen, nheads, d) ``v4`` into ``y`` (batch, nheads, d, columns)."""
-    b, s, h, d = v4.shape
-    bd = max(16, triton.next_power_of_2(d))
-    bs = 64 if bd <= 128 else 32
-    one_byte = v4.element_size() == 1
-    _transpose_sd_kernel[(triton.cdiv(s, bs), b, h)](
-        v4.view(torch.uint8) if one_byte else v4, y.view(torch.uint8) if one_byte else y,
-        dest if dest is not None else y, s, d, v4.stride(0), v4.stride(1), v4.stride(2), y.stride(0), y.stride(1),
-        y.stride(2), BLOCK_S=bs, BLOCK_D=bd, HAS_DEST=dest is not None, num_warps=4)
 
 
 @triton.jit
