@@ -1376,13 +1376,16 @@ def _common_unsupported_reason(ts, batch, hq, hk, q_descale, k_descale, v_descal
     if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != lse_shape):
         return f"lse must be float32 {lse_name}"
     # device checks last: the shape rules above hold (and are testable) without CUDA
-    q = ts[0]
-    dev = q.device
-    extra = tuple(extra) + (q_descale, k_descale, v_descale) + ((lse,) if lse is not None else ()) + \
-        ((out_scale,) if out_scale is not None else ())
+    return device_reason(ts, tuple(extra) + (q_descale, k_descale, v_descale, lse, out_scale))
+
+
+def device_reason(ts, extra=()):
+    """The device rules of every TMA kernel: ``ts`` (q, k, v, out) CUDA tensors on one sm90 device with the
+    tensors of ``extra`` (None entries skipped). None when they hold."""
+    dev = ts[0].device
     if not all(t.is_cuda for t in ts):
         return "inputs must be CUDA tensors"
-    if any(t.device != dev for t in ts + extra):
+    if any(t.device != dev for t in tuple(ts) + tuple(t for t in extra if t is not None)):
         return "all tensors must be on one device"
     if _capability(dev.index if dev.index is not None else torch.cuda.current_device()) != (9, 0):
         return "needs an sm90 (Hopper) GPU"

@@ -117,16 +117,7 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
     if any(t.data_ptr() % 16 for t in ts):
         return "q, k_cache, v_cache, out must be 16-byte aligned"
     # device checks last: the shape rules above hold (and are testable) without CUDA
-    extra = tuple(t for t in (page_table, cache_seqlens, q_descale, k_descale, v_descale, lse, out_scale)
-                  if t is not None)
-    if not all(t.is_cuda for t in ts):
-        return "inputs must be CUDA tensors"
-    if any(t.device != q.device for t in ts + extra):
-        return "all tensors must be on one device"
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if dense_tma._capability(index) != (9, 0):
-        return "needs an sm90 (Hopper) GPU"
-    return None
+    return dense_tma.device_reason(ts, (page_table, cache_seqlens, q_descale, k_descale, v_descale, lse, out_scale))
 
 
 def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, softmax_scale, causal,
