@@ -177,13 +177,12 @@ if HAS_GLUON:
                    MASKED: gl.constexpr = False):
         """Store the LSE of query rows m0 .. m0 + len(lse) - 1 of (batch b, head h) (int64 offsets); MASKED:
         only the first ``n_rows`` of them."""
+        rows = gl.arange(0, lse.shape[0], layout=row_o)
+        ptrs = Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + (m0 + rows).to(gl.int64) * stride_lm
         if MASKED:
-            rows = gl.arange(0, lse.shape[0], layout=row_o)
-            offs_m = (m0 + rows).to(gl.int64)
-            gl.store(Lse + h.to(gl.int64) * stride_lh + offs_m * stride_lm, lse, mask=rows < n_rows)
+            gl.store(ptrs, lse, mask=rows < n_rows)
         else:
-            offs_m = (m0 + gl.arange(0, lse.shape[0], layout=row_o)).to(gl.int64)
-            gl.store(Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + offs_m * stride_lm, lse)
+            gl.store(ptrs, lse)
 
     @gluon.jit
     def _output_epilogue(out, OutScale, OUT_FP8: gl.constexpr):
@@ -795,7 +794,7 @@ if HAS_GLUON:
         out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
         if MODE == 2:  # varlen: the block may end past the sequence's queries; its rows stored with a mask
             if WRITE_LSE:
-                _store_lse(lse, Lse, 0, h, q_row + mw, 0, stride_lh, stride_lm, row_o, len_q - mw, True)
+                _store_lse(lse, Lse, b, h, q_row + mw, stride_lb, stride_lh, stride_lm, row_o, len_q - mw, True)
             _store_rows_masked(out, o_smem.index(WG), Out, q_row + mw, len_q - mw, h.to(gl.int64) * stride_oh,
                                stride_om, OutScale, OUT_FP8)
         else:
