@@ -563,9 +563,22 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Notes
     -----
-    FP8 prefill chunks over a sequence-major V cache with pages of 128 (or a multiple) run on the
+    FP8 prefill chunks over a sequence-major V cache with pages of 64 (or a multiple) run on the
     warp-specialized TMA kernel of ``paged_tma`` when it accepts the inputs (``paged_tma.unsupported_reason``).
     """
+    cfg = config or {}  # benchmark overrides
+    if not INTERPRET and cfg.get("tma", True) and q.is_cuda:  # prefill chunks the TMA kernel takes
+        why = paged_tma.unsupported_reason(
+            q, k_cache, v_cache, page_table, cache_seqlens, out, lse, cu_seqlens_q=cu_seqlens_q, causal=causal,
+            window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
+            out_scale=out_scale, num_splits=num_splits)
+        if why is None:
+            paged_tma.launch_paged_prefill_tma(
+                q, k_cache, v_cache, page_table, cache_seqlens, out, lse, softmax_scale=softmax_scale,
+                causal=window_flags(causal, window_size)[0], q_descale=q_descale, k_descale=k_descale,
+                v_descale=v_descale, out_scale=out_scale)
+            return
     varlen = cu_seqlens_q is not None
     if varlen:
         total_q, hq, d = q.shape
@@ -582,23 +595,10 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     has_ks = k_cache_scales is not None
     has_vs = v_cache_scales is not None
     mma_fp8, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs)
-    cfg = config or {}  # benchmark overrides
     if cfg.get("compute_dtype") is not None and not mma_fp8:
         cdt = cfg["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
     if INTERPRET and cdt == torch.bfloat16:
         cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
-    if not INTERPRET and cfg.get("tma", True) and q.is_cuda:
-        why = paged_tma.unsupported_reason(
-            q, k_cache, v_cache, page_table, cache_seqlens, out, lse, cu_seqlens_q=cu_seqlens_q, causal=causal,
-            window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
-            v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
-            out_scale=out_scale, num_splits=num_splits)
-        if why is None:
-            paged_tma.launch_paged_prefill_tma(
-                q, k_cache, v_cache, page_table, cache_seqlens, out, lse, softmax_scale=softmax_scale,
-                causal=window_flags(causal, window_size)[0], q_descale=q_descale, k_descale=k_descale,
-                v_descale=v_descale, out_scale=out_scale)
-            return
     v_seq_major = is_v_seq_major(v_cache)
     fp8_cache = k_cache.element_size() == 1
     bm, bn, nw, ns, maxnreg = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major, fp8_cache,
