@@ -1248,6 +1248,13 @@ def varlen_preferred(head_dim, max_seqlen_q):
     return head_dim == 128 and max_seqlen_q is not None and int(max_seqlen_q) >= 2048
 
 
+def ws_grid(n_blocks, causal, seqlen_q, device_index):
+    """The warp-specialized kernels' grid for ``n_blocks`` query blocks: one CTA per SM (persistent), or
+    one per block for causal inputs longer than ``_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q``."""
+    persistent = not causal or seqlen_q <= _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
+    return (min(n_blocks, _num_sms(device_index)) if persistent else n_blocks, 1)
+
+
 def _use_ws(head_dim, causal, seqlen_q):
     """The warp-specialized kernel, except head dim 64 causal beyond the persistent range, which ran
     4-5% slower there on a one-block-per-CTA grid than the 8-warp kernel (H200, S16k)."""
@@ -1510,9 +1517,7 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
             *v_descale.stride(), sq, sk, hq, hk, batch, float(softmax_scale) * _LOG2E)
     blocks = (sq // BLOCK_M, batch * hq)
     if ws:
-        n_blocks = blocks[0] * blocks[1]
-        persistent = not causal or sq <= _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
-        grid = (min(n_blocks, _num_sms(q.device.index)) if persistent else n_blocks, 1)
+        grid = ws_grid(blocks[0] * blocks[1], causal, sq, q.device.index)
     else:
         grid = blocks
     _launch(d, ws, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES) + ((d,) if ws else ()))

@@ -170,8 +170,7 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
             *descale_strides(vd), page_table.stride(0), ps, 0, 0, sq, hq, hk, batch,
             float(softmax_scale) * dense_tma._LOG2E)
     n_blocks = (sq // dense_tma.BLOCK_M) * batch * hq
-    persistent = not causal or sq <= dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
-    grid = (min(n_blocks, dense_tma._num_sms(q.device.index)) if persistent else n_blocks, 1)
+    grid = dense_tma.ws_grid(n_blocks, causal, sq, q.device.index)
     dense_tma._launch(d, True, grid, descs, args,
                       (bool(causal), lse is not None, out_scale is not None, num_stages or dense_tma.NUM_STAGES, d,
                        dense_tma.MODE_PAGED), bounded=True,
