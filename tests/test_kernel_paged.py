@@ -466,6 +466,19 @@ def test_gpu_fused_fp8_output_and_determinism():
         assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2 ** -9).all()  # one e4m3 ulp
 
 
+def replay_at_lengths(launch, seq_buf, lengths):
+    """Capture ``launch`` in a CUDA graph at the lengths now in ``seq_buf`` (after a compiling call), then
+    replay it with ``lengths`` copied into ``seq_buf``."""
+    launch()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch()
+    seq_buf.copy_(lengths)
+    g.replay()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture_short_replay_long():
     hq, hk, d, ps, b = 32, 8, 128, 16, 4
@@ -484,14 +497,7 @@ def test_gpu_cuda_graph_capture_short_replay_long():
                          softmax_scale=d ** -0.5, causal=True, k_descale=kd, v_descale=vd, num_splits=splits,
                          out_partial=op, lse_partial=lp)
 
-    launch()  # compile before capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        launch()
-    seq_buf.copy_(c["cache_seqlens"])
-    g.replay()
-    torch.cuda.synchronize()
+    replay_at_lengths(launch, seq_buf, c["cache_seqlens"])
     eo, el = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=splits)
     assert torch.equal(out, eo) and torch.equal(lse, el)
     ref, ref_lse, lpref = refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)

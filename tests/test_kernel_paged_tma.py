@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from test_kernel_paged import _v_seq_major, check, make_cache, poison_, rand_descale, refs, run_paged
+from test_kernel_paged import (_v_seq_major, check, make_cache, poison_, rand_descale, refs,
+                               replay_at_lengths, run_paged)
 from fp8attn.kernels import dense_tma, paged_tma
 from fp8attn.kernels.dense import transpose_v_kmajor
 from fp8attn.paged import empty_paged
@@ -167,14 +168,7 @@ def test_gpu_cuda_graph_capture_short_replay_long():
         paged_tma.launch_paged_prefill_tma(q, c["k_cache"], c["v_cache"], c["page_table"], seq_buf, out, lse,
                                            softmax_scale=d ** -0.5, causal=True, **dk)
 
-    launch()  # compile before capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        launch()
-    seq_buf.copy_(c["cache_seqlens"])
-    g.replay()
-    torch.cuda.synchronize()
+    replay_at_lengths(launch, seq_buf, c["cache_seqlens"])
     eo, el = _run(q, c, dk, True)
     assert torch.equal(out.view(torch.int16), eo.view(torch.int16)) and torch.equal(lse, el)
 
