@@ -63,22 +63,50 @@ def _kw(qd, kd, vd, lse, **over):
 # ---------------------------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------------------------
+def _want_block_list(qlens, min_len):
+    seqs, qblks = [], []
+    for b, n in enumerate(qlens):
+        if n >= min_len:
+            nb = -(-n // 128)
+            seqs += [b] * nb
+            qblks += list(range(nb))
+    return seqs, qblks
+
+
+def _check_block_list(dev):
+    g = torch.Generator().manual_seed(1)
+    cases = [[1, 300, 0, 128, 127, 1000, 5, 129], torch.randint(0, 300, (300,), generator=g).tolist()]
+    for qlens in cases:
+        cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+        cap = sum(qlens) // 128 + len(qlens)
+        for min_len in (1, 128):
+            got = dense_tma.varlen_block_list(cu, sum(qlens), min_len).cpu()
+            seqs, qblks = _want_block_list(qlens, min_len)
+            n = got[0].item()
+            assert got.numel() == 1 + 2 * cap and n == len(seqs) <= cap, (n, len(seqs), cap)
+            assert got[1:1 + n].tolist() == seqs and got[1 + cap:1 + cap + n].tolist() == qblks
+
+
+def test_varlen_block_list():
+    """``varlen_block_list``: the count, then each sequence's ceil(len / 128) blocks in order (sequence,
+    query block), for the sequences with at least min_len_q queries; 300 sequences (two 256-sequence chunks
+    of the builder's prefix sum)."""
+    if not (dense_mod.INTERPRET or torch.cuda.is_available()):
+        pytest.skip("the list kernel needs CUDA or the interpreter")
+    _check_block_list(DEV)
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_varlen_v_kmajor_layout(path):
-    """Each sequence's V keys contiguous from a 16-aligned column, in order, and the map of query blocks to
-    sequences: the Triton layout kernel (interpreted on the CPU) and the torch path."""
+    """Each sequence's V keys contiguous from a 16-aligned column, in order: the Triton layout kernel
+    (interpreted on the CPU) and the torch path."""
     lens = [300, 0, 7, 1, 517, 16]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     v = _fp8((int(cu[-1]), 2, 64), "cpu")
     if path == "torch":
-        vt, sob = dense_mod._varlen_v_kmajor_torch(v, cu, cu, int(cu[-1]) // 128 + len(lens), 128)
+        vt = dense_mod._varlen_v_kmajor_torch(v, cu)
     elif dense_mod.INTERPRET or torch.cuda.is_available():
-        vt, sob = varlen_v_kmajor(v.to(DEV), cu.to(DEV), cu.to(DEV), int(cu[-1]), 128)
-        vt, sob = vt.cpu(), sob.cpu()
+        vt = varlen_v_kmajor(v.to(DEV), cu.to(DEV)).cpu()
     else:
         pytest.skip("the layout kernel needs CUDA or the interpreter")
-    starts = [int(cu[b]) // 128 + b for b in range(len(lens))]
-    assert sob.tolist() == [max(b for b in range(len(lens)) if starts[b] <= i) for i in range(int(cu[-1]) // 128 + len(lens))]
     assert vt.dtype == E4M3 and vt.shape == (2, 64, 16 * (int(cu[-1]) // 16 + len(lens) + 1)) and vt.is_contiguous()
     used = torch.zeros(vt.shape[-1], dtype=torch.bool)
     end = 0
@@ -246,13 +274,19 @@ for d in (64, 128):
         k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, mode=dense_tma.MODE_VARLEN)
         assert k.asm["cubin"], "no cubin"
         print("ok varlen", d, causal, k.metadata.shared)
+        for bn in (None, 64):
+            k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=bn is None,
+                                       mode=dense_tma.MODE_PAGED_VARLEN, block_n=bn)
+            assert k.asm["cubin"], "no cubin"
+            print("ok paged varlen", d, causal, bn, k.metadata.shared)
 """
 
 
 def test_aot_compile_sm90():
     """Every variant of the Gluon kernels (head dim 64/128/256, at 128 and 256 the warp-specialized and the
     8-warp kernels, x causal x bf16/e4m3 output), and the paged-cache kernel at head dims 64 and 128 (and with
-    64-key tiles) and in varlen mode, compiles for sm90 without a GPU (in a clean process: no interpreter mode)."""
+    64-key tiles), in varlen mode and varlen over pages, compiles for sm90 without a GPU (in a clean process:
+    no interpreter mode)."""
     if not dense_tma.HAS_GLUON:
         pytest.skip("triton without gluon")
     try:
@@ -266,7 +300,7 @@ def test_aot_compile_sm90():
     if r.returncode != 0 and ("ptxas" in out and ("not found" in out or "No such file" in out)):
         pytest.skip("ptxas not available")
     assert r.returncode == 0, out[-3000:]
-    assert out.count("ok ") == 36, out[-3000:]
+    assert out.count("ok ") == 44, out[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -705,16 +739,14 @@ def test_gpu_tma_varlen_bits_equal_dense(causal):
 
 @pytest.mark.gpu
 def test_gpu_varlen_v_kmajor_matches_cpu():
-    """The one-pass CUDA layout kernel writes what the torch path writes (every sequence's columns) and the
-    same query-block map."""
+    """The one-pass CUDA layout kernel writes what the torch path writes (every sequence's columns), and
+    the compiled block-list kernel the list of the CPU test."""
     lens = [300, 0, 7, 1, 517, 16, 1000]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    lens_q = [5, 0, 300, 128, 1, 0, 700]
-    cq = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
     v = _fp8((int(cu[-1]), 2, 128), "cpu")
-    ref, ref_sob = varlen_v_kmajor(v, cu, cq, int(cq[-1]), 128)
-    got, sob = varlen_v_kmajor(v.cuda(), cu.cuda(), cq.cuda(), int(cq[-1]), 128)
-    assert torch.equal(sob.cpu(), ref_sob)
+    ref = varlen_v_kmajor(v, cu)
+    got = varlen_v_kmajor(v.cuda(), cu.cuda())
+    _check_block_list("cuda")
     for b, L in enumerate(lens):
         c0 = 16 * (int(cu[b]) // 16 + b)
         assert torch.equal(got[:, :, c0:c0 + L].cpu().view(torch.uint8), ref[:, :, c0:c0 + L].view(torch.uint8))

@@ -523,3 +523,28 @@ def test_gpu_cache_over_2_31_elements():
     out, lse = run_paged(q, c)
     ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True)
     check(out, lse, ref, ref_lse, lp)
+
+
+@pytest.mark.parametrize("split_at", [32, 200])
+def test_mixed_batch_split_leaves_long_sequences(split_at):
+    """This kernel's part of a mixed batch split with the TMA kernel (``split_at``: a decode-tile launch for
+    the decode rows, a large-tile launch for the sequences below ``split_at`` queries): longer sequences
+    are not touched (their poisoned rows stay NaN), the others are within the rule of the reference."""
+    hq, hk, d = 4, 2, 32
+    seqlens, qlens = [40, 197, 1, 130, 21, 7], [1, 70, 1, 33, 5, 2]
+    c = make_cache(seqlens, 64, hk, d)
+    cu = cu_from_lens(qlens)
+    q = torch.randn(sum(qlens), hq, d, device=DEV).to(torch.bfloat16)
+    kw = dict(cu_seqlens_q=cu, max_seqlen_q=max(qlens), k_descale=rand_descale(6, hk),
+              v_descale=rand_descale(6, hk))
+    part, part_lse = run_paged(q, c, **kw, config={"split_at": split_at})
+    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, **kw)
+    rows = torch.zeros(sum(qlens), dtype=torch.bool)
+    for b, n in enumerate(qlens):
+        s, e = cu[b].item(), cu[b + 1].item()
+        if n >= split_at:
+            assert torch.isnan(part[s:e].float()).all() and torch.isnan(part_lse[:, s:e]).all(), b
+        else:
+            rows[s:e] = True
+    rows = rows.to(part.device)
+    check(part[rows], part_lse[:, rows], ref[rows], ref_lse[:, rows], lp[rows])

@@ -1,18 +1,21 @@
 """Chunked prefill on the warp-specialized TMA kernel over a paged FP8 cache (kernels/paged_tma.py).
 
-CPU: the dispatch rules (``unsupported_reason``); test_kernel_dense_tma compiles every variant for sm90.
+CPU: the dispatch rules (``unsupported_reason``); test_kernel_dense_tma compiles every variant for sm90
+and checks the varlen block list.
 GPU (``gpu`` marker): outputs and LSE against the reference from the dequantized cache (shuffled 3x
 page pool, NaN in every slot that is not a token, -1 in unused page-table entries, lengths that are
 not multiples of 128, sequences shorter than the chunk and empty ones), bit-equality with the dense
 TMA kernel on the gathered K/V and of a chunk with the same rows of a single-shot prefill, repeated
 runs, the fused FP8 output, CUDA-graph replay at longer lengths, and a cache over 2**31 elements.
+Varlen (mixed) batches run on both kernels (short sequences on the Triton kernel): the same checks, and
+the TMA rows equal the fixed-length launch of the same sequence.
 """
 import math
 
 import pytest
 import torch
 
-from test_kernel_paged import (_v_seq_major, check, make_cache, poison_, rand_descale, refs,
+from test_kernel_paged import (_v_seq_major, check, cu_from_lens, make_cache, poison_, rand_descale, refs,
                                replay_at_lengths, run_paged)
 from fp8attn.kernels import dense_tma, paged_tma
 from fp8attn.kernels.dense import transpose_v_kmajor
@@ -33,8 +36,7 @@ def _inputs(seqlens, sq, page_size, hq, hk, d, device):
 
 
 def _reason(q, c, *, out=None, lse=None, causal=True, **kw):
-    b, sq, hq, d = q.shape
-    out = torch.empty(b, sq, hq, d, dtype=torch.bfloat16, device=q.device) if out is None else out
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device) if out is None else out
     args = dict(cu_seqlens_q=None, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=None,
                 k_descale=None, v_descale=None, k_cache_scales=None, v_cache_scales=None, out_scale=None,
                 num_splits=1)
@@ -51,7 +53,7 @@ def test_unsupported_reasons_name_the_rule():
     q, c, dk = _inputs([300, 700], 256, 128, 4, 2, 64, "cpu")
     assert _reason(q, c, **dk) == "inputs must be CUDA tensors"  # every shape rule passed
     cases = [
-        (dict(cu_seqlens_q=torch.zeros(3, dtype=torch.int32)), "varlen"),
+        (dict(cu_seqlens_q=torch.zeros(3, dtype=torch.int32)), "(total_q, nheads_q, d) with cu_seqlens_q"),
         (dict(num_splits=3), "num_splits=3"),
         (dict(window_size=(64, 0)), "sliding window"),
         (dict(softcap=30.0), "softcap"),
@@ -73,6 +75,27 @@ def test_unsupported_reasons_name_the_rule():
     assert "head dim" in _reason(q256, c256)
     assert "page_table" in _reason(q, dict(c, page_table=c["page_table"].long()))
     assert "cache_seqlens" in _reason(q, dict(c, cache_seqlens=c["cache_seqlens"].long()))
+
+
+@pytest.mark.skipif(not dense_tma.HAS_GLUON, reason="needs triton with Gluon")
+def test_varlen_unsupported_reasons():
+    qlens = [1, 300, 0, 129]
+    q, c, dk = _inputs([40, 700, 5, 200], 1, 128, 4, 2, 64, "cpu")
+    qv = saturating_cast(torch.randn(sum(qlens), 4, 64), E4M3)
+    cu = cu_from_lens(qlens, "cpu")
+    out = torch.empty(qv.shape, dtype=torch.bfloat16)
+
+    def reason(**kw):
+        args = dict(cu_seqlens_q=cu, out=out, **dk)
+        args.update(kw)
+        return _reason(qv, c, **args)
+    assert reason() == "inputs must be CUDA tensors"  # every shape rule passed
+    assert reason(lse=torch.empty(4, sum(qlens))) == "inputs must be CUDA tensors"
+    assert "(nheads_q, total_q)" in reason(lse=torch.empty(1, 4, sum(qlens)))
+    assert "cu_seqlens_q must be contiguous int32" in reason(cu_seqlens_q=cu.long())
+    assert "cu_seqlens_q must be contiguous int32" in reason(cu_seqlens_q=cu[:1])
+    assert "num_splits=2" in reason(num_splits=2)
+    assert "shape mismatch" in reason(out=out[:-1])
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -194,3 +217,99 @@ def test_gpu_cache_over_2_31_elements():
     out, lse = _run(q, c, dk, True)
     ref, ref_lse, lp = refs(q, c, quantize_p=True, causal=True, **dk)
     check(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
+
+
+# ---- varlen (mixed) batches: sequences of 128+ queries here, the others on the Triton kernel
+
+
+def _varlen_inputs(seqlens, qlens, page_size, hq, hk, d):
+    c = _v_seq_major(make_cache(seqlens, page_size, hk, d, device="cuda"))
+    b = len(seqlens)
+    q = saturating_cast(torch.randn(sum(qlens), hq, d, device="cuda") * 2, E4M3)
+    dk = dict(q_descale=rand_descale(b, hk, "cuda"), k_descale=rand_descale(b, hk, "cuda"),
+              v_descale=rand_descale(b, hk, "cuda"))
+    return q, c, dk, dict(cu_seqlens_q=cu_from_lens(qlens, "cuda"), max_seqlen_q=max(qlens))
+
+
+def _run_varlen(q, c, dk, vk, causal, **kw):
+    calls = []
+    real = paged_tma.launch_paged_prefill_tma
+
+    def spy(*a, **k):
+        calls.append(k.get("min_len_q"))
+        return real(*a, **k)
+
+    paged_tma.launch_paged_prefill_tma = spy
+    try:
+        out, lse = run_paged(q, c, causal=causal, **vk, **dk, **kw)
+    finally:
+        paged_tma.launch_paged_prefill_tma = real
+    assert calls == [paged_tma.VARLEN_MIN_Q], "the TMA kernel did not run the long sequences"
+    return out, lse
+
+
+# decode rows, chunks below / at / past one 128-row block, one empty, one longer than its prefix
+_SEQLENS = [1500, 2300, 7, 900, 4000, 513, 128, 127, 0, 260]
+_QLENS = [1, 300, 1, 129, 1000, 1, 128, 127, 0, 260]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+def test_gpu_varlen_against_reference(d, causal, page_size):
+    q, c, dk, vk = _varlen_inputs(_SEQLENS, _QLENS, page_size, 8, 2, d)
+    out, lse = _run_varlen(q, c, dk, vk, causal)
+    ref, ref_lse, lp = refs(q, c, quantize_p=True, causal=causal, **vk, **dk)
+    check(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
+    tri, tri_lse = run_paged(q, c, causal=causal, **vk, **dk, config={"tma": False})
+    check(tri, tri_lse, ref, ref_lse, lp, lse_tol=2e-3)
+    out2, lse2 = _run_varlen(q, c, dk, vk, causal)
+    assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_varlen_rows_equal_fixed_length_launch(causal):
+    """A sequence's rows in a varlen batch are the bits of the fixed-length TMA launch of it alone (the
+    same query blocks and KV tiles), beside decode rows."""
+    d, hq, hk = 128, 8, 2
+    qlens, seqlens = [1, 256, 1, 384, 128], [900, 1000, 5, 2000, 128]
+    q, c, dk, vk = _varlen_inputs(seqlens, qlens, 128, hq, hk, d)
+    out, lse = _run_varlen(q, c, dk, vk, causal)
+    cu = vk["cu_seqlens_q"].tolist()
+    for b in (1, 3, 4):
+        s, e = cu[b], cu[b + 1]
+        cb = dict(c, page_table=c["page_table"][b:b + 1].contiguous(), cache_seqlens=c["cache_seqlens"][b:b + 1])
+        ob, lb = _run(q[None, s:e].contiguous(), cb, {k: v[b:b + 1] for k, v in dk.items()}, causal)
+        assert torch.equal(ob[0].view(torch.int16), out[s:e].view(torch.int16)), b
+        assert torch.equal(lb[0], lse[:, s:e]), b
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_fused_fp8_output():
+    q, c, dk, vk = _varlen_inputs(_SEQLENS, _QLENS, 128, 8, 2, 128)
+    ob, _ = _run_varlen(q, c, dk, vk, True)
+    o8, _ = _run_varlen(q, c, dk, vk, True, out_scale=torch.tensor(0.01, device="cuda"))
+    r8 = saturating_cast(ob.float() / 0.01).float()
+    assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2 ** -9).all()  # one e4m3 ulp
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_cuda_graph_capture_short_replay_long():
+    from fp8attn.kernels.paged import launch_paged_fwd
+    hq, hk, d = 8, 2, 128
+    qlens = [1, 256, 1, 300]
+    seqlens = [3000, 1300, 700, 4000]
+    q, c, dk, vk = _varlen_inputs(seqlens, qlens, 128, hq, hk, d)
+    out = torch.empty(q.shape, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(hq, q.shape[0], device="cuda")
+    seq_buf = torch.tensor([300, 256, 1, 400], dtype=torch.int32, device="cuda")
+
+    def launch():
+        launch_paged_fwd(q, c["k_cache"], c["v_cache"], c["page_table"], seq_buf, out, lse, softmax_scale=d ** -0.5,
+                         causal=True, **vk, **dk)
+
+    replay_at_lengths(launch, seq_buf, c["cache_seqlens"])
+    eo, el = _run_varlen(q, c, dk, vk, True)
+    assert torch.equal(out.view(torch.int16), eo.view(torch.int16)) and torch.equal(lse, el)

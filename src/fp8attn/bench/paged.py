@@ -11,7 +11,10 @@
   paged kernel with bf16 Q (``paged_bf16q``), the same cache with V sequence-major inside each page
   (``paged_v_seq_major``, page >= 64), torch SDPA cuDNN/flash bf16.
 * mixed: 32 decode rows (context 4096) + one 2048-token chunk over an 8192 prefix in ONE varlen
-  launch vs the two launched separately (peer ``separate``).
+  call vs the two launched separately (peer ``separate``): FA3's V layout at page 16/64 (one Triton
+  launch), and sequence-major V at page 64/128 with FP8 Q, where the call runs the chunk on the TMA
+  kernel and the decode rows on the Triton kernel (peer ``one_launch_triton``: everything in one Triton
+  launch, the call's path before the TMA kernel took varlen chunks).
 
 Inputs larger than L2 are used as is; small working sets rotate over several page tables / cache
 copies (>= 256 MiB in all) so that timings measure HBM, not L2.
@@ -311,71 +314,81 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
 def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=2048, prefix=8192, configs=None):
     """32 decodes + one 2k chunk in one varlen launch vs the two launched separately."""
     from ..kernels.paged import launch_paged_fwd
+    from ..paged import to_v_seq_major
 
     doc = results_header("mixed")
     scale = D ** -0.5
-    for page_size in ([16, 64] if not quick else [64]):
-        for q_dtype in (E4M3, torch.bfloat16):
-            b = n_decode + 1
-            L_chunk = prefix + chunk
-            pages_d = math.ceil(decode_ctx / page_size)
-            pages_c = math.ceil(L_chunk / page_size)
-            kc, vc, pts = _paged_pool(1, n_decode * pages_d * page_size + pages_c * page_size, page_size, 1)
-            flat = pts[0].view(-1)
-            pt = torch.full((b, pages_c), -1, dtype=torch.int32, device="cuda")
-            pt[:n_decode, :pages_d] = flat[:n_decode * pages_d].view(n_decode, pages_d)
-            pt[n_decode, :] = flat[n_decode * pages_d:n_decode * pages_d + pages_c]
-            seqlens = torch.tensor([decode_ctx] * n_decode + [L_chunk], dtype=torch.int32, device="cuda")
-            qlens = [1] * n_decode + [chunk]
-            cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
-            qf = torch.randn(sum(qlens), HQ, D, device="cuda")
-            q = qf.to(q_dtype)
-            dd = torch.rand(b, HK, device="cuda") + 0.5
-            dsc = dict(k_descale=dd, v_descale=dd)
-            if q_dtype == E4M3:
-                dsc["q_descale"] = dd
-            out = torch.empty(sum(qlens), HQ, D, device="cuda", dtype=torch.bfloat16)
-            lse = torch.empty(HQ, sum(qlens), device="cuda")
+    layouts = [(16, E4M3, False), (16, torch.bfloat16, False), (64, E4M3, False), (64, torch.bfloat16, False),
+               (64, E4M3, True), (128, E4M3, True)]
+    if quick:
+        layouts = [(64, E4M3, False), (64, E4M3, True)]
+    for page_size, q_dtype, seq_major in layouts:
+        b = n_decode + 1
+        L_chunk = prefix + chunk
+        pages_d = math.ceil(decode_ctx / page_size)
+        pages_c = math.ceil(L_chunk / page_size)
+        kc, vc, pts = _paged_pool(1, n_decode * pages_d * page_size + pages_c * page_size, page_size, 1)
+        flat = pts[0].view(-1)
+        pt = torch.full((b, pages_c), -1, dtype=torch.int32, device="cuda")
+        pt[:n_decode, :pages_d] = flat[:n_decode * pages_d].view(n_decode, pages_d)
+        pt[n_decode, :] = flat[n_decode * pages_d:n_decode * pages_d + pages_c]
+        if seq_major:
+            vc = to_v_seq_major(vc)
+        seqlens = torch.tensor([decode_ctx] * n_decode + [L_chunk], dtype=torch.int32, device="cuda")
+        qlens = [1] * n_decode + [chunk]
+        cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+        qf = torch.randn(sum(qlens), HQ, D, device="cuda")
+        q = qf.to(q_dtype)
+        dd = torch.rand(b, HK, device="cuda") + 0.5
+        dsc = dict(k_descale=dd, v_descale=dd)
+        if q_dtype == E4M3:
+            dsc["q_descale"] = dd
+        out = torch.empty(sum(qlens), HQ, D, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(HQ, sum(qlens), device="cuda")
 
-            def mixed(cfg=None):
-                launch_paged_fwd(q, kc, vc, pt, seqlens, out, lse, cu_seqlens_q=cu, max_seqlen_q=chunk,
-                                 softmax_scale=scale, causal=True, config=cfg, **dsc)
-            qd_ = q[:n_decode].view(n_decode, 1, HQ, D)
-            qc_ = q[n_decode:].view(1, chunk, HQ, D)
-            od = torch.empty(n_decode, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
-            oc = torch.empty(1, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
-            dsc_d = {k: v[:n_decode] for k, v in dsc.items()}
-            dsc_c = {k: v[n_decode:] for k, v in dsc.items()}
+        def mixed(cfg=None):
+            launch_paged_fwd(q, kc, vc, pt, seqlens, out, lse, cu_seqlens_q=cu, max_seqlen_q=chunk,
+                             softmax_scale=scale, causal=True, config=cfg, **dsc)
+        qd_ = q[:n_decode].view(n_decode, 1, HQ, D)
+        qc_ = q[n_decode:].view(1, chunk, HQ, D)
+        od = torch.empty(n_decode, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+        oc = torch.empty(1, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
+        dsc_d = {k: v[:n_decode] for k, v in dsc.items()}
+        dsc_c = {k: v[n_decode:] for k, v in dsc.items()}
 
-            def separate():
-                launch_paged_fwd(qd_, kc, vc, pt[:n_decode], seqlens[:n_decode], od, None, max_seqlen_q=1,
-                                 softmax_scale=scale, causal=True, **dsc_d)
-                launch_paged_fwd(qc_, kc, vc, pt[n_decode:], seqlens[n_decode:], oc, None, max_seqlen_q=chunk,
-                                 softmax_scale=scale, causal=True, **dsc_c)
-            mixed()
-            separate()
-            torch.cuda.synchronize()
-            diff = max((out[:n_decode].float() - od.view(n_decode, HQ, D).float()).abs().max().item(),
-                       (out[n_decode:].float() - oc.view(chunk, HQ, D).float()).abs().max().item())
-            ms = time_ms(mixed)
-            ms_s = time_ms(separate)
-            pairs = n_decode * decode_ctx + chunk * prefix + chunk * (chunk + 1) / 2
-            flops = attn_flops(1, HQ, 1, 1, D, visible_pairs=pairs)
-            kv_bytes = 2 * HK * D * (n_decode * decode_ctx + L_chunk)
-            case = {"case": f"d128 {n_decode}x decode L{decode_ctx} + chunk{chunk} prefix{prefix} page{page_size} "
-                            f"q={'e4m3' if q_dtype == E4M3 else 'bf16'}",
-                    "params": {"batch": b, "seqlen_q": chunk, "seqlen_k": L_chunk, "nheads_q": HQ, "nheads_k": HK,
-                               "headdim": D, "page_size": page_size, "causal": True, "n_decode": n_decode,
-                               "decode_ctx": decode_ctx, "q_dtype": "e4m3" if q_dtype == E4M3 else "bf16",
-                               "kv_dtype": "e4m3"},
-                    "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": kv_bytes / ms / 1e6, "err": None,
-                             "max_abs_diff_vs_separate": diff},
-                    "peers": {"separate": {"ms": ms_s, "tflops": flops / ms_s / 1e9, "gbps": kv_bytes / ms_s / 1e6}}}
-            if configs:
-                case["config_sweep_ms"] = _sweep(mixed, configs)
-            doc["cases"].append(case)
-            print(f"mixed {case['case']:60s} one launch {ms:.3f} ms | separate {ms_s:.3f} ms | diff {diff:.2e}",
-                  flush=True)
-            del kc, vc
-            torch.cuda.empty_cache()
+        def separate():
+            launch_paged_fwd(qd_, kc, vc, pt[:n_decode], seqlens[:n_decode], od, None, max_seqlen_q=1,
+                             softmax_scale=scale, causal=True, **dsc_d)
+            launch_paged_fwd(qc_, kc, vc, pt[n_decode:], seqlens[n_decode:], oc, None, max_seqlen_q=chunk,
+                             softmax_scale=scale, causal=True, **dsc_c)
+        mixed()
+        separate()
+        torch.cuda.synchronize()
+        diff = max((out[:n_decode].float() - od.view(n_decode, HQ, D).float()).abs().max().item(),
+                   (out[n_decode:].float() - oc.view(chunk, HQ, D).float()).abs().max().item())
+        ms = time_ms(mixed)
+        ms_s = time_ms(separate)
+        pairs = n_decode * decode_ctx + chunk * prefix + chunk * (chunk + 1) / 2
+        flops = attn_flops(1, HQ, 1, 1, D, visible_pairs=pairs)
+        kv_bytes = 2 * HK * D * (n_decode * decode_ctx + L_chunk)
+        peers = {"separate": {"ms": ms_s, "tflops": flops / ms_s / 1e9, "gbps": kv_bytes / ms_s / 1e6}}
+        if seq_major:
+            ms_t = time_ms(lambda: mixed({"tma": False}))
+            peers["one_launch_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9, "gbps": kv_bytes / ms_t / 1e6}
+        case = {"case": f"d128 {n_decode}x decode L{decode_ctx} + chunk{chunk} prefix{prefix} page{page_size} "
+                        f"q={'e4m3' if q_dtype == E4M3 else 'bf16'}" + (" v_seq_major" if seq_major else ""),
+                "params": {"batch": b, "seqlen_q": chunk, "seqlen_k": L_chunk, "nheads_q": HQ, "nheads_k": HK,
+                           "headdim": D, "page_size": page_size, "causal": True, "n_decode": n_decode,
+                           "decode_ctx": decode_ctx, "q_dtype": "e4m3" if q_dtype == E4M3 else "bf16",
+                           "kv_dtype": "e4m3", "v_layout": "seq_major" if seq_major else "fa3"},
+                "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": kv_bytes / ms / 1e6, "err": None,
+                         "max_abs_diff_vs_separate": diff},
+                "peers": peers}
+        if configs:
+            case["config_sweep_ms"] = _sweep(mixed, configs)
+        doc["cases"].append(case)
+        print(f"mixed {case['case']:72s} one call {ms:.3f} ms | separate {ms_s:.3f} ms | diff {diff:.2e} | "
+              + " ".join(f"{k}={v['ms']:.3f}" for k, v in peers.items() if k != "separate"), flush=True)
+        del kc, vc
+        torch.cuda.empty_cache()
     return write_results(doc, out_dir)

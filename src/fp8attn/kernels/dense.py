@@ -385,87 +385,72 @@ def transpose_v_kmajor(v: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _last_le(Cu, batch, x, steps, BM: tl.constexpr):
-    """Per element of ``x``: the last b in [0, batch) with ``Cu[b] // BM + b * (BM > 1) <= x`` (binary
-    search, ``steps`` >= log2(batch) halvings)."""
+def _last_le(Cu, batch, x, steps):
+    """Per element of ``x``: the last b in [0, batch) with ``Cu[b] <= x`` (binary search, ``steps`` >=
+    log2(batch) halvings)."""
     lo = tl.zeros_like(x)
     hi = tl.zeros_like(x) + batch - 1
     for _ in range(steps):
         mid = (lo + hi + 1) // 2
-        if BM > 1:
-            ok = tl.load(Cu + mid) // BM + mid <= x
-        else:
-            ok = tl.load(Cu + mid) <= x
+        ok = tl.load(Cu + mid) <= x
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
     return lo
 
 
 @triton.jit
-def _varlen_v_layout_kernel(X, Y, CuK, CuQ, SeqOfBlock, total_k, batch, n_blocks, steps, head_dim,
-                            stride_xs, stride_xh, stride_yh, stride_yd, BM: tl.constexpr, BLOCK_S: tl.constexpr,
-                            BLOCK_D: tl.constexpr):
-    """``varlen_v_kmajor`` in one pass: V tile (BLOCK_S tokens, head h) -> Y[h, :, column of each token];
-    the programs of head 0 also write ``SeqOfBlock`` for BLOCK_S query blocks."""
+def _varlen_v_layout_kernel(X, Y, CuK, total_k, batch, steps, head_dim, stride_xs, stride_xh, stride_yh, stride_yd,
+                            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``varlen_v_kmajor`` in one pass: V tile (BLOCK_S tokens, head h) -> Y[h, :, column of each token]."""
     pid_s = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    seq = _last_le(CuK, batch, offs_s, steps, 1)
+    seq = _last_le(CuK, batch, offs_s, steps)
     start = tl.load(CuK + seq)
     dest = (16 * (start // 16 + seq) + offs_s - start).to(tl.int64)
     m = (offs_s[:, None] < total_k) & (offs_d[None, :] < head_dim)
     x = tl.load(X + offs_s.to(tl.int64)[:, None] * stride_xs + h * stride_xh + offs_d[None, :], mask=m)
     tl.store(Y + h * stride_yh + offs_d[None, :] * stride_yd + dest[:, None], x, mask=m)
-    if h == 0:
-        tl.store(SeqOfBlock + offs_s, _last_le(CuQ, batch, offs_s, steps, BM), mask=offs_s < n_blocks)
 
 
-def varlen_v_kmajor(v: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None,
-                    total_q: int = 0, block_m: int = 128):
-    """Varlen V laid out for the TMA kernel, and its map of query blocks to sequences.
+def varlen_v_kmajor(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """Varlen V laid out for the TMA kernel.
 
     V becomes (nheads_k, d, columns) with sequence b's keys contiguous from column
     ``16 * (cu_seqlens_k[b] // 16 + b)`` (a TMA box must start on 16 bytes; the start grows by more
     than each sequence's length); columns between sequences are not written (the kernel never uses
-    them). With ``cu_seqlens_q``, also the sequence of each of the ``total_q // block_m + batch`` query
-    blocks (sequence b's blocks start at ``cu_seqlens_q[b] // block_m + b``; ``total_q`` = the number of
-    queries). One Triton pass (``_varlen_v_layout_kernel``; on CUDA, or on the CPU under the
-    interpreter), no host synchronization; torch otherwise (``_varlen_v_kmajor_torch``).
+    them). One Triton pass (``_varlen_v_layout_kernel``; on CUDA, or on the CPU under the interpreter),
+    no host synchronization; torch otherwise (``_varlen_v_kmajor_torch``).
 
     Parameters
     ----------
     v : torch.Tensor
         (total_k, nheads_k, d), any dtype, last dim contiguous.
-    cu_seqlens_k, cu_seqlens_q : torch.Tensor
+    cu_seqlens_k : torch.Tensor
         int32 (batch + 1,).
 
     Returns
     -------
-    tuple
-        ``(v_laid_out, seq_of_block)``: (nheads_k, d, 16 * (total_k // 16 + batch + 1)), contiguous, ``v``'s
-        dtype; int32 (total_q // block_m + batch,) or None.
+    torch.Tensor
+        (nheads_k, d, 16 * (total_k // 16 + batch + 1)), contiguous, ``v``'s dtype.
     """
     total_k, hk, d = v.shape
     batch = cu_seqlens_k.numel() - 1
     cols = 16 * (total_k // 16 + batch + 1)
-    n_blocks = total_q // block_m + batch if cu_seqlens_q is not None else 0
     if (v.is_cuda or INTERPRET) and v.stride(-1) == 1:
         one_byte = v.element_size() == 1
         y = torch.empty(hk, d, cols, device=v.device, dtype=torch.uint8 if one_byte else v.dtype)
-        cq = cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_k
-        sob = torch.empty(max(n_blocks, 1), device=v.device, dtype=torch.int32)
         bs = 64
-        grid = (max(triton.cdiv(total_k, bs), triton.cdiv(n_blocks, bs), 1), hk)
-        _varlen_v_layout_kernel[grid](
-            v.view(torch.uint8) if one_byte else v, y, cu_seqlens_k, cq, sob, total_k, batch, n_blocks,
-            max(1, batch.bit_length()), d, v.stride(0), v.stride(1), y.stride(0), y.stride(1), BM=block_m,
-            BLOCK_S=bs, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4)
-        return y.view(v.dtype), (sob if cu_seqlens_q is not None else None)
-    return _varlen_v_kmajor_torch(v, cu_seqlens_k, cu_seqlens_q, n_blocks, block_m)
+        _varlen_v_layout_kernel[(max(triton.cdiv(total_k, bs), 1), hk)](
+            v.view(torch.uint8) if one_byte else v, y, cu_seqlens_k, total_k, batch, max(1, batch.bit_length()), d,
+            v.stride(0), v.stride(1), y.stride(0), y.stride(1), BLOCK_S=bs,
+            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4)
+        return y.view(v.dtype)
+    return _varlen_v_kmajor_torch(v, cu_seqlens_k)
 
 
-def _varlen_v_kmajor_torch(v, cu_seqlens_k, cu_seqlens_q, n_blocks, block_m):
+def _varlen_v_kmajor_torch(v, cu_seqlens_k):
     """``varlen_v_kmajor`` in torch operations (zeros between sequences)."""
     total_k, hk, d = v.shape
     batch = cu_seqlens_k.numel() - 1
@@ -477,12 +462,7 @@ def _varlen_v_kmajor_torch(v, cu_seqlens_k, cu_seqlens_q, n_blocks, block_m):
     y = torch.zeros(hk, d, cols, device=v.device, dtype=torch.uint8 if v.element_size() == 1 else v.dtype)
     src = v.view(torch.uint8) if v.element_size() == 1 else v
     y.index_copy_(2, dest.long(), src.permute(1, 2, 0))
-    sob = None
-    if cu_seqlens_q is not None:
-        starts = cu_seqlens_q[:-1] // block_m + torch.arange(batch, device=v.device, dtype=torch.int32)
-        blocks = torch.arange(n_blocks, device=v.device, dtype=torch.int32)
-        sob = (torch.searchsorted(starts, blocks, right=True) - 1).to(torch.int32)
-    return y.view(v.dtype), sob
+    return y.view(v.dtype)
 
 
 def _bucket(n: int) -> int:

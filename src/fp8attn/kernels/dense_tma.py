@@ -52,9 +52,10 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 try:
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -84,12 +85,31 @@ _PTR_ARGS = ("Lse", "QDs", "KDs", "VDs", "OutScale")
 _INT_ARGS = ("stride_lb", "stride_lh", "stride_lm", "stride_qds_b", "stride_qds_h", "stride_kds_b",
              "stride_kds_h", "stride_vds_b", "stride_vds_h", "seqlen_q", "seqlen_k", "nheads_q", "nheads_k",
              "batch")
-_BOUNDED_PTR_ARGS = _PTR_ARGS + ("PageTable", "SeqlensK", "CuQ", "CuK", "SeqOfBlock", "Out")
+_BOUNDED_PTR_ARGS = _PTR_ARGS + ("PageTable", "SeqlensK", "CuQ", "CuK", "BlockList", "Out")
 _BOUNDED_INT_ARGS = tuple(a for a in _INT_ARGS if a != "seqlen_k") + ("stride_pt", "page_size", "stride_om",
                                                                       "stride_oh")
 # Where the warp-specialized kernel's sequences come from (its MODE): fixed lengths (dense); a paged cache
-# (key counts per sequence, fixed query count); varlen queries and keys (cu_seqlens_q / cu_seqlens_k).
-MODE_DENSE, MODE_PAGED, MODE_VARLEN = 0, 1, 2
+# (key counts per sequence, fixed query count); varlen queries and keys (cu_seqlens_q / cu_seqlens_k);
+# varlen queries over a paged cache. Bit 0: keys from pages; bit 1: varlen queries (a block list).
+MODE_DENSE, MODE_PAGED, MODE_VARLEN, MODE_PAGED_VARLEN = 0, 1, 2, 3
+
+
+@triton.jit
+def _block_list_kernel(CuQ, Blocks, batch, capacity, min_len_q, BM: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``varlen_block_list`` in one program: per chunk of BLOCK_B sequences, each one's first list slot
+    (a running prefix sum of block counts), then its blocks' (sequence, query block) entries."""
+    total = 0
+    for b0 in range(0, batch, BLOCK_B):
+        bs = b0 + tl.arange(0, BLOCK_B)
+        live = bs < batch
+        len_q = tl.load(CuQ + bs + 1, mask=live, other=0) - tl.load(CuQ + bs, mask=live, other=0)
+        nb = tl.where(live & (len_q >= min_len_q), (len_q + BM - 1) // BM, 0)
+        first = total + tl.cumsum(nb, 0) - nb
+        for j in range(0, tl.max(nb, 0)):
+            tl.store(Blocks + 1 + first + j, bs, mask=j < nb)
+            tl.store(Blocks + 1 + capacity + first + j, bs * 0 + j, mask=j < nb)
+        total += tl.sum(nb, 0)
+    tl.store(Blocks, total)
 
 if HAS_GLUON:
     # Globals read inside Gluon code must be constexpr.
@@ -625,14 +645,14 @@ if HAS_GLUON:
     def _ws_block_begin(t, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
                         stride_kds_h, stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch,
                         softmax_scale_log2, MH: gl.constexpr, TN: gl.constexpr, CAUSAL: gl.constexpr, SeqlensK, CuQ,
-                        CuK, SeqOfBlock, MODE: gl.constexpr):
+                        CuK, BlockList, MODE: gl.constexpr):
         """A consumer's view of block t: ``(b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, seqlen_k,
         q_row, len_q)``, ``mw`` its first query row, ``qb`` the Q buffer (the block's parity in this CTA's
         order ``it``), the rest as ``_ws_block``. Per-sequence bounds (MODE != dense), non-causal: ``shift =
         seqlen_k``, which leaves only the key limit in the masked tiles' bound ``n <= min(m + shift,
         seqlen_k - 1)``."""
         b, h, hk, m0, shift, n_tiles, seqlen_k, q_row, k_row, len_q = _ws_block(
-            t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK, CuQ, CuK, SeqOfBlock, MODE)
+            t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK, CuQ, CuK, BlockList, MODE)
         if MODE != 0:
             if not CAUSAL:
                 shift = seqlen_k
@@ -673,7 +693,7 @@ if HAS_GLUON:
                      stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                      seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL: gl.constexpr,
                      WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, SeqlensK, CuQ, CuK, SeqOfBlock, Out, stride_om, stride_oh, v_clean,
+                     HEAD_DIM: gl.constexpr, SeqlensK, CuQ, CuK, BlockList, Out, stride_om, stride_oh, v_clean,
                      MODE: gl.constexpr):
         """Consumer WG (4 warps): rows 64 WG .. 64 WG + 63 of each of this CTA's query blocks, walked in the
         producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or ``_ws_attend_d256``.
@@ -694,20 +714,15 @@ if HAS_GLUON:
         k0 = 0  # this consumer's turns before the current query block
         it = 0  # query blocks done by this CTA (Q double buffer)
         nc = 0  # per-sequence bounds: blocks whose last V tile was cleaned (``v_clean``'s phase)
-        n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, MODE)
+        n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, BlockList, MODE)
         for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
             t = _ws_round_robin(r)
             if t < n_blocks:
                 b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, sk, q_row, len_q = _ws_block_begin(
                     t, it, WG, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b,
                     stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, MH, TN, CAUSAL,
-                    SeqlensK, CuQ, CuK, SeqOfBlock, MODE)
-                run = True
-                if MODE == 2:
-                    run = n_tiles > 0  # varlen: the capacity's spare blocks
-                if not run:
-                    pass
-                elif HEAD_DIM == 256:
+                    SeqlensK, CuQ, CuK, BlockList, MODE)
+                if HEAD_DIM == 256:
                     _ws_attend_d256(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
                                     k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                                     o_desc, Lse, OutScale, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
@@ -720,10 +735,9 @@ if HAS_GLUON:
                                len_q, Out, stride_om, stride_oh, MODE)
                     if MODE != 0:
                         nc += (n_tiles * TN > sk).to(gl.int32)
-                if run:
-                    g0 += n_tiles
-                    k0 += n_tiles + 1
-                    it += 1
+                g0 += n_tiles
+                k0 += n_tiles + 1
+                it += 1
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -792,11 +806,15 @@ if HAS_GLUON:
         acc = acc + pv
 
         out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
-        if MODE == 2:  # varlen: the block may end past the sequence's queries; its rows stored with a mask
+        if MODE >= 2:  # varlen: rows past the sequence's queries (the next sequence's) are not stored
             if WRITE_LSE:
                 _store_lse(lse, Lse, b, h, q_row + mw, stride_lb, stride_lh, stride_lm, row_o, len_q - mw, True)
-            _store_rows_masked(out, o_smem.index(WG), Out, q_row + mw, len_q - mw, h.to(gl.int64) * stride_oh,
-                               stride_om, OutScale, OUT_FP8)
+            tma.store_wait(pendings=0)  # the previous block's output has left the buffer
+            if len_q - mw >= zero_o.shape[0]:  # all 64 rows are the sequence's: a TMA store, as dense
+                _store_rows(out, o_smem.index(WG), o_desc, q_row + mw, h * zero_o.shape[1], OutScale, OUT_FP8)
+            else:
+                _store_rows_masked(out, o_smem.index(WG), Out, q_row + mw, len_q - mw, h.to(gl.int64) * stride_oh,
+                                   stride_om, OutScale, OUT_FP8)
         else:
             if WRITE_LSE:
                 _store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
@@ -942,7 +960,7 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                    v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM: gl.constexpr,
-                   CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, CuQ, CuK, SeqOfBlock,
+                   CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, CuQ, CuK, BlockList,
                    stride_pt, page_size, MODE: gl.constexpr):
         """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
         through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
@@ -954,7 +972,7 @@ if HAS_GLUON:
         sequence-major as (num_blocks * nheads_k * D, page_size). Varlen K/V (MODE 2): K as (total_k,
         nheads_k * D) rows, V sequence-contiguous as (nheads_k * D, columns) with each sequence from a
         16-byte aligned column (``dense.varlen_v_kmajor``). Varlen Q (MODE 2): rows
-        of the (total_q, nheads_q * D) view; the capacity's spare blocks load nothing."""
+        of the (total_q, nheads_q * D) view."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
         TN: gl.constexpr = k_desc.block_type.shape[0]
         NQK: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[1]
@@ -963,55 +981,51 @@ if HAS_GLUON:
         DV: gl.constexpr = v_desc.block_type.shape[0]
         g = 0
         it = 0
-        n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, MODE)
+        n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, BlockList, MODE)
         for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
             t = _ws_round_robin(r)
             if t < n_blocks:
                 b, h, hk, m0, shift, n_tiles, sk, q_row, k_row0, len_q = _ws_block(
                     t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK, CuQ, CuK,
-                    SeqOfBlock, MODE)
-                run = True
-                if MODE == 2:
-                    run = n_tiles > 0
-                if run:
-                    qb = it % 2
-                    qph = ((it // 2) & 1) ^ 1  # the first two blocks' waits pass on fresh barriers
-                    for w in gl.static_range(2):
-                        mbarrier.wait(q_empty.index(2 * qb + w), qph)
-                        mbarrier.expect(q_ready.index(2 * qb + w), NQK * q_desc.block_type.nbytes)
-                        for hh in gl.static_range(NQK):
-                            tma.async_copy_global_to_shared(q_desc, [q_row + m0 + w * MH, h * HEAD_DIM + hh * DQK],
-                                                            q_ready.index(2 * qb + w),
-                                                            q_smem.index(NQK * (2 * qb + w) + hh))
-                    for tt in range(n_tiles):
-                        if MODE == 1:
-                            n = tt * TN
-                            pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size), 0)
-                            k_row = pg * page_size + n % page_size
-                            v_row = (pg * nheads_k + hk) * HEAD_DIM
-                            v_col = n % page_size
-                        elif MODE == 2:
-                            k_row = k_row0 + tt * TN
-                            v_row = hk * HEAD_DIM
-                            v_col = _varlen_v_start(k_row0, b) + tt * TN
-                        else:
-                            k_row = k_row0 + tt * TN
-                            v_row = (b * nheads_k + hk) * HEAD_DIM
-                            v_col = tt * TN
-                        st = g % NUM_STAGES
-                        eph = ((g // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
-                        mbarrier.wait(k_empty.index(st), eph)
-                        mbarrier.expect(k_ready.index(st), NQK * k_desc.block_type.nbytes)
-                        for hh in gl.static_range(NQK):
-                            tma.async_copy_global_to_shared(k_desc, [k_row, hk * HEAD_DIM + hh * DQK],
-                                                            k_ready.index(st), k_smem.index(NQK * st + hh))
-                        mbarrier.wait(v_empty.index(st), eph)
-                        mbarrier.expect(v_ready.index(st), NV * v_desc.block_type.nbytes)
-                        for qq in gl.static_range(NV):
-                            tma.async_copy_global_to_shared(v_desc, [v_row + qq * DV, v_col], v_ready.index(st),
-                                                            v_smem.index(NV * st + qq))
-                        g += 1
-                    it += 1
+                    BlockList, MODE)
+                qb = it % 2
+                qph = ((it // 2) & 1) ^ 1  # the first two blocks' waits pass on fresh barriers
+                for w in gl.static_range(2):
+                    mbarrier.wait(q_empty.index(2 * qb + w), qph)
+                    mbarrier.expect(q_ready.index(2 * qb + w), NQK * q_desc.block_type.nbytes)
+                    for hh in gl.static_range(NQK):
+                        tma.async_copy_global_to_shared(q_desc, [q_row + m0 + w * MH, h * HEAD_DIM + hh * DQK],
+                                                        q_ready.index(2 * qb + w),
+                                                        q_smem.index(NQK * (2 * qb + w) + hh))
+                for tt in range(n_tiles):
+                    if MODE % 2 == 1:
+                        n = tt * TN
+                        pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size), 0)
+                        k_row = pg * page_size + n % page_size
+                        v_row = (pg * nheads_k + hk) * HEAD_DIM
+                        v_col = n % page_size
+                    elif MODE == 2:
+                        k_row = k_row0 + tt * TN
+                        v_row = hk * HEAD_DIM
+                        v_col = _varlen_v_start(k_row0, b) + tt * TN
+                    else:
+                        k_row = k_row0 + tt * TN
+                        v_row = (b * nheads_k + hk) * HEAD_DIM
+                        v_col = tt * TN
+                    st = g % NUM_STAGES
+                    eph = ((g // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
+                    mbarrier.wait(k_empty.index(st), eph)
+                    mbarrier.expect(k_ready.index(st), NQK * k_desc.block_type.nbytes)
+                    for hh in gl.static_range(NQK):
+                        tma.async_copy_global_to_shared(k_desc, [k_row, hk * HEAD_DIM + hh * DQK],
+                                                        k_ready.index(st), k_smem.index(NQK * st + hh))
+                    mbarrier.wait(v_empty.index(st), eph)
+                    mbarrier.expect(v_ready.index(st), NV * v_desc.block_type.nbytes)
+                    for qq in gl.static_range(NV):
+                        tma.async_copy_global_to_shared(v_desc, [v_row + qq * DV, v_col], v_ready.index(st),
+                                                        v_smem.index(NV * st + qq))
+                    g += 1
+                it += 1
 
     @gluon.jit
     def _ws_round_robin(r):
@@ -1025,25 +1039,27 @@ if HAS_GLUON:
 
     @gluon.jit
     def _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, BM: gl.constexpr, BN: gl.constexpr,
-                  CAUSAL: gl.constexpr, SeqlensK, CuQ, CuK, SeqOfBlock, MODE: gl.constexpr):
+                  CAUSAL: gl.constexpr, SeqlensK, CuQ, CuK, BlockList, MODE: gl.constexpr):
         """Block t of the persistent schedule -> ``(b, h, hk, m0, shift, n_tiles, seqlen_k, q_row, k_row,
         len_q)``: ``_query_block``'s values, the sequence's key count, the rows of its first query and key
         in the Q and K views, and its query count; the producer and both consumers walk the blocks through
-        this one mapping. MODE (``MODE_*``): dense; paged (key counts from ``SeqlensK``); varlen, where
-        each head has ``seqlen_q // BM + batch`` blocks (``seqlen_q`` = total queries) shared by the
-        sequences as the Triton kernels share them (sequence b's blocks start at ``CuQ[b] // BM + b``; the
-        host maps blocks to sequences in ``SeqOfBlock``), keys from ``CuK``, and a block
-        past its sequence's queries gets ``n_tiles = 0``."""
-        if MODE == 2:
-            pid_m, h = _ws_block_of(t, seqlen_q // BM + batch, nheads_q, CAUSAL)
-            b = gl.load(SeqOfBlock + pid_m)
+        this one mapping. MODE (``MODE_*``): dense; paged (key counts from ``SeqlensK``); varlen (MODE >= 2):
+        the blocks of ``BlockList`` (``varlen_block_list``: a count, then each block's sequence and query
+        block), keys from ``CuK`` (varlen K/V) or ``SeqlensK`` (paged)."""
+        if MODE >= 2:
+            pid_m, h = _ws_block_of(t, gl.load(BlockList), nheads_q, CAUSAL)
+            b = gl.load(BlockList + 1 + pid_m)
+            qblk = gl.load(BlockList + 1 + seqlen_q // BM + batch + pid_m)
             q_row = gl.load(CuQ + b)
             len_q = gl.load(CuQ + b + 1) - q_row
-            k_row = gl.load(CuK + b)
-            seqlen_k = gl.load(CuK + b + 1) - k_row
-            _, _, hk, m0, shift, n_tiles = _query_block(pid_m - q_row // BM - b, b * nheads_q + h, len_q, seqlen_k,
-                                                        nheads_q, nheads_k, BM, BN, CAUSAL, True)
-            n_tiles = gl.where(m0 < len_q, n_tiles, 0)
+            if MODE == 3:
+                k_row = 0
+                seqlen_k = gl.load(SeqlensK + b)
+            else:
+                k_row = gl.load(CuK + b)
+                seqlen_k = gl.load(CuK + b + 1) - k_row
+            _, _, hk, m0, shift, n_tiles = _query_block(qblk, b * nheads_q + h, len_q, seqlen_k, nheads_q, nheads_k,
+                                                        BM, BN, CAUSAL, True)
         else:
             pid_m, pid_bh = _ws_block_of(t, seqlen_q // BM, batch * nheads_q, CAUSAL)
             if MODE == 1:
@@ -1063,10 +1079,10 @@ if HAS_GLUON:
         return 16 * (k_start // 16 + b)
 
     @gluon.jit
-    def _ws_num_blocks(seqlen_q, batch, nheads_q, BM: gl.constexpr, MODE: gl.constexpr):
-        """Query blocks of the persistent schedule (varlen: a capacity, see ``_ws_block``)."""
-        if MODE == 2:
-            return (seqlen_q // BM + batch) * nheads_q
+    def _ws_num_blocks(seqlen_q, batch, nheads_q, BM: gl.constexpr, BlockList, MODE: gl.constexpr):
+        """Query blocks of the persistent schedule (varlen: those of ``BlockList``, see ``_ws_block``)."""
+        if MODE >= 2:
+            return gl.load(BlockList) * nheads_q
         else:
             return (seqlen_q // BM) * batch * nheads_q
 
@@ -1174,7 +1190,7 @@ if HAS_GLUON:
 
     @gluon.jit(do_not_specialize=_BOUNDED_INT_ARGS, do_not_specialize_on_alignment=_BOUNDED_PTR_ARGS)
     def _bounded_fwd_tma_ws_kernel(
-        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale, PageTable, SeqlensK, CuQ, CuK, SeqOfBlock, Out,
+        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale, PageTable, SeqlensK, CuQ, CuK, BlockList, Out,
         stride_lb, stride_lh, stride_lm,
         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
         stride_pt, page_size, stride_om, stride_oh, seqlen_q, nheads_q, nheads_k, batch, softmax_scale_log2,
@@ -1199,17 +1215,17 @@ if HAS_GLUON:
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, CuQ, CuK, SeqOfBlock, Out, stride_om, stride_oh,
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, CuQ, CuK, BlockList, Out, stride_om, stride_oh,
                             v_clean, MODE)),
             (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, CuQ, CuK, SeqOfBlock, Out, stride_om, stride_oh,
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, CuQ, CuK, BlockList, Out, stride_om, stride_oh,
                             v_clean, MODE)),
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
-                          NUM_STAGES, PageTable, SeqlensK, CuQ, CuK, SeqOfBlock, stride_pt, page_size, MODE)),
+                          NUM_STAGES, PageTable, SeqlensK, CuQ, CuK, BlockList, stride_pt, page_size, MODE)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 # ---------------------------------------------------------------------------------------------
@@ -1526,22 +1542,23 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
 
 def _launch_varlen(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale, k_descale, v_descale, out_scale,
                    cu_seqlens_q, cu_seqlens_k):
-    """``launch_dense_fwd_tma`` for varlen inputs: the bounded kernel in ``MODE_VARLEN``, persistent over a
-    capacity of ``total_q // 128 + batch`` query blocks per head (spare blocks exit at once)."""
+    """``launch_dense_fwd_tma`` for varlen inputs: the bounded kernel in ``MODE_VARLEN``, persistent over the
+    query blocks of ``varlen_block_list`` (the grid from their capacity, ``total_q // 128 + batch`` per head)."""
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
     batch = cu_seqlens_q.numel() - 1
     rows, dh, dv, bn = tiles = _tiles(d, True)
     from .dense import varlen_v_kmajor  # (dense imports this module)
 
-    vt, seq_of_block = varlen_v_kmajor(v_kmajor, cu_seqlens_k, cu_seqlens_q, total_q, BLOCK_M)
+    vt = varlen_v_kmajor(v_kmajor, cu_seqlens_k)
+    blocks = varlen_block_list(cu_seqlens_q, total_q)
     descs = ((q, [total_q, hq * d], [hq * d, 1], [rows, dh]), (k, [total_k, hk * d], [hk * d, 1], [bn, dh]),
              (vt, [hk * d, vt.shape[-1]], [vt.shape[-1], 1], [dv, bn]),
              (out, [total_q, hq * d], [hq * d, 1], [rows, dv]))
     ls = (0, lse.stride(0), lse.stride(1)) if lse is not None else (0, 0, 0)
     out_fp8 = out_scale is not None
     args = (lse if lse is not None else q_descale, q_descale, k_descale, v_descale,
-            out_scale if out_fp8 else q_descale, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, seq_of_block,
+            out_scale if out_fp8 else q_descale, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, blocks,
             out, *ls,
             *q_descale.stride(), *k_descale.stride(), *v_descale.stride(), 0, 1, out.stride(0), out.stride(1),
             total_q, hq, hk, batch, float(softmax_scale) * _LOG2E)
@@ -1550,6 +1567,33 @@ def _launch_varlen(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale
     _launch(d, True, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES, d, MODE_VARLEN),
             bounded=True, tiles=tiles)
     return out, lse
+
+
+def varlen_block_list(cu_seqlens_q, total_q, min_len_q=1):
+    """The query blocks of a varlen launch of the bounded kernel (MODE >= 2), built on the device (one
+    Triton program, no host synchronization): sequence b's ``ceil(len_q / 128)`` blocks, in sequence
+    order, for the sequences with at least ``min_len_q`` queries (the others are left to another kernel).
+
+    Parameters
+    ----------
+    cu_seqlens_q : torch.Tensor
+        int32 (batch + 1,) query offsets.
+    total_q : int
+        The number of queries (sets the list's capacity, ``total_q // 128 + batch``).
+    min_len_q : int
+
+    Returns
+    -------
+    torch.Tensor
+        int32 (1 + 2 * capacity,): the block count, then each block's sequence (``capacity`` slots), then
+        its query block within the sequence (``capacity`` slots); slots past the count are not written.
+    """
+    batch = cu_seqlens_q.numel() - 1
+    capacity = total_q // BLOCK_M + batch
+    blocks = torch.empty(1 + 2 * capacity, device=cu_seqlens_q.device, dtype=torch.int32)
+    _block_list_kernel[(1,)](cu_seqlens_q, blocks, batch, capacity, int(min_len_q), BM=BLOCK_M, BLOCK_B=256,
+                             num_warps=4)
+    return blocks
 
 
 class _HostDesc:
@@ -1647,7 +1691,7 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
         "q_desc": desc([rows, dh], ql), "k_desc": desc([bn, dh], kl),
         "v_desc": desc([dv, bn], vl),
         "o_desc": desc([rows, dv], ol, "fp8e4nv" if out_fp8 else "bf16"),
-        **{n: "*i32" if n in ("PageTable", "SeqlensK", "CuQ", "CuK", "SeqOfBlock") else
+        **{n: "*i32" if n in ("PageTable", "SeqlensK", "CuQ", "CuK", "BlockList") else
            ("*fp8e4nv" if out_fp8 else "*bf16") if n == "Out" else "*fp32" for n in ptrs},
         **{n: "i32" for n in ints},
         "softmax_scale_log2": "fp32",

@@ -311,7 +311,7 @@ def _paged_fwd_kernel(
     s_lb, s_lt, s_lh, s_lsp,
     s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh,
     s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
-    qk_scale, softcap, window_left, window_right, num_splits,
+    qk_scale, softcap, window_left, window_right, num_splits, len_q_lo, len_q_hi,
     QG: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -321,8 +321,8 @@ def _paged_fwd_kernel(
     P_FP8: tl.constexpr, V_SEQ_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     VARLEN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_INNER: tl.constexpr,
-    TWO_CLASS: tl.constexpr, BLOCK_M_S: tl.constexpr, BLOCK_N_S: tl.constexpr, UNMASKED_TILES: tl.constexpr,
-    DECODE_FIRST: tl.constexpr,
+    TWO_CLASS: tl.constexpr, BIG_CLASS: tl.constexpr, BLOCK_M_S: tl.constexpr, BLOCK_N_S: tl.constexpr,
+    UNMASKED_TILES: tl.constexpr, DECODE_FIRST: tl.constexpr,
 ):
     if HEADS_INNER:
         # The kv heads of one query block are neighbouring programs: they run together and read the
@@ -338,7 +338,9 @@ def _paged_fwd_kernel(
     if VARLEN:
         # TWO_CLASS (mixed batches): the last ``batch`` programs serve, one each, the sequences with at
         # most BLOCK_M_S // QG queries (decode rows) with small (BLOCK_M_S, BLOCK_N_S) tiles; the others
-        # serve the longer sequences with the large tiles. A sequence is skipped by the other class.
+        # serve the longer sequences with the large tiles. A sequence is skipped by the other class. The
+        # large tiles take only sequences of ``len_q_lo`` .. ``len_q_hi`` queries (the others are served
+        # by other launches: paged_tma, or a small-class-only launch, ``BIG_CLASS`` False, grid ``batch``).
         n_big = num_pid - batch if TWO_CLASS else num_pid
         small_q = BLOCK_M_S // QG if TWO_CLASS else 0
         # DECODE_FIRST: the small class takes the first ``batch`` program ids instead of the last, so
@@ -346,22 +348,23 @@ def _paged_fwd_kernel(
         # them (H200, 32 decodes + a 2k chunk, bf16 Q page 64: 1.131 -> 1.056 ms; e4m3 Q 1.344 -> 1.319)
         big_off = batch if (TWO_CLASS and DECODE_FIRST) else 0
         small_off = 0 if DECODE_FIRST else n_big
-        if raw - big_off >= 0 and raw - big_off < n_big:
-            pid = n_big - 1 - (raw - big_off)  # reversed: the last (typically longest) sequences start first
-            seq = _find_seq(CU_Q, pid, batch, BLOCK_Q)
-            q_start = tl.load(CU_Q + seq)
-            qlen = tl.load(CU_Q + seq + 1) - q_start
-            qblk = pid - (q_start // BLOCK_Q + seq)
-            if qlen > small_q:
-                _query_block(seq, q_start, qlen, qblk, kvh, split,
-                             Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
-                             s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb,
-                             s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp,
-                             s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
-                             qk_scale, softcap, window_left, window_right, num_splits,
-                             QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-                             HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE,
-                             P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE, UNMASKED_TILES)
+        if BIG_CLASS:  # (a constexpr test: a small-class-only launch compiles no large-tile code)
+            if raw - big_off >= 0 and raw - big_off < n_big:
+                pid = n_big - 1 - (raw - big_off)  # reversed: the last (typically longest) sequences start first
+                seq = _find_seq(CU_Q, pid, batch, BLOCK_Q)
+                q_start = tl.load(CU_Q + seq)
+                qlen = tl.load(CU_Q + seq + 1) - q_start
+                qblk = pid - (q_start // BLOCK_Q + seq)
+                if (qlen > small_q) & (qlen >= len_q_lo) & (qlen <= len_q_hi):
+                    _query_block(seq, q_start, qlen, qblk, kvh, split,
+                                 Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
+                                 s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb,
+                                 s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp,
+                                 s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
+                                 qk_scale, softcap, window_left, window_right, num_splits,
+                                 QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
+                                 HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8,
+                                 OUT_DTYPE, P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE, UNMASKED_TILES)
         if TWO_CLASS:  # compiled only with two classes: each _query_block instance holds its own rings
             if raw - small_off >= 0 and raw - small_off < batch:
                 seq = raw - small_off
@@ -556,30 +559,35 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
         them with ``launch_combine``.
     config : optional override {block_m, block_n, num_warps, num_stages, maxnreg, compute_dtype, pv_fp16,
-        heads_inner, two_class, decode_first, unmasked_tiles, tma}
+        heads_inner, two_class, decode_first, unmasked_tiles, tma, split_at}
         (benchmarks). ``pv_fp16`` (FP8 Q and cache only): FP8 QK^T, then P@V in fp16 with V upcast in
         registers and P rounded to fp16 instead of e4m3 (no in-kernel transpose of V). ``tma=False``
-        keeps FP8 prefill chunks that ``paged_tma`` accepts on this kernel.
+        keeps FP8 prefill chunks that ``paged_tma`` accepts on this kernel; ``split_at`` (varlen, tests) runs
+        this kernel's part of a split with the TMA kernel without it: sequences of ``split_at`` queries
+        or more are left as they are.
 
     Notes
     -----
     FP8 prefill chunks over a sequence-major V cache with pages of 64 (or a multiple) run on the
     warp-specialized TMA kernel of ``paged_tma`` when it accepts the inputs (``paged_tma.unsupported_reason``).
+    Varlen (mixed) batches then take two launches: this kernel for the sequences below
+    ``paged_tma.VARLEN_MIN_Q`` queries (decode rows, short chunks), the TMA kernel for the others
+    (unsplit launches only; an explicit ``num_splits`` > 1 keeps the whole batch here).
     """
     cfg = config or {}  # benchmark overrides
-    if not INTERPRET and cfg.get("tma", True) and q.is_cuda:  # prefill chunks the TMA kernel takes
-        why = paged_tma.unsupported_reason(
+    varlen = cu_seqlens_q is not None
+    tma_ok = False  # FP8 prefill chunks the TMA kernel takes (varlen: those of VARLEN_MIN_Q queries or more)
+    if not INTERPRET and cfg.get("tma", True) and q.is_cuda:
+        tma_ok = paged_tma.unsupported_reason(
             q, k_cache, v_cache, page_table, cache_seqlens, out, lse, cu_seqlens_q=cu_seqlens_q, causal=causal,
             window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
             v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
-            out_scale=out_scale, num_splits=num_splits)
-        if why is None:
-            paged_tma.launch_paged_prefill_tma(
-                q, k_cache, v_cache, page_table, cache_seqlens, out, lse, softmax_scale=softmax_scale,
-                causal=window_flags(causal, window_size)[0], q_descale=q_descale, k_descale=k_descale,
-                v_descale=v_descale, out_scale=out_scale)
-            return
-    varlen = cu_seqlens_q is not None
+            out_scale=out_scale, num_splits=num_splits) is None
+    tma_args = dict(softmax_scale=softmax_scale, causal=window_flags(causal, window_size)[0], q_descale=q_descale,
+                    k_descale=k_descale, v_descale=v_descale, out_scale=out_scale)
+    if tma_ok and not varlen:
+        paged_tma.launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, **tma_args)
+        return
     if varlen:
         total_q, hq, d = q.shape
         batch = cu_seqlens_q.shape[0] - 1
@@ -608,7 +616,8 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_q = max(1, bm // qg)
     # Mixed batches: decode rows get their own small-tile programs (one per sequence) instead of
     # riding in the large prefill tiles (docs/perf-notes.md, paged mixed batches).
-    bm_s, bn_s = paged_config(1, qg, d, mma_fp8, None, page_size, v_seq_major, fp8_cache, has_ks or has_vs)[:2]
+    small_cfg = paged_config(1, qg, d, mma_fp8, None, page_size, v_seq_major, fp8_cache, has_ks or has_vs)
+    bm_s, bn_s = small_cfg[:2]
     two_class = varlen and bm > bm_s and bool(cfg.get("two_class", True))
     if varlen:
         grid0 = total_q // block_q + batch + (batch if two_class else 0)
@@ -623,6 +632,20 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split = num_splits > 1
     if split and (out_partial is None or lse_partial is None):
         out_partial, lse_partial = split_workspace(q, num_splits, dv, hq)
+    # The launches of this kernel: (tiles (bm, bn, num_warps, stages, maxnreg), two classes, big class,
+    # grid0, the big class's query-count range).
+    launches = [((bm, bn, nw, ns, maxnreg), two_class, True, grid0, (0, 2 ** 31 - 1))]
+    # Varlen batches on the TMA kernel too (never with splits: the combine writes every row): sequences of
+    # VARLEN_MIN_Q queries or more go to it (launched last); here, the decode rows alone with the decode
+    # tiles (one program per sequence, as fast as a decode-only launch), and the sequences between them
+    # in the large tiles (a launch whose programs exit at once when there are none).
+    tma_varlen = tma_ok and not split and max_seqlen_q >= paged_tma.VARLEN_MIN_Q
+    split_at = paged_tma.VARLEN_MIN_Q if tma_varlen else cfg.get("split_at")
+    if varlen and split_at is not None:
+        small_q = bm_s // qg if bm > bm_s else 0
+        launches = [(small_cfg, True, False, batch, (0, 0))] if small_q else []
+        launches.append(((bm, bn, nw, ns, maxnreg), False, True, total_q // block_q + batch,
+                         (small_q + 1, int(split_at) - 1)))
 
     # strides of q / out / lse / partials as (batch, token, head[, split])
     if varlen:
@@ -663,35 +686,40 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # unmasked full tiles need a second shared-memory ring: FP8 caches only (a 16-bit cache's
     # (16, 128, 4, 3) decode ring needed 264 KB of the 227 KB per block with both loops)
     unmasked_tiles = bool(cfg.get("unmasked_tiles", fp8_cache))
-    grid = (grid0 * hk, 1, num_splits) if heads_inner else (grid0, hk, num_splits)
-    _paged_fwd_kernel[grid](
-        q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q if varlen else dummy, o_t, l_t,
-        q_descale if has_qd else dummy, k_descale if has_kd else dummy, v_descale if has_vd else dummy,
-        k_cache_scales if has_ks else dummy, v_cache_scales if has_vs else dummy,
-        out_scale if out_fp8 else dummy,
-        batch, seqlen_q,
-        *s_q,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        page_table.stride(0),
-        *s_o, *s_l,
-        *_dstrides(q_descale), *_dstrides(k_descale), *_dstrides(v_descale),
-        *kss, *vss,
-        float(qk_scale), float(softcap or 0.0), wl, wr, num_splits,
-        QG=qg, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=block_q,
-        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
-        PAGE_SIZE=page_size, VARLEN=varlen, CAUSAL=bool(causal), HAS_WINDOW=has_window,
-        SOFTCAP=bool(softcap and softcap > 0), HAS_QD=has_qd, HAS_KD=has_kd, HAS_VD=has_vd,
-        HAS_KS=has_ks, HAS_VS=has_vs, MMA_FP8=mma_fp8, CDT=_TL[cdt],
-        STORE_LSE=lse is not None, SPLIT=split, OUT_FP8=out_fp8,
-        OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
-        TILE_IN_PAGE=page_size % bn == 0, P_FP8=p_fp8, NUM_KV_HEADS=hk, HEADS_INNER=heads_inner,
-        TWO_CLASS=two_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major, UNMASKED_TILES=unmasked_tiles,
-        DECODE_FIRST=bool(cfg.get("decode_first", True)), num_warps=nw, num_stages=ns, maxnreg=maxnreg,
-    )
+    for (bm_l, bn_l, nw_l, ns_l, maxnreg_l), two_class_l, big_class, grid0_l, (lo, hi) in launches:
+        grid = (grid0_l * hk, 1, num_splits) if heads_inner else (grid0_l, hk, num_splits)
+        _paged_fwd_kernel[grid](
+            q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q if varlen else dummy, o_t, l_t,
+            q_descale if has_qd else dummy, k_descale if has_kd else dummy, v_descale if has_vd else dummy,
+            k_cache_scales if has_ks else dummy, v_cache_scales if has_vs else dummy,
+            out_scale if out_fp8 else dummy,
+            batch, seqlen_q,
+            *s_q,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            page_table.stride(0),
+            *s_o, *s_l,
+            *_dstrides(q_descale), *_dstrides(k_descale), *_dstrides(v_descale),
+            *kss, *vss,
+            float(qk_scale), float(softcap or 0.0), wl, wr, num_splits, lo, hi,
+            QG=qg, BLOCK_M=bm_l, BLOCK_N=bn_l, BLOCK_Q=max(1, bm_l // qg),
+            HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+            PAGE_SIZE=page_size, VARLEN=varlen, CAUSAL=bool(causal), HAS_WINDOW=has_window,
+            SOFTCAP=bool(softcap and softcap > 0), HAS_QD=has_qd, HAS_KD=has_kd, HAS_VD=has_vd,
+            HAS_KS=has_ks, HAS_VS=has_vs, MMA_FP8=mma_fp8, CDT=_TL[cdt],
+            STORE_LSE=lse is not None, SPLIT=split, OUT_FP8=out_fp8,
+            OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
+            TILE_IN_PAGE=page_size % bn_l == 0, P_FP8=p_fp8, NUM_KV_HEADS=hk, HEADS_INNER=heads_inner,
+            TWO_CLASS=two_class_l, BIG_CLASS=big_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major,
+            UNMASKED_TILES=unmasked_tiles, DECODE_FIRST=bool(cfg.get("decode_first", True)), num_warps=nw_l,
+            num_stages=ns_l, maxnreg=maxnreg_l,
+        )
     if split:
         if varlen:
             lse_view = lse.t() if lse is not None else None
         else:
             lse_view = lse.transpose(1, 2) if lse is not None else None
         launch_combine(out_partial, lse_partial, out, lse_view, out_scale=out_scale)
+    if tma_varlen:
+        paged_tma.launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
+                                           cu_seqlens_q=cu_seqlens_q, min_len_q=paged_tma.VARLEN_MIN_Q, **tma_args)

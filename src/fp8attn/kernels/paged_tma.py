@@ -10,11 +10,16 @@ included; the queries are the last ``seqlen_q`` keys, bottom-right causal). Tile
 diagonal or the sequence's end run masked, and the last V tile's slots past the end are zeroed in
 shared memory before P V reads them, so unused slots (NaN in a poisoned cache) never reach the output.
 
+Varlen queries (``cu_seqlens_q``, ``MODE_PAGED_VARLEN``): the query blocks listed on the device by
+``dense_tma.varlen_block_list``, which leaves out the sequences with fewer than ``min_len_q`` queries: a
+mixed batch's decode rows would each fill a 128-row block alone, once per query head, so
+``paged.launch_paged_fwd`` leaves the sequences below ``VARLEN_MIN_Q`` queries to the Triton kernel
+(which packs a kv head's query heads into one block) and runs the rest here.
+
 Numerics are ``dense_tma``'s (the same softmax step, two-level accumulation and epilogues): with
 128-key tiles and lengths that are multiples of 128 the output is bit-identical to the dense kernel
-run on the gathered K/V. Everything else (varlen / mixed batches, 16-bit Q or cache, per-token-head
-scales, page sizes below 64, windows, softcap, explicit splits) stays on the Triton kernel;
-``unsupported_reason`` says why.
+run on the gathered K/V. Everything else (16-bit Q or cache, per-token-head scales, page sizes below
+64, windows, softcap, explicit splits) stays on the Triton kernel; ``unsupported_reason`` says why.
 """
 from __future__ import annotations
 
@@ -23,11 +28,15 @@ import torch
 from ..paged import is_v_seq_major
 from . import dense_tma
 
-__all__ = ["unsupported_reason", "launch_paged_prefill_tma", "block_n", "descale_strides", "HEAD_DIMS"]
+__all__ = ["unsupported_reason", "launch_paged_prefill_tma", "block_n", "descale_strides", "HEAD_DIMS",
+           "VARLEN_MIN_Q"]
 
 HEAD_DIMS = (64, 128)
 _TILE = dense_tma.BLOCK_N  # rows per query block, keys per KV tile (64 for 64-slot pages)
 _MIN_PAGE = 64
+# Varlen launches of ``paged.launch_paged_fwd``: sequences with at least this many queries (one full
+# query block) run here, shorter ones (decode rows, short chunks) on the Triton kernel.
+VARLEN_MIN_Q = dense_tma.BLOCK_M
 
 
 def block_n(page_size):
@@ -62,19 +71,18 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
     """Why ``launch_paged_prefill_tma`` cannot run these inputs, or None when it can.
 
     Parameters are those of ``paged.launch_paged_fwd``. Supported: CUDA tensors on an sm90 device;
-    q (batch, seqlen_q, nheads_q, d) float8_e4m3fn, contiguous, seqlen_q a positive multiple of 128;
+    q (batch, seqlen_q, nheads_q, d) float8_e4m3fn, contiguous, seqlen_q a positive multiple of 128, or
+    varlen q (total_q, nheads_q, d) with contiguous int32 ``cu_seqlens_q`` (batch + 1,);
     d 64 or 128 for q, k and v; k_cache float8_e4m3fn (num_blocks, page_size, nheads_k, d) contiguous,
     v_cache the same values sequence-major (``paged.is_v_seq_major``); page_size a multiple of 64;
     nheads_q a multiple of nheads_k; int32 page_table (batch, max_pages) with unit last stride and
     int32 cache_seqlens (batch,); float32 descales broadcastable to (batch, nheads_k) (None reads as
     1); out bfloat16, or float8_e4m3fn with a one-element float32 ``out_scale``; lse None or float32
-    (batch, nheads_q, seqlen_q); no varlen, window, softcap, per-token-head cache scales, or
-    ``num_splits`` above 1 (0, the heuristic, runs unsplit here: the kernel is persistent).
+    (batch, nheads_q, seqlen_q) (varlen: (nheads_q, total_q)); no window, softcap, per-token-head cache
+    scales, or ``num_splits`` above 1 (0, the heuristic, runs unsplit here: the kernel is persistent).
     """
     if not dense_tma.HAS_GLUON:
         return "triton.experimental.gluon is not available"
-    if cu_seqlens_q is not None:
-        return "varlen queries (cu_seqlens_q) are not supported"
     if int(num_splits) > 1:
         return f"num_splits={num_splits}: the kernel does not split the keys"
     if k_cache_scales is not None or v_cache_scales is not None:
@@ -83,15 +91,27 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
                                    out_scale=out_scale, names=("q", "k_cache", "v_cache"))
     if why:
         return why
-    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
-        return "q must be (batch, seqlen_q, nheads_q, d) and the caches (num_blocks, page_size, nheads_k, d)"
-    batch, sq, hq, d = q.shape
+    varlen = cu_seqlens_q is not None
+    if q.dim() != (3 if varlen else 4) or k_cache.dim() != 4 or v_cache.dim() != 4:
+        return ("q must be (total_q, nheads_q, d) with cu_seqlens_q" if varlen else
+                "q must be (batch, seqlen_q, nheads_q, d)") + " and the caches (num_blocks, page_size, nheads_k, d)"
+    if varlen:
+        if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.dim() != 1 or cu_seqlens_q.stride(0) != 1 \
+                or cu_seqlens_q.numel() < 2:
+            return "cu_seqlens_q must be contiguous int32 (batch + 1,), batch >= 1"
+        (total_q, hq, d), batch, sq = q.shape, cu_seqlens_q.numel() - 1, None
+        rows, lse_shape = total_q + _TILE * (batch + 1), (hq, total_q)
+    else:
+        batch, sq, hq, d = q.shape
+        rows, lse_shape = batch * sq, (batch, hq, sq)
     nb, ps, hk, dk = k_cache.shape
     if d not in HEAD_DIMS or dk != d or v_cache.shape[-1] != d:
         return f"head dim must be 64 or 128 for q, k and v, got {d}, {dk}, {v_cache.shape[-1]}"
     if tuple(v_cache.shape) != tuple(k_cache.shape) or tuple(out.shape) != tuple(q.shape):
         return "shape mismatch between q/out or k_cache/v_cache"
-    if batch == 0 or hq == 0 or sq == 0 or sq % _TILE != 0:
+    if varlen and (q.shape[0] == 0 or hq == 0):
+        return "total_q and nheads_q must be positive"
+    if not varlen and (batch == 0 or hq == 0 or sq == 0 or sq % _TILE != 0):
         return f"seqlen_q ({sq}) must be a positive multiple of {_TILE} (and batch, nheads_q positive)"
     if ps % _MIN_PAGE != 0:
         return f"page_size ({ps}) must be a multiple of {_MIN_PAGE}"
@@ -109,25 +129,28 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
     for name, ds in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if ds is not None and not _descale_ok(ds, batch, hk):
             return f"{name} must be float32 broadcastable to (batch, nheads_k)"
-    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (batch, hq, sq)):
-        return "lse must be float32 (batch, nheads_q, seqlen_q)"
-    if max(batch * sq, nb * ps, nb * hk * d, page_table.stride(0) * batch) >= 2 ** 31:
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != lse_shape):
+        return "lse must be float32 " + ("(nheads_q, total_q)" if varlen else "(batch, nheads_q, seqlen_q)")
+    if max(rows, nb * ps, nb * hk * d, page_table.stride(0) * batch) >= 2 ** 31:
         return "too many rows for 32-bit TMA coordinates"
     ts = (q, k_cache, v_cache, out)
     if any(t.data_ptr() % 16 for t in ts):
         return "q, k_cache, v_cache, out must be 16-byte aligned"
     # device checks last: the shape rules above hold (and are testable) without CUDA
-    return dense_tma.device_reason(ts, (page_table, cache_seqlens, q_descale, k_descale, v_descale, lse, out_scale))
+    return dense_tma.device_reason(ts, (page_table, cache_seqlens, cu_seqlens_q, q_descale, k_descale, v_descale, lse,
+                                        out_scale))
 
 
 def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, softmax_scale, causal,
-                             q_descale=None, k_descale=None, v_descale=None, out_scale=None, num_stages=None):
+                             q_descale=None, k_descale=None, v_descale=None, out_scale=None, cu_seqlens_q=None,
+                             min_len_q=1, num_stages=None):
     """Launch the paged TMA prefill kernel. No validation: call only when ``unsupported_reason`` is None.
 
     Parameters
     ----------
     q : torch.Tensor
-        float8_e4m3fn (batch, seqlen_q, nheads_q, d), contiguous; the last seqlen_q keys of each sequence.
+        float8_e4m3fn (batch, seqlen_q, nheads_q, d), or varlen (total_q, nheads_q, d) with
+        ``cu_seqlens_q``; contiguous; the last queries of each sequence.
     k_cache : torch.Tensor
         float8_e4m3fn (num_blocks, page_size, nheads_k, d), contiguous.
     v_cache : torch.Tensor
@@ -138,9 +161,10 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
     cache_seqlens : torch.Tensor
         int32 (batch,): keys per sequence, the queries' own included.
     out : torch.Tensor
-        (batch, seqlen_q, nheads_q, d), contiguous: bfloat16, or float8_e4m3fn with ``out_scale``.
+        Like ``q``, contiguous: bfloat16, or float8_e4m3fn with ``out_scale``.
     lse : torch.Tensor or None
-        float32 (batch, nheads_q, seqlen_q), natural log; -inf (and out = 0) for rows that see no key.
+        float32 (batch, nheads_q, seqlen_q) (varlen: (nheads_q, total_q)), natural log; -inf (and out =
+        0) for rows that see no key.
     softmax_scale : float
     causal : bool
         Bottom-right aligned causal mask.
@@ -148,11 +172,21 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
         float32, broadcastable to (batch, nheads_k); None reads as 1.
     out_scale : torch.Tensor or None
         float32, one element: the fused e4m3 output's static scale.
+    cu_seqlens_q : torch.Tensor or None
+        int32 (batch + 1,): varlen query offsets.
+    min_len_q : int
+        Varlen: sequences with fewer queries are skipped (their rows of ``out`` / ``lse`` untouched).
     num_stages : int or None
         Depth of the K/V ring (default ``dense_tma.NUM_STAGES``, 2; H200, 2k chunk over 8k: 3 and 4 stages
         within 1% at 128-key tiles, 0.5-3% slower at 64-key tiles).
     """
-    batch, sq, hq, d = q.shape
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        (total_q, hq, d), batch = q.shape, cu_seqlens_q.numel() - 1
+        rows_q = total_q
+    else:
+        batch, sq, hq, d = q.shape
+        rows_q = batch * sq
     nb, ps, hk, _ = k_cache.shape
     one = None
     if q_descale is None or k_descale is None or v_descale is None:
@@ -160,19 +194,25 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
     qd, kd, vd = (x if x is not None else one for x in (q_descale, k_descale, v_descale))
     rows, dh, dv, _ = dense_tma._tiles(d, True)
     bn = block_n(ps)
-    descs = ((q, [batch * sq, hq * d], [hq * d, 1], [rows, dh]),
+    descs = ((q, [rows_q, hq * d], [hq * d, 1], [rows, dh]),
              (k_cache, [nb * ps, hk * d], [hk * d, 1], [bn, dh]),
              (v_cache, [nb * hk * d, ps], [ps, 1], [dv, bn]),
-             (out, [batch * sq, hq * d], [hq * d, 1], [rows, dv]))
-    ls = lse.stride() if lse is not None else (0, 0, 0)
+             (out, [rows_q, hq * d], [hq * d, 1], [rows, dv]))
+    if varlen:  # the query blocks listed on the device; the grid from their capacity
+        blocks = dense_tma.varlen_block_list(cu_seqlens_q, total_q, min_len_q)
+        ls = (0, lse.stride(0), lse.stride(1)) if lse is not None else (0, 0, 0)
+        seq_args = (cu_seqlens_q, cu_seqlens_q, blocks, out)
+        row_args, seqlen_q, mode = (out.stride(0), out.stride(1)), total_q, dense_tma.MODE_PAGED_VARLEN
+        grid = (min((blocks.numel() // 2) * hq, dense_tma._num_sms(q.device.index)), 1)
+    else:
+        ls = lse.stride() if lse is not None else (0, 0, 0)
+        seq_args = (cache_seqlens, cache_seqlens, cache_seqlens, out)
+        row_args, seqlen_q, mode = (0, 0), sq, dense_tma.MODE_PAGED
+        grid = dense_tma.ws_grid((sq // dense_tma.BLOCK_M) * batch * hq, causal, sq, q.device.index)
     args = (lse if lse is not None else qd, qd, kd, vd, out_scale if out_scale is not None else qd, page_table,
-            cache_seqlens, cache_seqlens, cache_seqlens, cache_seqlens, out, *ls, *descale_strides(qd), *descale_strides(kd),
-            *descale_strides(vd), page_table.stride(0), ps, 0, 0, sq, hq, hk, batch,
-            float(softmax_scale) * dense_tma._LOG2E)
-    n_blocks = (sq // dense_tma.BLOCK_M) * batch * hq
-    grid = dense_tma.ws_grid(n_blocks, causal, sq, q.device.index)
+            cache_seqlens, *seq_args, *ls, *descale_strides(qd), *descale_strides(kd), *descale_strides(vd),
+            page_table.stride(0), ps, *row_args, seqlen_q, hq, hk, batch, float(softmax_scale) * dense_tma._LOG2E)
     dense_tma._launch(d, True, grid, descs, args,
                       (bool(causal), lse is not None, out_scale is not None, num_stages or dense_tma.NUM_STAGES, d,
-                       dense_tma.MODE_PAGED), bounded=True,
-                      tiles=(rows, dh, dv, bn))
+                       mode), bounded=True, tiles=(rows, dh, dv, bn))
     return out, lse

@@ -1,0 +1,84 @@
+"""Where a mixed batch's time goes on one H200 (32 decode rows at 4096 keys + one 2048-query FP8 chunk
+over an 8192 prefix, 32 q / 8 kv heads, d128, sequence-major V, pages 64 and 128): the call's parts
+(the Triton kernel's launches for the rows below 128 queries, the block list, the TMA kernel for the
+chunk) alone and together, in both orders, against the fixed-length launches of the decode rows and of
+the chunk (the source of ``results/h200/explore/mixed_split.json``). Usage (repo root, GPU machine):
+``OUT=<dir> PYTHONPATH=src python benchmarks/explore_mixed_split_h200.py``.
+"""
+import json
+import math
+import os
+
+import torch
+
+from fp8attn.bench.common import time_ms
+from fp8attn.bench.paged import D, E4M3, HK, HQ, _paged_pool
+from fp8attn.kernels import dense_tma, paged_tma
+from fp8attn.kernels.paged import launch_paged_fwd
+from fp8attn.paged import to_v_seq_major
+
+N_DEC, CTX, CHUNK, PREFIX = 32, 4096, 2048, 8192
+
+
+def main():
+    rows = []
+    for page in (64, 128):
+        b = N_DEC + 1
+        L = PREFIX + CHUNK
+        pd, pc = math.ceil(CTX / page), math.ceil(L / page)
+        kc, vc, pts = _paged_pool(1, N_DEC * pd * page + pc * page, page, 1)
+        vs = to_v_seq_major(vc)
+        flat = pts[0].view(-1)
+        pt = torch.full((b, pc), -1, dtype=torch.int32, device="cuda")
+        pt[:N_DEC, :pd] = flat[:N_DEC * pd].view(N_DEC, pd)
+        pt[N_DEC] = flat[N_DEC * pd:N_DEC * pd + pc]
+        seqlens = torch.tensor([CTX] * N_DEC + [L], dtype=torch.int32, device="cuda")
+        qlens = [1] * N_DEC + [CHUNK]
+        cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+        q = torch.randn(sum(qlens), HQ, D, device="cuda").to(E4M3)
+        dd = torch.rand(b, HK, device="cuda") + 0.5
+        ds = dict(q_descale=dd, k_descale=dd, v_descale=dd)
+        out = torch.empty(sum(qlens), HQ, D, device="cuda", dtype=torch.bfloat16)
+        base = dict(cu_seqlens_q=cu, max_seqlen_q=CHUNK, softmax_scale=D ** -0.5, causal=True, **ds)
+        od = torch.empty(N_DEC, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+        oc = torch.empty(1, CHUNK, HQ, D, device="cuda", dtype=torch.bfloat16)
+        qd_, qc_ = q[:N_DEC].view(N_DEC, 1, HQ, D), q[N_DEC:].view(1, CHUNK, HQ, D)
+        sub = lambda s: {k: v[s] for k, v in ds.items()}  # noqa: E731
+
+        fns = {
+            "call": lambda: launch_paged_fwd(q, kc, vs, pt, seqlens, out, None, **base),
+            "triton_one_launch": lambda: launch_paged_fwd(q, kc, vs, pt, seqlens, out, None, **base,
+                                                          config={"tma": False}),
+            "triton_part": lambda: launch_paged_fwd(q, kc, vs, pt, seqlens, out, None, **base,
+                                                    config={"tma": False, "split_at": paged_tma.VARLEN_MIN_Q}),
+            "tma_part": lambda: paged_tma.launch_paged_prefill_tma(
+                q, kc, vs, pt, seqlens, out, None, softmax_scale=D ** -0.5, causal=True, cu_seqlens_q=cu,
+                min_len_q=128, **ds),
+            "block_list": lambda: dense_tma.varlen_block_list(cu, sum(qlens), 128),
+            "decode_alone": lambda: launch_paged_fwd(qd_, kc, vs, pt[:N_DEC], seqlens[:N_DEC], od, None,
+                                                     max_seqlen_q=1, softmax_scale=D ** -0.5, causal=True,
+                                                     **sub(slice(0, N_DEC))),
+            "chunk_alone": lambda: launch_paged_fwd(qc_, kc, vs, pt[N_DEC:], seqlens[N_DEC:], oc, None,
+                                                    max_seqlen_q=CHUNK, softmax_scale=D ** -0.5, causal=True,
+                                                    **sub(slice(N_DEC, None))),
+        }
+        fns["separate"] = lambda: (fns["decode_alone"](), fns["chunk_alone"]())
+        fns["tma_then_triton"] = lambda: (fns["tma_part"](), fns["triton_part"]())
+        row = {"page": page}
+        for name, fn in fns.items():
+            fn()
+            torch.cuda.synchronize()
+            row[name + "_ms"] = time_ms(fn)
+        rows.append(row)
+        print(row, flush=True)
+    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    os.makedirs(os.environ.get("OUT", "out"), exist_ok=True)
+    with open(os.path.join(os.environ.get("OUT", "out"), "mixed_split.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"{'page':>5} " + " ".join(f"{k[:-3]:>22}" for k in rows[0] if k.endswith("_ms")))
+    for r in rows:
+        print(f"{r['page']:>5} " + " ".join(f"{v:22.4f}" for k, v in r.items() if k.endswith("_ms")))
+
+
+if __name__ == "__main__":
+    main()
