@@ -1,9 +1,11 @@
 """FP8 varlen forward on one H200: the warp-specialized TMA kernel vs the Triton kernel, and the dense TMA
 kernel on equal-length batches (the source of ``results/h200/explore/dense_varlen_tma.json``).
 
-Eager calls timed with CUDA events (``bench.common.time_ms``), so each call's host work counts. The
-Triton kernel gets V already sequence-contiguous; the TMA call lays V out per sequence itself
-(``dense.varlen_v_kmajor``, also timed alone). Usage (repo root, GPU machine):
+Eager calls timed with CUDA events (``bench.common.time_ms``), so each call's host work counts. V is
+given sequence-contiguous (``tma_ms``, ``triton_ms``: the Triton kernel reads it as given) and as the
+API's usual (total, heads, d) tensor (``*_vc``: the Triton call transposes it first); the TMA call lays V
+out per sequence itself (``dense.varlen_v_kmajor``, also timed alone; ``tma_kernels_us``: the GPU time
+of each kernel of one TMA call). Usage (repo root, GPU machine):
 ``OUT=<dir> PYTHONPATH=src python benchmarks/explore_dense_varlen_h200.py``.
 """
 import json
@@ -11,7 +13,7 @@ import os
 
 import torch
 
-from fp8attn.bench.common import time_ms
+from fp8attn.bench.common import kernel_times_us, time_ms
 from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor, varlen_v_kmajor
 
 E4M3 = torch.float8_e4m3fn
@@ -40,12 +42,13 @@ def main():
                 total, b = int(cu[-1]), len(lens)
                 q = torch.randn(total, H, d, device="cuda").to(E4M3)
                 k = torch.randn(total, HK, d, device="cuda").to(E4M3)
-                v = transpose_v_kmajor(torch.randn(total, HK, d, device="cuda").to(E4M3))
+                v_c = torch.randn(total, HK, d, device="cuda").to(E4M3)
+                v = transpose_v_kmajor(v_c)
                 ds = torch.rand(b, HK, device="cuda") + 0.5
                 out = torch.empty(total, H, d, device="cuda", dtype=torch.bfloat16)
                 flops = 4 * H * d * sum(L * (L + 1) / 2 if causal else L * L for L in lens)
 
-                def call():
+                def call(v=v):
                     launch_dense_fwd(q, k, v, out, None, softmax_scale=d ** -0.5, causal=causal,
                                      window_size=(-1, -1), softcap=0.0, q_descale=ds, k_descale=ds, v_descale=ds,
                                      cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
@@ -69,7 +72,14 @@ def main():
                     torch.cuda.synchronize()
                     row["dense_ms"] = time_ms(dense)
                     row["vs_dense"] = row["dense_ms"] / ms_t
+                row["tma_ms_vc"] = _with_backend("tma", lambda: call(v_c))
+                row["triton_ms_vc"] = _with_backend("triton", lambda: call(v_c))
+                row["speedup_vc"] = row["triton_ms_vc"] / row["tma_ms_vc"]
                 row["v_layout_ms"] = time_ms(lambda: varlen_v_kmajor(v, cu))
+                row["v_layout_ms_vc"] = time_ms(lambda: varlen_v_kmajor(v_c, cu))
+                os.environ["FP8ATTN_DENSE_BACKEND"] = "tma"
+                row["tma_kernels_us"] = kernel_times_us(lambda: call(v_c))
+                os.environ.pop("FP8ATTN_DENSE_BACKEND")
                 rows.append(row)
                 print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "dense_varlen_tma.json"), "w") as f:

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from fp8attn.bench.common import time_ms
+from fp8attn.bench.common import kernel_times_us, time_ms
 from fp8attn.bench.paged import D, E4M3, HK, HQ, _paged_pool
 from fp8attn.kernels import dense_tma, paged_tma
 from fp8attn.kernels.paged import launch_paged_fwd
@@ -69,6 +69,7 @@ def main():
             fn()
             torch.cuda.synchronize()
             row[name + "_ms"] = time_ms(fn)
+        row["call_kernels_us"] = kernel_times_us(fns["call"])
         rows.append(row)
         print(row, flush=True)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
@@ -78,6 +79,7 @@ def main():
     print(f"{'page':>5} " + " ".join(f"{k[:-3]:>22}" for k in rows[0] if k.endswith("_ms")))
     for r in rows:
         print(f"{r['page']:>5} " + " ".join(f"{v:22.4f}" for k, v in r.items() if k.endswith("_ms")))
+        print("  kernels of one call (us):", r["call_kernels_us"])
 
 
 if __name__ == "__main__":

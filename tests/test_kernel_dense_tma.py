@@ -94,17 +94,21 @@ def test_varlen_block_list():
     if not (dense_mod.INTERPRET or torch.cuda.is_available()):
         pytest.skip("the list kernel needs CUDA or the interpreter")
     _check_block_list(DEV)
-@pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_varlen_v_kmajor_layout(path):
+
+
+@pytest.mark.parametrize("path,token_major", [("kernel", False), ("kernel", True), ("torch", False)])
+def test_varlen_v_kmajor_layout(path, token_major):
     """Each sequence's V keys contiguous from a 16-aligned column, in order: the Triton layout kernel
-    (interpreted on the CPU) and the torch path."""
+    (interpreted on the CPU) from V with the head dim or the tokens contiguous, and the torch path."""
     lens = [300, 0, 7, 1, 517, 16]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     v = _fp8((int(cu[-1]), 2, 64), "cpu")
     if path == "torch":
         vt = dense_mod._varlen_v_kmajor_torch(v, cu)
     elif dense_mod.INTERPRET or torch.cuda.is_available():
-        vt = varlen_v_kmajor(v.to(DEV), cu.to(DEV)).cpu()
+        src = transpose_v_kmajor(v.to(DEV)) if token_major else v.to(DEV)
+        assert src.stride(0) == 1 if token_major else src.stride(-1) == 1
+        vt = varlen_v_kmajor(src, cu.to(DEV)).cpu()
     else:
         pytest.skip("the layout kernel needs CUDA or the interpreter")
     assert vt.dtype == E4M3 and vt.shape == (2, 64, 16 * (int(cu[-1]) // 16 + len(lens) + 1)) and vt.is_contiguous()
@@ -121,8 +125,8 @@ def test_varlen_v_kmajor_layout(path):
 
 
 def test_varlen_preferred_rule():
-    assert dense_tma.varlen_preferred(128, 2048) and dense_tma.varlen_preferred(128, 8192)
-    assert not dense_tma.varlen_preferred(128, 1024) and not dense_tma.varlen_preferred(64, 8192)
+    assert dense_tma.varlen_preferred(128, 1024) and dense_tma.varlen_preferred(64, 8192)
+    assert not dense_tma.varlen_preferred(128, 1023) and not dense_tma.varlen_preferred(256, 8192)
     assert not dense_tma.varlen_preferred(128, None)
 
 
@@ -744,9 +748,11 @@ def test_gpu_varlen_v_kmajor_matches_cpu():
     lens = [300, 0, 7, 1, 517, 16, 1000]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     v = _fp8((int(cu[-1]), 2, 128), "cpu")
-    ref = varlen_v_kmajor(v, cu)
+    ref = dense_mod._varlen_v_kmajor_torch(v, cu)
     got = varlen_v_kmajor(v.cuda(), cu.cuda())
+    got_t = varlen_v_kmajor(transpose_v_kmajor(v.cuda()), cu.cuda())  # from token-contiguous V
     _check_block_list("cuda")
     for b, L in enumerate(lens):
         c0 = 16 * (int(cu[b]) // 16 + b)
-        assert torch.equal(got[:, :, c0:c0 + L].cpu().view(torch.uint8), ref[:, :, c0:c0 + L].view(torch.uint8))
+        for g in (got, got_t):
+            assert torch.equal(g[:, :, c0:c0 + L].cpu().view(torch.uint8), ref[:, :, c0:c0 + L].view(torch.uint8))

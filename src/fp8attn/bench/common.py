@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["time_ms", "graph_replay", "rotating", "results_header", "write_results", "gpu_dirname", "attn_flops"]
+__all__ = ["time_ms", "graph_replay", "rotating", "results_header", "write_results", "gpu_dirname", "attn_flops",
+           "kernel_times_us"]
 
 
 def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
@@ -17,6 +18,18 @@ def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def kernel_times_us(fn, reps: int = 20) -> dict:
+    """{kernel name (60 chars): mean GPU microseconds per call} of ``fn()`` under the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key[:60]: round(e.self_device_time_total / reps, 2) for e in prof.key_averages()
+            if getattr(e, "self_device_time_total", 0) > 0}
 
 
 def graph_replay(fns):

@@ -216,3 +216,19 @@ def window_flags(causal, window_size):
     if causal:
         wr = -1
     return causal, wl, wr, wl >= 0 or wr >= 0
+
+
+@triton.jit
+def find_seq(CU_Q, target, batch, BLOCK_Q: tl.constexpr):
+    """Largest i with cu_seqlens[i] // BLOCK_Q + i <= target (binary search, log2(batch) steps): the sequence of
+    block ``target`` when sequence i's blocks of BLOCK_Q start at ``cu_seqlens[i] // BLOCK_Q + i``."""
+    lo = 0
+    hi = batch
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(CU_Q + mid) // BLOCK_Q + mid
+        if start <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1

@@ -1257,11 +1257,11 @@ _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 8192
 
 def varlen_preferred(head_dim, max_seqlen_q):
     """Whether varlen inputs that the TMA kernel supports go to it by default (``FP8ATTN_DENSE_BACKEND``
-    unset): head dim 128 with sequences up to at least 2048 queries. Measured on the H200 (eager calls,
-    V laid out by ``dense.varlen_v_kmajor`` in each call; ``explore/dense_varlen_tma.json``): d128 1.20-1.73x
-    the Triton kernel with max_seqlen_q 4096 (8 random lengths 512-4096, 4 x 4096), 0.43-0.97x with 16 x
-    1024 (host-bound: the call's host work exceeds the GPU time); d64 0.70-1.49x at 4096."""
-    return head_dim == 128 and max_seqlen_q is not None and int(max_seqlen_q) >= 2048
+    unset): head dims 64 and 128 with sequences up to at least 1024 queries. Measured on the H200 (eager
+    calls, V laid out by ``dense.varlen_v_kmajor`` in each call; ``explore/dense_varlen_tma.json``): d128
+    1.48-2.26x the Triton kernel, d64 1.22-1.77x, over 8 random lengths 512-4096, 4 x 4096 and 16 x 1024,
+    causal or not; shorter batches were not measured."""
+    return head_dim in (64, 128) and max_seqlen_q is not None and int(max_seqlen_q) >= 1024
 
 
 def ws_grid(n_blocks, causal, seqlen_q, device_index):

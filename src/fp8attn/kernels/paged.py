@@ -49,7 +49,7 @@ import triton.language as tl
 from ..paged import is_v_seq_major, paged_precision
 from . import paged_tma
 from .combine import launch_combine
-from .common import (INTERPRET, causal_window_mask, finalize_rows, full_tile_range, kv_range,
+from .common import (INTERPRET, causal_window_mask, finalize_rows, find_seq, full_tile_range, kv_range,
                      online_softmax_step, output_epilogue, scale_logits, upcast_fp8_in_place, window_flags)
 
 __all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config"]
@@ -57,21 +57,6 @@ __all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_co
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
        torch.float8_e4m3fn: tl.float8e4nv}
 _LOG2E = math.log2(math.e)
-
-
-@triton.jit
-def _find_seq(CU_Q, target, batch, BLOCK_Q: tl.constexpr):
-    """Largest i with cu_seqlens_q[i] // BLOCK_Q + i <= target (binary search, log2(batch) steps)."""
-    lo = 0
-    hi = batch
-    while lo < hi:
-        mid = (lo + hi) // 2
-        start = tl.load(CU_Q + mid) // BLOCK_Q + mid
-        if start <= target:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
 
 
 @triton.jit
@@ -351,7 +336,7 @@ def _paged_fwd_kernel(
         if BIG_CLASS:  # (a constexpr test: a small-class-only launch compiles no large-tile code)
             if raw - big_off >= 0 and raw - big_off < n_big:
                 pid = n_big - 1 - (raw - big_off)  # reversed: the last (typically longest) sequences start first
-                seq = _find_seq(CU_Q, pid, batch, BLOCK_Q)
+                seq = find_seq(CU_Q, pid, batch, BLOCK_Q)
                 q_start = tl.load(CU_Q + seq)
                 qlen = tl.load(CU_Q + seq + 1) - q_start
                 qblk = pid - (q_start // BLOCK_Q + seq)
