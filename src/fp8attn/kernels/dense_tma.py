@@ -16,8 +16,10 @@ epilogue; head dim, output dtype (``OUT_FP8``), causal and LSE are compile-time 
   operands as the d256 kernel below (``_ws_attend_d256``).
 * ``_bounded_fwd_tma_ws_kernel``: the warp-specialized kernel's partitions with per-sequence bounds
   (``MODE``): over a paged FP8 KV cache (chunked prefill, ``paged_tma``: the producer reads each
-  tile's page from the page table) or with varlen queries and keys (``cu_seqlens``); lengths come
-  from the device, and the tiles at the diagonal or a sequence's end run masked (head dims 64, 128).
+  tile's page from the page table), with varlen queries and keys (``cu_seqlens``), or varlen queries
+  over a paged cache (mixed batches); lengths come from the device, varlen query blocks from a list
+  built on the device (``varlen_block_list``), and the tiles at the diagonal or a sequence's end run
+  masked (head dims 64, 128).
 * ``_dense_fwd_tma_kernel``: the same math in 8 warps (2 warpgroups of 64 rows in lockstep); in the
   loop over KV tiles ``S_{j+1}`` is issued asynchronously before the softmax of tile ``j``, then
   ``P_j V_j``, the accumulator is rescaled while it runs, and one wait retires both MMAs. Runs head
@@ -1199,8 +1201,9 @@ if HAS_GLUON:
     ):
         """``_dense_fwd_tma_ws_kernel`` with per-sequence bounds, MODE (``MODE_*``): a paged FP8 KV cache
         (chunked prefill; key counts from ``SeqlensK``, a tile's page from ``PageTable``, read by the
-        producer), varlen queries (``CuQ``; ``seqlen_q`` is then the total, rows stored through ``Out``
-        with a mask) over varlen K/V (``CuK``). Sequences of any length (queries are
+        producer), varlen queries (``CuQ``, the blocks of ``BlockList``; ``seqlen_q`` is then the total,
+        a sequence's last rows stored through ``Out`` with a mask) over varlen K/V (``CuK``) or over a
+        paged cache. Sequences of any length (queries are
         the last keys): the tiles that cross the diagonal or a sequence's end run masked, and the slots
         of the last V tile past the end are zeroed in shared memory before P V reads them
         (``_ws_clean_v_tail``). Head dims 64 and 128; pages a multiple of the tile (64 or 128 keys), V
