@@ -112,3 +112,54 @@ def test_dense_window_flag(causal, window, kernel_causal, has_window):
         seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, pack_gqa=False,
         descale_block_q=None, descale_block_k=None, v_kmajor=False)
     assert kwargs["HAS_WINDOW"] is has_window and kwargs["CAUSAL"] is kernel_causal
+
+
+class _Launches:
+    """Every launch of a captured kernel: (grid, positional args, keyword args)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+        return launch
+
+
+@pytest.mark.parametrize("case", ["split_with_tma", "num_splits", "short_queries", "tma_off"])
+def test_paged_varlen_launch_plan(monkeypatch, case):
+    """A varlen call the TMA kernel accepts: the decode rows in a decode-tile launch of the small class only,
+    the sequences of 5..127 queries in a large-tile launch, the rest on the TMA kernel (min_len_q 128).
+    Explicit splits, a max_seqlen_q below 128 or config tma=False keep one two-class launch and no TMA."""
+    kern, tma_calls = _Launches(), []
+    monkeypatch.setattr(KP, "_paged_fwd_kernel", kern)
+    monkeypatch.setattr(KP, "launch_combine", lambda *a, **k: None)
+    monkeypatch.setattr(KP, "INTERPRET", False)  # the TMA dispatch is skipped under the interpreter
+    monkeypatch.setattr(KP.paged_tma, "unsupported_reason", lambda *a, **k: None if k["num_splits"] <= 1 else "split")
+    monkeypatch.setattr(KP.paged_tma, "launch_paged_prefill_tma", lambda *a, **k: tma_calls.append(k))
+    hq, hk, d, page = 8, 2, 128, 64
+    qlens = [1, 300, 1, 40]
+    cu = torch.tensor([0, 1, 301, 302, 342], dtype=torch.int32)
+    kc = torch.zeros(64, page, hk, d, dtype=E4M3)
+    vc = torch.zeros(64, hk, d, page, dtype=E4M3).permute(0, 3, 1, 2)
+    q = torch.zeros(sum(qlens), hq, d, dtype=E4M3)
+    one = torch.ones(4, hk)
+    splits = 3 if case == "num_splits" else 1
+    KP.launch_paged_fwd(q, kc, vc, torch.zeros(4, 16, dtype=torch.int32), torch.full((4,), 900, dtype=torch.int32),
+                        torch.empty(sum(qlens), hq, d, dtype=torch.bfloat16), torch.empty(hq, sum(qlens)),
+                        cu_seqlens_q=cu, max_seqlen_q=100 if case == "short_queries" else 300, softmax_scale=0.1,
+                        causal=True, q_descale=one, k_descale=one, v_descale=one, num_splits=splits,
+                        config={"tma": False} if case == "tma_off" else None)
+    plan = [(kw["TWO_CLASS"], kw["BIG_CLASS"], args[-2], args[-1]) for _, args, kw in kern.calls]
+    if case == "split_with_tma":
+        small_q = KP.paged_config(1, hq // hk, d, True, None, page, True)[0] // (hq // hk)
+        assert plan == [(True, False, 0, 0), (False, True, small_q + 1, 127)]
+        small, big = kern.calls[0], kern.calls[1]
+        assert small[0][0] == 4 * hk  # one program per sequence and kv head
+        assert (small[2]["BLOCK_M"], small[2]["BLOCK_N"], small[2]["maxnreg"]) == \
+            KP.paged_config(1, hq // hk, d, True, None, page, True)[0:2] + (128,)  # the decode tiles, capped
+        assert big[2]["BLOCK_M"] == 128 and big[2]["num_warps"] == 8
+        assert len(tma_calls) == 1 and tma_calls[0]["min_len_q"] == 128 and tma_calls[0]["cu_seqlens_q"] is cu
+    else:
+        assert plan == [(True, True, 0, 2 ** 31 - 1)] and tma_calls == []
+        assert kern.calls[0][2]["SPLIT"] is (case == "num_splits")

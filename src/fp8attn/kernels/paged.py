@@ -562,7 +562,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cfg = config or {}  # benchmark overrides
     varlen = cu_seqlens_q is not None
     tma_ok = False  # FP8 prefill chunks the TMA kernel takes (varlen: those of VARLEN_MIN_Q queries or more)
-    if not INTERPRET and cfg.get("tma", True) and q.is_cuda:
+    if not INTERPRET and cfg.get("tma", True):
         tma_ok = paged_tma.unsupported_reason(
             q, k_cache, v_cache, page_table, cache_seqlens, out, lse, cu_seqlens_q=cu_seqlens_q, causal=causal,
             window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
