@@ -555,9 +555,10 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     -----
     FP8 prefill chunks over a sequence-major V cache with pages of 64 (or a multiple) run on the
     warp-specialized TMA kernel of ``paged_tma`` when it accepts the inputs (``paged_tma.unsupported_reason``).
-    Varlen (mixed) batches then take two launches: this kernel for the sequences below
-    ``paged_tma.VARLEN_MIN_Q`` queries (decode rows, short chunks), the TMA kernel for the others
-    (unsplit launches only; an explicit ``num_splits`` > 1 keeps the whole batch here).
+    Varlen (mixed) batches are then split by query count on the device: this kernel runs the sequences
+    below ``paged_tma.VARLEN_MIN_Q`` queries (a decode-tile launch for the decode rows, a large-tile launch
+    for the others), the TMA kernel the rest (unsplit calls with ``max_seqlen_q >= VARLEN_MIN_Q`` only;
+    an explicit ``num_splits`` > 1 keeps the whole batch here).
     """
     cfg = config or {}  # benchmark overrides
     varlen = cu_seqlens_q is not None
