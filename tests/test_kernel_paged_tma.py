@@ -102,11 +102,13 @@ def test_varlen_unsupported_reasons():
 
 
 def _run(q, c, dk, causal, **kw):
+    """``run_paged`` that checks the TMA kernel ran once: on the whole batch, or with ``cu_seqlens_q`` in
+    ``kw`` on the sequences of ``VARLEN_MIN_Q`` queries or more."""
     calls = []
     real = paged_tma.launch_paged_prefill_tma
 
     def spy(*a, **k):
-        calls.append(1)
+        calls.append(k.get("min_len_q"))
         return real(*a, **k)
 
     paged_tma.launch_paged_prefill_tma = spy
@@ -114,7 +116,8 @@ def _run(q, c, dk, causal, **kw):
         out, lse = run_paged(q, c, causal=causal, **dk, **kw)
     finally:
         paged_tma.launch_paged_prefill_tma = real
-    assert calls == [1], "the TMA kernel did not run these inputs"
+    varlen = kw.get("cu_seqlens_q") is not None
+    assert calls == [paged_tma.VARLEN_MIN_Q if varlen else None], "the TMA kernel did not run these inputs"
     return out, lse
 
 
@@ -231,23 +234,6 @@ def _varlen_inputs(seqlens, qlens, page_size, hq, hk, d):
     return q, c, dk, dict(cu_seqlens_q=cu_from_lens(qlens, "cuda"), max_seqlen_q=max(qlens))
 
 
-def _run_varlen(q, c, dk, vk, causal, **kw):
-    calls = []
-    real = paged_tma.launch_paged_prefill_tma
-
-    def spy(*a, **k):
-        calls.append(k.get("min_len_q"))
-        return real(*a, **k)
-
-    paged_tma.launch_paged_prefill_tma = spy
-    try:
-        out, lse = run_paged(q, c, causal=causal, **vk, **dk, **kw)
-    finally:
-        paged_tma.launch_paged_prefill_tma = real
-    assert calls == [paged_tma.VARLEN_MIN_Q], "the TMA kernel did not run the long sequences"
-    return out, lse
-
-
 # decode rows, chunks below / at / past one 128-row block, one empty, one longer than its prefix
 _SEQLENS = [1500, 2300, 7, 900, 4000, 513, 128, 127, 0, 260]
 _QLENS = [1, 300, 1, 129, 1000, 1, 128, 127, 0, 260]
@@ -259,12 +245,12 @@ _QLENS = [1, 300, 1, 129, 1000, 1, 128, 127, 0, 260]
 @pytest.mark.parametrize("page_size", [64, 128, 256])
 def test_gpu_varlen_against_reference(d, causal, page_size):
     q, c, dk, vk = _varlen_inputs(_SEQLENS, _QLENS, page_size, 8, 2, d)
-    out, lse = _run_varlen(q, c, dk, vk, causal)
+    out, lse = _run(q, c, dk, causal, **vk)
     ref, ref_lse, lp = refs(q, c, quantize_p=True, causal=causal, **vk, **dk)
     check(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
     tri, tri_lse = run_paged(q, c, causal=causal, **vk, **dk, config={"tma": False})
     check(tri, tri_lse, ref, ref_lse, lp, lse_tol=2e-3)
-    out2, lse2 = _run_varlen(q, c, dk, vk, causal)
+    out2, lse2 = _run(q, c, dk, causal, **vk)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2)
 
 
@@ -276,7 +262,7 @@ def test_gpu_varlen_rows_equal_fixed_length_launch(causal):
     d, hq, hk = 128, 8, 2
     qlens, seqlens = [1, 256, 1, 384, 128], [900, 1000, 5, 2000, 128]
     q, c, dk, vk = _varlen_inputs(seqlens, qlens, 128, hq, hk, d)
-    out, lse = _run_varlen(q, c, dk, vk, causal)
+    out, lse = _run(q, c, dk, causal, **vk)
     cu = vk["cu_seqlens_q"].tolist()
     for b in (1, 3, 4):
         s, e = cu[b], cu[b + 1]
@@ -289,8 +275,8 @@ def test_gpu_varlen_rows_equal_fixed_length_launch(causal):
 @pytest.mark.gpu
 def test_gpu_varlen_fused_fp8_output():
     q, c, dk, vk = _varlen_inputs(_SEQLENS, _QLENS, 128, 8, 2, 128)
-    ob, _ = _run_varlen(q, c, dk, vk, True)
-    o8, _ = _run_varlen(q, c, dk, vk, True, out_scale=torch.tensor(0.01, device="cuda"))
+    ob, _ = _run(q, c, dk, True, **vk)
+    o8, _ = _run(q, c, dk, True, **vk, out_scale=torch.tensor(0.01, device="cuda"))
     r8 = saturating_cast(ob.float() / 0.01).float()
     assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2 ** -9).all()  # one e4m3 ulp
 
@@ -311,5 +297,5 @@ def test_gpu_varlen_cuda_graph_capture_short_replay_long():
                          causal=True, **vk, **dk)
 
     replay_at_lengths(launch, seq_buf, c["cache_seqlens"])
-    eo, el = _run_varlen(q, c, dk, vk, True)
+    eo, el = _run(q, c, dk, True, **vk)
     assert torch.equal(out.view(torch.int16), eo.view(torch.int16)) and torch.equal(lse, el)

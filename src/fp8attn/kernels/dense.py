@@ -415,9 +415,10 @@ def varlen_v_kmajor(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor
 
     V becomes (nheads_k, d, columns) with sequence b's keys contiguous from column
     ``16 * (cu_seqlens_k[b] // 16 + b)`` (a TMA box must start on 16 bytes; the start grows by more
-    than each sequence's length); columns between sequences are not written (the kernel never uses
-    them, except up to the next multiple of 16 after each sequence: zeros). One Triton pass (``_varlen_v_layout_kernel``; on CUDA, or on the CPU under the interpreter),
-    no host synchronization; torch otherwise (``_varlen_v_kmajor_torch``).
+    than each sequence's length); the columns after a sequence hold zeros up to the next multiple of 16,
+    the rest between sequences is not written (the kernel never uses it). One Triton pass
+    (``_varlen_v_layout_kernel``; on CUDA, or on the CPU under the interpreter), no host synchronization;
+    torch otherwise (``_varlen_v_kmajor_torch``).
 
     Parameters
     ----------

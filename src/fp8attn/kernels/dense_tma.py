@@ -1554,19 +1554,15 @@ def _launch_varlen(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale
     from .dense import varlen_v_kmajor  # (dense imports this module)
 
     vt = varlen_v_kmajor(v_kmajor, cu_seqlens_k)
-    blocks = varlen_block_list(cu_seqlens_q, total_q)
+    blocks, ls, row_strides, grid = varlen_schedule(cu_seqlens_q, total_q, hq, lse, out)
     descs = ((q, [total_q, hq * d], [hq * d, 1], [rows, dh]), (k, [total_k, hk * d], [hk * d, 1], [bn, dh]),
              (vt, [hk * d, vt.shape[-1]], [vt.shape[-1], 1], [dv, bn]),
              (out, [total_q, hq * d], [hq * d, 1], [rows, dv]))
-    ls = (0, lse.stride(0), lse.stride(1)) if lse is not None else (0, 0, 0)
     out_fp8 = out_scale is not None
     args = (lse if lse is not None else q_descale, q_descale, k_descale, v_descale,
             out_scale if out_fp8 else q_descale, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, blocks,
-            out, *ls,
-            *q_descale.stride(), *k_descale.stride(), *v_descale.stride(), 0, 1, out.stride(0), out.stride(1),
+            out, *ls, *q_descale.stride(), *k_descale.stride(), *v_descale.stride(), 0, 1, *row_strides,
             total_q, hq, hk, batch, float(softmax_scale) * _LOG2E)
-    n_blocks = (total_q // BLOCK_M + batch) * hq
-    grid = (min(n_blocks, _num_sms(q.device.index)), 1)
     _launch(d, True, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES, d, MODE_VARLEN),
             bounded=True, tiles=tiles)
     return out, lse
@@ -1597,6 +1593,18 @@ def varlen_block_list(cu_seqlens_q, total_q, min_len_q=1):
     _block_list_kernel[(1,)](cu_seqlens_q, blocks, batch, capacity, int(min_len_q), BM=BLOCK_M, BLOCK_B=256,
                              num_warps=4)
     return blocks
+
+
+def varlen_schedule(cu_seqlens_q, total_q, nheads_q, lse, out, min_len_q=1):
+    """What a varlen launch of the bounded kernel (MODE >= 2, dense or paged) passes besides its tensors:
+    ``(block_list, lse_strides, out_row_strides, grid)``: the ``varlen_block_list``, the (0, head, row)
+    strides of an (nheads_q, total_q) LSE (zeros without one), ``out``'s (row, head) strides for the
+    masked row stores, and the persistent grid (one CTA per SM, at most one per block of the list's
+    capacity)."""
+    blocks = varlen_block_list(cu_seqlens_q, total_q, min_len_q)
+    ls = (0, lse.stride(0), lse.stride(1)) if lse is not None else (0, 0, 0)
+    grid = (min((blocks.numel() // 2) * nheads_q, _num_sms(out.device.index)), 1)
+    return blocks, ls, (out.stride(0), out.stride(1)), grid
 
 
 class _HostDesc:

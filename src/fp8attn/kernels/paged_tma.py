@@ -198,12 +198,10 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
              (k_cache, [nb * ps, hk * d], [hk * d, 1], [bn, dh]),
              (v_cache, [nb * hk * d, ps], [ps, 1], [dv, bn]),
              (out, [rows_q, hq * d], [hq * d, 1], [rows, dv]))
-    if varlen:  # the query blocks listed on the device; the grid from their capacity
-        blocks = dense_tma.varlen_block_list(cu_seqlens_q, total_q, min_len_q)
-        ls = (0, lse.stride(0), lse.stride(1)) if lse is not None else (0, 0, 0)
+    if varlen:  # the query blocks listed on the device
+        blocks, ls, row_args, grid = dense_tma.varlen_schedule(cu_seqlens_q, total_q, hq, lse, out, min_len_q)
         seq_args = (cu_seqlens_q, cu_seqlens_q, blocks, out)
-        row_args, seqlen_q, mode = (out.stride(0), out.stride(1)), total_q, dense_tma.MODE_PAGED_VARLEN
-        grid = (min((blocks.numel() // 2) * hq, dense_tma._num_sms(q.device.index)), 1)
+        seqlen_q, mode = total_q, dense_tma.MODE_PAGED_VARLEN
     else:
         ls = lse.stride() if lse is not None else (0, 0, 0)
         seq_args = (cache_seqlens, cache_seqlens, cache_seqlens, out)
