@@ -5,6 +5,8 @@
   page 16 and 64, bf16 Q over an e4m3 cache, num_splits from ``choose_num_splits``. Peers: torch SDPA
   (cuDNN and flash backends, bf16, GQA) on a contiguous (batch, heads, seqlen, d) cache.
   ``ours.gbps`` = KV bytes read (K + V, FP8) / time; peers' gbps likewise with their bf16 bytes.
+  Where the ``flashinfer`` package is importable: FlashInfer's paged decode over the same FP8 cache
+  (``flashinfer_fp8``, and ``flashinfer_fp8_tc`` with its tensor-core kernel; per-tensor K/V scales).
 * prefill_chunked: a 2048-token chunk over an 8192-token cached prefix (causal), FP8 Q over an
   e4m3 cache, page 16/64; TF/s over the exact visible pairs. Peers: the dense FP8 forward
   (``kernels.dense.launch_dense_fwd``, contiguous K and sequence-major V) on the same pairs, the
@@ -88,6 +90,55 @@ def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=Fals
     return peers
 
 
+def _flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot, ref_fn=None):
+    """FlashInfer's paged decode over the same FP8 cache (FA3's layout is its NHD layout), bf16 Q, per-tensor
+    K/V scales (its only FP8 scale form): the CUDA-core decode kernel (``flashinfer_fp8``) and its
+    tensor-core variant (``flashinfer_fp8_tc``), planned once per rotated page table and replayed from CUDA
+    graphs. {} when flashinfer is not importable; a peer entry with an ``error`` when a variant fails.
+
+    ``ref_fn(k_scale, v_scale)``, if given, returns the float reference of the first page table's output
+    with those per-tensor descales; the peer's relative error against it is recorded."""
+    try:
+        import flashinfer
+    except Exception:  # not installed (optional peer)
+        return {}
+    b = q.shape[0]
+    pages = math.ceil(L / page_size)
+    kv_bytes = 2 * b * L * HK * D
+    k_scale, v_scale = 0.8, 1.2
+    peers = {}
+    for name, tc in (("flashinfer_fp8", False), ("flashinfer_fp8_tc", True)):
+        try:
+            fns, outs = [], []
+            for r in range(n_rot):
+                indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * pages
+                indices = pts[r].reshape(-1).contiguous()
+                last = torch.full((b,), L - (pages - 1) * page_size, device="cuda", dtype=torch.int32)
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), kv_layout="NHD", use_cuda_graph=True,
+                    use_tensor_cores=tc, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+                    paged_kv_last_page_len_buffer=last)
+                w.plan(indptr, indices, last, HQ, HK, D, page_size, q_data_type=torch.bfloat16,
+                       kv_data_type=E4M3, sm_scale=D ** -0.5)
+                o = torch.empty(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+                qq = q[:, 0].contiguous()
+                fns.append(lambda w=w, o=o, qq=qq: w.run(qq, (kc, vc), k_scale=k_scale, v_scale=v_scale, out=o))
+                outs.append(o)
+            fns[0]()
+            torch.cuda.synchronize()
+            err = None
+            if ref_fn is not None:
+                err = _rel_err(outs[0], ref_fn(k_scale, v_scale)[:, 0])
+            call, graphed = graph_replay(fns)
+            ms = time_ms(call)
+            peers[name] = {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": err, "cuda_graph": graphed,
+                           "version": flashinfer.__version__}
+        except Exception as e:
+            peers[name] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        torch.cuda.empty_cache()
+    return peers
+
+
 def _rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
@@ -162,6 +213,12 @@ def run_decode(out_dir=None, quick=False, configs=None):
                         except Exception as e:
                             sweep[str(cfg)] = f"{type(e).__name__}: {str(e)[:100]}"
                     case["config_sweep_ms"] = sweep
+                def ref_fn(ks, vs):  # per-tensor descales, as FlashInfer takes them
+                    one = torch.ones(b, HK, device="cuda")
+                    return paged_attention_ref(q, kc, vc, pts[0], seqlens, softmax_scale=scale, causal=True,
+                                               k_descale=one * ks, v_descale=one * vs, out_dtype=torch.float32)
+                case["peers"].update(_flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot,
+                                                       ref_fn if b * L <= (1 << 17) else None))
                 if page_size >= 64 and b * L >= (1 << 17):  # same cache, V sequence-major inside each page
                     vs = to_v_seq_major(vc)
                     fns_s = [mk(r, v_cache=vs) for r in range(n_rot)]
