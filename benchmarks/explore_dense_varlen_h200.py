@@ -6,14 +6,14 @@ given sequence-contiguous (``tma_ms``, ``triton_ms``: the Triton kernel reads it
 API's usual (total, heads, d) tensor (``*_vc``: the Triton call transposes it first); the TMA call lays V
 out per sequence itself (``dense.varlen_v_kmajor``, also timed alone; ``tma_kernels_us``: the GPU time
 of each kernel of one TMA call). Usage (repo root, GPU machine):
-``OUT=<dir> PYTHONPATH=src python benchmarks/explore_dense_varlen_h200.py``.
+``OUT=<dir> [NAME=<file>.json] PYTHONPATH=src python benchmarks/explore_dense_varlen_h200.py``; ``*_graphed_ms``: CUDA-graph replays.
 """
 import json
 import os
 
 import torch
 
-from fp8attn.bench.common import kernel_times_us, time_ms
+from fp8attn.bench.common import graph_replay, kernel_times_us, time_ms
 from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor, varlen_v_kmajor
 
 E4M3 = torch.float8_e4m3fn
@@ -72,6 +72,13 @@ def main():
                     torch.cuda.synchronize()
                     row["dense_ms"] = time_ms(dense)
                     row["vs_dense"] = row["dense_ms"] / ms_t
+                os.environ["FP8ATTN_DENSE_BACKEND"] = "tma"  # CUDA-graph replays: the GPU time alone
+                g, graphed = graph_replay([call])
+                row["tma_graphed_ms"] = time_ms(g) if graphed else None
+                os.environ.pop("FP8ATTN_DENSE_BACKEND")
+                if "dense_ms" in row:
+                    g, graphed = graph_replay([dense])
+                    row["dense_graphed_ms"] = time_ms(g) if graphed else None
                 row["tma_ms_vc"] = _with_backend("tma", lambda: call(v_c))
                 row["triton_ms_vc"] = _with_backend("triton", lambda: call(v_c))
                 row["speedup_vc"] = row["triton_ms_vc"] / row["tma_ms_vc"]
@@ -82,7 +89,7 @@ def main():
                 os.environ.pop("FP8ATTN_DENSE_BACKEND")
                 rows.append(row)
                 print({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "dense_varlen_tma.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), os.environ.get("NAME", "dense_varlen_tma.json")), "w") as f:
         json.dump(rows, f, indent=1)
 
 

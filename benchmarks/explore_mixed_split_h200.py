@@ -2,8 +2,9 @@
 over an 8192 prefix, 32 q / 8 kv heads, d128, sequence-major V, pages 64 and 128): the call's parts
 (the Triton kernel's launches for the rows below 128 queries, the block list, the TMA kernel for the
 chunk) alone and together, in both orders, against the fixed-length launches of the decode rows and of
-the chunk (the source of ``results/h200/explore/mixed_split.json``). Usage (repo root, GPU machine):
-``OUT=<dir> PYTHONPATH=src python benchmarks/explore_mixed_split_h200.py``.
+the chunk, eager and (``*_graphed_ms``) as CUDA-graph replays (the source of
+``results/h200/explore/mixed_split*.json``). Usage (repo root, GPU machine):
+``OUT=<dir> [NAME=<file>.json] PYTHONPATH=src python benchmarks/explore_mixed_split_h200.py``.
 """
 import json
 import math
@@ -11,13 +12,20 @@ import os
 
 import torch
 
-from fp8attn.bench.common import kernel_times_us, time_ms
+from fp8attn.bench.common import graph_replay, kernel_times_us, time_ms
 from fp8attn.bench.paged import D, E4M3, HK, HQ, _paged_pool
 from fp8attn.kernels import dense_tma, paged_tma
 from fp8attn.kernels.paged import launch_paged_fwd
 from fp8attn.paged import to_v_seq_major
 
 N_DEC, CTX, CHUNK, PREFIX = 32, 4096, 2048, 8192
+
+
+def _block_list(cu, seqlens, total_q):
+    try:
+        return dense_tma.varlen_block_list(cu, seqlens, False, total_q, 128)
+    except TypeError:  # the list before 8-slot entries (commits up to 4346390), for before/after runs
+        return dense_tma.varlen_block_list(cu, total_q, 128)
 
 
 def main():
@@ -54,7 +62,7 @@ def main():
             "tma_part": lambda: paged_tma.launch_paged_prefill_tma(
                 q, kc, vs, pt, seqlens, out, None, softmax_scale=D ** -0.5, causal=True, cu_seqlens_q=cu,
                 min_len_q=128, **ds),
-            "block_list": lambda: dense_tma.varlen_block_list(cu, sum(qlens), 128),
+            "block_list": lambda: _block_list(cu, seqlens, sum(qlens)),
             "decode_alone": lambda: launch_paged_fwd(qd_, kc, vs, pt[:N_DEC], seqlens[:N_DEC], od, None,
                                                      max_seqlen_q=1, softmax_scale=D ** -0.5, causal=True,
                                                      **sub(slice(0, N_DEC))),
@@ -70,15 +78,18 @@ def main():
             torch.cuda.synchronize()
             row[name + "_ms"] = time_ms(fn)
         row["call_kernels_us"] = kernel_times_us(fns["call"])
+        for name in ("call", "tma_part", "chunk_alone", "separate"):  # CUDA-graph replays: no host gaps
+            call, graphed = graph_replay([fns[name]])
+            row[name + "_graphed_ms"] = time_ms(call) if graphed else None
         rows.append(row)
         print(row, flush=True)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     os.makedirs(os.environ.get("OUT", "out"), exist_ok=True)
-    with open(os.path.join(os.environ.get("OUT", "out"), "mixed_split.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "out"), os.environ.get("NAME", "mixed_split.json")), "w") as f:
         json.dump(doc, f, indent=1)
     print(f"{'page':>5} " + " ".join(f"{k[:-3]:>22}" for k in rows[0] if k.endswith("_ms")))
     for r in rows:
-        print(f"{r['page']:>5} " + " ".join(f"{v:22.4f}" for k, v in r.items() if k.endswith("_ms")))
+        print(f"{r['page']:>5} " + " ".join(f"{v or 0:22.4f}" for k, v in r.items() if k.endswith("_ms")))
         print("  kernels of one call (us):", r["call_kernels_us"])
 
 

@@ -63,34 +63,40 @@ def _kw(qd, kd, vd, lse, **over):
 # ---------------------------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------------------------
-def _want_block_list(qlens, min_len):
-    seqs, qblks = [], []
-    for b, n in enumerate(qlens):
+def _want_block_list(qlens, klens, min_len, keys_cumulative):
+    """The expected entries: (sequence, query block, first query row, query count, first key row, key count)."""
+    want, q0, k0 = [], 0, 0
+    for b, (n, nk) in enumerate(zip(qlens, klens)):
         if n >= min_len:
-            nb = -(-n // 128)
-            seqs += [b] * nb
-            qblks += list(range(nb))
-    return seqs, qblks
+            want += [(b, j, q0, n, k0 if keys_cumulative else 0, nk) for j in range(-(-n // 128))]
+        q0, k0 = q0 + n, k0 + nk
+    return want
 
 
 def _check_block_list(dev):
     g = torch.Generator().manual_seed(1)
     cases = [[1, 300, 0, 128, 127, 1000, 5, 129], torch.randint(0, 300, (300,), generator=g).tolist()]
     for qlens in cases:
+        klens = [n + 7 * b for b, n in enumerate(qlens)]
         cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0] + torch.tensor(klens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
         cap = sum(qlens) // 128 + len(qlens)
         for min_len in (1, 128):
-            got = dense_tma.varlen_block_list(cu, sum(qlens), min_len).cpu()
-            seqs, qblks = _want_block_list(qlens, min_len)
-            n = got[0].item()
-            assert got.numel() == 1 + 2 * cap and n == len(seqs) <= cap, (n, len(seqs), cap)
-            assert got[1:1 + n].tolist() == seqs and got[1 + cap:1 + cap + n].tolist() == qblks
+            for keys_cumulative in (True, False):
+                keys = cu_k if keys_cumulative else torch.tensor(klens, dtype=torch.int32, device=dev)
+                got = dense_tma.varlen_block_list(cu, keys, keys_cumulative, sum(qlens), min_len).cpu()
+                want = _want_block_list(qlens, klens, min_len, keys_cumulative)
+                n = got[0].item()
+                assert got.numel() == 8 * (1 + cap) and n == len(want) <= cap, (n, len(want), cap)
+                entries = got[8:8 + 8 * n].view(n, 8)[:, :6]
+                assert [tuple(e) for e in entries.tolist()] == want
 
 
 def test_varlen_block_list():
-    """``varlen_block_list``: the count, then each sequence's ceil(len / 128) blocks in order (sequence,
-    query block), for the sequences with at least min_len_q queries; 300 sequences (two 256-sequence chunks
-    of the builder's prefix sum)."""
+    """``varlen_block_list``: the count, then one entry per block of each sequence (ceil(len / 128) blocks
+    in order) with the sequence's query and key bounds, for the sequences with at least min_len_q queries;
+    keys from cumulative offsets or per-sequence counts; 300 sequences (two 256-sequence chunks of the
+    builder's prefix sum)."""
     if not (dense_mod.INTERPRET or torch.cuda.is_available()):
         pytest.skip("the list kernel needs CUDA or the interpreter")
     _check_block_list(DEV)

@@ -87,7 +87,7 @@ _PTR_ARGS = ("Lse", "QDs", "KDs", "VDs", "OutScale")
 _INT_ARGS = ("stride_lb", "stride_lh", "stride_lm", "stride_qds_b", "stride_qds_h", "stride_kds_b",
              "stride_kds_h", "stride_vds_b", "stride_vds_h", "seqlen_q", "seqlen_k", "nheads_q", "nheads_k",
              "batch")
-_BOUNDED_PTR_ARGS = _PTR_ARGS + ("PageTable", "SeqlensK", "CuQ", "CuK", "BlockList", "Out")
+_BOUNDED_PTR_ARGS = _PTR_ARGS + ("PageTable", "SeqlensK", "BlockList", "Out")
 _BOUNDED_INT_ARGS = tuple(a for a in _INT_ARGS if a != "seqlen_k") + ("stride_pt", "page_size", "stride_om",
                                                                       "stride_oh")
 # Where the warp-specialized kernel's sequences come from (its MODE): fixed lengths (dense); a paged cache
@@ -96,25 +96,46 @@ _BOUNDED_INT_ARGS = tuple(a for a in _INT_ARGS if a != "seqlen_k") + ("stride_pt
 MODE_DENSE, MODE_PAGED, MODE_VARLEN, MODE_PAGED_VARLEN = 0, 1, 2, 3
 
 
+# A varlen block list entry: (sequence, query block, first query row, query count, first key row, key count),
+# padded to 8 int32 (one 32-byte sector); the header (the block count) takes the first 8 slots.
+_ENTRY = 8
+
+
 @triton.jit
-def _block_list_kernel(CuQ, Blocks, batch, capacity, min_len_q, BM: tl.constexpr, BLOCK_B: tl.constexpr):
+def _block_list_kernel(CuQ, KSrc, Blocks, batch, capacity, min_len_q, BM: tl.constexpr, BLOCK_B: tl.constexpr,
+                       KEYS_CU: tl.constexpr, ENTRY: tl.constexpr):
     """``varlen_block_list`` in one program: per chunk of BLOCK_B sequences, each one's first list slot
-    (a running prefix sum of block counts), then its blocks' (sequence, query block) entries."""
+    (a running prefix sum of block counts), then its blocks' entries. Keys from ``KSrc``: cumulative
+    offsets (KEYS_CU: varlen K/V) or per-sequence counts (a paged cache, first key row 0)."""
     total = 0
     for b0 in range(0, batch, BLOCK_B):
         bs = b0 + tl.arange(0, BLOCK_B)
         live = bs < batch
-        len_q = tl.load(CuQ + bs + 1, mask=live, other=0) - tl.load(CuQ + bs, mask=live, other=0)
+        q_row = tl.load(CuQ + bs, mask=live, other=0)
+        len_q = tl.load(CuQ + bs + 1, mask=live, other=0) - q_row
+        if KEYS_CU:
+            k_row = tl.load(KSrc + bs, mask=live, other=0)
+            len_k = tl.load(KSrc + bs + 1, mask=live, other=0) - k_row
+        else:
+            k_row = bs * 0
+            len_k = tl.load(KSrc + bs, mask=live, other=0)
         nb = tl.where(live & (len_q >= min_len_q), (len_q + BM - 1) // BM, 0)
         first = total + tl.cumsum(nb, 0) - nb
         for j in range(0, tl.max(nb, 0)):
-            tl.store(Blocks + 1 + first + j, bs, mask=j < nb)
-            tl.store(Blocks + 1 + capacity + first + j, bs * 0 + j, mask=j < nb)
+            e = Blocks + ENTRY * (1 + first + j)
+            m = j < nb
+            tl.store(e, bs, mask=m)
+            tl.store(e + 1, bs * 0 + j, mask=m)
+            tl.store(e + 2, q_row, mask=m)
+            tl.store(e + 3, len_q, mask=m)
+            tl.store(e + 4, k_row, mask=m)
+            tl.store(e + 5, len_k, mask=m)
         total += tl.sum(nb, 0)
     tl.store(Blocks, total)
 
 if HAS_GLUON:
     # Globals read inside Gluon code must be constexpr.
+    _ENTRY_G = gl.constexpr(_ENTRY)
     _P_OFFSET = gl.constexpr(8.0)  # P = exp2(s - m + 8) lands in [0, 256] < 448 (e4m3 max)
     _LN2 = gl.constexpr(0.6931471805599453)
     _E4M3_MAX = gl.constexpr(448.0)
@@ -644,17 +665,17 @@ if HAS_GLUON:
         return p, alpha, m_i, l_i, acc + pv
 
     @gluon.jit
-    def _ws_block_begin(t, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
+    def _ws_block_begin(t, n_blocks, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
                         stride_kds_h, stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch,
-                        softmax_scale_log2, MH: gl.constexpr, TN: gl.constexpr, CAUSAL: gl.constexpr, SeqlensK, CuQ,
-                        CuK, BlockList, MODE: gl.constexpr):
+                        softmax_scale_log2, MH: gl.constexpr, TN: gl.constexpr, CAUSAL: gl.constexpr, SeqlensK,
+                        BlockList, MODE: gl.constexpr):
         """A consumer's view of block t: ``(b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, seqlen_k,
         q_row, len_q)``, ``mw`` its first query row, ``qb`` the Q buffer (the block's parity in this CTA's
         order ``it``), the rest as ``_ws_block``. Per-sequence bounds (MODE != dense), non-causal: ``shift =
         seqlen_k``, which leaves only the key limit in the masked tiles' bound ``n <= min(m + shift,
         seqlen_k - 1)``."""
         b, h, hk, m0, shift, n_tiles, seqlen_k, q_row, k_row, len_q = _ws_block(
-            t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK, CuQ, CuK, BlockList, MODE)
+            t, n_blocks, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK, BlockList, MODE)
         if MODE != 0:
             if not CAUSAL:
                 shift = seqlen_k
@@ -695,7 +716,7 @@ if HAS_GLUON:
                      stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                      seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL: gl.constexpr,
                      WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, SeqlensK, CuQ, CuK, BlockList, Out, stride_om, stride_oh, v_clean,
+                     HEAD_DIM: gl.constexpr, SeqlensK, BlockList, Out, stride_om, stride_oh, v_clean,
                      MODE: gl.constexpr):
         """Consumer WG (4 warps): rows 64 WG .. 64 WG + 63 of each of this CTA's query blocks, walked in the
         producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or ``_ws_attend_d256``.
@@ -721,9 +742,9 @@ if HAS_GLUON:
             t = _ws_round_robin(r)
             if t < n_blocks:
                 b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, sk, q_row, len_q = _ws_block_begin(
-                    t, it, WG, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b,
-                    stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, MH, TN, CAUSAL,
-                    SeqlensK, CuQ, CuK, BlockList, MODE)
+                    t, n_blocks, it, WG, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
+                    stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, MH,
+                    TN, CAUSAL, SeqlensK, BlockList, MODE)
                 if HEAD_DIM == 256:
                     _ws_attend_d256(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
                                     k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
@@ -962,7 +983,7 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                    v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM: gl.constexpr,
-                   CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, CuQ, CuK, BlockList,
+                   CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, BlockList,
                    stride_pt, page_size, MODE: gl.constexpr):
         """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
         through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
@@ -988,7 +1009,7 @@ if HAS_GLUON:
             t = _ws_round_robin(r)
             if t < n_blocks:
                 b, h, hk, m0, shift, n_tiles, sk, q_row, k_row0, len_q = _ws_block(
-                    t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK, CuQ, CuK,
+                    t, n_blocks, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK,
                     BlockList, MODE)
                 qb = it % 2
                 qph = ((it // 2) & 1) ^ 1  # the first two blocks' waits pass on fresh barriers
@@ -1040,26 +1061,25 @@ if HAS_GLUON:
         return r * g + gl.where(r % 2 == 0, c, g - 1 - c)
 
     @gluon.jit
-    def _ws_block(t, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, BM: gl.constexpr, BN: gl.constexpr,
-                  CAUSAL: gl.constexpr, SeqlensK, CuQ, CuK, BlockList, MODE: gl.constexpr):
+    def _ws_block(t, n_blocks, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, BM: gl.constexpr, BN: gl.constexpr,
+                  CAUSAL: gl.constexpr, SeqlensK, BlockList, MODE: gl.constexpr):
         """Block t of the persistent schedule -> ``(b, h, hk, m0, shift, n_tiles, seqlen_k, q_row, k_row,
         len_q)``: ``_query_block``'s values, the sequence's key count, the rows of its first query and key
         in the Q and K views, and its query count; the producer and both consumers walk the blocks through
-        this one mapping. MODE (``MODE_*``): dense; paged (key counts from ``SeqlensK``); varlen (MODE >= 2):
-        the blocks of ``BlockList`` (``varlen_block_list``: a count, then each block's sequence and query
-        block), keys from ``CuK`` (varlen K/V) or ``SeqlensK`` (paged)."""
+        this one mapping (``n_blocks``: ``_ws_num_blocks``). MODE (``MODE_*``): dense; paged (key counts
+        from ``SeqlensK``); varlen (MODE >= 2): the entries of ``BlockList`` (``varlen_block_list``: each
+        block's sequence, query block, first query row, query count, first key row and key count)."""
         if MODE >= 2:
-            pid_m, h = _ws_block_of(t, gl.load(BlockList), nheads_q, CAUSAL)
-            b = gl.load(BlockList + 1 + pid_m)
-            qblk = gl.load(BlockList + 1 + seqlen_q // BM + batch + pid_m)
-            q_row = gl.load(CuQ + b)
-            len_q = gl.load(CuQ + b + 1) - q_row
-            if MODE == 3:
-                k_row = 0
-                seqlen_k = gl.load(SeqlensK + b)
-            else:
-                k_row = gl.load(CuK + b)
-                seqlen_k = gl.load(CuK + b + 1) - k_row
+            # One entry holds the block's bounds (independent loads from one sector; the block count
+            # comes from the caller's n_blocks, loaded once per CTA).
+            pid_m, h = _ws_block_of(t, n_blocks // nheads_q, nheads_q, CAUSAL)
+            e = BlockList + _ENTRY_G * (1 + pid_m)
+            b = gl.load(e)
+            qblk = gl.load(e + 1)
+            q_row = gl.load(e + 2)
+            len_q = gl.load(e + 3)
+            k_row = gl.load(e + 4)
+            seqlen_k = gl.load(e + 5)
             _, _, hk, m0, shift, n_tiles = _query_block(qblk, b * nheads_q + h, len_q, seqlen_k, nheads_q, nheads_k,
                                                         BM, BN, CAUSAL, True)
         else:
@@ -1179,20 +1199,20 @@ if HAS_GLUON:
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, Lse, Lse, 0, 0, turn, 0)),
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0)),
             (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, Lse, Lse, 0, 0, turn, 0)),
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0)),
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
-                          NUM_STAGES, Lse, Lse, Lse, Lse, Lse, 0, 1, 0)),
+                          NUM_STAGES, Lse, Lse, Lse, 0, 1, 0)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
     @gluon.jit(do_not_specialize=_BOUNDED_INT_ARGS, do_not_specialize_on_alignment=_BOUNDED_PTR_ARGS)
     def _bounded_fwd_tma_ws_kernel(
-        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale, PageTable, SeqlensK, CuQ, CuK, BlockList, Out,
+        q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale, PageTable, SeqlensK, BlockList, Out,
         stride_lb, stride_lh, stride_lm,
         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
         stride_pt, page_size, stride_om, stride_oh, seqlen_q, nheads_q, nheads_k, batch, softmax_scale_log2,
@@ -1201,9 +1221,9 @@ if HAS_GLUON:
     ):
         """``_dense_fwd_tma_ws_kernel`` with per-sequence bounds, MODE (``MODE_*``): a paged FP8 KV cache
         (chunked prefill; key counts from ``SeqlensK``, a tile's page from ``PageTable``, read by the
-        producer), varlen queries (``CuQ``, the blocks of ``BlockList``; ``seqlen_q`` is then the total,
-        a sequence's last rows stored through ``Out`` with a mask) over varlen K/V (``CuK``) or over a
-        paged cache. Sequences of any length (queries are
+        producer), varlen queries (the blocks of ``BlockList``, each with its sequence's bounds; ``seqlen_q``
+        is then the total, a sequence's last rows stored through ``Out`` with a mask) over varlen K/V or over
+        a paged cache. Sequences of any length (queries are
         the last keys): the tiles that cross the diagonal or a sequence's end run masked, and the slots
         of the last V tile past the end are zeroed in shared memory before P V reads them
         (``_ws_clean_v_tail``). Head dims 64 and 128; pages a multiple of the tile (64 or 128 keys), V
@@ -1218,17 +1238,17 @@ if HAS_GLUON:
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, CuQ, CuK, BlockList, Out, stride_om, stride_oh,
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
                             v_clean, MODE)),
             (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, CuQ, CuK, BlockList, Out, stride_om, stride_oh,
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
                             v_clean, MODE)),
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
-                          NUM_STAGES, PageTable, SeqlensK, CuQ, CuK, BlockList, stride_pt, page_size, MODE)),
+                          NUM_STAGES, PageTable, SeqlensK, BlockList, stride_pt, page_size, MODE)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 # ---------------------------------------------------------------------------------------------
@@ -1554,21 +1574,21 @@ def _launch_varlen(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale
     from .dense import varlen_v_kmajor  # (dense imports this module)
 
     vt = varlen_v_kmajor(v_kmajor, cu_seqlens_k)
-    blocks, ls, row_strides, grid = varlen_schedule(cu_seqlens_q, total_q, hq, lse, out)
+    blocks, ls, row_strides, grid = varlen_schedule(cu_seqlens_q, cu_seqlens_k, True, total_q, hq, lse, out)
     descs = ((q, [total_q, hq * d], [hq * d, 1], [rows, dh]), (k, [total_k, hk * d], [hk * d, 1], [bn, dh]),
              (vt, [hk * d, vt.shape[-1]], [vt.shape[-1], 1], [dv, bn]),
              (out, [total_q, hq * d], [hq * d, 1], [rows, dv]))
     out_fp8 = out_scale is not None
     args = (lse if lse is not None else q_descale, q_descale, k_descale, v_descale,
-            out_scale if out_fp8 else q_descale, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, cu_seqlens_k, blocks,
-            out, *ls, *q_descale.stride(), *k_descale.stride(), *v_descale.stride(), 0, 1, *row_strides,
-            total_q, hq, hk, batch, float(softmax_scale) * _LOG2E)
+            out_scale if out_fp8 else q_descale, cu_seqlens_q, cu_seqlens_q, blocks, out, *ls, *q_descale.stride(),
+            *k_descale.stride(), *v_descale.stride(), 0, 1, *row_strides, total_q, hq, hk, batch,
+            float(softmax_scale) * _LOG2E)
     _launch(d, True, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES, d, MODE_VARLEN),
             bounded=True, tiles=tiles)
     return out, lse
 
 
-def varlen_block_list(cu_seqlens_q, total_q, min_len_q=1):
+def varlen_block_list(cu_seqlens_q, keys, keys_cumulative, total_q, min_len_q=1):
     """The query blocks of a varlen launch of the bounded kernel (MODE >= 2), built on the device (one
     Triton program, no host synchronization): sequence b's ``ceil(len_q / 128)`` blocks, in sequence
     order, for the sequences with at least ``min_len_q`` queries (the others are left to another kernel).
@@ -1577,6 +1597,10 @@ def varlen_block_list(cu_seqlens_q, total_q, min_len_q=1):
     ----------
     cu_seqlens_q : torch.Tensor
         int32 (batch + 1,) query offsets.
+    keys : torch.Tensor
+        int32: (batch + 1,) key offsets (``keys_cumulative``, varlen K/V), or (batch,) key counts (a paged
+        cache, whose keys start at row 0 of each sequence's pages).
+    keys_cumulative : bool
     total_q : int
         The number of queries (sets the list's capacity, ``total_q // 128 + batch``).
     min_len_q : int
@@ -1584,26 +1608,28 @@ def varlen_block_list(cu_seqlens_q, total_q, min_len_q=1):
     Returns
     -------
     torch.Tensor
-        int32 (1 + 2 * capacity,): the block count, then each block's sequence (``capacity`` slots), then
-        its query block within the sequence (``capacity`` slots); slots past the count are not written.
+        int32 (8 * (1 + capacity),): the block count, then (from slot 8) one entry of 8 slots per block:
+        its sequence, query block within the sequence, the sequence's first query row, query count, first
+        key row and key count (two slots of padding: an entry is one 32-byte sector, so that the kernel
+        reads a block's bounds in one round of independent loads). Entries past the count are not written.
     """
     batch = cu_seqlens_q.numel() - 1
     capacity = total_q // BLOCK_M + batch
-    blocks = torch.empty(1 + 2 * capacity, device=cu_seqlens_q.device, dtype=torch.int32)
-    _block_list_kernel[(1,)](cu_seqlens_q, blocks, batch, capacity, int(min_len_q), BM=BLOCK_M, BLOCK_B=256,
-                             num_warps=4)
+    blocks = torch.empty(_ENTRY * (1 + capacity), device=cu_seqlens_q.device, dtype=torch.int32)
+    _block_list_kernel[(1,)](cu_seqlens_q, keys, blocks, batch, capacity, int(min_len_q), BM=BLOCK_M, BLOCK_B=256,
+                             KEYS_CU=bool(keys_cumulative), ENTRY=_ENTRY, num_warps=4)
     return blocks
 
 
-def varlen_schedule(cu_seqlens_q, total_q, nheads_q, lse, out, min_len_q=1):
+def varlen_schedule(cu_seqlens_q, keys, keys_cumulative, total_q, nheads_q, lse, out, min_len_q=1):
     """What a varlen launch of the bounded kernel (MODE >= 2, dense or paged) passes besides its tensors:
-    ``(block_list, lse_strides, out_row_strides, grid)``: the ``varlen_block_list``, the (0, head, row)
-    strides of an (nheads_q, total_q) LSE (zeros without one), ``out``'s (row, head) strides for the
-    masked row stores, and the persistent grid (one CTA per SM, at most one per block of the list's
-    capacity)."""
-    blocks = varlen_block_list(cu_seqlens_q, total_q, min_len_q)
+    ``(block_list, lse_strides, out_row_strides, grid)``: the ``varlen_block_list`` (``keys`` and
+    ``keys_cumulative`` as there), the (0, head, row) strides of an (nheads_q, total_q) LSE (zeros without
+    one), ``out``'s (row, head) strides for the masked row stores, and the persistent grid (one CTA per
+    SM, at most one per block of the list's capacity)."""
+    blocks = varlen_block_list(cu_seqlens_q, keys, keys_cumulative, total_q, min_len_q)
     ls = (0, lse.stride(0), lse.stride(1)) if lse is not None else (0, 0, 0)
-    grid = (min((blocks.numel() // 2) * nheads_q, _num_sms(out.device.index)), 1)
+    grid = (min((blocks.numel() // _ENTRY - 1) * nheads_q, _num_sms(out.device.index)), 1)
     return blocks, ls, (out.stride(0), out.stride(1)), grid
 
 
@@ -1702,7 +1728,7 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
         "q_desc": desc([rows, dh], ql), "k_desc": desc([bn, dh], kl),
         "v_desc": desc([dv, bn], vl),
         "o_desc": desc([rows, dv], ol, "fp8e4nv" if out_fp8 else "bf16"),
-        **{n: "*i32" if n in ("PageTable", "SeqlensK", "CuQ", "CuK", "BlockList") else
+        **{n: "*i32" if n in ("PageTable", "SeqlensK", "BlockList") else
            ("*fp8e4nv" if out_fp8 else "*bf16") if n == "Out" else "*fp32" for n in ptrs},
         **{n: "i32" for n in ints},
         "softmax_scale_log2": "fp32",

@@ -199,12 +199,13 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
              (v_cache, [nb * hk * d, ps], [ps, 1], [dv, bn]),
              (out, [rows_q, hq * d], [hq * d, 1], [rows, dv]))
     if varlen:  # the query blocks listed on the device
-        blocks, ls, row_args, grid = dense_tma.varlen_schedule(cu_seqlens_q, total_q, hq, lse, out, min_len_q)
-        seq_args = (cu_seqlens_q, cu_seqlens_q, blocks, out)
+        blocks, ls, row_args, grid = dense_tma.varlen_schedule(cu_seqlens_q, cache_seqlens, False, total_q, hq, lse,
+                                                               out, min_len_q)
+        seq_args = (blocks, out)
         seqlen_q, mode = total_q, dense_tma.MODE_PAGED_VARLEN
     else:
         ls = lse.stride() if lse is not None else (0, 0, 0)
-        seq_args = (cache_seqlens, cache_seqlens, cache_seqlens, out)
+        seq_args = (cache_seqlens, out)
         row_args, seqlen_q, mode = (0, 0), sq, dense_tma.MODE_PAGED
         grid = dense_tma.ws_grid((sq // dense_tma.BLOCK_M) * batch * hq, causal, sq, q.device.index)
     args = (lse if lse is not None else qd, qd, kd, vd, out_scale if out_scale is not None else qd, page_table,
