@@ -5,8 +5,9 @@ Eager calls timed with CUDA events (``bench.common.time_ms``), so each call's ho
 given sequence-contiguous (``tma_ms``, ``triton_ms``: the Triton kernel reads it as given) and as the
 API's usual (total, heads, d) tensor (``*_vc``: the Triton call transposes it first); the TMA call lays V
 out per sequence itself (``dense.varlen_v_kmajor``, also timed alone; ``tma_kernels_us``: the GPU time
-of each kernel of one TMA call). Usage (repo root, GPU machine):
-``OUT=<dir> [NAME=<file>.json] PYTHONPATH=src python benchmarks/explore_dense_varlen_h200.py``; ``*_graphed_ms``: CUDA-graph replays.
+of each kernel of one TMA call). ``*_graphed_ms``: CUDA-graph replays of the TMA call, V
+sequence-contiguous, as (total, heads, d) (``_vc``) and as ``quantize_qkv`` returns it (``_qkv_v``). Usage (repo root, GPU
+machine): ``OUT=<dir> [NAME=<file>.json] PYTHONPATH=src python benchmarks/explore_dense_varlen_h200.py``.
 """
 import json
 import os
@@ -14,7 +15,8 @@ import os
 import torch
 
 from fp8attn.bench.common import graph_replay, kernel_times_us, time_ms
-from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor, varlen_v_kmajor
+from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor
+from fp8attn.qkv import empty_seq_major
 
 E4M3 = torch.float8_e4m3fn
 H = HK = 16
@@ -30,6 +32,15 @@ def _with_backend(name, fn):
         return time_ms(fn)
     finally:
         os.environ.pop("FP8ATTN_DENSE_BACKEND")
+
+
+def _v_layout(v, cu):
+    """The TMA call's V pass alone (``dense.varlen_v_kmajor``; the variant of explore/varlen_direct_v.json
+    named it ``varlen_v_rows``)."""
+    from fp8attn.kernels import dense
+    if hasattr(dense, "varlen_v_rows"):
+        return dense.varlen_v_rows(v)
+    return dense.varlen_v_kmajor(v, cu)
 
 
 def main():
@@ -73,8 +84,10 @@ def main():
                     row["dense_ms"] = time_ms(dense)
                     row["vs_dense"] = row["dense_ms"] / ms_t
                 os.environ["FP8ATTN_DENSE_BACKEND"] = "tma"  # CUDA-graph replays: the GPU time alone
-                g, graphed = graph_replay([call])
-                row["tma_graphed_ms"] = time_ms(g) if graphed else None
+                v_q = empty_seq_major(tuple(v_c.shape), E4M3, "cuda").copy_(v_c)  # quantize_qkv's V layout
+                for key, vv_ in (("tma_graphed_ms", v), ("tma_graphed_ms_vc", v_c), ("tma_graphed_ms_qkv_v", v_q)):
+                    g, graphed = graph_replay([lambda vv_=vv_: call(vv_)])
+                    row[key] = time_ms(g) if graphed else None
                 os.environ.pop("FP8ATTN_DENSE_BACKEND")
                 if "dense_ms" in row:
                     g, graphed = graph_replay([dense])
@@ -82,8 +95,8 @@ def main():
                 row["tma_ms_vc"] = _with_backend("tma", lambda: call(v_c))
                 row["triton_ms_vc"] = _with_backend("triton", lambda: call(v_c))
                 row["speedup_vc"] = row["triton_ms_vc"] / row["tma_ms_vc"]
-                row["v_layout_ms"] = time_ms(lambda: varlen_v_kmajor(v, cu))
-                row["v_layout_ms_vc"] = time_ms(lambda: varlen_v_kmajor(v_c, cu))
+                row["v_layout_ms"] = time_ms(lambda: _v_layout(v, cu))
+                row["v_layout_ms_vc"] = time_ms(lambda: _v_layout(v_c, cu))
                 os.environ["FP8ATTN_DENSE_BACKEND"] = "tma"
                 row["tma_kernels_us"] = kernel_times_us(lambda: call(v_c))
                 os.environ.pop("FP8ATTN_DENSE_BACKEND")
