@@ -11,7 +11,8 @@
   e4m3 cache, page 16/64; TF/s over the exact visible pairs. Peers: the dense FP8 forward
   (``kernels.dense.launch_dense_fwd``, contiguous K and sequence-major V) on the same pairs, the
   paged kernel with bf16 Q (``paged_bf16q``), the same cache with V sequence-major inside each page
-  (``paged_v_seq_major``, page >= 64), torch SDPA cuDNN/flash bf16.
+  (``paged_v_seq_major``, page >= 64), torch SDPA cuDNN/flash bf16, and where ``flashinfer`` imports, its
+  paged prefill over the same cache with e4m3 / bf16 Q (``flashinfer_fp8`` / ``flashinfer_bf16q``).
 * mixed: 32 decode rows (context 4096) + one 2048-token chunk over an 8192 prefix in ONE varlen
   call vs the two launched separately (peer ``separate``): FA3's V layout at page 16/64 (one Triton
   launch), and sequence-major V at page 64/128 with FP8 Q, where the call runs the chunk on the TMA
@@ -133,6 +134,46 @@ def _flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot, ref_fn=None):
             ms = time_ms(call)
             peers[name] = {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": err, "cuda_graph": graphed,
                            "version": flashinfer.__version__}
+        except Exception as e:
+            peers[name] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        torch.cuda.empty_cache()
+    return peers
+
+
+def _flashinfer_prefill_peers(q8, qb, kc, vc, pt, seqlens, flops, ref=None):
+    """FlashInfer's paged prefill (``BatchPrefillWithPagedKVCacheWrapper``, backend chosen by FlashInfer)
+    over the same FP8 cache (NHD = FA3's layout), causal (aligned to the last keys, as ours), per-tensor
+    scales: e4m3 Q (``flashinfer_fp8``) and bf16 Q (``flashinfer_bf16q``). Eager timings like ours; {} when
+    flashinfer is not importable; an ``error`` entry when a variant fails. ``ref``: the float reference of
+    the first sequence's output with unit descales, for the relative error."""
+    try:
+        import flashinfer
+    except Exception:  # not installed (optional peer)
+        return {}
+    b, chunk = q8.shape[:2]
+    ps = kc.shape[1]
+    L = int(seqlens[0])
+    pages = math.ceil(L / ps)
+    peers = {}
+    for name, q in (("flashinfer_fp8", q8), ("flashinfer_bf16q", qb)):
+        try:
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+                                                               kv_layout="NHD")
+            qo_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * chunk
+            kv_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * pages
+            last = torch.full((b,), L - (pages - 1) * ps, device="cuda", dtype=torch.int32)
+            w.plan(qo_indptr, kv_indptr, pt[:, :pages].reshape(-1).contiguous(), last, HQ, HK, D, ps, causal=True,
+                   sm_scale=D ** -0.5, q_data_type=q.dtype, kv_data_type=E4M3, o_data_type=torch.bfloat16)
+            qf = q.reshape(b * chunk, HQ, D)
+            o = torch.empty(b * chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
+            fp8_q = q.dtype == E4M3
+            fn = (lambda: w.run(qf, (kc, vc), q_scale=1.0, k_scale=1.0, v_scale=1.0, out=o)) if fp8_q else \
+                (lambda: w.run(qf, (kc, vc), k_scale=1.0, v_scale=1.0, out=o))
+            fn()
+            torch.cuda.synchronize()
+            err = _rel_err(o[:chunk], ref[0]) if ref is not None else None
+            ms = time_ms(fn)
+            peers[name] = {"ms": ms, "tflops": flops / ms / 1e9, "err": err, "version": flashinfer.__version__}
         except Exception as e:
             peers[name] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         torch.cuda.empty_cache()
@@ -342,6 +383,13 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
                     peers["paged_v_seq_major"]["kernel"] = "paged_tma (warp-specialized, TMA)"
                     peers["paged_v_seq_major_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9}
                 del vs, out_s
+            ref1 = None
+            if batch == 1:  # unit descales, as FlashInfer gets them
+                one = torch.ones(batch, HK, device="cuda")
+                ref1 = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=one,
+                                           k_descale=one, v_descale=one, out_dtype=torch.float32)
+            peers.update(_flashinfer_prefill_peers(q8, qb, kc, vc, pt, seqlens, flops, ref1))
+            del ref1
             if page_size == 64:
                 sp = _sdpa_peers(qb.transpose(1, 2), batch, L, 1, causal=False, kv_len=L)
                 # SDPA's causal is top-left aligned; a chunk over a prefix needs bottom-right, so the
