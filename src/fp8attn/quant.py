@@ -202,6 +202,8 @@ def expand_descale(descale: torch.Tensor | None, batch: int, nheads_k: int, devi
     """
     if descale is None:
         return torch.ones((), dtype=torch.float32, device=device).expand(batch, nheads_k)
+    if descale.dtype == torch.float32 and descale.shape == (batch, nheads_k):
+        return descale  # already FA3's form (the common case): no new view per call
     d = descale.float()
     if d.dim() == 0:
         d = d.reshape(1, 1)
