@@ -91,6 +91,17 @@ def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=Fals
     return peers
 
 
+def _flashinfer_pages(page_table, seqlen, page_size):
+    """FlashInfer's page description of a page table whose rows all hold ``seqlen`` tokens: ``(indptr
+    (batch + 1,), indices (batch * pages,), last_page_len (batch,))``, int32 on the table's device."""
+    b = page_table.shape[0]
+    pages = math.ceil(seqlen / page_size)
+    dev = page_table.device
+    indptr = torch.arange(b + 1, device=dev, dtype=torch.int32) * pages
+    last = torch.full((b,), seqlen - (pages - 1) * page_size, device=dev, dtype=torch.int32)
+    return indptr, page_table[:, :pages].reshape(-1).contiguous(), last
+
+
 def _flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot, ref_fn=None):
     """FlashInfer's paged decode over the same FP8 cache (FA3's layout is its NHD layout), bf16 Q, per-tensor
     K/V scales (its only FP8 scale form): the CUDA-core decode kernel (``flashinfer_fp8``) and its
@@ -104,7 +115,6 @@ def _flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot, ref_fn=None):
     except Exception:  # not installed (optional peer)
         return {}
     b = q.shape[0]
-    pages = math.ceil(L / page_size)
     kv_bytes = 2 * b * L * HK * D
     k_scale, v_scale = 0.8, 1.2
     peers = {}
@@ -112,9 +122,7 @@ def _flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot, ref_fn=None):
         try:
             fns, outs = [], []
             for r in range(n_rot):
-                indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * pages
-                indices = pts[r].reshape(-1).contiguous()
-                last = torch.full((b,), L - (pages - 1) * page_size, device="cuda", dtype=torch.int32)
+                indptr, indices, last = _flashinfer_pages(pts[r], L, page_size)
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), kv_layout="NHD", use_cuda_graph=True,
                     use_tensor_cores=tc, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
@@ -152,17 +160,14 @@ def _flashinfer_prefill_peers(q8, qb, kc, vc, pt, seqlens, flops, ref=None):
         return {}
     b, chunk = q8.shape[:2]
     ps = kc.shape[1]
-    L = int(seqlens[0])
-    pages = math.ceil(L / ps)
+    kv_indptr, kv_indices, last = _flashinfer_pages(pt, int(seqlens[0]), ps)
     peers = {}
     for name, q in (("flashinfer_fp8", q8), ("flashinfer_bf16q", qb)):
         try:
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
                                                                kv_layout="NHD")
             qo_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * chunk
-            kv_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * pages
-            last = torch.full((b,), L - (pages - 1) * ps, device="cuda", dtype=torch.int32)
-            w.plan(qo_indptr, kv_indptr, pt[:, :pages].reshape(-1).contiguous(), last, HQ, HK, D, ps, causal=True,
+            w.plan(qo_indptr, kv_indptr, kv_indices, last, HQ, HK, D, ps, causal=True,
                    sm_scale=D ** -0.5, q_data_type=q.dtype, kv_data_type=E4M3, o_data_type=torch.bfloat16)
             qf = q.reshape(b * chunk, HQ, D)
             o = torch.empty(b * chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
