@@ -544,8 +544,7 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
                                                                                               max_seqlen_q):
             why = "varlen: the Triton kernel is the faster one for these shapes (dense_tma.varlen_preferred)"
         else:
-            why = \
-            dense_tma.unsupported_reason(
+            why = dense_tma.unsupported_reason(
                 q, k, v, out, causal=causal, window_size=window_size, softcap=softcap, q_descale=q_descale,
                 k_descale=k_descale, v_descale=v_descale, out_scale=out_scale, cu_seqlens_q=cu_seqlens_q,
                 descale_block_q=descale_block_q, descale_block_k=descale_block_k, lse=lse,

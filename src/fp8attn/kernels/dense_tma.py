@@ -102,7 +102,7 @@ _ENTRY = 8
 
 
 @triton.jit
-def _block_list_kernel(CuQ, KSrc, Blocks, batch, capacity, min_len_q, BM: tl.constexpr, BLOCK_B: tl.constexpr,
+def _block_list_kernel(CuQ, KSrc, Blocks, batch, min_len_q, BM: tl.constexpr, BLOCK_B: tl.constexpr,
                        KEYS_CU: tl.constexpr, ENTRY: tl.constexpr):
     """``varlen_block_list`` in one program: per chunk of BLOCK_B sequences, each one's first list slot
     (a running prefix sum of block counts), then its blocks' entries. Keys from ``KSrc``: cumulative
@@ -1284,7 +1284,7 @@ def varlen_preferred(head_dim, max_seqlen_q):
     calls, V laid out by ``dense.varlen_v_kmajor`` in each call; ``explore/dense_varlen_tma.json``): d128
     1.48-2.26x the Triton kernel, d64 1.22-1.77x, over 8 random lengths 512-4096, 4 x 4096 and 16 x 1024,
     causal or not; shorter batches were not measured."""
-    return head_dim in (64, 128) and max_seqlen_q is not None and int(max_seqlen_q) >= 1024
+    return head_dim in _VARLEN_HEAD_DIMS and max_seqlen_q is not None and int(max_seqlen_q) >= 1024
 
 
 def ws_grid(n_blocks, causal, seqlen_q, device_index):
@@ -1616,7 +1616,7 @@ def varlen_block_list(cu_seqlens_q, keys, keys_cumulative, total_q, min_len_q=1)
     batch = cu_seqlens_q.numel() - 1
     capacity = total_q // BLOCK_M + batch
     blocks = torch.empty(_ENTRY * (1 + capacity), device=cu_seqlens_q.device, dtype=torch.int32)
-    _block_list_kernel[(1,)](cu_seqlens_q, keys, blocks, batch, capacity, int(min_len_q), BM=BLOCK_M, BLOCK_B=256,
+    _block_list_kernel[(1,)](cu_seqlens_q, keys, blocks, batch, int(min_len_q), BM=BLOCK_M, BLOCK_B=256,
                              KEYS_CU=bool(keys_cumulative), ENTRY=_ENTRY, num_warps=4)
     return blocks
 

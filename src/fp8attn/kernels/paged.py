@@ -506,8 +506,6 @@ def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: 
     return op, lp
 
 
-_dstrides = paged_tma.descale_strides
-
 
 def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      cache_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, *,
@@ -570,7 +568,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
             out_scale=out_scale, num_splits=num_splits) is None
     tma_args = dict(softmax_scale=softmax_scale, causal=window_flags(causal, window_size)[0], q_descale=q_descale,
-                    k_descale=k_descale, v_descale=v_descale, out_scale=out_scale)
+                    k_descale=k_descale, v_descale=v_descale, out_scale=out_scale) if tma_ok else None
     if tma_ok and not varlen:
         paged_tma.launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, **tma_args)
         return
@@ -685,7 +683,8 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             page_table.stride(0),
             *s_o, *s_l,
-            *_dstrides(q_descale), *_dstrides(k_descale), *_dstrides(v_descale),
+            *paged_tma.descale_strides(q_descale), *paged_tma.descale_strides(k_descale),
+            *paged_tma.descale_strides(v_descale),
             *kss, *vss,
             float(qk_scale), float(softcap or 0.0), wl, wr, num_splits, lo, hi,
             QG=qg, BLOCK_M=bm_l, BLOCK_N=bn_l, BLOCK_Q=max(1, bm_l // qg),
