@@ -8,7 +8,9 @@ not multiples of 128, sequences shorter than the chunk and empty ones), bit-equa
 TMA kernel on the gathered K/V and of a chunk with the same rows of a single-shot prefill, repeated
 runs, the fused FP8 output, CUDA-graph replay at longer lengths, and a cache over 2**31 elements.
 Varlen (mixed) batches run on both kernels (short sequences on the Triton kernel): the same checks, and
-the TMA rows equal the fixed-length launch of the same sequence.
+the TMA rows equal the fixed-length launch of the same sequence. Both V layouts (sequence-major, and
+FA3's, transposed in the kernel, with pages of 16 to 256 keys): the same checks, and the bits of one
+layout equal the other's.
 """
 import math
 
@@ -26,8 +28,10 @@ from fp8attn.reference import gather_paged
 E4M3 = torch.float8_e4m3fn
 
 
-def _inputs(seqlens, sq, page_size, hq, hk, d, device):
-    c = _v_seq_major(make_cache(seqlens, page_size, hk, d, device=device))
+def _inputs(seqlens, sq, page_size, hq, hk, d, device, v_rows=False):
+    """``v_rows``: V in FA3's layout (rows of keys, transposed in the kernel), else sequence-major."""
+    c = make_cache(seqlens, page_size, hk, d, device=device)
+    c = c if v_rows else _v_seq_major(c)
     b = len(seqlens)
     q = saturating_cast(torch.randn(b, sq, hq, d, device=device) * 2, E4M3)
     dk = dict(q_descale=rand_descale(b, hk, device), k_descale=rand_descale(b, hk, device),
@@ -70,7 +74,17 @@ def test_unsupported_reasons_name_the_rule():
     assert "page_size (32)" in _reason(q, _v_seq_major(make_cache([300, 700], 32, 2, 64, device="cpu")))
     assert _reason(q, _v_seq_major(make_cache([300, 700], 64, 2, 64, device="cpu"))) == "inputs must be CUDA tensors"
     assert [paged_tma.block_n(p) for p in (64, 128, 192, 256)] == [64, 128, 64, 128]
-    assert "sequence-major" in _reason(q, dict(c, v_cache=c["v_cache"].contiguous()))
+    assert [paged_tma.box_rows(p, False) for p in (64, 128, 192, 256)] == [64, 128, 64, 128]
+    # FA3's V layout: 128-key tiles in boxes of up to one page
+    assert {paged_tma.block_n(p, True) for p in (16, 32, 64, 128, 192, 256)} == {128}
+    assert [paged_tma.box_rows(p, True) for p in (16, 32, 64, 128, 192, 256)] == [16, 32, 64, 128, 64, 128]
+    for ps in (16, 32):  # one TMA box per page: FA3's layout only
+        assert _reason(q, make_cache([300, 700], ps, 2, 64, device="cpu")) == "inputs must be CUDA tensors"
+    assert "page_size (48)" in _reason(q, make_cache([300, 700], 48, 2, 64, device="cpu"))
+    assert _reason(q, dict(c, v_cache=c["v_cache"].contiguous())) == "inputs must be CUDA tensors"  # FA3's layout
+    nb, ps, hk, d = c["v_cache"].shape
+    strided = torch.empty(nb, hk, ps, d, dtype=E4M3).transpose(1, 2)  # neither layout
+    assert "sequence-major" in _reason(q, dict(c, v_cache=strided))
     q256, c256, _ = _inputs([300], 128, 128, 2, 2, 256, "cpu")
     assert "head dim" in _reason(q256, c256)
     assert "page_table" in _reason(q, dict(c, page_table=c["page_table"].long()))
@@ -121,15 +135,19 @@ def _run(q, c, dk, causal, **kw):
     return out, lse
 
 
+# (page size, V in FA3's layout): pages of 16 and 32 keys with FA3's layout only
+_PAGES = [(64, False), (128, False), (256, False), (16, True), (32, True), (64, True), (128, True), (256, True)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("page_size", [64, 128, 256])
-def test_gpu_against_reference(d, causal, page_size):
+@pytest.mark.parametrize("page_size, v_rows", _PAGES)
+def test_gpu_against_reference(d, causal, page_size, v_rows):
     # lengths past the chunk by 0, 77, 1000 keys, one shorter than the chunk, one empty
     sq = 256
     seqlens = [sq, sq + 77, sq + 1000, 100, 0]
-    q, c, dk = _inputs(seqlens, sq, page_size, 8, 2, d, "cuda")
+    q, c, dk = _inputs(seqlens, sq, page_size, 8, 2, d, "cuda", v_rows)
     out, lse = _run(q, c, dk, causal)
     ref, ref_lse, lp = refs(q, c, quantize_p=True, causal=causal, **dk)
     check(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
@@ -159,6 +177,53 @@ def test_gpu_bits_equal_dense_tma(d, causal):
     assert torch.equal(lse, ld)
 
 
+def _repaged(c, page_size):
+    """The cache ``c`` (FA3's layout) as pages of ``page_size`` in sequence order, NaN past each end."""
+    seqlens = c["cache_seqlens"]
+    L = -(-max(int(seqlens.max()), 1) // page_size) * page_size
+    b = seqlens.numel()
+    kg, _ = gather_paged(c["k_cache"], c["page_table"], seqlens, L)
+    vg, _ = gather_paged(c["v_cache"], c["page_table"], seqlens, L)
+    dead = torch.arange(L, device=seqlens.device)[None, :] >= seqlens[:, None]
+    caches = []
+    for t in (kg, vg):  # e4m3, zeros past each end: poison them
+        t = t.contiguous()
+        t.view(torch.uint8)[dead] = 0x7F  # e4m3 NaN
+        caches.append(t.view(b * (L // page_size), page_size, *t.shape[2:]))
+    pt = torch.arange(b * (L // page_size), dtype=torch.int32, device=seqlens.device).view(b, -1)
+    return dict(c, k_cache=caches[0], v_cache=caches[1], page_table=pt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+def test_gpu_v_rows_bits_equal_seq_major(page_size):
+    """V in FA3's layout, transposed in shared memory, in pages of 16 to 128 keys (128-key tiles, one TMA box
+    per page or tile; the page table ending at the last page) gives the bits of the same values
+    sequence-major in 128-key pages (the same tiles reach P V), NaN past every sequence's end:
+    fixed-length and varlen (the TMA kernel's rows: the Triton kernel that runs the short sequences
+    reads the layouts differently)."""
+    seqlens, sq = [256, 333, 1256, 100, 0], 256
+    c = make_cache(seqlens, page_size, 2, 128, device="cuda", extra_pages=0)
+    q = saturating_cast(torch.randn(len(seqlens), sq, 8, 128, device="cuda") * 2, E4M3)
+    dk = dict(q_descale=rand_descale(len(seqlens), 2, "cuda"), k_descale=rand_descale(len(seqlens), 2, "cuda"),
+              v_descale=rand_descale(len(seqlens), 2, "cuda"))
+    ref = _v_seq_major(_repaged(c, 128))
+    for causal in (True, False):
+        a, la = _run(q, c, dk, causal)
+        b, lb = _run(q, ref, dk, causal)
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)) and torch.equal(la, lb)
+    qv = saturating_cast(torch.randn(sum(_QLENS), 8, 128, device="cuda") * 2, E4M3)
+    cv = make_cache(_SEQLENS, page_size, 2, 128, device="cuda", extra_pages=0)
+    vk = dict(cu_seqlens_q=cu_from_lens(_QLENS, "cuda"), max_seqlen_q=max(_QLENS))
+    dv = dict(q_descale=rand_descale(len(_QLENS), 2, "cuda"), k_descale=rand_descale(len(_QLENS), 2, "cuda"),
+              v_descale=rand_descale(len(_QLENS), 2, "cuda"))
+    a, la = _run(qv, cv, dv, True, **vk)
+    b, lb = _run(qv, _v_seq_major(_repaged(cv, 128)), dv, True, **vk)
+    rows = torch.cat([torch.full((n,), n >= paged_tma.VARLEN_MIN_Q) for n in _QLENS]).cuda()
+    assert rows.sum() >= 4 * paged_tma.VARLEN_MIN_Q
+    assert torch.equal(a[rows].view(torch.int16), b[rows].view(torch.int16)) and torch.equal(la[:, rows], lb[:, rows])
+
+
 @pytest.mark.gpu
 def test_gpu_chunk_equals_single_shot_rows():
     """Chunked prefill: the second 256-query chunk over a 640-key cache gives the bits of those rows
@@ -182,10 +247,11 @@ def test_gpu_fused_fp8_output():
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture_short_replay_long():
+@pytest.mark.parametrize("v_rows", [False, True])
+def test_gpu_cuda_graph_capture_short_replay_long(v_rows):
     hq, hk, d, sq = 8, 2, 128, 256
     seqlens = [3000, 1300, 4000]
-    q, c, dk = _inputs(seqlens, sq, 128, hq, hk, d, "cuda")
+    q, c, dk = _inputs(seqlens, sq, 128, hq, hk, d, "cuda", v_rows)
     out = torch.empty(len(seqlens), sq, hq, d, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(len(seqlens), hq, sq, device="cuda")
     seq_buf = torch.tensor([300, 256, 600], dtype=torch.int32, device="cuda")
@@ -200,11 +266,12 @@ def test_gpu_cuda_graph_capture_short_replay_long():
 
 
 @pytest.mark.gpu
-def test_gpu_cache_over_2_31_elements():
+@pytest.mark.parametrize("v_rows", [False, True])
+def test_gpu_cache_over_2_31_elements(v_rows):
     hq, hk, d, ps, sq = 8, 8, 128, 128, 128
     nb = (2 ** 31) // (ps * hk * d) + 3
     kc = poison_(torch.empty(nb, ps, hk, d, dtype=E4M3, device="cuda"))
-    vc = poison_(empty_paged((nb, ps, hk, d), E4M3, "cuda", seq_major=True))
+    vc = poison_(empty_paged((nb, ps, hk, d), E4M3, "cuda", seq_major=not v_rows))
     pt = torch.tensor([[nb - 1, nb - 3, 0, -1], [nb - 2, 5, -1, -1]], dtype=torch.int32, device="cuda")
     seqlens = [300, 200]
     for b, L in enumerate(seqlens):
@@ -225,8 +292,9 @@ def test_gpu_cache_over_2_31_elements():
 # ---- varlen (mixed) batches: sequences of 128+ queries here, the others on the Triton kernel
 
 
-def _varlen_inputs(seqlens, qlens, page_size, hq, hk, d):
-    c = _v_seq_major(make_cache(seqlens, page_size, hk, d, device="cuda"))
+def _varlen_inputs(seqlens, qlens, page_size, hq, hk, d, v_rows=False):
+    c = make_cache(seqlens, page_size, hk, d, device="cuda")
+    c = c if v_rows else _v_seq_major(c)
     b = len(seqlens)
     q = saturating_cast(torch.randn(sum(qlens), hq, d, device="cuda") * 2, E4M3)
     dk = dict(q_descale=rand_descale(b, hk, "cuda"), k_descale=rand_descale(b, hk, "cuda"),
@@ -242,9 +310,9 @@ _QLENS = [1, 300, 1, 129, 1000, 1, 128, 127, 0, 260]
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("page_size", [64, 128, 256])
-def test_gpu_varlen_against_reference(d, causal, page_size):
-    q, c, dk, vk = _varlen_inputs(_SEQLENS, _QLENS, page_size, 8, 2, d)
+@pytest.mark.parametrize("page_size, v_rows", _PAGES)
+def test_gpu_varlen_against_reference(d, causal, page_size, v_rows):
+    q, c, dk, vk = _varlen_inputs(_SEQLENS, _QLENS, page_size, 8, 2, d, v_rows)
     out, lse = _run(q, c, dk, causal, **vk)
     ref, ref_lse, lp = refs(q, c, quantize_p=True, causal=causal, **vk, **dk)
     check(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
@@ -282,12 +350,13 @@ def test_gpu_varlen_fused_fp8_output():
 
 
 @pytest.mark.gpu
-def test_gpu_varlen_cuda_graph_capture_short_replay_long():
+@pytest.mark.parametrize("v_rows", [False, True])
+def test_gpu_varlen_cuda_graph_capture_short_replay_long(v_rows):
     from fp8attn.kernels.paged import launch_paged_fwd
     hq, hk, d = 8, 2, 128
     qlens = [1, 256, 1, 300]
     seqlens = [3000, 1300, 700, 4000]
-    q, c, dk, vk = _varlen_inputs(seqlens, qlens, 128, hq, hk, d)
+    q, c, dk, vk = _varlen_inputs(seqlens, qlens, 128, hq, hk, d, v_rows)
     out = torch.empty(q.shape, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(hq, q.shape[0], device="cuda")
     seq_buf = torch.tensor([300, 256, 1, 400], dtype=torch.int32, device="cuda")

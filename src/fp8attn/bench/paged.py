@@ -349,6 +349,16 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
             ours_bf16()
             ms_b = time_ms(ours_bf16)
             peers["paged_bf16q"] = {"ms": ms_b, "tflops": flops / ms_b / 1e9}
+            out_t = torch.empty_like(out)
+
+            def ours_triton():  # the same FA3-layout cache on the Triton kernel (ours runs on paged_tma)
+                ours({"tma": False}, o=out_t, lse_=None)
+            ours_triton()
+            torch.cuda.synchronize()
+            ms_t = time_ms(ours_triton)
+            peers["paged_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9,
+                                     "max_abs_diff_vs_paged": (out_t.float() - out.float()).abs().max().item()}
+            del out_t
             try:
                 from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
                 from ..reference import gather_paged

@@ -717,7 +717,7 @@ if HAS_GLUON:
                      seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL: gl.constexpr,
                      WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
                      HEAD_DIM: gl.constexpr, SeqlensK, BlockList, Out, stride_om, stride_oh, v_clean,
-                     MODE: gl.constexpr):
+                     MODE: gl.constexpr, V_ROWS: gl.constexpr = False):
         """Consumer WG (4 warps): rows 64 WG .. 64 WG + 63 of each of this CTA's query blocks, walked in the
         producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or ``_ws_attend_d256``.
         MODE != dense (head dims 64, 128): per-sequence bounds (``_ws_block``), the V tail barrier
@@ -755,7 +755,7 @@ if HAS_GLUON:
                                k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                                o_desc, Lse, OutScale, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
                                o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, sk, v_clean, nc & 1, q_row,
-                               len_q, Out, stride_om, stride_oh, MODE)
+                               len_q, Out, stride_om, stride_oh, MODE, V_ROWS)
                     if MODE != 0:
                         nc += (n_tiles * TN > sk).to(gl.int32)
                 g0 += n_tiles
@@ -769,7 +769,7 @@ if HAS_GLUON:
                    stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o, o_layout: gl.constexpr,
                    p_layout: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr,
                    NUM_STAGES: gl.constexpr, seqlen_k=0, v_clean=None, clean_phase=0, q_row=0, len_q=0, Out=None,
-                   stride_om=0, stride_oh=0, MODE: gl.constexpr = 0):
+                   stride_om=0, stride_oh=0, MODE: gl.constexpr = 0, V_ROWS: gl.constexpr = False):
         """One consumer's 64 rows of one query block, head dims 64 and 128: Q in buffer ``qi``, KV tiles
         from ring position ``g0``, turns from ``k0``; normalized rows stored by TMA, LSE by plain stores.
         Per-sequence bounds (MODE != dense): ``seqlen_k`` keys of any count; tiles that every row of this
@@ -815,7 +815,7 @@ if HAS_GLUON:
         gl_ = g0 + n_tiles - 1
         vs = gl_ % NUM_STAGES
         p8 = _p_operand(p, p_layout)
-        if MODE != 0:
+        if MODE != 0 and not V_ROWS:  # (V_ROWS: the producer zeroed them while transposing)
             mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
             _ws_clean_v_tail(v_smem.index(vs), (n_tiles - 1) * TN, seqlen_k, v_clean, clean_phase, WG)
         _ws_turn_wait(turn, WG, k0 + n_tiles)
@@ -984,7 +984,8 @@ if HAS_GLUON:
     def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                    v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM: gl.constexpr,
                    CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, BlockList,
-                   stride_pt, page_size, MODE: gl.constexpr):
+                   stride_pt, page_size, MODE: gl.constexpr, v_raw=None, v_raw_ready=None,
+                   V_ROWS: gl.constexpr = False):
         """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
         through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
         while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
@@ -995,15 +996,23 @@ if HAS_GLUON:
         sequence-major as (num_blocks * nheads_k * D, page_size). Varlen K/V (MODE 2): K as (total_k,
         nheads_k * D) rows, V sequence-contiguous as (nheads_k * D, columns) with each sequence from a
         16-byte aligned column (``dense.varlen_v_kmajor``). Varlen Q (MODE 2): rows
-        of the (total_q, nheads_q * D) view."""
+        of the (total_q, nheads_q * D) view.
+
+        V_ROWS (4 warps): V in K's layout (rows of keys, FA3's cache layout), loaded by TMA at K's
+        coordinates into ``v_raw`` and transposed into ``v_smem`` by this partition one tile behind the
+        loads (``_ws_transpose_v``), so that tile g's K and V are in flight while tile g - 1 is
+        transposed; its tiles are 128 keys for every page size, in boxes of up to one page (16, 32 or
+        64 keys: ``_tile_keys``)."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
-        TN: gl.constexpr = k_desc.block_type.shape[0]
+        KB: gl.constexpr = k_desc.block_type.shape[0]
+        TN: gl.constexpr = _tile_keys(KB, V_ROWS)
         NQK: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[1]
-        NV: gl.constexpr = HEAD_DIM // v_desc.block_type.shape[0]
+        NV: gl.constexpr = 1 if V_ROWS else HEAD_DIM // v_desc.block_type.shape[0]
         DQK: gl.constexpr = q_desc.block_type.shape[1]
         DV: gl.constexpr = v_desc.block_type.shape[0]
         g = 0
         it = 0
+        lim = 0  # V_ROWS: keys holding data in the tile loaded last (>= TN: all)
         n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, BlockList, MODE)
         for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
             t = _ws_round_robin(r)
@@ -1038,17 +1047,89 @@ if HAS_GLUON:
                     st = g % NUM_STAGES
                     eph = ((g // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
                     mbarrier.wait(k_empty.index(st), eph)
-                    mbarrier.expect(k_ready.index(st), NQK * k_desc.block_type.nbytes)
-                    for hh in gl.static_range(NQK):
-                        tma.async_copy_global_to_shared(k_desc, [k_row, hk * HEAD_DIM + hh * DQK],
-                                                        k_ready.index(st), k_smem.index(NQK * st + hh))
-                    mbarrier.wait(v_empty.index(st), eph)
-                    mbarrier.expect(v_ready.index(st), NV * v_desc.block_type.nbytes)
-                    for qq in gl.static_range(NV):
-                        tma.async_copy_global_to_shared(v_desc, [v_row + qq * DV, v_col], v_ready.index(st),
-                                                        v_smem.index(NV * st + qq))
+                    if KB < TN:
+                        # boxes smaller than the tile (V_ROWS, pages that 128 keys would straddle): one K and
+                        # one V box per KB keys, each within a page; boxes past the sequence's end (the page
+                        # table may end before them) read page 0, never used
+                        mbarrier.expect(k_ready.index(st), (TN // KB) * k_desc.block_type.nbytes)
+                        mbarrier.expect(v_raw_ready.index(st), (TN // KB) * v_desc.block_type.nbytes)
+                        for i in gl.static_range(TN // KB):
+                            ni = tt * TN + i * KB
+                            pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + ni // page_size,
+                                                    mask=ni < sk, other=0), 0)
+                            row = pg * page_size + ni % page_size
+                            tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], k_ready.index(st),
+                                                            k_smem.index(st).slice(i * KB, KB))
+                            tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM], v_raw_ready.index(st),
+                                                            v_raw.index(st).slice(i * KB, KB))
+                    else:
+                        mbarrier.expect(k_ready.index(st), NQK * k_desc.block_type.nbytes)
+                        for hh in gl.static_range(NQK):
+                            tma.async_copy_global_to_shared(k_desc, [k_row, hk * HEAD_DIM + hh * DQK],
+                                                            k_ready.index(st), k_smem.index(NQK * st + hh))
+                        if V_ROWS:
+                            # raw slot st was last read by tile g - NUM_STAGES's transpose, done below
+                            mbarrier.expect(v_raw_ready.index(st), v_desc.block_type.nbytes)
+                            tma.async_copy_global_to_shared(v_desc, [k_row, hk * HEAD_DIM], v_raw_ready.index(st),
+                                                            v_raw.index(st))
+                    if V_ROWS:
+                        if g > 0:
+                            _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g - 1, lim, NUM_STAGES)
+                        lim = sk - tt * TN
+                    else:
+                        mbarrier.wait(v_empty.index(st), eph)
+                        mbarrier.expect(v_ready.index(st), NV * v_desc.block_type.nbytes)
+                        for qq in gl.static_range(NV):
+                            tma.async_copy_global_to_shared(v_desc, [v_row + qq * DV, v_col], v_ready.index(st),
+                                                            v_smem.index(NV * st + qq))
                     g += 1
                 it += 1
+        if V_ROWS:
+            if g > 0:
+                _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g - 1, lim, NUM_STAGES)
+
+    @gluon.constexpr_function
+    def _transpose_layout(D, num_warps):
+        """``_ws_transpose_v``'s register layout of a (keys, D) chunk: 4 keys x 8 head-dim bytes per thread
+        (8-byte loads, byte permutes, 4-byte stores), 8 x 4 threads per warp, warps along the head dim
+        first. H200, 2k chunk over 8k, page 128: 15% over sequence-major V with it, 20-23% with 4 x 4
+        bytes per thread (ldmatrix loads) or 8 x 4 (8-byte stores) (docs/perf-notes.md)."""
+        wd = min(num_warps, D // 32)
+        return gl.BlockedLayout([4, 8], [8, 4], [num_warps // wd, wd], [1, 0])
+
+    @gluon.constexpr_function
+    def _transpose_chunk(layout):
+        """Keys per chunk of ``_ws_transpose_v``: one layout tile, at least 32."""
+        return max(32, layout.size_per_thread[0] * layout.threads_per_warp[0] * layout.warps_per_cta[0])
+
+    @gluon.jit
+    def _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g, lim, NUM_STAGES: gl.constexpr):
+        """V_ROWS producer: ring tile g's V from key rows (``v_raw``, (TN, D) as K) into the sequence-major
+        (D, TN) buffer that P V reads (Hopper's FP8 wgmma takes V only K-major), in chunks of 32 or more
+        keys (``_transpose_layout``). Keys from ``lim`` on hold no data (NaN in a
+        poisoned cache) and are written as 0: P is 0 there, but 0 * NaN is NaN."""
+        TN: gl.constexpr = v_raw.shape[1]
+        layout: gl.constexpr = _transpose_layout(v_raw.shape[2], gl.num_warps())
+        KC: gl.constexpr = _transpose_chunk(layout)
+        s = g % NUM_STAGES
+        ph = (g // NUM_STAGES) & 1
+        src = v_raw.index(s)
+        dst = v_smem.index(s)
+        mbarrier.wait(v_raw_ready.index(s), ph)
+        mbarrier.wait(v_empty.index(s), ph ^ 1)  # the first NUM_STAGES waits pass on fresh barriers
+        if lim >= TN:
+            for c in gl.static_range(TN // KC):
+                x = src.slice(c * KC, KC, dim=0).load(layout)
+                dst.slice(c * KC, KC, dim=1).store(gl.permute(x, (1, 0)))
+        else:
+            for c in gl.static_range(TN // KC):
+                x = src.slice(c * KC, KC, dim=0).load(layout)
+                keys = c * KC + gl.arange(0, KC, layout=gl.SliceLayout(1, layout))
+                x = gl.where(gl.expand_dims(keys < lim, 1), x, gl.zeros_like(x))
+                dst.slice(c * KC, KC, dim=1).store(gl.permute(x, (1, 0)))
+        fence_async_shared()  # for P V's wgmma (async proxy) and the next TMA into v_raw
+        gl.thread_barrier()  # every warp's stores (and reads of v_raw) are done
+        mbarrier.arrive(v_ready.index(s))
 
     @gluon.jit
     def _ws_round_robin(r):
@@ -1123,17 +1204,25 @@ if HAS_GLUON:
         else:
             return t % n_mb, t // n_mb
 
+    @gluon.constexpr_function
+    def _tile_keys(box_rows, v_rows):
+        """Keys per KV tile for K boxes of ``box_rows`` rows: 128 with V in K's layout (V_ROWS: boxes of
+        16, 32, 64 or 128 keys, as many per tile as fit), else the box (a V box, sequence-major, is the
+        tile: 64 keys for 64-slot pages)."""
+        return 128 if v_rows else box_rows
+
     @gluon.jit
     def _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 N_TURN: gl.constexpr):
+                 N_TURN: gl.constexpr, V_ROWS: gl.constexpr = False):
         """The warp-specialized kernels' shared memory, mbarriers initialized: ``(q_smem, k_smem, v_smem,
-        o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty)``. ``turn`` holds N_TURN
-        single-arrival barriers: the consumers' two turns (the paged kernel, N_TURN = 3, adds its V tail
-        barrier)."""
+        o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, v_raw_ready)``. ``turn``
+        holds N_TURN single-arrival barriers: the consumers' two turns (the paged kernel, N_TURN = 3, adds
+        its V tail barrier). V_ROWS (``v_desc`` a box of key rows, as K's): ``v_raw`` is a ring of such
+        boxes with TMA barriers ``v_raw_ready``, ``v_smem`` their transposes (else both alias V's)."""
         MH: gl.constexpr = q_desc.block_type.shape[0]
         DQK: gl.constexpr = q_desc.block_type.shape[1]
-        TN: gl.constexpr = k_desc.block_type.shape[0]
-        DV: gl.constexpr = v_desc.block_type.shape[0]
+        TN: gl.constexpr = _tile_keys(k_desc.block_type.shape[0], V_ROWS)
+        DV: gl.constexpr = HEAD_DIM if V_ROWS else v_desc.block_type.shape[0]
         NQK: gl.constexpr = HEAD_DIM // DQK  # Q/K boxes per head (256: two 128-wide halves)
         NV: gl.constexpr = HEAD_DIM // DV  # V/O boxes per head (256: four 64-wide quarters)
         gl.static_assert(MH == 64)
@@ -1149,7 +1238,15 @@ if HAS_GLUON:
         # Q: (Q buffer, consumer, box); K: (stage, box); V: (stage, box); O: (consumer, box)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [4 * NQK, MH, DQK], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES * NQK, TN, DQK], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES * NV, DV, TN], v_desc.layout)
+        if V_ROWS:
+            gl.static_assert(NV == 1)
+            v_raw = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, TN, DV], v_desc.layout)
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, DV, TN],
+                                               gl.NVMMASharedLayout(swizzle_byte_width=TN, element_bitwidth=8,
+                                                                    rank=2))
+        else:
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES * NV, DV, TN], v_desc.layout)
+            v_raw = v_smem
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2 * NV, MH, DV], o_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
@@ -1158,6 +1255,12 @@ if HAS_GLUON:
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        if V_ROWS:
+            v_raw_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.init(v_raw_ready.index(i), count=1)
+        else:
+            v_raw_ready = v_ready
         for w in gl.static_range(4):  # (Q buffer, consumer)
             mbarrier.init(q_ready.index(w), count=1)
             mbarrier.init(q_empty.index(w), count=1)
@@ -1170,7 +1273,8 @@ if HAS_GLUON:
             mbarrier.init(v_empty.index(i), count=2)
         fence_async_shared()
         gl.thread_barrier()
-        return q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty
+        return q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
+            v_raw_ready
 
     @gluon.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_PTR_ARGS)
     def _dense_fwd_tma_ws_kernel(
@@ -1190,7 +1294,7 @@ if HAS_GLUON:
         consumer's softmax runs while the other's MMAs use the tensor cores, and a block's epilogue
         overlaps the next block's first loads. Consumers run at 240 registers, the producer at 24. Same
         softmax step, accumulation and epilogues as the other kernels (the same bits)."""
-        q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty = _ws_smem(
+        q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, _, _ = _ws_smem(
             q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 2)
 
         # (the argument tuples are written out: a tuple held in a variable loses the constexpr flags)
@@ -1217,7 +1321,7 @@ if HAS_GLUON:
         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
         stride_pt, page_size, stride_om, stride_oh, seqlen_q, nheads_q, nheads_k, batch, softmax_scale_log2,
         CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
-        HEAD_DIM: gl.constexpr, MODE: gl.constexpr,
+        HEAD_DIM: gl.constexpr, MODE: gl.constexpr, V_ROWS: gl.constexpr,
     ):
         """``_dense_fwd_tma_ws_kernel`` with per-sequence bounds, MODE (``MODE_*``): a paged FP8 KV cache
         (chunked prefill; key counts from ``SeqlensK``, a tile's page from ``PageTable``, read by the
@@ -1227,11 +1331,14 @@ if HAS_GLUON:
         the last keys): the tiles that cross the diagonal or a sequence's end run masked, and the slots
         of the last V tile past the end are zeroed in shared memory before P V reads them
         (``_ws_clean_v_tail``). Head dims 64 and 128; pages a multiple of the tile (64 or 128 keys), V
-        sequence-major within each page."""
+        sequence-major within each page, or (V_ROWS) in K's layout, FA3's, transposed in shared memory
+        by a 4-warp producer (``_ws_transpose_v``; the producer then runs at 32 registers, not 24)."""
         gl.static_assert(HEAD_DIM != 256)
-        q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty = _ws_smem(
-            q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 3)
+        q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
+            v_raw_ready = _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 3, V_ROWS)
         v_clean = turn.index(2)
+        LOADER_WARPS: gl.constexpr = 4 if V_ROWS else 1
+        LOADER_REGS: gl.constexpr = 32 if V_ROWS else _WS_LOADER_REGS
 
         gl.warp_specialize([
             (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
@@ -1239,17 +1346,18 @@ if HAS_GLUON:
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                             OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
-                            v_clean, MODE)),
+                            v_clean, MODE, V_ROWS)),
             (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                             OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
-                            v_clean, MODE)),
+                            v_clean, MODE, V_ROWS)),
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
-                          NUM_STAGES, PageTable, SeqlensK, BlockList, stride_pt, page_size, MODE)),
-        ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
+                          NUM_STAGES, PageTable, SeqlensK, BlockList, stride_pt, page_size, MODE, v_raw, v_raw_ready,
+                          V_ROWS)),
+        ], [4, LOADER_WARPS], [_WS_CONSUMER_REGS, LOADER_REGS])
 
 # ---------------------------------------------------------------------------------------------
 # host side
@@ -1312,13 +1420,15 @@ def _tiles(head_dim, ws):
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts(tiles, out_fp8):
-    """Shared-memory layouts of the Q, K, V and output boxes of ``_tiles(...)``."""
+def _layouts(tiles, out_fp8, v_rows=False, k_rows=None):
+    """Shared-memory layouts of the Q, K, V and output boxes of ``_tiles(...)`` (``v_rows``: V's box is
+    K's, rows of keys; ``k_rows``: rows of K's box when not the tile's keys, one small page)."""
     f8 = gl.float8e4nv
     rows, dh, dv, bn = tiles
+    kb = k_rows or bn
     return (gl.NVMMASharedLayout.get_default_for([rows, dh], f8),
-            gl.NVMMASharedLayout.get_default_for([bn, dh], f8),
-            gl.NVMMASharedLayout.get_default_for([dv, bn], f8),
+            gl.NVMMASharedLayout.get_default_for([kb, dh], f8),
+            gl.NVMMASharedLayout.get_default_for([kb, dh] if v_rows else [dv, bn], f8),
             gl.NVMMASharedLayout.get_default_for([rows, dv], f8 if out_fp8 else gl.bfloat16))
 
 
@@ -1583,7 +1693,7 @@ def _launch_varlen(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale
             out_scale if out_fp8 else q_descale, cu_seqlens_q, cu_seqlens_q, blocks, out, *ls, *q_descale.stride(),
             *k_descale.stride(), *v_descale.stride(), 0, 1, *row_strides, total_q, hq, hk, batch,
             float(softmax_scale) * _LOG2E)
-    _launch(d, True, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES, d, MODE_VARLEN),
+    _launch(d, True, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES, d, MODE_VARLEN, False),
             bounded=True, tiles=tiles)
     return out, lse
 
@@ -1671,20 +1781,21 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
     descs : four (tensor, shape, strides, block_shape) tuples: the Q, K, V and output TMA views.
     args : the kernel's remaining run-time arguments in signature order.
     consts : the constexprs in ``_CONST_NAMES`` order: (CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES), and HEAD_DIM
-        for the warp-specialized kernel, and MODE for the bounded one.
+        for the warp-specialized kernel, and MODE and V_ROWS for the bounded one.
     """
     drv = triton.runtime.driver.active  # the device and stream triton's own launch would use
     dev = drv.get_current_device()
     kernel, num_warps = (_bounded_fwd_tma_ws_kernel, 4) if bounded else _kernel_for(d, ws)
     n_ptr = len(_BOUNDED_PTR_ARGS if bounded else _PTR_ARGS)
     tiles = tiles or _tiles(d, ws)
-    key = (dev, d, kernel, tiles) + consts
+    k_rows = descs[1][3][0]  # K's box: the tile's keys, or one small page
+    key = (dev, d, kernel, tiles, k_rows) + consts
     ck = _COMPILED.get(key)
     if ck is None or _launch_hooks_set() or max(args[n_ptr:-1]) >= 2 ** 31:
-        layouts = _layouts(tiles, consts[2])
+        layouts = _layouts(tiles, consts[2], bounded and consts[6], k_rows)
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
-        ck = kernel[grid](*tds, *args, **dict(zip(_CONST_NAMES + ("MODE",), consts)), num_warps=num_warps)
+        ck = kernel[grid](*tds, *args, **dict(zip(_CONST_NAMES + ("MODE", "V_ROWS"), consts)), num_warps=num_warps)
         if _DIRECT_LAUNCH and not hasattr(ck, "result"):
             _COMPILED[key] = ck
         return
@@ -1695,13 +1806,15 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
 # ---------------------------------------------------------------------------------------------
 # ahead-of-time compile (inspection without a GPU)
 # ---------------------------------------------------------------------------------------------
-def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None, mode=None, block_n=None):
+def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None, mode=None, block_n=None,
+                 v_rows=False, box=None):
     """Compile the kernel for ``sm_{arch}`` without a GPU; returns triton's compiled kernel.
 
     Arguments get the specializations of a launch: none (the jit decorator turns them off).
     ``ws``: the warp-specialized kernel (default: whenever the head dim has it). ``mode``: the kernel
     with per-sequence bounds (``_bounded_fwd_tma_ws_kernel``, ``MODE_*``; head dims 64 and 128),
-    ``block_n`` its keys per tile.
+    ``block_n`` its keys per tile, ``v_rows`` its V in K's layout (``V_ROWS``), ``box`` the rows of its K and
+    V boxes when fewer than the tile's keys (16, 32, 64, with ``v_rows``: ``paged_tma.box_rows``).
     """
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1712,7 +1825,11 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
     if block_n:
         tiles = (*tiles[:3], block_n)
     rows, dh, dv, bn = tiles
-    ql, kl, vl, ol = _layouts(tiles, out_fp8)
+    if v_rows:
+        tiles = (*tiles[:3], BLOCK_N)  # V_ROWS tiles are 128 keys (``_tile_keys``)
+        rows, dh, dv, bn = tiles
+    ql, kl, vl, ol = _layouts(tiles, out_fp8, v_rows, box)
+    kb = box or bn
     kernel, num_warps = (_bounded_fwd_tma_ws_kernel, 4) if bounded else _kernel_for(head_dim, ws)
 
     def desc(shape, layout, dtype="fp8e4nv"):
@@ -1725,8 +1842,8 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
         (("stride_pt", "page_size", "stride_om", "stride_oh", "seqlen_q") if bounded else ("seqlen_q", "seqlen_k")) + \
         ("nheads_q", "nheads_k", "batch")
     sig = {
-        "q_desc": desc([rows, dh], ql), "k_desc": desc([bn, dh], kl),
-        "v_desc": desc([dv, bn], vl),
+        "q_desc": desc([rows, dh], ql), "k_desc": desc([kb, dh], kl),
+        "v_desc": desc([kb, dh] if v_rows else [dv, bn], vl),
         "o_desc": desc([rows, dv], ol, "fp8e4nv" if out_fp8 else "bf16"),
         **{n: "*i32" if n in ("PageTable", "SeqlensK", "BlockList") else
            ("*fp8e4nv" if out_fp8 else "*bf16") if n == "Out" else "*fp32" for n in ptrs},
@@ -1740,8 +1857,9 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
         sig["HEAD_DIM"] = "constexpr"
         consts["HEAD_DIM"] = head_dim
     if bounded:
-        sig["MODE"] = "constexpr"
+        sig["MODE"] = sig["V_ROWS"] = "constexpr"
         consts["MODE"] = int(mode)
+        consts["V_ROWS"] = bool(v_rows)
     # no attributes: a launch specializes no integer or pointer argument (_INT_ARGS, _PTR_ARGS)
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})

@@ -2,13 +2,19 @@
 
 The fast path of ``paged.launch_paged_fwd`` for prefill chunks: ``dense_tma``'s warp-specialized
 persistent kernel with its producer reading each KV tile's page from the page table
-(``_bounded_fwd_tma_ws_kernel`` in ``MODE_PAGED``). A tile is one TMA box of K and one of
-sequence-major V, so the page size must be a multiple of 64 (64-slot pages run 64-key tiles, larger
-ones 128-key tiles) and V sequence-major within each page (``paged.alloc_paged_cache(...,
-v_seq_major=True)``). Sequence lengths come from ``cache_seqlens`` on the device (any value, zero
-included; the queries are the last ``seqlen_q`` keys, bottom-right causal). Tiles that cross the
-diagonal or the sequence's end run masked, and the last V tile's slots past the end are zeroed in
-shared memory before P V reads them, so unused slots (NaN in a poisoned cache) never reach the output.
+(``_bounded_fwd_tma_ws_kernel`` in ``MODE_PAGED``). Two V layouts:
+
+- FA3's (V like K, rows of keys, the cache ``flash_attn_with_kvcache`` takes): V tiles are loaded as K's
+  and transposed in shared memory by the producer warps (Hopper's FP8 wgmma reads V only
+  sequence-major); pages of 16 or 32 keys or a multiple of 64, loaded in boxes of up to one page.
+- sequence-major V within each page (``paged.alloc_paged_cache(..., v_seq_major=True)``): no transpose;
+  pages a multiple of 64.
+
+Tiles are 128 keys, except 64 with sequence-major V in pages that 128 keys would straddle. Sequence lengths come from ``cache_seqlens``
+on the device (any value, zero included; the queries are the last ``seqlen_q`` keys, bottom-right
+causal). Tiles that cross the diagonal or the sequence's end run masked, and the last V tile's slots
+past the end are zeroed in shared memory before P V reads them, so unused slots (NaN in a poisoned
+cache) never reach the output.
 
 Varlen queries (``cu_seqlens_q``, ``MODE_PAGED_VARLEN``): the query blocks listed on the device by
 ``dense_tma.varlen_block_list``, which leaves out the sequences with fewer than ``min_len_q`` queries: a
@@ -18,30 +24,44 @@ mixed batch's decode rows would each fill a 128-row block alone, once per query 
 
 Numerics are ``dense_tma``'s (the same softmax step, two-level accumulation and epilogues): with
 128-key tiles and lengths that are multiples of 128 the output is bit-identical to the dense kernel
-run on the gathered K/V. Everything else (16-bit Q or cache, per-token-head scales, page sizes below
-64, windows, softcap, explicit splits) stays on the Triton kernel; ``unsupported_reason`` says why.
+run on the gathered K/V, and both V layouts give the same bits. Everything else (16-bit Q or cache,
+per-token-head scales, other page sizes, windows, softcap, explicit splits) stays on the Triton kernel;
+``unsupported_reason`` says why.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..paged import is_v_seq_major
 from . import dense_tma
 
-__all__ = ["unsupported_reason", "launch_paged_prefill_tma", "block_n", "descale_strides", "HEAD_DIMS",
-           "VARLEN_MIN_Q"]
+__all__ = ["unsupported_reason", "launch_paged_prefill_tma", "block_n", "box_rows", "descale_strides", "HEAD_DIMS",
+           "VARLEN_MIN_Q", "SMALL_PAGES"]
 
 HEAD_DIMS = (64, 128)
 _TILE = dense_tma.BLOCK_N  # rows per query block, keys per KV tile (64 for 64-slot pages)
 _MIN_PAGE = 64
+# FA3's layout only: pages smaller than a tile, loaded one TMA box per page
+SMALL_PAGES = (16, 32)
 # Varlen launches of ``paged.launch_paged_fwd``: sequences with at least this many queries (one full
 # query block) run here, shorter ones (decode rows, short chunks) on the Triton kernel.
 VARLEN_MIN_Q = dense_tma.BLOCK_M
 
 
-def block_n(page_size):
-    """Keys per KV tile: 128, or 64 for pages of 64 (a tile is one TMA box of K and of V: one page)."""
-    return _TILE if page_size % _TILE == 0 else _MIN_PAGE
+def block_n(page_size, v_rows=False):
+    """Keys per KV tile: 128, or with sequence-major V 64 for pages that 128 keys would straddle (a tile
+    is then one TMA box of K and of V). With FA3's V layout (``v_rows``) always 128, in boxes of up to
+    one page (``box_rows``)."""
+    return _TILE if v_rows or page_size % _TILE == 0 else _MIN_PAGE
+
+
+def box_rows(page_size, v_rows):
+    """Keys per TMA box of K (and of V with FA3's layout): the tile, or the largest power of two up to
+    128 that divides the page (16, 32 or 64 keys: one page or part of one)."""
+    bn = block_n(page_size, v_rows)
+    return bn if page_size % bn == 0 else math.gcd(page_size, bn)
 
 
 def _descale_ok(ds, batch, nheads_k):
@@ -74,7 +94,8 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
     q (batch, seqlen_q, nheads_q, d) float8_e4m3fn, contiguous, seqlen_q a positive multiple of 128, or
     varlen q (total_q, nheads_q, d) with contiguous int32 ``cu_seqlens_q`` (batch + 1,);
     d 64 or 128 for q, k and v; k_cache float8_e4m3fn (num_blocks, page_size, nheads_k, d) contiguous,
-    v_cache the same values sequence-major (``paged.is_v_seq_major``); page_size a multiple of 64;
+    v_cache the same, contiguous too (FA3's layout, transposed in the kernel) or sequence-major
+    (``paged.is_v_seq_major``); page_size a multiple of 64, or 16 or 32 with FA3's V layout;
     nheads_q a multiple of nheads_k; int32 page_table (batch, max_pages) with unit last stride and
     int32 cache_seqlens (batch,); float32 descales broadcastable to (batch, nheads_k) (None reads as
     1); out bfloat16, or float8_e4m3fn with a one-element float32 ``out_scale``; lse None or float32
@@ -113,12 +134,13 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
         return "total_q and nheads_q must be positive"
     if not varlen and (batch == 0 or hq == 0 or sq == 0 or sq % _TILE != 0):
         return f"seqlen_q ({sq}) must be a positive multiple of {_TILE} (and batch, nheads_q positive)"
-    if ps % _MIN_PAGE != 0:
-        return f"page_size ({ps}) must be a multiple of {_MIN_PAGE}"
+    v_rows = v_cache.is_contiguous() and not is_v_seq_major(v_cache)
+    if ps % _MIN_PAGE != 0 and not (v_rows and ps in SMALL_PAGES):
+        return f"page_size ({ps}) must be a multiple of {_MIN_PAGE} (or one of {SMALL_PAGES} with FA3's V layout)"
     if hk == 0 or hq % hk != 0:
         return f"nheads_q ({hq}) must be a multiple of nheads_k ({hk})"
-    if not is_v_seq_major(v_cache):
-        return "v_cache must be sequence-major within each page (paged.to_v_seq_major)"
+    if not (v_cache.is_contiguous() or is_v_seq_major(v_cache)):
+        return "v_cache must be contiguous (FA3's layout) or sequence-major within each page (paged.to_v_seq_major)"
     if not (q.is_contiguous() and k_cache.is_contiguous() and out.is_contiguous()):
         return "q, k_cache, out must be contiguous"
     if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != batch \
@@ -154,8 +176,9 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
     k_cache : torch.Tensor
         float8_e4m3fn (num_blocks, page_size, nheads_k, d), contiguous.
     v_cache : torch.Tensor
-        float8_e4m3fn (num_blocks, page_size, nheads_k, d), memory order (num_blocks, nheads_k, d,
-        page_size).
+        float8_e4m3fn (num_blocks, page_size, nheads_k, d), contiguous (FA3's layout: its tiles are
+        transposed in shared memory, ``dense_tma._ws_transpose_v``) or in memory order (num_blocks,
+        nheads_k, d, page_size) (sequence-major: no transpose).
     page_table : torch.Tensor
         int32 (batch, max_pages); entries past a sequence's pages are never read.
     cache_seqlens : torch.Tensor
@@ -193,9 +216,12 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
         one = torch.ones((), device=q.device, dtype=torch.float32)
     qd, kd, vd = (x if x is not None else one for x in (q_descale, k_descale, v_descale))
     rows, dh, dv, _ = dense_tma._tiles(d, True)
-    bn = block_n(ps)
+    v_rows = not is_v_seq_major(v_cache)
+    bn = block_n(ps, v_rows)
+    kb = box_rows(ps, v_rows)
     descs = ((q, [rows_q, hq * d], [hq * d, 1], [rows, dh]),
-             (k_cache, [nb * ps, hk * d], [hk * d, 1], [bn, dh]),
+             (k_cache, [nb * ps, hk * d], [hk * d, 1], [kb, dh]),
+             (v_cache, [nb * ps, hk * d], [hk * d, 1], [kb, dh]) if v_rows else
              (v_cache, [nb * hk * d, ps], [ps, 1], [dv, bn]),
              (out, [rows_q, hq * d], [hq * d, 1], [rows, dv]))
     if varlen:  # the query blocks listed on the device
@@ -213,5 +239,5 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
             page_table.stride(0), ps, *row_args, seqlen_q, hq, hk, batch, float(softmax_scale) * dense_tma._LOG2E)
     dense_tma._launch(d, True, grid, descs, args,
                       (bool(causal), lse is not None, out_scale is not None, num_stages or dense_tma.NUM_STAGES, d,
-                       mode), bounded=True, tiles=(rows, dh, dv, bn))
+                       mode, v_rows), bounded=True, tiles=(rows, dh, dv, bn))
     return out, lse
