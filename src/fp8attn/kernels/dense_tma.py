@@ -1029,6 +1029,8 @@ if HAS_GLUON:
                         tma.async_copy_global_to_shared(q_desc, [q_row + m0 + w * MH, h * HEAD_DIM + hh * DQK],
                                                         q_ready.index(2 * qb + w),
                                                         q_smem.index(NQK * (2 * qb + w) + hh))
+                if KB < TN:  # the first tile's box rows (the next tiles' are loaded one tile ahead)
+                    rows = _box_rows(PageTable, b, stride_pt, 0, sk, page_size, TN, KB)
                 for tt in range(n_tiles):
                     if MODE % 2 == 1:
                         n = tt * TN
@@ -1049,19 +1051,18 @@ if HAS_GLUON:
                     mbarrier.wait(k_empty.index(st), eph)
                     if KB < TN:
                         # boxes smaller than the tile (V_ROWS, pages that 128 keys would straddle): one K and
-                        # one V box per KB keys, each within a page; boxes past the sequence's end (the page
-                        # table may end before them) read page 0, never used
+                        # one V box per KB keys, each within a page (``_box_rows``)
                         mbarrier.expect(k_ready.index(st), (TN // KB) * k_desc.block_type.nbytes)
                         mbarrier.expect(v_raw_ready.index(st), (TN // KB) * v_desc.block_type.nbytes)
+                        box = gl.arange(0, TN // KB, layout=rows.type.layout)
                         for i in gl.static_range(TN // KB):
-                            ni = tt * TN + i * KB
-                            pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + ni // page_size,
-                                                    mask=ni < sk, other=0), 0)
-                            row = pg * page_size + ni % page_size
+                            row = gl.sum(gl.where(box == i, rows, 0), axis=0)  # in-thread: rows is replicated
                             tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], k_ready.index(st),
                                                             k_smem.index(st).slice(i * KB, KB))
                             tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM], v_raw_ready.index(st),
                                                             v_raw.index(st).slice(i * KB, KB))
+                        # the next tile's rows: the page-table loads are in flight during the transpose below
+                        rows = _box_rows(PageTable, b, stride_pt, tt + 1, sk, page_size, TN, KB)
                     else:
                         mbarrier.expect(k_ready.index(st), NQK * k_desc.block_type.nbytes)
                         for hh in gl.static_range(NQK):
@@ -1101,6 +1102,16 @@ if HAS_GLUON:
     def _transpose_chunk(layout):
         """Keys per chunk of ``_ws_transpose_v``: one layout tile, at least 32."""
         return max(32, layout.size_per_thread[0] * layout.threads_per_warp[0] * layout.warps_per_cta[0])
+
+    @gluon.jit
+    def _box_rows(PageTable, b, stride_pt, tt, seqlen_k, page_size, TN: gl.constexpr, KB: gl.constexpr):
+        """Rows of the K/V view where the KB-key boxes of sequence b's tile ``tt`` start, as a (TN // KB,)
+        tensor that every thread holds whole. Boxes past the sequence's end (the page table may end before
+        them) read page 0, never used."""
+        layout: gl.constexpr = gl.BlockedLayout([TN // KB], [32], [gl.num_warps()], [0])
+        n = tt * TN + gl.arange(0, TN // KB, layout=layout) * KB
+        pg = gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size, mask=n < seqlen_k, other=0)
+        return gl.maximum(pg, 0) * page_size + n % page_size
 
     @gluon.jit
     def _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g, lim, NUM_STAGES: gl.constexpr):
