@@ -1117,8 +1117,8 @@ if HAS_GLUON:
     def _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g, lim, NUM_STAGES: gl.constexpr):
         """V_ROWS producer: ring tile g's V from key rows (``v_raw``, (TN, D) as K) into the sequence-major
         (D, TN) buffer that P V reads (Hopper's FP8 wgmma takes V only K-major), in chunks of 32 or more
-        keys (``_transpose_layout``). Keys from ``lim`` on hold no data (NaN in a
-        poisoned cache) and are written as 0: P is 0 there, but 0 * NaN is NaN."""
+        keys (``_transpose_layout``). Keys from ``lim`` on hold no data (NaN in a poisoned cache) and are
+        written as 0: P is 0 there, but 0 * NaN is NaN."""
         TN: gl.constexpr = v_raw.shape[1]
         layout: gl.constexpr = _transpose_layout(v_raw.shape[2], gl.num_warps())
         KC: gl.constexpr = _transpose_chunk(layout)
@@ -1341,9 +1341,10 @@ if HAS_GLUON:
         a paged cache. Sequences of any length (queries are
         the last keys): the tiles that cross the diagonal or a sequence's end run masked, and the slots
         of the last V tile past the end are zeroed in shared memory before P V reads them
-        (``_ws_clean_v_tail``). Head dims 64 and 128; pages a multiple of the tile (64 or 128 keys), V
-        sequence-major within each page, or (V_ROWS) in K's layout, FA3's, transposed in shared memory
-        by a 4-warp producer (``_ws_transpose_v``; the producer then runs at 32 registers, not 24)."""
+        (``_ws_clean_v_tail``). Head dims 64 and 128. V sequence-major within each page (pages a multiple of
+        the tile, 64 or 128 keys), or (V_ROWS) in K's layout, FA3's, in pages of 16, 32 or a multiple of 64
+        keys (``_tile_keys``), transposed in shared memory by a 4-warp producer (``_ws_transpose_v``; the
+        producer then runs at 32 registers, not 24)."""
         gl.static_assert(HEAD_DIM != 256)
         q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
             v_raw_ready = _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 3, V_ROWS)
@@ -1433,7 +1434,7 @@ def _tiles(head_dim, ws):
 @functools.lru_cache(maxsize=None)
 def _layouts(tiles, out_fp8, v_rows=False, k_rows=None):
     """Shared-memory layouts of the Q, K, V and output boxes of ``_tiles(...)`` (``v_rows``: V's box is
-    K's, rows of keys; ``k_rows``: rows of K's box when not the tile's keys, one small page)."""
+    K's, rows of keys; ``k_rows``: rows of K's box when fewer than the tile's keys, up to one page)."""
     f8 = gl.float8e4nv
     rows, dh, dv, bn = tiles
     kb = k_rows or bn
@@ -1799,7 +1800,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
     kernel, num_warps = (_bounded_fwd_tma_ws_kernel, 4) if bounded else _kernel_for(d, ws)
     n_ptr = len(_BOUNDED_PTR_ARGS if bounded else _PTR_ARGS)
     tiles = tiles or _tiles(d, ws)
-    k_rows = descs[1][3][0]  # K's box: the tile's keys, or one small page
+    k_rows = descs[1][3][0]  # K's box: the tile's keys, or up to one page of them
     key = (dev, d, kernel, tiles, k_rows) + consts
     ck = _COMPILED.get(key)
     if ck is None or _launch_hooks_set() or max(args[n_ptr:-1]) >= 2 ** 31:
