@@ -316,7 +316,7 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
     doc = results_header("prefill_chunked")
     scale = D ** -0.5
     L = prefix + chunk
-    for page_size in ([16, 64, 128] if not quick else [64]):
+    for page_size in ([16, 32, 64, 128] if not quick else [64]):
         for batch in ([1, 4] if not quick else [1]):
             kc, vc, pt, q8, seqlens = _chunk_inputs(batch, prefix, chunk, page_size, E4M3)
             qd = torch.rand(batch, HK, device="cuda") + 0.5
