@@ -130,12 +130,18 @@ class _Launches:
 def test_paged_varlen_launch_plan(monkeypatch, case):
     """A varlen call the TMA kernel accepts: the decode rows in a decode-tile launch of the small class only,
     the sequences of 5..127 queries in a large-tile launch, the rest on the TMA kernel (min_len_q 128).
-    Explicit splits, a max_seqlen_q below 128 or config tma=False keep one two-class launch and no TMA."""
+    Explicit splits, a max_seqlen_q below 128 or config tma=False keep one two-class launch and no TMA
+    (below 128, without even checking the TMA kernel's rules)."""
     kern, tma_calls = _Launches(), []
     monkeypatch.setattr(KP, "_paged_fwd_kernel", kern)
     monkeypatch.setattr(KP, "launch_combine", lambda *a, **k: None)
     monkeypatch.setattr(KP, "INTERPRET", False)  # the TMA dispatch is skipped under the interpreter
-    monkeypatch.setattr(KP.paged_tma, "unsupported_reason", lambda *a, **k: None if k["num_splits"] <= 1 else "split")
+    checks = []
+
+    def reason(*a, **k):
+        checks.append(k["num_splits"])
+        return None if k["num_splits"] <= 1 else "split"
+    monkeypatch.setattr(KP.paged_tma, "unsupported_reason", reason)
     monkeypatch.setattr(KP.paged_tma, "launch_paged_prefill_tma", lambda *a, **k: tma_calls.append(k))
     hq, hk, d, page = 8, 2, 128, 64
     qlens = [1, 300, 1, 40]
@@ -163,3 +169,5 @@ def test_paged_varlen_launch_plan(monkeypatch, case):
     else:
         assert plan == [(True, True, 0, 2 ** 31 - 1)] and tma_calls == []
         assert kern.calls[0][2]["SPLIT"] is (case == "num_splits")
+    # no sequence can fill a query block below 128 queries: the TMA kernel's checks are not run
+    assert checks == ([] if case in ("short_queries", "tma_off") else [splits])

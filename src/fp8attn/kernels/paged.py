@@ -561,7 +561,9 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cfg = config or {}  # benchmark overrides
     varlen = cu_seqlens_q is not None
     tma_ok = False  # FP8 prefill chunks the TMA kernel takes (varlen: those of VARLEN_MIN_Q queries or more)
-    if not INTERPRET and cfg.get("tma", True):
+    # (no check when no sequence fills one query block: decode calls skip its host cost)
+    if not INTERPRET and cfg.get("tma", True) and \
+            (max_seqlen_q if varlen else q.shape[1]) >= paged_tma.VARLEN_MIN_Q:
         tma_ok = paged_tma.unsupported_reason(
             q, k_cache, v_cache, page_table, cache_seqlens, out, lse, cu_seqlens_q=cu_seqlens_q, causal=causal,
             window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
@@ -623,7 +625,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # VARLEN_MIN_Q queries or more go to it (launched last); here, the decode rows alone with the decode
     # tiles (one program per sequence, as fast as a decode-only launch), and the sequences between them
     # in the large tiles (a launch whose programs exit at once when there are none).
-    tma_varlen = tma_ok and not split and max_seqlen_q >= paged_tma.VARLEN_MIN_Q
+    tma_varlen = tma_ok and not split  # (a fixed-length tma_ok call has returned above)
     split_at = paged_tma.VARLEN_MIN_Q if tma_varlen else cfg.get("split_at")
     if varlen and split_at is not None:
         small_q = bm_s // qg if bm > bm_s else 0
