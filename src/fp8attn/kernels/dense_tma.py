@@ -1032,26 +1032,28 @@ if HAS_GLUON:
                 if KB < TN:  # the first tile's box rows (the next tiles' are loaded one tile ahead)
                     rows = _box_rows(PageTable, b, stride_pt, 0, sk, page_size, TN, KB)
                 for tt in range(n_tiles):
-                    if MODE % 2 == 1:
-                        n = tt * TN
-                        pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size), 0)
-                        k_row = pg * page_size + n % page_size
-                        v_row = (pg * nheads_k + hk) * HEAD_DIM
-                        v_col = n % page_size
-                    elif MODE == 2:
-                        k_row = k_row0 + tt * TN
-                        v_row = hk * HEAD_DIM
-                        v_col = _varlen_v_start(k_row0, b) + tt * TN
-                    else:
-                        k_row = k_row0 + tt * TN
-                        v_row = (b * nheads_k + hk) * HEAD_DIM
-                        v_col = tt * TN
+                    if KB == TN:  # one box per tile: its K row and sequence-major V's coordinates
+                        if MODE % 2 == 1:
+                            n = tt * TN
+                            pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size), 0)
+                            k_row = pg * page_size + n % page_size
+                            v_row = (pg * nheads_k + hk) * HEAD_DIM
+                            v_col = n % page_size
+                        elif MODE == 2:
+                            k_row = k_row0 + tt * TN
+                            v_row = hk * HEAD_DIM
+                            v_col = _varlen_v_start(k_row0, b) + tt * TN
+                        else:
+                            k_row = k_row0 + tt * TN
+                            v_row = (b * nheads_k + hk) * HEAD_DIM
+                            v_col = tt * TN
                     st = g % NUM_STAGES
                     eph = ((g // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
                     mbarrier.wait(k_empty.index(st), eph)
                     if KB < TN:
                         # boxes smaller than the tile (V_ROWS, pages that 128 keys would straddle): one K and
-                        # one V box per KB keys, each within a page (``_box_rows``)
+                        # one V box per KB keys, each within a page (``_box_rows``); raw slot st was last
+                        # read by tile g - NUM_STAGES's transpose, done below
                         mbarrier.expect(k_ready.index(st), (TN // KB) * k_desc.block_type.nbytes)
                         mbarrier.expect(v_raw_ready.index(st), (TN // KB) * v_desc.block_type.nbytes)
                         box = gl.arange(0, TN // KB, layout=rows.type.layout)

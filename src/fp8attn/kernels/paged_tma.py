@@ -60,8 +60,7 @@ def block_n(page_size, v_rows=False):
 def box_rows(page_size, v_rows):
     """Keys per TMA box of K (and of V with FA3's layout): the tile, or the largest power of two up to
     128 that divides the page (16, 32 or 64 keys: one page or part of one)."""
-    bn = block_n(page_size, v_rows)
-    return bn if page_size % bn == 0 else math.gcd(page_size, bn)
+    return math.gcd(page_size, block_n(page_size, v_rows))
 
 
 def _descale_ok(ds, batch, nheads_k):
@@ -134,12 +133,13 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
         return "total_q and nheads_q must be positive"
     if not varlen and (batch == 0 or hq == 0 or sq == 0 or sq % _TILE != 0):
         return f"seqlen_q ({sq}) must be a positive multiple of {_TILE} (and batch, nheads_q positive)"
-    v_rows = v_cache.is_contiguous() and not is_v_seq_major(v_cache)
+    v_seq_major = is_v_seq_major(v_cache)
+    v_rows = v_cache.is_contiguous() and not v_seq_major
     if ps % _MIN_PAGE != 0 and not (v_rows and ps in SMALL_PAGES):
         return f"page_size ({ps}) must be a multiple of {_MIN_PAGE} (or one of {SMALL_PAGES} with FA3's V layout)"
     if hk == 0 or hq % hk != 0:
         return f"nheads_q ({hq}) must be a multiple of nheads_k ({hk})"
-    if not (v_cache.is_contiguous() or is_v_seq_major(v_cache)):
+    if not (v_rows or v_seq_major):
         return "v_cache must be contiguous (FA3's layout) or sequence-major within each page (paged.to_v_seq_major)"
     if not (q.is_contiguous() and k_cache.is_contiguous() and out.is_contiguous()):
         return "q, k_cache, out must be contiguous"
