@@ -227,36 +227,63 @@ if HAS_GLUON:
         else:
             gl.store(ptrs, lse)
 
+    @gluon.constexpr_function
+    def _fp8_store_layout(shape, layout):
+        """Where an e4m3 output tile in the wgmma accumulator layout goes before its shared-memory store:
+        each thread's bytes of a row are 16 contiguous columns instead of pairs 8 apart, so the store is
+        16-byte vectors instead of 2-byte ones (the accumulator's pairs give 64 ``STS.U16`` per thread at
+        64 x 128). Only lanes of a quad exchange values (rows stay in their lanes and warps), so the
+        conversion runs in registers. Other layouts are returned unchanged."""
+        if not isinstance(layout, gl.NVMMADistributedLayout) or layout.warps_per_cta[1] != 1:
+            return layout
+        rows, cols = int(shape[0]), int(shape[1])
+        warps = layout.warps_per_cta[0]
+        if rows != 16 * warps or cols % 64 != 0:
+            return layout
+        reg = [[0, 1], [0, 2], [8, 0], [0, 16], [0, 32]] + [[0, c] for c in (64, 128) if c < cols]
+        lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+        warp = [[16 << i, 0] for i in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, cols])
+
     @gluon.jit
-    def _output_epilogue(out, OutScale, OUT_FP8: gl.constexpr):
+    def _out_scale_inv(OutScale, OUT_FP8: gl.constexpr):
+        """``1 / out_scale`` for the fused FP8 output (1.0 without it), loaded once per program, before
+        its main loop, so that no epilogue waits on a global load."""
+        if OUT_FP8:
+            return 1.0 / gl.load(OutScale)
+        else:
+            return 1.0
+
+    @gluon.jit
+    def _output_epilogue(out, out_inv, OUT_FP8: gl.constexpr):
         """Cast the normalized fp32 output for storage: bf16, or with OUT_FP8 the fused static
-        per-tensor quantization clamp(out * (1 / out_scale), -448, 448) cast to e4m3fn.
+        per-tensor quantization clamp(out * out_inv, -448, 448) cast to e4m3fn (``out_inv`` from
+        ``_out_scale_inv``).
 
         Replicates ``common.output_epilogue`` and its caller's ``1.0 / load(OutScale)`` exactly
         (same operations in the same order, so the same roundings).
         """
         if OUT_FP8:
-            out_scale_inv = 1.0 / gl.load(OutScale)
-            y = gl.minimum(gl.maximum(out * out_scale_inv, -_E4M3_MAX), _E4M3_MAX)
-            return y.to(gl.float8e4nv)
+            y = gl.minimum(gl.maximum(out * out_inv, -_E4M3_MAX), _E4M3_MAX)
+            return gl.convert_layout(y.to(gl.float8e4nv), _fp8_store_layout(out.type.shape, out.type.layout))
         else:
             return out.to(gl.bfloat16)
 
     @gluon.jit
-    def _store_rows(out, ob, o_desc, row, col, OutScale, OUT_FP8: gl.constexpr):
+    def _store_rows(out, ob, o_desc, row, col, out_inv, OUT_FP8: gl.constexpr):
         """Cast a normalized output tile, stage it in the shared buffer ``ob`` and start its TMA store to
         [row, col] (``ob``'s previous store must have completed: ``tma.store_wait`` first)."""
-        ob.store(_output_epilogue(out, OutScale, OUT_FP8))
+        ob.store(_output_epilogue(out, out_inv, OUT_FP8))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [row, col], ob)
 
     @gluon.jit
-    def _store_rows_masked(out, ob, Out, row, n_rows, col_off, stride_om, OutScale, OUT_FP8: gl.constexpr):
+    def _store_rows_masked(out, ob, Out, row, n_rows, col_off, stride_om, out_inv, OUT_FP8: gl.constexpr):
         """Varlen: cast a normalized output tile, stage it in the shared buffer ``ob`` and copy its first
         ``n_rows`` rows to ``Out`` at rows ``row ..``, element offset ``col_off`` (int64), with 16-byte
         plain stores (a TMA store would also write the rows past the sequence, which belong to the
         next one; storing from the MMA layout would need a 64-bit address per element)."""
-        ob.store(_output_epilogue(out, OutScale, OUT_FP8))
+        ob.store(_output_epilogue(out, out_inv, OUT_FP8))
         gl.thread_barrier()
         VEC: gl.constexpr = 16 // ob.dtype.primitive_bitwidth * 8
         TC: gl.constexpr = min(32, ob.shape[1] // VEC)
@@ -360,6 +387,7 @@ if HAS_GLUON:
         gl.static_assert(k_desc.block_type.shape[1] == D)
         gl.static_assert(v_desc.block_type.shape[0] == D)
         gl.static_assert(o_desc.block_type.shape[1] == D)
+        out_inv = _out_scale_inv(OutScale, OUT_FP8)  # before the main loop
         # BN == BM and 128-aligned lengths: a causal query block has exactly one masked (diagonal)
         # KV tile, the last one.
         gl.static_assert(BN == BM)
@@ -455,7 +483,7 @@ if HAS_GLUON:
         if WRITE_LSE:
             _store_lse(lse, Lse, b, h, m0, stride_lb, stride_lh, stride_lm, row_o)
         o_smem = gl.allocate_shared_memory(o_desc.dtype, o_desc.block_type.shape, o_desc.layout)
-        _store_rows(out, o_smem, o_desc, q_row, q_col, OutScale, OUT_FP8)
+        _store_rows(out, o_smem, o_desc, q_row, q_col, out_inv, OUT_FP8)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -533,6 +561,7 @@ if HAS_GLUON:
         gl.static_assert(DQ == 64)
         gl.static_assert(o_desc.block_type.shape[1] == DQ)
         gl.static_assert(BM % BN == 0)
+        out_inv = _out_scale_inv(OutScale, OUT_FP8)  # before the main loop
 
         b, h, hk, m0, shift, n_tiles, qk_scale, v_descale = _query_block_setup(
             QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
@@ -595,13 +624,13 @@ if HAS_GLUON:
         l_o = gl.convert_layout(l_i, row_o)
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [4, BM, DQ], o_desc.layout)
         out, lse = _finalize_rows(acc0, m_o, l_o, v_descale)
-        o_smem.index(0).store(_output_epilogue(out, OutScale, OUT_FP8))
+        o_smem.index(0).store(_output_epilogue(out, out_inv, OUT_FP8))
         out, _ = _finalize_rows(acc1, m_o, l_o, v_descale)
-        o_smem.index(1).store(_output_epilogue(out, OutScale, OUT_FP8))
+        o_smem.index(1).store(_output_epilogue(out, out_inv, OUT_FP8))
         out, _ = _finalize_rows(acc2, m_o, l_o, v_descale)
-        o_smem.index(2).store(_output_epilogue(out, OutScale, OUT_FP8))
+        o_smem.index(2).store(_output_epilogue(out, out_inv, OUT_FP8))
         out, _ = _finalize_rows(acc3, m_o, l_o, v_descale)
-        o_smem.index(3).store(_output_epilogue(out, OutScale, OUT_FP8))
+        o_smem.index(3).store(_output_epilogue(out, out_inv, OUT_FP8))
         if WRITE_LSE:
             _store_lse(lse, Lse, b, h, m0, stride_lb, stride_lh, stride_lm, row_o)
         fence_async_shared()
@@ -738,6 +767,7 @@ if HAS_GLUON:
         it = 0  # query blocks done by this CTA (Q double buffer)
         nc = 0  # per-sequence bounds: blocks whose last V tile was cleaned (``v_clean``'s phase)
         n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, BlockList, MODE)
+        out_inv = _out_scale_inv(OutScale, OUT_FP8)
         for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
             t = _ws_round_robin(r)
             if t < n_blocks:
@@ -748,12 +778,12 @@ if HAS_GLUON:
                 if HEAD_DIM == 256:
                     _ws_attend_d256(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
                                     k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                                    o_desc, Lse, OutScale, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
+                                    o_desc, Lse, out_inv, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
                                     o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES)
                 else:
                     _ws_attend(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
                                k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                               o_desc, Lse, OutScale, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
+                               o_desc, Lse, out_inv, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
                                o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, sk, v_clean, nc & 1, q_row,
                                len_q, Out, stride_om, stride_oh, MODE, V_ROWS)
                     if MODE != 0:
@@ -765,7 +795,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem, k_smem,
-                   v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc, Lse, OutScale,
+                   v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc, Lse, out_inv,
                    stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o, o_layout: gl.constexpr,
                    p_layout: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr,
                    NUM_STAGES: gl.constexpr, seqlen_k=0, v_clean=None, clean_phase=0, q_row=0, len_q=0, Out=None,
@@ -834,15 +864,15 @@ if HAS_GLUON:
                 _store_lse(lse, Lse, b, h, q_row + mw, stride_lb, stride_lh, stride_lm, row_o, len_q - mw, True)
             tma.store_wait(pendings=0)  # the previous block's output has left the buffer
             if len_q - mw >= zero_o.shape[0]:  # all 64 rows are the sequence's: a TMA store, as dense
-                _store_rows(out, o_smem.index(WG), o_desc, q_row + mw, h * zero_o.shape[1], OutScale, OUT_FP8)
+                _store_rows(out, o_smem.index(WG), o_desc, q_row + mw, h * zero_o.shape[1], out_inv, OUT_FP8)
             else:
                 _store_rows_masked(out, o_smem.index(WG), Out, q_row + mw, len_q - mw, h.to(gl.int64) * stride_oh,
-                                   stride_om, OutScale, OUT_FP8)
+                                   stride_om, out_inv, OUT_FP8)
         else:
             if WRITE_LSE:
                 _store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
             tma.store_wait(pendings=0)  # the previous block's output has left the buffer
-            _store_rows(out, o_smem.index(WG), o_desc, b * seqlen_q + mw, h * zero_o.shape[1], OutScale, OUT_FP8)
+            _store_rows(out, o_smem.index(WG), o_desc, b * seqlen_q + mw, h * zero_o.shape[1], out_inv, OUT_FP8)
 
     @gluon.jit
     def _ws_clean_v_tail(v_buf, n0, seqlen_k, v_clean, phase, WG: gl.constexpr):
@@ -911,7 +941,7 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_attend_d256(WG: gl.constexpr, qb, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
                         k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc,
-                        Lse, OutScale, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
+                        Lse, out_inv, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
                         o_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
                         WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr):
         """``_ws_attend`` for head dim 256 (Q buffer ``qb``: boxes 2 qb and 2 qb + 1): Q/K in two 128-wide
@@ -970,13 +1000,13 @@ if HAS_GLUON:
         col = h * (4 * DQ)
         tma.store_wait(pendings=0)  # the previous block's output has left the buffers
         out, lse = _finalize_rows(acc0, m_o, l_o, v_descale)
-        _store_rows(out, o_smem.index(4 * WG), o_desc, row, col, OutScale, OUT_FP8)
+        _store_rows(out, o_smem.index(4 * WG), o_desc, row, col, out_inv, OUT_FP8)
         out, _ = _finalize_rows(acc1, m_o, l_o, v_descale)
-        _store_rows(out, o_smem.index(4 * WG + 1), o_desc, row, col + DQ, OutScale, OUT_FP8)
+        _store_rows(out, o_smem.index(4 * WG + 1), o_desc, row, col + DQ, out_inv, OUT_FP8)
         out, _ = _finalize_rows(acc2, m_o, l_o, v_descale)
-        _store_rows(out, o_smem.index(4 * WG + 2), o_desc, row, col + 2 * DQ, OutScale, OUT_FP8)
+        _store_rows(out, o_smem.index(4 * WG + 2), o_desc, row, col + 2 * DQ, out_inv, OUT_FP8)
         out, _ = _finalize_rows(acc3, m_o, l_o, v_descale)
-        _store_rows(out, o_smem.index(4 * WG + 3), o_desc, row, col + 3 * DQ, OutScale, OUT_FP8)
+        _store_rows(out, o_smem.index(4 * WG + 3), o_desc, row, col + 3 * DQ, out_inv, OUT_FP8)
         if WRITE_LSE:
             _store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
 
