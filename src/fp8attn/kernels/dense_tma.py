@@ -230,10 +230,11 @@ if HAS_GLUON:
     @gluon.constexpr_function
     def _fp8_store_layout(shape, layout):
         """Where an e4m3 output tile in the wgmma accumulator layout goes before its shared-memory store:
-        each thread's bytes of a row are 16 contiguous columns instead of pairs 8 apart, so the store is
-        16-byte vectors instead of 2-byte ones (the accumulator's pairs give 64 ``STS.U16`` per thread at
-        64 x 128). Only lanes of a quad exchange values (rows stay in their lanes and warps), so the
-        conversion runs in registers. Other layouts are returned unchanged."""
+        the lanes of a quad hold 4 consecutive columns of a row (one 32-bit word, two of stmatrix's 16-bit
+        elements) instead of byte pairs 8 columns apart, so the store is stmatrix instead of 2-byte stores
+        (64 ``STS.U16`` per thread at 64 x 128 before). Rows stay in their lanes and warps, so Triton
+        converts with shuffles, not through shared memory (a 16-column grouping went through shared
+        memory). Other layouts are returned unchanged."""
         if not isinstance(layout, gl.NVMMADistributedLayout) or layout.warps_per_cta[1] != 1:
             return layout
         rows, cols = int(shape[0]), int(shape[1])
