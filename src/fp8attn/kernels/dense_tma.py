@@ -211,9 +211,14 @@ if HAS_GLUON:
         empty = l_i == 0.0
         inv = gl.where(empty, 0.0, v_descale / gl.where(empty, 1.0, l_i))
         out = acc * gl.expand_dims(inv, 1)
+        return out, _row_lse(m_i, l_i)
+
+    @gluon.jit
+    def _row_lse(m_i, l_i):
+        """The natural-log LSE of ``_finalize_rows`` from the final row max and sum (-inf where l == 0)."""
+        empty = l_i == 0.0
         lse2 = m_i + gl.log2(gl.where(empty, 1.0, l_i)) - _P_OFFSET
-        lse = gl.where(empty, float("-inf"), lse2 * _LN2)
-        return out, lse
+        return gl.where(empty, float("-inf"), lse2 * _LN2)
 
     @gluon.jit
     def _store_lse(lse, Lse, b, h, m0, stride_lb, stride_lh, stride_lm, row_o: gl.constexpr, n_rows=0,
@@ -842,6 +847,16 @@ if HAS_GLUON:
                         k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o,
                         NUM_STAGES, True)
 
+        # The row max and sum are final: the LSE is stored before the last tile's P V, where the output
+        # accumulator and that product peak the registers (stored after it, m_i lived through the peak
+        # and the row sum spilled once per KV tile in the V_ROWS kernel).
+        if WRITE_LSE:
+            lse = _row_lse(gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o))
+            if MODE >= 2:  # varlen: rows past the sequence's queries (the next sequence's) are not stored
+                _store_lse(lse, Lse, b, h, q_row + mw, stride_lb, stride_lh, stride_lm, row_o, len_q - mw, True)
+            else:
+                _store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
+
         # the last tile's P V
         gl_ = g0 + n_tiles - 1
         vs = gl_ % NUM_STAGES
@@ -859,10 +874,8 @@ if HAS_GLUON:
         mbarrier.arrive(q_empty.index(qi))  # every S MMA of this block has completed
         acc = acc + pv
 
-        out, lse = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
+        out, _ = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
         if MODE >= 2:  # varlen: rows past the sequence's queries (the next sequence's) are not stored
-            if WRITE_LSE:
-                _store_lse(lse, Lse, b, h, q_row + mw, stride_lb, stride_lh, stride_lm, row_o, len_q - mw, True)
             tma.store_wait(pendings=0)  # the previous block's output has left the buffer
             if len_q - mw >= zero_o.shape[0]:  # all 64 rows are the sequence's: a TMA store, as dense
                 _store_rows(out, o_smem.index(WG), o_desc, q_row + mw, h * zero_o.shape[1], out_inv, OUT_FP8)
@@ -870,8 +883,6 @@ if HAS_GLUON:
                 _store_rows_masked(out, o_smem.index(WG), Out, q_row + mw, len_q - mw, h.to(gl.int64) * stride_oh,
                                    stride_om, out_inv, OUT_FP8)
         else:
-            if WRITE_LSE:
-                _store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
             tma.store_wait(pendings=0)  # the previous block's output has left the buffer
             _store_rows(out, o_smem.index(WG), o_desc, b * seqlen_q + mw, h * zero_o.shape[1], out_inv, OUT_FP8)
 
@@ -1143,8 +1154,14 @@ if HAS_GLUON:
         them) read page 0, never used."""
         layout: gl.constexpr = gl.BlockedLayout([TN // KB], [32], [gl.num_warps()], [0])
         n = tt * TN + gl.arange(0, TN // KB, layout=layout) * KB
-        pg = gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size, mask=n < seqlen_k, other=0)
-        return gl.maximum(pg, 0) * page_size + n % page_size
+        if KB < 64:
+            # pages of 16 or 32 keys are their box (``paged_tma.box_rows``): constant shifts instead of
+            # divisions by the run-time page size, whose reciprocals took registers the producer lacks
+            pg = gl.load(PageTable + b.to(gl.int64) * stride_pt + n // KB, mask=n < seqlen_k, other=0)
+            return gl.maximum(pg, 0) * KB
+        else:
+            pg = gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size, mask=n < seqlen_k, other=0)
+            return gl.maximum(pg, 0) * page_size + n % page_size
 
     @gluon.jit
     def _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g, lim, NUM_STAGES: gl.constexpr):

@@ -59,7 +59,9 @@ def block_n(page_size, v_rows=False):
 
 def box_rows(page_size, v_rows):
     """Keys per TMA box of K (and of V with FA3's layout): the tile, or the largest power of two up to
-    128 that divides the page (16, 32 or 64 keys: one page or part of one)."""
+    128 that divides the page (16, 32 or 64 keys: one page or part of one). A box of fewer than 64 keys
+    is a whole page (pages of 16 or 32, ``unsupported_reason``): the kernel's producer relies on it
+    (``dense_tma._box_rows``)."""
     return math.gcd(page_size, block_n(page_size, v_rows))
 
 
@@ -219,6 +221,7 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
     v_rows = not is_v_seq_major(v_cache)
     bn = block_n(ps, v_rows)
     kb = box_rows(ps, v_rows)
+    assert kb >= 64 or kb == ps, (kb, ps)  # the kernel takes a box under 64 keys for the whole page
     descs = ((q, [rows_q, hq * d], [hq * d, 1], [rows, dh]),
              (k_cache, [nb * ps, hk * d], [hk * d, 1], [kb, dh]),
              (v_cache, [nb * ps, hk * d], [hk * d, 1], [kb, dh]) if v_rows else
