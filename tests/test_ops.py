@@ -35,7 +35,7 @@ def _nan_poison_cache(cache):
     return cache
 
 
-def _paged_case(varlen=False, out_scale=None, out_dtype=None):
+def _paged_case(varlen=False, out_scale=None, out_dtype=None, return_lse=True):
     b, hq, hk, d, ps, npages = 3, 4, 2, 32, 4, 3
     pool = b * npages * 3
     kc = _nan_poison_cache(torch.empty(pool, ps, hk, d, dtype=E4M3))
@@ -58,11 +58,11 @@ def _paged_case(varlen=False, out_scale=None, out_dtype=None):
         cu, msq = None, None
         q = torch.randn(b, 1, hq, d).to(E4M3)
     args = (q, kc, vc, pt, lens, cu, msq, 0.17, True, -1, 0, 0.0, _descale(b, hk), _descale(b, hk),
-            _descale(b, hk), None, None, out_scale, out_dtype, 0)
+            _descale(b, hk), None, None, out_scale, out_dtype, 0, return_lse)
     return args
 
 
-def _dense_case(varlen=False, out_scale=None, out_dtype=None):
+def _dense_case(varlen=False, out_scale=None, out_dtype=None, return_lse=True):
     b, sq, sk, hq, hk, d = 2, 5, 7, 4, 2, 32
     if varlen:
         lq, lk = torch.tensor([2, 5]), torch.tensor([7, 3])
@@ -78,7 +78,7 @@ def _dense_case(varlen=False, out_scale=None, out_dtype=None):
         v = torch.randn(b, sk, hk, d).to(E4M3)
         extra = (None, None, None, None, None, None)
     return (q, k, v) + extra + (0.2, True, -1, 0, 0.0, _descale(b, hk), _descale(b, hk), _descale(b, hk),
-                                out_scale, out_dtype, False, 0)
+                                out_scale, out_dtype, False, 0, return_lse)
 
 
 OSCALE = torch.tensor(0.013)
@@ -105,6 +105,9 @@ def _cases():
             tag = f"varlen={varlen} out_scale={osc is not None} out_dtype={odt}"
             cases.append(("dense_fwd", _dense_case(varlen, osc, odt), tag))
             cases.append(("paged_fwd", _paged_case(varlen, osc, odt), tag))
+        tag = f"varlen={varlen} return_lse=False"
+        cases.append(("dense_fwd", _dense_case(varlen, return_lse=False), tag))
+        cases.append(("paged_fwd", _paged_case(varlen, return_lse=False), tag))
     return cases
 
 
@@ -161,6 +164,38 @@ def test_paged_op_matches_reference_with_fused_output():
     assert o.dtype == E4M3 and lse.shape == (q.shape[1], q.shape[0])
     assert torch.equal(o.view(torch.uint8), ref.view(torch.uint8))
     assert torch.isfinite(o.float()).all()
+
+
+@pytest.mark.parametrize("name", ["dense_fwd", "paged_fwd"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_return_lse_false_gives_the_same_output_and_an_empty_lse(name, varlen):
+    case = {"dense_fwd": _dense_case, "paged_fwd": _paged_case}[name]
+    with_lse = case(varlen, return_lse=True)
+    without = with_lse[:-1] + (False,)
+    o, lse = ops.OPS[name](*with_lse)
+    o2, lse2 = ops.OPS[name](*without)
+    assert torch.equal(o, o2) and lse.numel() > 0
+    assert lse2.shape == (0,) and lse2.dtype == torch.float32
+    out = _out_for(name, without)
+    assert ops.OPS[name + "_out"](*without, out).shape == (0,)
+    assert torch.equal(out, o)
+
+
+def test_api_without_lse_matches_api_with_lse():
+    """flash_attn_with_kvcache / flash_attn_func ask their op for an LSE only when it is returned."""
+    args = _paged_case(varlen=False)
+    q, kc, vc, pt, lens = args[:5]
+    kw = dict(cache_seqlens=lens, page_table=pt, q_descale=args[12], k_descale=args[13], v_descale=args[14],
+              causal=True)
+    o = fp8attn.flash_attn_with_kvcache(q, kc, vc, **kw)
+    o2, lse = fp8attn.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **kw)
+    assert torch.equal(o, o2) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    q, k, v = _dense_case()[:3]
+    d = _descale(q.shape[0], k.shape[2])
+    o = fp8attn.flash_attn_func(q, k, v, causal=True, q_descale=d, k_descale=d, v_descale=d)
+    o2, lse = fp8attn.flash_attn_func(q, k, v, causal=True, q_descale=d, k_descale=d, v_descale=d,
+                                      return_attn_probs=True)
+    assert torch.equal(o, o2) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
 
 
 def test_opcheck_combine():

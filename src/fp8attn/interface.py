@@ -146,7 +146,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     o, lse = ops.dense_fwd(q, k, v, softmax_scale=_scale(softmax_scale, d), causal=bool(causal),
                            window_size=_resolve_window(causal, window_size), softcap=float(softcap),
                            q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, out_dtype=out_dtype,
-                           out=out, pack_gqa=pack_gqa, descale_block=descale_block_size or 0)
+                           out=out, pack_gqa=pack_gqa, descale_block=descale_block_size or 0,
+                           return_lse=bool(return_attn_probs))
     return (o, lse) if return_attn_probs else o
 
 
@@ -206,7 +207,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
                            window_size=_resolve_window(causal, window_size), softcap=float(softcap),
                            q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, out_dtype=out_dtype,
-                           out=out, pack_gqa=pack_gqa, descale_block=descale_block_size or 0)
+                           out=out, pack_gqa=pack_gqa, descale_block=descale_block_size or 0,
+                           return_lse=bool(return_attn_probs))
     return (o, lse) if return_attn_probs else o
 
 
@@ -430,7 +432,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                            causal=bool(causal), window_size=_resolve_window(causal, window_size),
                            softcap=float(softcap), q_descale=qd, k_descale=kd, v_descale=vd,
                            k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, out_scale=out_scale,
-                           out_dtype=out_dtype, out=out, num_splits=num_splits)
+                           out_dtype=out_dtype, out=out, num_splits=num_splits,
+                           return_lse=bool(return_softmax_lse))
     return (o, lse) if return_softmax_lse else o
 
 

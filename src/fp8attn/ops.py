@@ -27,9 +27,9 @@ tracing, FakeTensor, export or any mode the op is called as before, so graphs st
 Ops (``torch.ops.fp8attn.<name>.default``):
 
 =====================  =======================================================================
-dense_fwd              dense / varlen forward -> (out, lse)
+dense_fwd              dense / varlen forward -> (out, lse); lse (0,) if not return_lse
 dense_fwd_out          same, writes ``out`` (mutated) -> lse
-paged_fwd              attention over a paged KV cache -> (out, lse)
+paged_fwd              paged-cache attention -> (out, lse); lse (0,) if not return_lse
 paged_fwd_out          same, writes ``out`` (mutated) -> lse
 combine                split-KV merge -> (out, lse)
 combine_out            same, writes ``out`` (mutated) -> lse
@@ -97,6 +97,12 @@ def _into(out: torch.Tensor, x: torch.Tensor) -> None:
 # Implementations (run inside the ops; concrete tensors and ints only)
 # --------------------------------------------------------------------------------------------
 
+def _no_lse(q):
+    """The LSE output of an attention op called with ``return_lse=False``: an empty float32 tensor (the
+    kernels then write no LSE)."""
+    return q.new_empty((0,), dtype=torch.float32)
+
+
 def _dense_shapes(q, v, varlen):
     oshape = tuple(q.shape[:-1]) + (v.shape[-1],)
     lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
@@ -112,7 +118,7 @@ def _dense_p_model(q, v):
 
 def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap, q_descale, k_descale, v_descale,
-                out_scale, out_dtype, pack_gqa, descale_block, out):
+                out_scale, out_dtype, pack_gqa, descale_block, return_lse, out):
     varlen = cu_seqlens_q is not None
     dt = _out_dtype(q, out_dtype, out_scale)
     oshape, lse_shape = _dense_shapes(q, v, varlen)
@@ -120,7 +126,7 @@ def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     launch = _kernel("dense", "launch_dense_fwd") if kernel_path_ok(q) else None
     if launch is not None:
         o = out if out is not None else torch.empty(oshape, dtype=dt, device=q.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
         with launch_device(q):
             launch(q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal, window_size=window,
                    softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
@@ -128,7 +134,7 @@ def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
                    seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k, pack_gqa=bool(pack_gqa),
                    descale_block_q=descale_block or None, descale_block_k=descale_block or None)
-        return o, lse
+        return o, lse if return_lse else _no_lse(q)
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale,
               out_dtype=dt, return_lse=True, **_dense_p_model(q, v))
@@ -148,7 +154,7 @@ def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
         o = out
     else:
         o = _fresh(o)
-    return o, _fresh(lse)
+    return o, _fresh(lse) if return_lse else _no_lse(q)
 
 
 def _block_tokens(descale, x, varlen, block):
@@ -161,7 +167,7 @@ def _block_tokens(descale, x, varlen, block):
 
 def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                 causal, window_left, window_right, softcap, q_descale, k_descale, v_descale, k_cache_scales,
-                v_cache_scales, out_scale, out_dtype, num_splits, out):
+                v_cache_scales, out_scale, out_dtype, num_splits, return_lse, out):
     varlen = cu_seqlens_q is not None
     dt = _out_dtype(q, out_dtype, out_scale)
     oshape, lse_shape = _dense_shapes(q, v_cache, varlen)
@@ -169,7 +175,7 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
     launch = _kernel("paged", "launch_paged_fwd") if kernel_path_ok(q) else None
     if launch is not None:
         o = out if out is not None else torch.empty(oshape, dtype=dt, device=q.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
         if max_seqlen_q is None:
             max_seqlen_q = q.shape[1] if not varlen else q.shape[0]
         with launch_device(q):
@@ -178,7 +184,7 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
                    window_size=window, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
                    v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
                    out_scale=out_scale, num_splits=num_splits)
-        return o, lse
+        return o, lse if return_lse else _no_lse(q)
     fp8_mma, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, k_cache_scales is not None,
                                    v_cache_scales is not None)
     o, lse = ref.paged_attention_ref(
@@ -192,7 +198,7 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
         o = out
     else:
         o = _fresh(o)
-    return o, _fresh(lse)
+    return o, _fresh(lse) if return_lse else _no_lse(q)
 
 
 def _combine_dtype(out_partial, out_dtype, out_scale):
@@ -280,35 +286,43 @@ def _scaled_bmm_impl(a, b, scale_a, scale_b, out_dtype):
 # Fakes (shapes/dtypes/strides only; no data access)
 # --------------------------------------------------------------------------------------------
 
-def _attn_fake(q, v, cu_seqlens_q, out_scale, out_dtype):
-    """(out, lse) of an attention op: out is q's shape with v's head dim, lse float32."""
-    oshape, lse_shape = _dense_shapes(q, v, cu_seqlens_q is not None)
+def _lse_fake(q, v, cu_seqlens_q, return_lse):
+    """An attention op's LSE: float32 (batch, nheads_q, seqlen_q) / varlen (nheads_q, total_q), or empty
+    without ``return_lse``."""
+    if not return_lse:
+        return _no_lse(q)
+    return q.new_empty(_dense_shapes(q, v, cu_seqlens_q is not None)[1], dtype=torch.float32)
+
+
+def _attn_fake(q, v, cu_seqlens_q, out_scale, out_dtype, return_lse):
+    """(out, lse) of an attention op: out is q's shape with v's head dim; lse as ``_lse_fake``."""
+    oshape = _dense_shapes(q, v, cu_seqlens_q is not None)[0]
     return (q.new_empty(oshape, dtype=_out_dtype(q, out_dtype, out_scale)),
-            q.new_empty(lse_shape, dtype=torch.float32))
+            _lse_fake(q, v, cu_seqlens_q, return_lse))
 
 
 def _dense_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap, q_descale, k_descale, v_descale,
-                out_scale, out_dtype, pack_gqa, descale_block):
-    return _attn_fake(q, v, cu_seqlens_q, out_scale, out_dtype)
+                out_scale, out_dtype, pack_gqa, descale_block, return_lse):
+    return _attn_fake(q, v, cu_seqlens_q, out_scale, out_dtype, return_lse)
 
 
 def _dense_out_fake(*args):
-    *rest, out = args
+    *rest, return_lse, out = args
     q, v, cu = rest[0], rest[2], rest[3]
-    return q.new_empty(_dense_shapes(q, v, cu is not None)[1], dtype=torch.float32)
+    return _lse_fake(q, v, cu, return_lse)
 
 
 def _paged_fake(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                 causal, window_left, window_right, softcap, q_descale, k_descale, v_descale, k_cache_scales,
-                v_cache_scales, out_scale, out_dtype, num_splits):
-    return _attn_fake(q, v_cache, cu_seqlens_q, out_scale, out_dtype)
+                v_cache_scales, out_scale, out_dtype, num_splits, return_lse):
+    return _attn_fake(q, v_cache, cu_seqlens_q, out_scale, out_dtype, return_lse)
 
 
 def _paged_out_fake(*args):
-    *rest, out = args
+    *rest, return_lse, out = args
     q, v_cache, cu = rest[0], rest[2], rest[5]
-    return q.new_empty(_dense_shapes(q, v_cache, cu is not None)[1], dtype=torch.float32)
+    return _lse_fake(q, v_cache, cu, return_lse)
 
 
 def _combine_fake(out_partial, lse_partial, out_scale, out_dtype):
@@ -339,12 +353,13 @@ def _scaled_bmm_fake(a, b, scale_a, scale_b, out_dtype):
 _DENSE_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, "
                "Tensor? seqused_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, float softmax_scale, bool causal, "
                "int window_left, int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, "
-               "Tensor? v_descale, Tensor? out_scale, ScalarType? out_dtype, bool pack_gqa, int descale_block")
+               "Tensor? v_descale, Tensor? out_scale, ScalarType? out_dtype, bool pack_gqa, int descale_block, "
+               "bool return_lse")
 _PAGED_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cache_seqlens, "
                "Tensor? cu_seqlens_q, SymInt? max_seqlen_q, float softmax_scale, bool causal, int window_left, "
                "int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, "
                "Tensor? k_cache_scales, Tensor? v_cache_scales, Tensor? out_scale, ScalarType? out_dtype, "
-               "int num_splits")
+               "int num_splits, bool return_lse")
 
 # name -> (schema, implementation, fake)
 _SPECS = {
@@ -453,7 +468,7 @@ def _eager_direct(*ts) -> bool:
 def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
               max_seqlen_q=None, max_seqlen_k=None, softmax_scale, causal, window_size, softcap,
               q_descale, k_descale, v_descale, out_scale=None, out_dtype=None, out=None,
-              pack_gqa=None, descale_block=0):
+              pack_gqa=None, descale_block=0, return_lse=True):
     """Dense (4-D q) or varlen (3-D q + cu_seqlens) forward through ``fp8attn::dense_fwd[_out]``.
 
     Parameters
@@ -467,15 +482,17 @@ def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, 
         (batch, nheads_k, cdiv(seqlen_k, block)) per-block; varlen counts as batch 1 over packed tokens.
     out_scale : float32 one-element static output scale (output e4m3fn), or None.
     out : optional preallocated output (written in place and returned).
+    return_lse : False: the kernel writes no LSE and ``lse`` is an empty float32 tensor.
 
     Returns
     -------
     (out, lse) : out (..., nheads_q, headdim_v); lse float32 (batch, nheads_q, seqlen_q) or varlen
-        (nheads_q, total_q).
+        (nheads_q, total_q), or (0,) without ``return_lse``.
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
             float(softmax_scale), bool(causal), window_size[0], window_size[1], float(softcap),
-            q_descale, k_descale, v_descale, out_scale, out_dtype, bool(pack_gqa), int(descale_block))
+            q_descale, k_descale, v_descale, out_scale, out_dtype, bool(pack_gqa), int(descale_block),
+            bool(return_lse))
     if _needs_grad(q, k, v):
         return _no_backward("dense_fwd", _dense_op(*args) if out is None else None, (q, k, v), out is not None)
     if _eager_direct(q, k, v, out):
@@ -488,7 +505,7 @@ def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, 
 def paged_fwd(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=None, max_seqlen_q=None,
               softmax_scale, causal, window_size, softcap, q_descale, k_descale, v_descale,
               k_cache_scales=None, v_cache_scales=None, out_scale=None, out_dtype=None, out=None,
-              num_splits=0):
+              num_splits=0, return_lse=True):
     """Attention over a paged cache (chunked prefill, mixed batches, decode) through
     ``fp8attn::paged_fwd[_out]``.
 
@@ -498,14 +515,16 @@ def paged_fwd(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=No
     k_cache, v_cache : (num_blocks, page_size, nheads_k, headdim[_v]).
     page_table : (batch, max_pages) int32. cache_seqlens : (batch,) int32 (queries' tokens included).
     k_cache_scales, v_cache_scales : optional (num_blocks, page_size, nheads_k) float32.
+    return_lse : False: the kernel writes no LSE and ``lse`` is an empty float32 tensor.
 
     Returns
     -------
-    (out, lse) : out (..., nheads_q, headdim_v); lse float32 (batch, nheads_q, seqlen_q) or (nheads_q, total_q).
+    (out, lse) : out (..., nheads_q, headdim_v); lse float32 (batch, nheads_q, seqlen_q) or (nheads_q, total_q),
+        or (0,) without ``return_lse``.
     """
     args = (q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, float(softmax_scale),
             bool(causal), window_size[0], window_size[1], float(softcap), q_descale, k_descale, v_descale,
-            k_cache_scales, v_cache_scales, out_scale, out_dtype, int(num_splits))
+            k_cache_scales, v_cache_scales, out_scale, out_dtype, int(num_splits), bool(return_lse))
     if _needs_grad(q, k_cache, v_cache):
         return _no_backward("paged_fwd", _paged_op(*args) if out is None else None, (q, k_cache, v_cache),
                             out is not None)

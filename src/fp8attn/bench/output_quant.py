@@ -18,7 +18,7 @@ Dispatch overhead (case "dispatch ..."): host time per call of the registered op
 (``torch.ops.fp8attn.paged_fwd_out`` / ``dense_fwd_out``), of the public API, and of the launch
 function called directly, on a tiny problem so the GPU never limits the loop; ``overhead_us`` =
 op - launch. ``noop_op_hop_us``: the dispatcher alone, a do-nothing op of the same schema vs a plain
-Python call of the same function (its floor for any Python-implemented op with these 21 arguments).
+Python call of the same function (its floor for any Python-implemented op with these 22 arguments).
 """
 from __future__ import annotations
 
@@ -171,7 +171,8 @@ def _dispatch_overhead():
     qd, kd, vd = (x.expand(b, hk) for x in (qd[:1, :1], kd[:1, :1], vd[:1, :1]))
     out = torch.empty(b, 1, hq, d, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(b, hq, 1, dtype=torch.float32, device="cuda")
-    op_args = (q, kc, vc, pt, lens, None, None, d ** -0.5, True, -1, 0, 0.0, qd, kd, vd, None, None, None, None, 1, out)
+    op_args = (q, kc, vc, pt, lens, None, None, d ** -0.5, True, -1, 0, 0.0, qd, kd, vd, None, None, None, None, 1, True,
+               out)
     op = OPS["paged_fwd_out"]
 
     def via_op():
