@@ -208,10 +208,14 @@ if HAS_GLUON:
         Triton's layout-free tensors and cannot be called from Gluon code. Rows with l == 0
         give out = 0 and lse = -inf. m_i and l_i must be in acc's row layout.
         """
+        return _normalize_rows(acc, l_i, v_descale), _row_lse(m_i, l_i)
+
+    @gluon.jit
+    def _normalize_rows(acc, l_i, v_descale):
+        """The output of ``_finalize_rows``: acc * v_descale / l (0 where l == 0)."""
         empty = l_i == 0.0
         inv = gl.where(empty, 0.0, v_descale / gl.where(empty, 1.0, l_i))
-        out = acc * gl.expand_dims(inv, 1)
-        return out, _row_lse(m_i, l_i)
+        return acc * gl.expand_dims(inv, 1)
 
     @gluon.jit
     def _row_lse(m_i, l_i):
@@ -874,7 +878,7 @@ if HAS_GLUON:
         mbarrier.arrive(q_empty.index(qi))  # every S MMA of this block has completed
         acc = acc + pv
 
-        out, _ = _finalize_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), v_descale)
+        out = _normalize_rows(acc, gl.convert_layout(l_i, row_o), v_descale)
         if MODE >= 2:  # varlen: rows past the sequence's queries (the next sequence's) are not stored
             tma.store_wait(pendings=0)  # the previous block's output has left the buffer
             if len_q - mw >= zero_o.shape[0]:  # all 64 rows are the sequence's: a TMA store, as dense
