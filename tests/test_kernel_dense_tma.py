@@ -318,6 +318,50 @@ def test_aot_compile_sm90():
     assert out.count("ok ") == 68, out[-3000:]
 
 
+_FP8_STORE_SNIPPET = """
+import os, subprocess, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {src!r})
+import triton.backends.nvidia
+from fp8attn.kernels import dense_tma
+nvdisasm = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
+if not os.path.exists(nvdisasm):
+    print("no nvdisasm"); sys.exit(0)
+for out_fp8 in (False, True):
+    k = dense_tma._aot_compile(False, write_lse=True, head_dim=128, out_fp8=out_fp8)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"]); f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    print("counts", out_fp8, sass.count("STSM."), sass.count("STS.U16"), sass.count("STS.U8"))
+"""
+
+
+def test_sm90_fp8_output_tile_is_stored_with_stmatrix():
+    """The fused e4m3 output goes to shared memory as the bf16 output does, with stmatrix, not 1- or 2-byte
+    stores (the wgmma accumulator holds byte pairs 8 columns apart; ``_fp8_store_layout`` regroups them in
+    registers first): sm90 SASS of the d128 warp-specialized kernel, compiled without a GPU."""
+    if not dense_tma.HAS_GLUON:
+        pytest.skip("triton without gluon")
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"no NVIDIA compiler backend: {e}")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", _FP8_STORE_SNIPPET.format(src=os.path.abspath(SRC))],
+                       capture_output=True, text=True, timeout=300, env=env)
+    out = r.stdout + r.stderr
+    if "no nvdisasm" in out or (r.returncode != 0 and "ptxas" in out and
+                                ("not found" in out or "No such file" in out)):
+        pytest.skip("no sm90 toolchain (ptxas / nvdisasm)")
+    assert r.returncode == 0, out[-3000:]
+    counts = {line.split()[1]: [int(x) for x in line.split()[2:]] for line in out.splitlines()
+              if line.startswith("counts ")}
+    assert set(counts) == {"False", "True"}, out[-3000:]
+    stsm_bf16, stsm_fp8 = counts["False"][0], counts["True"][0]
+    assert stsm_bf16 > 0 and stsm_fp8 > 0, counts
+    assert counts["True"][1:] == [0, 0], counts  # no 2- or 1-byte shared stores of the e4m3 tile
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU (sm90)
 # ---------------------------------------------------------------------------------------------
