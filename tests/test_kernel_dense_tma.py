@@ -302,6 +302,13 @@ def test_aot_compile_sm90():
     8-warp kernels, x causal x bf16/e4m3 output), and the paged-cache kernel at head dims 64 and 128 (and with
     64-key tiles, and with V in K's layout in boxes of a tile or of a smaller page), in varlen mode and varlen over pages, compiles for sm90 without
     a GPU (in a clean process: no interpreter mode)."""
+    out = _run_sm90_snippet(_AOT_SNIPPET)
+    assert out.count("ok ") == 68, out[-3000:]
+
+
+def _run_sm90_snippet(snippet):
+    """Run ``snippet`` (formatted with ``src``) in a clean process without interpreter mode; its output.
+    Skips without Gluon or the sm90 toolchain (ptxas, nvdisasm: the snippet prints "no nvdisasm")."""
     if not dense_tma.HAS_GLUON:
         pytest.skip("triton without gluon")
     try:
@@ -309,13 +316,14 @@ def test_aot_compile_sm90():
     except Exception as e:  # pragma: no cover
         pytest.skip(f"no NVIDIA compiler backend: {e}")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _AOT_SNIPPET.format(src=os.path.abspath(SRC))],
+    r = subprocess.run([sys.executable, "-c", snippet.format(src=os.path.abspath(SRC))],
                        capture_output=True, text=True, timeout=300, env=env)
     out = r.stdout + r.stderr
-    if r.returncode != 0 and ("ptxas" in out and ("not found" in out or "No such file" in out)):
-        pytest.skip("ptxas not available")
+    if "no nvdisasm" in out or (r.returncode != 0 and "ptxas" in out and
+                                ("not found" in out or "No such file" in out)):
+        pytest.skip("no sm90 toolchain (ptxas / nvdisasm)")
     assert r.returncode == 0, out[-3000:]
-    assert out.count("ok ") == 68, out[-3000:]
+    return out
 
 
 _FP8_STORE_SNIPPET = """
@@ -340,20 +348,7 @@ def test_sm90_fp8_output_tile_is_stored_with_stmatrix():
     """The fused e4m3 output goes to shared memory as the bf16 output does, with stmatrix, not 1- or 2-byte
     stores (the wgmma accumulator holds byte pairs 8 columns apart; ``_fp8_store_layout`` regroups them in
     registers first): sm90 SASS of the d128 warp-specialized kernel, compiled without a GPU."""
-    if not dense_tma.HAS_GLUON:
-        pytest.skip("triton without gluon")
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except Exception as e:  # pragma: no cover
-        pytest.skip(f"no NVIDIA compiler backend: {e}")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _FP8_STORE_SNIPPET.format(src=os.path.abspath(SRC))],
-                       capture_output=True, text=True, timeout=300, env=env)
-    out = r.stdout + r.stderr
-    if "no nvdisasm" in out or (r.returncode != 0 and "ptxas" in out and
-                                ("not found" in out or "No such file" in out)):
-        pytest.skip("no sm90 toolchain (ptxas / nvdisasm)")
-    assert r.returncode == 0, out[-3000:]
+    out = _run_sm90_snippet(_FP8_STORE_SNIPPET)
     counts = {line.split()[1]: [int(x) for x in line.split()[2:]] for line in out.splitlines()
               if line.startswith("counts ")}
     assert set(counts) == {"False", "True"}, out[-3000:]
