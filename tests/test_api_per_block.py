@@ -24,7 +24,10 @@ def test_per_block_equals_per_head_when_blocks_agree(device, causal):
     a = fp8attn.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
     b = fp8attn.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qb, k_descale=kb, v_descale=vd,
                                 descale_block_size=32)
-    torch.testing.assert_close(a.float(), b.float(), atol=2e-2 if device == "cuda" else 0, rtol=0)
+    # The two paths apply the same descales in a different order (per head vs per token), so a last-bit
+    # difference can move an element of P to the next e4m3 value: bit equality held with one CPU build
+    # of torch (2.13) and not with another (2.11 on the H200 host), so both devices use the GPU's tolerance.
+    torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
