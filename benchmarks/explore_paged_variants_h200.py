@@ -44,7 +44,6 @@ def _chunked(res):
                     launch_paged_fwd(q, kc, v, pt, sl, out, lse if with_lse else None, max_seqlen_q=CHUNK,
                                      softmax_scale=D ** -0.5, causal=True, q_descale=dd, k_descale=dd, v_descale=dd)
                 res[f"chunk p{ps} {name} lse{int(with_lse)}"] = _us(fn)
-        del kc, vc
         torch.cuda.empty_cache()
 
 
