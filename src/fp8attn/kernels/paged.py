@@ -506,7 +506,6 @@ def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: 
     return op, lp
 
 
-
 def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      cache_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, *,
                      cu_seqlens_q: torch.Tensor | None = None, max_seqlen_q: int, softmax_scale: float,
