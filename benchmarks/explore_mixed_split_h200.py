@@ -2,7 +2,8 @@
 over an 8192 prefix, 32 q / 8 kv heads, d128, sequence-major V, pages 64 and 128): the call's parts
 (the Triton kernel's launches for the rows below 128 queries, the block list, the TMA kernel for the
 chunk) alone and together, in both orders, against the fixed-length launches of the decode rows and of
-the chunk, eager and (``*_graphed_ms``) as CUDA-graph replays (the source of
+the chunk, eager and (``*_graphed_ms``) as CUDA-graph replays, also with FA3's V layout (``*_fa3``), and
+the GPU time of each kernel of one call in launch order (the source of
 ``results/h200/explore/mixed_split*.json``). Usage (repo root, GPU machine):
 ``OUT=<dir> [NAME=<file>.json] PYTHONPATH=src python benchmarks/explore_mixed_split_h200.py``.
 """
@@ -26,6 +27,23 @@ def _block_list(cu, seqlens, total_q):
         return dense_tma.varlen_block_list(cu, seqlens, False, total_q, 128)
     except TypeError:  # the list before 8-slot entries (commits up to 4346390), for before/after runs
         return dense_tma.varlen_block_list(cu, total_q, 128)
+
+
+def _kernel_sequence(fn, reps=20):
+    """[(kernel name, mean GPU us)] of one ``fn()`` in launch order (the profiler's kernel events, which
+    ``kernel_times_us`` would merge by name: two launches of one kernel stay apart here)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                 and e.device_time_total > 0 and "Memset" not in e.name and "Memcpy" not in e.name),
+                key=lambda e: e.time_range.start)
+    n = len(ev) // reps
+    return [(ev[i].name[:40], round(sum(ev[r * n + i].device_time_total for r in range(reps)) / reps, 2))
+            for i in range(n)]
 
 
 def main():
@@ -71,6 +89,24 @@ def main():
                                                     **sub(slice(N_DEC, None))),
         }
         fns["separate"] = lambda: (fns["decode_alone"](), fns["chunk_alone"]())
+        # The TMA kernel alone over a list built once (no list launch in the timing): the mixed batch's
+        # list, and the chunk as a varlen batch of one (q_row 0), against the fixed-length launch
+        lists = {"mixed": _block_list(cu, seqlens, sum(qlens)),
+                 "one": _block_list(cu[-2:] - cu[-2], seqlens[N_DEC:], CHUNK)}
+        if "block_list" in paged_tma.launch_paged_prefill_tma.__code__.co_varnames:
+            fns["tma_only"] = lambda: paged_tma.launch_paged_prefill_tma(
+                q, kc, vs, pt, seqlens, out, None, softmax_scale=D ** -0.5, causal=True, cu_seqlens_q=cu,
+                min_len_q=128, block_list=lists["mixed"], **ds)
+            fns["tma_only_one_seq"] = lambda: paged_tma.launch_paged_prefill_tma(
+                qc_[0], kc, vs, pt[N_DEC:], seqlens[N_DEC:], oc[0], None, softmax_scale=D ** -0.5, causal=True,
+                cu_seqlens_q=cu[-2:] - cu[-2], min_len_q=128, block_list=lists["one"], **sub(slice(N_DEC, None)))
+        # FA3's V layout (the cache flash_attn_with_kvcache takes)
+        fns["call_fa3"] = lambda: launch_paged_fwd(q, kc, vc, pt, seqlens, out, None, **base)
+        fns["separate_fa3"] = lambda: (
+            launch_paged_fwd(qd_, kc, vc, pt[:N_DEC], seqlens[:N_DEC], od, None, max_seqlen_q=1,
+                             softmax_scale=D ** -0.5, causal=True, **sub(slice(0, N_DEC))),
+            launch_paged_fwd(qc_, kc, vc, pt[N_DEC:], seqlens[N_DEC:], oc, None, max_seqlen_q=CHUNK,
+                             softmax_scale=D ** -0.5, causal=True, **sub(slice(N_DEC, None))))
         fns["tma_then_triton"] = lambda: (fns["tma_part"](), fns["triton_part"]())
         row = {"page": page}
         for name, fn in fns.items():
@@ -78,9 +114,14 @@ def main():
             torch.cuda.synchronize()
             row[name + "_ms"] = time_ms(fn)
         row["call_kernels_us"] = kernel_times_us(fns["call"])
-        for name in ("call", "tma_part", "chunk_alone", "separate"):  # CUDA-graph replays: no host gaps
+        row["call_launches_us"] = _kernel_sequence(fns["call"])
+        row["separate_launches_us"] = _kernel_sequence(fns["separate"])
+        for name in ("call", "tma_part", "chunk_alone", "separate", "triton_part", "decode_alone", "call_fa3",
+                     "separate_fa3", "tma_only", "tma_only_one_seq"):
+            if name not in fns:
+                continue  # CUDA-graph replays (no host gaps), best of two medians
             call, graphed = graph_replay([fns[name]])
-            row[name + "_graphed_ms"] = time_ms(call) if graphed else None
+            row[name + "_graphed_ms"] = min(time_ms(call) for _ in range(2)) if graphed else None
         rows.append(row)
         print(row, flush=True)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
@@ -90,7 +131,8 @@ def main():
     print(f"{'page':>5} " + " ".join(f"{k[:-3]:>22}" for k in rows[0] if k.endswith("_ms")))
     for r in rows:
         print(f"{r['page']:>5} " + " ".join(f"{v or 0:22.4f}" for k, v in r.items() if k.endswith("_ms")))
-        print("  kernels of one call (us):", r["call_kernels_us"])
+        print("  kernels of one call (us):", r["call_launches_us"])
+        print("  kernels of the separate launches (us):", r["separate_launches_us"])
 
 
 if __name__ == "__main__":

@@ -166,6 +166,11 @@ def test_paged_varlen_launch_plan(monkeypatch, case):
             KP.paged_config(1, hq // hk, d, True, None, page, True)[0:2] + (128,)  # the decode tiles, capped
         assert big[2]["BLOCK_M"] == 128 and big[2]["num_warps"] == 8
         assert len(tma_calls) == 1 and tma_calls[0]["min_len_q"] == 128 and tma_calls[0]["cu_seqlens_q"] is cu
+        # the large-tile launch writes the TMA kernel's block list from one extra program (no list launch)
+        assert (small[2]["BLOCK_LIST"], big[2]["BLOCK_LIST"]) == (False, True)
+        capacity = sum(qlens) // (128 // (hq // hk)) + len(qlens)
+        assert big[0] == (capacity * hk + 1, 1, 1)
+        assert big[1][14] is tma_calls[0]["block_list"] and big[1][14].numel() == 8 * (1 + sum(qlens) // 128 + 4)
     else:
         assert plan == [(True, True, 0, 2 ** 31 - 1)] and tma_calls == []
         assert kern.calls[0][2]["SPLIT"] is (case == "num_splits")

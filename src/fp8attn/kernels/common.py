@@ -232,3 +232,37 @@ def find_seq(CU_Q, target, batch, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def fill_varlen_block_list(CuQ, KSrc, Blocks, batch, min_len_q, BM: tl.constexpr, BLOCK_B: tl.constexpr,
+                           KEYS_CU: tl.constexpr, ENTRY: tl.constexpr):
+    """Writes the varlen block list of the warp-specialized TMA kernel (``dense_tma.varlen_block_list``, whose
+    docstring gives the format) from one program: per chunk of BLOCK_B sequences, each one's first list slot
+    (a running prefix sum of block counts), then its blocks' entries. Keys from ``KSrc``: cumulative
+    offsets (KEYS_CU: varlen K/V) or per-sequence counts (a paged cache, first key row 0)."""
+    total = 0
+    for b0 in range(0, batch, BLOCK_B):
+        bs = b0 + tl.arange(0, BLOCK_B)
+        live = bs < batch
+        q_row = tl.load(CuQ + bs, mask=live, other=0)
+        len_q = tl.load(CuQ + bs + 1, mask=live, other=0) - q_row
+        if KEYS_CU:
+            k_row = tl.load(KSrc + bs, mask=live, other=0)
+            len_k = tl.load(KSrc + bs + 1, mask=live, other=0) - k_row
+        else:
+            k_row = bs * 0
+            len_k = tl.load(KSrc + bs, mask=live, other=0)
+        nb = tl.where(live & (len_q >= min_len_q), (len_q + BM - 1) // BM, 0)
+        first = total + tl.cumsum(nb, 0) - nb
+        for j in range(0, tl.max(nb, 0)):
+            e = Blocks + ENTRY * (1 + first + j)
+            m = j < nb
+            tl.store(e, bs, mask=m)
+            tl.store(e + 1, bs * 0 + j, mask=m)
+            tl.store(e + 2, q_row, mask=m)
+            tl.store(e + 3, len_q, mask=m)
+            tl.store(e + 4, k_row, mask=m)
+            tl.store(e + 5, len_k, mask=m)
+        total += tl.sum(nb, 0)
+    tl.store(Blocks, total)

@@ -73,7 +73,7 @@ try:
 except ImportError:  # triton without Gluon: the fast path is simply unavailable
     HAS_GLUON = False
 
-from .common import window_flags
+from .common import fill_varlen_block_list, window_flags
 
 __all__ = ["supported", "unsupported_reason", "launch_dense_fwd_tma", "HAS_GLUON"]
 
@@ -98,44 +98,20 @@ MODE_DENSE, MODE_PAGED, MODE_VARLEN, MODE_PAGED_VARLEN = 0, 1, 2, 3
 
 # A varlen block list entry: (sequence, query block, first query row, query count, first key row, key count),
 # padded to 8 int32 (one 32-byte sector); the header (the block count) takes the first 8 slots.
-_ENTRY = 8
+ENTRY = 8
 
 
 @triton.jit
 def _block_list_kernel(CuQ, KSrc, Blocks, batch, min_len_q, BM: tl.constexpr, BLOCK_B: tl.constexpr,
                        KEYS_CU: tl.constexpr, ENTRY: tl.constexpr):
-    """``varlen_block_list`` in one program: per chunk of BLOCK_B sequences, each one's first list slot
-    (a running prefix sum of block counts), then its blocks' entries. Keys from ``KSrc``: cumulative
-    offsets (KEYS_CU: varlen K/V) or per-sequence counts (a paged cache, first key row 0)."""
-    total = 0
-    for b0 in range(0, batch, BLOCK_B):
-        bs = b0 + tl.arange(0, BLOCK_B)
-        live = bs < batch
-        q_row = tl.load(CuQ + bs, mask=live, other=0)
-        len_q = tl.load(CuQ + bs + 1, mask=live, other=0) - q_row
-        if KEYS_CU:
-            k_row = tl.load(KSrc + bs, mask=live, other=0)
-            len_k = tl.load(KSrc + bs + 1, mask=live, other=0) - k_row
-        else:
-            k_row = bs * 0
-            len_k = tl.load(KSrc + bs, mask=live, other=0)
-        nb = tl.where(live & (len_q >= min_len_q), (len_q + BM - 1) // BM, 0)
-        first = total + tl.cumsum(nb, 0) - nb
-        for j in range(0, tl.max(nb, 0)):
-            e = Blocks + ENTRY * (1 + first + j)
-            m = j < nb
-            tl.store(e, bs, mask=m)
-            tl.store(e + 1, bs * 0 + j, mask=m)
-            tl.store(e + 2, q_row, mask=m)
-            tl.store(e + 3, len_q, mask=m)
-            tl.store(e + 4, k_row, mask=m)
-            tl.store(e + 5, len_k, mask=m)
-        total += tl.sum(nb, 0)
-    tl.store(Blocks, total)
+    """``varlen_block_list`` in one program (``common.fill_varlen_block_list``; a mixed paged batch builds
+    the list inside one of its Triton launches instead)."""
+    fill_varlen_block_list(CuQ, KSrc, Blocks, batch, min_len_q, BM, BLOCK_B, KEYS_CU, ENTRY)
+
 
 if HAS_GLUON:
     # Globals read inside Gluon code must be constexpr.
-    _ENTRY_G = gl.constexpr(_ENTRY)
+    _ENTRY_G = gl.constexpr(ENTRY)
     _P_OFFSET = gl.constexpr(8.0)  # P = exp2(s - m + 8) lands in [0, 256] < 448 (e4m3 max)
     _LN2 = gl.constexpr(0.6931471805599453)
     _E4M3_MAX = gl.constexpr(448.0)
@@ -1270,6 +1246,11 @@ if HAS_GLUON:
             return t % n_mb, t // n_mb
 
     @gluon.constexpr_function
+    def _v_rows_loader_regs(box_rows):
+        """Registers of the V_ROWS kernel's 4-warp producer (see ``_bounded_fwd_tma_ws_kernel``)."""
+        return 24 if box_rows >= 64 else 32
+
+    @gluon.constexpr_function
     def _tile_keys(box_rows, v_rows):
         """Keys per KV tile for K boxes of ``box_rows`` rows: 128 with V in K's layout (V_ROWS: boxes of
         16, 32, 64 or 128 keys, as many per tile as fit), else the box (a V box, sequence-major, is the
@@ -1397,14 +1378,17 @@ if HAS_GLUON:
         of the last V tile past the end are zeroed in shared memory before P V reads them
         (``_ws_clean_v_tail``). Head dims 64 and 128. V sequence-major within each page (pages a multiple of
         the tile, 64 or 128 keys), or (V_ROWS) in K's layout, FA3's, in pages of 16, 32 or a multiple of 64
-        keys (``_tile_keys``), transposed in shared memory by a 4-warp producer (``_ws_transpose_v``; the
-        producer then runs at 32 registers, not 24)."""
+        keys (``_tile_keys``), transposed in shared memory by a 4-warp producer (``_ws_transpose_v``; at
+        32 registers for boxes under 64 keys, else 24)."""
         gl.static_assert(HEAD_DIM != 256)
         q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
             v_raw_ready = _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 3, V_ROWS)
         v_clean = turn.index(2)
         LOADER_WARPS: gl.constexpr = 4 if V_ROWS else 1
-        LOADER_REGS: gl.constexpr = 32 if V_ROWS else _WS_LOADER_REGS
+        # A 12-warp CTA's register pool is 168 x 384 = 64512: a 24-register producer leaves both consumers
+        # their 240. Boxes under 64 keys (pages of 16, 32) keep 32: their producer holds more page-table
+        # rows and spilled 49-114 times at 24 (H200: 5-6% slower there; pages of 64+ 1-5% faster).
+        LOADER_REGS: gl.constexpr = _v_rows_loader_regs(k_desc.block_type.shape[0]) if V_ROWS else _WS_LOADER_REGS
 
         gl.warp_specialize([
             (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
@@ -1764,6 +1748,13 @@ def _launch_varlen(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale
     return out, lse
 
 
+def empty_block_list(cu_seqlens_q, total_q):
+    """An unfilled ``varlen_block_list`` of capacity ``total_q // 128 + batch`` blocks (for a kernel that
+    fills it with ``common.fill_varlen_block_list``)."""
+    capacity = total_q // BLOCK_M + cu_seqlens_q.numel() - 1
+    return torch.empty(ENTRY * (1 + capacity), device=cu_seqlens_q.device, dtype=torch.int32)
+
+
 def varlen_block_list(cu_seqlens_q, keys, keys_cumulative, total_q, min_len_q=1):
     """The query blocks of a varlen launch of the bounded kernel (MODE >= 2), built on the device (one
     Triton program, no host synchronization): sequence b's ``ceil(len_q / 128)`` blocks, in sequence
@@ -1790,22 +1781,23 @@ def varlen_block_list(cu_seqlens_q, keys, keys_cumulative, total_q, min_len_q=1)
         reads a block's bounds in one round of independent loads). Entries past the count are not written.
     """
     batch = cu_seqlens_q.numel() - 1
-    capacity = total_q // BLOCK_M + batch
-    blocks = torch.empty(_ENTRY * (1 + capacity), device=cu_seqlens_q.device, dtype=torch.int32)
+    blocks = empty_block_list(cu_seqlens_q, total_q)
     _block_list_kernel[(1,)](cu_seqlens_q, keys, blocks, batch, int(min_len_q), BM=BLOCK_M, BLOCK_B=256,
-                             KEYS_CU=bool(keys_cumulative), ENTRY=_ENTRY, num_warps=4)
+                             KEYS_CU=bool(keys_cumulative), ENTRY=ENTRY, num_warps=4)
     return blocks
 
 
-def varlen_schedule(cu_seqlens_q, keys, keys_cumulative, total_q, nheads_q, lse, out, min_len_q=1):
+def varlen_schedule(cu_seqlens_q, keys, keys_cumulative, total_q, nheads_q, lse, out, min_len_q=1, blocks=None):
     """What a varlen launch of the bounded kernel (MODE >= 2, dense or paged) passes besides its tensors:
     ``(block_list, lse_strides, out_row_strides, grid)``: the ``varlen_block_list`` (``keys`` and
-    ``keys_cumulative`` as there), the (0, head, row) strides of an (nheads_q, total_q) LSE (zeros without
-    one), ``out``'s (row, head) strides for the masked row stores, and the persistent grid (one CTA per
-    SM, at most one per block of the list's capacity)."""
-    blocks = varlen_block_list(cu_seqlens_q, keys, keys_cumulative, total_q, min_len_q)
+    ``keys_cumulative`` as there; ``blocks``: one already filled on the stream, from ``empty_block_list``),
+    the (0, head, row) strides of an (nheads_q, total_q) LSE (zeros without one), ``out``'s (row, head)
+    strides for the masked row stores, and the persistent grid (one CTA per SM, at most one per block of
+    the list's capacity)."""
+    if blocks is None:
+        blocks = varlen_block_list(cu_seqlens_q, keys, keys_cumulative, total_q, min_len_q)
     ls = (0, lse.stride(0), lse.stride(1)) if lse is not None else (0, 0, 0)
-    grid = (min((blocks.numel() // _ENTRY - 1) * nheads_q, _num_sms(out.device.index)), 1)
+    grid = (min((blocks.numel() // ENTRY - 1) * nheads_q, _num_sms(out.device.index)), 1)
     return blocks, ls, (out.stride(0), out.stride(1)), grid
 
 

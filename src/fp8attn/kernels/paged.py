@@ -47,10 +47,10 @@ import triton
 import triton.language as tl
 
 from ..paged import is_v_seq_major, paged_precision
-from . import paged_tma
+from . import dense_tma, paged_tma
 from .combine import launch_combine
-from .common import (INTERPRET, causal_window_mask, finalize_rows, find_seq, full_tile_range, kv_range,
-                     online_softmax_step, output_epilogue, scale_logits, upcast_fp8_in_place, window_flags)
+from .common import (INTERPRET, causal_window_mask, fill_varlen_block_list, finalize_rows, find_seq, full_tile_range,
+                     kv_range, online_softmax_step, output_epilogue, scale_logits, upcast_fp8_in_place, window_flags)
 
 __all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config"]
 
@@ -287,8 +287,8 @@ def _query_block(seq, q_start, qlen, qblk, kvh, split,
 
 @triton.jit
 def _paged_fwd_kernel(
-    Q, K, V, PT, SEQLENS, CU_Q, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
-    batch, seqlen_q,
+    Q, K, V, PT, SEQLENS, CU_Q, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, BLOCKS,
+    batch, seqlen_q, list_min_q,
     s_qb, s_qt, s_qh,
     s_kb, s_kp, s_kh, s_vb, s_vp, s_vh,
     s_ptb,
@@ -307,18 +307,27 @@ def _paged_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     VARLEN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_INNER: tl.constexpr,
     TWO_CLASS: tl.constexpr, BIG_CLASS: tl.constexpr, BLOCK_M_S: tl.constexpr, BLOCK_N_S: tl.constexpr,
-    UNMASKED_TILES: tl.constexpr, DECODE_FIRST: tl.constexpr,
+    UNMASKED_TILES: tl.constexpr, DECODE_FIRST: tl.constexpr, BLOCK_LIST: tl.constexpr, LIST_BM: tl.constexpr,
+    LIST_ENTRY: tl.constexpr,
 ):
+    # BLOCK_LIST (a mixed batch's launch before its TMA kernel): one extra program, the last of axis 0,
+    # writes the TMA kernel's query-block list (sequences of ``list_min_q`` queries or more) into BLOCKS
+    # instead of a launch of its own.
+    n_prog = tl.num_programs(0)
+    if BLOCK_LIST:
+        n_prog -= 1
+        if (tl.program_id(0) == n_prog) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+            fill_varlen_block_list(CU_Q, SEQLENS, BLOCKS, batch, list_min_q, LIST_BM, 256, False, LIST_ENTRY)
     if HEADS_INNER:
         # The kv heads of one query block are neighbouring programs: they run together and read the
         # same pages (heads are interleaved inside a page), which keeps DRAM accesses local.
         raw = tl.program_id(0) // NUM_KV_HEADS
         kvh = tl.program_id(0) % NUM_KV_HEADS
-        num_pid = tl.num_programs(0) // NUM_KV_HEADS
+        num_pid = n_prog // NUM_KV_HEADS
     else:
         raw = tl.program_id(0)
         kvh = tl.program_id(1)
-        num_pid = tl.num_programs(0)
+        num_pid = n_prog
     split = tl.program_id(2)
     if VARLEN:
         # TWO_CLASS (mixed batches): the last ``batch`` programs serve, one each, the sequences with at
@@ -541,12 +550,13 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
         them with ``launch_combine``.
     config : optional override {block_m, block_n, num_warps, num_stages, maxnreg, compute_dtype, pv_fp16,
-        heads_inner, two_class, decode_first, unmasked_tiles, tma, split_at}
+        heads_inner, two_class, decode_first, unmasked_tiles, tma, split_at, block_list}
         (benchmarks). ``pv_fp16`` (FP8 Q and cache only): FP8 QK^T, then P@V in fp16 with V upcast in
         registers and P rounded to fp16 instead of e4m3 (no in-kernel transpose of V). ``tma=False``
         keeps FP8 prefill chunks that ``paged_tma`` accepts on this kernel; ``split_at`` (varlen, tests) runs
         this kernel's part of a split with the TMA kernel without it: sequences of ``split_at`` queries
-        or more are left as they are.
+        or more are left as they are; with it, ``block_list`` (a ``dense_tma.empty_block_list``) is
+        filled as the TMA kernel's launch would need it (for ``VARLEN_MIN_Q``).
 
     Notes
     -----
@@ -618,19 +628,21 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if split and (out_partial is None or lse_partial is None):
         out_partial, lse_partial = split_workspace(q, num_splits, dv, hq)
     # The launches of this kernel: (tiles (bm, bn, num_warps, stages, maxnreg), two classes, big class,
-    # grid0, the big class's query-count range).
-    launches = [((bm, bn, nw, ns, maxnreg), two_class, True, grid0, (0, 2 ** 31 - 1))]
+    # grid0, the big class's query-count range, whether it also writes the TMA kernel's block list).
+    launches = [((bm, bn, nw, ns, maxnreg), two_class, True, grid0, (0, 2 ** 31 - 1), False)]
     # Varlen batches on the TMA kernel too (never with splits: the combine writes every row): sequences of
     # VARLEN_MIN_Q queries or more go to it (launched last); here, the decode rows alone with the decode
     # tiles (one program per sequence, as fast as a decode-only launch), and the sequences between them
-    # in the large tiles (a launch whose programs exit at once when there are none).
+    # in the large tiles (a launch whose programs exit at once when there are none; one more program of
+    # it writes the TMA kernel's block list, which saves that list its own launch).
     tma_varlen = tma_ok and not split  # (a fixed-length tma_ok call has returned above)
     split_at = paged_tma.VARLEN_MIN_Q if tma_varlen else cfg.get("split_at")
+    block_list = dense_tma.empty_block_list(cu_seqlens_q, total_q) if tma_varlen else cfg.get("block_list")
     if varlen and split_at is not None:
         small_q = bm_s // qg if bm > bm_s else 0
-        launches = [(small_cfg, True, False, batch, (0, 0))] if small_q else []
+        launches = [(small_cfg, True, False, batch, (0, 0), False)] if small_q else []
         launches.append(((bm, bn, nw, ns, maxnreg), False, True, total_q // block_q + batch,
-                         (small_q + 1, int(split_at) - 1)))
+                         (small_q + 1, int(split_at) - 1), block_list is not None))
 
     # strides of q / out / lse / partials as (batch, token, head[, split])
     if varlen:
@@ -671,14 +683,15 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # unmasked full tiles need a second shared-memory ring: FP8 caches only (a 16-bit cache's
     # (16, 128, 4, 3) decode ring needed 264 KB of the 227 KB per block with both loops)
     unmasked_tiles = bool(cfg.get("unmasked_tiles", fp8_cache))
-    for (bm_l, bn_l, nw_l, ns_l, maxnreg_l), two_class_l, big_class, grid0_l, (lo, hi) in launches:
-        grid = (grid0_l * hk, 1, num_splits) if heads_inner else (grid0_l, hk, num_splits)
+    for (bm_l, bn_l, nw_l, ns_l, maxnreg_l), two_class_l, big_class, grid0_l, (lo, hi), with_list in launches:
+        grid0_l = grid0_l * hk if heads_inner else grid0_l
+        grid = (grid0_l + with_list, 1 if heads_inner else hk, num_splits)
         _paged_fwd_kernel[grid](
             q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q if varlen else dummy, o_t, l_t,
             q_descale if has_qd else dummy, k_descale if has_kd else dummy, v_descale if has_vd else dummy,
             k_cache_scales if has_ks else dummy, v_cache_scales if has_vs else dummy,
-            out_scale if out_fp8 else dummy,
-            batch, seqlen_q,
+            out_scale if out_fp8 else dummy, block_list if with_list else dummy,
+            batch, seqlen_q, paged_tma.VARLEN_MIN_Q,
             *s_q,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -697,7 +710,8 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
             TILE_IN_PAGE=page_size % bn_l == 0, P_FP8=p_fp8, NUM_KV_HEADS=hk, HEADS_INNER=heads_inner,
             TWO_CLASS=two_class_l, BIG_CLASS=big_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major,
-            UNMASKED_TILES=unmasked_tiles, DECODE_FIRST=bool(cfg.get("decode_first", True)), num_warps=nw_l,
+            UNMASKED_TILES=unmasked_tiles, DECODE_FIRST=bool(cfg.get("decode_first", True)),
+            BLOCK_LIST=with_list, LIST_BM=dense_tma.BLOCK_M, LIST_ENTRY=dense_tma.ENTRY, num_warps=nw_l,
             num_stages=ns_l, maxnreg=maxnreg_l,
         )
     if split:
@@ -708,4 +722,5 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         launch_combine(out_partial, lse_partial, out, lse_view, out_scale=out_scale)
     if tma_varlen:
         paged_tma.launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
-                                           cu_seqlens_q=cu_seqlens_q, min_len_q=paged_tma.VARLEN_MIN_Q, **tma_args)
+                                           cu_seqlens_q=cu_seqlens_q, min_len_q=paged_tma.VARLEN_MIN_Q,
+                                           block_list=block_list, **tma_args)

@@ -167,7 +167,7 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
 
 def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, softmax_scale, causal,
                              q_descale=None, k_descale=None, v_descale=None, out_scale=None, cu_seqlens_q=None,
-                             min_len_q=1, num_stages=None):
+                             min_len_q=1, num_stages=None, block_list=None):
     """Launch the paged TMA prefill kernel. No validation: call only when ``unsupported_reason`` is None.
 
     Parameters
@@ -204,6 +204,9 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
     num_stages : int or None
         Depth of the K/V ring (default ``dense_tma.NUM_STAGES``, 2; H200, 2k chunk over 8k: 3 and 4 stages
         within 1% at 128-key tiles, 0.5-3% slower at 64-key tiles).
+    block_list : torch.Tensor or None
+        Varlen: the query blocks (``dense_tma.empty_block_list``) when an earlier launch on the stream
+        has filled them for ``min_len_q`` (``common.fill_varlen_block_list``); None builds them here.
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -229,7 +232,7 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
              (out, [rows_q, hq * d], [hq * d, 1], [rows, dv]))
     if varlen:  # the query blocks listed on the device
         blocks, ls, row_args, grid = dense_tma.varlen_schedule(cu_seqlens_q, cache_seqlens, False, total_q, hq, lse,
-                                                               out, min_len_q)
+                                                               out, min_len_q, block_list)
         seq_args = (blocks, out)
         seqlen_q, mode = total_q, dense_tma.MODE_PAGED_VARLEN
     else:
