@@ -1,4 +1,5 @@
-"""Key-range helpers shared by the dense and paged kernels (kernels/common.py), checked by brute force.
+"""Key-range and sequence-search helpers shared by the dense and paged kernels (kernels/common.py), checked
+by brute force.
 
 ``kv_range`` bounds the keys a block of query rows may see; ``full_tile_range`` picks the tiles inside a
 loop range that need no mask at all. A key tile wrongly called "full" would let masked keys (or
@@ -17,7 +18,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from fp8attn.kernels.common import full_tile_range, kv_range  # noqa: E402
+from fp8attn.kernels.common import find_seq, full_tile_range, kv_range  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NPARAM = 9  # tok_lo, tok_hi, seqlen_q, seqlen_k, window_left, window_right, split, num_splits, unused
@@ -110,3 +111,27 @@ def test_full_tile_range_is_exact(block_n, causal, has_window):
         if full_lo - block_n >= start:
             assert not tile_full(full_lo - block_n), (r, "tile before full_lo is fully visible")
     assert n_full > 0  # the cases exercise the unmasked loop
+
+
+@triton.jit
+def _find_seq_kernel(CU, T, R, batch, BLOCK_Q: tl.constexpr):
+    i = tl.program_id(0)
+    tl.store(R + i, find_seq(CU, tl.load(T + i), batch, BLOCK_Q))
+
+
+@pytest.mark.parametrize("batch", [1, 5, 256, 300])
+def test_find_seq_matches_a_scan(batch):
+    """``find_seq`` (vector loads of 256 sequences at a time) against a linear scan, with empty sequences,
+    one-block ones and long ones, for every block index of the varlen grid's capacity (the programs past
+    the last block find the last sequence, as with the binary search it replaced)."""
+    rng = random.Random(batch)
+    block_q = 4
+    lens = [rng.choice([0, 0, 1, 3, 4, 5, 17]) for _ in range(batch)]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=DEV)
+    capacity = int(cu[-1]) // block_q + batch
+    targets = torch.arange(capacity + 3, dtype=torch.int32, device=DEV)
+    got = torch.empty_like(targets)
+    _find_seq_kernel[(targets.numel(),)](cu, targets, got, batch, BLOCK_Q=block_q)
+    starts = [int(cu[i]) // block_q + i for i in range(batch)]
+    want = [max(i for i in range(batch) if starts[i] <= t) for t in targets.tolist()]
+    assert got.tolist() == want
