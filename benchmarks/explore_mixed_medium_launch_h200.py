@@ -7,43 +7,23 @@ source tree on PYTHONPATH. Usage (repo root, GPU machine):
 ``PYTHONPATH=<variant>/src python benchmarks/explore_mixed_medium_launch_h200.py <name>``.
 """
 import json
-import math
 import sys
 
 import torch
+from explore_mixed_split_h200 import D, N_DEC, mixed_inputs
 
 from fp8attn.bench.common import graph_replay, time_ms
-from fp8attn.bench.paged import D, E4M3, HK, HQ, _paged_pool
 from fp8attn.kernels import paged_tma
 from fp8attn.kernels.paged import launch_paged_fwd
-from fp8attn.paged import to_v_seq_major
 
-N_DEC, CTX, CHUNK, PREFIX, page = 32, 4096, 2048, 8192, 64
 torch.manual_seed(0)
-b = N_DEC + 1
-L = PREFIX + CHUNK
-pd, pc = math.ceil(CTX / page), math.ceil(L / page)
-kc, vc, pts = _paged_pool(1, N_DEC * pd * page + pc * page, page, 1)
-vs = to_v_seq_major(vc)
-flat = pts[0].view(-1)
-pt = torch.full((b, pc), -1, dtype=torch.int32, device="cuda")
-pt[:N_DEC, :pd] = flat[:N_DEC * pd].view(N_DEC, pd)
-pt[N_DEC] = flat[N_DEC * pd:N_DEC * pd + pc]
-seqlens = torch.tensor([CTX] * N_DEC + [L], dtype=torch.int32, device="cuda")
-qlens = [1] * N_DEC + [CHUNK]
-cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
-q = torch.randn(sum(qlens), HQ, D, device="cuda").to(E4M3)
-dd = torch.rand(b, HK, device="cuda") + 0.5
-ds = dict(q_descale=dd, k_descale=dd, v_descale=dd)
-out = torch.empty(sum(qlens), HQ, D, device="cuda", dtype=torch.bfloat16)
-od = torch.empty(N_DEC, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
-base = dict(cu_seqlens_q=cu, max_seqlen_q=CHUNK, softmax_scale=D ** -0.5, causal=True, **ds)
-fns = {"triton_part": lambda: launch_paged_fwd(q, kc, vs, pt, seqlens, out, None, **base,
+m = mixed_inputs(64)
+fns = {"triton_part": lambda: launch_paged_fwd(m.q, m.kc, m.vs, m.pt, m.seqlens, m.out, None, **m.base,
                                                config={"tma": False, "split_at": paged_tma.VARLEN_MIN_Q}),
-       "decode_alone": lambda: launch_paged_fwd(q[:N_DEC].view(N_DEC, 1, HQ, D), kc, vs, pt[:N_DEC], seqlens[:N_DEC],
-                                                od, None, max_seqlen_q=1, softmax_scale=D ** -0.5, causal=True,
-                                                **{k: v[:N_DEC] for k, v in ds.items()}),
-       "call": lambda: launch_paged_fwd(q, kc, vs, pt, seqlens, out, None, **base)}
+       "decode_alone": lambda: launch_paged_fwd(m.qd_, m.kc, m.vs, m.pt[:N_DEC], m.seqlens[:N_DEC], m.od, None,
+                                                max_seqlen_q=1, softmax_scale=D ** -0.5, causal=True,
+                                                **{k: v[:N_DEC] for k, v in m.ds.items()}),
+       "call": lambda: launch_paged_fwd(m.q, m.kc, m.vs, m.pt, m.seqlens, m.out, None, **m.base)}
 calls = {k: graph_replay([f])[0] for k, f in fns.items()}
 res = {}
 for rep in range(3):

@@ -10,6 +10,7 @@ the GPU time of each kernel of one call in launch order (the source of
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -46,29 +47,39 @@ def _kernel_sequence(fn, reps=20):
             for i in range(n)]
 
 
+def mixed_inputs(page):
+    """The mixed batch at one page size: a namespace of its tensors (``vc`` FA3's V layout, ``vs`` the same V
+    sequence-major), the call's keyword arguments ``base``, the decode rows' and the chunk's own views
+    (``qd_`` / ``qc_``) and outputs (``od`` / ``oc``)."""
+    b = N_DEC + 1
+    L = PREFIX + CHUNK
+    pd, pc = math.ceil(CTX / page), math.ceil(L / page)
+    kc, vc, pts = _paged_pool(1, N_DEC * pd * page + pc * page, page, 1)
+    flat = pts[0].view(-1)
+    pt = torch.full((b, pc), -1, dtype=torch.int32, device="cuda")
+    pt[:N_DEC, :pd] = flat[:N_DEC * pd].view(N_DEC, pd)
+    pt[N_DEC] = flat[N_DEC * pd:N_DEC * pd + pc]
+    seqlens = torch.tensor([CTX] * N_DEC + [L], dtype=torch.int32, device="cuda")
+    qlens = [1] * N_DEC + [CHUNK]
+    cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(qlens), HQ, D, device="cuda").to(E4M3)
+    dd = torch.rand(b, HK, device="cuda") + 0.5
+    ds = dict(q_descale=dd, k_descale=dd, v_descale=dd)
+    return SimpleNamespace(
+        kc=kc, vc=vc, vs=to_v_seq_major(vc), pt=pt, seqlens=seqlens, qlens=qlens, cu=cu, q=q, ds=ds,
+        out=torch.empty(sum(qlens), HQ, D, device="cuda", dtype=torch.bfloat16),
+        base=dict(cu_seqlens_q=cu, max_seqlen_q=CHUNK, softmax_scale=D ** -0.5, causal=True, **ds),
+        od=torch.empty(N_DEC, 1, HQ, D, device="cuda", dtype=torch.bfloat16),
+        oc=torch.empty(1, CHUNK, HQ, D, device="cuda", dtype=torch.bfloat16),
+        qd_=q[:N_DEC].view(N_DEC, 1, HQ, D), qc_=q[N_DEC:].view(1, CHUNK, HQ, D))
+
+
 def main():
     rows = []
     for page in (64, 128):
-        b = N_DEC + 1
-        L = PREFIX + CHUNK
-        pd, pc = math.ceil(CTX / page), math.ceil(L / page)
-        kc, vc, pts = _paged_pool(1, N_DEC * pd * page + pc * page, page, 1)
-        vs = to_v_seq_major(vc)
-        flat = pts[0].view(-1)
-        pt = torch.full((b, pc), -1, dtype=torch.int32, device="cuda")
-        pt[:N_DEC, :pd] = flat[:N_DEC * pd].view(N_DEC, pd)
-        pt[N_DEC] = flat[N_DEC * pd:N_DEC * pd + pc]
-        seqlens = torch.tensor([CTX] * N_DEC + [L], dtype=torch.int32, device="cuda")
-        qlens = [1] * N_DEC + [CHUNK]
-        cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
-        q = torch.randn(sum(qlens), HQ, D, device="cuda").to(E4M3)
-        dd = torch.rand(b, HK, device="cuda") + 0.5
-        ds = dict(q_descale=dd, k_descale=dd, v_descale=dd)
-        out = torch.empty(sum(qlens), HQ, D, device="cuda", dtype=torch.bfloat16)
-        base = dict(cu_seqlens_q=cu, max_seqlen_q=CHUNK, softmax_scale=D ** -0.5, causal=True, **ds)
-        od = torch.empty(N_DEC, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
-        oc = torch.empty(1, CHUNK, HQ, D, device="cuda", dtype=torch.bfloat16)
-        qd_, qc_ = q[:N_DEC].view(N_DEC, 1, HQ, D), q[N_DEC:].view(1, CHUNK, HQ, D)
+        m = mixed_inputs(page)
+        kc, vc, vs, pt, seqlens, qlens, cu, q, ds, out, base, od, oc, qd_, qc_ = (
+            m.kc, m.vc, m.vs, m.pt, m.seqlens, m.qlens, m.cu, m.q, m.ds, m.out, m.base, m.od, m.oc, m.qd_, m.qc_)
         sub = lambda s: {k: v[s] for k, v in ds.items()}  # noqa: E731
 
         fns = {
