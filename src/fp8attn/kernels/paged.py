@@ -5,7 +5,8 @@ nheads_k`` query heads that share a kv head into the M dimension (row ``r`` is t
 ``kv_head * G + r % G``), so each KV tile is read once per kv head. With ``cu_seqlens_q`` a batch
 mixes decode rows (one query) and prefill chunks (many queries) in ONE launch: the grid is
 ``total_q // BLOCK_Q + batch`` programs (a capacity, never live data) and each program finds its
-sequence by a binary search over the query-block starts ``cu_seqlens_q[i] // BLOCK_Q + i``; surplus
+sequence by counting the query-block starts ``cu_seqlens_q[i] // BLOCK_Q + i`` at or below its index
+(``common.find_seq``, vector loads); surplus
 programs exit at once. Programs are visited in reverse order so the last (typically longest, prefill)
 sequences and the heavier causal blocks start first; in mixed batches the decode rows' small-tile
 programs come before all of them (memory-bound rows beside compute-bound tiles).
