@@ -6,10 +6,10 @@ nheads_k`` query heads that share a kv head into the M dimension (row ``r`` is t
 mixes decode rows (one query) and prefill chunks (many queries) in ONE launch: the grid is
 ``total_q // BLOCK_Q + batch`` programs (a capacity, never live data) and each program finds its
 sequence by counting the query-block starts ``cu_seqlens_q[i] // BLOCK_Q + i`` at or below its index
-(``common.find_seq``, vector loads); surplus
-programs exit at once. Programs are visited in reverse order so the last (typically longest, prefill)
-sequences and the heavier causal blocks start first; in mixed batches the decode rows' small-tile
-programs come before all of them (memory-bound rows beside compute-bound tiles).
+(``common.find_seq``, vector loads); surplus programs exit at once. Programs are visited in reverse
+order so the last (typically longest, prefill) sequences and the heavier causal blocks start first; in
+mixed batches the decode rows' small-tile programs come before all of them (memory-bound rows beside
+compute-bound tiles).
 
 Keys: ``cache_seqlens[b]`` valid tokens, queries being the last ``seqlen_q`` of them (bottom-right
 causal/window alignment). When ``page_size`` is a multiple of BLOCK_N (TILE_IN_PAGE) each KV tile
