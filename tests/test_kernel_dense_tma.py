@@ -357,6 +357,37 @@ def test_sm90_fp8_output_tile_is_stored_with_stmatrix():
     assert counts["True"][1:] == [0, 0], counts  # no 2- or 1-byte shared stores of the e4m3 tile
 
 
+_V_ROWS_REGS_SNIPPET = """
+import os, re, subprocess, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {src!r})
+import triton.backends.nvidia
+from fp8attn.kernels import dense_tma
+nvdisasm = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
+if not os.path.exists(nvdisasm):
+    print("no nvdisasm"); sys.exit(0)
+for box in (16, 64):
+    k = dense_tma._aot_compile(True, write_lse=True, mode=dense_tma.MODE_PAGED, head_dim=128, v_rows=True, box=box)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"]); f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    regs = sorted({{int(x, 16) for x in re.findall(r"USETMAXREG\\.\\S+\\s+(0x[0-9a-f]+)", sass)}})
+    print("regs", box, *regs)
+"""
+
+
+def test_sm90_v_rows_register_split():
+    """The FA3-layout paged kernel's 12 warps share a 64512-register pool: with boxes of 64+ keys the
+    transposing producer runs at 24 registers so both consumer warpgroups get 240 (at 32 the second got
+    232); with 16-key boxes (page 16) the producer keeps 32. sm90 SASS (``USETMAXREG``), no GPU."""
+    out = _run_sm90_snippet(_V_ROWS_REGS_SNIPPET)
+    regs = {int(line.split()[1]): {int(x) for x in line.split()[2:]} for line in out.splitlines()
+            if line.startswith("regs ")}
+    assert set(regs) == {16, 64}, out[-3000:]
+    assert {24, 240} <= regs[64] and 32 not in regs[64] and 232 not in regs[64], regs
+    assert 32 in regs[16] and 24 not in regs[16], regs
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU (sm90)
 # ---------------------------------------------------------------------------------------------
