@@ -326,8 +326,9 @@ def _run_sm90_snippet(snippet):
     return out
 
 
-_FP8_STORE_SNIPPET = """
-import os, subprocess, sys, tempfile
+# The start of a snippet that reads sm90 SASS: ``sass_of(kernel)`` disassembles a compiled kernel.
+_SASS_PRELUDE = """
+import os, re, subprocess, sys, tempfile
 os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, {src!r})
 import triton.backends.nvidia
@@ -335,11 +336,15 @@ from fp8attn.kernels import dense_tma
 nvdisasm = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
 if not os.path.exists(nvdisasm):
     print("no nvdisasm"); sys.exit(0)
-for out_fp8 in (False, True):
-    k = dense_tma._aot_compile(False, write_lse=True, head_dim=128, out_fp8=out_fp8)
+def sass_of(k):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"]); f.flush()
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+"""
+
+_FP8_STORE_SNIPPET = _SASS_PRELUDE + """
+for out_fp8 in (False, True):
+    sass = sass_of(dense_tma._aot_compile(False, write_lse=True, head_dim=128, out_fp8=out_fp8))
     print("counts", out_fp8, sass.count("STSM."), sass.count("STS.U16"), sass.count("STS.U8"))
 """
 
@@ -357,20 +362,10 @@ def test_sm90_fp8_output_tile_is_stored_with_stmatrix():
     assert counts["True"][1:] == [0, 0], counts  # no 2- or 1-byte shared stores of the e4m3 tile
 
 
-_V_ROWS_REGS_SNIPPET = """
-import os, re, subprocess, sys, tempfile
-os.environ["TRITON_INTERPRET"] = "0"
-sys.path.insert(0, {src!r})
-import triton.backends.nvidia
-from fp8attn.kernels import dense_tma
-nvdisasm = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
-if not os.path.exists(nvdisasm):
-    print("no nvdisasm"); sys.exit(0)
+_V_ROWS_REGS_SNIPPET = _SASS_PRELUDE + """
 for box in (16, 64):
-    k = dense_tma._aot_compile(True, write_lse=True, mode=dense_tma.MODE_PAGED, head_dim=128, v_rows=True, box=box)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"]); f.flush()
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(dense_tma._aot_compile(True, write_lse=True, mode=dense_tma.MODE_PAGED, head_dim=128,
+                                          v_rows=True, box=box))
     regs = sorted({{int(x, 16) for x in re.findall(r"USETMAXREG\\.\\S+\\s+(0x[0-9a-f]+)", sass)}})
     print("regs", box, *regs)
 """
