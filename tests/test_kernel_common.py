@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from fp8attn.kernels.common import find_seq, full_tile_range, kv_range  # noqa: E402
+from fp8attn.kernels.common import cdiv, find_seq, full_tile_range, kv_range, next_pow2  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NPARAM = 9  # tok_lo, tok_hi, seqlen_q, seqlen_k, window_left, window_right, split, num_splits, unused
@@ -135,3 +135,13 @@ def test_find_seq_matches_a_scan(batch):
     starts = [int(cu[i]) // block_q + i for i in range(batch)]
     want = [max(i for i in range(batch) if starts[i] <= t) for t in targets.tolist()]
     assert got.tolist() == want
+
+
+def test_host_cdiv_and_next_pow2_match_triton():
+    """The launchers' plain-Python ``cdiv`` / ``next_pow2`` (triton's are constexpr functions, ~1.5 us a call
+    on the host) give triton's values."""
+    for n in range(1, 2100):
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 16, 64, 128):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
+    assert cdiv(0, 64) == 0 and next_pow2(1) == 1

@@ -41,7 +41,7 @@ def launch_quant_fp8_static():
         import triton
         import triton.language as tl
 
-        from .kernels.common import output_epilogue
+        from .kernels.common import cdiv, output_epilogue
     except ImportError:
         return None
 
@@ -61,6 +61,6 @@ def launch_quant_fp8_static():
         if n == 0:
             return
         block = 2048
-        _quant_kernel[(triton.cdiv(n, block),)](xc, y, scale, n, BLOCK=block, num_warps=8)
+        _quant_kernel[(cdiv(n, block),)](xc, y, scale, n, BLOCK=block, num_warps=8)
 
     return launch

@@ -107,7 +107,7 @@ def launch_scaled_bmm():
         import triton.language as tl
     except ImportError:
         return None
-    from .kernels import common  # noqa: F401  (applies the interpreter fixes under TRITON_INTERPRET=1, once)
+    from .kernels.common import cdiv  # (also applies the interpreter fixes under TRITON_INTERPRET=1, once)
 
     @triton.jit
     def _scaled_bmm_kernel(A, B, SA, SB, O, M, N, K,
@@ -148,7 +148,7 @@ def launch_scaled_bmm():
         bm = 64 if m <= 64 else 128
         bn = 64 if n <= 64 else 128
         bk = 64 if k <= 64 else 128
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), batch)
+        grid = (cdiv(m, bm), cdiv(n, bn), batch)
         _scaled_bmm_kernel[grid](a, b, sa, sb, out, m, n, k,
                                  a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
                                  sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),

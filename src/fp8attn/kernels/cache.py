@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..paged import is_v_seq_major
 from ..quant import DESCALE_FLOOR, scale_storage_pad
-from .common import INTERPRET
+from .common import INTERPRET, cdiv, next_pow2
 
 __all__ = ["launch_write_kv_cache"]
 
@@ -176,8 +176,8 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
     vs = v_cache_scales if mode == MODE_DYNAMIC else dummy
     kss = k_cache_scales.stride() if mode == MODE_DYNAMIC else (0, 0, 0)
     vss = v_cache_scales.stride() if mode == MODE_DYNAMIC else (0, 0, 0)
-    block_h = min(triton.next_power_of_2(nheads_k), 16)
-    grid = (num_tokens, triton.cdiv(nheads_k, block_h))
+    block_h = min(next_pow2(nheads_k), 16)
+    grid = (num_tokens, cdiv(nheads_k, block_h))
     _write_kv_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping, token_seq_idx if has_seq else slot_mapping, kd, vd, ks, vs,
         nheads_k, page_size,
@@ -185,7 +185,7 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         *kss, *vss, kdb, kdh, vdb, vdh,
-        D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+        D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
         BLOCK_H=block_h, MODE=mode, HAS_SEQ_IDX=has_seq, FP8_MAX=fp8_max, FLOOR=DESCALE_FLOOR,
         INTERP=INTERPRET,
         K_SCALE_PAD=scale_storage_pad(k_cache_scales.dtype) if mode == MODE_DYNAMIC else 1.0,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LOG2E, LN2, output_epilogue
+from .common import INTERPRET, LOG2E, LN2, cdiv, next_pow2, output_epilogue
 
 __all__ = ["launch_combine", "combine_tiles"]
 
@@ -115,8 +115,8 @@ def combine_tiles(num_splits: int, headdim: int):
     arrive in one load and more programs share the rows: B1/L128k's 66 splits x 32 rows ran as 32
     programs with three dependent chunk loads each; as 128 programs of (128 splits x 32) it is one.
     """
-    block_splits = triton.next_power_of_2(max(num_splits, 1))
-    block_d = triton.next_power_of_2(headdim)
+    block_splits = next_pow2(max(num_splits, 1))
+    block_d = next_pow2(headdim)
     block_d = min(block_d, max(32, 4096 // block_splits))
     chunk = max(1, min(block_splits, 4096 // block_d))
     nw = 1 if chunk * block_d <= 1024 else 4
@@ -153,7 +153,7 @@ def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: to
     out_fp8 = out_scale is not None
     lse_t = lse if lse is not None else lse_partial[0]
     block_d, block_splits, chunk, nw = combine_tiles(num_splits, d)
-    grid = (rows, triton.cdiv(d, block_d))
+    grid = (rows, cdiv(d, block_d))
     _combine_kernel[grid](
         out_partial, lse_partial, out, lse_t, out_scale if out_fp8 else lse_partial,
         num_splits, seqlen, nheads,

@@ -30,10 +30,12 @@ from .common import (
     INTERPRET,
     LOG2E,
     causal_window_mask,
+    cdiv,
     finalize_rows,
     find_seq,
     full_tile_range,
     kv_range,
+    next_pow2,
     online_softmax_step,
     output_epilogue,
     scale_logits,
@@ -374,9 +376,9 @@ def transpose_v_kmajor(v: torch.Tensor) -> torch.Tensor:
     else:
         b, s, h, d = v4.shape
         y = torch.empty(b, h, d, s, device=v.device, dtype=v.dtype)
-        bd = max(16, triton.next_power_of_2(d))
+        bd = max(16, next_pow2(d))
         bs = 64 if bd <= 128 else 32
-        grid = (triton.cdiv(s, bs), b, h)
+        grid = (cdiv(s, bs), b, h)
         _transpose_sd_kernel[grid](v4.view(torch.uint8) if v.element_size() == 1 else v4,
                                    y.view(torch.uint8) if v.element_size() == 1 else y,
                                    s, d, v4.stride(0), v4.stride(1), v4.stride(2),
@@ -442,7 +444,7 @@ def varlen_v_kmajor(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor
         bs = 128  # one 128-byte row of Y per head-dim index and tile
         _varlen_v_layout_kernel[(total_k // bs + batch, hk)](
             v.view(torch.uint8) if one_byte else v, y, cu_seqlens_k, batch, d, *v.stride(), y.stride(0), y.stride(1),
-            BLOCK_S=bs, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4)
+            BLOCK_S=bs, BLOCK_D=max(16, next_pow2(d)), num_warps=4)
         return y.view(v.dtype)
     return _varlen_v_kmajor_torch(v, cu_seqlens_k)
 
@@ -638,13 +640,13 @@ def _build_launch(q, k, v, out, lse, *, softmax_scale, causal, window_size, soft
         out_scale = torch.tensor([float(out_scale)], device=q.device, dtype=torch.float32)
 
     causal, wl, wr, has_window = window_flags(causal, window_size)
-    block_d = max(16, triton.next_power_of_2(d))
-    block_dv = max(16, triton.next_power_of_2(dv))
+    block_d = max(16, next_pow2(d))
+    block_dv = max(16, next_pow2(dv))
     rows = sq_static * (qgroup if pack else 1)
     heads_grid = nheads_k if pack else nheads_q
 
     def grid(meta):
-        return (triton.cdiv(rows, meta["BLOCK_M"]), batch, heads_grid)
+        return (cdiv(rows, meta["BLOCK_M"]), batch, heads_grid)
 
     args = (
         q, k, v, out, lse if lse is not None else dummy,

@@ -50,8 +50,9 @@ import triton.language as tl
 from ..paged import is_v_seq_major, paged_precision
 from . import dense_tma, paged_tma
 from .combine import launch_combine
-from .common import (INTERPRET, causal_window_mask, fill_varlen_block_list, finalize_rows, find_seq, full_tile_range,
-                     kv_range, online_softmax_step, output_epilogue, scale_logits, upcast_fp8_in_place, window_flags)
+from .common import (INTERPRET, causal_window_mask, cdiv, fill_varlen_block_list, finalize_rows, find_seq,
+                     full_tile_range, kv_range, next_pow2, online_softmax_step, output_epilogue, scale_logits,
+                     upcast_fp8_in_place, window_flags)
 
 __all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config"]
 
@@ -457,7 +458,7 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
         bm, bn, nw, ns = _CONFIGS["small"]
     else:
         bm, bn, nw, ns = _CONFIGS["prefill"]
-    bm = max(bm, triton.next_power_of_2(qg))
+    bm = max(bm, next_pow2(qg))
     if headdim > 128:
         bn = min(bn, 32)
         if not mma_fp8 and bm > 64:
@@ -618,7 +619,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if varlen:
         grid0 = total_q // block_q + batch + (batch if two_class else 0)
     else:
-        grid0 = batch * triton.cdiv(max(seqlen_q, 1), block_q)
+        grid0 = batch * cdiv(max(seqlen_q, 1), block_q)
     if grid0 == 0 or batch == 0:
         return
     if int(num_splits) <= 0:  # 0 = heuristic, fixed from shapes/capacities (CUDA-graph safe)
@@ -703,7 +704,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             *kss, *vss,
             float(qk_scale), float(softcap or 0.0), wl, wr, num_splits, lo, hi,
             QG=qg, BLOCK_M=bm_l, BLOCK_N=bn_l, BLOCK_Q=max(1, bm_l // qg),
-            HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+            HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
             PAGE_SIZE=page_size, VARLEN=varlen, CAUSAL=bool(causal), HAS_WINDOW=has_window,
             SOFTCAP=bool(softcap and softcap > 0), HAS_QD=has_qd, HAS_KD=has_kd, HAS_VD=has_vd,
             HAS_KS=has_ks, HAS_VS=has_vs, MMA_FP8=mma_fp8, CDT=_TL[cdt],

@@ -25,7 +25,7 @@ E4M3_MAX = 448.0
 
 
 if HAS_TRITON:
-    from . import common  # noqa: F401  (applies the interpreter fixes under TRITON_INTERPRET=1, once)
+    from .common import cdiv  # (also applies the interpreter fixes under TRITON_INTERPRET=1, once)
 
     @triton.jit
     def _quant_tile_kernel(X, Y, R, Amax, Ds,
@@ -88,7 +88,7 @@ def launch_quant_tile(x4, y, r, r_scale, amax, ds, *, rotate, write_amax, quant,
     ds : float32 descales read at [b, h, blk] (stride-0 views allowed), or written there when self_scale.
     """
     b, s, h, d = x4.shape
-    grid = (triton.cdiv(s, block_t), b, h)
+    grid = (cdiv(s, block_t), b, h)
     _quant_tile_kernel[grid](x4, y, r, amax, ds, s, h, d, r_scale, *x4.stride(), *y.stride(),
                              *amax.stride(), *ds.stride(), ROTATE=rotate, WRITE_AMAX=write_amax,
                              QUANT=quant, SELF_SCALE=self_scale, BLOCK_T=block_t, BLOCK_D=block_d,
