@@ -300,8 +300,8 @@ for d in (64, 128):
 def test_aot_compile_sm90():
     """Every variant of the Gluon kernels (head dim 64/128/256, at 128 and 256 the warp-specialized and the
     8-warp kernels, x causal x bf16/e4m3 output), and the paged-cache kernel at head dims 64 and 128 (and with
-    64-key tiles, and with V in K's layout in boxes of a tile or of a smaller page), in varlen mode and varlen over pages, compiles for sm90 without
-    a GPU (in a clean process: no interpreter mode)."""
+    64-key tiles, and with V in K's layout in boxes of a tile or of a smaller page), in varlen mode and varlen
+    over pages, compiles for sm90 without a GPU (in a clean process: no interpreter mode)."""
     out = _run_sm90_snippet(_AOT_SNIPPET)
     assert out.count("ok ") == 68, out[-3000:]
 

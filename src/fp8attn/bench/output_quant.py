@@ -171,8 +171,8 @@ def _dispatch_overhead():
     qd, kd, vd = (x.expand(b, hk) for x in (qd[:1, :1], kd[:1, :1], vd[:1, :1]))
     out = torch.empty(b, 1, hq, d, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(b, hq, 1, dtype=torch.float32, device="cuda")
-    op_args = (q, kc, vc, pt, lens, None, None, d ** -0.5, True, -1, 0, 0.0, qd, kd, vd, None, None, None, None, 1, True,
-               out)
+    op_args = (q, kc, vc, pt, lens, None, None, d ** -0.5, True, -1, 0, 0.0, qd, kd, vd, None, None, None, None, 1,
+               True, out)
     op = OPS["paged_fwd_out"]
 
     def via_op():

@@ -10,11 +10,11 @@ persistent kernel with its producer reading each KV tile's page from the page ta
 - sequence-major V within each page (``paged.alloc_paged_cache(..., v_seq_major=True)``): no transpose;
   pages a multiple of 64.
 
-Tiles are 128 keys, except 64 with sequence-major V in pages that 128 keys would straddle. Sequence lengths come from ``cache_seqlens``
-on the device (any value, zero included; the queries are the last ``seqlen_q`` keys, bottom-right
-causal). Tiles that cross the diagonal or the sequence's end run masked, and the last V tile's slots
-past the end are zeroed in shared memory before P V reads them, so unused slots (NaN in a poisoned
-cache) never reach the output.
+Tiles are 128 keys, except 64 with sequence-major V in pages that 128 keys would straddle. Sequence
+lengths come from ``cache_seqlens`` on the device (any value, zero included; the queries are the last
+``seqlen_q`` keys, bottom-right causal). Tiles that cross the diagonal or the sequence's end run masked,
+and the last V tile's slots past the end are zeroed in shared memory before P V reads them, so unused
+slots (NaN in a poisoned cache) never reach the output.
 
 Varlen queries (``cu_seqlens_q``, ``MODE_PAGED_VARLEN``): the query blocks listed on the device by
 ``dense_tma.varlen_block_list``, which leaves out the sequences with fewer than ``min_len_q`` queries: a
