@@ -348,7 +348,7 @@ def test_cpu_path_rounds_p_like_the_kernels():
     """e4m3 inputs: P in e4m3 (FP8 P@V); bf16 inputs: P in bf16; bf16 Q over an e4m3 paged cache: P in
     fp16 (the paged kernel's fp16 dots). Each equals the reference with that switch and differs from
     the exact-P reference."""
-    from fp8attn.paged import make_page_table
+    from fp8attn.paged import make_page_table, to_v_seq_major
     from fp8attn.reference import attention_ref, paged_attention_ref
 
     for kind, model in (("fp8", dict(quantize_p=True)), ("bf16", dict(p_dtype=torch.bfloat16))):
@@ -368,3 +368,23 @@ def test_cpu_path_rounds_p_like_the_kernels():
     ref16 = paged_attention_ref(q, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16, **kw)
     assert torch.equal(out, ref16)
     assert not torch.equal(out, paged_attention_ref(q, kc, vc, pt, cs, out_dtype=torch.float32, **kw))
+    # e4m3 Q: decode / small tiles over V in FA3's layout run the 16-bit path (P in fp16); sequence-major
+    # V and prefill-shaped calls keep FP8 MMAs (P in e4m3)
+    q8, qd = quantize(torch.randn(2, 3, 4, d), "per_tensor")
+    kw8 = dict(kw, q_descale=qd.reshape(1, 1))
+    out = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
+    assert torch.equal(out, paged_attention_ref(q8, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16,
+                                                **kw8))
+    vs = to_v_seq_major(vc)
+    out = flash_attn_with_kvcache(q8, kc, vs, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
+    assert torch.equal(out, paged_attention_ref(q8, kc, vc, pt, cs, out_dtype=torch.float32, quantize_p=True, **kw8))
+    q8l, qdl = quantize(torch.randn(2, 9, 4, d), "per_tensor")  # 18 rows per kv head: small tiles
+    kw8 = dict(kw, q_descale=qdl.reshape(1, 1))
+    out = flash_attn_with_kvcache(q8l, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
+    assert torch.equal(out, paged_attention_ref(q8l, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16,
+                                                **kw8))
+    q8p, qdp = quantize(torch.randn(2, 9, 16, d), "per_tensor")  # 72 rows per kv head: prefill tiles, P in e4m3
+    kw8 = dict(kw, q_descale=qdp.reshape(1, 1))
+    out = flash_attn_with_kvcache(q8p, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
+    assert torch.equal(out, paged_attention_ref(q8p, kc, vc, pt, cs, out_dtype=torch.float32, quantize_p=True,
+                                                **kw8))

@@ -153,10 +153,11 @@ def test_decode_bf16q_fp8kv(page_size, hq, hk):
 
 
 def test_fp8q_fp8kv_mma_path():
+    """FP8 Q over an e4m3 cache in prefill tiles (72 query rows per kv head): FP8 MMAs, P in e4m3."""
     seqlens = [70, 5, 129]
-    hq, hk, d = 4, 2, 64
+    hq, hk, d = 8, 1, 64
     c = make_cache(seqlens, 16, hk, d)
-    q8 = saturating_cast(torch.randn(3, 3, hq, d, device=DEV) * 2, E4M3)
+    q8 = saturating_cast(torch.randn(3, 9, hq, d, device=DEV) * 2, E4M3)
     qd, kd, vd = rand_descale(3, hk), rand_descale(3, hk), rand_descale(3, hk)
     out, lse = run_paged(q8, c, q_descale=qd, k_descale=kd, v_descale=vd)
     ref, ref_lse, lp = refs(q8, c, quantize_p=True, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
@@ -164,6 +165,33 @@ def test_fp8q_fp8kv_mma_path():
     # bound is loosened to a few percent of |out|; GPU tests apply the strict bound.
     floor = 2e-3 if DEV == "cuda" else 0.06 * ref.abs().max().item()
     check(out, lse, ref, ref_lse, lp, floor=floor, lse_tol=1e-3 if DEV == "cuda" else 0.05)
+
+
+@pytest.mark.parametrize("qlen,hq,hk,num_splits", [(1, 4, 2, 1), (1, 4, 2, 3), (8, 8, 2, 1)])
+def test_fp8q_small_tiles_fa3_v_run_16bit(qlen, hq, hk, num_splits):
+    """FP8 Q in decode / small tiles (<= 64 query rows per kv head) over V in FA3's layout takes the 16-bit
+    path (exact fp16 upcasts, P in fp16: ``paged_precision``'s ``v_rows_small``); over sequence-major V it
+    keeps FP8 MMAs (P in e4m3). Each matches the reference with its own P rounding."""
+    seqlens, d = [70, 5, 129], 32
+    c = make_cache(seqlens, 16, hk, d)
+    q8 = saturating_cast(torch.randn(3, qlen, hq, d, device=DEV) * 2, E4M3)
+    kw = dict(q_descale=rand_descale(3, hk), k_descale=rand_descale(3, hk), v_descale=rand_descale(3, hk))
+    out, lse = run_paged(q8, c, num_splits=num_splits, **kw)
+    ref, ref_lse, _ = refs(q8, c, quantize_p=False, causal=True, **kw)
+    lp16 = paged_attention_ref(q8, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"],
+                               out_dtype=torch.bfloat16, p_dtype=torch.float16, causal=True, **kw)
+    check(out, lse, ref, ref_lse, lp16)
+    if DEV == "cpu":  # the interpreter runs the fp16 dots as the reference rounds them: one bf16 ulp, plus
+        # P's fp16 roundings that flip with the exp2's last bit (small absolute changes)
+        lp16 = paged_attention_ref(q8, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"],
+                                   out_dtype=torch.float32, p_dtype=torch.float16, causal=True, **kw)
+        assert ((out.float() - lp16).abs() <= 2.0 ** -7 * lp16.abs() + 2.0 ** -9 * lp16.abs().max()).all()
+    c16 = dict(c, k_cache=c["k_cache"], v_cache=to_v_seq_major(c["v_cache"]))
+    out_s, lse_s = run_paged(q8, c16, num_splits=num_splits, **kw)
+    ref8, _, lp8 = refs(q8, c, quantize_p=True, causal=True, **kw)
+    loose = DEV == "cpu"  # the interpreter's e4m3 cast of P drops carries (DESIGN §5)
+    check(out_s, lse_s, ref8, ref_lse, lp8, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
+          lse_tol=0.05 if loose else 1e-3)
 
 
 @pytest.mark.parametrize("dtype", [E5M2, torch.bfloat16])

@@ -69,17 +69,17 @@ def test_paged_window_flag(monkeypatch, causal, window, kernel_causal, has_windo
     assert kw["HAS_WINDOW"] is has_window and kw["CAUSAL"] is kernel_causal
 
 
-@pytest.mark.parametrize("q_dtype,v_seq_major,maxnreg,block_n", [
-    (torch.bfloat16, False, 128, 64),  # FA3 layout, 16-bit Q: capped for 4 resident blocks per SM
-    (torch.bfloat16, True, 128, 64),
-    (E4M3, True, 128, 64),
-    (E4M3, False, None, 128),          # FP8 Q with FA3's layout: its V transpose would spill under the cap
+@pytest.mark.parametrize("q_dtype,v_seq_major,maxnreg,block_n,mma_fp8", [
+    (torch.bfloat16, False, 128, 64, False),  # FA3 layout, 16-bit Q: capped for 4 resident blocks per SM
+    (torch.bfloat16, True, 128, 64, False),
+    (E4M3, True, 128, 64, True),
+    (E4M3, False, 128, 64, False),  # FP8 Q with FA3's layout: the 16-bit path (no byte-wise V transpose)
 ])
 @pytest.mark.parametrize("lse", [True, False])
-def test_paged_decode_register_cap(monkeypatch, q_dtype, v_seq_major, maxnreg, block_n, lse):
+def test_paged_decode_register_cap(monkeypatch, q_dtype, v_seq_major, maxnreg, block_n, mma_fp8, lse):
     """The cap does not depend on the LSE output (an LSE output once cost 8 registers and a block per SM)."""
     kw = _paged_launch(monkeypatch, causal=True, window=(-1, 0), q_dtype=q_dtype, v_seq_major=v_seq_major, lse=lse)
-    assert kw["maxnreg"] == maxnreg and kw["BLOCK_N"] == block_n
+    assert kw["maxnreg"] == maxnreg and kw["BLOCK_N"] == block_n and kw["MMA_FP8"] is mma_fp8
     assert kw["SPLIT"] is False  # B64 x 8 kv heads = 512 programs: three per SM, unsplit
 
 

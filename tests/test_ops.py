@@ -160,7 +160,8 @@ def test_paged_op_matches_reference_with_fused_output():
     o, lse = ops.OPS["paged_fwd"](*args)
     ref = reference.paged_attention_ref(q, kc, vc, pt, lens, cu_seqlens_q=cu, max_seqlen_q=msq, softmax_scale=0.17,
                                         causal=True, window_size=(-1, 0), q_descale=args[12], k_descale=args[13],
-                                        v_descale=args[14], out_scale=OSCALE, quantize_p=True)  # FP8 MMAs
+                                        v_descale=args[14], out_scale=OSCALE,
+                                        p_dtype=torch.float16)  # small tiles over FA3's V: 16-bit path
     assert o.dtype == E4M3 and lse.shape == (q.shape[1], q.shape[0])
     assert torch.equal(o.view(torch.uint8), ref.view(torch.uint8))
     assert torch.isfinite(o.float()).all()

@@ -12,7 +12,7 @@ from conftest import assert_close_fa3
 from test_reference import naive_attention, rand_descale
 
 from fp8attn import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
-from fp8attn.paged import make_page_table, slot_mapping_for
+from fp8attn.paged import make_page_table, slot_mapping_for, to_v_seq_major
 from fp8attn.quant import quantize, saturating_cast
 
 E4M3 = torch.float8_e4m3fn
@@ -92,19 +92,23 @@ def test_paged_equals_dense(ps, qkind):
         out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, page_table=pt, q_descale=qd, k_descale=kd,
                                            v_descale=vd, causal=causal, return_softmax_lse=True)
         assert out.shape == (b, sq, hq, d) and out.dtype == torch.bfloat16 and lse.shape == (b, hq, sq)
-        # P as the paged kernel rounds it: e4m3 (FP8 Q, FP8 MMAs) or fp16 (bf16 Q over the e4m3 cache)
+        # P as the paged kernel rounds it: fp16 (bf16 Q over the e4m3 cache; FP8 Q in decode / small tiles
+        # over FA3's V layout, as here: 6 query rows per kv head)
         ref, ref_lse, lowp = naive_attention(q, k8, v8, seqlens_q=torch.full((b,), sq), seqlens_k=cs, causal=causal,
-                                             q_descale=qd, k_descale=kd, v_descale=vd,
-                                             p_round="e4m3" if qkind == "fp8" else torch.float16)
+                                             q_descale=qd, k_descale=kd, v_descale=vd, p_round=torch.float16)
         check(out, lse, ref, ref_lse, lowp)
         # cache_seqlens = 0: output 0 and lse -inf, no NaN from the poisoned pool
         assert (out[0].float() == 0).all() and torch.isneginf(lse[0]).all()
-        # dense API on the same FP8 tensors, per sequence (q must be FP8 for flash_attn_func)
-        if qkind == "fp8":
+        # dense API on the same FP8 tensors, per sequence (q must be FP8 for flash_attn_func): the paged call
+        # over sequence-major V runs FP8 MMAs (P in e4m3) as the dense kernel does (one-slot pages have no
+        # sequence-major order)
+        if qkind == "fp8" and ps > 1:
+            out8 = flash_attn_with_kvcache(q, kc, to_v_seq_major(vc), cache_seqlens=cs, page_table=pt,
+                                           q_descale=qd, k_descale=kd, v_descale=vd, causal=causal)
             for i in range(1, b):
                 od = flash_attn_func(q[i:i + 1], k8[i:i + 1, :lens[i]], v8[i:i + 1, :lens[i]], causal=causal,
                                      q_descale=qd, k_descale=kd[i:i + 1], v_descale=vd[i:i + 1])
-                torch.testing.assert_close(out[i:i + 1], od, atol=1e-2, rtol=1e-2)
+                torch.testing.assert_close(out8[i:i + 1], od, atol=1e-2, rtol=1e-2)
 
 
 def test_paged_gqa_ratios_and_head_dims():
@@ -506,7 +510,9 @@ def test_varlen_matches_paged_for_same_tokens():
     cq = torch.tensor([0, 4, 34], dtype=torch.int32)
     ck = torch.tensor([0, 12, 42], dtype=torch.int32)
     o1 = flash_attn_varlen_func(qv, kv, vv, cq, ck, 30, 30, causal=True, **ds)
-    o2 = flash_attn_with_kvcache(qv, kc, vc, cache_seqlens=torch.tensor(lens_k, dtype=torch.int32), page_table=pt,
-                                 cu_seqlens_q=cq, max_seqlen_q=30, causal=True, **ds)
+    # over sequence-major V the paged kernel runs FP8 MMAs (P in e4m3) as the varlen kernel does (over FA3's
+    # V layout these small tiles, 60 query rows per kv head, would round P to fp16)
+    o2 = flash_attn_with_kvcache(qv, kc, to_v_seq_major(vc), cache_seqlens=torch.tensor(lens_k, dtype=torch.int32),
+                                 page_table=pt, cu_seqlens_q=cq, max_seqlen_q=30, causal=True, **ds)
     torch.testing.assert_close(o1, o2, atol=1e-2, rtol=1e-2)
     assert not math.isnan(o1.float().sum().item())

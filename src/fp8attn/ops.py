@@ -52,7 +52,7 @@ import torch
 
 from . import reference as ref
 from .capability import kernel_path_ok, launch_device
-from .paged import paged_precision
+from .paged import is_v_seq_major, paged_precision, small_shaped
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 
 __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "quant_fp8_static", "scaled_bmm",
@@ -185,8 +185,11 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
                    v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
                    out_scale=out_scale, num_splits=num_splits)
         return o, lse if return_lse else _no_lse(q)
+    if max_seqlen_q is None:
+        max_seqlen_q = q.shape[1] if not varlen else q.shape[0]
+    v_rows_small = small_shaped(max_seqlen_q, q.shape[-2] // k_cache.shape[2]) and not is_v_seq_major(v_cache)
     fp8_mma, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, k_cache_scales is not None,
-                                   v_cache_scales is not None)
+                                   v_cache_scales is not None, v_rows_small)
     o, lse = ref.paged_attention_ref(
         q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
         k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, softmax_scale=softmax_scale,

@@ -4,24 +4,40 @@ from __future__ import annotations
 import torch
 
 __all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "empty_paged", "to_v_seq_major",
-           "is_v_seq_major", "paged_precision"]
+           "is_v_seq_major", "paged_precision", "decode_shaped", "small_shaped"]
 
 _E4M3 = torch.float8_e4m3fn
 
 
-def paged_precision(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_scales: bool):
+def decode_shaped(max_seqlen_q: int, qg: int) -> bool:
+    """At most 16 query rows per kv head (``max(1, max_seqlen_q) * qg <= 16``, ``qg`` query heads per kv
+    head): the paged kernel's decode tiles."""
+    return max(1, int(max_seqlen_q)) * qg <= 16 and qg <= 16
+
+
+def small_shaped(max_seqlen_q: int, qg: int) -> bool:
+    """At most 64 query rows per kv head: the paged kernel's decode or small tiles (decode, speculative
+    decoding), not its prefill tiles."""
+    return max(1, int(max_seqlen_q)) * qg <= 64 and qg <= 64
+
+
+def paged_precision(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_scales: bool,
+                    v_rows_small: bool = False):
     """How the paged kernel multiplies: ``(fp8_mma, compute_dtype)``; one rule for the kernel's
     launcher and the CPU path.
 
     fp8_mma: Q, K and V all e4m3 without per-token-head scales -> FP8 QK^T and FP8 P@V (P scaled into
-    e4m3's range). Otherwise K/V are upcast in registers to ``compute_dtype`` and both dots run in it
+    e4m3's range), except for ``v_rows_small``: a call of decode or small tiles (``small_shaped``) over V
+    in FA3's layout (not sequence-major). There the FP8 P@V transposes V byte by byte in registers, and
+    the 16-bit path below is faster on the H200 (docs/perf-notes.md, paged round 18) and keeps P in fp16,
+    not e4m3. Otherwise K/V are upcast in registers to ``compute_dtype`` and both dots run in it
     (P rounded to it): a 16-bit cache's own dtype; bf16 for bf16 Q with per-token-head V scales (the
     scaled rows may leave fp16's range); fp16 otherwise (e4m3/e5m2 -> fp16 is exact and one convert
     per pair, where bf16 needs a detour that made decode ALU-bound; Q is cast to fp16, clamped to
-    +-65504).
+    +-65504; an e4m3 Q is exact in fp16).
     """
     fp8_mma = (q_dtype == _E4M3 and k_dtype == _E4M3 and v_dtype == _E4M3
-               and not k_token_scales and not v_token_scales)
+               and not k_token_scales and not v_token_scales and not v_rows_small)
     if k_dtype in (torch.bfloat16, torch.float16):
         cdt = k_dtype
     elif q_dtype == torch.bfloat16 and v_token_scales:

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..paged import is_v_seq_major, paged_precision
+from ..paged import decode_shaped, is_v_seq_major, paged_precision, small_shaped
 from . import dense_tma, paged_tma
 from .combine import launch_combine
 from .common import (INTERPRET, causal_window_mask, cdiv, fill_varlen_block_list, finalize_rows, find_seq,
@@ -451,7 +451,7 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
     override = dict(override_items)
     maxnreg = None
     rows = max(1, max_seqlen_q) * qg
-    decode = rows <= 16 and qg <= 16
+    decode = decode_shaped(max_seqlen_q, qg)
     if decode:
         bm, bn, nw, ns = _CONFIGS["decode"]
     elif rows <= 64 and qg <= 64:
@@ -599,12 +599,13 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert v_cache.stride(-1) == 1 or is_v_seq_major(v_cache)
     has_ks = k_cache_scales is not None
     has_vs = v_cache_scales is not None
-    mma_fp8, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs)
+    v_seq_major = is_v_seq_major(v_cache)
+    mma_fp8, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs,
+                                   v_rows_small=small_shaped(max_seqlen_q, qg) and not v_seq_major)
     if cfg.get("compute_dtype") is not None and not mma_fp8:
         cdt = cfg["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
     if INTERPRET and cdt == torch.bfloat16:
         cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
-    v_seq_major = is_v_seq_major(v_cache)
     fp8_cache = k_cache.element_size() == 1
     bm, bn, nw, ns, maxnreg = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major, fp8_cache,
                                            has_ks or has_vs)
