@@ -4,6 +4,11 @@ of that one sequence over a block list built once (``MODE_PAGED_VARLEN``), CUDA-
 alternating medians each, outputs compared bit for bit (the source of
 ``results/h200/explore/varlen_mode.json``). A variant is the source tree on PYTHONPATH. Usage (repo root,
 GPU machine): ``PYTHONPATH=<variant>/src python benchmarks/explore_varlen_mode_h200.py <name>``.
+
+``--once fixed|varlen`` instead runs one of the two launches four times at page 64 and exits (the profiled
+launch of ``results/h200/explore/varlen_ncu.json``: ``ncu --clock-control none --set full -k
+regex:_bounded_fwd_tma_ws --launch-skip 3 --launch-count 1 python benchmarks/explore_varlen_mode_h200.py
+--once varlen``).
 """
 import json
 import sys
@@ -17,9 +22,10 @@ from fp8attn.kernels.paged import launch_paged_fwd
 from fp8attn.paged import to_v_seq_major
 
 CHUNK, L = 2048, 10240
-res = {}
-torch.manual_seed(0)
-for page in (64, 128):
+
+
+def launches(page):
+    """(fixed-length launch, varlen launch, their outputs) of the chunk at ``page``."""
     kc, vc, pts = _paged_pool(1, L, page, 1)
     vs = to_v_seq_major(vc)
     pt = pts[0].view(1, -1).contiguous()
@@ -36,10 +42,28 @@ for page in (64, 128):
            "varlen": lambda: paged_tma.launch_paged_prefill_tma(q[0], kc, vs, pt, sl, ov, None, softmax_scale=D ** -0.5,
                                                                 causal=True, cu_seqlens_q=cu, min_len_q=128,
                                                                 block_list=lst, **ds)}
-    calls = {k: graph_replay([f])[0] for k, f in fns.items()}
-    for rep in range(3):
-        for k, c in calls.items():
-            res.setdefault(f"p{page} {k}", []).append(round(time_ms(c) * 1000, 1))
-    torch.cuda.synchronize()
-    res[f"p{page} equal"] = bool(torch.equal(oc[0], ov))
-print("RESULT", sys.argv[1], json.dumps(res))
+    return fns, oc, ov
+
+
+def main(argv):
+    torch.manual_seed(0)
+    if argv[0] == "--once":
+        fn = launches(64)[0][argv[1]]
+        for _ in range(4):
+            fn()
+        torch.cuda.synchronize()
+        return
+    res = {}
+    for page in (64, 128):
+        fns, oc, ov = launches(page)
+        calls = {k: graph_replay([f])[0] for k, f in fns.items()}
+        for rep in range(3):
+            for k, c in calls.items():
+                res.setdefault(f"p{page} {k}", []).append(round(time_ms(c) * 1000, 1))
+        torch.cuda.synchronize()
+        res[f"p{page} equal"] = bool(torch.equal(oc[0], ov))
+    print("RESULT", argv[0], json.dumps(res))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
