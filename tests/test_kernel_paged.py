@@ -297,6 +297,31 @@ def test_mixed_batch_equals_separate(num_splits, two_class, decode_first):
         assert (lb[0] - lse[:, s:e]).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("two_class", [True, False])
+def test_mixed_batch_fp8q_decode_rows_as_decode_calls(two_class):
+    """FP8 Q over V in FA3's layout: a mixed batch's decode rows (the small tile class) take the 16-bit path,
+    as a decode call of their own does, while its prefill rows keep FP8 MMAs. Without the small class
+    (``two_class`` False, a benchmark override) every row takes FP8 MMAs."""
+    hq, hk, d = 4, 2, 32
+    seqlens, qlens = [40, 130, 21, 9], [1, 70, 5, 1]
+    c = make_cache(seqlens, 16, hk, d)
+    cu = cu_from_lens(qlens)
+    q = saturating_cast(torch.randn(sum(qlens), hq, d, device=DEV) * 2, E4M3)
+    kw = dict(q_descale=rand_descale(4, hk), k_descale=rand_descale(4, hk), v_descale=rand_descale(4, hk))
+    out, lse = run_paged(q, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), config={"two_class": two_class,
+                                                                                 "tma": False}, **kw)
+    ref, ref_lse, lp = refs(q, c, quantize_p=True, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens), **kw)
+    loose = DEV == "cpu"  # the interpreter's e4m3 cast of P drops carries (DESIGN §5)
+    check(out, lse, ref, ref_lse, lp, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
+          lse_tol=0.05 if loose else 1e-3)
+    for b in (0, 3):  # the decode rows against decode calls of their own (the 16-bit path)
+        s, e = cu[b].item(), cu[b + 1].item()
+        cb = dict(c, page_table=c["page_table"][b:b + 1], cache_seqlens=c["cache_seqlens"][b:b + 1])
+        ob, _ = run_paged(q[None, s:e], cb, **{k: v[b:b + 1] for k, v in kw.items()})
+        diff = (ob[0].float() - out[s:e].float()).abs().max().item()
+        assert diff <= 1e-2 if two_class else diff > 1e-2, diff
+
+
 # ---- tile path: page_size a multiple of BLOCK_N, one page id per KV tile, read one tile ahead
 
 

@@ -301,6 +301,37 @@ def test_mixed_batch_equals_separate_calls():
     assert torch.equal(vc.view(torch.uint8), vc_sep.view(torch.uint8))
 
 
+def test_mixed_batch_fp8q_equals_separate_calls_per_precision():
+    """FP8 Q over V in FA3's layout on the CPU path: a mixed batch's decode rows round P in fp16 as decode
+    calls do, its prefill chunk (80 query rows per kv head) in e4m3 as a chunk call does; each sequence's output
+    equals its own call's bit for bit."""
+    hq, hk, d, ps = 4, 2, 32, 16
+    lens, qlens = [37, 60, 9], [1, 40, 2]
+    pt, nb = page_table_3x(lens, ps)
+    kc, vc = poisoned_cache(nb, ps, hk, d), poisoned_cache(nb, ps, hk, d)
+    k8, kd = quantize(torch.randn(3, max(lens), hk, d), "per_head")
+    v8, vd = quantize(torch.randn(3, max(lens), hk, d), "per_head")
+    scatter_dense(kc, pt, k8, lens)
+    scatter_dense(vc, pt, v8, lens)
+    q8, qd = quantize(torch.randn(sum(qlens), hq, d)[None], "per_tensor")
+    q8, qd = q8[0], qd.reshape(1, 1)
+    cs = torch.tensor(lens, dtype=torch.int32)
+    cu = torch.tensor([0, 1, 41, 43], dtype=torch.int32)
+    kw = dict(q_descale=qd, causal=True, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, cu_seqlens_q=cu, max_seqlen_q=40,
+                                       k_descale=kd, v_descale=vd, **kw)
+    for i in range(3):
+        s = slice(int(cu[i]), int(cu[i + 1]))
+        o_i, l_i = flash_attn_with_kvcache(q8[s][None], kc, vc, cache_seqlens=cs[i:i + 1], page_table=pt[i:i + 1],
+                                           k_descale=kd[i:i + 1], v_descale=vd[i:i + 1], **kw)
+        assert torch.equal(out[s], o_i[0]), i
+        torch.testing.assert_close(lse[:, s], l_i[0], atol=1e-6, rtol=1e-6)
+        ref, ref_lse, lowp = naive_attention(q8[s][None], k8[i:i + 1, :lens[i]], v8[i:i + 1, :lens[i]], causal=True,
+                                             q_descale=qd, k_descale=kd[i:i + 1], v_descale=vd[i:i + 1],
+                                             p_round="e4m3" if qlens[i] == 40 else torch.float16)
+        check(out[s][None], lse[:, s][None], ref, ref_lse, lowp)
+
+
 def test_mixed_batch_without_append():
     """cu_seqlens_q over a prefilled cache (no k/v): decode rows + a chunk with its own tokens already cached."""
     hq, hk, d, ps = 4, 2, 32, 8

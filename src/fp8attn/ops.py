@@ -52,7 +52,7 @@ import torch
 
 from . import reference as ref
 from .capability import kernel_path_ok, launch_device
-from .paged import is_v_seq_major, paged_precision, small_shaped
+from .paged import decode_rows_16bit, is_v_seq_major, paged_precision, small_shaped
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 
 __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "quant_fp8_static", "scaled_bmm",
@@ -187,21 +187,40 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
         return o, lse if return_lse else _no_lse(q)
     if max_seqlen_q is None:
         max_seqlen_q = q.shape[1] if not varlen else q.shape[0]
-    v_rows_small = small_shaped(max_seqlen_q, q.shape[-2] // k_cache.shape[2]) and not is_v_seq_major(v_cache)
-    fp8_mma, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, k_cache_scales is not None,
-                                   v_cache_scales is not None, v_rows_small)
-    o, lse = ref.paged_attention_ref(
-        q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-        k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, softmax_scale=softmax_scale,
-        causal=causal, window_size=window, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
-        v_descale=v_descale, out_scale=out_scale, out_dtype=dt, return_lse=True, quantize_p=fp8_mma,
-        p_dtype=None if fp8_mma or k_cache.dtype == torch.float32 else cdt)  # fp32: a CPU/test cache format
+    qg, v_seq_major = q.shape[-2] // k_cache.shape[2], is_v_seq_major(v_cache)
+    scales = (q.dtype, k_cache.dtype, v_cache.dtype, k_cache_scales is not None, v_cache_scales is not None)
+    fp8_mma, cdt = paged_precision(*scales, small_shaped(max_seqlen_q, qg) and not v_seq_major)
+
+    def reference(fp8_mma, cdt):
+        return ref.paged_attention_ref(
+            q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+            k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, softmax_scale=softmax_scale,
+            causal=causal, window_size=window, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale, out_scale=out_scale, out_dtype=dt, return_lse=True, quantize_p=fp8_mma,
+            p_dtype=None if fp8_mma or k_cache.dtype == torch.float32 else cdt)  # fp32: a CPU/test cache format
+    o, lse = reference(fp8_mma, cdt)
+    if varlen and fp8_mma:  # decode rows (<= 16 // qg queries) multiply as a decode call of their own would
+        fp8_s, cdt_s = paged_precision(*scales, decode_rows_16bit(max_seqlen_q, qg, v_seq_major))
+        rows = _decode_row_tokens(cu_seqlens_q, q.shape[0], 16 // qg) if not fp8_s else None
+        if rows is not None and bool(rows.any()):
+            o16, lse16 = reference(fp8_s, cdt_s)
+            o = torch.where(rows[:, None, None], o16.view(torch.uint8), o.view(torch.uint8)).view(o.dtype) \
+                if o.element_size() == 1 else torch.where(rows[:, None, None], o16, o)
+            lse = torch.where(rows[None, :], lse16, lse)  # varlen LSE: (nheads, total_q)
     if out is not None:
         _into(out, o)
         o = out
     else:
         o = _fresh(o)
     return o, _fresh(lse) if return_lse else _no_lse(q)
+
+
+def _decode_row_tokens(cu_seqlens_q, total_q, max_q):
+    """(total_q,) bool: the tokens of the sequences with at most ``max_q`` queries (padding tokens: False)."""
+    tok = torch.arange(total_q, device=cu_seqlens_q.device)
+    cu = cu_seqlens_q.long()
+    seq = torch.searchsorted(cu[1:], tok, right=True).clamp(max=cu.shape[0] - 2)
+    return (tok < cu[-1]) & ((cu[1:] - cu[:-1])[seq] <= max_q)
 
 
 def _combine_dtype(out_partial, out_dtype, out_scale):

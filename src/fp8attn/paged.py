@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "empty_paged", "to_v_seq_major",
-           "is_v_seq_major", "paged_precision", "decode_shaped", "small_shaped"]
+           "is_v_seq_major", "paged_precision", "decode_shaped", "small_shaped", "decode_rows_16bit"]
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -19,6 +19,13 @@ def small_shaped(max_seqlen_q: int, qg: int) -> bool:
     """At most 64 query rows per kv head: the paged kernel's decode or small tiles (decode, speculative
     decoding), not its prefill tiles."""
     return max(1, int(max_seqlen_q)) * qg <= 64 and qg <= 64
+
+
+def decode_rows_16bit(max_seqlen_q: int, qg: int, v_seq_major: bool) -> bool:
+    """``paged_precision``'s ``v_rows_small`` for the decode rows of a varlen call (sequences of at most
+    ``16 // qg`` queries, the paged kernel's small tile class): V in FA3's layout and decode-shaped rows, or a
+    whole call of small tiles. A decode row then multiplies as it would in a decode call of its own."""
+    return not v_seq_major and (decode_shaped(1, qg) or small_shaped(max_seqlen_q, qg))
 
 
 def paged_precision(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_scales: bool,

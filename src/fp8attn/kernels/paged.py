@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..paged import decode_shaped, is_v_seq_major, paged_precision, small_shaped
+from ..paged import decode_rows_16bit, decode_shaped, is_v_seq_major, paged_precision, small_shaped
 from . import dense_tma, paged_tma
 from .combine import launch_combine
 from .common import (INTERPRET, causal_window_mask, cdiv, fill_varlen_block_list, finalize_rows, find_seq,
@@ -309,6 +309,7 @@ def _paged_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     VARLEN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_INNER: tl.constexpr,
     TWO_CLASS: tl.constexpr, BIG_CLASS: tl.constexpr, BLOCK_M_S: tl.constexpr, BLOCK_N_S: tl.constexpr,
+    MMA_FP8_S: tl.constexpr, CDT_S: tl.constexpr, P_FP8_S: tl.constexpr,
     UNMASKED_TILES: tl.constexpr, DECODE_FIRST: tl.constexpr, BLOCK_LIST: tl.constexpr, LIST_BM: tl.constexpr,
     LIST_ENTRY: tl.constexpr,
 ):
@@ -333,7 +334,8 @@ def _paged_fwd_kernel(
     split = tl.program_id(2)
     if VARLEN:
         # TWO_CLASS (mixed batches): the last ``batch`` programs serve, one each, the sequences with at
-        # most BLOCK_M_S // QG queries (decode rows) with small (BLOCK_M_S, BLOCK_N_S) tiles; the others
+        # most BLOCK_M_S // QG queries (decode rows) with small (BLOCK_M_S, BLOCK_N_S) tiles and their own
+        # precision (MMA_FP8_S, CDT_S, P_FP8_S: a decode row multiplies as in a decode call); the others
         # serve the longer sequences with the large tiles. A sequence is skipped by the other class. The
         # large tiles take only sequences of ``len_q_lo`` .. ``len_q_hi`` queries (the others are served
         # by other launches: paged_tma, or a small-class-only launch, ``BIG_CLASS`` False, grid ``batch``).
@@ -374,8 +376,8 @@ def _paged_fwd_kernel(
                                  s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
                                  qk_scale, softcap, window_left, window_right, num_splits,
                                  QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-                                 HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8,
-                                 OUT_DTYPE, P_FP8, V_SEQ_MAJOR, BLOCK_M_S, BLOCK_N_S, BLOCK_M_S // QG,
+                                 HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8_S, CDT_S, STORE_LSE, SPLIT, OUT_FP8,
+                                 OUT_DTYPE, P_FP8_S, V_SEQ_MAJOR, BLOCK_M_S, BLOCK_N_S, BLOCK_M_S // QG,
                                  PAGE_SIZE % BLOCK_N_S == 0, UNMASKED_TILES)
     else:
         nqb = tl.cdiv(seqlen_q, BLOCK_Q)
@@ -602,19 +604,24 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v_seq_major = is_v_seq_major(v_cache)
     mma_fp8, cdt = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs,
                                    v_rows_small=small_shaped(max_seqlen_q, qg) and not v_seq_major)
-    if cfg.get("compute_dtype") is not None and not mma_fp8:
-        cdt = cfg["compute_dtype"]  # benchmarks: fp16 upcast of the cache (q is cast to fp16)
-    if INTERPRET and cdt == torch.bfloat16:
-        cdt = torch.float32  # the interpreter's bf16 dot multiplies raw uint16 storage
+    # a varlen call's decode rows (its small tile class) multiply as a decode call of their own would
+    mma_fp8_s, cdt_s = paged_precision(q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs,
+                                       v_rows_small=decode_rows_16bit(max_seqlen_q, qg, v_seq_major))
+    if cfg.get("compute_dtype") is not None:
+        cdt = cfg["compute_dtype"] if not mma_fp8 else cdt  # benchmarks: the 16-bit dtype of the upcast
+        cdt_s = cfg["compute_dtype"] if not mma_fp8_s else cdt_s
+    if INTERPRET:  # the interpreter's bf16 dot multiplies raw uint16 storage
+        cdt, cdt_s = (torch.float32 if c == torch.bfloat16 else c for c in (cdt, cdt_s))
     fp8_cache = k_cache.element_size() == 1
     bm, bn, nw, ns, maxnreg = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major, fp8_cache,
                                            has_ks or has_vs)
     # FP8 P@V unless the benchmark override asks for the fp16 P@V variant (FP8 QK^T, fp16 P and V)
     p_fp8 = mma_fp8 and not cfg.get("pv_fp16")
+    p_fp8_s = mma_fp8_s and not cfg.get("pv_fp16")
     block_q = max(1, bm // qg)
     # Mixed batches: decode rows get their own small-tile programs (one per sequence) instead of
     # riding in the large prefill tiles (docs/perf-notes.md, paged mixed batches).
-    small_cfg = paged_config(1, qg, d, mma_fp8, None, page_size, v_seq_major, fp8_cache, has_ks or has_vs)
+    small_cfg = paged_config(1, qg, d, mma_fp8_s, None, page_size, v_seq_major, fp8_cache, has_ks or has_vs)
     bm_s, bn_s = small_cfg[:2]
     two_class = varlen and bm > bm_s and bool(cfg.get("two_class", True))
     if varlen:
@@ -713,6 +720,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
             TILE_IN_PAGE=page_size % bn_l == 0, P_FP8=p_fp8, NUM_KV_HEADS=hk, HEADS_INNER=heads_inner,
             TWO_CLASS=two_class_l, BIG_CLASS=big_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major,
+            MMA_FP8_S=mma_fp8_s, CDT_S=_TL[cdt_s], P_FP8_S=p_fp8_s,
             UNMASKED_TILES=unmasked_tiles, DECODE_FIRST=bool(cfg.get("decode_first", True)),
             BLOCK_LIST=with_list, LIST_BM=dense_tma.BLOCK_M, LIST_ENTRY=dense_tma.ENTRY, num_warps=nw_l,
             num_stages=ns_l, maxnreg=maxnreg_l,
