@@ -5,7 +5,7 @@ source tree on PYTHONPATH. Cases: decode (one query) at B64/L4096, B16/L32k and 
 sequence at B32/L4096 (speculative decoding), pages 64 and 16, 32 q / 8 kv heads, d128, per-(sequence, head)
 descales, an LSE output, the heuristic split count; CUDA-graph replays (best of two medians, us) and the
 relative L2 error against the float reference (first batch rows only at large batches). Usage (repo root,
-GPU machine): ``PYTHONPATH=<variant>/src python benchmarks/explore_fp8q_decode_h200.py <name>``.
+GPU machine): ``PYTHONPATH=<variant>/src python benchmarks/explore_fp8q_decode_h200.py <name> [BxLxQ,...]``.
 """
 import json
 import sys
@@ -23,7 +23,10 @@ HQ, HK, D = 32, 8, 128
 def main(name):
     torch.manual_seed(0)
     res = {}
-    for batch, ctx, qlen in ((64, 4096, 1), (16, 32768, 1), (1, 131072, 1), (32, 4096, 8)):
+    shapes = ((64, 4096, 1), (16, 32768, 1), (1, 131072, 1), (32, 4096, 8))
+    if len(sys.argv) > 2:  # e.g. "32x4096x1,8x32768x1" (batch x context x queries)
+        shapes = [tuple(int(v) for v in x.split("x")) for x in sys.argv[2].split(",")]
+    for batch, ctx, qlen in shapes:
         for page in (64, 16):
             npg = ctx // page
             pool = batch * npg + 16
