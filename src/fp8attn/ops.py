@@ -219,6 +219,8 @@ def _decode_row_tokens(cu_seqlens_q, total_q, max_q):
     """(total_q,) bool: the tokens of the sequences with at most ``max_q`` queries (padding tokens: False)."""
     tok = torch.arange(total_q, device=cu_seqlens_q.device)
     cu = cu_seqlens_q.long()
+    if cu.shape[0] < 2:  # no sequences
+        return torch.zeros(total_q, dtype=torch.bool, device=cu.device)
     seq = torch.searchsorted(cu[1:], tok, right=True).clamp(max=cu.shape[0] - 2)
     return (tok < cu[-1]) & ((cu[1:] - cu[:-1])[seq] <= max_q)
 
