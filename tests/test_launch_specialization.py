@@ -176,3 +176,36 @@ def test_paged_varlen_launch_plan(monkeypatch, case):
         assert kern.calls[0][2]["SPLIT"] is (case == "num_splits")
     # no sequence can fill a query block below 128 queries: the TMA kernel's checks are not run
     assert checks == ([] if case in ("short_queries", "tma_off") else [splits])
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 4), (12, 4), (32, 8), (48, 8), (64, 4), (64, 2)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("v_seq_major", [False, True])
+def test_mixed_batch_decode_class_matches_the_cpu_rule(monkeypatch, hq, hk, d, v_seq_major):
+    """The CPU path rounds P per sequence by ``paged.decode_rows_16bit`` over the sequences of at most
+    ``16 // qg`` queries; the kernel's small tile class must be exactly those sequences, with that precision
+    (a varlen FP8 call of prefill tiles, launched on the Triton kernel: no GPU here)."""
+    from fp8attn.paged import decode_rows_16bit, paged_precision
+    launches = []
+
+    class _All(_Capture):
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append(kw)
+    monkeypatch.setattr(KP, "_paged_fwd_kernel", _All())
+    monkeypatch.setattr(KP, "launch_combine", lambda *a, **k: None)
+    qg, page, lens = hq // hk, 16, [1, 300]
+    kc = torch.zeros(64, page, hk, d, dtype=E4M3)
+    vc = torch.zeros(64, hk, d, page, dtype=E4M3).permute(0, 3, 1, 2) if v_seq_major else kc.clone()
+    cu = torch.tensor([0, 1, 301], dtype=torch.int32)
+    one = torch.ones(2, hk)
+    KP.launch_paged_fwd(torch.zeros(301, hq, d, dtype=E4M3), kc, vc, torch.zeros(2, 20, dtype=torch.int32),
+                        torch.tensor([500, 500], dtype=torch.int32), torch.empty(301, hq, d, dtype=torch.bfloat16),
+                        None, cu_seqlens_q=cu, max_seqlen_q=max(lens), softmax_scale=d ** -0.5, causal=True,
+                        q_descale=one, k_descale=one, v_descale=one)
+    kw = launches[0]
+    assert kw["TWO_CLASS"] and kw["MMA_FP8"]  # prefill tiles: FP8 MMAs
+    small_q = kw["BLOCK_M_S"] // kw["QG"]
+    fp8_s, _ = paged_precision(E4M3, E4M3, E4M3, False, False, decode_rows_16bit(max(lens), qg, v_seq_major))
+    assert kw["MMA_FP8_S"] is fp8_s and kw["P_FP8_S"] is fp8_s
+    if not fp8_s:  # the CPU path's decode rows: sequences of at most 16 // qg queries
+        assert small_q == 16 // qg
