@@ -11,8 +11,9 @@ The paged kernel takes the cache's strides, so one kernel reads every order of t
 * ``hnd_vseq``: K head-major, V sequence-major.
 
 Each case runs the launcher with an LSE output and the heuristic split count, as CUDA-graph replays (best of
-two medians); optional arguments: the layouts and the (batch x context) shapes, comma-separated; ``gbps`` = K/V bytes read / time. ``diff`` is the largest |out - out(nhd)| (the same values
-in another order). Usage (repo root, GPU machine): ``PYTHONPATH=src python benchmarks/explore_decode_layout_h200.py``.
+two medians); ``gbps`` = K/V bytes read / time. ``diff`` is the largest |out - out(nhd)| (the same values in
+another order). Usage (repo root, GPU machine): ``PYTHONPATH=src python benchmarks/explore_decode_layout_h200.py
+[layouts [shapes]]``, both comma-separated, e.g. ``nhd,nhd_vseq 64x4096,1x131072`` (batch x context).
 """
 import json
 import sys

@@ -25,7 +25,9 @@ Numerics (``common``): descales are folded (``q_descale * k_descale`` into the l
 (K) and the dequantized V rows. Two MMA paths:
 
 * ``MMA_FP8``: Q, K and V all e4m3fn without per-token-head scales -> FP8 QK^T and FP8 P@V (P scaled
-  into e4m3's range by ``common.online_softmax_step``; ``P_FP8``). Benchmarks can ask for
+  into e4m3's range by ``common.online_softmax_step``; ``P_FP8``), except in decode and small tiles over
+  V in FA3's layout (``paged.paged_precision``'s ``v_rows_small``; a varlen launch's decode rows take
+  their own ``MMA_FP8_S`` / ``CDT_S`` / ``P_FP8_S``), which run the 16-bit path below. Benchmarks can ask for
   ``config={"pv_fp16": True}``: FP8 QK^T, then P@V in fp16 (V upcast in registers, P in fp16).
 * otherwise (16-bit Q over an FP8 cache, e5m2 caches, per-token-head scales, 16-bit caches): K/V
   are upcast in registers to a 16-bit compute dtype and the dots run in 16 bits with fp32
