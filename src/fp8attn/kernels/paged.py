@@ -663,23 +663,23 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         launches.append(((bm, bn, nw, ns, maxnreg), False, True, total_q // block_q + batch,
                          (small_q + 1, int(split_at) - 1), block_list is not None))
 
-    # strides of q / out / lse / partials as (batch, token, head[, split])
+    # strides of q / out / lse / partials as (batch, token, head[, split]) (one stride() call per tensor:
+    # host time)
+    sq, so = q.stride(), out.stride()
+    sl = lse.stride() if lse is not None else None
     if varlen:
-        s_q = (0, q.stride(0), q.stride(1))
-        s_o_final = (0, out.stride(0), out.stride(1))
-        s_l_final = (0, lse.stride(1), lse.stride(0)) if lse is not None else (0, 0, 0)
+        s_q = (0, sq[0], sq[1])
+        s_o_final = (0, so[0], so[1])
+        s_l_final = (0, sl[1], sl[0]) if sl is not None else (0, 0, 0)
     else:
-        s_q = (q.stride(0), q.stride(1), q.stride(2))
-        s_o_final = (out.stride(0), out.stride(1), out.stride(2))
-        s_l_final = (lse.stride(0), lse.stride(2), lse.stride(1)) if lse is not None else (0, 0, 0)
+        s_q = sq[:3]
+        s_o_final = so[:3]
+        s_l_final = (sl[0], sl[2], sl[1]) if sl is not None else (0, 0, 0)
     if split:
         o_t, l_t = out_partial, lse_partial
-        if varlen:
-            s_o = (0, o_t.stride(1), o_t.stride(2), o_t.stride(0))
-            s_l = (0, l_t.stride(1), l_t.stride(2), l_t.stride(0))
-        else:
-            s_o = (o_t.stride(1), o_t.stride(2), o_t.stride(3), o_t.stride(0))
-            s_l = (l_t.stride(1), l_t.stride(2), l_t.stride(3), l_t.stride(0))
+        sop, slp = o_t.stride(), l_t.stride()
+        s_o = (0, *sop[1:3], sop[0]) if varlen else (*sop[1:4], sop[0])
+        s_l = (0, *slp[1:3], slp[0]) if varlen else (*slp[1:4], slp[0])
     else:
         o_t = out
         l_t = lse if lse is not None else out
@@ -712,8 +712,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             out_scale if out_fp8 else dummy, block_list if with_list else dummy,
             batch, seqlen_q, paged_tma.VARLEN_MIN_Q,
             *s_q,
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            *k_cache.stride()[:3], *v_cache.stride()[:3],
             page_table.stride(0),
             *s_o, *s_l,
             *paged_tma.descale_strides(q_descale), *paged_tma.descale_strides(k_descale),
