@@ -185,7 +185,7 @@ def test_mixed_batch_decode_class_matches_the_cpu_rule(monkeypatch, hq, hk, d, v
     """The CPU path rounds P per sequence by ``paged.decode_rows_16bit`` over the sequences of at most
     ``16 // qg`` queries; the kernel's small tile class must be exactly those sequences, with that precision
     (a varlen FP8 call of prefill tiles, launched on the Triton kernel: no GPU here)."""
-    from fp8attn.paged import decode_rows_16bit, paged_precision
+    from fp8attn.paged import decode_row_queries, decode_rows_16bit, paged_precision
     launches = []
 
     class _All(_Capture):
@@ -208,4 +208,4 @@ def test_mixed_batch_decode_class_matches_the_cpu_rule(monkeypatch, hq, hk, d, v
     fp8_s, _ = paged_precision(E4M3, E4M3, E4M3, False, False, decode_rows_16bit(max(lens), qg, v_seq_major))
     assert kw["MMA_FP8_S"] is fp8_s and kw["P_FP8_S"] is fp8_s
     if not fp8_s:  # the CPU path's decode rows: sequences of at most 16 // qg queries
-        assert small_q == 16 // qg
+        assert small_q == 16 // qg == decode_row_queries(qg)

@@ -52,7 +52,7 @@ import torch
 
 from . import reference as ref
 from .capability import kernel_path_ok, launch_device
-from .paged import decode_rows_16bit, is_v_seq_major, paged_precision, small_shaped
+from .paged import decode_row_queries, is_v_seq_major, paged_precisions
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 
 __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "quant_fp8_static", "scaled_bmm",
@@ -172,12 +172,12 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
     dt = _out_dtype(q, out_dtype, out_scale)
     oshape, lse_shape = _dense_shapes(q, v_cache, varlen)
     window = (int(window_left), int(window_right))
+    if max_seqlen_q is None:
+        max_seqlen_q = q.shape[1] if not varlen else q.shape[0]
     launch = _kernel("paged", "launch_paged_fwd") if kernel_path_ok(q) else None
     if launch is not None:
         o = out if out is not None else torch.empty(oshape, dtype=dt, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
-        if max_seqlen_q is None:
-            max_seqlen_q = q.shape[1] if not varlen else q.shape[0]
         with launch_device(q):
             launch(q, k_cache, v_cache, page_table, cache_seqlens, o, lse, cu_seqlens_q=cu_seqlens_q,
                    max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
@@ -185,11 +185,10 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
                    v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
                    out_scale=out_scale, num_splits=num_splits)
         return o, lse if return_lse else _no_lse(q)
-    if max_seqlen_q is None:
-        max_seqlen_q = q.shape[1] if not varlen else q.shape[0]
-    qg, v_seq_major = q.shape[-2] // k_cache.shape[2], is_v_seq_major(v_cache)
-    scales = (q.dtype, k_cache.dtype, v_cache.dtype, k_cache_scales is not None, v_cache_scales is not None)
-    fp8_mma, cdt = paged_precision(*scales, small_shaped(max_seqlen_q, qg) and not v_seq_major)
+    qg = q.shape[-2] // k_cache.shape[2]
+    (fp8_mma, cdt), (fp8_s, cdt_s) = paged_precisions(q.dtype, k_cache.dtype, v_cache.dtype,
+                                                      k_cache_scales is not None, v_cache_scales is not None,
+                                                      max_seqlen_q, qg, is_v_seq_major(v_cache))
 
     def reference(fp8_mma, cdt):
         return ref.paged_attention_ref(
@@ -199,10 +198,9 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
             v_descale=v_descale, out_scale=out_scale, out_dtype=dt, return_lse=True, quantize_p=fp8_mma,
             p_dtype=None if fp8_mma or k_cache.dtype == torch.float32 else cdt)  # fp32: a CPU/test cache format
     o, lse = reference(fp8_mma, cdt)
-    if varlen and fp8_mma:  # decode rows (<= 16 // qg queries) multiply as a decode call of their own would
-        fp8_s, cdt_s = paged_precision(*scales, decode_rows_16bit(max_seqlen_q, qg, v_seq_major))
-        rows = _decode_row_tokens(cu_seqlens_q, q.shape[0], 16 // qg) if not fp8_s else None
-        if rows is not None and bool(rows.any()):
+    if varlen and fp8_mma and not fp8_s:  # decode rows multiply as a decode call of their own would
+        rows = _decode_row_tokens(cu_seqlens_q, q.shape[0], decode_row_queries(qg))
+        if bool(rows.any()):
             o16, lse16 = reference(fp8_s, cdt_s)
             o = torch.where(rows[:, None, None], o16.view(torch.uint8), o.view(torch.uint8)).view(o.dtype) \
                 if o.element_size() == 1 else torch.where(rows[:, None, None], o16, o)

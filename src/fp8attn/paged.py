@@ -1,31 +1,55 @@
 """Paged-cache helpers (torch): page tables, slot mappings, allocation of a test/engine pool."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "empty_paged", "to_v_seq_major",
-           "is_v_seq_major", "paged_precision", "decode_shaped", "small_shaped", "decode_rows_16bit"]
+           "is_v_seq_major", "paged_precision", "paged_precisions", "decode_shaped", "small_shaped",
+           "decode_row_queries", "decode_rows_16bit"]
 
 _E4M3 = torch.float8_e4m3fn
+
+
+_DECODE_ROWS, _SMALL_ROWS = 16, 64  # query rows per kv head of the paged kernel's decode and small tiles
 
 
 def decode_shaped(max_seqlen_q: int, qg: int) -> bool:
     """At most 16 query rows per kv head (``max(1, max_seqlen_q) * qg <= 16``, ``qg`` query heads per kv
     head): the paged kernel's decode tiles."""
-    return max(1, int(max_seqlen_q)) * qg <= 16 and qg <= 16
+    return max(1, int(max_seqlen_q)) * qg <= _DECODE_ROWS and qg <= _DECODE_ROWS
 
 
 def small_shaped(max_seqlen_q: int, qg: int) -> bool:
     """At most 64 query rows per kv head: the paged kernel's decode or small tiles (decode, speculative
     decoding), not its prefill tiles."""
-    return max(1, int(max_seqlen_q)) * qg <= 64 and qg <= 64
+    return max(1, int(max_seqlen_q)) * qg <= _SMALL_ROWS and qg <= _SMALL_ROWS
+
+
+def decode_row_queries(qg: int) -> int:
+    """Queries of the longest sequence that is a decode row of a varlen call (its rows fill at most one
+    decode tile): the sequences the paged kernel serves in its small tile class."""
+    return _DECODE_ROWS // qg
 
 
 def decode_rows_16bit(max_seqlen_q: int, qg: int, v_seq_major: bool) -> bool:
     """``paged_precision``'s ``v_rows_small`` for the decode rows of a varlen call (sequences of at most
-    ``16 // qg`` queries, the paged kernel's small tile class): V in FA3's layout and decode-shaped rows, or a
-    whole call of small tiles. A decode row then multiplies as it would in a decode call of its own."""
+    ``decode_row_queries(qg)`` queries, the paged kernel's small tile class): V in FA3's layout and
+    decode-shaped rows, or a whole call of small tiles. A decode row then multiplies as it would in a decode
+    call of its own."""
     return not v_seq_major and (decode_shaped(1, qg) or small_shaped(max_seqlen_q, qg))
+
+
+@functools.lru_cache(maxsize=1024)
+def paged_precisions(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_scales: bool, max_seqlen_q: int,
+                     qg: int, v_seq_major: bool):
+    """``paged_precision`` of a call, and of a varlen call's decode rows: ``((fp8_mma, compute_dtype),
+    (fp8_mma, compute_dtype))``, for the kernel's launcher and the CPU path (cached per shape class: host
+    time)."""
+    args = (q_dtype, k_dtype, v_dtype, k_token_scales, v_token_scales)
+    return (paged_precision(*args, v_rows_small=small_shaped(max_seqlen_q, qg) and not v_seq_major),
+            paged_precision(*args, v_rows_small=decode_rows_16bit(max_seqlen_q, qg, v_seq_major)))
 
 
 def paged_precision(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_scales: bool,

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..paged import decode_rows_16bit, decode_shaped, is_v_seq_major, paged_precision, small_shaped
+from ..paged import decode_shaped, is_v_seq_major, paged_precisions, small_shaped
 from . import dense_tma, paged_tma
 from .combine import launch_combine
 from .common import (INTERPRET, causal_window_mask, cdiv, fill_varlen_block_list, finalize_rows, find_seq,
@@ -458,7 +458,7 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
     decode = decode_shaped(max_seqlen_q, qg)
     if decode:
         bm, bn, nw, ns = _CONFIGS["decode"]
-    elif rows <= 64 and qg <= 64:
+    elif small_shaped(max_seqlen_q, qg):
         bm, bn, nw, ns = _CONFIGS["small"]
     else:
         bm, bn, nw, ns = _CONFIGS["prefill"]
@@ -505,16 +505,6 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
     if INTERPRET:
         ns = 1
     return bm, bn, nw, ns, maxnreg
-
-
-@functools.lru_cache(maxsize=1024)
-def _precisions(q_dtype, k_dtype, v_dtype, has_ks: bool, has_vs: bool, max_seqlen_q: int, qg: int,
-                v_seq_major: bool):
-    """``paged_precision`` of a launch, and of a varlen launch's decode rows (its small tile class), which
-    multiply as a decode call of their own would (cached per shape class: host time)."""
-    args = (q_dtype, k_dtype, v_dtype, has_ks, has_vs)
-    return (paged_precision(*args, v_rows_small=small_shaped(max_seqlen_q, qg) and not v_seq_major),
-            paged_precision(*args, v_rows_small=decode_rows_16bit(max_seqlen_q, qg, v_seq_major)))
 
 
 def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: int | None = None):
@@ -614,8 +604,9 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     has_ks = k_cache_scales is not None
     has_vs = v_cache_scales is not None
     v_seq_major = is_v_seq_major(v_cache)
-    (mma_fp8, cdt), (mma_fp8_s, cdt_s) = _precisions(q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs,
-                                                     max_seqlen_q, qg, v_seq_major)
+    # the launch's precision, and its decode rows' (its small tile class), as a decode call of their own
+    (mma_fp8, cdt), (mma_fp8_s, cdt_s) = paged_precisions(q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs,
+                                                          max_seqlen_q, qg, v_seq_major)
     if cfg.get("compute_dtype") is not None:
         cdt = cfg["compute_dtype"] if not mma_fp8 else cdt  # benchmarks: the 16-bit dtype of the upcast
         cdt_s = cfg["compute_dtype"] if not mma_fp8_s else cdt_s
