@@ -368,8 +368,8 @@ def test_cpu_path_rounds_p_like_the_kernels():
     ref16 = paged_attention_ref(q, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16, **kw)
     assert torch.equal(out, ref16)
     assert not torch.equal(out, paged_attention_ref(q, kc, vc, pt, cs, out_dtype=torch.float32, **kw))
-    # e4m3 Q: decode / small tiles over V in FA3's layout run the 16-bit path (P in fp16); sequence-major
-    # V and prefill-shaped calls keep FP8 MMAs (P in e4m3)
+    # e4m3 Q: over V in FA3's layout the Triton kernel's P@V runs in fp16 (P in fp16); over sequence-major V,
+    # and in the prefill chunks the paged TMA kernel takes, P@V is FP8 (P in e4m3)
     q8, qd = quantize(torch.randn(2, 3, 4, d), "per_tensor")
     kw8 = dict(kw, q_descale=qd.reshape(1, 1))
     out = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
@@ -383,8 +383,47 @@ def test_cpu_path_rounds_p_like_the_kernels():
     out = flash_attn_with_kvcache(q8l, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
     assert torch.equal(out, paged_attention_ref(q8l, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16,
                                                 **kw8))
-    q8p, qdp = quantize(torch.randn(2, 9, 16, d), "per_tensor")  # 72 rows per kv head: prefill tiles, P in e4m3
+    q8p, qdp = quantize(torch.randn(2, 9, 16, d), "per_tensor")  # 72 rows per kv head: prefill tiles, P in fp16
     kw8 = dict(kw, q_descale=qdp.reshape(1, 1))
     out = flash_attn_with_kvcache(q8p, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
+    assert torch.equal(out, paged_attention_ref(q8p, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16,
+                                                **kw8))
+    out = flash_attn_with_kvcache(q8p, kc, vs, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
     assert torch.equal(out, paged_attention_ref(q8p, kc, vc, pt, cs, out_dtype=torch.float32, quantize_p=True,
                                                 **kw8))
+
+
+def test_cpu_path_rounds_p_like_the_paged_tma_kernel():
+    """FP8 Q over an e4m3 cache in FA3's layout: the prefill chunks the paged TMA kernel takes (a multiple of
+    128 queries; in a varlen call, each sequence of 128 queries or more) round P to e4m3 as that kernel
+    does; the rest of the call, and calls it does not take (a window, splits, a float32 output), round P to
+    fp16 as the Triton kernel does."""
+    from fp8attn.paged import make_page_table
+    from fp8attn.reference import paged_attention_ref
+
+    lens, ps, hk, hq, d = [300, 140], 16, 2, 4, 64
+    pt = make_page_table(lens, ps, 40, generator=torch.Generator().manual_seed(1))
+    kc, kd = quantize(torch.randn(40, ps, hk, d), "per_tensor")
+    vc, vd = quantize(torch.randn(40, ps, hk, d), "per_tensor")
+    cs = torch.tensor(lens, dtype=torch.int32)
+    q8, qd = quantize(torch.randn(2, 128, hq, d), "per_tensor")
+    kw = dict(q_descale=qd.reshape(1, 1), k_descale=kd.reshape(1, 1), v_descale=vd.reshape(1, 1), causal=True)
+
+    def ref(q, p8, **extra):
+        return paged_attention_ref(q, kc, vc, pt, cs, **{"out_dtype": torch.bfloat16, **kw, **extra},
+                                   **(dict(quantize_p=True) if p8 else dict(p_dtype=torch.float16)))
+    out = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.bfloat16, **kw)
+    assert torch.equal(out, ref(q8, True))
+    for extra in (dict(window_size=(64, 0)), dict(num_splits=2), dict(out_dtype=torch.float32)):
+        out = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, **{"out_dtype": torch.bfloat16,
+                                                                                      **kw, **extra})
+        assert torch.equal(out, ref(q8, False, **{k: v for k, v in extra.items() if k != "num_splits"})), extra
+    # varlen: a 130-query chunk (e4m3 P) beside a 3-query chunk (fp16 P)
+    qv = q8.reshape(-1, hq, d)[:133]
+    cu = torch.tensor([0, 130, 133], dtype=torch.int32)
+    vkw = dict(cu_seqlens_q=cu, max_seqlen_q=130)
+    out = flash_attn_with_kvcache(qv, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.bfloat16,
+                                  cu_seqlens_q=cu, max_seqlen_q=130, **kw)
+    assert torch.equal(out[:130], ref(qv, True, **vkw)[:130])
+    assert torch.equal(out[130:], ref(qv, False, **vkw)[130:])
+    assert not torch.equal(out[:130], ref(qv, False, **vkw)[:130])

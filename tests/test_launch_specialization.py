@@ -8,7 +8,7 @@ import torch
 
 import fp8attn.kernels.dense as KD
 import fp8attn.kernels.paged as KP
-from fp8attn.kernels.common import window_flags
+from fp8attn.launch_rules import window_flags
 
 E4M3 = torch.float8_e4m3fn
 
@@ -94,7 +94,9 @@ def test_paged_decode_token_scales_uncapped(monkeypatch, v_seq_major):
     (torch.bfloat16, 64, False, (128, 64, 4)),  # 16-bit Q over an FP8 cache: 4 warps of 32 query rows
     (torch.bfloat16, 16, False, (128, 64, 4)),
     (torch.bfloat16, 128, True, (128, 128, 8)),  # the 128-key sequence-major tile keeps 8 warps
-    (E4M3, 64, False, (128, 64, 8)),             # FP8 MMAs keep 8 warps
+    (E4M3, 64, False, (128, 64, 4)),             # FP8 Q over FA3's layout: P@V in fp16, 4 warps too
+    (E4M3, 16, False, (128, 64, 4)),
+    (E4M3, 64, True, (128, 64, 8)),              # FP8 MMAs for both dots keep 8 warps
 ])
 def test_paged_prefill_warps(q_dtype, page, v_seq_major, tile):
     bm, bn, nw, _, _ = KP.paged_config(2048, 4, 128, q_dtype == E4M3, None, page, v_seq_major, True, False)
@@ -182,10 +184,11 @@ def test_paged_varlen_launch_plan(monkeypatch, case):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("v_seq_major", [False, True])
 def test_mixed_batch_decode_class_matches_the_cpu_rule(monkeypatch, hq, hk, d, v_seq_major):
-    """The CPU path rounds P per sequence by ``paged.decode_rows_16bit`` over the sequences of at most
-    ``16 // qg`` queries; the kernel's small tile class must be exactly those sequences, with that precision
-    (a varlen FP8 call of prefill tiles, launched on the Triton kernel: no GPU here)."""
-    from fp8attn.paged import decode_row_queries, decode_rows_16bit, paged_precision
+    """A varlen FP8 call of prefill tiles (launched on the Triton kernel: no GPU here): the kernel's small
+    tile class is the sequences of at most ``decode_row_queries(qg)`` queries; both classes round P as the
+    CPU path does (``paged.paged_precisions``: e4m3 over sequence-major V, fp16 over FA3's layout), and the
+    small class over FA3's layout runs QK^T in fp16 too where it holds decode tiles."""
+    from fp8attn.paged import decode_row_queries, decode_shaped, paged_precisions
     launches = []
 
     class _All(_Capture):
@@ -203,9 +206,11 @@ def test_mixed_batch_decode_class_matches_the_cpu_rule(monkeypatch, hq, hk, d, v
                         None, cu_seqlens_q=cu, max_seqlen_q=max(lens), softmax_scale=d ** -0.5, causal=True,
                         q_descale=one, k_descale=one, v_descale=one)
     kw = launches[0]
-    assert kw["TWO_CLASS"] and kw["MMA_FP8"]  # prefill tiles: FP8 MMAs
+    assert kw["TWO_CLASS"] and kw["MMA_FP8"]  # prefill tiles: FP8 QK^T
     small_q = kw["BLOCK_M_S"] // kw["QG"]
-    fp8_s, _ = paged_precision(E4M3, E4M3, E4M3, False, False, decode_rows_16bit(max(lens), qg, v_seq_major))
-    assert kw["MMA_FP8_S"] is fp8_s and kw["P_FP8_S"] is fp8_s
-    if not fp8_s:  # the CPU path's decode rows: sequences of at most 16 // qg queries
+    (_, p_e4m3, _), (qk8_s, p_e4m3_s, _) = paged_precisions(E4M3, E4M3, E4M3, False, False, max(lens), qg,
+                                                             v_seq_major)
+    assert kw["P_FP8"] is p_e4m3 is kw["P_FP8_S"] is p_e4m3_s is v_seq_major
+    assert kw["MMA_FP8_S"] is qk8_s is (v_seq_major or not decode_shaped(1, qg))
+    if not qk8_s:  # the 16-bit small class: sequences of at most 16 // qg queries
         assert small_q == 16 // qg == decode_row_queries(qg)

@@ -52,7 +52,8 @@ import torch
 
 from . import reference as ref
 from .capability import kernel_path_ok, launch_device
-from .paged import decode_row_queries, is_v_seq_major, paged_precisions
+from .launch_rules import TMA_QUERY_BLOCK, paged_tma_call_reason
+from .paged import is_v_seq_major, paged_precisions
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 
 __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "quant_fp8_static", "scaled_bmm",
@@ -186,25 +187,30 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
                    out_scale=out_scale, num_splits=num_splits)
         return o, lse if return_lse else _no_lse(q)
     qg = q.shape[-2] // k_cache.shape[2]
-    (fp8_mma, cdt), (fp8_s, cdt_s) = paged_precisions(q.dtype, k_cache.dtype, v_cache.dtype,
-                                                      k_cache_scales is not None, v_cache_scales is not None,
-                                                      max_seqlen_q, qg, is_v_seq_major(v_cache))
+    v_seq_major = is_v_seq_major(v_cache)
+    token_scales = k_cache_scales is not None or v_cache_scales is not None
+    # P as the Triton kernel rounds it (its decode rows' P@V runs in the same dtype as the call's)
+    (_, p_e4m3, cdt), _ = paged_precisions(q.dtype, k_cache.dtype, v_cache.dtype, k_cache_scales is not None,
+                                           v_cache_scales is not None, max_seqlen_q, qg, v_seq_major)
 
-    def reference(fp8_mma, cdt):
+    def reference(p_e4m3):
         return ref.paged_attention_ref(
             q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
             k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, softmax_scale=softmax_scale,
             causal=causal, window_size=window, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
-            v_descale=v_descale, out_scale=out_scale, out_dtype=dt, return_lse=True, quantize_p=fp8_mma,
-            p_dtype=None if fp8_mma or k_cache.dtype == torch.float32 else cdt)  # fp32: a CPU/test cache format
-    o, lse = reference(fp8_mma, cdt)
-    if varlen and fp8_mma and not fp8_s:  # decode rows multiply as a decode call of their own would
-        rows = _decode_row_tokens(cu_seqlens_q, q.shape[0], decode_row_queries(qg))
-        if bool(rows.any()):
-            o16, lse16 = reference(fp8_s, cdt_s)
-            o = torch.where(rows[:, None, None], o16.view(torch.uint8), o.view(torch.uint8)).view(o.dtype) \
-                if o.element_size() == 1 else torch.where(rows[:, None, None], o16, o)
-            lse = torch.where(rows[None, :], lse16, lse)  # varlen LSE: (nheads, total_q)
+            v_descale=v_descale, out_scale=out_scale, out_dtype=dt, return_lse=True, quantize_p=p_e4m3,
+            p_dtype=None if p_e4m3 or k_cache.dtype == torch.float32 else cdt)  # fp32: a CPU/test cache format
+    o, lse = reference(p_e4m3)
+    if not p_e4m3:  # FP8 prefill chunks the paged TMA kernel would take round P to e4m3 (FA3's layout)
+        rows = _paged_tma_tokens(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, dt, window, softcap, out_scale,
+                                 token_scales, num_splits, v_seq_major)
+        if rows is True:
+            o, lse = reference(True)
+        elif rows is not None and bool(rows.any()):
+            o8, lse8 = reference(True)
+            o = torch.where(rows[:, None, None], o8.view(torch.uint8), o.view(torch.uint8)).view(o.dtype) \
+                if o.element_size() == 1 else torch.where(rows[:, None, None], o8, o)
+            lse = torch.where(rows[None, :], lse8, lse)  # varlen LSE: (nheads, total_q)
     if out is not None:
         _into(out, o)
         o = out
@@ -213,14 +219,27 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
     return o, _fresh(lse) if return_lse else _no_lse(q)
 
 
-def _decode_row_tokens(cu_seqlens_q, total_q, max_q):
-    """(total_q,) bool: the tokens of the sequences with at most ``max_q`` queries (padding tokens: False)."""
+def _paged_tma_tokens(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, out_dtype, window, softcap, out_scale,
+                      token_scales, num_splits, v_seq_major):
+    """The query tokens of a paged call that the paged TMA kernel multiplies on the GPU, by the call's
+    semantics (``launch_rules.paged_tma_call_reason``): None (none), True (all: a fixed-length call), or a
+    (total_q,) bool mask (varlen: the sequences of ``TMA_QUERY_BLOCK`` queries or more)."""
+    varlen = cu_seqlens_q is not None
+    if (max_seqlen_q if varlen else q.shape[1]) < TMA_QUERY_BLOCK:
+        return None
+    if paged_tma_call_reason(q, k_cache, v_cache, out_dtype, varlen=varlen, window_size=window, softcap=softcap,
+                             out_scale=out_scale, token_scales=token_scales, num_splits=num_splits,
+                             v_seq_major=v_seq_major) is not None:
+        return None
+    if not varlen:
+        return True
+    total_q = q.shape[0]
     tok = torch.arange(total_q, device=cu_seqlens_q.device)
     cu = cu_seqlens_q.long()
     if cu.shape[0] < 2:  # no sequences
-        return torch.zeros(total_q, dtype=torch.bool, device=cu.device)
+        return None
     seq = torch.searchsorted(cu[1:], tok, right=True).clamp(max=cu.shape[0] - 2)
-    return (tok < cu[-1]) & ((cu[1:] - cu[:-1])[seq] <= max_q)
+    return (tok < cu[-1]) & ((cu[1:] - cu[:-1])[seq] >= TMA_QUERY_BLOCK)
 
 
 def _combine_dtype(out_partial, out_dtype, out_scale):

@@ -7,7 +7,7 @@ import torch
 
 __all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "empty_paged", "to_v_seq_major",
            "is_v_seq_major", "paged_precision", "paged_precisions", "decode_shaped", "small_shaped",
-           "decode_row_queries", "decode_rows_16bit"]
+           "decode_row_queries"]
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -33,49 +33,50 @@ def decode_row_queries(qg: int) -> int:
     return _DECODE_ROWS // qg
 
 
-def decode_rows_16bit(max_seqlen_q: int, qg: int, v_seq_major: bool) -> bool:
-    """``paged_precision``'s ``v_rows_small`` for the decode rows of a varlen call (sequences of at most
-    ``decode_row_queries(qg)`` queries, the paged kernel's small tile class): V in FA3's layout and
-    decode-shaped rows, or a whole call of small tiles. A decode row then multiplies as it would in a decode
-    call of its own."""
-    return not v_seq_major and (decode_shaped(1, qg) or small_shaped(max_seqlen_q, qg))
-
-
 @functools.lru_cache(maxsize=1024)
 def paged_precisions(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_scales: bool, max_seqlen_q: int,
                      qg: int, v_seq_major: bool):
-    """``paged_precision`` of a call, and of a varlen call's decode rows: ``((fp8_mma, compute_dtype),
-    (fp8_mma, compute_dtype))``, for the kernel's launcher and the CPU path (cached per shape class: host
-    time)."""
-    args = (q_dtype, k_dtype, v_dtype, k_token_scales, v_token_scales)
-    return (paged_precision(*args, v_rows_small=small_shaped(max_seqlen_q, qg) and not v_seq_major),
-            paged_precision(*args, v_rows_small=decode_rows_16bit(max_seqlen_q, qg, v_seq_major)))
+    """``paged_precision`` of a call, and of a varlen call's decode rows (the sequences of at most
+    ``decode_row_queries(qg)`` queries, the paged kernel's small tile class, which multiply as a decode call
+    of their own would): ``((fp8_qk, fp8_pv, compute_dtype), (fp8_qk, fp8_pv, compute_dtype))``, for the
+    kernel's launcher and the CPU path (cached per shape class: host time)."""
+    args = (q_dtype, k_dtype, v_dtype, k_token_scales, v_token_scales, v_seq_major)
+    return (paged_precision(*args, small_shaped(max_seqlen_q, qg)),
+            paged_precision(*args, decode_shaped(1, qg) or small_shaped(max_seqlen_q, qg)))
 
 
-def paged_precision(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_scales: bool,
-                    v_rows_small: bool = False):
-    """How the paged kernel multiplies: ``(fp8_mma, compute_dtype)``; one rule for the kernel's
+def paged_precision(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_scales: bool, v_seq_major: bool,
+                    small: bool):
+    """How the paged Triton kernel multiplies: ``(fp8_qk, fp8_pv, compute_dtype)``; one rule for the kernel's
     launcher and the CPU path.
 
-    fp8_mma: Q, K and V all e4m3 without per-token-head scales -> FP8 QK^T and FP8 P@V (P scaled into
-    e4m3's range), except for ``v_rows_small``: a call of decode or small tiles (``small_shaped``) over V
-    in FA3's layout (not sequence-major). There the FP8 P@V transposes V byte by byte in registers, and
-    the 16-bit path below is faster on the H200 (docs/perf-notes.md, paged round 18) and keeps P in fp16,
-    not e4m3. Otherwise K/V are upcast in registers to ``compute_dtype`` and both dots run in it
-    (P rounded to it): a 16-bit cache's own dtype; bf16 for bf16 Q with per-token-head V scales (the
-    scaled rows may leave fp16's range); fp16 otherwise (e4m3/e5m2 -> fp16 is exact and one convert
-    per pair, where bf16 needs a detour that made decode ALU-bound; Q is cast to fp16, clamped to
-    +-65504; an e4m3 Q is exact in fp16).
+    Q, K and V all e4m3 without per-token-head scales: QK^T in FP8 (``fp8_qk``), and P@V in FP8 with P scaled
+    into e4m3's range (``fp8_pv``) where V is sequence-major inside its pages, i.e. K-major as FP8 wgmma
+    wants it. Over V in FA3's layout P@V runs in fp16 instead (V upcast in registers, exact for e4m3, P
+    rounded to fp16): an FP8 P@V would transpose V byte by byte in registers, and the fp16 one was
+    1.5-1.9x faster on the H200 with a 6x smaller error (docs/perf-notes.md, paged round 19). ``small``
+    (decode or small tiles, ``small_shaped``) over FA3's layout also runs QK^T in fp16: the whole 16-bit
+    path below, faster in those tiles (paged round 18). The paged TMA kernel, which takes FP8 prefill
+    chunks, multiplies P@V in FP8 in both layouts (``launch_rules.paged_tma_call_reason``).
+
+    Otherwise (16-bit Q over an FP8 cache, e5m2 caches, per-token-head scales, 16-bit caches) K/V are
+    upcast in registers to ``compute_dtype`` and both dots run in it (P rounded to it): a 16-bit cache's
+    own dtype; bf16 for bf16 Q with per-token-head V scales (the scaled rows may leave fp16's range); fp16
+    otherwise (e4m3/e5m2 -> fp16 is exact and one convert per pair, where bf16 needs a detour that made
+    decode ALU-bound; Q is cast to fp16, clamped to +-65504; an e4m3 Q is exact in fp16). ``compute_dtype``
+    is also the dtype of a 16-bit P@V after FP8 QK^T (fp16 then).
     """
-    fp8_mma = (q_dtype == _E4M3 and k_dtype == _E4M3 and v_dtype == _E4M3
-               and not k_token_scales and not v_token_scales and not v_rows_small)
+    fp8 = (q_dtype == _E4M3 and k_dtype == _E4M3 and v_dtype == _E4M3
+           and not k_token_scales and not v_token_scales)
+    fp8_qk = fp8 and (v_seq_major or not small)
+    fp8_pv = fp8 and v_seq_major
     if k_dtype in (torch.bfloat16, torch.float16):
         cdt = k_dtype
     elif q_dtype == torch.bfloat16 and v_token_scales:
         cdt = torch.bfloat16
     else:
         cdt = torch.float16
-    return fp8_mma, cdt
+    return fp8_qk, fp8_pv, cdt
 
 
 def alloc_paged_cache(num_blocks, page_size, nheads_k, headdim, dtype=torch.float8_e4m3fn, device="cpu",

@@ -215,21 +215,6 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def window_flags(causal, window_size):
-    """Host side, for every launcher: ``(causal, window_left, window_right, has_window)`` as the kernels
-    see them. A right edge of 0 is the diagonal, so any window ending there is the causal mask (FA3's
-    API passes causal as the window (-1, 0)); under causal a right edge is implied by the diagonal and
-    dropped. Only what is left selects the window path (``HAS_WINDOW``), whose extra masks and bounds
-    every causal call would otherwise compile in."""
-    wl, wr = window_size if window_size is not None else (-1, -1)
-    wl = -1 if wl is None else int(wl)
-    wr = -1 if wr is None else int(wr)
-    causal = bool(causal) or wr == 0
-    if causal:
-        wr = -1
-    return causal, wl, wr, wl >= 0 or wr >= 0
-
-
 @triton.jit
 def find_seq(CU_Q, target, batch, BLOCK_Q: tl.constexpr, CHUNK: tl.constexpr = 256):
     """Largest i with cu_seqlens[i] // BLOCK_Q + i <= target: the sequence of block ``target`` when sequence i's

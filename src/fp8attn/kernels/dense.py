@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch_rules import window_flags
 from . import dense_tma
 from .common import (
     INTERPRET,
@@ -39,7 +40,6 @@ from .common import (
     online_softmax_step,
     output_epilogue,
     scale_logits,
-    window_flags,
 )
 
 __all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor", "varlen_v_kmajor"]

@@ -73,7 +73,8 @@ try:
 except ImportError:  # triton without Gluon: the fast path is simply unavailable
     HAS_GLUON = False
 
-from .common import fill_varlen_block_list, window_flags
+from ..launch_rules import tma_options_reason, window_flags
+from .common import fill_varlen_block_list
 
 __all__ = ["supported", "unsupported_reason", "launch_dense_fwd_tma", "HAS_GLUON"]
 
@@ -1510,8 +1511,8 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
     """Why the TMA fast path cannot run these inputs, or None when it can (see ``supported``)."""
     if not HAS_GLUON:
         return "triton.experimental.gluon is not available"
-    why = options_reason(q, k, v, out, window_size=window_size, softcap=softcap, out_scale=out_scale,
-                         per_block=descale_block_q is not None or descale_block_k is not None)
+    why = tma_options_reason(q.dtype, k.dtype, v.dtype, out.dtype, window_size=window_size, softcap=softcap,
+                             out_scale=out_scale, per_block=descale_block_q is not None or descale_block_k is not None)
     if why:
         return why
     if cu_seqlens_q is not None:
@@ -1547,27 +1548,6 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
                                       (batch, hq, sq), "(batch, nheads_q, seqlen_q)")
 
 
-def options_reason(q, k, v, out, *, window_size, softcap, out_scale, per_block=False, names=("q", "k", "v")):
-    """The rules every TMA kernel shares: no sliding window, softcap or per-block descales; e4m3 q/k/v;
-    bf16 out, or e4m3 out with a one-element float32 ``out_scale``. None when they hold."""
-    if window_flags(False, window_size)[3]:
-        return f"sliding window {tuple(window_size)} is not supported"
-    if softcap and float(softcap) != 0.0:
-        return "softcap is not supported"
-    if per_block:
-        return "per-block descales are not supported"
-    if any(t.dtype != torch.float8_e4m3fn for t in (q, k, v)):
-        return f"{', '.join(names)} must be float8_e4m3fn, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if out_scale is None and out.dtype != torch.bfloat16:
-        return f"out must be bfloat16 (or float8_e4m3fn with out_scale), got {out.dtype}"
-    if out_scale is not None:
-        if out.dtype != torch.float8_e4m3fn:
-            return f"with out_scale, out must be float8_e4m3fn, got {out.dtype}"
-        if not torch.is_tensor(out_scale) or out_scale.dtype != torch.float32 or out_scale.numel() != 1:
-            return "out_scale must be a float32 tensor with one element"
-    return None
-
-
 def _common_unsupported_reason(ts, batch, hq, hk, q_descale, k_descale, v_descale, out_scale, lse, lse_shape,
                                lse_name, extra=()):
     """The alignment, descale, LSE and device rules of the dense and varlen paths."""
@@ -1600,7 +1580,7 @@ def device_reason(ts, extra=()):
 def _varlen_unsupported_reason(q, k, v, out, *, q_descale, k_descale, v_descale, out_scale, cu_seqlens_q,
                                cu_seqlens_k, lse):
     """``unsupported_reason`` for varlen inputs (``_bounded_fwd_tma_ws_kernel`` in ``MODE_VARLEN``), after
-    ``options_reason``."""
+    ``launch_rules.tma_options_reason``."""
     if cu_seqlens_k is None:
         return "varlen needs cu_seqlens_k"
     if out_scale is not None:  # compiled for sm90, not yet run on a GPU: the Triton kernel serves it

@@ -24,11 +24,12 @@ Numerics (``common``): descales are folded (``q_descale * k_descale`` into the l
 ``v_descale`` into the final 1/rowsum); per-token-head cache scales multiply the logits' columns
 (K) and the dequantized V rows. Two MMA paths:
 
-* ``MMA_FP8``: Q, K and V all e4m3fn without per-token-head scales -> FP8 QK^T and FP8 P@V (P scaled
-  into e4m3's range by ``common.online_softmax_step``; ``P_FP8``), except in decode and small tiles over
-  V in FA3's layout (``paged.paged_precision``'s ``v_rows_small``; a varlen launch's decode rows take
-  their own ``MMA_FP8_S`` / ``CDT_S`` / ``P_FP8_S``), which run the 16-bit path below. Benchmarks can ask for
-  ``config={"pv_fp16": True}``: FP8 QK^T, then P@V in fp16 (V upcast in registers, P in fp16).
+* ``MMA_FP8``: Q, K and V all e4m3fn without per-token-head scales -> FP8 QK^T, and FP8 P@V (P scaled
+  into e4m3's range by ``common.online_softmax_step``; ``P_FP8``) over sequence-major V, which arrives
+  K-major as FP8 wgmma wants it. Over V in FA3's layout P@V runs in fp16 (V upcast in registers, exact;
+  P rounded to fp16), and decode and small tiles there run the whole 16-bit path below
+  (``paged.paged_precision``; a varlen launch's decode rows take their own ``MMA_FP8_S`` / ``CDT_S`` /
+  ``P_FP8_S``). Benchmarks can ask for ``config={"pv_fp16": True}``: the fp16 P@V over sequence-major V.
 * otherwise (16-bit Q over an FP8 cache, e5m2 caches, per-token-head scales, 16-bit caches): K/V
   are upcast in registers to a 16-bit compute dtype and the dots run in 16 bits with fp32
   accumulation. Over an FP8 cache that dtype is fp16 (e4m3/e5m2 are exact in fp16 and the upcast
@@ -49,12 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch_rules import window_flags
 from ..paged import decode_shaped, is_v_seq_major, paged_precisions, small_shaped
 from . import dense_tma, paged_tma
 from .combine import launch_combine
 from .common import (INTERPRET, causal_window_mask, cdiv, fill_varlen_block_list, finalize_rows, find_seq,
                      full_tile_range, kv_range, next_pow2, online_softmax_step, output_epilogue, scale_logits,
-                     upcast_fp8_in_place, window_flags)
+                     upcast_fp8_in_place)
 
 __all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config"]
 
@@ -132,19 +134,15 @@ def _kv_tile(start_n, end, blk, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_
     if HAS_VS:
         vs = tl.load(VS + blk * s_vsb + slot * s_vsp + kvh * s_vsh, mask=kv_ok, other=0.0).to(tl.float32)
         v = (v.to(tl.float32) * vs[:, None]).to(CDT)
-    elif not MMA_FP8 and not V_SEQ_MAJOR and V.dtype.element_ty != CDT and CDT == tl.float16:
-        v = upcast_fp8_in_place(v)  # FA3's layout: V's transposed operand read as 16-bit, not byte-wise
+    elif not P_FP8 and not V_SEQ_MAJOR and V.dtype.element_ty != CDT and CDT == tl.float16:
+        # FA3's layout, P@V in fp16 (after a 16-bit or an FP8 QK^T): V's transposed operand is read as
+        # 16-bit values, not byte-wise
+        v = upcast_fp8_in_place(v)
     elif not MMA_FP8:
         v = v.to(CDT)
     elif not P_FP8:
         v = v.to(tl.float16)  # exact; FP8 QK^T, then P@V in fp16 (P rounded to fp16, not e4m3)
-    elif q.shape[0] >= 64 and not V_SEQ_MAJOR:
-        # wgmma (BLOCK_M >= 64): the FP8 P@V needs V K-major (sequence-contiguous) in shared memory.
-        # A headdim-contiguous cache tile is transposed through registers on its way there (byte-wise
-        # shared stores). An op between the load and that shared-memory store lets the pipeliner stage
-        # the load as an async copy (a load feeding the store directly stayed a synchronous load).
-        # Rows are zero already (other=0). A sequence-major tile is K-major as loaded.
-        v = tl.where(kv_ok[:, None], v, tl.zeros_like(v))
+    # (an FP8 P@V reads sequence-major V: K-major as loaded, as FP8 wgmma wants it)
     return online_softmax_step(s, m_i, l_i, acc, v, P_FP8)
 
 
@@ -477,20 +475,20 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
     if (not decode and rows > 64 and v_seq_major and page_size is not None and page_size % 128 == 0
             and headdim <= 128):
         bn = 128
-    # 16-bit Q over an FP8 cache in (128, 64) prefill tiles: 4 warps of 32 query rows beat 8 of 16
-    # (H200, bf16 Q, 2k chunk over 8k: page 16 1.061 -> 0.959 ms, page 64 1.037 -> 0.937, sequence-major
-    # V page 64 0.984 -> 0.863, page 128 1.074 -> 0.896). The (128, 128) sequence-major tile keeps 8
-    # warps (4: 0.880 -> 1.912 ms).
-    if not decode and fp8_cache and not mma_fp8 and not token_scales and (bm, bn) == (128, 64):
+    # P@V in fp16 over an FP8 cache (16-bit Q, or FP8 Q over FA3's layout) in (128, 64) prefill tiles: 4 warps
+    # of 32 query rows beat 8 of 16 (H200, bf16 Q, 2k chunk over 8k: page 16 1.061 -> 0.959 ms, page 64
+    # 1.037 -> 0.937, sequence-major V page 64 0.984 -> 0.863, page 128 1.074 -> 0.896; FP8 Q over FA3's
+    # layout, 2000 queries over 8k: page 64 678 -> 589 us, page 16 700 -> 676). The (128, 128)
+    # sequence-major tile keeps 8 warps (4: 0.880 -> 1.912 ms).
+    if not decode and fp8_cache and not (mma_fp8 and v_seq_major) and not token_scales and (bm, bn) == (128, 64):
         nw = 4
     one_page_tiles = page_size is not None and page_size >= 64 and page_size % 64 == 0
     # Decode over an FP8 cache is bandwidth bound: four resident blocks per SM (128 registers per thread,
     # 3-stage rings of 64-key one-page tiles, <= 57 KB) stream faster than three. H200, B64/L4096 unsplit:
     # sequence-major V 0.139 ms vs 0.178 (136 registers) and 0.195 (4 stages); FA3's layout 0.172 vs
     # 0.189 (168 registers). A sequence-major V page is contiguous only inside the page, so it is read in
-    # one-page tiles anyway (a row-gathered 128-key tile spilled). FA3's layout with FP8 Q keeps its
-    # 128-key tile: its in-register V transpose spills under the cap; so do per-token-head scales
-    # (23-28 spilled loads in the sm90 compile), which keep the uncapped tiles (not timed capped).
+    # one-page tiles anyway (a row-gathered 128-key tile spilled). Per-token-head scales spill under the
+    # cap (23-28 spilled loads in the sm90 compile) and keep the uncapped tiles (not timed capped).
     if (decode and fp8_cache and not token_scales and one_page_tiles and headdim <= 128
             and (v_seq_major or not mma_fp8)):
         bn, ns, maxnreg = 64, 3, 128
@@ -558,7 +556,8 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     config : optional override {block_m, block_n, num_warps, num_stages, maxnreg, compute_dtype, pv_fp16,
         heads_inner, two_class, decode_first, unmasked_tiles, tma, split_at, block_list}
         (benchmarks). ``pv_fp16`` (FP8 Q and cache only): FP8 QK^T, then P@V in fp16 with V upcast in
-        registers and P rounded to fp16 instead of e4m3 (no in-kernel transpose of V). ``tma=False``
+        registers and P rounded to fp16 instead of e4m3, over sequence-major V too (the default over
+        FA3's layout). ``tma=False``
         keeps FP8 prefill chunks that ``paged_tma`` accepts on this kernel; ``split_at`` (varlen, tests) runs
         this kernel's part of a split with the TMA kernel without it: sequences of ``split_at`` queries
         or more are left as they are; with it, ``block_list`` (a ``dense_tma.empty_block_list``) is
@@ -566,8 +565,8 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Notes
     -----
-    FP8 prefill chunks over a sequence-major V cache with pages of 64 (or a multiple) run on the
-    warp-specialized TMA kernel of ``paged_tma`` when it accepts the inputs (``paged_tma.unsupported_reason``).
+    FP8 prefill chunks run on the warp-specialized TMA kernel of ``paged_tma`` when it accepts the inputs
+    (``paged_tma.unsupported_reason``; its P@V is FP8 in both V layouts).
     Varlen (mixed) batches are then split by query count on the device: this kernel runs the sequences
     below ``paged_tma.VARLEN_MIN_Q`` queries (a decode-tile launch for the decode rows, a large-tile launch
     for the others), the TMA kernel the rest (unsplit calls with ``max_seqlen_q >= VARLEN_MIN_Q`` only;
@@ -605,19 +604,18 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     has_vs = v_cache_scales is not None
     v_seq_major = is_v_seq_major(v_cache)
     # the launch's precision, and its decode rows' (its small tile class), as a decode call of their own
-    (mma_fp8, cdt), (mma_fp8_s, cdt_s) = paged_precisions(q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs,
-                                                          max_seqlen_q, qg, v_seq_major)
+    (mma_fp8, p_fp8, cdt), (mma_fp8_s, p_fp8_s, cdt_s) = paged_precisions(
+        q.dtype, k_cache.dtype, v_cache.dtype, has_ks, has_vs, max_seqlen_q, qg, v_seq_major)
     if cfg.get("compute_dtype") is not None:
         cdt = cfg["compute_dtype"] if not mma_fp8 else cdt  # benchmarks: the 16-bit dtype of the upcast
         cdt_s = cfg["compute_dtype"] if not mma_fp8_s else cdt_s
     if INTERPRET:  # the interpreter's bf16 dot multiplies raw uint16 storage
         cdt, cdt_s = (torch.float32 if c == torch.bfloat16 else c for c in (cdt, cdt_s))
     fp8_cache = k_cache.element_size() == 1
+    # benchmarks: the fp16 P@V after FP8 QK^T over sequence-major V too
+    p_fp8, p_fp8_s = (p and not cfg.get("pv_fp16") for p in (p_fp8, p_fp8_s))
     bm, bn, nw, ns, maxnreg = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major, fp8_cache,
                                            has_ks or has_vs)
-    # FP8 P@V unless the benchmark override asks for the fp16 P@V variant (FP8 QK^T, fp16 P and V)
-    p_fp8 = mma_fp8 and not cfg.get("pv_fp16")
-    p_fp8_s = mma_fp8_s and not cfg.get("pv_fp16")
     block_q = max(1, bm // qg)
     # Mixed batches: decode rows get their own small-tile programs (one per sequence) instead of
     # riding in the large prefill tiles (docs/perf-notes.md, paged mixed batches).

@@ -34,20 +34,23 @@ import math
 
 import torch
 
+from ..launch_rules import (PAGED_TMA_HEAD_DIMS, PAGED_TMA_MIN_PAGE, PAGED_TMA_SMALL_PAGES, TMA_QUERY_BLOCK,
+                            paged_tma_call_reason)
 from ..paged import is_v_seq_major
 from . import dense_tma
 
 __all__ = ["unsupported_reason", "launch_paged_prefill_tma", "block_n", "box_rows", "descale_strides", "HEAD_DIMS",
            "VARLEN_MIN_Q", "SMALL_PAGES"]
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = PAGED_TMA_HEAD_DIMS
 _TILE = dense_tma.BLOCK_N  # rows per query block, keys per KV tile (64 for 64-slot pages)
-_MIN_PAGE = 64
+_MIN_PAGE = PAGED_TMA_MIN_PAGE
 # FA3's layout only: pages smaller than a tile, loaded one TMA box per page
-SMALL_PAGES = (16, 32)
+SMALL_PAGES = PAGED_TMA_SMALL_PAGES
 # Varlen launches of ``paged.launch_paged_fwd``: sequences with at least this many queries (one full
 # query block) run here, shorter ones (decode rows, short chunks) on the Triton kernel.
-VARLEN_MIN_Q = dense_tma.BLOCK_M
+VARLEN_MIN_Q = TMA_QUERY_BLOCK
+assert TMA_QUERY_BLOCK == dense_tma.BLOCK_M == _TILE
 
 
 def block_n(page_size, v_rows=False):
@@ -105,18 +108,14 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
     """
     if not dense_tma.HAS_GLUON:
         return "triton.experimental.gluon is not available"
-    if int(num_splits) > 1:
-        return f"num_splits={num_splits}: the kernel does not split the keys"
-    if k_cache_scales is not None or v_cache_scales is not None:
-        return "per-token-head cache scales are not supported"
-    why = dense_tma.options_reason(q, k_cache, v_cache, out, window_size=window_size, softcap=softcap,
-                                   out_scale=out_scale, names=("q", "k_cache", "v_cache"))
+    varlen = cu_seqlens_q is not None
+    v_seq_major = is_v_seq_major(v_cache)
+    why = paged_tma_call_reason(q, k_cache, v_cache, out.dtype, varlen=varlen, window_size=window_size,
+                                softcap=softcap, out_scale=out_scale,
+                                token_scales=k_cache_scales is not None or v_cache_scales is not None,
+                                num_splits=num_splits, v_seq_major=v_seq_major)
     if why:
         return why
-    varlen = cu_seqlens_q is not None
-    if q.dim() != (3 if varlen else 4) or k_cache.dim() != 4 or v_cache.dim() != 4:
-        return ("q must be (total_q, nheads_q, d) with cu_seqlens_q" if varlen else
-                "q must be (batch, seqlen_q, nheads_q, d)") + " and the caches (num_blocks, page_size, nheads_k, d)"
     if varlen:
         if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.dim() != 1 or cu_seqlens_q.stride(0) != 1 \
                 or cu_seqlens_q.numel() < 2:
@@ -127,22 +126,14 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
         batch, sq, hq, d = q.shape
         rows, lse_shape = batch * sq, (batch, hq, sq)
     nb, ps, hk, dk = k_cache.shape
-    if d not in HEAD_DIMS or dk != d or v_cache.shape[-1] != d:
-        return f"head dim must be 64 or 128 for q, k and v, got {d}, {dk}, {v_cache.shape[-1]}"
     if tuple(v_cache.shape) != tuple(k_cache.shape) or tuple(out.shape) != tuple(q.shape):
         return "shape mismatch between q/out or k_cache/v_cache"
     if varlen and (q.shape[0] == 0 or hq == 0):
         return "total_q and nheads_q must be positive"
-    if not varlen and (batch == 0 or hq == 0 or sq == 0 or sq % _TILE != 0):
-        return f"seqlen_q ({sq}) must be a positive multiple of {_TILE} (and batch, nheads_q positive)"
-    v_seq_major = is_v_seq_major(v_cache)
-    v_rows = v_cache.is_contiguous() and not v_seq_major
-    if ps % _MIN_PAGE != 0 and not (v_rows and ps in SMALL_PAGES):
-        return f"page_size ({ps}) must be a multiple of {_MIN_PAGE} (or one of {SMALL_PAGES} with FA3's V layout)"
+    if not varlen and (batch == 0 or hq == 0):
+        return "batch and nheads_q must be positive"
     if hk == 0 or hq % hk != 0:
         return f"nheads_q ({hq}) must be a multiple of nheads_k ({hk})"
-    if not (v_rows or v_seq_major):
-        return "v_cache must be contiguous (FA3's layout) or sequence-major within each page (paged.to_v_seq_major)"
     if not (q.is_contiguous() and k_cache.is_contiguous() and out.is_contiguous()):
         return "q, k_cache, out must be contiguous"
     if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != batch \
