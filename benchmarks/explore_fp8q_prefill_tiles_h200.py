@@ -7,7 +7,8 @@ last of the keys, causal): a 2k chunk over 8k, a 2000-query chunk, 100 and 24 qu
 and 16, 32 q / 8 kv heads, d128, per-(sequence, head) descales, LSE out. Reports CUDA-graph replays (best of
 two medians, us), TF/s of the attended pairs, the relative L2 error against the float reference (first
 sequences), and the same call with bf16 Q as a yardstick; the heuristic split count. Environment ``CONFIG``: a
-JSON object of tile overrides for both calls (``block_m``, ``num_warps``, ...). Usage (repo root, GPU machine):
+JSON object of tile overrides for both calls (``block_m``, ``num_warps``, ...); ``HEADDIM``: the head dim (128).
+Usage (repo root, GPU machine):
 ``PYTHONPATH=<variant>/src python benchmarks/explore_fp8q_prefill_tiles_h200.py <name> [BxLxQ,...]``.
 """
 import json
@@ -21,7 +22,8 @@ from fp8attn.kernels.paged import launch_paged_fwd
 from fp8attn.reference import paged_attention_ref
 
 E4M3 = torch.float8_e4m3fn
-HQ, HK, D = 32, 8, 128
+HQ, HK = 32, 8
+D = int(os.environ.get("HEADDIM", "128"))
 
 
 def causal_pairs(batch, ctx, qlen):
