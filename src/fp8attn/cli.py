@@ -13,6 +13,7 @@ BENCH_ROUTINES = {
     "dense": ("fp8attn.bench.dense", "run"),
     "accuracy": ("fp8attn.bench.accuracy", "run"),
     "decode": ("fp8attn.bench.paged", "run_decode"),
+    "decode-fp8q": ("fp8attn.bench.paged", "run_decode_fp8q"),
     "prefill-chunked": ("fp8attn.bench.paged", "run_prefill_chunked"),
     "mixed": ("fp8attn.bench.paged", "run_mixed"),
     "output-quant": ("fp8attn.bench.output_quant", "run"),

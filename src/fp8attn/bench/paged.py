@@ -7,6 +7,8 @@
   ``ours.gbps`` = KV bytes read (K + V, FP8) / time; peers' gbps likewise with their bf16 bytes.
   Where the ``flashinfer`` package is importable: FlashInfer's paged decode over the same FP8 cache
   (``flashinfer_fp8``, and ``flashinfer_fp8_tc`` with its tensor-core kernel; per-tensor K/V scales).
+* decode_fp8q: the same with e4m3 Q (q_descale 2), ours over FA3's layout; peers the same call with bf16 Q
+  (``bf16_q``), e4m3 Q over sequence-major V (``paged_v_seq_major``, page 64) and the SDPA peers.
 * prefill_chunked: a 2048-token chunk over an 8192-token cached prefix (causal), FP8 Q over an
   e4m3 cache, page 16/64; TF/s over the exact visible pairs. Peers: the dense FP8 forward
   (``kernels.dense.launch_dense_fwd``, contiguous K and sequence-major V) on the same pairs, the
@@ -30,7 +32,7 @@ import torch
 
 from .common import attn_flops, graph_replay, results_header, rotating, time_ms, write_results
 
-__all__ = ["run_decode", "run_prefill_chunked", "run_mixed"]
+__all__ = ["run_decode", "run_decode_fp8q", "run_prefill_chunked", "run_mixed"]
 
 HQ, HK, D = 32, 8, 128
 E4M3 = torch.float8_e4m3fn
@@ -189,13 +191,19 @@ def _rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def run_decode(out_dir=None, quick=False, configs=None):
-    """Decode over an FP8 paged cache; returns the results path."""
+def run_decode_fp8q(out_dir=None, quick=False):
+    """``run_decode`` with e4m3 Q (``decode_fp8q.json``): ours = e4m3 Q over the FA3-layout cache, peers the
+    same call with bf16 Q (``bf16_q``), e4m3 Q over sequence-major V and torch SDPA bf16."""
+    return run_decode(out_dir, quick, q_fp8=True)
+
+
+def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False):
+    """Decode over an FP8 paged cache; returns the results path. ``q_fp8``: e4m3 Q (``run_decode_fp8q``)."""
     from ..kernels.paged import choose_num_splits, launch_paged_fwd, split_workspace
     from ..paged import to_v_seq_major
     from ..reference import paged_attention_ref
 
-    doc = results_header("decode")
+    doc = results_header("decode_fp8q" if q_fp8 else "decode")
     batches = [1, 8, 16, 64, 256] if not quick else [1, 64]
     ctxs = [1024, 4096, 32768, 131072] if not quick else [4096, 32768]
     page_sizes = [16, 64]
@@ -218,33 +226,34 @@ def run_decode(out_dir=None, quick=False, configs=None):
                 out = torch.empty(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
                 lse = torch.empty(b, HQ, 1, device="cuda")
 
-                q8 = q.float().to(E4M3)
+                q8 = (q.float() / 2).to(E4M3)  # e4m3 Q with its descale: q8 * qd
+                qd = torch.full((b, HK), 2.0, device="cuda")
 
-                def mk(r, cfg=None, v_cache=None):
+                def mk(r, cfg=None, v_cache=None, fp8=q_fp8):
                     v_cache = vc if v_cache is None else v_cache
-                    if cfg and cfg.get("q_fp8"):  # FP8 Q over the FP8 cache (FP8 MMAs, no upcast)
+                    if cfg and "q_fp8" in cfg:  # sweep entries pick the Q dtype
+                        fp8 = cfg["q_fp8"]
                         cfg = {k_: v_ for k_, v_ in cfg.items() if k_ != "q_fp8"}
-                        return lambda: launch_paged_fwd(q8, kc, v_cache, pts[r], seqlens, out, lse, max_seqlen_q=1,
-                                                        softmax_scale=scale, causal=True, q_descale=kd,
-                                                        k_descale=kd, v_descale=vd, num_splits=splits,
-                                                        out_partial=op, lse_partial=lp, config=cfg or None)
-                    return lambda: launch_paged_fwd(q, kc, v_cache, pts[r], seqlens, out, lse, max_seqlen_q=1,
-                                                    softmax_scale=scale, causal=True, k_descale=kd, v_descale=vd,
-                                                    num_splits=splits, out_partial=op, lse_partial=lp, config=cfg)
+                    return lambda: launch_paged_fwd(q8 if fp8 else q, kc, v_cache, pts[r], seqlens, out, lse,
+                                                    max_seqlen_q=1, softmax_scale=scale, causal=True,
+                                                    q_descale=qd if fp8 else None, k_descale=kd, v_descale=vd,
+                                                    num_splits=splits, out_partial=op, lse_partial=lp,
+                                                    config=cfg or None)
                 fns = [mk(r) for r in range(n_rot)]
                 fns[0]()
                 torch.cuda.synchronize()
                 err = None
                 if b * L <= (1 << 17):
-                    ref = paged_attention_ref(q, kc, vc, pts[0], seqlens, softmax_scale=scale, causal=True,
-                                              k_descale=kd, v_descale=vd, out_dtype=torch.float32)
+                    qr, qdr = (q8, qd) if q_fp8 else (q, None)
+                    ref = paged_attention_ref(qr, kc, vc, pts[0], seqlens, softmax_scale=scale, causal=True,
+                                              q_descale=qdr, k_descale=kd, v_descale=vd, out_dtype=torch.float32)
                     err = _rel_err(out, ref)
                 call, graphed = graph_replay(fns)
                 ms = time_ms(call)
                 case = {"case": f"d128 B{b} L{L} page{page_size}",
                         "params": {"batch": b, "seqlen_q": 1, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
                                    "headdim": D, "page_size": page_size, "causal": True, "num_splits": splits,
-                                   "q_dtype": "bf16", "kv_dtype": "e4m3"},
+                                   "q_dtype": "e4m3" if q_fp8 else "bf16", "kv_dtype": "e4m3"},
                         "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": err,
                                  "cuda_graph": graphed},
                         "peers": {}}
@@ -263,8 +272,13 @@ def run_decode(out_dir=None, quick=False, configs=None):
                     one = torch.ones(b, HK, device="cuda")
                     return paged_attention_ref(q, kc, vc, pts[0], seqlens, softmax_scale=scale, causal=True,
                                                k_descale=one * ks, v_descale=one * vs, out_dtype=torch.float32)
-                case["peers"].update(_flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot,
-                                                       ref_fn if b * L <= (1 << 17) else None))
+                if q_fp8:  # the same call with bf16 Q, in the same run
+                    fns_b = [mk(r, fp8=False) for r in range(n_rot)]
+                    ms_b = time_ms(graph_replay(fns_b)[0])
+                    case["peers"]["bf16_q"] = {"ms": ms_b, "gbps": kv_bytes / ms_b / 1e6}
+                else:  # FlashInfer's decode takes bf16 Q
+                    case["peers"].update(_flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot,
+                                                           ref_fn if b * L <= (1 << 17) else None))
                 if page_size >= 64 and b * L >= (1 << 17):  # same cache, V sequence-major inside each page
                     vs = to_v_seq_major(vc)
                     fns_s = [mk(r, v_cache=vs) for r in range(n_rot)]
