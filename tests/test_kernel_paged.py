@@ -183,7 +183,7 @@ def test_fp8q_fp8kv_prefill_tiles(v_seq_major):
 @pytest.mark.parametrize("qlen,hq,hk,num_splits", [(1, 4, 2, 1), (1, 4, 2, 3), (8, 8, 2, 1)])
 def test_fp8q_small_tiles_fa3_v_run_16bit(qlen, hq, hk, num_splits):
     """FP8 Q in decode / small tiles (<= 64 query rows per kv head) over V in FA3's layout takes the 16-bit
-    path (exact fp16 upcasts, P in fp16: ``paged_precision``'s ``v_rows_small``); over sequence-major V it
+    path (exact fp16 upcasts, P in fp16: ``paged_precision``'s ``small``); over sequence-major V it
     keeps FP8 MMAs (P in e4m3). Each matches the reference with its own P rounding."""
     seqlens, d = [70, 5, 129], 32
     c = make_cache(seqlens, 16, hk, d)

@@ -323,6 +323,39 @@ def test_gpu_varlen_against_reference(d, causal, page_size, v_rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("qlens,varlen", [([128, 128], False), ([100, 100], False), ([130, 3], True)])
+def test_gpu_p_rounding_is_the_cpu_paths(qlens, varlen):
+    """FP8 Q over FA3's layout through the API: the CPU path rounds P as the kernel that runs each row does
+    (e4m3 on the TMA kernel: 128-query chunks, a varlen sequence of 128+; fp16 on the Triton kernel: 100
+    queries, a varlen sequence of 3), so the GPU output sits much closer to the CPU path's than to the
+    other rounding."""
+    from fp8attn import flash_attn_with_kvcache
+    from fp8attn.reference import paged_attention_ref
+
+    hq, hk, d = 4, 2, 64
+    c = make_cache([300, 140], 16, hk, d, device="cuda")
+    q = saturating_cast(torch.randn(sum(qlens), hq, d, device="cuda") * 2, E4M3)
+    q = q if varlen else q.view(2, qlens[0], hq, d)
+    dk = dict(q_descale=rand_descale(2, hk, "cuda"), k_descale=rand_descale(2, hk, "cuda"),
+              v_descale=rand_descale(2, hk, "cuda"))
+    vk = dict(cu_seqlens_q=cu_from_lens(qlens, "cuda"), max_seqlen_q=max(qlens)) if varlen else {}
+    args = (q, c["k_cache"], c["v_cache"])
+    kw = dict(cache_seqlens=c["cache_seqlens"], page_table=c["page_table"], causal=True, **dk, **vk)
+    gpu = flash_attn_with_kvcache(*args, **kw).float().cpu()
+    cpu_kw = {k: v.cpu() if torch.is_tensor(v) else v for k, v in kw.items()}
+    cpu = flash_attn_with_kvcache(*(t.cpu() for t in args), **cpu_kw).float()
+    tma_rows = torch.cat([torch.full((n,), n >= paged_tma.VARLEN_MIN_Q) for n in qlens])
+    tma_rows = tma_rows if varlen else tma_rows.view(2, qlens[0])
+    ref_kw = {k: v for k, v in cpu_kw.items() if k not in ("cache_seqlens", "page_table")}
+    rargs = (args[0].cpu(), c["k_cache"].cpu(), c["v_cache"].cpu(), cpu_kw["page_table"], cpu_kw["cache_seqlens"])
+    e4m3 = paged_attention_ref(*rargs, out_dtype=torch.float32, quantize_p=True, **ref_kw)
+    fp16 = paged_attention_ref(*rargs, out_dtype=torch.float32, p_dtype=torch.float16, **ref_kw)
+    other = torch.where(tma_rows[..., None, None], fp16, e4m3)  # the rounding the row does not get
+    near, far = (gpu - cpu).abs().max().item(), (gpu - other).abs().max().item()
+    assert near < 0.5 * far, (near, far)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_varlen_rows_equal_fixed_length_launch(causal):
     """A sequence's rows in a varlen batch are the bits of the fixed-length TMA launch of it alone (the
