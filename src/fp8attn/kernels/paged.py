@@ -612,8 +612,8 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if INTERPRET:  # the interpreter's bf16 dot multiplies raw uint16 storage
         cdt, cdt_s = (torch.float32 if c == torch.bfloat16 else c for c in (cdt, cdt_s))
     fp8_cache = k_cache.element_size() == 1
-    # benchmarks: the fp16 P@V after FP8 QK^T over sequence-major V too
-    p_fp8, p_fp8_s = (p and not cfg.get("pv_fp16") for p in (p_fp8, p_fp8_s))
+    if cfg.get("pv_fp16"):  # benchmarks: the fp16 P@V after FP8 QK^T over sequence-major V too
+        p_fp8 = p_fp8_s = False
     bm, bn, nw, ns, maxnreg = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major, fp8_cache,
                                            has_ks or has_vs)
     block_q = max(1, bm // qg)
