@@ -214,3 +214,37 @@ def test_mixed_batch_decode_class_matches_the_cpu_rule(monkeypatch, hq, hk, d, v
     assert kw["MMA_FP8_S"] is qk8_s is (v_seq_major or not decode_shaped(1, qg))
     if not qk8_s:  # the 16-bit small class: sequences of at most 16 // qg queries
         assert small_q == 16 // qg == decode_row_queries(qg)
+
+
+@pytest.mark.parametrize("pages", [8, 64])
+def test_paged_varlen_tma_rows_match_the_cpu_rule(monkeypatch, pages):
+    """A varlen FP8 call over FA3's layout runs its sequences of 128+ queries on the TMA kernel when the
+    launch plan does not split the keys, and all of it on the Triton kernel when the heuristic splits
+    (a small batch over a long page table: 64 pages). The launcher decides as the CPU path models it
+    (``ops._paged_tma_tokens``: those rows' P in e4m3, the others' in fp16)."""
+    import fp8attn.ops as O
+    from fp8attn.paged import paged_precisions
+
+    kern, tma_calls = _Launches(), []
+    monkeypatch.setattr(KP, "_paged_fwd_kernel", kern)
+    monkeypatch.setattr(KP, "launch_combine", lambda *a, **k: None)
+    monkeypatch.setattr(KP, "INTERPRET", False)  # the TMA dispatch is skipped under the interpreter
+    monkeypatch.setattr(KP.paged_tma, "unsupported_reason", lambda *a, **k: None if k["num_splits"] <= 1 else "split")
+    monkeypatch.setattr(KP.paged_tma, "launch_paged_prefill_tma", lambda *a, **k: tma_calls.append(k))
+    hq, hk, d, page = 8, 2, 128, 64
+    qlens = [1, 300]
+    cu = torch.tensor([0, 1, 301], dtype=torch.int32)
+    kc = torch.zeros(2 * pages, page, hk, d, dtype=E4M3)
+    q = torch.zeros(sum(qlens), hq, d, dtype=E4M3)
+    pt = torch.zeros(2, pages, dtype=torch.int32)
+    one = torch.ones(2, hk)
+    KP.launch_paged_fwd(q, kc, kc.clone(), pt, torch.full((2,), 400, dtype=torch.int32),
+                        torch.empty(sum(qlens), hq, d, dtype=torch.bfloat16), None, cu_seqlens_q=cu, max_seqlen_q=300,
+                        softmax_scale=0.1, causal=True, q_descale=one, k_descale=one, v_descale=one, num_splits=0)
+    split = kern.calls[0][2]["SPLIT"]
+    assert split is (pages == 64) and bool(tma_calls) is not split
+    precisions = paged_precisions(E4M3, E4M3, E4M3, False, False, 300, hq // hk, False)
+    rows = O._paged_tma_tokens(q, kc, kc, pt, cu, 300, torch.bfloat16, (-1, 0), 0.0, None, False, 0, False, precisions)
+    assert (rows is not None) is bool(tma_calls)
+    if rows is not None:
+        assert rows.tolist() == [False] + [True] * 300

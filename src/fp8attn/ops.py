@@ -54,6 +54,7 @@ from . import reference as ref
 from .capability import kernel_path_ok, launch_device
 from .launch_rules import TMA_QUERY_BLOCK, paged_tma_call_reason
 from .paged import is_v_seq_major, paged_precisions
+from .paged_plan import CPU_NUM_SMS, paged_grid
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 
 __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "quant_fp8_static", "scaled_bmm",
@@ -190,8 +191,9 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
     v_seq_major = is_v_seq_major(v_cache)
     token_scales = k_cache_scales is not None or v_cache_scales is not None
     # P as the Triton kernel rounds it (its decode rows' P@V runs in the same dtype as the call's)
-    (_, p_e4m3, cdt), _ = paged_precisions(q.dtype, k_cache.dtype, v_cache.dtype, k_cache_scales is not None,
-                                           v_cache_scales is not None, max_seqlen_q, qg, v_seq_major)
+    precisions = paged_precisions(q.dtype, k_cache.dtype, v_cache.dtype, k_cache_scales is not None,
+                                  v_cache_scales is not None, max_seqlen_q, qg, v_seq_major)
+    p_e4m3, cdt = precisions[0][1:]
 
     def reference(p_e4m3):
         return ref.paged_attention_ref(
@@ -202,8 +204,8 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
             p_dtype=None if p_e4m3 or k_cache.dtype == torch.float32 else cdt)  # fp32: a CPU/test cache format
     o, lse = reference(p_e4m3)
     if not p_e4m3:  # FP8 prefill chunks the paged TMA kernel would take round P to e4m3 (FA3's layout)
-        rows = _paged_tma_tokens(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, dt, window, softcap, out_scale,
-                                 token_scales, num_splits, v_seq_major)
+        rows = _paged_tma_tokens(q, k_cache, v_cache, page_table, cu_seqlens_q, max_seqlen_q, dt, window, softcap,
+                                 out_scale, token_scales, num_splits, v_seq_major, precisions)
         if rows is True:
             o, lse = reference(True)
         elif rows is not None and bool(rows.any()):
@@ -219,11 +221,13 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
     return o, _fresh(lse) if return_lse else _no_lse(q)
 
 
-def _paged_tma_tokens(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, out_dtype, window, softcap, out_scale,
-                      token_scales, num_splits, v_seq_major):
+def _paged_tma_tokens(q, k_cache, v_cache, page_table, cu_seqlens_q, max_seqlen_q, out_dtype, window, softcap,
+                      out_scale, token_scales, num_splits, v_seq_major, precisions):
     """The query tokens of a paged call that the paged TMA kernel multiplies on the GPU, by the call's
     semantics (``launch_rules.paged_tma_call_reason``): None (none), True (all: a fixed-length call), or a
-    (total_q,) bool mask (varlen: the sequences of ``TMA_QUERY_BLOCK`` queries or more)."""
+    (total_q,) bool mask (varlen: the sequences of ``TMA_QUERY_BLOCK`` queries or more, unless the launch
+    plan splits the keys, which keeps the whole batch on the Triton kernel; the plan of a GPU with
+    ``paged_plan.CPU_NUM_SMS`` SMs)."""
     varlen = cu_seqlens_q is not None
     if (max_seqlen_q if varlen else q.shape[1]) < TMA_QUERY_BLOCK:
         return None
@@ -233,12 +237,19 @@ def _paged_tma_tokens(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, out_dtype
         return None
     if not varlen:
         return True
-    total_q = q.shape[0]
-    tok = torch.arange(total_q, device=cu_seqlens_q.device)
+    total_q, hq, d = q.shape
     cu = cu_seqlens_q.long()
-    if cu.shape[0] < 2:  # no sequences
+    batch, hk = cu.shape[0] - 1, k_cache.shape[2]
+    if batch < 1:  # no sequences
         return None
-    seq = torch.searchsorted(cu[1:], tok, right=True).clamp(max=cu.shape[0] - 2)
+    splits = paged_grid(batch=batch, nheads_k=hk, qg=hq // hk, headdim=d, max_seqlen_q=max_seqlen_q, q_rows=total_q,
+                        varlen=True, page_size=k_cache.shape[1], capacity=page_table.shape[1] * k_cache.shape[1],
+                        mma_fp8=precisions[0][0], mma_fp8_s=precisions[1][0], v_seq_major=v_seq_major,
+                        fp8_cache=True, token_scales=token_scales, num_splits=num_splits, num_sms=CPU_NUM_SMS)[-1]
+    if splits > 1:
+        return None
+    tok = torch.arange(total_q, device=cu.device)
+    seq = torch.searchsorted(cu[1:], tok, right=True).clamp(max=batch - 1)
     return (tok < cu[-1]) & ((cu[1:] - cu[:-1])[seq] >= TMA_QUERY_BLOCK)
 
 

@@ -20,6 +20,8 @@ import os
 import triton
 import triton.language as tl
 
+from ..launch_rules import cdiv, next_pow2  # noqa: F401  (host helpers of every launcher)
+
 # Read once at import, as the @triton.jit decorators choose the interpreter then; launchers pass it on
 # (a per-call read could disagree with how their kernels were built).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -201,18 +203,6 @@ def output_epilogue(out, out_scale_inv, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.con
         return y.to(tl.float8e4nv)
     else:
         return out.to(OUT_DTYPE)
-
-
-def cdiv(a: int, b: int) -> int:
-    """Host-side ceil(a / b). Launchers use this, not ``triton.cdiv``: in triton 3.6 that is a constexpr
-    function whose call costs ~1.5 us of host time (CPU machine; ~3x that on the H200 host)."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """Host-side smallest power of two >= n (1 for n <= 1); see ``cdiv`` for why not
-    ``triton.next_power_of_2``."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 @triton.jit

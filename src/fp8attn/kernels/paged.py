@@ -51,10 +51,11 @@ import triton
 import triton.language as tl
 
 from ..launch_rules import window_flags
-from ..paged import decode_shaped, is_v_seq_major, paged_precisions, small_shaped
+from ..paged import is_v_seq_major, paged_precisions
+from ..paged_plan import CPU_NUM_SMS, choose_num_splits, paged_config, paged_grid  # noqa: F401  (re-exported)
 from . import dense_tma, paged_tma
 from .combine import launch_combine
-from .common import (INTERPRET, causal_window_mask, cdiv, fill_varlen_block_list, finalize_rows, find_seq,
+from .common import (INTERPRET, causal_window_mask, fill_varlen_block_list, finalize_rows, find_seq,
                      full_tile_range, kv_range, next_pow2, online_softmax_step, output_epilogue, scale_logits,
                      upcast_fp8_in_place)
 
@@ -395,114 +396,12 @@ def _paged_fwd_kernel(
 @functools.lru_cache(None)
 def _num_sms(device) -> int:
     if device.type != "cuda":
-        return 132
+        return CPU_NUM_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# Decode blocks resident per SM (64-key one-page tiles, 128 registers, 3 stages; the split target).
-DECODE_BLOCKS_PER_SM = 4
-
-
-def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int = 132,
-                      num_q_blocks: int = 1, min_tokens_per_split: int = 512, max_splits: int = 128) -> int:
-    """Split count fixed from shapes (never from live lengths), so it can be captured in a CUDA graph.
-
-    Below one program per SM, splits fill one wave of resident decode blocks:
-    ``splits = floor(DECODE_BLOCKS_PER_SM * num_sms / programs)``, with at least ``min_tokens_per_split``
-    context tokens per split (H200, 32/8 heads, FP8 cache page 64, sequence-major V: B1/L128k 66 splits
-    85 us vs 33 splits 92 us; B8/L32k 8 vs 5: 141 vs 159 us; B16/L32k 4 vs 3: 259 vs 267 us). From one
-    to three programs per SM it splits in two; from three per SM on it does not split (B64/L4096
-    unsplit 0.139 ms vs 0.146 in two splits). See docs/perf-notes.md, paged round 7.
-    """
-    programs = max(1, batch * nheads_k * num_q_blocks)
-    if programs >= 3 * num_sms:
-        return 1
-    want = 2 if programs >= num_sms else (DECODE_BLOCKS_PER_SM * num_sms) // programs
-    cap = max(1, max_context // min_tokens_per_split)
-    return int(max(1, min(want, cap, max_splits)))
 
 
 # Launch order: all kv heads of a query block as neighbouring programs (see the kernel).
 HEADS_INNER_DEFAULT = True  # H200: 0-1.5% faster decode (B64-B256), never slower beyond noise
-
-# (block_m, block_n, num_warps, num_stages) by regime; see docs/perf-notes.md (paged, version 3).
-_CONFIGS = {
-    "decode": (16, 128, 4, 3),  # H200 quick run: best of (16,64,4,4) (16,32,4,6) (16,128,4,3) at B64/L4096
-    "small": (64, 64, 4, 3),
-    "prefill": (128, 64, 8, 3),
-}
-
-
-def paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override: dict | None = None,
-                 page_size: int | None = None, v_seq_major: bool = False, fp8_cache: bool = True,
-                 token_scales: bool = False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg) for a launch; fixed from shapes (cached per shape class).
-
-    Outside decode, with ``page_size`` >= 64 smaller than the regime's BLOCK_N, BLOCK_N drops to the page
-    size so that every KV tile lies in one page (one page id per tile). ``maxnreg`` (None: the compiler's
-    choice) caps registers per thread where that buys a resident block per SM. An explicit ``override``
-    is kept as given.
-    """
-    return _paged_config(max_seqlen_q, qg, headdim, mma_fp8, tuple(sorted((override or {}).items())), page_size,
-                         v_seq_major, fp8_cache, token_scales)
-
-
-@functools.lru_cache(maxsize=1024)
-def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, override_items: tuple,
-                  page_size: int | None, v_seq_major: bool, fp8_cache: bool, token_scales: bool):
-    override = dict(override_items)
-    maxnreg = None
-    rows = max(1, max_seqlen_q) * qg
-    decode = decode_shaped(max_seqlen_q, qg)
-    if decode:
-        bm, bn, nw, ns = _CONFIGS["decode"]
-    elif small_shaped(max_seqlen_q, qg):
-        bm, bn, nw, ns = _CONFIGS["small"]
-    else:
-        bm, bn, nw, ns = _CONFIGS["prefill"]
-    bm = max(bm, next_pow2(qg))
-    if headdim > 128:
-        bn = min(bn, 32)
-        if not mma_fp8 and bm > 64:
-            bm, nw = 64, 4
-    # Uncapped decode keeps its 128-key tiles: on the H200 the row-gathered (16,128,4,3) tile beat the
-    # one-page (16,64,4,4) tile at page 64 (0.199 vs 0.218 ms, B64/L4096); prefill tiles are 64 keys
-    # already. The capped decode tiles below are one-page tiles.
-    if not decode and page_size is not None and 64 <= page_size < bn and bn % page_size == 0:
-        bn = page_size
-    # Sequence-major V in pages of 128+ keys: 128-key one-page prefill tiles (H200, 2k chunk over 8k,
-    # FP8 Q, page 128: 0.588 -> 0.495 ms). With 64-key pages a 128-key tile gathers V rows (1.12 ms).
-    if (not decode and rows > 64 and v_seq_major and page_size is not None and page_size % 128 == 0
-            and headdim <= 128):
-        bn = 128
-    # P@V in fp16 over an FP8 cache (16-bit Q, or FP8 Q over FA3's layout) in (128, 64) prefill tiles: 4 warps
-    # of 32 query rows beat 8 of 16 (H200, bf16 Q, 2k chunk over 8k: page 16 1.061 -> 0.959 ms, page 64
-    # 1.037 -> 0.937, sequence-major V page 64 0.984 -> 0.863, page 128 1.074 -> 0.896; FP8 Q over FA3's
-    # layout, 2000 queries over 8k: page 64 678 -> 589 us, page 16 700 -> 676). The (128, 128)
-    # sequence-major tile keeps 8 warps (4: 0.880 -> 1.912 ms).
-    if not decode and fp8_cache and not (mma_fp8 and v_seq_major) and not token_scales and (bm, bn) == (128, 64):
-        nw = 4
-    one_page_tiles = page_size is not None and page_size >= 64 and page_size % 64 == 0
-    # Decode over an FP8 cache is bandwidth bound: four resident blocks per SM (128 registers per thread,
-    # 3-stage rings of 64-key one-page tiles, <= 57 KB) stream faster than three. H200, B64/L4096 unsplit:
-    # sequence-major V 0.139 ms vs 0.178 (136 registers) and 0.195 (4 stages); FA3's layout 0.172 vs
-    # 0.189 (168 registers). A sequence-major V page is contiguous only inside the page, so it is read in
-    # one-page tiles anyway (a row-gathered 128-key tile spilled). Per-token-head scales spill under the
-    # cap (23-28 spilled loads in the sm90 compile) and keep the uncapped tiles (not timed capped).
-    if (decode and fp8_cache and not token_scales and one_page_tiles and headdim <= 128
-            and (v_seq_major or not mma_fp8)):
-        bn, ns, maxnreg = 64, 3, 128
-    elif decode and v_seq_major and one_page_tiles:
-        bn, ns = 64, 4
-    if override:
-        bm = override.get("block_m", bm)
-        bn = override.get("block_n", bn)
-        nw = override.get("num_warps", nw)
-        ns = override.get("num_stages", ns)
-        maxnreg = override.get("maxnreg", maxnreg)
-    if INTERPRET:
-        ns = 1
-    return bm, bn, nw, ns, maxnreg
 
 
 def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: int | None = None):
@@ -614,24 +513,16 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fp8_cache = k_cache.element_size() == 1
     if cfg.get("pv_fp16"):  # benchmarks: the fp16 P@V after FP8 QK^T over sequence-major V too
         p_fp8 = p_fp8_s = False
-    bm, bn, nw, ns, maxnreg = paged_config(max_seqlen_q, qg, d, mma_fp8, config, page_size, v_seq_major, fp8_cache,
-                                           has_ks or has_vs)
-    block_q = max(1, bm // qg)
     # Mixed batches: decode rows get their own small-tile programs (one per sequence) instead of
     # riding in the large prefill tiles (docs/perf-notes.md, paged mixed batches).
-    small_cfg = paged_config(1, qg, d, mma_fp8_s, None, page_size, v_seq_major, fp8_cache, has_ks or has_vs)
-    bm_s, bn_s = small_cfg[:2]
-    two_class = varlen and bm > bm_s and bool(cfg.get("two_class", True))
-    if varlen:
-        grid0 = total_q // block_q + batch + (batch if two_class else 0)
-    else:
-        grid0 = batch * cdiv(max(seqlen_q, 1), block_q)
-    if grid0 == 0 or batch == 0:
+    (bm, bn, nw, ns, maxnreg), small_cfg, block_q, two_class, grid0, num_splits = paged_grid(
+        batch=batch, nheads_k=hk, qg=qg, headdim=d, max_seqlen_q=max_seqlen_q, q_rows=total_q if varlen else seqlen_q,
+        varlen=varlen, page_size=page_size, capacity=page_table.shape[1] * page_size, mma_fp8=mma_fp8,
+        mma_fp8_s=mma_fp8_s, v_seq_major=v_seq_major, fp8_cache=fp8_cache, token_scales=has_ks or has_vs,
+        num_splits=num_splits, num_sms=_num_sms(q.device), config=config)
+    if grid0 == 0:
         return
-    if int(num_splits) <= 0:  # 0 = heuristic, fixed from shapes/capacities (CUDA-graph safe)
-        num_splits = choose_num_splits(batch, hk, page_table.shape[1] * k_cache.shape[1], _num_sms(q.device),
-                                       num_q_blocks=max(1, grid0 // max(batch, 1)))
-    num_splits = max(1, int(num_splits))
+    bm_s, bn_s = small_cfg[:2]
     split = num_splits > 1
     if split and (out_partial is None or lse_partial is None):
         out_partial, lse_partial = split_workspace(q, num_splits, dv, hq)
