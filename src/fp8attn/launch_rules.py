@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cdiv", "next_pow2", "window_flags", "tma_options_reason", "paged_tma_call_reason", "TMA_QUERY_BLOCK", "PAGED_TMA_HEAD_DIMS",
-           "PAGED_TMA_MIN_PAGE", "PAGED_TMA_SMALL_PAGES"]
+__all__ = ["cdiv", "next_pow2", "window_flags", "tma_options_reason", "paged_tma_call_reason",
+           "TMA_QUERY_BLOCK", "PAGED_TMA_HEAD_DIMS", "PAGED_TMA_MIN_PAGE", "PAGED_TMA_SMALL_PAGES"]
 
 # Query rows of one TMA query block: a fixed-length call runs on the paged TMA kernel with a multiple of
 # this many queries; a varlen call sends it its sequences of this many queries or more.

@@ -6,15 +6,12 @@ that would take each row does (``ops``).
 from __future__ import annotations
 
 import functools
-import os
 
-from .launch_rules import next_pow2
+from .launch_rules import cdiv, next_pow2
 from .paged import decode_shaped, small_shaped
 
 __all__ = ["choose_num_splits", "paged_config", "paged_grid", "DECODE_BLOCKS_PER_SM", "CPU_NUM_SMS"]
 
-# Read once at import, as kernels.common reads it for the kernels (the interpreter runs one stage).
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The SM count the plan assumes without a GPU (H100 SXM / H200).
 CPU_NUM_SMS = 132
 
@@ -23,7 +20,7 @@ CPU_NUM_SMS = 132
 DECODE_BLOCKS_PER_SM = 4
 
 
-def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int = 132,
+def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int = CPU_NUM_SMS,
                       num_q_blocks: int = 1, min_tokens_per_split: int = 512, max_splits: int = 128) -> int:
     """Split count fixed from shapes (never from live lengths), so it can be captured in a CUDA graph.
 
@@ -117,8 +114,6 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
         nw = override.get("num_warps", nw)
         ns = override.get("num_stages", ns)
         maxnreg = override.get("maxnreg", maxnreg)
-    if _INTERPRET:
-        ns = 1
     return bm, bn, nw, ns, maxnreg
 
 
@@ -149,7 +144,7 @@ def _paged_grid(batch, nheads_k, qg, headdim, max_seqlen_q, q_rows, varlen, page
     if varlen:
         grid0 = q_rows // block_q + batch + (batch if two_class else 0)
     else:
-        grid0 = batch * -(-max(q_rows, 1) // block_q)
+        grid0 = batch * cdiv(max(q_rows, 1), block_q)
     if batch == 0:
         grid0 = 0
     if num_splits <= 0 and grid0:  # 0 = heuristic, fixed from shapes/capacities (CUDA-graph safe)

@@ -611,7 +611,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             MMA_FP8_S=mma_fp8_s, CDT_S=_TL[cdt_s], P_FP8_S=p_fp8_s,
             UNMASKED_TILES=unmasked_tiles, DECODE_FIRST=bool(cfg.get("decode_first", True)),
             BLOCK_LIST=with_list, LIST_BM=dense_tma.BLOCK_M, LIST_ENTRY=dense_tma.ENTRY, num_warps=nw_l,
-            num_stages=ns_l, maxnreg=maxnreg_l,
+            num_stages=1 if INTERPRET else ns_l, maxnreg=maxnreg_l,  # the interpreter runs one stage
         )
     if split:
         if varlen:
