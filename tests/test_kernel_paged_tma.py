@@ -351,8 +351,13 @@ def test_gpu_p_rounding_is_the_cpu_paths(qlens, varlen):
     e4m3 = paged_attention_ref(*rargs, out_dtype=torch.float32, quantize_p=True, **ref_kw)
     fp16 = paged_attention_ref(*rargs, out_dtype=torch.float32, p_dtype=torch.float16, **ref_kw)
     other = torch.where(tma_rows[..., None, None], fp16, e4m3)  # the rounding the row does not get
-    near, far = (gpu - cpu).abs().max().item(), (gpu - other).abs().max().item()
-    assert near < 0.5 * far, (near, far)
+    # relative L2 per group of rows: a max-abs gap is one P element whose e4m3 rounding flips between the
+    # GPU's exp2 and the CPU's, or one bf16 output ulp, either as large as the gap between the roundings
+    for kind, rows in (("e4m3", tma_rows), ("fp16", ~tma_rows)):
+        if rows.any():
+            g, cp, ot = gpu[rows], cpu[rows], other[rows]
+            near, far = ((g - cp).norm() / cp.norm()).item(), ((g - ot).norm() / cp.norm()).item()
+            assert near < 0.5 * far, (kind, near, far)
 
 
 @pytest.mark.gpu
