@@ -64,7 +64,7 @@ def box_rows(page_size, v_rows):
     """Keys per TMA box of K (and of V with FA3's layout): the tile, or the largest power of two up to
     128 that divides the page (16, 32 or 64 keys: one page or part of one). A box of fewer than 64 keys
     is a whole page (pages of 16 or 32, ``unsupported_reason``): the kernel's producer relies on it
-    (``dense_tma._box_rows``)."""
+    (``tma_ws._box_rows``)."""
     return math.gcd(page_size, block_n(page_size, v_rows))
 
 
@@ -170,7 +170,7 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
         float8_e4m3fn (num_blocks, page_size, nheads_k, d), contiguous.
     v_cache : torch.Tensor
         float8_e4m3fn (num_blocks, page_size, nheads_k, d), contiguous (FA3's layout: its tiles are
-        transposed in shared memory, ``dense_tma._ws_transpose_v``) or in memory order (num_blocks,
+        transposed in shared memory, ``tma_ws._ws_transpose_v``) or in memory order (num_blocks,
         nheads_k, d, page_size) (sequence-major: no transpose).
     page_table : torch.Tensor
         int32 (batch, max_pages); entries past a sequence's pages are never read.

@@ -1,0 +1,366 @@
+"""The warp-specialized ping-pong kernels (FA3's schedule) and their producers.
+
+``_dense_fwd_tma_ws_kernel``: a 1-warp TMA producer (``_ws_loader``) fills a double-buffered Q and a K/V
+ring guarded by ready/empty mbarriers for two consumers (``tma_ws_consumer``), persistent over the query
+blocks (``tma_parts``' schedule). ``_bounded_fwd_tma_ws_kernel``: the same partitions with per-sequence
+bounds (``MODE``: a paged cache, varlen queries and keys, varlen queries over a paged cache), and with V
+read in K's layout and transposed in shared memory by a 4-warp producer (``V_ROWS``). ``dense_tma`` and
+``paged_tma`` launch them.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from .tma_signature import _PTR_ARGS, _INT_ARGS, _BOUNDED_PTR_ARGS, _BOUNDED_INT_ARGS
+from .tma_parts import _ws_block, _ws_num_blocks, _ws_round_robin
+from .tma_ws_consumer import _ws_consumer
+
+
+# -----------------------------------------------------------------------------------------
+# Warp-specialized ping-pong, persistent (``_dense_fwd_tma_ws_kernel``), every head dim
+# -----------------------------------------------------------------------------------------
+_WS_CONSUMER_REGS = gl.constexpr(240)  # 2 x 128 threads x 240 + 32 x 24 <= 64K registers per SM
+_WS_LOADER_REGS = gl.constexpr(24)
+
+@gluon.jit
+def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+               v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM: gl.constexpr,
+               CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, BlockList,
+               stride_pt, page_size, MODE: gl.constexpr, v_raw=None, v_raw_ready=None,
+               V_ROWS: gl.constexpr = False):
+    """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
+    through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
+    while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
+    arrived on its empty barrier. Boxes narrower than the head dim (256: Q/K halves, V quarters)
+    land in consecutive buffers under one barrier. Paged (MODE 1): a tile's keys lie in one page
+    (page_size is a multiple of the tile), found through ``PageTable`` (read before the wait for the
+    stage, so the load's latency hides under it); K as (num_blocks * page_size, nheads_k * D) rows, V
+    sequence-major as (num_blocks * nheads_k * D, page_size). Varlen K/V (MODE 2): K as (total_k,
+    nheads_k * D) rows, V sequence-contiguous as (nheads_k * D, columns) with each sequence from a
+    16-byte aligned column (``dense.varlen_v_kmajor``). Varlen Q (MODE 2): rows
+    of the (total_q, nheads_q * D) view.
+
+    V_ROWS (4 warps): V in K's layout (rows of keys, FA3's cache layout), loaded by TMA at K's
+    coordinates into ``v_raw`` and transposed into ``v_smem`` by this partition one tile behind the
+    loads (``_ws_transpose_v``), so that tile g's K and V are in flight while tile g - 1 is
+    transposed; its tiles are 128 keys for every page size, in boxes of up to one page (16, 32 or
+    64 keys: ``_tile_keys``)."""
+    MH: gl.constexpr = q_desc.block_type.shape[0]
+    KB: gl.constexpr = k_desc.block_type.shape[0]
+    TN: gl.constexpr = _tile_keys(KB, V_ROWS)
+    NQK: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[1]
+    NV: gl.constexpr = 1 if V_ROWS else HEAD_DIM // v_desc.block_type.shape[0]
+    DQK: gl.constexpr = q_desc.block_type.shape[1]
+    DV: gl.constexpr = v_desc.block_type.shape[0]
+    g = 0
+    it = 0
+    lim = 0  # V_ROWS: keys holding data in the tile loaded last (>= TN: all)
+    n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, BlockList, MODE)
+    for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
+        t = _ws_round_robin(r)
+        if t < n_blocks:
+            b, h, hk, m0, shift, n_tiles, sk, q_row, k_row0, len_q = _ws_block(
+                t, n_blocks, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK,
+                BlockList, MODE)
+            qb = it % 2
+            qph = ((it // 2) & 1) ^ 1  # the first two blocks' waits pass on fresh barriers
+            for w in gl.static_range(2):
+                mbarrier.wait(q_empty.index(2 * qb + w), qph)
+                mbarrier.expect(q_ready.index(2 * qb + w), NQK * q_desc.block_type.nbytes)
+                for hh in gl.static_range(NQK):
+                    tma.async_copy_global_to_shared(q_desc, [q_row + m0 + w * MH, h * HEAD_DIM + hh * DQK],
+                                                    q_ready.index(2 * qb + w),
+                                                    q_smem.index(NQK * (2 * qb + w) + hh))
+            if KB < TN:  # the first tile's box rows (the next tiles' are loaded one tile ahead)
+                rows = _box_rows(PageTable, b, stride_pt, 0, sk, page_size, TN, KB)
+            for tt in range(n_tiles):
+                if KB == TN:  # one box per tile: its K row and sequence-major V's coordinates
+                    if MODE % 2 == 1:
+                        n = tt * TN
+                        pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size), 0)
+                        k_row = pg * page_size + n % page_size
+                        v_row = (pg * nheads_k + hk) * HEAD_DIM
+                        v_col = n % page_size
+                    elif MODE == 2:
+                        k_row = k_row0 + tt * TN
+                        v_row = hk * HEAD_DIM
+                        v_col = _varlen_v_start(k_row0, b) + tt * TN
+                    else:
+                        k_row = k_row0 + tt * TN
+                        v_row = (b * nheads_k + hk) * HEAD_DIM
+                        v_col = tt * TN
+                st = g % NUM_STAGES
+                eph = ((g // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
+                mbarrier.wait(k_empty.index(st), eph)
+                if KB < TN:
+                    # boxes smaller than the tile (V_ROWS, pages that 128 keys would straddle): one K and
+                    # one V box per KB keys, each within a page (``_box_rows``); raw slot st was last
+                    # read by tile g - NUM_STAGES's transpose, done below
+                    mbarrier.expect(k_ready.index(st), (TN // KB) * k_desc.block_type.nbytes)
+                    mbarrier.expect(v_raw_ready.index(st), (TN // KB) * v_desc.block_type.nbytes)
+                    box = gl.arange(0, TN // KB, layout=rows.type.layout)
+                    for i in gl.static_range(TN // KB):
+                        row = gl.sum(gl.where(box == i, rows, 0), axis=0)  # in-thread: rows is replicated
+                        tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], k_ready.index(st),
+                                                        k_smem.index(st).slice(i * KB, KB))
+                        tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM], v_raw_ready.index(st),
+                                                        v_raw.index(st).slice(i * KB, KB))
+                    # the next tile's rows: the page-table loads are in flight during the transpose below
+                    rows = _box_rows(PageTable, b, stride_pt, tt + 1, sk, page_size, TN, KB)
+                else:
+                    mbarrier.expect(k_ready.index(st), NQK * k_desc.block_type.nbytes)
+                    for hh in gl.static_range(NQK):
+                        tma.async_copy_global_to_shared(k_desc, [k_row, hk * HEAD_DIM + hh * DQK],
+                                                        k_ready.index(st), k_smem.index(NQK * st + hh))
+                    if V_ROWS:
+                        # raw slot st was last read by tile g - NUM_STAGES's transpose, done below
+                        mbarrier.expect(v_raw_ready.index(st), v_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(v_desc, [k_row, hk * HEAD_DIM], v_raw_ready.index(st),
+                                                        v_raw.index(st))
+                if V_ROWS:
+                    if g > 0:
+                        _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g - 1, lim, NUM_STAGES)
+                    lim = sk - tt * TN
+                else:
+                    mbarrier.wait(v_empty.index(st), eph)
+                    mbarrier.expect(v_ready.index(st), NV * v_desc.block_type.nbytes)
+                    for qq in gl.static_range(NV):
+                        tma.async_copy_global_to_shared(v_desc, [v_row + qq * DV, v_col], v_ready.index(st),
+                                                        v_smem.index(NV * st + qq))
+                g += 1
+            it += 1
+    if V_ROWS:
+        if g > 0:
+            _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g - 1, lim, NUM_STAGES)
+
+@gluon.constexpr_function
+def _transpose_layout(D, num_warps):
+    """``_ws_transpose_v``'s register layout of a (keys, D) chunk: 4 keys x 8 head-dim bytes per thread
+    (8-byte loads, byte permutes, 4-byte stores), 8 x 4 threads per warp, warps along the head dim
+    first. H200, 2k chunk over 8k, page 128: 15% over sequence-major V with it, 20-23% with 4 x 4
+    bytes per thread (ldmatrix loads) or 8 x 4 (8-byte stores) (docs/perf-notes.md)."""
+    wd = min(num_warps, D // 32)
+    return gl.BlockedLayout([4, 8], [8, 4], [num_warps // wd, wd], [1, 0])
+
+@gluon.constexpr_function
+def _transpose_chunk(layout):
+    """Keys per chunk of ``_ws_transpose_v``: one layout tile, at least 32."""
+    return max(32, layout.size_per_thread[0] * layout.threads_per_warp[0] * layout.warps_per_cta[0])
+
+@gluon.jit
+def _box_rows(PageTable, b, stride_pt, tt, seqlen_k, page_size, TN: gl.constexpr, KB: gl.constexpr):
+    """Rows of the K/V view where the KB-key boxes of sequence b's tile ``tt`` start, as a (TN // KB,)
+    tensor that every thread holds whole. Boxes past the sequence's end (the page table may end before
+    them) read page 0, never used."""
+    layout: gl.constexpr = gl.BlockedLayout([TN // KB], [32], [gl.num_warps()], [0])
+    n = tt * TN + gl.arange(0, TN // KB, layout=layout) * KB
+    if KB < 64:
+        # pages of 16 or 32 keys are their box (``paged_tma.box_rows``): constant shifts instead of
+        # divisions by the run-time page size, whose reciprocals took registers the producer lacks
+        pg = gl.load(PageTable + b.to(gl.int64) * stride_pt + n // KB, mask=n < seqlen_k, other=0)
+        return gl.maximum(pg, 0) * KB
+    else:
+        pg = gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size, mask=n < seqlen_k, other=0)
+        return gl.maximum(pg, 0) * page_size + n % page_size
+
+@gluon.jit
+def _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g, lim, NUM_STAGES: gl.constexpr):
+    """V_ROWS producer: ring tile g's V from key rows (``v_raw``, (TN, D) as K) into the sequence-major
+    (D, TN) buffer that P V reads (Hopper's FP8 wgmma takes V only K-major), in chunks of 32 or more
+    keys (``_transpose_layout``). Keys from ``lim`` on hold no data (NaN in a poisoned cache) and are
+    written as 0: P is 0 there, but 0 * NaN is NaN."""
+    TN: gl.constexpr = v_raw.shape[1]
+    layout: gl.constexpr = _transpose_layout(v_raw.shape[2], gl.num_warps())
+    KC: gl.constexpr = _transpose_chunk(layout)
+    s = g % NUM_STAGES
+    ph = (g // NUM_STAGES) & 1
+    src = v_raw.index(s)
+    dst = v_smem.index(s)
+    mbarrier.wait(v_raw_ready.index(s), ph)
+    mbarrier.wait(v_empty.index(s), ph ^ 1)  # the first NUM_STAGES waits pass on fresh barriers
+    if lim >= TN:
+        for c in gl.static_range(TN // KC):
+            x = src.slice(c * KC, KC, dim=0).load(layout)
+            dst.slice(c * KC, KC, dim=1).store(gl.permute(x, (1, 0)))
+    else:
+        for c in gl.static_range(TN // KC):
+            x = src.slice(c * KC, KC, dim=0).load(layout)
+            keys = c * KC + gl.arange(0, KC, layout=gl.SliceLayout(1, layout))
+            x = gl.where(gl.expand_dims(keys < lim, 1), x, gl.zeros_like(x))
+            dst.slice(c * KC, KC, dim=1).store(gl.permute(x, (1, 0)))
+    fence_async_shared()  # for P V's wgmma (async proxy) and the next TMA into v_raw
+    gl.thread_barrier()  # every warp's stores (and reads of v_raw) are done
+    mbarrier.arrive(v_ready.index(s))
+
+@gluon.jit
+def _varlen_v_start(k_start, b):
+    """Column of sequence b's first key in ``dense.varlen_v_kmajor``'s V: 16-byte aligned, as the inner
+    coordinate of a swizzled TMA box must be (an unaligned one stops the kernel with an illegal
+    instruction on the H200). ``16 * (k_start // 16 + b)`` grows by more than each sequence's length."""
+    return 16 * (k_start // 16 + b)
+
+@gluon.constexpr_function
+def _v_rows_loader_regs(box_rows):
+    """Registers of the V_ROWS kernel's 4-warp producer (see ``_bounded_fwd_tma_ws_kernel``)."""
+    return 24 if box_rows >= 64 else 32
+
+@gluon.constexpr_function
+def _tile_keys(box_rows, v_rows):
+    """Keys per KV tile for K boxes of ``box_rows`` rows: 128 with V in K's layout (V_ROWS: boxes of
+    16, 32, 64 or 128 keys, as many per tile as fit), else the box (a V box, sequence-major, is the
+    tile: 64 keys for 64-slot pages)."""
+    return 128 if v_rows else box_rows
+
+@gluon.jit
+def _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
+             N_TURN: gl.constexpr, V_ROWS: gl.constexpr = False):
+    """The warp-specialized kernels' shared memory, mbarriers initialized: ``(q_smem, k_smem, v_smem,
+    o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, v_raw_ready)``. ``turn``
+    holds N_TURN single-arrival barriers: the consumers' two turns (the paged kernel, N_TURN = 3, adds
+    its V tail barrier). V_ROWS (``v_desc`` a box of key rows, as K's): ``v_raw`` is a ring of such
+    boxes with TMA barriers ``v_raw_ready``, ``v_smem`` their transposes (else both alias V's)."""
+    MH: gl.constexpr = q_desc.block_type.shape[0]
+    DQK: gl.constexpr = q_desc.block_type.shape[1]
+    TN: gl.constexpr = _tile_keys(k_desc.block_type.shape[0], V_ROWS)
+    DV: gl.constexpr = HEAD_DIM if V_ROWS else v_desc.block_type.shape[0]
+    NQK: gl.constexpr = HEAD_DIM // DQK  # Q/K boxes per head (256: two 128-wide halves)
+    NV: gl.constexpr = HEAD_DIM // DV  # V/O boxes per head (256: four 64-wide quarters)
+    gl.static_assert(MH == 64)
+    gl.static_assert(o_desc.block_type.shape[1] == DV)
+    if HEAD_DIM == 256:
+        gl.static_assert((NQK == 2) and (NV == 4) and (TN == 64))
+    else:
+        gl.static_assert((NQK == 1) and (NV == 1) and (HEAD_DIM == 64 or HEAD_DIM == 128))
+        # one 128-row block = one KV tile: the diagonal tile is the last (the paged kernel masks by
+        # bounds and also runs 64-key tiles, for 64-slot pages)
+        gl.static_assert(TN == 2 * MH or (N_TURN == 3 and TN == MH))
+
+    # Q: (Q buffer, consumer, box); K: (stage, box); V: (stage, box); O: (consumer, box)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [4 * NQK, MH, DQK], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES * NQK, TN, DQK], k_desc.layout)
+    if V_ROWS:
+        gl.static_assert(NV == 1)
+        v_raw = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, TN, DV], v_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, DV, TN],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=TN, element_bitwidth=8,
+                                                                rank=2))
+    else:
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES * NV, DV, TN], v_desc.layout)
+        v_raw = v_smem
+    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2 * NV, MH, DV], o_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [N_TURN, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    if V_ROWS:
+        v_raw_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(v_raw_ready.index(i), count=1)
+    else:
+        v_raw_ready = v_ready
+    for w in gl.static_range(4):  # (Q buffer, consumer)
+        mbarrier.init(q_ready.index(w), count=1)
+        mbarrier.init(q_empty.index(w), count=1)
+    for w in gl.static_range(N_TURN):
+        mbarrier.init(turn.index(w), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    gl.thread_barrier()
+    return q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
+        v_raw_ready
+
+@gluon.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_PTR_ARGS)
+def _dense_fwd_tma_ws_kernel(
+    q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
+    stride_lb, stride_lh, stride_lm,
+    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+    seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
+    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+):
+    """Head dims 64, 128 and 256 (``_WS_HEAD_DIMS``), warp-specialized as in FA3, and persistent: a
+    grid of one CTA per SM walks the query blocks in rounds (``_ws_round_robin``, ``_ws_block_of``); a
+    grid of one CTA per block (long causal inputs) runs one each. A 1-warp TMA producer fills a
+    double-buffered Q and a K/V ring shared by all of the CTA's blocks (ready / empty mbarriers, no
+    CTA-wide barrier in the loop); two 4-warp consumers own 64 query rows each and take turns issuing
+    their MMAs (S_j and P_{j-1} V_{j-1} together; at head dim 256 S_j and P V's first quarter), so one
+    consumer's softmax runs while the other's MMAs use the tensor cores, and a block's epilogue
+    overlaps the next block's first loads. Consumers run at 240 registers, the producer at 24. Same
+    softmax step, accumulation and epilogues as the other kernels (the same bits)."""
+    q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, _, _ = _ws_smem(
+        q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 2)
+
+    # (the argument tuples are written out: a tuple held in a variable loses the constexpr flags)
+    gl.warp_specialize([
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                        v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                        seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                        OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                        v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                        seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                        OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0)),
+        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                      k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
+                      NUM_STAGES, Lse, Lse, Lse, 0, 1, 0)),
+    ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
+
+@gluon.jit(do_not_specialize=_BOUNDED_INT_ARGS, do_not_specialize_on_alignment=_BOUNDED_PTR_ARGS)
+def _bounded_fwd_tma_ws_kernel(
+    q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale, PageTable, SeqlensK, BlockList, Out,
+    stride_lb, stride_lh, stride_lm,
+    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+    stride_pt, page_size, stride_om, stride_oh, seqlen_q, nheads_q, nheads_k, batch, softmax_scale_log2,
+    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+    HEAD_DIM: gl.constexpr, MODE: gl.constexpr, V_ROWS: gl.constexpr,
+):
+    """``_dense_fwd_tma_ws_kernel`` with per-sequence bounds, MODE (``MODE_*``): a paged FP8 KV cache
+    (chunked prefill; key counts from ``SeqlensK``, a tile's page from ``PageTable``, read by the
+    producer), varlen queries (the blocks of ``BlockList``, each with its sequence's bounds; ``seqlen_q``
+    is then the total, a sequence's last rows stored through ``Out`` with a mask) over varlen K/V or over
+    a paged cache. Sequences of any length (queries are
+    the last keys): the tiles that cross the diagonal or a sequence's end run masked, and the slots
+    of the last V tile past the end are zeroed in shared memory before P V reads them
+    (``_ws_clean_v_tail``). Head dims 64 and 128. V sequence-major within each page (pages a multiple of
+    the tile, 64 or 128 keys), or (V_ROWS) in K's layout, FA3's, in pages of 16, 32 or a multiple of 64
+    keys (``_tile_keys``), transposed in shared memory by a 4-warp producer (``_ws_transpose_v``; at
+    32 registers for boxes under 64 keys, else 24)."""
+    gl.static_assert(HEAD_DIM != 256)
+    q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
+        v_raw_ready = _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 3, V_ROWS)
+    v_clean = turn.index(2)
+    LOADER_WARPS: gl.constexpr = 4 if V_ROWS else 1
+    # A 12-warp CTA's register pool is 168 x 384 = 64512: a 24-register producer leaves both consumers
+    # their 240. Boxes under 64 keys (pages of 16, 32) keep 32: their producer holds more page-table
+    # rows and spilled 49-114 times at 24 (H200: 5-6% slower there; pages of 64+ 1-5% faster).
+    LOADER_REGS: gl.constexpr = _v_rows_loader_regs(k_desc.block_type.shape[0]) if V_ROWS else _WS_LOADER_REGS
+
+    gl.warp_specialize([
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                        v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                        seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                        OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
+                        v_clean, MODE, V_ROWS)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                        v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                        seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                        OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
+                        v_clean, MODE, V_ROWS)),
+        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                      k_empty, v_empty, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
+                      NUM_STAGES, PageTable, SeqlensK, BlockList, stride_pt, page_size, MODE, v_raw, v_raw_ready,
+                      V_ROWS)),
+    ], [4, LOADER_WARPS], [_WS_CONSUMER_REGS, LOADER_REGS])
