@@ -474,6 +474,35 @@ def test_split_workspace_and_heuristic():
     assert choose_num_splits(16, 8, 32768, 132) == 4
 
 
+def test_prefill_split_rule():
+    """Fixed-length launches of the 4-warp (128, 64) prefill tile at head dim 128 whose grid the decode
+    heuristic would split in two take 1-4 splits by rounds of two programs per SM (the H200 picks of
+    ``explore/prefill_splits.json``); varlen calls, other tiles and the other grid sizes keep the decode
+    heuristic."""
+    from fp8attn.paged_plan import choose_prefill_splits, paged_grid
+
+    picks = {152: 3, 160: 3, 176: 3, 232: 1, 256: 1, 280: 4, 304: 4, 352: 3, 376: 2}
+    assert {p: choose_prefill_splits(p, 132, 8192) for p in picks} == picks
+    # at least 512 keys per split: with two at most, two rounds of half the keys take as long as one round
+    assert choose_prefill_splits(160, 132, 1024) == 1 and choose_prefill_splits(280, 132, 1024) == 2
+
+    def grid(qlen, batch=1, varlen=False, mma_fp8=False, v_seq_major=False, headdim=128, num_splits=0):
+        return paged_grid(batch=batch, nheads_k=8, qg=4, headdim=headdim, max_seqlen_q=qlen,
+                          q_rows=qlen * (batch if varlen else 1), varlen=varlen, page_size=64, capacity=8192,
+                          mma_fp8=mma_fp8, mma_fp8_s=False, v_seq_major=v_seq_major, fp8_cache=True,
+                          token_scales=False, num_splits=num_splits, num_sms=132)
+
+    assert grid(600)[0][:3] == (128, 64, 4) and grid(600)[5] == 3  # 152 programs unsplit
+    assert grid(300, batch=2)[5] == 3 and grid(1000)[5] == 1 and grid(1100)[5] == 4
+    assert grid(2048)[5] == 1  # 512 programs: unsplit, as before
+    assert grid(600, num_splits=2)[5] == 2  # an explicit count is kept
+    assert grid(300, batch=2, varlen=True)[5] == choose_num_splits(2, 8, 8192, 132, num_q_blocks=grid(
+        300, batch=2, varlen=True)[4] // 2)  # varlen: the decode heuristic
+    seq_major_fp8 = grid(600, mma_fp8=True, v_seq_major=True)  # FP8 P@V tiles: 8 warps, the decode heuristic
+    assert seq_major_fp8[0][2] == 8 and seq_major_fp8[5] == 2
+    assert grid(600, headdim=64)[5] == 2
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 

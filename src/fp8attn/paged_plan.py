@@ -10,7 +10,8 @@ import functools
 from .launch_rules import cdiv, next_pow2
 from .paged import decode_shaped, small_shaped
 
-__all__ = ["choose_num_splits", "paged_config", "paged_grid", "DECODE_BLOCKS_PER_SM", "CPU_NUM_SMS"]
+__all__ = ["choose_num_splits", "choose_prefill_splits", "paged_config", "paged_grid", "DECODE_BLOCKS_PER_SM",
+           "PREFILL_BLOCKS_PER_SM", "CPU_NUM_SMS"]
 
 # The SM count the plan assumes without a GPU (H100 SXM / H200).
 CPU_NUM_SMS = 132
@@ -37,6 +38,32 @@ def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int 
     want = 2 if programs >= num_sms else (DECODE_BLOCKS_PER_SM * num_sms) // programs
     cap = max(1, max_context // min_tokens_per_split)
     return int(max(1, min(want, cap, max_splits)))
+
+
+# Programs of the 4-warp (128, 64) prefill tile at head dim 128 resident per SM (H200: 304 to 464 programs of
+# the same work take the same time, two rounds of 264).
+PREFILL_BLOCKS_PER_SM = 2
+# The measured cost of one more split of a prefill launch, as a fraction of the unsplit launch's time (H200,
+# 2k-context chunks over 8k keys: +4-5 us per split on ~255 us: the partials' writes, the combine).
+_SPLIT_COST = 0.015
+_PREFILL_MAX_SPLITS = 4
+
+
+def choose_prefill_splits(programs: int, num_sms: int = CPU_NUM_SMS, max_context: int = 2 ** 31,
+                          min_tokens_per_split: int = 512) -> int:
+    """Split count of a fixed-length launch of 4-warp (128, 64) prefill tiles at head dim 128 whose unsplit
+    grid (``programs``) fills one to three rounds of decode blocks (``choose_num_splits`` splits those in two).
+
+    A round holds ``PREFILL_BLOCKS_PER_SM * num_sms`` programs and each split divides a program's keys, so
+    ``s`` splits take ``ceil(programs * s / round) / s`` of the unsplit round's time, plus ``_SPLIT_COST`` per
+    split beyond the first; the cheapest of 1 to 4 splits wins (ties: fewer). H200, 32 q / 8 kv heads, page
+    64, chunks over 8k keys (``explore/prefill_splits.json``): 152-176 programs take 3 splits, 186-189 us
+    against 261 in two; 232 programs one split (255 vs 263 us); 280 four (317 vs 340 us); 376 two.
+    """
+    rnd = PREFILL_BLOCKS_PER_SM * num_sms
+    cap = max(1, min(_PREFILL_MAX_SPLITS, max_context // min_tokens_per_split))
+    cost = {s: cdiv(programs * s, rnd) / s + _SPLIT_COST * (s - 1) for s in range(1, cap + 1)}
+    return min(cost, key=lambda s: (cost[s], s))
 
 
 # (block_m, block_n, num_warps, num_stages) by regime; see docs/perf-notes.md (paged, version 3).
@@ -148,5 +175,11 @@ def _paged_grid(batch, nheads_k, qg, headdim, max_seqlen_q, q_rows, varlen, page
     if batch == 0:
         grid0 = 0
     if num_splits <= 0 and grid0:  # 0 = heuristic, fixed from shapes/capacities (CUDA-graph safe)
-        num_splits = choose_num_splits(batch, nheads_k, capacity, num_sms, num_q_blocks=max(1, grid0 // max(batch, 1)))
+        programs = grid0 * nheads_k
+        if (not varlen and tiles[:3] == (128, 64, 4) and headdim == 128
+                and choose_num_splits(programs, 1, capacity, num_sms) == 2):
+            num_splits = choose_prefill_splits(programs, num_sms, capacity)
+        else:
+            num_splits = choose_num_splits(batch, nheads_k, capacity, num_sms,
+                                           num_q_blocks=max(1, grid0 // max(batch, 1)))
     return tiles, small_tiles, block_q, two_class, grid0, max(1, num_splits)
