@@ -6,7 +6,7 @@ last of the keys, causal), pages 64 and 16, 32 q / 8 kv heads, d128, per-(sequen
 kernel forced (``config={"tma": False}``), heuristic splits. Reports CUDA-graph replays (best of two medians, us),
 the programs of the launch and whether the two outputs are bit-identical. Environment ``PAGES``: page sizes
 (default 64,16); ``SPLITS``: split counts to time (default 0, the heuristic; ``same_bits`` compares
-the last count's two outputs).
+the last count's two outputs); ``VLAYOUT=seq``: V sequence-major instead of FA3's layout.
 Usage (repo root, GPU machine): ``PYTHONPATH=src python benchmarks/explore_prefill_warps_h200.py [BxLxQ,...]``.
 """
 import json
@@ -39,7 +39,10 @@ def main():
             npg = -(-ctx // page)
             pool = batch * npg + 16
             kc = torch.randn(pool, page, HK, D, device="cuda").to(E4M3)
-            vc = torch.randn(pool, page, HK, D, device="cuda").to(E4M3)
+            if os.environ.get("VLAYOUT") == "seq":  # sequence-major V: memory order (block, head, dim, slot)
+                vc = torch.randn(pool, HK, D, page, device="cuda").to(E4M3).permute(0, 3, 1, 2)
+            else:
+                vc = torch.randn(pool, page, HK, D, device="cuda").to(E4M3)
             pt = torch.randperm(pool, device="cuda")[:batch * npg].int().view(batch, npg)
             sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
             qf = torch.randn(batch, qlen, HQ, D, device="cuda") * 2
@@ -61,7 +64,8 @@ def main():
                     row[f"w{nw}_us" if ns == 0 else f"s{ns}_w{nw}_us"] = round(us, 2)
                 tiles, _, block_q, _, grid0, splits = paged_grid(
                     batch=batch, nheads_k=HK, qg=HQ // HK, headdim=D, max_seqlen_q=qlen, q_rows=qlen, varlen=False,
-                    page_size=page, capacity=npg * page, mma_fp8=False, mma_fp8_s=False, v_seq_major=False,
+                    page_size=page, capacity=npg * page, mma_fp8=False, mma_fp8_s=False,
+                    v_seq_major=os.environ.get("VLAYOUT") == "seq",
                     fp8_cache=True, token_scales=False, num_splits=0, num_sms=sms)
                 row.update(programs=grid0 * HK * splits, splits=splits, tiles=list(tiles[:4]),
                            same_bits=bool(torch.equal(outs[4].view(torch.int16), outs[8].view(torch.int16))),
