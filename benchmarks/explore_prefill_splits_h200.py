@@ -1,12 +1,12 @@
 """Split counts and warps per (128, 64) prefill tile of the paged Triton kernel (4 against 8) over a grid of chunk
-shapes on one H200 (the source of ``results/h200/explore/prefill_splits.json``). The tile runs P@V in fp16 over an e4m3 cache
-(bf16 Q, or e4m3 Q over FA3's layout) and takes 4 warps; a B2 x 300-query case ran faster at 8. Question: does
-the grid's fill (programs per SM) decide which count wins? Cases (batch x cached keys x queries, the queries the
-last of the keys, causal), pages 64 and 16, 32 q / 8 kv heads, d128, per-(sequence, head) descales, the Triton
-kernel forced (``config={"tma": False}``), heuristic splits. Reports CUDA-graph replays (best of two medians, us),
-the programs of the launch and whether the two outputs are bit-identical. Environment ``PAGES``: page sizes
-(default 64,16); ``SPLITS``: split counts to time (default 0, the heuristic; ``same_bits`` compares
-the last count's two outputs); ``VLAYOUT=seq``: V sequence-major instead of FA3's layout.
+shapes on one H200 (the source of ``results/h200/explore/prefill_splits.json``). The tile runs P@V in fp16 over an
+e4m3 cache (bf16 Q, or e4m3 Q over FA3's layout) and takes 4 warps; a B2 x 300-query case ran faster at 8.
+Question: does the grid's fill (programs per SM) decide which count wins? Cases (batch x cached keys x queries, the
+queries the last of the keys, causal), pages 64 and 16, 32 q / 8 kv heads, d128, per-(sequence, head) descales, the
+Triton kernel forced (``config={"tma": False}``), heuristic splits. Reports CUDA-graph replays (best of two
+medians, us), the programs of the launch and whether the two outputs are bit-identical. Environment ``PAGES``: page
+sizes (default 64,16); ``SPLITS``: split counts to time (default 0, the heuristic; ``same_bits`` compares the last
+count's two outputs); ``VLAYOUT=seq``: V sequence-major instead of FA3's layout.
 Usage (repo root, GPU machine): ``PYTHONPATH=src python benchmarks/explore_prefill_splits_h200.py [BxLxQ,...]``.
 """
 import json
