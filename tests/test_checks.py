@@ -420,3 +420,67 @@ def test_num_splits_negative_kvcache():
     kc, vc, pt = paged()
     _raises(ValueError, "num_splits", flash_attn_with_kvcache, torch.randn(B, 1, H, D).bfloat16(), kc, vc,
             page_table=pt, cache_seqlens=3, num_splits=-1)
+
+
+# ------------------------------------------------- tensors that index the same rows, and their totals
+def test_v_cache_pages_differ_from_k_cache():
+    kc, vc, pt = paged()
+    q = torch.randn(B, 1, H, D).bfloat16()
+    _raises(ValueError, "v_cache", flash_attn_with_kvcache, q, kc, vc[:3], page_table=pt, cache_seqlens=3,
+            got="(3, 4, 2)")
+
+
+def test_new_kv_rows_differ():
+    kc, vc, pt = paged()
+    q = torch.randn(B, 1, H, D).bfloat16()
+    k, v = torch.randn(B, 1, H, D).bfloat16(), torch.randn(B, 1, H, D).bfloat16()
+    kw = dict(page_table=pt, cache_seqlens=torch.tensor([2, 3], dtype=torch.int32))
+    _raises(ValueError, "v", flash_attn_with_kvcache, q, kc, vc, k=k, v=v[:1], **kw)
+    _raises(ValueError, "k", flash_attn_with_kvcache, q, kc, vc, k=k[:1], v=v[:1], **kw, got="(1, 1, 2, 64)")
+
+
+def test_varlen_offsets_past_the_packed_rows():
+    q, k, v = (torch.randn(9, H, D).to(E4M3) for _ in range(3))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    _raises(ValueError, "cu_seqlens_q", flash_attn_varlen_func, q[:8], k, v, cu, cu, 5, 5, got="9")
+    _raises(ValueError, "cu_seqlens_k", flash_attn_varlen_func, q, k[:8], v[:8], cu, cu, 5, 5, got="9")
+    _raises(ValueError, "v", flash_attn_varlen_func, q, k, v[:8], cu, cu, 5, 5)
+    kc, vc, pt = paged(dtype=E4M3)
+    qb = torch.randn(9, H, D).bfloat16()
+    kw = dict(page_table=pt, cache_seqlens=torch.tensor([6, 8], dtype=torch.int32), cu_seqlens_q=cu)
+    _raises(ValueError, "cu_seqlens_q", flash_attn_with_kvcache, qb[:8], kc, vc, max_seqlen_q=5, **kw, got="9")
+    _raises(ValueError, "max_seqlen_q", flash_attn_with_kvcache, qb, kc, vc, max_seqlen_q=4, **kw, got="5")
+    _raises(TypeError, "max_seqlen_q", flash_attn_with_kvcache, qb, kc, vc, max_seqlen_q=4.5, **kw)
+
+
+def test_negative_cache_seqlens():
+    kc, vc, pt = paged()
+    q = torch.randn(B, 1, H, D).bfloat16()
+    _raises(ValueError, "cache_seqlens", flash_attn_with_kvcache, q, kc, vc, page_table=pt,
+            cache_seqlens=torch.tensor([2, -3], dtype=torch.int32), got="-3")
+    k = torch.randn(B, 1, H, D).bfloat16()  # with an append, before the new tokens' slots are computed
+    _raises(ValueError, "cache_seqlens", flash_attn_with_kvcache, q, kc, vc, k=k, v=k.clone(), page_table=pt,
+            cache_seqlens=torch.tensor([2, -3], dtype=torch.int32), got="-3")
+
+
+@pytest.mark.parametrize("scale", [-0.1, float("nan"), float("inf")])
+def test_softmax_scale_negative_or_not_finite(scale):
+    q, k, v = qkv()
+    _raises(ValueError, "softmax_scale", flash_attn_func, q, k, v, softmax_scale=scale)
+
+
+def test_softmax_scale_zero_is_uniform_attention():
+    q, k, v = qkv(torch.float32)
+    out = flash_attn_func(q, k, v, softmax_scale=0.0)
+    torch.testing.assert_close(out, v.mean(dim=1, keepdim=True).expand_as(out), rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_cache_rows_and_devices():
+    kc, vc, _ = paged()
+    k, v = torch.randn(3, H, D), torch.randn(3, H, D)
+    slots = torch.tensor([0, 1, 5])
+    ds = torch.tensor(0.5)
+    _raises(ValueError, "v", write_kv_cache, k, v[:2], kc, vc, slots, k_descale=ds, v_descale=ds)
+    _raises(ValueError, "v_cache", write_kv_cache, k, v, kc, vc[:2], slots, k_descale=ds, v_descale=ds)
+    _raises(ValueError, "k_descale", write_kv_cache, k, v, kc, vc, slots, k_descale=ds.to("meta"), v_descale=ds,
+            got="meta")

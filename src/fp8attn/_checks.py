@@ -123,7 +123,16 @@ def check_descale_values(name, d, validate):
               "Compute descales as max(amax, floor) / fp8_max (fp8attn.quant.compute_descale).")
 
 
-def check_cu_seqlens(name, cu, batch=None, validate=False):
+def check_leading_dims(k_name, k, v_name, v, ndim, what):
+    """v's first ``ndim`` dims equal k's (they index the same tokens, pages or slots)."""
+    if v.shape[:ndim] != k.shape[:ndim]:
+        _fail(ValueError, v_name, f"{what} {tuple(k.shape[:ndim])} (as {k_name})", f"{tuple(v.shape[:ndim])}",
+              f"Give {k_name} and {v_name} the same {what}.")
+
+
+def check_cu_seqlens(name, cu, batch=None, validate=False, total=None, total_name=None):
+    """``total``: the rows of the packed tensor the offsets index (``total_name``); the last offset may not
+    pass it (a value check)."""
     check_tensor(name, cu, ndim=1)
     if cu.dtype != torch.int32:
         _fail(TypeError, name, "an int32 tensor", str(cu.dtype), f"Pass {name}.to(torch.int32).")
@@ -135,6 +144,9 @@ def check_cu_seqlens(name, cu, batch=None, validate=False):
         if bool((cu[1:] < cu[:-1]).any()) or int(cu[0]) != 0:
             _fail(ValueError, name, "non-decreasing offsets starting at 0", f"{cu.tolist()[:16]}",
                   "Build it as torch.nn.functional.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32).")
+        if total is not None and int(cu[-1]) > total:
+            _fail(ValueError, name, f"a last offset <= {total} (the rows of {total_name})", f"{int(cu[-1])}",
+                  f"Pack every sequence's rows into {total_name}, or fix the offsets.")
 
 
 def check_cache_scales(name, sc, k_cache):

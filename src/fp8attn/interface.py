@@ -80,7 +80,14 @@ def _block_descales(q_descale, k_descale, v_descale, block, batch, nheads_q, nhe
 
 
 def _scale(softmax_scale, d):
-    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    s = float(softmax_scale)
+    # the kernels take the row max of the raw logits and scale it after (max(s) * c == max(s * c) needs c >= 0)
+    if not (0.0 <= s < math.inf):
+        raise ValueError(f"softmax_scale: expected a finite float >= 0, got {softmax_scale!r}. "
+                         f"Pass None for 1/sqrt(headdim) = {1.0 / math.sqrt(d):.6g}, or negate q instead of the scale.")
+    return s
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
@@ -182,9 +189,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     C.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     C.check_qkv_dtypes(q, k, v)
     C.check_heads(q, k, v)
-    C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate)
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v: expected {k.shape[0]} rows (total_k, as k), got {v.shape[0]}. Pack k and v alike.")
+    C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate, total=q.shape[0], total_name="q")
     b = cu_seqlens_q.numel() - 1
-    C.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch=b, validate=validate)
+    C.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch=b, validate=validate, total=k.shape[0], total_name="k")
     C.check_int32("seqused_q", seqused_q, ndim=1)
     C.check_int32("seqused_k", seqused_k, ndim=1)
     for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
@@ -335,12 +344,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                         cu_seqlens_q=cu_seqlens_q, k=k, v=v)
     C.check_qkv_dtypes(q, k_cache, v_cache, k_name="k_cache", v_name="v_cache", allow_mixed_q=True)
     C.check_heads(q, k_cache, v_cache)
+    if v_cache.shape[0] != k_cache.shape[0] or v_cache.shape[1] != k_cache.shape[1]:  # (heads: check_heads)
+        C.check_leading_dims("k_cache", k_cache, "v_cache", v_cache, 3, "(num_blocks, page_size, nheads_k)")
     hk = k_cache.shape[2]
     if varlen:
-        C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate)
+        C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate, total=q.shape[0], total_name="q")
         batch = cu_seqlens_q.numel() - 1
         if max_seqlen_q is None:
             raise ValueError("max_seqlen_q: expected an int with cu_seqlens_q, got None. Pass the longest query length.")
+        if not isinstance(max_seqlen_q, (int, torch.SymInt)) or max_seqlen_q < 0:  # (SymInt: under torch.compile)
+            raise TypeError(f"max_seqlen_q: expected a non-negative int, got {max_seqlen_q!r}. "
+                            "Pass the longest query length as an int.")
+        if C.want_value_checks(cu_seqlens_q, validate) and batch > 0:
+            longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+            if longest > max_seqlen_q:
+                raise ValueError(f"max_seqlen_q: expected >= the longest query sequence ({longest}), got "
+                                 f"{max_seqlen_q}. Pass the true maximum of the lengths in cu_seqlens_q.")
     else:
         batch = q.shape[0]
     dev = q.device
@@ -372,6 +391,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         C.check_int32("cache_seqlens", cache_seqlens, ndim=1)
         if cache_seqlens.numel() != batch:
             raise ValueError(f"cache_seqlens: expected {batch} entries (batch), got {cache_seqlens.numel()}.")
+    value_checks = C.want_value_checks(cache_seqlens, validate)  # (free on CPU; opt-in on a GPU)
+    if value_checks and cache_seqlens.numel() and int(cache_seqlens.min()) < 0:
+        raise ValueError(f"cache_seqlens: expected lengths >= 0, got {int(cache_seqlens.min())}. "
+                         "Pass the tokens already in each sequence's cache.")
     for name, sc in (("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
         if sc is not None:
             C.check_tensor(name, sc, ndim=3)
@@ -390,8 +413,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         C.check_tensor("v", v, ndim=3 if cu_seqlens_k_new is not None else 4)
         if k.shape[-2] != hk or k.shape[-1] != k_cache.shape[-1] or v.shape[-1] != v_cache.shape[-1]:
             raise ValueError(f"k: expected (..., {hk}, {k_cache.shape[-1]}) like the cache, got {tuple(k.shape)}.")
+        C.check_leading_dims("k", k, "v", v, k.dim() - 1, "token dims")
+        if cu_seqlens_k_new is None and k.shape[0] != batch:
+            raise ValueError(f"k: expected batch {batch} (as q) in (batch, seqlen_new, nheads_k, headdim), got "
+                             f"{tuple(k.shape)}. Pass one row of new tokens per sequence, or cu_seqlens_k_new.")
         if cu_seqlens_k_new is not None:
-            C.check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, batch=batch, validate=validate)
+            C.check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, batch=batch, validate=validate,
+                               total=k.shape[0], total_name="k")
             slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch,
                                                                    cu_seqlens_k_new=cu_seqlens_k_new,
                                                        total_new=k.shape[0])
@@ -403,7 +431,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         total_len = cache_seqlens + new_len
     else:
         total_len = cache_seqlens
-    if C.want_value_checks(total_len, validate) and total_len.numel() and int(total_len.max()) > capacity:
+    if value_checks and total_len.numel() and int(total_len.max()) > capacity:
         raise ValueError(f"cache_seqlens: expected lengths <= the cache capacity {capacity} "
                          f"(max_pages {pt.shape[1]} x page_size {ps}), got {int(total_len.max())}. "
                          "Allocate more pages or shorten the sequence.")
@@ -494,7 +522,11 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
     C.check_tensor("k_cache", k_cache, ndim=4)
     C.check_tensor("v_cache", v_cache, ndim=4, allow_v_seq_major=True)
     C.check_tensor("slot_mapping", slot_mapping, ndim=1)
-    C.check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    C.check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, k_descale=k_descale,
+                        v_descale=v_descale, token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales,
+                        v_cache_scales=v_cache_scales)
+    C.check_leading_dims("k", k, "v", v, 1, "token count")
+    C.check_leading_dims("k_cache", k_cache, "v_cache", v_cache, 3, "(num_blocks, page_size, nheads_k)")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"slot_mapping: expected int64 or int32, got {slot_mapping.dtype}. Pass slot ids as integers.")
     if slot_mapping.numel() != k.shape[0]:
