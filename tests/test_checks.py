@@ -484,3 +484,18 @@ def test_write_kv_cache_rows_and_devices():
     _raises(ValueError, "v_cache", write_kv_cache, k, v, kc, vc[:2], slots, k_descale=ds, v_descale=ds)
     _raises(ValueError, "k_descale", write_kv_cache, k, v, kc, vc, slots, k_descale=ds.to("meta"), v_descale=ds,
             got="meta")
+
+
+def test_cache_batch_idx_rows_and_devices():
+    kc, vc = torch.zeros(3, 8, H, D).to(E4M3), torch.zeros(3, 8, H, D).to(E4M3)
+    q = torch.randn(B, 1, H, D).bfloat16()
+    kw = dict(cache_seqlens=torch.tensor([2, 3], dtype=torch.int32))
+    _raises(ValueError, "cache_batch_idx", flash_attn_with_kvcache, q, kc, vc,
+            cache_batch_idx=torch.tensor([0], dtype=torch.int32), **kw, got="1")
+    _raises(ValueError, "cache_batch_idx", flash_attn_with_kvcache, q, kc, vc,
+            cache_batch_idx=torch.tensor([0, 3], dtype=torch.int32), **kw, got="3]")
+    _raises(ValueError, "cache_batch_idx", flash_attn_with_kvcache, q, kc, vc,
+            cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32, device="meta"), **kw, got="meta")
+    kc, vc, pt = paged()
+    _raises(ValueError, "k_cache_scales", flash_attn_with_kvcache, q, kc, vc, page_table=pt, **kw,
+            k_cache_scales=torch.ones(6, 4, H, device="meta"), v_cache_scales=torch.ones(6, 4, H), got="meta")

@@ -74,8 +74,43 @@ def _quantize():
                               v=torch.randn(2, 128, 2, 64, dtype=torch.bfloat16))
 
 
+def _quantize_blocks():
+    f, kw = _quantize()
+    kw.update(granularity="per_block", hadamard=True, block_size=64)
+    return f, kw
+
+
+def _dense_blocks():
+    q, k, v = (torch.randn(2, 128, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, granularity="per_block", block_size=64)
+    return flash_attn_func, dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd, descale_block_size=64,
+                                 causal=True)
+
+
+def _token_scales():
+    f, kw = _paged()
+    kw.pop("k_descale"), kw.pop("v_descale")
+    kw.update(k_cache_scales=torch.rand(10, 16, 2) + .5, v_cache_scales=torch.rand(10, 16, 2) + .5)
+    return f, kw
+
+
+def _contiguous_cache():
+    kc, vc = torch.randn(3, 24, 2, 64).to(E4M3), torch.randn(3, 24, 2, 64).to(E4M3)
+    return flash_attn_with_kvcache, dict(q=torch.randn(2, 1, 4, 64, dtype=torch.bfloat16), k_cache=kc, v_cache=vc,
+                                         cache_seqlens=torch.tensor([5, 20], dtype=torch.int32),
+                                         cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32),
+                                         k_descale=torch.rand(2, 2) + .5, v_descale=torch.rand(2, 2) + .5)
+
+
+def _rotary():
+    f, kw = _append()
+    kw.update(rotary_cos=torch.rand(64, 16), rotary_sin=torch.rand(64, 16))
+    return f, kw
+
+
 CALLS = dict(dense=_dense, varlen=_varlen, paged=_paged, paged_varlen=_paged_varlen, append=_append, write=_write,
-             combine=_combine, quantize=_quantize)
+             combine=_combine, quantize=_quantize, quantize_blocks=_quantize_blocks, dense_blocks=_dense_blocks,
+             token_scales=_token_scales, contiguous_cache=_contiguous_cache, rotary=_rotary)
 
 _SCALARS = (("softmax_scale", -1.0), ("softmax_scale", float("nan")), ("softcap", -1.0), ("window_size", (3,)),
             ("window_size", (-5, 2)), ("num_splits", -2), ("num_splits", 2.5), ("out_dtype", torch.int8),
@@ -100,7 +135,7 @@ def _tensor_mutations(val):
         yield "negative", val - 1000
         yield "huge", val + 10 ** 6
     if val.is_floating_point() and val.dtype != E4M3:
-        nan = val.clone()
+        nan = val.contiguous().clone()
         nan.view(-1)[0] = float("nan")
         yield "nan", nan
         yield "zeros", torch.zeros_like(val)
@@ -115,8 +150,11 @@ def _mutations(kw):
                 yield name, kind, bad
         elif isinstance(val, bool):
             yield name, "str", "yes"
+        elif isinstance(val, str):
+            yield name, "unknown", "bogus"
+            yield name, "int", 3
         elif isinstance(val, int):
-            for kind, bad in (("negative", -3), ("float", 2.5), ("str", "3"), ("tensor", torch.tensor(val))):
+            for kind, bad in (("negative", -3), ("zero", 0), ("float", 2.5), ("str", "3"), ("tensor", torch.tensor(val))):
                 yield name, kind, bad
     for name, bad in _SCALARS:
         yield name, "set", bad

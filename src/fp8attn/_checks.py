@@ -90,6 +90,15 @@ def check_heads(q, k, v, *, head_dim_axis=-1):
 
 
 def check_same_device(**tensors):
+    dev = None
+    for t in tensors.values():  # one pass, no dict built on the usual path (it runs on every call)
+        if isinstance(t, torch.Tensor):
+            if dev is None:
+                dev = t.device
+            elif t.device != dev:
+                break
+    else:
+        return
     devs = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
     if len(set(devs.values())) > 1:
         first = next(iter(devs))

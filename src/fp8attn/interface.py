@@ -341,7 +341,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     C.check_tensor("k_cache", k_cache, ndim=4)
     C.check_tensor("v_cache", v_cache, ndim=4, allow_v_seq_major=True)
     C.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
-                        cu_seqlens_q=cu_seqlens_q, k=k, v=v)
+                        cu_seqlens_q=cu_seqlens_q, k=k, v=v, cache_batch_idx=cache_batch_idx,
+                        k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, rotary_cos=rotary_cos,
+                        rotary_sin=rotary_sin, cu_seqlens_k_new=cu_seqlens_k_new)
     C.check_qkv_dtypes(q, k_cache, v_cache, k_name="k_cache", v_name="v_cache", allow_mixed_q=True)
     C.check_heads(q, k_cache, v_cache)
     if v_cache.shape[0] != k_cache.shape[0] or v_cache.shape[1] != k_cache.shape[1]:  # (heads: check_heads)
@@ -368,6 +370,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         C.unsupported("k_cache_scales", k_cache_scales, None, "per-token-head scales need a paged cache (page_table)")
         if cache_batch_idx is not None:
             C.check_int32("cache_batch_idx", cache_batch_idx, ndim=1)
+            if cache_batch_idx.numel() != batch:
+                raise ValueError(f"cache_batch_idx: expected {batch} entries (batch), got {cache_batch_idx.numel()}. "
+                                 "Give each sequence its cache row.")
+            if C.want_value_checks(cache_batch_idx, validate) and batch and (
+                    int(cache_batch_idx.min()) < 0 or int(cache_batch_idx.max()) >= k_cache.shape[0]):
+                raise ValueError(f"cache_batch_idx: expected rows in [0, {k_cache.shape[0]}) of k_cache, got range "
+                                 f"[{int(cache_batch_idx.min())}, {int(cache_batch_idx.max())}]. Index existing rows.")
             pt = cache_batch_idx.view(-1, 1)
         else:
             if k_cache.shape[0] < batch:
