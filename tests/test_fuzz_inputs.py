@@ -1,4 +1,5 @@
-"""Every public entry point, one argument at a time made wrong: the call runs, or raises a ValueError /
+"""Every public entry point (the FA3-style API, quantize_qkv, quant.quantize, ops.scaled_bmm), one argument at a
+time made wrong: the call runs, or raises a ValueError /
 TypeError in the "<arg>: expected ..., got ..." form, or a NotImplementedError; never an IndexError,
 a RuntimeError from deep inside, a hang or NaN from finite inputs (CPU path, value checks on).
 
@@ -108,9 +109,23 @@ def _rotary():
     return f, kw
 
 
+def _scaled_bmm():
+    from fp8attn.ops import scaled_bmm
+
+    return scaled_bmm, dict(a=torch.randn(2, 5, 16).to(E4M3), b=torch.randn(2, 16, 7).to(E4M3),
+                            scale_a=torch.rand(2, 5) + .5, scale_b=torch.rand(2, 1, 7) + .5)
+
+
+def _quant_helpers():
+    from fp8attn.quant import quantize
+
+    return quantize, dict(x=torch.randn(2, 128, 2, 64), granularity="per_block", block_size=64)
+
+
 CALLS = dict(dense=_dense, varlen=_varlen, paged=_paged, paged_varlen=_paged_varlen, append=_append, write=_write,
              combine=_combine, quantize=_quantize, quantize_blocks=_quantize_blocks, dense_blocks=_dense_blocks,
-             token_scales=_token_scales, contiguous_cache=_contiguous_cache, rotary=_rotary)
+             token_scales=_token_scales, contiguous_cache=_contiguous_cache, rotary=_rotary, scaled_bmm=_scaled_bmm,
+             quant=_quant_helpers)
 
 _SCALARS = (("softmax_scale", -1.0), ("softmax_scale", float("nan")), ("softcap", -1.0), ("window_size", (3,)),
             ("window_size", (-5, 2)), ("num_splits", -2), ("num_splits", 2.5), ("out_dtype", torch.int8),

@@ -640,4 +640,9 @@ def quant_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def scaled_bmm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16):
     """Batched FP8 matmul with per-batch / per-row / per-column scales (``fp8attn::scaled_bmm``).
     See :mod:`fp8attn.scaled_bmm` for the accepted scale shapes."""
+    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        if not isinstance(t, torch.Tensor):  # (the dispatcher's own message is a RuntimeError)
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}. Pass {name} as a tensor.")
+        if t.device != a.device:  # (mixed with a meta tensor the dispatcher would run the fake)
+            raise ValueError(f"{name}: expected device {a.device} (as a), got {t.device}. Move {name} to {a.device}.")
     return OPS["scaled_bmm"](a, b, scale_a, scale_b, out_dtype)

@@ -113,6 +113,19 @@ def _reduce_dims(x: torch.Tensor, granularity: str):
     raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
 
 
+def _check_quant_args(x, granularity, block_size):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}. Pass the values as a tensor.")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}.")
+    if granularity != "per_tensor" and x.dim() != 4:
+        raise ValueError(f"x: expected a 4-D (batch, seqlen, heads, dim) tensor for {granularity}, got shape "
+                         f"{tuple(x.shape)}. Add the missing dimensions, or use per_tensor.")
+    if granularity == "per_block" and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                       or block_size <= 0):
+        raise ValueError(f"block_size: expected a positive int (tokens per scale), got {block_size!r}.")
+
+
 def compute_descale(x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=torch.float8_e4m3fn,
                     block_size: int = 128) -> torch.Tensor:
     """Dynamic descale ``max(amax, floor) / fp8_max`` at the given granularity (float32).
@@ -125,20 +138,20 @@ def compute_descale(x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=
 
     NaN in ``x`` is ignored for the amax (a NaN element has no magnitude to represent).
     """
+    _check_quant_args(x, granularity, block_size)
     m = fp8_max(fp8_dtype)
     a = x.detach().float().abs().nan_to_num(nan=0.0, posinf=m, neginf=m)
     if granularity == "per_block":
-        if x.dim() != 4:
-            raise ValueError(f"x: per_block expects (batch, seqlen, heads, dim), got shape {tuple(x.shape)}")
-        b, s, h, _ = x.shape
+        b, s, h, d = x.shape
         nb = max(1, math.ceil(s / block_size))
         pad = nb * block_size - s
         a = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, pad))
-        amax = a.view(b, nb, block_size, h, -1).amax(dim=(2, 4)).transpose(1, 2).contiguous()
+        if a.numel() == 0:  # no batch rows, heads or dims: amax 0 -> the floor
+            amax = a.new_zeros(b, h, nb)
+        else:
+            amax = a.view(b, nb, block_size, h, d).amax(dim=(2, 4)).transpose(1, 2).contiguous()
     else:
         dims = _reduce_dims(x, granularity)
-        if dims is not None and x.dim() != 4:
-            raise ValueError(f"x: {granularity} expects (batch, seqlen, heads, dim), got shape {tuple(x.shape)}")
         if a.numel() == 0:  # empty input (e.g. a zero-length sequence): amax 0 -> the floor
             shape = () if dims is None else [n for i, n in enumerate(a.shape) if i not in dims]
             amax = a.new_zeros(shape)
@@ -182,6 +195,7 @@ def quantize(x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=torch.f
     (x8, descale) : x8 has x's shape and dtype ``fp8_dtype``; descale is float32.
     """
     dt = _fmt(fp8_dtype)
+    _check_quant_args(x, granularity, block_size)
     if descale is None:
         descale = compute_descale(x, granularity, dt, block_size)
     d = _broadcast(descale, x.shape, granularity, block_size)
