@@ -1,7 +1,8 @@
 """The paged kernel on random combinations of its features against the reference (interpreter on CPU, the
 kernel on a GPU): batch, cache lengths (0 included), page size, GQA ratio, head dim, Q and cache dtypes (e4m3,
 e5m2, bf16; per-(sequence, head) or per-token-head scales), V layout, fixed-length or varlen queries (decode
-rows next to chunks), causal or not, sliding window, softcap and split count, over NaN-poisoned caches with
+rows next to chunks), causal or not, sliding window, softcap, split count and (every third seed) the fused e4m3
+output, over NaN-poisoned caches with
 randomly permuted page tables. The grid tests in test_kernel_paged.py vary one feature at a time; here each
 seed draws all of them (470 seeds of this generator passed on the CPU when it was written).
 """
@@ -70,3 +71,8 @@ def test_random_feature_combinations(seed):
     ref, ref_lse, lp = refs(q, c, quantize_p=fp8_q, **kw)
     check(out, lse, ref, ref_lse, lp, floor=4e-3, lse_tol=2e-3)
     assert math.isfinite(float(out.float().abs().sum())), "non-finite output"
+    if seed % 3 == 0:  # the fused e4m3 output: within one e4m3 step of the 16-bit output quantized after
+        osc = torch.tensor(0.02, device=DEV)
+        o8, _ = run_paged(q, c, num_splits=splits, out_scale=osc, **kw)
+        r8 = saturating_cast(out.float() / osc).float()
+        assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2 ** -9).all(), "fused e4m3 output"
