@@ -158,6 +158,17 @@ def check_cu_seqlens(name, cu, batch=None, validate=False, total=None, total_nam
                   f"Pack every sequence's rows into {total_name}, or fix the offsets.")
 
 
+def check_max_seqlen(name, mx, cu_name, cu, validate):
+    """``mx`` (an int; a SymInt under torch.compile) bounds the lengths in ``cu`` (a value check)."""
+    if not isinstance(mx, (int, torch.SymInt)) or mx < 0:
+        _fail(TypeError, name, "a non-negative int", repr(mx), "Pass the longest sequence length as an int.")
+    if want_value_checks(cu, validate) and cu.numel() > 1:
+        longest = int((cu[1:] - cu[:-1]).max())
+        if longest > mx:
+            _fail(ValueError, name, f">= the longest sequence ({longest})", f"{mx}",
+                  f"Pass the true maximum of the lengths in {cu_name}.")
+
+
 def check_cache_scales(name, sc, k_cache):
     """Per-token-head scales beside a paged cache: float32 or bfloat16 (num_blocks, page_size, nheads_k)."""
     if sc is not None and (tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.dtype not in SCALE_STORAGE_DTYPES):

@@ -22,7 +22,7 @@ import torch
 
 from . import _checks as C
 from . import ops
-from .paged import slot_mapping_for
+from .paged import packed_token_seqs, slot_mapping_for
 from .quant import expand_descale, is_fp8
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
@@ -189,19 +189,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     C.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     C.check_qkv_dtypes(q, k, v)
     C.check_heads(q, k, v)
-    if v.shape[0] != k.shape[0]:
-        raise ValueError(f"v: expected {k.shape[0]} rows (total_k, as k), got {v.shape[0]}. Pack k and v alike.")
+    C.check_leading_dims("k", k, "v", v, 1, "token count (total_k)")
     C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate, total=q.shape[0], total_name="q")
     b = cu_seqlens_q.numel() - 1
     C.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch=b, validate=validate, total=k.shape[0], total_name="k")
     C.check_int32("seqused_q", seqused_q, ndim=1)
     C.check_int32("seqused_k", seqused_k, ndim=1)
-    for name, mx, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
-        if not isinstance(mx, int) or mx < 0:
-            raise TypeError(f"{name}: expected a non-negative int, got {mx!r}. Pass the longest sequence length as an int.")
-        if C.want_value_checks(cu, validate) and cu.numel() > 1 and int((cu[1:] - cu[:-1]).max()) > mx:
-            raise ValueError(f"{name}: expected >= the longest sequence ({int((cu[1:] - cu[:-1]).max())}), got {mx}. "
-                             f"Pass the true maximum of the lengths in {name.replace('max_seqlen', 'cu_seqlens')}.")
+    C.check_max_seqlen("max_seqlen_q", max_seqlen_q, "cu_seqlens_q", cu_seqlens_q, validate)
+    C.check_max_seqlen("max_seqlen_k", max_seqlen_k, "cu_seqlens_k", cu_seqlens_k, validate)
     hk = k.shape[1]
     _check_out_args(out, out_dtype, out_scale, (q.shape[0], q.shape[1], v.shape[-1]), q)
     if descale_block_size is None:
@@ -227,8 +222,7 @@ def _token_rows(device, batch, seqlen=None, cu_seqlens=None, total=None):
     if cu_seqlens is None:
         return (torch.arange(batch, device=device).repeat_interleave(seqlen),
                 torch.arange(seqlen, device=device).repeat(batch))
-    tok = torch.arange(total, device=device)
-    seq = torch.searchsorted(cu_seqlens[1:].long(), tok, right=True)
+    seq, tok = packed_token_seqs(cu_seqlens, total)
     return seq, tok - cu_seqlens.long()[seq]
 
 
@@ -354,14 +348,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         batch = cu_seqlens_q.numel() - 1
         if max_seqlen_q is None:
             raise ValueError("max_seqlen_q: expected an int with cu_seqlens_q, got None. Pass the longest query length.")
-        if not isinstance(max_seqlen_q, (int, torch.SymInt)) or max_seqlen_q < 0:  # (SymInt: under torch.compile)
-            raise TypeError(f"max_seqlen_q: expected a non-negative int, got {max_seqlen_q!r}. "
-                            "Pass the longest query length as an int.")
-        if C.want_value_checks(cu_seqlens_q, validate) and batch > 0:
-            longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-            if longest > max_seqlen_q:
-                raise ValueError(f"max_seqlen_q: expected >= the longest query sequence ({longest}), got "
-                                 f"{max_seqlen_q}. Pass the true maximum of the lengths in cu_seqlens_q.")
+        C.check_max_seqlen("max_seqlen_q", max_seqlen_q, "cu_seqlens_q", cu_seqlens_q, validate)
     else:
         batch = q.shape[0]
     dev = q.device

@@ -51,9 +51,10 @@ import functools
 import torch
 
 from . import reference as ref
+from ._checks import check_same_device
 from .capability import kernel_path_ok, launch_device
 from .launch_rules import TMA_QUERY_BLOCK, paged_tma_call_reason
-from .paged import is_v_seq_major, paged_precisions
+from .paged import is_v_seq_major, packed_token_seqs, paged_precisions
 from .paged_plan import CPU_NUM_SMS, paged_grid
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 
@@ -248,8 +249,8 @@ def _paged_tma_tokens(q, k_cache, v_cache, page_table, cu_seqlens_q, max_seqlen_
                         fp8_cache=True, token_scales=token_scales, num_splits=num_splits, num_sms=CPU_NUM_SMS)[-1]
     if splits > 1:
         return None
-    tok = torch.arange(total_q, device=cu.device)
-    seq = torch.searchsorted(cu[1:], tok, right=True).clamp(max=batch - 1)
+    seq, tok = packed_token_seqs(cu, total_q)
+    seq = seq.clamp(max=batch - 1)  # (padding tokens: masked out below)
     return (tok < cu[-1]) & ((cu[1:] - cu[:-1])[seq] >= TMA_QUERY_BLOCK)
 
 
@@ -643,6 +644,6 @@ def scaled_bmm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16):
     for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
         if not isinstance(t, torch.Tensor):  # (the dispatcher's own message is a RuntimeError)
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}. Pass {name} as a tensor.")
-        if t.device != a.device:  # (mixed with a meta tensor the dispatcher would run the fake)
-            raise ValueError(f"{name}: expected device {a.device} (as a), got {t.device}. Move {name} to {a.device}.")
+    # (mixed with a meta tensor the dispatcher would run the fake)
+    check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b)
     return OPS["scaled_bmm"](a, b, scale_a, scale_b, out_dtype)

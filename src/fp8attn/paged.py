@@ -7,7 +7,7 @@ import torch
 
 __all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "empty_paged", "to_v_seq_major",
            "is_v_seq_major", "paged_precision", "paged_precisions", "decode_shaped", "small_shaped",
-           "decode_row_queries"]
+           "decode_row_queries", "packed_token_seqs"]
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -142,6 +142,13 @@ def make_page_table(seqlens, page_size, num_blocks, generator=None, device="cpu"
         table[b, :n] = perm[at:at + n].to(torch.int32)
         at += n
     return table.to(device)
+
+
+def packed_token_seqs(cu_seqlens: torch.Tensor, total: int):
+    """``(sequence, token)`` int64 indices of the ``total`` tokens of a packed (cu_seqlens) batch, without a
+    host sync; tokens past ``cu_seqlens[-1]`` (padding) get the sequence index ``batch``."""
+    tok = torch.arange(total, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].long(), tok, right=True), tok
 
 
 def slot_mapping_for(page_table, page_size, seq_idx, positions):

@@ -175,11 +175,8 @@ def _paged_grid(batch, nheads_k, qg, headdim, max_seqlen_q, q_rows, varlen, page
     if batch == 0:
         grid0 = 0
     if num_splits <= 0 and grid0:  # 0 = heuristic, fixed from shapes/capacities (CUDA-graph safe)
-        programs = grid0 * nheads_k
-        if (not varlen and tiles[:3] == (128, 64, 4) and headdim == 128
-                and choose_num_splits(programs, 1, capacity, num_sms) == 2):
-            num_splits = choose_prefill_splits(programs, num_sms, capacity)
-        else:
-            num_splits = choose_num_splits(batch, nheads_k, capacity, num_sms,
-                                           num_q_blocks=max(1, grid0 // max(batch, 1)))
+        num_splits = choose_num_splits(batch, nheads_k, capacity, num_sms, num_q_blocks=max(1, grid0 // max(batch, 1)))
+        # the grids it splits in two, on the 4-warp prefill tile: by that tile's rounds
+        if num_splits == 2 and not varlen and tiles[:3] == (128, 64, 4) and headdim == 128:
+            num_splits = choose_prefill_splits(grid0 * nheads_k, num_sms, capacity)
     return tiles, small_tiles, block_q, two_class, grid0, max(1, num_splits)

@@ -195,9 +195,10 @@ def quantize(x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=torch.f
     (x8, descale) : x8 has x's shape and dtype ``fp8_dtype``; descale is float32.
     """
     dt = _fmt(fp8_dtype)
-    _check_quant_args(x, granularity, block_size)
     if descale is None:
-        descale = compute_descale(x, granularity, dt, block_size)
+        descale = compute_descale(x, granularity, dt, block_size)  # (checks the arguments)
+    else:
+        _check_quant_args(x, granularity, block_size)
     d = _broadcast(descale, x.shape, granularity, block_size)
     return saturating_cast(x.float() / d, dt), descale.float()
 
