@@ -31,3 +31,26 @@ def test_flashinfer_peers_absent_without_flashinfer(monkeypatch):
     assert bp._flashinfer_peers(q, None, None, [pt], 16, 16, 1) == {}
     assert bp._flashinfer_prefill_peers(q, q, torch.zeros(1, 16, bp.HK, bp.D), None, pt,
                                         torch.full((1,), 16, dtype=torch.int32), 1.0) == {}
+
+
+def test_graph_step_falls_back_to_none_without_capture():
+    """Without CUDA graph capture (CPU tensors) the step timing is None, not an error or a made-up time."""
+    from fp8attn.bench.common import graph_step_ms
+
+    x = torch.zeros(1)
+    assert graph_step_ms([lambda: x.add_(1)], calls=4) is None
+
+
+@pytest.mark.gpu
+def test_graph_step_replays_every_call():
+    """One captured graph holds ``calls`` calls cycling the fns: every replay adds ``calls`` to the counters
+    (one warm-up call of each fn before capture), and the time per call is positive."""
+    from fp8attn.bench.common import graph_step_ms
+
+    xs = [torch.zeros(1, device="cuda", dtype=torch.float64) for _ in range(2)]
+    ms = graph_step_ms([lambda x=x: x.add_(1) for x in xs], calls=8)
+    torch.cuda.synchronize()
+    assert ms is not None and ms > 0
+    for x in xs:  # 1 warm-up + 4 per replay
+        n = int(x.item()) - 1
+        assert n > 0 and n % 4 == 0

@@ -7,6 +7,9 @@
   ``ours.gbps`` = KV bytes read (K + V, FP8) / time; peers' gbps likewise with their bf16 bytes.
   Where the ``flashinfer`` package is importable: FlashInfer's paged decode over the same FP8 cache
   (``flashinfer_fp8``, and ``flashinfer_fp8_tc`` with its tensor-core kernel; per-tensor K/V scales).
+  Every timing is a replay of a one-call CUDA graph (``ms``); ours, sequence-major V and the graphed
+  peers also record ``ms_step``: per call, 8 calls captured in one graph, as an engine captures every
+  layer of a decode step (the graph's own launch paid once per 8 calls, not per call).
 * decode_fp8q: the same with e4m3 Q (q_descale 2), ours over FA3's layout; peers the same call with bf16 Q
   (``bf16_q``), e4m3 Q over sequence-major V (``paged_v_seq_major``, page 64) and the SDPA peers.
 * prefill_chunked: a 2048-token chunk over an 8192-token cached prefix (causal), FP8 Q over an
@@ -30,7 +33,7 @@ import math
 
 import torch
 
-from .common import attn_flops, graph_replay, results_header, rotating, time_ms, write_results
+from .common import attn_flops, graph_replay, graph_step_ms, results_header, rotating, time_ms, write_results
 
 __all__ = ["run_decode", "run_decode_fp8q", "run_prefill_chunked", "run_mixed"]
 
@@ -86,6 +89,8 @@ def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=Fals
             call, graphed = graph_replay(fns) if graph else (rotating(fns), False)
             ms = time_ms(call)
             peers[name] = {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "cuda_graph": graphed}
+            if graph:
+                peers[name]["ms_step"] = graph_step_ms(fns)
         except Exception as e:  # backend unavailable for this shape
             peers[name] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:120]}"}
     del ks, vs
@@ -143,7 +148,7 @@ def _flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot, ref_fn=None):
             call, graphed = graph_replay(fns)
             ms = time_ms(call)
             peers[name] = {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": err, "cuda_graph": graphed,
-                           "version": flashinfer.__version__}
+                           "ms_step": graph_step_ms(fns), "version": flashinfer.__version__}
         except Exception as e:
             peers[name] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         torch.cuda.empty_cache()
@@ -250,12 +255,14 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False):
                     err = _rel_err(out, ref)
                 call, graphed = graph_replay(fns)
                 ms = time_ms(call)
+                ms_step = graph_step_ms(fns)
                 case = {"case": f"d128 B{b} L{L} page{page_size}",
                         "params": {"batch": b, "seqlen_q": 1, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
                                    "headdim": D, "page_size": page_size, "causal": True, "num_splits": splits,
                                    "q_dtype": "e4m3" if q_fp8 else "bf16", "kv_dtype": "e4m3"},
                         "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": err,
-                                 "cuda_graph": graphed},
+                                 "cuda_graph": graphed, "ms_step": ms_step,
+                                 "gbps_step": kv_bytes / ms_step / 1e6 if ms_step else None},
                         "peers": {}}
                 if configs and (b, L) in ((64, 4096), (1, 131072), (8, 32768), (16, 32768)):
                     sweep = {}
@@ -285,7 +292,10 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False):
                     fns_s[0]()
                     torch.cuda.synchronize()
                     ms_s = time_ms(graph_replay(fns_s)[0])
-                    case["peers"]["paged_v_seq_major"] = {"ms": ms_s, "gbps": kv_bytes / ms_s / 1e6}
+                    ms_s_step = graph_step_ms(fns_s)
+                    case["peers"]["paged_v_seq_major"] = {
+                        "ms": ms_s, "gbps": kv_bytes / ms_s / 1e6, "ms_step": ms_s_step,
+                        "gbps_step": kv_bytes / ms_s_step / 1e6 if ms_s_step else None}
                     del vs
                 del kc, vc, pts
                 torch.cuda.empty_cache()
