@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["time_ms", "graph_replay", "graph_step_ms", "rotating", "results_header", "write_results", "gpu_dirname", "attn_flops",
-           "kernel_times_us"]
+__all__ = ["time_ms", "graph_replay", "graph_step_ms", "rotating", "results_header", "write_results", "gpu_dirname",
+           "attn_flops", "kernel_times_us"]
 
 
 def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
@@ -50,7 +50,8 @@ def graph_replay(fns):
         torch.cuda.synchronize()
         return rotating([g.replay for g in graphs]), True
     except Exception:
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return rotating(fns), False
 
 
