@@ -103,6 +103,13 @@ def _contiguous_cache():
                                          k_descale=torch.rand(2, 2) + .5, v_descale=torch.rand(2, 2) + .5)
 
 
+def _leftpad():
+    f, kw = _contiguous_cache()
+    kw.update(cache_leftpad=torch.tensor([2, 9], dtype=torch.int32), k=torch.randn(2, 1, 2, 64, dtype=torch.bfloat16),
+              v=torch.randn(2, 1, 2, 64, dtype=torch.bfloat16))
+    return f, kw
+
+
 def _rotary():
     f, kw = _append()
     kw.update(rotary_cos=torch.rand(64, 16), rotary_sin=torch.rand(64, 16))
@@ -124,7 +131,7 @@ def _quant_helpers():
 
 CALLS = dict(dense=_dense, varlen=_varlen, paged=_paged, paged_varlen=_paged_varlen, append=_append, write=_write,
              combine=_combine, quantize=_quantize, quantize_blocks=_quantize_blocks, dense_blocks=_dense_blocks,
-             token_scales=_token_scales, contiguous_cache=_contiguous_cache, rotary=_rotary, scaled_bmm=_scaled_bmm,
+             token_scales=_token_scales, contiguous_cache=_contiguous_cache, leftpad=_leftpad, rotary=_rotary, scaled_bmm=_scaled_bmm,
              quant=_quant_helpers)
 
 _SCALARS = (("softmax_scale", -1.0), ("softmax_scale", float("nan")), ("softcap", -1.0), ("window_size", (3,)),

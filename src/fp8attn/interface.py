@@ -226,6 +226,36 @@ def _token_rows(device, batch, seqlen=None, cu_seqlens=None, total=None):
     return seq, tok - cu_seqlens.long()[seq]
 
 
+def _leftpad_view(k_cache, v_cache, rows, cache_seqlens, cache_leftpad, batch, value_checks):
+    """A contiguous cache with left padding as a paged cache of one-token pages (FA3's ``cache_leftpad``).
+
+    Sequence ``b``'s keys are rows ``cache_leftpad[b] .. cache_seqlens[b]`` (+ new tokens) of its cache row
+    ``rows[b, 0]``; its page table lists exactly those slots, so lengths, masks and appends count from the
+    first live token. Returns ``(k_cache, v_cache, page_table, cache_seqlens)``: views of the same memory
+    (appends land in the caller's tensors) and the lengths after the pad."""
+    C.check_int32("cache_leftpad", cache_leftpad, ndim=1)
+    if cache_leftpad.numel() != batch:
+        raise ValueError(f"cache_leftpad: expected {batch} entries (batch), got {cache_leftpad.numel()}. "
+                         "Give each sequence its first live cache row.")
+    if value_checks and batch and (int(cache_leftpad.min()) < 0 or bool((cache_leftpad > cache_seqlens).any())):
+        raise ValueError(f"cache_leftpad: expected 0 <= cache_leftpad <= cache_seqlens per sequence, got "
+                         f"{cache_leftpad.tolist()} with cache_seqlens {cache_seqlens.tolist()}. The pad precedes the "
+                         "cached tokens.")
+    seqlen = k_cache.shape[1]
+    views = []
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        token = c.stride(1) if seqlen > 1 else c.stride(0)  # consecutive tokens of a row, then the next row
+        if c.stride(-1) != 1 or c.stride(0) != seqlen * token:
+            raise ValueError(f"{name}: expected rows of contiguous tokens (stride(0) == seqlen_cache * stride(1), last "
+                             f"dim contiguous) with cache_leftpad, got strides {tuple(c.stride())}. Allocate the cache "
+                             "contiguous.")
+        views.append(c.as_strided((c.shape[0] * seqlen, 1, *c.shape[2:]), (token, token, *c.stride()[2:]),
+                                  c.storage_offset()))
+    pos = torch.arange(seqlen, device=cache_leftpad.device, dtype=torch.int64)[None, :] + cache_leftpad.long()[:, None]
+    page_table = (rows[:, :1].long() * seqlen + pos.clamp_max(seqlen - 1)).to(torch.int32)
+    return views[0], views[1], page_table, cache_seqlens - cache_leftpad
+
+
 def _new_token_slots(page_table, cache_seqlens, ps, batch, seqlen_new=None, cu_seqlens_k_new=None, total_new=None):
     """Slot ids, batch rows and positions among the new tokens, for tokens appended after ``cache_seqlens``."""
     seq, pos_in_new = _token_rows(page_table.device, batch, seqlen_new, cu_seqlens_k_new, total_new)
@@ -310,8 +340,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     rotary_seqlens : optional (batch,) int32 positions used instead of cache_seqlens for the rotation.
     rotary_interleaved : True rotates feature pairs (0, 1), (2, 3), ... (GPT-J); False pairs
         (i, i + rotary_dim / 2) (GPT-NeoX).
-    cache_leftpad, scheduler_metadata, qv, attention_chunk, sm_margin : not supported yet; a non-default
-        value raises NotImplementedError.
+    cache_leftpad : optional (batch,) int32, contiguous caches only: sequence b's tokens start at row
+        cache_leftpad[b] of its cache row (rows before are padding, never read); ``cache_seqlens`` still
+        counts from row 0 (the end of the cached tokens), and rotary positions stay absolute rows (FA3).
+        Such calls read the cache in one-token pages (the Triton kernel, not the TMA prefill kernel).
+    scheduler_metadata, qv, attention_chunk, sm_margin : not supported yet; a non-default value raises
+        NotImplementedError.
     pack_gqa : None/False/True, a scheduling hint (decode always packs the query heads of a KV head).
     out : optional preallocated output (shape of the result, dtype as below), written in place.
     out_dtype : bf16 (default for FP8 q), fp16 or fp32. out_scale : float32 one-element static scale;
@@ -325,8 +359,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
     _common_unsupported(qv, attention_chunk)
-    for name, val in (("cache_leftpad", cache_leftpad), ("scheduler_metadata", scheduler_metadata)):
-        C.unsupported(name, val, None, "apply left padding before the call")
+    C.unsupported("scheduler_metadata", scheduler_metadata, None, "drop it (splits come from num_splits)")
     C.unsupported("sm_margin", sm_margin, 0)
     if not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {num_splits!r}. Pass 0, 1 or a split count.")
@@ -337,7 +370,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     C.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
                         cu_seqlens_q=cu_seqlens_q, k=k, v=v, cache_batch_idx=cache_batch_idx,
                         k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, rotary_cos=rotary_cos,
-                        rotary_sin=rotary_sin, cu_seqlens_k_new=cu_seqlens_k_new)
+                        rotary_sin=rotary_sin, cu_seqlens_k_new=cu_seqlens_k_new, cache_leftpad=cache_leftpad)
     C.check_qkv_dtypes(q, k_cache, v_cache, k_name="k_cache", v_name="v_cache", allow_mixed_q=True)
     C.check_heads(q, k_cache, v_cache)
     if v_cache.shape[0] != k_cache.shape[0] or v_cache.shape[1] != k_cache.shape[1]:  # (heads: check_heads)
@@ -388,6 +421,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         if cache_seqlens.numel() != batch:
             raise ValueError(f"cache_seqlens: expected {batch} entries (batch), got {cache_seqlens.numel()}.")
     value_checks = C.want_value_checks(cache_seqlens, validate)  # (free on CPU; opt-in on a GPU)
+    rotary_base = cache_seqlens  # rotary positions stay absolute cache rows (FA3), left pad included
+    if cache_leftpad is not None:
+        if page_table is not None:
+            raise NotImplementedError("cache_leftpad with page_table is not supported: leave the pad out of the page "
+                                      "table (start each row at its first live page), or use a contiguous cache.")
+        k_cache, v_cache, pt, cache_seqlens = _leftpad_view(k_cache, v_cache, pt, cache_seqlens, cache_leftpad, batch,
+                                                            value_checks)
+        ps = 1
+        capacity = pt.shape[1]
     if value_checks and cache_seqlens.numel() and int(cache_seqlens.min()) < 0:
         raise ValueError(f"cache_seqlens: expected lengths >= 0, got {int(cache_seqlens.min())}. "
                          "Pass the tokens already in each sequence's cache.")
@@ -427,6 +469,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         total_len = cache_seqlens + new_len
     else:
         total_len = cache_seqlens
+    if value_checks and total_len.numel() and cache_leftpad is not None and \
+            int((total_len + cache_leftpad).max()) > capacity:
+        raise ValueError(f"cache_seqlens: expected lengths <= the cache rows' {capacity} tokens, got "
+                         f"{int((total_len + cache_leftpad).max())} (left pad included). Shorten the sequence.")
     if value_checks and total_len.numel() and int(total_len.max()) > capacity:
         raise ValueError(f"cache_seqlens: expected lengths <= the cache capacity {capacity} "
                          f"(max_pages {pt.shape[1]} x page_size {ps}), got {int(total_len.max())}. "
@@ -442,7 +488,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     qd, kd, vd = _descales(q_descale, k_descale, v_descale, batch, hk, dev, validate)
     if rotary_cos is not None or rotary_sin is not None:
         q, kn = _rotate(q, kn if k is not None else None, rotary_cos, rotary_sin, rotary_seqlens, rotary_interleaved,
-                        cache_seqlens, seq_idx if k is not None else None, pos_in_new if k is not None else None,
+                        rotary_base, seq_idx if k is not None else None, pos_in_new if k is not None else None,
                         cu_seqlens_q, batch, causal or tuple(window_size) != (-1, -1), validate)
     elif rotary_seqlens is not None:
         raise ValueError("rotary_seqlens: expected None without rotary_cos/rotary_sin, got a tensor. "
