@@ -6,6 +6,7 @@ keyword-only and comes after them.
 import inspect
 
 import pytest
+import torch
 
 import fp8attn
 from fp8attn import interface
@@ -36,6 +37,18 @@ FA3 = {
         ("num_splits", 0), ("pack_gqa", None), ("sm_margin", 0), ("return_softmax_lse", False),
     ],
     "flash_attn_combine": [("out_partial", _E), ("lse_partial", _E), ("out", None), ("out_dtype", None)],
+    "flash_attn_qkvpacked_func": [
+        ("qkv", _E), ("softmax_scale", None), ("causal", False), ("q_descale", None), ("k_descale", None),
+        ("v_descale", None), ("window_size", (-1, -1)), ("attention_chunk", 0), ("softcap", 0.0),
+        ("deterministic", False), ("num_heads_q", None), ("sm_margin", 0), ("return_attn_probs", False),
+    ],
+    "get_scheduler_metadata": [
+        ("batch_size", _E), ("max_seqlen_q", _E), ("max_seqlen_k", _E), ("num_heads_q", _E), ("num_heads_kv", _E),
+        ("headdim", _E), ("cache_seqlens", _E), ("qkv_dtype", torch.bfloat16), ("headdim_v", None),
+        ("cu_seqlens_q", None), ("cu_seqlens_k_new", None), ("cache_leftpad", None), ("page_size", None),
+        ("max_seqlen_k_new", 0), ("causal", False), ("window_size", (-1, -1)), ("attention_chunk", 0),
+        ("has_softcap", False), ("num_splits", 0), ("pack_gqa", None), ("sm_margin", 0),
+    ],
 }
 
 # Extensions the API promises (issue 2 §5 / DESIGN §2); each must be keyword-only.
@@ -44,6 +57,8 @@ EXTENSIONS = {
     "flash_attn_varlen_func": {"out", "out_dtype", "out_scale"},
     "flash_attn_with_kvcache": {"out", "out_dtype", "out_scale", "k_cache_scales", "v_cache_scales"},
     "flash_attn_combine": set(),
+    "flash_attn_qkvpacked_func": {"out", "out_dtype", "out_scale"},
+    "get_scheduler_metadata": set(),
 }
 
 

@@ -1,6 +1,6 @@
 """fp8attn: FP8 attention for LLM inference and training (FA3-compatible API)."""
-from .interface import (flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
-                        write_kv_cache)
+from .interface import (flash_attn_combine, flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                        flash_attn_with_kvcache, get_scheduler_metadata, write_kv_cache)
 from . import quant, reference
 from .qkv import quantize_qkv
 from .compile import fused_output_quant_supported
@@ -8,6 +8,7 @@ from .compile import fused_output_quant_supported
 __version__ = "0.1.0"
 
 __all__ = [
-    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
-    "write_kv_cache", "quantize_qkv", "fused_output_quant_supported", "quant", "reference", "__version__",
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+    "flash_attn_combine", "get_scheduler_metadata", "write_kv_cache", "quantize_qkv", "fused_output_quant_supported",
+    "quant", "reference", "__version__",
 ]

@@ -25,8 +25,8 @@ from . import ops
 from .paged import packed_token_seqs, slot_mapping_for
 from .quant import expand_descale, is_fp8
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
-           "write_kv_cache"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+           "flash_attn_combine", "get_scheduler_metadata", "write_kv_cache"]
 
 
 def _resolve_window(causal, window_size):
@@ -158,6 +158,46 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     return (o, lse) if return_attn_probs else o
 
 
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
+                              window_size=(-1, -1), attention_chunk=0, softcap=0.0, deterministic=False,
+                              num_heads_q=None, sm_margin=0, return_attn_probs=False, *, out=None, out_dtype=None,
+                              out_scale=None, validate=False):
+    """Dense attention over packed Q/K/V (FA3's ``flash_attn_qkvpacked_func``): :func:`flash_attn_func` on views
+    of ``qkv``, no copy.
+
+    Parameters
+    ----------
+    qkv : (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, nheads_q + 2 * nheads_k, headdim) with
+        ``num_heads_q`` (GQA: the query heads, then the key heads, then the value heads). Any dtype
+        :func:`flash_attn_func` takes; FP8 with the descales.
+    num_heads_q : the query heads of a 4-D ``qkv``; must be None for a 5-D one.
+
+    The other arguments are :func:`flash_attn_func`'s.
+
+    Returns
+    -------
+    out : (batch, seqlen, nheads_q, headdim), as :func:`flash_attn_func`.
+    lse : (batch, nheads_q, seqlen) float32, only with return_attn_probs.
+    """
+    C.check_tensor("qkv", qkv, ndim=(4, 5))
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3 or num_heads_q is not None:
+            raise ValueError(f"qkv: expected (batch, seqlen, 3, nheads, headdim) without num_heads_q, got shape "
+                             f"{tuple(qkv.shape)} and num_heads_q={num_heads_q!r}. Stack q, k, v on dim 2, or pass the "
+                             "4-D form with num_heads_q.")
+        q, k, v = qkv.unbind(dim=2)
+    else:
+        total = qkv.shape[2]
+        if not isinstance(num_heads_q, int) or not 0 < num_heads_q < total or (total - num_heads_q) % 2:
+            raise ValueError(f"num_heads_q: expected an int with qkv's {total} heads = num_heads_q + 2 * nheads_k, got "
+                             f"{num_heads_q!r}. Pass the number of query heads packed first.")
+        hk = (total - num_heads_q) // 2
+        q, k, v = qkv.split([num_heads_q, hk, hk], dim=2)
+    return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
+                           attention_chunk, softcap, 1, None, deterministic, sm_margin, return_attn_probs, out=out,
+                           out_dtype=out_dtype, out_scale=out_scale, validate=validate)
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
                            k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
@@ -224,6 +264,21 @@ def _token_rows(device, batch, seqlen=None, cu_seqlens=None, total=None):
                 torch.arange(seqlen, device=device).repeat(batch))
     seq, tok = packed_token_seqs(cu_seqlens, total)
     return seq, tok - cu_seqlens.long()[seq]
+
+
+def _metadata_splits(scheduler_metadata, num_splits):
+    """The split count a ``get_scheduler_metadata`` result sets (its length); an explicit ``num_splits`` must agree."""
+    if not isinstance(scheduler_metadata, torch.Tensor) or scheduler_metadata.dim() != 1 or \
+            scheduler_metadata.dtype != torch.int32:
+        got = (f"{scheduler_metadata.dtype} {tuple(scheduler_metadata.shape)}"
+               if isinstance(scheduler_metadata, torch.Tensor) else type(scheduler_metadata).__name__)
+        raise ValueError(f"scheduler_metadata: expected the 1-D int32 tensor of fp8attn.get_scheduler_metadata, got "
+                         f"{got}. Pass that function's result, or None.")
+    n = scheduler_metadata.shape[0]
+    if num_splits not in (0, n):
+        raise ValueError(f"num_splits: expected 0 or {n} (the split count of scheduler_metadata), got {num_splits!r}. "
+                         "Pass one of them.")
+    return n
 
 
 def _leftpad_view(k_cache, v_cache, rows, cache_seqlens, cache_leftpad, batch, value_checks):
@@ -344,8 +399,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         cache_leftpad[b] of its cache row (rows before are padding, never read); ``cache_seqlens`` still
         counts from row 0 (the end of the cached tokens), and rotary positions stay absolute rows (FA3).
         Such calls read the cache in one-token pages (the Triton kernel, not the TMA prefill kernel).
-    scheduler_metadata, qv, attention_chunk, sm_margin : not supported yet; a non-default value raises
-        NotImplementedError.
+    scheduler_metadata : optional result of :func:`get_scheduler_metadata`: sets ``num_splits`` to its length
+        (the schedule is fixed from shapes anyway; an explicit ``num_splits`` must agree).
+    qv, attention_chunk, sm_margin : not supported yet; a non-default value raises NotImplementedError.
     pack_gqa : None/False/True, a scheduling hint (decode always packs the query heads of a KV head).
     out : optional preallocated output (shape of the result, dtype as below), written in place.
     out_dtype : bf16 (default for FP8 q), fp16 or fp32. out_scale : float32 one-element static scale;
@@ -359,7 +415,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
     _common_unsupported(qv, attention_chunk)
-    C.unsupported("scheduler_metadata", scheduler_metadata, None, "drop it (splits come from num_splits)")
+    if scheduler_metadata is not None:
+        num_splits = _metadata_splits(scheduler_metadata, num_splits)
     C.unsupported("sm_margin", sm_margin, 0)
     if not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {num_splits!r}. Pass 0, 1 or a split count.")
@@ -505,6 +562,46 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                            out_dtype=out_dtype, out=out, num_splits=num_splits,
                            return_lse=bool(return_softmax_lse))
     return (o, lse) if return_softmax_lse else o
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                           cache_seqlens, qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
+                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0, causal=False,
+                           window_size=(-1, -1), attention_chunk=0, has_softcap=False, num_splits=0, pack_gqa=None,
+                           sm_margin=0):
+    """FA3's ``get_scheduler_metadata``, for code that passes its result to :func:`flash_attn_with_kvcache`.
+
+    fp8attn fixes its schedule from shapes in every call (never from live lengths), so a call needs no
+    precomputed metadata and is CUDA-graph safe as it is. What this returns carries only the split count.
+    Passed as ``scheduler_metadata=``, it sets the call's ``num_splits``.
+
+    Parameters
+    ----------
+    batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim : ints >= 0, the call's
+        shape (checked, not used: the split count is ``num_splits``).
+    cache_seqlens : (batch,) int32 tensor; the metadata is made on its device.
+    num_splits : 0 = fp8attn's heuristic (fixed from the call's shapes), 1 = no split, n = n KV splits.
+    attention_chunk, sm_margin : must be 0 (as in :func:`flash_attn_with_kvcache`).
+    qkv_dtype, headdim_v, cu_seqlens_q, cu_seqlens_k_new, cache_leftpad, page_size, max_seqlen_k_new, causal,
+        window_size, has_softcap, pack_gqa : accepted for FA3 parity; they do not change the result.
+
+    Returns
+    -------
+    torch.Tensor : int32, shape (num_splits,), zeros.
+    """
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {num_splits!r}. "
+                         "Pass 0, 1 or a split count.")
+    for name, val in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
+                      ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {val!r}. Pass the call's shape.")
+    C.unsupported("attention_chunk", attention_chunk, 0, "chunked-local attention is not implemented")
+    C.unsupported("sm_margin", sm_margin, 0)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected a tensor (its device is the metadata's), got "
+                        f"{type(cache_seqlens).__name__}. Pass the call's cache_seqlens.")
+    return torch.zeros(num_splits, dtype=torch.int32, device=cache_seqlens.device)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, *, out_scale=None):
