@@ -101,6 +101,8 @@ def test_scheduler_metadata_bad_inputs_name_the_argument():
             **call)
     _raises(ValueError, "num_splits", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens, num_splits=-1)
     _raises(ValueError, "max_seqlen_k", fp8attn.get_scheduler_metadata, 2, 1, "64", 4, 2, 64, lens)
+    _raises(ValueError, "batch_size", fp8attn.get_scheduler_metadata, 2.0, 1, 64, 4, 2, 64, lens)
+    assert fp8attn.get_scheduler_metadata(torch.tensor(2), 1, 64, 4, 2, 64, lens, num_splits=2).shape == (2,)
     _raises(TypeError, "cache_seqlens", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, [50, 61])
     _raises(NotImplementedError, "attention_chunk", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens,
             attention_chunk=32)

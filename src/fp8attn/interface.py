@@ -17,6 +17,7 @@ Unsupported FA3 arguments raise NotImplementedError naming them; none is silentl
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -594,7 +595,11 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
                          "Pass 0, 1 or a split count.")
     for name, val in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
                       ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+        try:  # any integer type (Python, NumPy, a 0-d integer tensor)
+            ok = not isinstance(val, bool) and operator.index(val) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
             raise ValueError(f"{name}: expected an int >= 0, got {val!r}. Pass the call's shape.")
     C.unsupported("attention_chunk", attention_chunk, 0, "chunked-local attention is not implemented")
     C.unsupported("sm_margin", sm_margin, 0)
