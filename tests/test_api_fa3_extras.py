@@ -106,3 +106,123 @@ def test_scheduler_metadata_bad_inputs_name_the_argument():
     _raises(TypeError, "cache_seqlens", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, [50, 61])
     _raises(NotImplementedError, "attention_chunk", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens,
             attention_chunk=32)
+
+
+def _chunk_oracle(q, k, v, chunk, causal, window, qd=None, kd=None, vd=None, dtype=torch.float64):
+    """Attention of the dequantized inputs with FA3's chunk mask, computed in ``dtype``: (out, lse)."""
+    import math
+
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = hq // hk
+    qf, kf, vf = (x.to(torch.float64) for x in (q, k, v))
+    if qd is not None:
+        qf = qf * qd.double().repeat_interleave(g, 1)[:, None, :, None]
+        kf, vf = kf * kd.double()[:, None, :, None], vf * vd.double()[:, None, :, None]
+    qf, kf, vf = qf.to(dtype), kf.repeat_interleave(g, 2).to(dtype), vf.repeat_interleave(g, 2).to(dtype)
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) / math.sqrt(d)
+    pos = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None, :]
+    vis = j // chunk == torch.div(pos, chunk, rounding_mode="floor")
+    if causal:
+        vis &= j <= pos
+    if window[0] >= 0:
+        vis &= j >= pos - window[0]
+    if window[1] >= 0:
+        vis &= j <= pos + window[1]
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s.double(), -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, vf), lse
+
+
+def _chunk_lowprec(q, k, v, chunk, causal, window, descales):
+    """The low-precision reference of the tolerance rule for FP8 inputs: each chunk's queries against its keys
+    through ``reference.attention_ref`` with P rounded to e4m3, as the kernels round it."""
+    from fp8attn.reference import attention_ref
+
+    sq, sk = q.shape[1], k.shape[1]
+    shift = sk - sq
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
+    for c in range(min(shift // chunk, 0), (sk - 1) // chunk + 1):
+        q0, q1 = max(c * chunk - shift, 0), min((c + 1) * chunk - shift, sq)
+        k0, k1 = max(c * chunk, 0), min((c + 1) * chunk, sk)
+        if q1 <= q0 or k1 <= k0:
+            continue
+        out[:, q0:q1] = attention_ref(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal=causal, window_size=window,
+                                      quantize_p=True, compute_dtype=torch.float64, out_dtype=torch.float64,
+                                      **descales)
+    return out
+
+
+@pytest.mark.parametrize("sq,sk,chunk,causal,window", [
+    (37, 37, 8, True, (-1, -1)),     # self-attention, a partial last chunk
+    (5, 50, 16, True, (-1, -1)),     # queries in the last chunk only (chunked prefill / decode shape)
+    (50, 20, 8, False, (-1, -1)),    # more queries than keys: the first rows lie before key 0 and see nothing
+    (30, 45, 7, False, (3, 2)),      # window and chunk intersect
+    (20, 100, 32, True, (10, 0)),
+    (40, 40, 64, True, (-1, -1)),    # one chunk holds everything: the plain call
+])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attention_chunk_matches_the_masked_oracle(sq, sk, chunk, causal, window, fp8):
+    from conftest import assert_close_fa3
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(2, sq, 4, 32, generator=g), torch.randn(2, sk, 2, 32, generator=g), \
+        torch.randn(2, sk, 2, 32, generator=g)
+    kw = {}
+    if fp8:
+        q, k, v = (x.to(E4M3) for x in (q, k, v))
+        kw = {n: torch.rand(2, 2, generator=g) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
+    else:
+        q, k, v = (x.bfloat16() for x in (q, k, v))
+    out, lse = fp8attn.flash_attn_func(q, k, v, causal=causal, window_size=window, attention_chunk=chunk,
+                                       return_attn_probs=True, **kw)
+    descales = [kw.get(n) for n in ("q_descale", "k_descale", "v_descale")]
+    ref, ref_lse = _chunk_oracle(q, k, v, chunk, causal, window, *descales)
+    low = _chunk_lowprec(q, k, v, chunk, causal, window, kw) if fp8 else \
+        _chunk_oracle(q, k, v, chunk, causal, window, dtype=torch.bfloat16)[0]
+    assert out.shape == (2, sq, 4, 32) and lse.shape == (2, 4, sq)
+    assert_close_fa3(out.float(), ref, low.float(), floor=1e-3)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=2e-2, rtol=0)
+    assert (out.float()[~seen.transpose(1, 2)] == 0).all()  # rows that see no key give 0
+
+
+def test_attention_chunk_writes_out_and_runs_packed():
+    g = torch.Generator().manual_seed(10)
+    qkv = torch.randn(2, 40, 3, 4, 32, generator=g).bfloat16()
+    ref = fp8attn.flash_attn_qkvpacked_func(qkv, causal=True, attention_chunk=16)
+    q, k, v = qkv.unbind(2)
+    assert torch.equal(ref, fp8attn.flash_attn_func(q, k, v, causal=True, attention_chunk=16))
+    out = torch.empty(2, 40, 4, 32, dtype=torch.bfloat16)
+    assert fp8attn.flash_attn_func(q, k, v, causal=True, attention_chunk=16, out=out) is out
+    assert torch.equal(out, ref)
+    strided = torch.empty(2, 4, 40, 32, dtype=torch.bfloat16).transpose(1, 2)  # not viewable as rows
+    assert fp8attn.flash_attn_func(q, k, v, causal=True, attention_chunk=16, out=strided) is strided
+    assert torch.equal(strided, ref)
+
+
+def test_attention_chunk_bad_values_and_unsupported_calls():
+    q = torch.zeros(1, 8, 2, 32, dtype=torch.bfloat16)
+    _raises(ValueError, "attention_chunk", fp8attn.flash_attn_func, q, q, q, attention_chunk=-1)
+    _raises(ValueError, "attention_chunk", fp8attn.flash_attn_func, q, q, q, attention_chunk=2.5)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    _raises(NotImplementedError, "attention_chunk", fp8attn.flash_attn_varlen_func, q[0], q[0], q[0], cu, cu, 8, 8,
+            attention_chunk=4)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_chunk_matches_the_masked_oracle():
+    from conftest import assert_close_fa3
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 1536, 8, 128, generator=g).to(E4M3) for _ in range(3))
+    ds = {n: torch.rand(2, 8, generator=g) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
+    out = fp8attn.flash_attn_func(q.cuda(), k.cuda(), v.cuda(), causal=True, attention_chunk=512,
+                                  **{n: t.cuda() for n, t in ds.items()})
+    descales = [ds[n] for n in ("q_descale", "k_descale", "v_descale")]
+    ref, _ = _chunk_oracle(q, k, v, 512, True, (-1, -1), *descales)
+    low = _chunk_lowprec(q, k, v, 512, True, (-1, -1), ds)
+    assert_close_fa3(out.cpu().float(), ref, low.float(), floor=2e-2)

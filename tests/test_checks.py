@@ -303,7 +303,8 @@ def test_combine_bad_inputs():
 _T = torch.ones(1)
 
 
-@pytest.mark.parametrize("arg,value", [("qv", _T), ("attention_chunk", 128), ("num_splits", 2), ("sm_margin", 4)])
+# (attention_chunk is supported by flash_attn_func: tests/test_api_fa3_extras.py)
+@pytest.mark.parametrize("arg,value", [("qv", _T), ("num_splits", 2), ("sm_margin", 4)])
 def test_not_implemented_flash_attn_func(arg, value):
     q, k, v = qkv()
     _raises(NotImplementedError, arg, flash_attn_func, q, k, v, **{arg: value})

@@ -91,6 +91,59 @@ def _scale(softmax_scale, d):
     return s
 
 
+def _check_attention_chunk(attention_chunk):
+    if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
+        raise ValueError(f"attention_chunk: expected an int >= 0 (0 = no chunks), got {attention_chunk!r}. "
+                         "Pass the chunk length in tokens.")
+    return attention_chunk
+
+
+def _chunked_dense(q, k, v, chunk, qd, kd, vd, **kw):
+    """``flash_attn_func`` with ``attention_chunk`` as one varlen call: sequence (b, c) holds the queries of batch
+    entry b whose key position ``p = i + seqlen_k - seqlen_q`` lies in chunk c and that chunk's keys. Both are
+    runs of consecutive rows, and the queries of a chunk are the last positions of its keys, so the varlen
+    call's bottom-right causal / window masks are the full call's inside each chunk. Chunks before the first
+    query (no queries) or before key 0 (no keys, when seqlen_q > seqlen_k) become empty sequences.
+    Returns ``(out, lse)`` shaped as the dense call's."""
+    b, sq, hq, _ = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    shift = sk - sq
+    first = min(shift // chunk, 0)  # chunk of key 0 or of the first query, whichever is earlier
+    last = (sk - 1) // chunk  # the chunk of the last key is that of the last query
+    dev = q.device
+    # chunk boundaries (first .. last + 1) in query rows and key rows of one batch entry, built on the device
+    # (no host copy: CUDA-graph safe); entry e of the packed call is (e // n, e % n)
+    c = torch.arange(first, last + 2, device=dev, dtype=torch.int64) * chunk
+    q_bounds = (c - shift).clamp(0, sq)
+    k_bounds = c.clamp(0, sk)
+    n = last - first + 1
+    rows = torch.arange(b, device=dev, dtype=torch.int64)[:, None]
+    tail = torch.full((1,), b, device=dev, dtype=torch.int64)
+    cu_q = torch.cat(((rows * sq + q_bounds[None, :-1]).flatten(), tail * sq)).to(torch.int32)
+    cu_k = torch.cat(((rows * sk + k_bounds[None, :-1]).flatten(), tail * sk)).to(torch.int32)
+    qd, kd, vd = (x.repeat_interleave(n, dim=0) if x is not None else None for x in (qd, kd, vd))
+    out = kw.pop("out")
+    out_rows = None
+    if out is not None:
+        try:
+            out_rows = out.view(b * sq, hq, dv)
+        except RuntimeError:  # not viewable as rows: written from a temporary below
+            out_rows = None
+    o, lse = ops.dense_fwd(q.reshape(b * sq, hq, q.shape[-1]), k.reshape(b * sk, hk, k.shape[-1]),
+                           v.reshape(b * sk, hk, dv), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                           max_seqlen_q=min(chunk, sq), max_seqlen_k=min(chunk, sk), q_descale=qd, k_descale=kd,
+                           v_descale=vd, out=out_rows, **kw)
+    o = o.view(b, sq, hq, dv)
+    if out is not None and out_rows is None:
+        out.copy_(o)
+        o = out
+    elif out is not None:
+        o = out
+    if lse.numel():
+        lse = lse.view(hq, b, sq).transpose(0, 1).contiguous()
+    return o, lse
+
+
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                     pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, *,
@@ -116,7 +169,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     deterministic : accepted; every fp8attn forward is deterministic (bit-identical reruns).
     sm_margin : must be 0.
     return_attn_probs : when True also return the LSE (FA3 semantics; no probabilities).
-    qv, attention_chunk : not supported yet; a non-default value raises NotImplementedError.
+    attention_chunk : int >= 0 (FA3 semantics); > 0: query i (at key position p = i + seqlen_k - seqlen_q)
+        sees only keys of its chunk, ``p // chunk * chunk <= j < (p // chunk + 1) * chunk``, intersected with
+        the causal / window masks. Runs as a varlen call with one sequence per (batch, chunk).
+    qv : not supported yet; a non-default value raises NotImplementedError.
     out : optional preallocated output, written in place and returned.
     out_dtype : bf16 / fp16 / fp32 output. out_scale : float32 one-element static per-tensor scale;
         the output is then e4m3fn ``saturate(out / out_scale)``, written by the kernel.
@@ -132,7 +188,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     lse : (batch, nheads_q, seqlen_q) float32 natural-log (only with return_attn_probs). Rows that see
         no key give out = 0 and lse = -inf.
     """
-    _common_unsupported(qv, attention_chunk)
+    _common_unsupported(qv, 0)
+    chunk = _check_attention_chunk(attention_chunk)
     C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV; use flash_attn_with_kvcache for split-KV")
     C.unsupported("sm_margin", sm_margin, 0)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -151,6 +208,16 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     else:
         qd, kd, vd = _block_descales(q_descale, k_descale, v_descale, descale_block_size, b, hq, hk, sq,
                                      k.shape[1], q.device, validate)
+    # (a chunk that holds every key and query position changes nothing: keys 0..seqlen_k - 1, queries at or after 0)
+    if chunk and sq and k.shape[1] and ((k.shape[1] - 1) // chunk > 0 or sq > k.shape[1]):
+        if descale_block_size is not None:
+            raise NotImplementedError("attention_chunk with descale_block_size is not supported: pass per-(batch, "
+                                      "head) descales (quantize_qkv granularity='per_head') with attention_chunk.")
+        o, lse = _chunked_dense(q, k, v, chunk, qd, kd, vd, softmax_scale=_scale(softmax_scale, d), causal=bool(causal),
+                                window_size=_resolve_window(causal, window_size), softcap=float(softcap),
+                                out_scale=out_scale, out_dtype=out_dtype, out=out, pack_gqa=pack_gqa,
+                                return_lse=bool(return_attn_probs))
+        return (o, lse) if return_attn_probs else o
     o, lse = ops.dense_fwd(q, k, v, softmax_scale=_scale(softmax_scale, d), causal=bool(causal),
                            window_size=_resolve_window(causal, window_size), softcap=float(softcap),
                            q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, out_dtype=out_dtype,
