@@ -226,3 +226,75 @@ def test_gpu_attention_chunk_matches_the_masked_oracle():
     ref, _ = _chunk_oracle(q, k, v, 512, True, (-1, -1), *descales)
     low = _chunk_lowprec(q, k, v, 512, True, (-1, -1), ds)
     assert_close_fa3(out.cpu().float(), ref, low.float(), floor=2e-2)
+
+
+def _gather_keys(cache, pt, length, page_size):
+    rows = [cache[int(pt[j // page_size]), j % page_size] for j in range(length)]
+    return torch.stack(rows)[None]  # (1, length, hk, d)
+
+
+@pytest.mark.parametrize("layout", ["paged", "paged_seq_major_v", "contiguous"])
+def test_attention_chunk_decode_rows_over_a_cache(layout, device="cpu"):
+    """Decode rows (with an append) see only their chunk's keys: against the float64 masked oracle."""
+    from conftest import assert_close_fa3
+    from fp8attn.paged import to_v_seq_major
+
+    g = torch.Generator().manual_seed(12)
+    B, HQ, HK, D, PS, CH = 3, 4, 2, 32, 16, 32
+    lens = torch.tensor([4, 39, 76], dtype=torch.int32)  # before the append: 5, 40, 77 keys after
+    if layout == "contiguous":
+        kc = torch.randn(B, 96, HK, D, generator=g).bfloat16()
+        vc = torch.randn(B, 96, HK, D, generator=g).bfloat16()
+        pt, kw = None, {}
+    else:
+        kc = torch.randn(24, PS, HK, D, generator=g).to(E4M3)
+        vc = torch.randn(24, PS, HK, D, generator=g).to(E4M3)
+        pt = torch.randperm(24, generator=g).to(torch.int32).view(B, 8)
+        kw = {"k_descale": torch.rand(B, HK, generator=g) + 0.5, "v_descale": torch.rand(B, HK, generator=g) + 0.5}
+        if layout == "paged_seq_major_v":
+            vc = to_v_seq_major(vc)
+    q = torch.randn(B, 1, HQ, D, generator=g).bfloat16()
+    kn, vn = torch.randn(B, 1, HK, D, generator=g).bfloat16(), torch.randn(B, 1, HK, D, generator=g).bfloat16()
+    dev = {n: t.to(device) for n, t in (("kc", kc), ("vc", vc), ("q", q), ("kn", kn), ("vn", vn), ("lens", lens))}
+    assert dev["vc"].stride() == vc.stride()  # (.to keeps the sequence-major strides)
+    out = fp8attn.flash_attn_with_kvcache(dev["q"], dev["kc"], dev["vc"], k=dev["kn"], v=dev["vn"],
+                                          cache_seqlens=dev["lens"], page_table=pt.to(device) if pt is not None else None,
+                                          causal=True, attention_chunk=CH, **{n: t.to(device) for n, t in kw.items()})
+    out = out.cpu()
+    kc, vc = dev["kc"].cpu(), dev["vc"].cpu()  # with the appended tokens (the same tensors on the CPU)
+    for b in range(B):
+        n = int(lens[b]) + 1
+        if pt is None:
+            kb, vb = kc[b:b + 1, :n], vc[b:b + 1, :n]
+        else:
+            kb, vb = _gather_keys(kc, pt[b], n, PS), _gather_keys(vc, pt[b], n, PS)
+        ds = [None, kw["k_descale"][b:b + 1], kw["v_descale"][b:b + 1]] if kw else [None, None, None]
+        if kw:  # q is 16-bit: its descale is 1
+            ds[0] = torch.ones(1, HK)
+        ref, _ = _chunk_oracle(q[b:b + 1], kb, vb, CH, True, (-1, -1), *ds)
+        low, _ = _chunk_oracle(q[b:b + 1], kb, vb, CH, True, (-1, -1), *ds, dtype=torch.bfloat16)
+        assert_close_fa3(out[b:b + 1].float(), ref, low.float(), floor=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["paged", "paged_seq_major_v", "contiguous"])
+def test_gpu_attention_chunk_decode_rows_over_a_cache(layout):
+    test_attention_chunk_decode_rows_over_a_cache(layout, device="cuda")
+
+
+def test_attention_chunk_in_kvcache_rejects_what_it_cannot_run():
+    kc = torch.zeros(8, 16, 2, 32, dtype=torch.bfloat16)
+    pt = torch.arange(8, dtype=torch.int32).view(2, 4)
+    lens = torch.tensor([20, 30], dtype=torch.int32)
+    q2 = torch.zeros(2, 2, 4, 32, dtype=torch.bfloat16)  # two queries per sequence
+    _raises(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q2, kc, kc.clone(),
+            cache_seqlens=lens, page_table=pt, causal=True, attention_chunk=32)
+    q1 = q2[:, :1]
+    _raises(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, kc, kc.clone(),
+            cache_seqlens=lens, page_table=pt, causal=True, attention_chunk=24)  # not a multiple of the page
+    _raises(ValueError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, kc, kc.clone(),
+            cache_seqlens=lens, page_table=pt, attention_chunk=-4)
+    contiguous = torch.zeros(2, 48, 2, 32, dtype=torch.bfloat16)
+    _raises(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, contiguous,
+            contiguous.clone(), cache_seqlens=lens, cache_leftpad=torch.tensor([1, 2], dtype=torch.int32),
+            attention_chunk=16)

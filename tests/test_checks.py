@@ -318,8 +318,9 @@ def test_not_implemented_varlen(arg, value):
 
 
 # rotary_cos / rotary_sin / rotary_seqlens are supported (tests/test_rotary.py checks their errors).
-# (cache_leftpad with a page_table; scheduler_metadata is supported: tests/test_api_fa3_extras.py)
-@pytest.mark.parametrize("arg,value", [("qv", _T), ("cache_leftpad", _T), ("attention_chunk", 32), ("sm_margin", 2)])
+# (cache_leftpad with a page_table; scheduler_metadata and decode rows' attention_chunk are supported:
+# tests/test_api_fa3_extras.py)
+@pytest.mark.parametrize("arg,value", [("qv", _T), ("cache_leftpad", _T), ("sm_margin", 2)])
 def test_not_implemented_kvcache(arg, value):
     kc, vc, pt = paged()
     _raises(NotImplementedError, arg, flash_attn_with_kvcache, torch.randn(B, 1, H, D).bfloat16(), kc, vc,

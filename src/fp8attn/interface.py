@@ -334,6 +334,31 @@ def _token_rows(device, batch, seqlen=None, cu_seqlens=None, total=None):
     return seq, tok - cu_seqlens.long()[seq]
 
 
+def _chunk_decode_view(k_cache, v_cache, pt, total_len, chunk, contiguous, cache_leftpad, queries):
+    """``attention_chunk`` for decode rows (one query per sequence, at the last key position ``L - 1``): the
+    row sees keys ``(L - 1) // chunk * chunk .. L - 1``. A paged cache whose page size divides the chunk gets
+    its page table shifted by whole pages (any layout, any kernel); a contiguous cache gets the one-token pages
+    of ``cache_leftpad``. Returns ``(k_cache, v_cache, page_table, lengths)`` for the attention."""
+    if queries != 1:
+        raise NotImplementedError(f"attention_chunk in flash_attn_with_kvcache: expected one query per sequence (decode "
+                                  f"rows), got up to {queries}. Run prefill through flash_attn_func(attention_chunk=).")
+    if cache_leftpad is not None:
+        raise NotImplementedError("attention_chunk with cache_leftpad is not supported: drop the pad from the cache rows.")
+    first = (total_len.long() - 1).clamp_min(0) // chunk * chunk  # the chunk's first key of each row
+    if contiguous:
+        k_cache, v_cache, pt, lens = _leftpad_view(k_cache, v_cache, pt, total_len, first.to(torch.int32),
+                                                   total_len.numel(), False)
+        return k_cache, v_cache, pt, lens
+    ps = k_cache.shape[1]
+    if chunk % ps:
+        raise NotImplementedError(f"attention_chunk: expected a multiple of the page size {ps} with a paged cache, got "
+                                  f"{chunk}. Allocate pages that divide the chunk length.")
+    width = min(pt.shape[1], chunk // ps)  # pages of one chunk
+    cols = (first // ps)[:, None] + torch.arange(width, device=pt.device, dtype=torch.int64)[None, :]
+    shifted = pt.gather(1, cols.clamp_max(pt.shape[1] - 1))
+    return k_cache, v_cache, shifted.contiguous(), total_len - first
+
+
 def _metadata_splits(scheduler_metadata, num_splits):
     """The split count a ``get_scheduler_metadata`` result sets (its length); an explicit ``num_splits`` must agree."""
     if not isinstance(scheduler_metadata, torch.Tensor) or scheduler_metadata.dim() != 1 or \
@@ -469,7 +494,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         Such calls read the cache in one-token pages (the Triton kernel, not the TMA prefill kernel).
     scheduler_metadata : optional result of :func:`get_scheduler_metadata`: sets ``num_splits`` to its length
         (the schedule is fixed from shapes anyway; an explicit ``num_splits`` must agree).
-    qv, attention_chunk, sm_margin : not supported yet; a non-default value raises NotImplementedError.
+    attention_chunk : int >= 0 (FA3 semantics, see :func:`flash_attn_func`), for decode rows (one query per
+        sequence) over a contiguous cache or a paged cache whose page size divides the chunk; other calls
+        raise NotImplementedError.
+    qv, sm_margin : not supported yet; a non-default value raises NotImplementedError.
     pack_gqa : None/False/True, a scheduling hint (decode always packs the query heads of a KV head).
     out : optional preallocated output (shape of the result, dtype as below), written in place.
     out_dtype : bf16 (default for FP8 q), fp16 or fp32. out_scale : float32 one-element static scale;
@@ -482,7 +510,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     out : q's shape with headdim_v, (batch, seqlen_q, nheads_q, headdim_v) or (total_q, nheads_q, headdim_v).
     lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
-    _common_unsupported(qv, attention_chunk)
+    _common_unsupported(qv, 0)
+    chunk = _check_attention_chunk(attention_chunk)
     if scheduler_metadata is not None:
         num_splits = _metadata_splits(scheduler_metadata, num_splits)
     C.unsupported("sm_margin", sm_margin, 0)
@@ -622,6 +651,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         ops.write_kv_cache(kn, vn, k_cache, v_cache, slots, k_descale=kd if k_descale is not None else None,
                            v_descale=vd if v_descale is not None else None, token_seq_idx=seq_idx,
                            k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+    if chunk:
+        k_cache, v_cache, pt, total_len = _chunk_decode_view(k_cache, v_cache, pt, total_len, chunk, page_table is None,
+                                                             cache_leftpad, max_seqlen_q if varlen else q.shape[1])
     o, lse = ops.paged_fwd(q, k_cache, v_cache, pt, total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
                            max_seqlen_q=max_seqlen_q, softmax_scale=_scale(softmax_scale, q.shape[-1]),
                            causal=bool(causal), window_size=_resolve_window(causal, window_size),
