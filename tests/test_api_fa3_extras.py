@@ -209,8 +209,43 @@ def test_attention_chunk_bad_values_and_unsupported_calls():
     _raises(ValueError, "attention_chunk", fp8attn.flash_attn_func, q, q, q, attention_chunk=-1)
     _raises(ValueError, "attention_chunk", fp8attn.flash_attn_func, q, q, q, attention_chunk=2.5)
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    _raises(NotImplementedError, "attention_chunk", fp8attn.flash_attn_varlen_func, q[0], q[0], q[0], cu, cu, 8, 8,
-            attention_chunk=4)
+    _raises(NotImplementedError, "seqused_k", fp8attn.flash_attn_varlen_func, q[0], q[0], q[0], cu, cu, 8, 8,
+            seqused_k=torch.tensor([6], dtype=torch.int32), attention_chunk=4)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attention_chunk_varlen_equals_each_sequence_alone(fp8):
+    """Varlen chunking (lengths on the device) gives each sequence what the masked oracle gives it alone,
+    with empty sequences and sequences of more queries than keys in the batch."""
+    from conftest import assert_close_fa3
+
+    g = torch.Generator().manual_seed(13)
+    lens = [(10, 37), (0, 5), (25, 25), (7, 3), (1, 70)]
+    cu_q = torch.tensor([0] + torch.tensor([a for a, _ in lens]).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor([b for _, b in lens]).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), 4, 32, generator=g)
+    k, v = torch.randn(int(cu_k[-1]), 2, 32, generator=g), torch.randn(int(cu_k[-1]), 2, 32, generator=g)
+    kw = {}
+    if fp8:
+        q, k, v = (x.to(E4M3) for x in (q, k, v))
+        kw = {n: torch.rand(len(lens), 2, generator=g) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
+    else:
+        q, k, v = (x.bfloat16() for x in (q, k, v))
+    out, lse = fp8attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 25, 70, causal=True, attention_chunk=16,
+                                              return_attn_probs=True, **kw)
+    for i, (lq, lk) in enumerate(lens):
+        if lq == 0:
+            continue
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        ds = {n: t[i:i + 1] for n, t in kw.items()}
+        args = (q[None, qs], k[None, ks], v[None, ks])
+        ref, ref_lse = _chunk_oracle(*args, 16, True, (-1, -1), *[ds.get(n) for n in ("q_descale", "k_descale",
+                                                                                     "v_descale")])
+        low = _chunk_lowprec(*args, 16, True, (-1, -1), ds) if fp8 else \
+            _chunk_oracle(*args, 16, True, (-1, -1), dtype=torch.bfloat16)[0]
+        assert_close_fa3(out[None, qs].float(), ref, low.float(), floor=1e-3)
+        seen = torch.isfinite(ref_lse[0])
+        assert torch.equal(torch.isfinite(lse[:, qs]), seen)
 
 
 @pytest.mark.gpu

@@ -310,7 +310,7 @@ def test_not_implemented_flash_attn_func(arg, value):
     _raises(NotImplementedError, arg, flash_attn_func, q, k, v, **{arg: value})
 
 
-@pytest.mark.parametrize("arg,value", [("qv", _T), ("attention_chunk", 64), ("num_splits", 3), ("sm_margin", 1)])
+@pytest.mark.parametrize("arg,value", [("qv", _T), ("num_splits", 3), ("sm_margin", 1)])
 def test_not_implemented_varlen(arg, value):
     q, k, v = _varlen()
     cu = torch.tensor([0, 5, 10], dtype=torch.int32)

@@ -98,30 +98,40 @@ def _check_attention_chunk(attention_chunk):
     return attention_chunk
 
 
+def _chunk_cu_seqlens(cu_q, cu_k, max_q, max_k, chunk):
+    """Varlen offsets of a chunked call: sequence b split into its (query, key) pieces per chunk of key positions.
+
+    Piece (b, c) holds the queries whose key position ``p = i + len_k - len_q`` lies in chunk c and that
+    chunk's keys: runs of consecutive rows in which the queries are the last positions of the keys, so the
+    varlen call's bottom-right causal / window masks are the full call's inside each chunk. The chunk range is a
+    capacity from ``max_q`` / ``max_k`` (the lengths stay on the device: no sync, CUDA-graph safe); chunks a
+    sequence does not reach are empty pieces. Returns ``(cu_q, cu_k, pieces per sequence)``."""
+    lq = (cu_q[1:] - cu_q[:-1]).long()[:, None]
+    lk = (cu_k[1:] - cu_k[:-1]).long()[:, None]
+    first = -(max_q // chunk + 1)  # at or before the chunk of every sequence's first query and of key 0
+    last = max(max_k - 1, 0) // chunk  # at or after the chunk of every last key
+    c = torch.arange(first, last + 2, device=cu_q.device, dtype=torch.int64)[None, :] * chunk
+    q_bounds = torch.minimum((c - (lk - lq)).clamp_min(0), lq)
+    k_bounds = torch.minimum(c.clamp_min(0), lk)
+    new_q = torch.cat(((cu_q[:-1, None].long() + q_bounds[:, :-1]).flatten(), cu_q[-1:].long()))
+    new_k = torch.cat(((cu_k[:-1, None].long() + k_bounds[:, :-1]).flatten(), cu_k[-1:].long()))
+    return new_q.to(torch.int32), new_k.to(torch.int32), last - first + 1
+
+
+def _chunked_varlen(q, k, v, cu_q, cu_k, max_q, max_k, chunk, qd, kd, vd, **kw):
+    """A varlen call with ``attention_chunk`` as one varlen call over its chunk pieces (``_chunk_cu_seqlens``)."""
+    cq, ck, pieces = _chunk_cu_seqlens(cu_q, cu_k, max_q, max_k, chunk)
+    qd, kd, vd = (x.repeat_interleave(pieces, dim=0) if x is not None else None for x in (qd, kd, vd))
+    return ops.dense_fwd(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=min(chunk, max_q),
+                         max_seqlen_k=min(chunk, max_k), q_descale=qd, k_descale=kd, v_descale=vd, **kw)
+
+
 def _chunked_dense(q, k, v, chunk, qd, kd, vd, **kw):
-    """``flash_attn_func`` with ``attention_chunk`` as one varlen call: sequence (b, c) holds the queries of batch
-    entry b whose key position ``p = i + seqlen_k - seqlen_q`` lies in chunk c and that chunk's keys. Both are
-    runs of consecutive rows, and the queries of a chunk are the last positions of its keys, so the varlen
-    call's bottom-right causal / window masks are the full call's inside each chunk. Chunks before the first
-    query (no queries) or before key 0 (no keys, when seqlen_q > seqlen_k) become empty sequences.
-    Returns ``(out, lse)`` shaped as the dense call's."""
+    """``flash_attn_func`` with ``attention_chunk``: the batch as varlen sequences of equal lengths, chunked
+    (``_chunked_varlen``). Returns ``(out, lse)`` shaped as the dense call's."""
     b, sq, hq, _ = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    shift = sk - sq
-    first = min(shift // chunk, 0)  # chunk of key 0 or of the first query, whichever is earlier
-    last = (sk - 1) // chunk  # the chunk of the last key is that of the last query
-    dev = q.device
-    # chunk boundaries (first .. last + 1) in query rows and key rows of one batch entry, built on the device
-    # (no host copy: CUDA-graph safe); entry e of the packed call is (e // n, e % n)
-    c = torch.arange(first, last + 2, device=dev, dtype=torch.int64) * chunk
-    q_bounds = (c - shift).clamp(0, sq)
-    k_bounds = c.clamp(0, sk)
-    n = last - first + 1
-    rows = torch.arange(b, device=dev, dtype=torch.int64)[:, None]
-    tail = torch.full((1,), b, device=dev, dtype=torch.int64)
-    cu_q = torch.cat(((rows * sq + q_bounds[None, :-1]).flatten(), tail * sq)).to(torch.int32)
-    cu_k = torch.cat(((rows * sk + k_bounds[None, :-1]).flatten(), tail * sk)).to(torch.int32)
-    qd, kd, vd = (x.repeat_interleave(n, dim=0) if x is not None else None for x in (qd, kd, vd))
+    rows = torch.arange(b + 1, device=q.device, dtype=torch.int32)
     out = kw.pop("out")
     out_rows = None
     if out is not None:
@@ -129,10 +139,9 @@ def _chunked_dense(q, k, v, chunk, qd, kd, vd, **kw):
             out_rows = out.view(b * sq, hq, dv)
         except RuntimeError:  # not viewable as rows: written from a temporary below
             out_rows = None
-    o, lse = ops.dense_fwd(q.reshape(b * sq, hq, q.shape[-1]), k.reshape(b * sk, hk, k.shape[-1]),
-                           v.reshape(b * sk, hk, dv), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                           max_seqlen_q=min(chunk, sq), max_seqlen_k=min(chunk, sk), q_descale=qd, k_descale=kd,
-                           v_descale=vd, out=out_rows, **kw)
+    o, lse = _chunked_varlen(q.reshape(b * sq, hq, q.shape[-1]), k.reshape(b * sk, hk, k.shape[-1]),
+                             v.reshape(b * sk, hk, dv), rows * sq, rows * sk, sq, sk, chunk, qd, kd, vd, out=out_rows,
+                             **kw)
     o = o.view(b, sq, hq, dv)
     if out is not None and out_rows is None:
         out.copy_(o)
@@ -281,7 +290,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens_q, cu_seqlens_k : (batch + 1,) int32 non-decreasing offsets starting at 0.
     max_seqlen_q, max_seqlen_k : int upper bounds of the per-sequence lengths.
     seqused_q, seqused_k : optional (batch,) int32: tokens actually used per sequence (<= its length).
-    Other arguments as in :func:`flash_attn_func`; descales are (batch, nheads_k). With
+    Other arguments as in :func:`flash_attn_func` (``attention_chunk`` too, without seqused_q/k and per-block
+    descales); descales are (batch, nheads_k). With
     ``descale_block_size`` the per-block Q/K descales run over the packed token index:
     q_descale (1, nheads_q, cdiv(total_q, block)), k_descale (1, nheads_k, cdiv(total_k, block)).
 
@@ -289,7 +299,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     -------
     out : (total_q, nheads_q, headdim_v); lse : (nheads_q, total_q) float32 (with return_attn_probs).
     """
-    _common_unsupported(qv, attention_chunk)
+    _common_unsupported(qv, 0)
+    chunk = _check_attention_chunk(attention_chunk)
     C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV")
     C.unsupported("sm_margin", sm_margin, 0)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -314,6 +325,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                     q.shape[0], k.shape[0], q.device, validate)
         C.check_descale("v_descale", v_descale, b, hk, q.device)
         vd = expand_descale(v_descale, b, hk, q.device)
+    if chunk:
+        for name, val in (("seqused_q", seqused_q), ("seqused_k", seqused_k), ("descale_block_size", descale_block_size)):
+            if val is not None:
+                raise NotImplementedError(f"attention_chunk with {name} is not supported: drop {name} (trim the "
+                                          "sequences in cu_seqlens instead; per-(batch, head) descales).")
+        o, lse = _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), chunk,
+                                 qd, kd, vd, softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
+                                 window_size=_resolve_window(causal, window_size), softcap=float(softcap),
+                                 out_scale=out_scale, out_dtype=out_dtype, out=out, pack_gqa=pack_gqa,
+                                 return_lse=bool(return_attn_probs))
+        return (o, lse) if return_attn_probs else o
     o, lse = ops.dense_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                            seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                            softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
