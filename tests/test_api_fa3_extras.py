@@ -268,18 +268,20 @@ def _gather_keys(cache, pt, length, page_size):
     return torch.stack(rows)[None]  # (1, length, hk, d)
 
 
+@pytest.mark.parametrize("sq", [1, 20])
 @pytest.mark.parametrize("layout", ["paged", "paged_seq_major_v", "contiguous"])
-def test_attention_chunk_decode_rows_over_a_cache(layout, device="cpu"):
-    """Decode rows (with an append) see only their chunk's keys: against the float64 masked oracle."""
+def test_attention_chunk_over_a_cache(layout, sq, device="cpu"):
+    """Decode rows and prefill chunks (appended) see only their chunk's keys: against the float64 masked oracle.
+    The 20-query chunks cross chunk boundaries (positions 4..23, 39..58 and 76..95 with chunks of 32)."""
     from conftest import assert_close_fa3
     from fp8attn.paged import to_v_seq_major
 
     g = torch.Generator().manual_seed(12)
     B, HQ, HK, D, PS, CH = 3, 4, 2, 32, 16, 32
-    lens = torch.tensor([4, 39, 76], dtype=torch.int32)  # before the append: 5, 40, 77 keys after
+    lens = torch.tensor([4, 39, 76], dtype=torch.int32)  # before the append of sq tokens
     if layout == "contiguous":
-        kc = torch.randn(B, 96, HK, D, generator=g).bfloat16()
-        vc = torch.randn(B, 96, HK, D, generator=g).bfloat16()
+        kc = torch.randn(B, 112, HK, D, generator=g).bfloat16()
+        vc = torch.randn(B, 112, HK, D, generator=g).bfloat16()
         pt, kw = None, {}
     else:
         kc = torch.randn(24, PS, HK, D, generator=g).to(E4M3)
@@ -288,8 +290,8 @@ def test_attention_chunk_decode_rows_over_a_cache(layout, device="cpu"):
         kw = {"k_descale": torch.rand(B, HK, generator=g) + 0.5, "v_descale": torch.rand(B, HK, generator=g) + 0.5}
         if layout == "paged_seq_major_v":
             vc = to_v_seq_major(vc)
-    q = torch.randn(B, 1, HQ, D, generator=g).bfloat16()
-    kn, vn = torch.randn(B, 1, HK, D, generator=g).bfloat16(), torch.randn(B, 1, HK, D, generator=g).bfloat16()
+    q = torch.randn(B, sq, HQ, D, generator=g).bfloat16()
+    kn, vn = torch.randn(B, sq, HK, D, generator=g).bfloat16(), torch.randn(B, sq, HK, D, generator=g).bfloat16()
     dev = {n: t.to(device) for n, t in (("kc", kc), ("vc", vc), ("q", q), ("kn", kn), ("vn", vn), ("lens", lens))}
     assert dev["vc"].stride() == vc.stride()  # (.to keeps the sequence-major strides)
     out = fp8attn.flash_attn_with_kvcache(dev["q"], dev["kc"], dev["vc"], k=dev["kn"], v=dev["vn"],
@@ -298,7 +300,7 @@ def test_attention_chunk_decode_rows_over_a_cache(layout, device="cpu"):
     out = out.cpu()
     kc, vc = dev["kc"].cpu(), dev["vc"].cpu()  # with the appended tokens (the same tensors on the CPU)
     for b in range(B):
-        n = int(lens[b]) + 1
+        n = int(lens[b]) + sq
         if pt is None:
             kb, vb = kc[b:b + 1, :n], vc[b:b + 1, :n]
         else:
@@ -312,18 +314,41 @@ def test_attention_chunk_decode_rows_over_a_cache(layout, device="cpu"):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sq", [1, 20])
 @pytest.mark.parametrize("layout", ["paged", "paged_seq_major_v", "contiguous"])
-def test_gpu_attention_chunk_decode_rows_over_a_cache(layout):
-    test_attention_chunk_decode_rows_over_a_cache(layout, device="cuda")
+def test_gpu_attention_chunk_over_a_cache(layout, sq):
+    test_attention_chunk_over_a_cache(layout, sq, device="cuda")
+
+
+def test_attention_chunk_mixed_batch_equals_its_sequences_alone():
+    """A varlen batch of decode rows and a prefill chunk: each sequence as in its own chunked call."""
+    g = torch.Generator().manual_seed(14)
+    kc = torch.randn(40, 16, 2, 32, generator=g).to(E4M3)
+    vc = torch.randn(40, 16, 2, 32, generator=g).to(E4M3)
+    pt = torch.randperm(40, generator=g).to(torch.int32).view(4, 10)
+    lens = torch.tensor([70, 33, 140, 5], dtype=torch.int32)  # after the queries' own tokens
+    qlens = [1, 1, 30, 1]
+    cu = torch.tensor([0, 1, 2, 32, 33], dtype=torch.int32)
+    q = torch.randn(33, 4, 32, generator=g).bfloat16()
+    kd, vd = torch.rand(4, 2, generator=g) + 0.5, torch.rand(4, 2, generator=g) + 0.5
+    out = fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, cu_seqlens_q=cu,
+                                          max_seqlen_q=30, causal=True, attention_chunk=32, k_descale=kd, v_descale=vd)
+    for b in range(4):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        alone = fp8attn.flash_attn_with_kvcache(q[None, rows], kc, vc, cache_seqlens=lens[b:b + 1],
+                                                page_table=pt[b:b + 1], causal=True, attention_chunk=32,
+                                                k_descale=kd[b:b + 1], v_descale=vd[b:b + 1])
+        torch.testing.assert_close(out[rows].float(), alone[0].float(), atol=1e-2, rtol=1e-2)
+    assert qlens == [int(cu[i + 1] - cu[i]) for i in range(4)]
 
 
 def test_attention_chunk_in_kvcache_rejects_what_it_cannot_run():
     kc = torch.zeros(8, 16, 2, 32, dtype=torch.bfloat16)
     pt = torch.arange(8, dtype=torch.int32).view(2, 4)
     lens = torch.tensor([20, 30], dtype=torch.int32)
-    q2 = torch.zeros(2, 2, 4, 32, dtype=torch.bfloat16)  # two queries per sequence
-    _raises(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q2, kc, kc.clone(),
-            cache_seqlens=lens, page_table=pt, causal=True, attention_chunk=32)
+    q2 = torch.zeros(2, 2, 4, 32, dtype=torch.bfloat16)  # two queries per sequence, not causal
+    _raises(NotImplementedError, "causal", fp8attn.flash_attn_with_kvcache, q2, kc, kc.clone(),
+            cache_seqlens=lens, page_table=pt, causal=False, attention_chunk=32)
     q1 = q2[:, :1]
     _raises(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, kc, kc.clone(),
             cache_seqlens=lens, page_table=pt, causal=True, attention_chunk=24)  # not a multiple of the page

@@ -356,29 +356,70 @@ def _token_rows(device, batch, seqlen=None, cu_seqlens=None, total=None):
     return seq, tok - cu_seqlens.long()[seq]
 
 
-def _chunk_decode_view(k_cache, v_cache, pt, total_len, chunk, contiguous, cache_leftpad, queries):
-    """``attention_chunk`` for decode rows (one query per sequence, at the last key position ``L - 1``): the
-    row sees keys ``(L - 1) // chunk * chunk .. L - 1``. A paged cache whose page size divides the chunk gets
-    its page table shifted by whole pages (any layout, any kernel); a contiguous cache gets the one-token pages
-    of ``cache_leftpad``. Returns ``(k_cache, v_cache, page_table, lengths)`` for the attention."""
-    if queries != 1:
-        raise NotImplementedError(f"attention_chunk in flash_attn_with_kvcache: expected one query per sequence (decode "
-                                  f"rows), got up to {queries}. Run prefill through flash_attn_func(attention_chunk=).")
-    if cache_leftpad is not None:
-        raise NotImplementedError("attention_chunk with cache_leftpad is not supported: drop the pad from the cache rows.")
-    first = (total_len.long() - 1).clamp_min(0) // chunk * chunk  # the chunk's first key of each row
-    if contiguous:
-        k_cache, v_cache, pt, lens = _leftpad_view(k_cache, v_cache, pt, total_len, first.to(torch.int32),
-                                                   total_len.numel(), False)
-        return k_cache, v_cache, pt, lens
+def _chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, contiguous, cu_seqlens_q, max_seqlen_q, descales,
+                        **kw):
+    """``flash_attn_with_kvcache`` with ``attention_chunk``: one varlen paged call over chunk pieces.
+
+    Sequence b's queries sit at key positions ``L - len_q .. L - 1`` (``L = total_len[b]``). Piece r of it
+    holds the queries of chunk ``c = (L - len_q) // chunk + r`` and, as its cache, the keys
+    ``c * chunk .. min((c + 1) * chunk, L) - 1`` through its own page-table row (the sequence's row shifted by
+    ``c * chunk`` keys in whole pages), so its queries are the last positions of its keys and the bottom-right
+    causal / window masks hold inside the chunk. A contiguous cache is first seen as one-token pages (as with
+    ``cache_leftpad``). Everything is built on the device from capacities (no sync). Returns ``(out, lse)`` in
+    the call's shapes."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch = cu_seqlens_q.numel() - 1
+        qp, cu_q, max_q = q, cu_seqlens_q, int(max_seqlen_q)
+    else:
+        batch, sq = q.shape[0], q.shape[1]
+        qp = q.reshape(batch * sq, *q.shape[2:])
+        cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * sq
+        max_q = sq
+    if max_q > 1 and not kw["causal"]:
+        raise NotImplementedError("attention_chunk with more than one query per sequence over a cache needs causal=True "
+                                  "(the queries are the last tokens). Pass causal=True, or one query per sequence.")
+    if contiguous:  # one-token pages over the same memory: row * seqlen_cache + token
+        k_cache, v_cache, pt, _ = _leftpad_view(k_cache, v_cache, pt, total_len,
+                                                torch.zeros_like(total_len, dtype=torch.int32), batch, False)
     ps = k_cache.shape[1]
     if chunk % ps:
         raise NotImplementedError(f"attention_chunk: expected a multiple of the page size {ps} with a paged cache, got "
                                   f"{chunk}. Allocate pages that divide the chunk length.")
-    width = min(pt.shape[1], chunk // ps)  # pages of one chunk
-    cols = (first // ps)[:, None] + torch.arange(width, device=pt.device, dtype=torch.int64)[None, :]
-    shifted = pt.gather(1, cols.clamp_max(pt.shape[1] - 1))
-    return k_cache, v_cache, shifted.contiguous(), total_len - first
+    lq = (cu_q[1:] - cu_q[:-1]).long()[:, None]
+    end = total_len.long()[:, None]
+    begin = end - lq  # the first query's key position
+    pieces = max_q // chunk + 2  # chunks a run of max_q positions can touch (+1 spare: empty pieces)
+    c0 = begin.clamp_min(0) // chunk  # (queries before key 0 see nothing; they sit in chunk c0's piece)
+    starts = (c0 + torch.arange(pieces + 1, device=q.device, dtype=torch.int64)[None, :]) * chunk
+    q_bounds = torch.minimum((starts - begin).clamp_min(0), lq)
+    q_bounds[:, 0] = 0
+    cu_pieces = torch.cat(((cu_q[:-1, None].long() + q_bounds[:, :-1]).flatten(), cu_q[-1:].long())).to(torch.int32)
+    lens = (torch.minimum(starts[:, 1:], end) - starts[:, :-1]).clamp_min(0)  # keys of each piece
+    width = min(pt.shape[1], chunk // ps)
+    cols = (starts[:, :-1, None] // ps) + torch.arange(width, device=q.device, dtype=torch.int64)[None, None, :]
+    rows = pt.long().gather(1, cols.clamp(0, pt.shape[1] - 1).flatten(1)).view(batch * pieces, width)
+    qd, kd, vd = (x.repeat_interleave(pieces, dim=0) if x is not None else None for x in descales)
+    out = kw.pop("out")
+    out_rows = out
+    if out is not None and not varlen:
+        try:
+            out_rows = out.view(qp.shape[0], *out.shape[2:])
+        except RuntimeError:  # not viewable as rows: written from a temporary below
+            out_rows = None
+    o, lse = ops.paged_fwd(qp, k_cache, v_cache, rows.to(torch.int32), lens.flatten().to(torch.int32),
+                           cu_seqlens_q=cu_pieces, max_seqlen_q=min(chunk, max_q), q_descale=qd, k_descale=kd,
+                           v_descale=vd, out=out_rows, **kw)
+    if not varlen:
+        o = o.view(batch, sq, *o.shape[1:])
+        if lse.numel():
+            lse = lse.view(lse.shape[0], batch, sq).transpose(0, 1).contiguous()
+    if out is not None and out_rows is None:
+        out.copy_(o)
+        o = out
+    elif out is not None:
+        o = out
+    return o, lse
 
 
 def _metadata_splits(scheduler_metadata, num_splits):
@@ -516,9 +557,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         Such calls read the cache in one-token pages (the Triton kernel, not the TMA prefill kernel).
     scheduler_metadata : optional result of :func:`get_scheduler_metadata`: sets ``num_splits`` to its length
         (the schedule is fixed from shapes anyway; an explicit ``num_splits`` must agree).
-    attention_chunk : int >= 0 (FA3 semantics, see :func:`flash_attn_func`), for decode rows (one query per
-        sequence) over a contiguous cache or a paged cache whose page size divides the chunk; other calls
-        raise NotImplementedError.
+    attention_chunk : int >= 0 (FA3 semantics, see :func:`flash_attn_func`) over a contiguous cache or a paged
+        cache whose page size divides the chunk; several queries per sequence need ``causal=True``.
     qv, sm_margin : not supported yet; a non-default value raises NotImplementedError.
     pack_gqa : None/False/True, a scheduling hint (decode always packs the query heads of a KV head).
     out : optional preallocated output (shape of the result, dtype as below), written in place.
@@ -674,8 +714,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                            v_descale=vd if v_descale is not None else None, token_seq_idx=seq_idx,
                            k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
     if chunk:
-        k_cache, v_cache, pt, total_len = _chunk_decode_view(k_cache, v_cache, pt, total_len, chunk, page_table is None,
-                                                             cache_leftpad, max_seqlen_q if varlen else q.shape[1])
+        if cache_leftpad is not None:
+            raise NotImplementedError("attention_chunk with cache_leftpad is not supported: drop the pad from the "
+                                      "cache rows.")
+        o, lse = _chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, page_table is None, cu_seqlens_q,
+                                     max_seqlen_q, (qd, kd, vd),
+                                     softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
+                                     window_size=_resolve_window(causal, window_size), softcap=float(softcap),
+                                     k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
+                                     out_scale=out_scale, out_dtype=out_dtype, out=out, num_splits=num_splits,
+                                     return_lse=bool(return_softmax_lse))
+        return (o, lse) if return_softmax_lse else o
     o, lse = ops.paged_fwd(q, k_cache, v_cache, pt, total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
                            max_seqlen_q=max_seqlen_q, softmax_scale=_scale(softmax_scale, q.shape[-1]),
                            causal=bool(causal), window_size=_resolve_window(causal, window_size),
