@@ -358,3 +358,18 @@ def test_attention_chunk_in_kvcache_rejects_what_it_cannot_run():
     _raises(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, contiguous,
             contiguous.clone(), cache_seqlens=lens, cache_leftpad=torch.tensor([1, 2], dtype=torch.int32),
             attention_chunk=16)
+
+
+def test_attention_chunk_over_a_cache_writes_out():
+    g = torch.Generator().manual_seed(15)
+    kc = torch.randn(16, 16, 2, 32, generator=g).bfloat16()
+    vc = torch.randn(16, 16, 2, 32, generator=g).bfloat16()
+    pt = torch.randperm(16, generator=g).to(torch.int32).view(2, 8)
+    lens = torch.tensor([50, 100], dtype=torch.int32)
+    q = torch.randn(2, 20, 4, 32, generator=g).bfloat16()
+    call = dict(cache_seqlens=lens, page_table=pt, causal=True, attention_chunk=32)
+    ref = fp8attn.flash_attn_with_kvcache(q, kc, vc, **call)
+    out = torch.empty_like(ref)
+    assert fp8attn.flash_attn_with_kvcache(q, kc, vc, out=out, **call) is out and torch.equal(out, ref)
+    strided = torch.empty(2, 4, 20, 32, dtype=torch.bfloat16).transpose(1, 2)  # not viewable as packed rows
+    assert fp8attn.flash_attn_with_kvcache(q, kc, vc, out=strided, **call) is strided and torch.equal(strided, ref)

@@ -126,6 +126,24 @@ def _chunked_varlen(q, k, v, cu_q, cu_k, max_q, max_k, chunk, qd, kd, vd, **kw):
                          max_seqlen_k=min(chunk, max_k), q_descale=qd, k_descale=kd, v_descale=vd, **kw)
 
 
+def _packed_out(out, rows):
+    """A caller's ``out`` (batch, seqlen, heads, headdim_v) as the packed rows (rows, heads, headdim_v) that a
+    varlen call writes, or None when it cannot be viewed so (``_fill_out`` then copies the result in)."""
+    if out is None:
+        return None
+    try:
+        return out.view(rows, *out.shape[2:])
+    except RuntimeError:
+        return None
+
+
+def _fill_out(out, packed, o):
+    """The call's output: the caller's ``out`` (written through ``packed``, or copied into here), else ``o``."""
+    if out is not None and packed is None:
+        out.copy_(o)
+    return o if out is None else out
+
+
 def _chunked_dense(q, k, v, chunk, qd, kd, vd, **kw):
     """``flash_attn_func`` with ``attention_chunk``: the batch as varlen sequences of equal lengths, chunked
     (``_chunked_varlen``). Returns ``(out, lse)`` shaped as the dense call's."""
@@ -133,21 +151,11 @@ def _chunked_dense(q, k, v, chunk, qd, kd, vd, **kw):
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
     rows = torch.arange(b + 1, device=q.device, dtype=torch.int32)
     out = kw.pop("out")
-    out_rows = None
-    if out is not None:
-        try:
-            out_rows = out.view(b * sq, hq, dv)
-        except RuntimeError:  # not viewable as rows: written from a temporary below
-            out_rows = None
+    packed = _packed_out(out, b * sq)
     o, lse = _chunked_varlen(q.reshape(b * sq, hq, q.shape[-1]), k.reshape(b * sk, hk, k.shape[-1]),
-                             v.reshape(b * sk, hk, dv), rows * sq, rows * sk, sq, sk, chunk, qd, kd, vd, out=out_rows,
+                             v.reshape(b * sk, hk, dv), rows * sq, rows * sk, sq, sk, chunk, qd, kd, vd, out=packed,
                              **kw)
-    o = o.view(b, sq, hq, dv)
-    if out is not None and out_rows is None:
-        out.copy_(o)
-        o = out
-    elif out is not None:
-        o = out
+    o = _fill_out(out, packed, o.view(b, sq, hq, dv))
     if lse.numel():
         lse = lse.view(hq, b, sq).transpose(0, 1).contiguous()
     return o, lse
@@ -401,25 +409,15 @@ def _chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, contiguous, c
     rows = pt.long().gather(1, cols.clamp(0, pt.shape[1] - 1).flatten(1)).view(batch * pieces, width)
     qd, kd, vd = (x.repeat_interleave(pieces, dim=0) if x is not None else None for x in descales)
     out = kw.pop("out")
-    out_rows = out
-    if out is not None and not varlen:
-        try:
-            out_rows = out.view(qp.shape[0], *out.shape[2:])
-        except RuntimeError:  # not viewable as rows: written from a temporary below
-            out_rows = None
+    packed = out if varlen else _packed_out(out, qp.shape[0])
     o, lse = ops.paged_fwd(qp, k_cache, v_cache, rows.to(torch.int32), lens.flatten().to(torch.int32),
                            cu_seqlens_q=cu_pieces, max_seqlen_q=min(chunk, max_q), q_descale=qd, k_descale=kd,
-                           v_descale=vd, out=out_rows, **kw)
+                           v_descale=vd, out=packed, **kw)
     if not varlen:
         o = o.view(batch, sq, *o.shape[1:])
         if lse.numel():
             lse = lse.view(lse.shape[0], batch, sq).transpose(0, 1).contiguous()
-    if out is not None and out_rows is None:
-        out.copy_(o)
-        o = out
-    elif out is not None:
-        o = out
-    return o, lse
+    return _fill_out(out, packed, o), lse
 
 
 def _metadata_splits(scheduler_metadata, num_splits):
