@@ -294,9 +294,10 @@ def test_attention_chunk_over_a_cache(layout, sq, device="cpu"):
     kn, vn = torch.randn(B, sq, HK, D, generator=g).bfloat16(), torch.randn(B, sq, HK, D, generator=g).bfloat16()
     dev = {n: t.to(device) for n, t in (("kc", kc), ("vc", vc), ("q", q), ("kn", kn), ("vn", vn), ("lens", lens))}
     assert dev["vc"].stride() == vc.stride()  # (.to keeps the sequence-major strides)
+    pt_dev = pt.to(device) if pt is not None else None
     out = fp8attn.flash_attn_with_kvcache(dev["q"], dev["kc"], dev["vc"], k=dev["kn"], v=dev["vn"],
-                                          cache_seqlens=dev["lens"], page_table=pt.to(device) if pt is not None else None,
-                                          causal=True, attention_chunk=CH, **{n: t.to(device) for n, t in kw.items()})
+                                          cache_seqlens=dev["lens"], page_table=pt_dev, causal=True,
+                                          attention_chunk=CH, **{n: t.to(device) for n, t in kw.items()})
     out = out.cpu()
     kc, vc = dev["kc"].cpu(), dev["vc"].cpu()  # with the appended tokens (the same tensors on the CPU)
     for b in range(B):
@@ -373,3 +374,17 @@ def test_attention_chunk_over_a_cache_writes_out():
     assert fp8attn.flash_attn_with_kvcache(q, kc, vc, out=out, **call) is out and torch.equal(out, ref)
     strided = torch.empty(2, 4, 20, 32, dtype=torch.bfloat16).transpose(1, 2)  # not viewable as packed rows
     assert fp8attn.flash_attn_with_kvcache(q, kc, vc, out=strided, **call) is strided and torch.equal(strided, ref)
+
+
+def test_attention_chunk_refused_over_a_cache_writes_nothing():
+    """A chunked call the cache path cannot run is refused before its new tokens are written."""
+    kc = torch.zeros(8, 16, 2, 32, dtype=torch.bfloat16)
+    vc = kc.clone()
+    pt = torch.arange(8, dtype=torch.int32).view(2, 4)
+    new = torch.ones(2, 2, 2, 32, dtype=torch.bfloat16)
+    q = torch.zeros(2, 2, 4, 32, dtype=torch.bfloat16)
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+    for kw in ({"attention_chunk": 24, "causal": True}, {"attention_chunk": 32, "causal": False}):
+        with pytest.raises(NotImplementedError):
+            fp8attn.flash_attn_with_kvcache(q, kc, vc, k=new, v=new, cache_seqlens=lens, page_table=pt, **kw)
+        assert not kc.any() and not vc.any()

@@ -38,9 +38,8 @@ def _resolve_window(causal, window_size):
     return (int(left), int(right))
 
 
-def _common_unsupported(qv, attention_chunk, return_attn_probs=False):
+def _unsupported_qv(qv):
     C.unsupported("qv", qv, None, "the extra qv head (MLA absorbed form) is not implemented")
-    C.unsupported("attention_chunk", attention_chunk, 0, "chunked-local attention is not implemented")
 
 
 def _check_out_args(out, out_dtype, out_scale, oshape, q):
@@ -205,7 +204,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     lse : (batch, nheads_q, seqlen_q) float32 natural-log (only with return_attn_probs). Rows that see
         no key give out = 0 and lse = -inf.
     """
-    _common_unsupported(qv, 0)
+    _unsupported_qv(qv)
     chunk = _check_attention_chunk(attention_chunk)
     C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV; use flash_attn_with_kvcache for split-KV")
     C.unsupported("sm_margin", sm_margin, 0)
@@ -225,21 +224,18 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     else:
         qd, kd, vd = _block_descales(q_descale, k_descale, v_descale, descale_block_size, b, hq, hk, sq,
                                      k.shape[1], q.device, validate)
+    attn = dict(softmax_scale=_scale(softmax_scale, d), causal=bool(causal),
+                window_size=_resolve_window(causal, window_size), softcap=float(softcap), out_scale=out_scale,
+                out_dtype=out_dtype, out=out, pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
     # (a chunk that holds every key and query position changes nothing: keys 0..seqlen_k - 1, queries at or after 0)
     if chunk and sq and k.shape[1] and ((k.shape[1] - 1) // chunk > 0 or sq > k.shape[1]):
         if descale_block_size is not None:
             raise NotImplementedError("attention_chunk with descale_block_size is not supported: pass per-(batch, "
                                       "head) descales (quantize_qkv granularity='per_head') with attention_chunk.")
-        o, lse = _chunked_dense(q, k, v, chunk, qd, kd, vd, softmax_scale=_scale(softmax_scale, d), causal=bool(causal),
-                                window_size=_resolve_window(causal, window_size), softcap=float(softcap),
-                                out_scale=out_scale, out_dtype=out_dtype, out=out, pack_gqa=pack_gqa,
-                                return_lse=bool(return_attn_probs))
-        return (o, lse) if return_attn_probs else o
-    o, lse = ops.dense_fwd(q, k, v, softmax_scale=_scale(softmax_scale, d), causal=bool(causal),
-                           window_size=_resolve_window(causal, window_size), softcap=float(softcap),
-                           q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, out_dtype=out_dtype,
-                           out=out, pack_gqa=pack_gqa, descale_block=descale_block_size or 0,
-                           return_lse=bool(return_attn_probs))
+        o, lse = _chunked_dense(q, k, v, chunk, qd, kd, vd, **attn)
+    else:
+        o, lse = ops.dense_fwd(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd,
+                               descale_block=descale_block_size or 0, **attn)
     return (o, lse) if return_attn_probs else o
 
 
@@ -307,7 +303,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     -------
     out : (total_q, nheads_q, headdim_v); lse : (nheads_q, total_q) float32 (with return_attn_probs).
     """
-    _common_unsupported(qv, 0)
+    _unsupported_qv(qv)
     chunk = _check_attention_chunk(attention_chunk)
     C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV")
     C.unsupported("sm_margin", sm_margin, 0)
@@ -333,24 +329,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                     q.shape[0], k.shape[0], q.device, validate)
         C.check_descale("v_descale", v_descale, b, hk, q.device)
         vd = expand_descale(v_descale, b, hk, q.device)
+    attn = dict(softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
+                window_size=_resolve_window(causal, window_size), softcap=float(softcap), out_scale=out_scale,
+                out_dtype=out_dtype, out=out, pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
     if chunk:
         for name, val in (("seqused_q", seqused_q), ("seqused_k", seqused_k), ("descale_block_size", descale_block_size)):
             if val is not None:
                 raise NotImplementedError(f"attention_chunk with {name} is not supported: drop {name} (trim the "
                                           "sequences in cu_seqlens instead; per-(batch, head) descales).")
         o, lse = _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), chunk,
-                                 qd, kd, vd, softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
-                                 window_size=_resolve_window(causal, window_size), softcap=float(softcap),
-                                 out_scale=out_scale, out_dtype=out_dtype, out=out, pack_gqa=pack_gqa,
-                                 return_lse=bool(return_attn_probs))
-        return (o, lse) if return_attn_probs else o
-    o, lse = ops.dense_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
-                           seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                           softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
-                           window_size=_resolve_window(causal, window_size), softcap=float(softcap),
-                           q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, out_dtype=out_dtype,
-                           out=out, pack_gqa=pack_gqa, descale_block=descale_block_size or 0,
-                           return_lse=bool(return_attn_probs))
+                                 qd, kd, vd, **attn)
+    else:
+        o, lse = ops.dense_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                               seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                               q_descale=qd, k_descale=kd, v_descale=vd, descale_block=descale_block_size or 0,
+                               **attn)
     return (o, lse) if return_attn_probs else o
 
 
@@ -362,6 +355,19 @@ def _token_rows(device, batch, seqlen=None, cu_seqlens=None, total=None):
                 torch.arange(seqlen, device=device).repeat(batch))
     seq, tok = packed_token_seqs(cu_seqlens, total)
     return seq, tok - cu_seqlens.long()[seq]
+
+
+def _check_chunked_cache_call(chunk, cache_leftpad, page_size, causal, max_q):
+    """What ``_chunked_cache_call`` cannot run (``page_size``: 1 for a contiguous cache, read as one-token pages)."""
+    if cache_leftpad is not None:
+        raise NotImplementedError("attention_chunk with cache_leftpad is not supported: drop the pad from the "
+                                  "cache rows.")
+    if max_q > 1 and not causal:
+        raise NotImplementedError("attention_chunk with more than one query per sequence over a cache needs causal=True "
+                                  "(the queries are the last tokens). Pass causal=True, or one query per sequence.")
+    if chunk % page_size:
+        raise NotImplementedError(f"attention_chunk: expected a multiple of the page size {page_size} with a paged "
+                                  f"cache, got {chunk}. Allocate pages that divide the chunk length.")
 
 
 def _chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, contiguous, cu_seqlens_q, max_seqlen_q, descales,
@@ -384,16 +390,10 @@ def _chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, contiguous, c
         qp = q.reshape(batch * sq, *q.shape[2:])
         cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * sq
         max_q = sq
-    if max_q > 1 and not kw["causal"]:
-        raise NotImplementedError("attention_chunk with more than one query per sequence over a cache needs causal=True "
-                                  "(the queries are the last tokens). Pass causal=True, or one query per sequence.")
     if contiguous:  # one-token pages over the same memory: row * seqlen_cache + token
         k_cache, v_cache, pt, _ = _leftpad_view(k_cache, v_cache, pt, total_len,
                                                 torch.zeros_like(total_len, dtype=torch.int32), batch, False)
     ps = k_cache.shape[1]
-    if chunk % ps:
-        raise NotImplementedError(f"attention_chunk: expected a multiple of the page size {ps} with a paged cache, got "
-                                  f"{chunk}. Allocate pages that divide the chunk length.")
     lq = (cu_q[1:] - cu_q[:-1]).long()[:, None]
     end = total_len.long()[:, None]
     begin = end - lq  # the first query's key position
@@ -570,7 +570,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     out : q's shape with headdim_v, (batch, seqlen_q, nheads_q, headdim_v) or (total_q, nheads_q, headdim_v).
     lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
-    _common_unsupported(qv, 0)
+    _unsupported_qv(qv)
     chunk = _check_attention_chunk(attention_chunk)
     if scheduler_metadata is not None:
         num_splits = _metadata_splits(scheduler_metadata, num_splits)
@@ -644,6 +644,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                                                             value_checks)
         ps = 1
         capacity = pt.shape[1]
+    if chunk:  # (before the append: a call refused here writes nothing)
+        _check_chunked_cache_call(chunk, cache_leftpad, ps if page_table is not None else 1, bool(causal),
+                                  max_seqlen_q if varlen else q.shape[1])
     if value_checks and cache_seqlens.numel() and int(cache_seqlens.min()) < 0:
         raise ValueError(f"cache_seqlens: expected lengths >= 0, got {int(cache_seqlens.min())}. "
                          "Pass the tokens already in each sequence's cache.")
@@ -711,25 +714,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         ops.write_kv_cache(kn, vn, k_cache, v_cache, slots, k_descale=kd if k_descale is not None else None,
                            v_descale=vd if v_descale is not None else None, token_seq_idx=seq_idx,
                            k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+    attn = dict(softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
+                window_size=_resolve_window(causal, window_size), softcap=float(softcap),
+                k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, out_scale=out_scale,
+                out_dtype=out_dtype, out=out, num_splits=num_splits, return_lse=bool(return_softmax_lse))
     if chunk:
-        if cache_leftpad is not None:
-            raise NotImplementedError("attention_chunk with cache_leftpad is not supported: drop the pad from the "
-                                      "cache rows.")
         o, lse = _chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, page_table is None, cu_seqlens_q,
-                                     max_seqlen_q, (qd, kd, vd),
-                                     softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
-                                     window_size=_resolve_window(causal, window_size), softcap=float(softcap),
-                                     k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
-                                     out_scale=out_scale, out_dtype=out_dtype, out=out, num_splits=num_splits,
-                                     return_lse=bool(return_softmax_lse))
-        return (o, lse) if return_softmax_lse else o
-    o, lse = ops.paged_fwd(q, k_cache, v_cache, pt, total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
-                           max_seqlen_q=max_seqlen_q, softmax_scale=_scale(softmax_scale, q.shape[-1]),
-                           causal=bool(causal), window_size=_resolve_window(causal, window_size),
-                           softcap=float(softcap), q_descale=qd, k_descale=kd, v_descale=vd,
-                           k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, out_scale=out_scale,
-                           out_dtype=out_dtype, out=out, num_splits=num_splits,
-                           return_lse=bool(return_softmax_lse))
+                                     max_seqlen_q, (qd, kd, vd), **attn)
+    else:
+        o, lse = ops.paged_fwd(q, k_cache, v_cache, pt, total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
+                               max_seqlen_q=max_seqlen_q, q_descale=qd, k_descale=kd, v_descale=vd, **attn)
     return (o, lse) if return_softmax_lse else o
 
 
