@@ -405,8 +405,29 @@ def _reference_check(q, k, v, qd, kd, vd, out, lse, causal, scale, out_scale=Non
         # e4m3 output, dequantized: half an ulp of e4m3 at the output's magnitude on top of the floor
         floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2 ** -4
         assert_close_fa3(out.float() * out_scale.float(), ref, lowp, floor=floor)
-    assert torch.isfinite(lse).all()
-    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
+    if lse is not None:
+        assert torch.isfinite(lse).all()
+        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
+
+
+def assert_row_scaled(o_rs, o_exact, out_fp8=False):
+    """``o_rs`` (a non-causal call without an LSE: row sums of the e4m3 P on the tensor core) against
+    ``o_exact`` (the same call with an LSE: the fp32 sum of the unrounded P). Both normalize the same P V
+    accumulator, so each row of one is the other's times one factor l / l~, with |log| <= log(1 + 2^-4)
+    (e4m3 moves each term by at most 2^-4 of itself), up to the output's rounding; and the factor is not
+    1 everywhere, or the tensor-core sum is not in use."""
+    a = o_rs.float().flatten(0, -2)
+    b = o_exact.float().flatten(0, -2)
+    live = (b * b).sum(-1) > 0
+    assert live.any() and not torch.isnan(a).any()
+    a, b = a[live], b[live]
+    r = (a * b).sum(-1) / (b * b).sum(-1)  # each row's factor, least squares
+    lr = r.log().abs()
+    assert lr.max().item() <= math.log1p(2 ** -4) + 2e-3, lr.max().item()
+    assert lr.max().item() > 0, "the same rows: the row sums are the fp32 ones"
+    tol = 2 ** -3 if out_fp8 else 2 ** -7  # one e4m3 (half ulp <= 2^-4) / bf16 rounding on each side
+    err = (a - r[:, None] * b).abs() - tol * b.abs()
+    assert err.max().item() <= 1e-3 * b.abs().max().item(), err.max().item()
 
 
 @pytest.mark.gpu
@@ -668,6 +689,37 @@ def test_gpu_tma_direct_launch_equals_jit_launch(d, out_fp8):
     assert torch.equal(out3.view(torch.uint8), out4.view(torch.uint8)) and torch.equal(lse3, lse4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_tma_row_sums_without_lse(d):
+    """Without an LSE a non-causal call sums each row's e4m3 P on the tensor core (``tma_parts._row_sum_issue``
+    over a TMA-loaded tile of ones); with one, the fp32 sum of the unrounded P, so that the LSE is exact.
+    Dense (bf16 and fused e4m3 output, GQA, per-(batch, kv head) descales) and varlen: the two outputs
+    are row-scaled copies of each other (``assert_row_scaled``) and both pass the reference rule. Causal
+    calls sum in fp32 either way: the same bits."""
+    _need_sm90()
+    q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=384, sk=640, hq=6, hk=2, d=d, device="cuda")
+    vt = transpose_v_kmajor(v)
+    for causal in (False, True):
+        for out_scale in (None, torch.tensor([0.21], device="cuda")):
+            kw = dict(softmax_scale=0.088, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                      out_scale=out_scale)
+            dt = E4M3 if out_scale is not None else torch.bfloat16
+            o_lse, o_rs = (torch.full(out.shape, float("nan"), device="cuda").to(dt) for _ in range(2))
+            dense_tma.launch_dense_fwd_tma(q, k, vt, o_lse, lse, **kw)
+            dense_tma.launch_dense_fwd_tma(q, k, vt, o_rs, None, **kw)
+            if causal:
+                assert torch.equal(o_rs.view(torch.uint8), o_lse.view(torch.uint8))
+            else:
+                assert_row_scaled(o_rs, o_lse, out_scale is not None)
+                _reference_check(q, k, v, qd, kd, vd, o_rs, None, causal, 0.088, out_scale=out_scale)
+    lens_q, lens_k = [300, 1, 517, 128], [300, 50, 901, 128]
+    vq, vk, vv, vqd, vkd, vvd, cu_q, cu_k = _varlen_case(lens_q, lens_k, d=d)
+    o_lse, _ = _varlen_run(vq, vk, vv, vqd, vkd, vvd, cu_q, cu_k, False)
+    o_rs, _ = _varlen_run(vq, vk, vv, vqd, vkd, vvd, cu_q, cu_k, False, with_lse=False)
+    assert_row_scaled(o_rs, o_lse)
+
+
 def _on_both_kernels(monkeypatch, q, k, vt, out, lse, **kw):
     """``[(out, lse) of the warp-specialized kernel, (out, lse) of the 8-warp kernel]`` for the same call,
     the kernel choice (``_use_ws``) forced, each written into NaN-filled tensors shaped like out / lse."""
@@ -748,7 +800,7 @@ def _varlen_case(lens_q, lens_k, hq=8, hk=2, d=128):
     return q, k, v, qd, kd, vd, cu_q, cu_k
 
 
-def _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=True):
+def _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=True, with_lse=True):
     calls = []
     real = dense_tma._launch_varlen
 
@@ -757,7 +809,7 @@ def _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=True):
         return real(*a, **kw)
 
     out = torch.full((*q.shape[:2], v.shape[-1]), float("nan"), device="cuda", dtype=torch.bfloat16)
-    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda") if with_lse else None
     lens_q, lens_k = (cu[1:] - cu[:-1] for cu in (cu_q, cu_k))
     dense_tma._launch_varlen = spy
     old = os.environ.get("FP8ATTN_DENSE_BACKEND")

@@ -177,6 +177,23 @@ def test_gpu_bits_equal_dense_tma(d, causal):
     assert torch.equal(lse, ld)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, v_rows", [(64, False), (128, False), (16, True), (64, True)])
+def test_gpu_row_sums_without_lse(page_size, v_rows):
+    """A non-causal chunk without an LSE: the kernel sums each row's e4m3 P on the tensor core, so its output
+    is the LSE call's up to one factor per row (``assert_row_scaled``; an empty sequence's zero rows aside),
+    with NaN past the sequences' ends, masked last tiles and fewer keys than queries; it passes the
+    reference rule."""
+    from test_kernel_dense_tma import assert_row_scaled
+    sq = 256
+    q, c, dk = _inputs([sq, sq + 77, sq + 1000, 100, 0], sq, page_size, 8, 2, 128, "cuda", v_rows)
+    out, _ = _run(q, c, dk, False)
+    out_rs, _ = _run(q, c, dk, False, with_lse=False)
+    assert_row_scaled(out_rs, out)
+    ref, _, lp = refs(q, c, quantize_p=True, causal=False, **dk)
+    check(out_rs, None, ref, None, lp)
+
+
 def _repaged(c, page_size):
     """The cache ``c`` (FA3's layout) as pages of ``page_size`` in sequence order, NaN past each end."""
     seqlens = c["cache_seqlens"]

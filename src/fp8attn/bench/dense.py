@@ -5,7 +5,9 @@ FA3's setup: 16 heads, batch * seqlen = 16k, seqlen 512..16k, head dims 64/128/2
 ``ms_v_pretransposed`` is the kernel alone with V already stored sequence-contiguous, and
 ``ms_v_inkernel`` reads the (batch, seqlen, heads, dim) V directly (the transpose is left to Triton);
 ``ms_graph`` / ``ms_v_pretransposed_graph`` replay the first two from CUDA graphs (no host time in
-them, where the eager short cases may have some).
+them, where the eager short cases may have some). These calls write no LSE, as the cuDNN peer runs
+(``is_inference``); ``ms_v_pretransposed_lse_graph`` is the kernel alone writing the LSE too (the fp32 row
+sums, where the calls without one sum the e4m3 P on the tensor core when non-causal).
 Peers: cudnn_fp8 (cuDNN FP8 SDPA through the cudnn-frontend wheel), sdpa_cudnn_bf16,
 sdpa_flash_bf16 (torch SDPA backends), flex_bf16 (FlexAttention, compiled; d128 only to bound compile
 time).
@@ -129,9 +131,10 @@ def run(out_dir=None, quick=False):
                 kw = dict(softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0,
                           q_descale=qd, k_descale=kd, v_descale=vd)
                 vt = transpose_v_kmajor(v8)
-                ours_fn = lambda: launch_dense_fwd(q8, k8, v8, out, lse, **kw)  # noqa: E731
-                pre_fn = lambda: launch_dense_fwd(q8, k8, vt, out, lse, **kw, v_kmajor=False)  # noqa: E731
-                ink_fn = lambda: launch_dense_fwd(q8, k8, v8, out, lse, **kw, v_kmajor=False)  # noqa: E731
+                ours_fn = lambda: launch_dense_fwd(q8, k8, v8, out, None, **kw)  # noqa: E731
+                pre_fn = lambda: launch_dense_fwd(q8, k8, vt, out, None, **kw, v_kmajor=False)  # noqa: E731
+                ink_fn = lambda: launch_dense_fwd(q8, k8, v8, out, None, **kw, v_kmajor=False)  # noqa: E731
+                pre_lse_fn = lambda: launch_dense_fwd(q8, k8, vt, out, lse, **kw, v_kmajor=False)  # noqa: E731
                 ours_fn()
                 ms = time_ms(ours_fn)
                 ours = {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None}
@@ -147,7 +150,8 @@ def run(out_dir=None, quick=False):
                         ours[f"error_{key}"] = f"{type(e).__name__}: {str(e)[:200]}"
                 # The same calls replayed from CUDA graphs: at short lengths the eager times can include
                 # host time (the row-major path launches a V transpose and allocates per call).
-                for key, fn in (("graph", ours_fn), ("v_pretransposed_graph", pre_fn)):
+                for key, fn in (("graph", ours_fn), ("v_pretransposed_graph", pre_fn),
+                                ("v_pretransposed_lse_graph", pre_lse_fn)):
                     call, graphed = graph_replay([fn])
                     if graphed:
                         t = time_ms(call)

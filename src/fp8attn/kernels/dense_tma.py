@@ -163,6 +163,28 @@ def _layouts(tiles, out_fp8, v_rows=False, k_rows=None):
             gl.NVMMASharedLayout.get_default_for([rows, dv], f8 if out_fp8 else gl.bfloat16))
 
 
+@functools.lru_cache(maxsize=None)
+def _ones_layout(tile_keys):
+    """Shared-memory layout of the warp-specialized kernels' (16, keys) tile of e4m3 ones."""
+    return gl.NVMMASharedLayout.get_default_for([_ONES_ROWS, tile_keys], gl.float8e4nv)
+
+
+_ONES_ROWS = 16  # columns of the row-sum MMA: the narrowest wgmma (8) read half the sums on the H200
+_ONES = {}
+
+
+def _ones(device):
+    """The (16, 128) e4m3 ones that the warp-specialized kernels load once per CTA for their row sums
+    (``tma_parts._row_sum_issue``), one tensor per device. Under CUDA-graph capture a first call makes
+    its own (the graph's fill runs before each replay's launch) and keeps none."""
+    t = _ONES.get(device)
+    if t is None:
+        t = torch.ones(_ONES_ROWS, BLOCK_N, device=device, dtype=torch.float8_e4m3fn)
+        if not torch.cuda.is_current_stream_capturing():
+            _ONES[device] = t
+    return t
+
+
 def _kernel_for(head_dim, ws):
     """(kernel, num_warps) (the warp-specialized kernel adds 5 worker warps)."""
     if ws:
@@ -496,7 +518,8 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
 
     Parameters
     ----------
-    descs : four (tensor, shape, strides, block_shape) tuples: the Q, K, V and output TMA views.
+    descs : four (tensor, shape, strides, block_shape) tuples: the Q, K, V and output TMA views (the
+        warp-specialized kernels' fifth, their tile of ones, is added here).
     args : the kernel's remaining run-time arguments in signature order.
     consts : the constexprs in ``_CONST_NAMES`` order: (CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES), and HEAD_DIM
         for the warp-specialized kernel, and MODE and V_ROWS for the bounded one.
@@ -507,10 +530,12 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
     n_ptr = len(_BOUNDED_PTR_ARGS if bounded else _PTR_ARGS)
     tiles = tiles or _tiles(d, ws)
     k_rows = descs[1][3][0]  # K's box: the tile's keys, or up to one page of them
+    if ws:  # the warp-specialized kernels' tile of ones (row sums)
+        descs = (*descs, (_ones(descs[0][0].device), [_ONES_ROWS, BLOCK_N], [BLOCK_N, 1], [_ONES_ROWS, tiles[3]]))
     key = (dev, d, kernel, tiles, k_rows) + consts
     ck = _COMPILED.get(key)
     if ck is None or _launch_hooks_set() or max(args[n_ptr:-1]) >= 2 ** 31:
-        layouts = _layouts(tiles, consts[2], bounded and consts[6], k_rows)
+        layouts = _layouts(tiles, consts[2], bounded and consts[6], k_rows) + (_ones_layout(tiles[3]),)
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
         ck = kernel[grid](*tds, *args, **dict(zip(_CONST_NAMES + ("MODE", "V_ROWS"), consts)), num_warps=num_warps)
@@ -563,6 +588,7 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
         "q_desc": desc([rows, dh], ql), "k_desc": desc([kb, dh], kl),
         "v_desc": desc([kb, dh] if v_rows else [dv, bn], vl),
         "o_desc": desc([rows, dv], ol, "fp8e4nv" if out_fp8 else "bf16"),
+        **({"ones_desc": desc([_ONES_ROWS, bn], _ones_layout(bn))} if ws else {}),
         **{n: "*i32" if n in ("PageTable", "SeqlensK", "BlockList") else
            ("*fp8e4nv" if out_fp8 else "*bf16") if n == "Out" else "*fp32" for n in ptrs},
         **{n: "i32" for n in ints},

@@ -25,14 +25,15 @@ _E4M3_MAX = gl.constexpr(448.0)
 
 @gluon.jit
 def _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o: gl.constexpr, MASKED: gl.constexpr,
-                      n_lim=0, KEY_LIMIT: gl.constexpr = False):
+                      n_lim=0, KEY_LIMIT: gl.constexpr = False, ROW_SUM: gl.constexpr = True):
     """One online-softmax step on a raw fp32 S tile (wgmma accumulator layout).
 
     MASKED applies the bottom-right causal mask (key n visible to query m iff
     n <= m + shift) as -inf on the raw logits; only the diagonal tile needs it. KEY_LIMIT (paged
     caches) also hides keys n >= n_lim, the slots past the sequence's end, whatever they hold.
     Returns P in fp32 (S's layout; ``_p_operand`` makes the e4m3 A operand of P V), alpha in
-    the O row layout, new m and l.
+    the O row layout, new m and l. Without ROW_SUM, l is returned as given: the caller sums the
+    tile's e4m3 P on the tensor core instead (``_row_sum_issue``).
     """
     s_layout: gl.constexpr = s.type.layout
     if MASKED:
@@ -53,8 +54,28 @@ def _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o: gl.constexpr,
     alpha = gl.exp2(m_i - m_use)
     # one FFMA per element: s * scale - (m - 8)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_use - _P_OFFSET, 1))
-    l_new = l_i * alpha + gl.sum(p, axis=1)  # fp32 sum before the cast; 2^8 cancels in acc / l
+    if ROW_SUM:
+        l_new = l_i * alpha + gl.sum(p, axis=1)  # fp32 sum before the cast; 2^8 cancels in acc / l
+    else:
+        l_new = l_i
     return p, gl.convert_layout(alpha, row_o), m_new, l_new
+
+@gluon.jit
+def _row_sum_issue(p8, ones):
+    """Issue P @ ones on the tensor core (async): ``p8`` the e4m3 A operand of P V (64 rows x keys), ``ones``
+    a (16, keys) e4m3 tile of ones in shared memory (loaded by TMA). Every column of the (64, 16) fp32
+    result is the row's sum of the P that P V multiplies (``_row_sum``)."""
+    NO: gl.constexpr = ones.shape[0]
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, NO, 32])
+    a = gl.convert_layout(p8, gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4))
+    return warpgroup_mma(a, ones.permute((1, 0)), gl.zeros([p8.shape[0], NO], gl.float32, l_layout),
+                         use_acc=False, is_async=True)
+
+@gluon.jit
+def _row_sum(ls, row_o: gl.constexpr):
+    """The row sums of a retired ``_row_sum_issue`` in the O row layout (its columns are equal)."""
+    return gl.convert_layout(gl.max(ls, axis=1), row_o)
 
 @gluon.jit
 def _p_operand(p, p_layout: gl.constexpr):

@@ -29,7 +29,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM: gl.constexpr,
                CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, BlockList,
                stride_pt, page_size, MODE: gl.constexpr, v_raw=None, v_raw_ready=None,
-               V_ROWS: gl.constexpr = False):
+               V_ROWS: gl.constexpr = False, ones_desc=None, ones=None, ones_ready=None):
     """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
     through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
     while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
@@ -46,7 +46,11 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     coordinates into ``v_raw`` and transposed into ``v_smem`` by this partition one tile behind the
     loads (``_ws_transpose_v``), so that tile g's K and V are in flight while tile g - 1 is
     transposed; its tiles are 128 keys for every page size, in boxes of up to one page (16, 32 or
-    64 keys: ``_tile_keys``)."""
+    64 keys: ``_tile_keys``).
+
+    First, once: the consumers' tile of e4m3 ones (``ones_desc``) into ``ones`` (non-causal row sums;
+    written by TMA: a tile stored from registers did not read back correctly in the wgmma, see
+    docs/perf-notes.md, dense round 15)."""
     MH: gl.constexpr = q_desc.block_type.shape[0]
     KB: gl.constexpr = k_desc.block_type.shape[0]
     TN: gl.constexpr = _tile_keys(KB, V_ROWS)
@@ -57,6 +61,9 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     g = 0
     it = 0
     lim = 0  # V_ROWS: keys holding data in the tile loaded last (>= TN: all)
+    if not CAUSAL and HEAD_DIM != 256:
+        mbarrier.expect(ones_ready, ones_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(ones_desc, [0, 0], ones_ready, ones)
     n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, BlockList, MODE)
     for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
         t = _ws_round_robin(r)
@@ -214,10 +221,11 @@ def _tile_keys(box_rows, v_rows):
     return 128 if v_rows else box_rows
 
 @gluon.jit
-def _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
              N_TURN: gl.constexpr, V_ROWS: gl.constexpr = False):
     """The warp-specialized kernels' shared memory, mbarriers initialized: ``(q_smem, k_smem, v_smem,
-    o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, v_raw_ready)``. ``turn``
+    o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, v_raw_ready, ones,
+    ones_ready)``, ``ones`` the tile of ``ones_desc`` (16 x the tile's keys). ``turn``
     holds N_TURN single-arrival barriers: the consumers' two turns (the paged kernel, N_TURN = 3, adds
     its V tail barrier). V_ROWS (``v_desc`` a box of key rows, as K's): ``v_raw`` is a ring of such
     boxes with TMA barriers ``v_raw_ready``, ``v_smem`` their transposes (else both alias V's)."""
@@ -250,6 +258,8 @@ def _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES: gl.constexpr, HEAD_DIM:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES * NV, DV, TN], v_desc.layout)
         v_raw = v_smem
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [2 * NV, MH, DV], o_desc.layout)
+    ones = gl.allocate_shared_memory(ones_desc.dtype, ones_desc.block_type.shape, ones_desc.layout)
+    ones_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [N_TURN, 1], mbarrier.MBarrierLayout())
@@ -263,6 +273,7 @@ def _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES: gl.constexpr, HEAD_DIM:
             mbarrier.init(v_raw_ready.index(i), count=1)
     else:
         v_raw_ready = v_ready
+    mbarrier.init(ones_ready, count=1)
     for w in gl.static_range(4):  # (Q buffer, consumer)
         mbarrier.init(q_ready.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
@@ -276,11 +287,11 @@ def _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES: gl.constexpr, HEAD_DIM:
     fence_async_shared()
     gl.thread_barrier()
     return q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
-        v_raw_ready
+        v_raw_ready, ones, ones_ready
 
 @gluon.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_PTR_ARGS)
 def _dense_fwd_tma_ws_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
+    q_desc, k_desc, v_desc, o_desc, ones_desc, Lse, QDs, KDs, VDs, OutScale,
     stride_lb, stride_lh, stride_lm,
     stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
     seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
@@ -296,8 +307,8 @@ def _dense_fwd_tma_ws_kernel(
     consumer's softmax runs while the other's MMAs use the tensor cores, and a block's epilogue
     overlaps the next block's first loads. Consumers run at 240 registers, the producer at 24. Same
     softmax step, accumulation and epilogues as the other kernels (the same bits)."""
-    q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, _, _ = _ws_smem(
-        q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 2)
+    q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, _, _, ones, \
+        ones_ready = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, 2)
 
     # (the argument tuples are written out: a tuple held in a variable loses the constexpr flags)
     gl.warp_specialize([
@@ -305,20 +316,22 @@ def _dense_fwd_tma_ws_kernel(
                         v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                         seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                        OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0)),
+                        OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+                        ones_ready)),
         (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                         v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                         seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                        OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0)),
+                        OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+                        ones_ready)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                       k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
-                      NUM_STAGES, Lse, Lse, Lse, 0, 1, 0)),
+                      NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready)),
     ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 @gluon.jit(do_not_specialize=_BOUNDED_INT_ARGS, do_not_specialize_on_alignment=_BOUNDED_PTR_ARGS)
 def _bounded_fwd_tma_ws_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale, PageTable, SeqlensK, BlockList, Out,
+    q_desc, k_desc, v_desc, o_desc, ones_desc, Lse, QDs, KDs, VDs, OutScale, PageTable, SeqlensK, BlockList, Out,
     stride_lb, stride_lh, stride_lm,
     stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
     stride_pt, page_size, stride_om, stride_oh, seqlen_q, nheads_q, nheads_k, batch, softmax_scale_log2,
@@ -338,7 +351,8 @@ def _bounded_fwd_tma_ws_kernel(
     32 registers for boxes under 64 keys, else 24)."""
     gl.static_assert(HEAD_DIM != 256)
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
-        v_raw_ready = _ws_smem(q_desc, k_desc, v_desc, o_desc, NUM_STAGES, HEAD_DIM, 3, V_ROWS)
+        v_raw_ready, ones, ones_ready = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM,
+                                                 3, V_ROWS)
     v_clean = turn.index(2)
     LOADER_WARPS: gl.constexpr = 4 if V_ROWS else 1
     # A 12-warp CTA's register pool is 168 x 384 = 64512: a 24-register producer leaves both consumers
@@ -352,15 +366,15 @@ def _bounded_fwd_tma_ws_kernel(
                         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                         seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                         OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
-                        v_clean, MODE, V_ROWS)),
+                        v_clean, MODE, V_ROWS, ones, ones_ready)),
         (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                         v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                         seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                         OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
-                        v_clean, MODE, V_ROWS)),
+                        v_clean, MODE, V_ROWS, ones, ones_ready)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                       k_empty, v_empty, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
                       NUM_STAGES, PageTable, SeqlensK, BlockList, stride_pt, page_size, MODE, v_raw, v_raw_ready,
-                      V_ROWS)),
+                      V_ROWS, ones_desc, ones, ones_ready)),
     ], [4, LOADER_WARPS], [_WS_CONSUMER_REGS, LOADER_REGS])

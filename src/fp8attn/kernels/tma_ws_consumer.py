@@ -11,8 +11,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .tma_parts import (_block_scales, _finalize_rows, _normalize_rows, _out_scale_inv, _p_operand, _pv_quarter,
-                        _row_lse, _softmax_tile_f32, _store_lse, _store_rows, _store_rows_masked, _ws_block,
-                        _ws_num_blocks, _ws_round_robin)
+                        _row_lse, _row_sum, _row_sum_issue, _softmax_tile_f32, _store_lse, _store_rows,
+                        _store_rows_masked, _ws_block, _ws_num_blocks, _ws_round_robin)
 
 
 @gluon.jit
@@ -40,11 +40,13 @@ def _ws_qk(q_smem, qi, k_smem, ks, zero_s, NQK: gl.constexpr):
 def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready, k_empty,
                   v_empty, turn, WG: gl.constexpr, zero_s, zero_o, qk_scale, mw, shift, p_layout: gl.constexpr,
                   row_o: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, n_lim=0,
-                  KEY_LIMIT: gl.constexpr = False):
+                  KEY_LIMIT: gl.constexpr = False, ones=None, ROWSUM_MMA: gl.constexpr = False):
     """KV tile j >= 1 of one consumer's query block (``g``: the same tile's index in this CTA's K/V
     ring, ``k``: this consumer's turn count): in its turn, issue S_j = Q K_j^T and P_{j-1} V_{j-1}
     (fresh accumulator), pass the turn, then softmax_j while P_{j-1} V_{j-1} runs, then add it to acc.
-    ``n_lim`` / KEY_LIMIT: as ``_softmax_tile_f32``."""
+    ROWSUM_MMA: P_{j-1}'s row sums are issued with P_{j-1} V_{j-1} (``_row_sum_issue`` on ``ones``) and
+    added to l as P V is to acc (l then lags the softmax by one tile, as acc does; l is in O's row
+    layout). ``n_lim`` / KEY_LIMIT: as ``_softmax_tile_f32``."""
     TN: gl.constexpr = k_smem.shape[1]
     p8 = _p_operand(p, p_layout)
     ks = g % NUM_STAGES
@@ -54,15 +56,21 @@ def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, q_smem, qi, k_smem, v_s
     s_tok = _ws_qk(q_smem, qi, k_smem, ks, zero_s, 1)
     mbarrier.wait(v_ready.index(vp), ((g - 1) // NUM_STAGES) & 1)
     pv_tok = warpgroup_mma(p8, v_smem.index(vp).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    if ROWSUM_MMA:
+        ls_tok = _row_sum_issue(p8, ones)
     _ws_turn_pass(turn, WG)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+    s = warpgroup_mma_wait(num_outstanding=2 if ROWSUM_MMA else 1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks))
-    p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, j * TN, shift, row_o, MASKED, n_lim,
-                                           KEY_LIMIT)
+    p, alpha, m_i, l_new = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, j * TN, shift, row_o, MASKED, n_lim,
+                                             KEY_LIMIT, not ROWSUM_MMA)
     acc = acc * gl.expand_dims(alpha_prev, 1)
-    pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+    if ROWSUM_MMA:
+        pv, ls = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, ls_tok])
+        l_new = l_i * alpha_prev + _row_sum(ls, row_o)
+    else:
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
     mbarrier.arrive(v_empty.index(vp))
-    return p, alpha, m_i, l_i, acc + pv
+    return p, alpha, m_i, l_new, acc + pv
 
 @gluon.jit
 def _ws_block_begin(t, n_blocks, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
@@ -86,10 +94,11 @@ def _ws_block_begin(t, n_blocks, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds
 @gluon.jit
 def _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG: gl.constexpr, g0, k0, it, zero_s,
                    qk_scale, mw, shift, row_o: gl.constexpr, NQK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, n_lim=0, KEY_LIMIT: gl.constexpr = False):
+                   CAUSAL: gl.constexpr, n_lim=0, KEY_LIMIT: gl.constexpr = False,
+                   ROWSUM_MMA: gl.constexpr = False):
     """KV tile 0 of a block: S_0 in this consumer's turn, then its softmax (masked under CAUSAL, where
     tile 0 may be on the diagonal, or KEY_LIMIT). Returns ``(p, alpha, m_i, l_i)`` as
-    ``_softmax_tile_f32``."""
+    ``_softmax_tile_f32``; ROWSUM_MMA: l_i zero in O's row layout (``_ws_tile_step``)."""
     m_i = gl.full([zero_s.shape[0]], float("-inf"), gl.float32, gl.SliceLayout(1, zero_s.type.layout))
     l_i = gl.zeros([zero_s.shape[0]], gl.float32, gl.SliceLayout(1, zero_s.type.layout))
     mbarrier.wait(q_ready.index(qi // NQK), (it // 2) & 1)
@@ -100,7 +109,11 @@ def _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG: gl.c
     _ws_turn_pass(turn, WG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks0))
-    return _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL or KEY_LIMIT, n_lim, KEY_LIMIT)
+    p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL or KEY_LIMIT, n_lim,
+                                           KEY_LIMIT, not ROWSUM_MMA)
+    if ROWSUM_MMA:
+        l_i = gl.convert_layout(l_i, row_o)
+    return p, alpha, m_i, l_i
 
 @gluon.constexpr_function
 def _ws_mma_layouts(NW, TN, DO):
@@ -117,12 +130,14 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
                  seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL: gl.constexpr,
                  WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
                  HEAD_DIM: gl.constexpr, SeqlensK, BlockList, Out, stride_om, stride_oh, v_clean,
-                 MODE: gl.constexpr, V_ROWS: gl.constexpr = False):
+                 MODE: gl.constexpr, V_ROWS: gl.constexpr = False, ones=None, ones_ready=None):
     """Consumer WG (4 warps): rows 64 WG .. 64 WG + 63 of each of this CTA's query blocks, walked in the
     producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or ``_ws_attend_d256``.
     MODE != dense (head dims 64, 128): per-sequence bounds (``_ws_block``), the V tail barrier
     ``v_clean`` (``_ws_clean_v_tail``); varlen rows are stored through ``Out`` (row stride
-    ``stride_om``, head stride ``stride_oh``) with a row mask."""
+    ``stride_om``, head stride ``stride_oh``) with a row mask. ``ones`` (ready on ``ones_ready``, loaded
+    once by the producer): the e4m3 ones tile of the row sums of non-causal calls without an LSE
+    (``_ws_attend``)."""
     gl.static_assert(gl.num_warps() == 4)
     MH: gl.constexpr = q_smem.shape[1]
     TN: gl.constexpr = k_smem.shape[1]
@@ -139,6 +154,8 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     nc = 0  # per-sequence bounds: blocks whose last V tile was cleaned (``v_clean``'s phase)
     n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, BlockList, MODE)
     out_inv = _out_scale_inv(OutScale, OUT_FP8)
+    if not CAUSAL and not WRITE_LSE and HEAD_DIM != 256:  # (``_ws_attend``'s row sums on the tensor core)
+        mbarrier.wait(ones_ready, 0)
     for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
         t = _ws_round_robin(r)
         if t < n_blocks:
@@ -156,7 +173,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
                            k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                            o_desc, Lse, out_inv, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
                            o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, sk, v_clean, nc & 1, q_row,
-                           len_q, Out, stride_om, stride_oh, MODE, V_ROWS)
+                           len_q, Out, stride_om, stride_oh, MODE, V_ROWS, ones)
                 if MODE != 0:
                     nc += (n_tiles * TN > sk).to(gl.int32)
             g0 += n_tiles
@@ -170,19 +187,25 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
                stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o, o_layout: gl.constexpr,
                p_layout: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr,
                NUM_STAGES: gl.constexpr, seqlen_k=0, v_clean=None, clean_phase=0, q_row=0, len_q=0, Out=None,
-               stride_om=0, stride_oh=0, MODE: gl.constexpr = 0, V_ROWS: gl.constexpr = False):
+               stride_om=0, stride_oh=0, MODE: gl.constexpr = 0, V_ROWS: gl.constexpr = False, ones=None):
     """One consumer's 64 rows of one query block, head dims 64 and 128: Q in buffer ``qi``, KV tiles
     from ring position ``g0``, turns from ``k0``; normalized rows stored by TMA, LSE by plain stores.
     Per-sequence bounds (MODE != dense): ``seqlen_k`` keys of any count; tiles that every row of this
     consumer sees whole run unmasked, the others (tile 0, the diagonal, the sequence's end) masked,
     and the last V tile is cleaned past the end (``_ws_clean_v_tail``, phase ``clean_phase``). Varlen:
-    the sequence's ``len_q`` queries start at row ``q_row``; rows past them are not stored."""
+    the sequence's ``len_q`` queries start at row ``q_row``; rows past them are not stored.
+    Non-causal without an LSE, the row sums come from the tensor core (``_row_sum_issue`` on the ``ones``
+    tile, issued with each P V): the output is normalized by the sum of the e4m3 P that P V multiplied,
+    and the softmax step has no fp32 sum chain (H200: d64 +5-8%, d128 +1-3%). With an LSE the sum is the
+    fp32 one of the unrounded P, so the LSE is exact (and final before the last P V, where it is stored);
+    causal keeps it too (docs/perf-notes.md, dense round 15)."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     TN: gl.constexpr = k_smem.shape[1]
+    RS: gl.constexpr = not CAUSAL and not WRITE_LSE
     acc = gl.zeros(zero_o.shape, gl.float32, o_layout)
     p, alpha, m_i, l_i = _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
                                         zero_s, qk_scale, mw, shift, row_o, 1, NUM_STAGES, CAUSAL, seqlen_k,
-                                        MODE != 0)
+                                        MODE != 0, RS)
 
     if MODE != 0:
         n_plain = gl.minimum(gl.maximum(gl.minimum(mw + shift + 1, seqlen_k) // TN, 1), n_tiles)
@@ -190,12 +213,12 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
             p, alpha, m_i, l_i, acc = _ws_tile_step(
                 j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
                 k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
-                False)
+                False, ones=ones, ROWSUM_MMA=RS)
         for j in range(n_plain, n_tiles):
             p, alpha, m_i, l_i, acc = _ws_tile_step(
                 j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
                 k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
-                True, seqlen_k, True)
+                True, seqlen_k, True, ones, RS)
     else:
         # fully visible tiles; with CAUSAL the last tile is the diagonal one, masked
         n_plain = n_tiles - 1 if CAUSAL else n_tiles
@@ -203,7 +226,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
             p, alpha, m_i, l_i, acc = _ws_tile_step(
                 j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
                 k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
-                False)
+                False, ones=ones, ROWSUM_MMA=RS)
         if CAUSAL:
             if n_tiles > 1:
                 jm = n_tiles - 1
@@ -232,9 +255,15 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     _ws_turn_wait(turn, WG, k0 + n_tiles)
     mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
     pv_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    if RS:
+        ls_tok = _row_sum_issue(p8, ones)
     _ws_turn_pass(turn, WG)
     acc = acc * gl.expand_dims(alpha, 1)
-    pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+    if RS:
+        pv, ls = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, ls_tok])
+        l_i = l_i * alpha + _row_sum(ls, row_o)
+    else:
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
     mbarrier.arrive(v_empty.index(vs))
     mbarrier.arrive(q_empty.index(qi))  # every S MMA of this block has completed
     acc = acc + pv
