@@ -288,28 +288,16 @@ def _dense_fwd_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
 
-    if HAS_WINDOW:  # masked tiles left of the fully visible ones exist only with a left window
+    # Three runs of KV tiles: masked ones left of the fully visible tiles (only with a left window), the
+    # fully visible ones (no masks), the masked rest (the diagonal, the keys' end); unrolled, one call each.
+    for run in tl.static_range(0 if HAS_WINDOW else 1, 3):
         acc, m_i, l_i = _attn_inner(
             acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
-            offs_m, offs_d, offs_dv, lo, full_lo, seqlen_q, seqlen_k, head_dim, head_dim_v,
-            qk_scale, softcap, window_left, window_right, kds_block, k_start,
-            True, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk, offs_m, offs_d, offs_dv,
+            lo if run == 0 else full_lo if run == 1 else full_hi, full_lo if run == 0 else full_hi if run == 1 else hi,
+            seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, softcap, window_left, window_right, kds_block,
+            k_start, run != 1, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
             BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV)
-    acc, m_i, l_i = _attn_inner(
-        acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
-        offs_m, offs_d, offs_dv, full_lo, full_hi, seqlen_q, seqlen_k, head_dim, head_dim_v,
-        qk_scale, softcap, window_left, window_right, kds_block, k_start,
-        False, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
-        BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV)
-    acc, m_i, l_i = _attn_inner(
-        acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_kds_blk,
-        offs_m, offs_d, offs_dv, full_hi, hi, seqlen_q, seqlen_k, head_dim, head_dim_v,
-        qk_scale, softcap, window_left, window_right, kds_block, k_start,
-        True, CAUSAL, HAS_WINDOW, SOFTCAP, P_FP8, DESCALE_MODE,
-        BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV)
 
     # ---- epilogue --------------------------------------------------------------------------
     out, lse = finalize_rows(acc, m_i, l_i, v_descale, P_FP8)

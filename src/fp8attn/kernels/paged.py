@@ -248,26 +248,21 @@ def _query_block(seq, q_start, qlen, qblk, kvh, split,
         # partial last tile) run masked. All bounds are multiples of BLOCK_N inside [start, end]. Each
         # loop holds its own shared-memory ring, so launches whose ring would not fit twice (16-bit
         # caches) run one masked loop over every tile.
+        full_lo = start
         full_hi = start
         if UNMASKED_TILES:
             full_lo, full_hi = full_tile_range(tok_lo, tok_hi, qlen, kv_len, window_left, window_right,
                                                CAUSAL, HAS_WINDOW, BLOCK_N, start, end)
-            if HAS_WINDOW:  # without a left window full_lo == start
-                m_i, l_i, acc = _kv_loop(
-                    start, full_lo, True, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i,
-                    acc, scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp,
-                    s_ksh, s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL,
-                    HAS_WINDOW, SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8, V_SEQ_MAJOR)
+        # Up to three loops, unrolled: masked tiles left of the fully visible ones (a left window: without
+        # one full_lo == start), the fully visible ones, the masked rest; one masked loop without UNMASKED_TILES.
+        FIRST_RUN: tl.constexpr = (0 if HAS_WINDOW else 1) if UNMASKED_TILES else 2
+        for run in tl.static_range(FIRST_RUN, 3):
             m_i, l_i, acc = _kv_loop(
-                full_lo, full_hi, False, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc,
+                start if run == 0 else full_lo if run == 1 else full_hi, full_lo if run == 0 else full_hi if run == 1
+                else end, run != 1, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc,
                 scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
                 s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
                 SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8, V_SEQ_MAJOR)
-        m_i, l_i, acc = _kv_loop(
-            full_hi, end, True, end, last_pg, pt_row, q, tok, qlen, kv_len, kvh, K, V, KS, VS, m_i, l_i, acc,
-            scale, softcap, window_left, window_right, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ksb, s_ksp, s_ksh,
-            s_vsb, s_vsp, s_vsh, offs_d, offs_dv, dmask, dvmask, BLOCK_N, PAGE_SIZE, CAUSAL, HAS_WINDOW,
-            SOFTCAP, HAS_KS, HAS_VS, MMA_FP8, CDT, TILE_IN_PAGE, P_FP8, V_SEQ_MAJOR)
 
         out, lse = finalize_rows(acc, m_i, l_i, v_descale, P_FP8)
         o_ptrs = O + seq64 * s_ob + tok_g[:, None] * s_ot + hq[:, None] * s_oh + offs_dv[None, :]
