@@ -55,22 +55,36 @@ def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, q_smem, qi, k_smem, v_s
     mbarrier.wait(k_ready.index(ks), (g // NUM_STAGES) & 1)
     s_tok = _ws_qk(q_smem, qi, k_smem, ks, zero_s, 1)
     mbarrier.wait(v_ready.index(vp), ((g - 1) // NUM_STAGES) & 1)
-    pv_tok = warpgroup_mma(p8, v_smem.index(vp).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-    if ROWSUM_MMA:
-        ls_tok = _row_sum_issue(p8, ones)
+    pv_tok, ls_tok = _ws_pv_issue(p8, v_smem.index(vp), ones, zero_o, ROWSUM_MMA)
     _ws_turn_pass(turn, WG)
     s = warpgroup_mma_wait(num_outstanding=2 if ROWSUM_MMA else 1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks))
     p, alpha, m_i, l_new = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, j * TN, shift, row_o, MASKED, n_lim,
                                              KEY_LIMIT, not ROWSUM_MMA)
     acc = acc * gl.expand_dims(alpha_prev, 1)
+    pv, l_prev = _ws_pv_retire(pv_tok, ls_tok, l_i, alpha_prev, row_o, ROWSUM_MMA)
+    mbarrier.arrive(v_empty.index(vp))
+    return p, alpha, m_i, l_prev if ROWSUM_MMA else l_new, acc + pv
+
+@gluon.jit
+def _ws_pv_issue(p8, v_buf, ones, zero_o, ROWSUM_MMA: gl.constexpr):
+    """Issue P V (fresh accumulator) from V buffer ``v_buf`` and, with ROWSUM_MMA, P's row sums
+    (``_row_sum_issue``): ``(pv_tok, ls_tok)`` (without ROWSUM_MMA ``ls_tok`` repeats ``pv_tok``, unused)."""
+    pv_tok = warpgroup_mma(p8, v_buf.permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    if ROWSUM_MMA:
+        return pv_tok, _row_sum_issue(p8, ones)
+    else:
+        return pv_tok, pv_tok
+
+@gluon.jit
+def _ws_pv_retire(pv_tok, ls_tok, l_i, alpha, row_o: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+    """Wait for ``_ws_pv_issue``'s MMAs: ``(pv, l)``, with ROWSUM_MMA ``l = l_i * alpha + rowsum`` (else l_i)."""
     if ROWSUM_MMA:
         pv, ls = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, ls_tok])
-        l_new = l_i * alpha_prev + _row_sum(ls, row_o)
+        l_i = l_i * alpha + _row_sum(ls, row_o)
     else:
         pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
-    mbarrier.arrive(v_empty.index(vp))
-    return p, alpha, m_i, l_new, acc + pv
+    return pv, l_i
 
 @gluon.jit
 def _ws_block_begin(t, n_blocks, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
@@ -254,16 +268,10 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
         _ws_clean_v_tail(v_smem.index(vs), (n_tiles - 1) * TN, seqlen_k, v_clean, clean_phase, WG)
     _ws_turn_wait(turn, WG, k0 + n_tiles)
     mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
-    pv_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-    if RS:
-        ls_tok = _row_sum_issue(p8, ones)
+    pv_tok, ls_tok = _ws_pv_issue(p8, v_smem.index(vs), ones, zero_o, RS)
     _ws_turn_pass(turn, WG)
     acc = acc * gl.expand_dims(alpha, 1)
-    if RS:
-        pv, ls = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok, ls_tok])
-        l_i = l_i * alpha + _row_sum(ls, row_o)
-    else:
-        pv = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
+    pv, l_i = _ws_pv_retire(pv_tok, ls_tok, l_i, alpha, row_o, RS)
     mbarrier.arrive(v_empty.index(vs))
     mbarrier.arrive(q_empty.index(qi))  # every S MMA of this block has completed
     acc = acc + pv
