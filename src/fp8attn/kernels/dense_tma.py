@@ -169,7 +169,9 @@ def _ones_layout(tile_keys):
     return gl.NVMMASharedLayout.get_default_for([_ONES_ROWS, tile_keys], gl.float8e4nv)
 
 
-_ONES_ROWS = 16  # columns of the row-sum MMA: the narrowest wgmma (8) read half the sums on the H200
+# Columns of the row-sum MMA (every column is the sum). 16 is the width measured in the kernels; a standalone
+# H200 check summed right with TMA-loaded tiles of 8 and 16 (perf-notes dense round 15).
+_ONES_ROWS = 16
 _ONES = {}
 
 

@@ -309,7 +309,9 @@ def _dense_fwd_tma_ws_kernel(
     their MMAs (S_j and P_{j-1} V_{j-1} together; at head dim 256 S_j and P V's first quarter), so one
     consumer's softmax runs while the other's MMAs use the tensor cores, and a block's epilogue
     overlaps the next block's first loads. Consumers run at 240 registers, the producer at 24. Same
-    softmax step, accumulation and epilogues as the other kernels (the same bits)."""
+    softmax step, accumulation and epilogues as the other kernels (the same bits), except that
+    non-causal calls without an LSE take their row sums from the tensor core (``ones_desc``, a (16, keys)
+    tile of e4m3 ones; ``tma_ws_consumer._ws_attend``)."""
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, _, _, ones, \
         ones_ready = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, 2)
 
