@@ -112,15 +112,24 @@ def _chunk_cu_seqlens(cu_q, cu_k, max_q, max_k, chunk):
     c = torch.arange(first, last + 2, device=cu_q.device, dtype=torch.int64)[None, :] * chunk
     q_bounds = torch.minimum((c - (lk - lq)).clamp_min(0), lq)
     k_bounds = torch.minimum(c.clamp_min(0), lk)
-    new_q = torch.cat(((cu_q[:-1, None].long() + q_bounds[:, :-1]).flatten(), cu_q[-1:].long()))
-    new_k = torch.cat(((cu_k[:-1, None].long() + k_bounds[:, :-1]).flatten(), cu_k[-1:].long()))
-    return new_q.to(torch.int32), new_k.to(torch.int32), last - first + 1
+    return _piece_offsets(cu_q, q_bounds), _piece_offsets(cu_k, k_bounds), last - first + 1
+
+
+def _piece_offsets(cu, bounds):
+    """int32 varlen offsets of pieces: sequence b's piece r spans rows ``bounds[b, r] .. bounds[b, r + 1]`` of
+    the sequence (``bounds``: (batch, pieces + 1) int64, non-decreasing, last column its length)."""
+    return torch.cat(((cu[:-1, None].long() + bounds[:, :-1]).flatten(), cu[-1:].long())).to(torch.int32)
+
+
+def _per_piece(descales, pieces):
+    """(batch, heads) descales repeated for each of a sequence's ``pieces`` chunk pieces (None stays None)."""
+    return tuple(x.repeat_interleave(pieces, dim=0) if x is not None else None for x in descales)
 
 
 def _chunked_varlen(q, k, v, cu_q, cu_k, max_q, max_k, chunk, qd, kd, vd, **kw):
     """A varlen call with ``attention_chunk`` as one varlen call over its chunk pieces (``_chunk_cu_seqlens``)."""
     cq, ck, pieces = _chunk_cu_seqlens(cu_q, cu_k, max_q, max_k, chunk)
-    qd, kd, vd = (x.repeat_interleave(pieces, dim=0) if x is not None else None for x in (qd, kd, vd))
+    qd, kd, vd = _per_piece((qd, kd, vd), pieces)
     return ops.dense_fwd(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=min(chunk, max_q),
                          max_seqlen_k=min(chunk, max_k), q_descale=qd, k_descale=kd, v_descale=vd, **kw)
 
@@ -402,12 +411,12 @@ def _chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, contiguous, c
     starts = (c0 + torch.arange(pieces + 1, device=q.device, dtype=torch.int64)[None, :]) * chunk
     q_bounds = torch.minimum((starts - begin).clamp_min(0), lq)
     q_bounds[:, 0] = 0
-    cu_pieces = torch.cat(((cu_q[:-1, None].long() + q_bounds[:, :-1]).flatten(), cu_q[-1:].long())).to(torch.int32)
+    cu_pieces = _piece_offsets(cu_q, q_bounds)
     lens = (torch.minimum(starts[:, 1:], end) - starts[:, :-1]).clamp_min(0)  # keys of each piece
     width = min(pt.shape[1], chunk // ps)
     cols = (starts[:, :-1, None] // ps) + torch.arange(width, device=q.device, dtype=torch.int64)[None, None, :]
     rows = pt.long().gather(1, cols.clamp(0, pt.shape[1] - 1).flatten(1)).view(batch * pieces, width)
-    qd, kd, vd = (x.repeat_interleave(pieces, dim=0) if x is not None else None for x in descales)
+    qd, kd, vd = _per_piece(descales, pieces)
     out = kw.pop("out")
     packed = out if varlen else _packed_out(out, qp.shape[0])
     o, lse = ops.paged_fwd(qp, k_cache, v_cache, rows.to(torch.int32), lens.flatten().to(torch.int32),
@@ -744,7 +753,8 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
         shape (checked, not used: the split count is ``num_splits``).
     cache_seqlens : (batch,) int32 tensor; the metadata is made on its device.
     num_splits : 0 = fp8attn's heuristic (fixed from the call's shapes), 1 = no split, n = n KV splits.
-    attention_chunk, sm_margin : must be 0 (as in :func:`flash_attn_with_kvcache`).
+    attention_chunk, sm_margin : must be 0 here (the result carries only the split count; pass
+        ``attention_chunk`` to :func:`flash_attn_with_kvcache` itself).
     qkv_dtype, headdim_v, cu_seqlens_q, cu_seqlens_k_new, cache_leftpad, page_size, max_seqlen_k_new, causal,
         window_size, has_softcap, pack_gqa : accepted for FA3 parity; they do not change the result.
 
@@ -763,7 +773,8 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
             ok = False
         if not ok:
             raise ValueError(f"{name}: expected an int >= 0, got {val!r}. Pass the call's shape.")
-    C.unsupported("attention_chunk", attention_chunk, 0, "chunked-local attention is not implemented")
+    C.unsupported("attention_chunk", attention_chunk, 0, "the metadata carries only the split count; pass "
+                  "attention_chunk to flash_attn_with_kvcache itself")
     C.unsupported("sm_margin", sm_margin, 0)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected a tensor (its device is the metadata's), got "
