@@ -60,6 +60,12 @@ def _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o: gl.constexpr,
         l_new = l_i
     return p, gl.convert_layout(alpha, row_o), m_new, l_new
 
+@gluon.constexpr_function
+def _rowsum_mma(causal, write_lse, head_dim):
+    """Whether a warp-specialized call takes its row sums from the tensor core (``_row_sum_issue``):
+    non-causal calls without an LSE at head dims 64 and 128; the others sum in fp32, so an LSE is exact."""
+    return not causal and not write_lse and head_dim != 256
+
 @gluon.jit
 def _row_sum_issue(p8, ones):
     """Issue P @ ones on the tensor core (async): ``p8`` the e4m3 A operand of P V (64 rows x keys), ``ones``

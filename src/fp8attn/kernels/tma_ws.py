@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .tma_signature import _PTR_ARGS, _INT_ARGS, _BOUNDED_PTR_ARGS, _BOUNDED_INT_ARGS
-from .tma_parts import _ws_block, _ws_num_blocks, _ws_round_robin
+from .tma_parts import _rowsum_mma, _ws_block, _ws_num_blocks, _ws_round_robin
 from .tma_ws_consumer import _ws_consumer
 
 
@@ -29,7 +29,8 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM: gl.constexpr,
                CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, BlockList,
                stride_pt, page_size, MODE: gl.constexpr, v_raw=None, v_raw_ready=None,
-               V_ROWS: gl.constexpr = False, ones_desc=None, ones=None, ones_ready=None):
+               V_ROWS: gl.constexpr = False, ones_desc=None, ones=None, ones_ready=None,
+               WRITE_LSE: gl.constexpr = True):
     """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
     through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
     while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
@@ -48,9 +49,10 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     transposed; its tiles are 128 keys for every page size, in boxes of up to one page (16, 32 or
     64 keys: ``_tile_keys``).
 
-    First, once: the consumers' tile of e4m3 ones (``ones_desc``) into ``ones`` (non-causal row sums;
-    written by TMA: a tile stored from registers did not read back correctly in the wgmma, see
-    docs/perf-notes.md, dense round 15)."""
+    First, once, where the consumers take their row sums from the tensor core (``_rowsum_mma``): their
+    tile of e4m3 ones (``ones_desc``) into ``ones`` (written by TMA: a tile stored from registers did not
+    read back correctly in the wgmma, see docs/perf-notes.md, dense round 15). The consumers wait for it
+    before their first block, so it has landed before the CTA exits."""
     MH: gl.constexpr = q_desc.block_type.shape[0]
     KB: gl.constexpr = k_desc.block_type.shape[0]
     TN: gl.constexpr = _tile_keys(KB, V_ROWS)
@@ -61,7 +63,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     g = 0
     it = 0
     lim = 0  # V_ROWS: keys holding data in the tile loaded last (>= TN: all)
-    if not CAUSAL and HEAD_DIM != 256:
+    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM):
         mbarrier.expect(ones_ready, ones_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(ones_desc, [0, 0], ones_ready, ones)
     n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, BlockList, MODE)
@@ -141,9 +143,6 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     if V_ROWS:
         if g > 0:
             _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g - 1, lim, NUM_STAGES)
-    if not CAUSAL and HEAD_DIM != 256:
-        # the ones tile has landed before the CTA exits (calls with an LSE load it without using it)
-        mbarrier.wait(ones_ready, 0)
 
 @gluon.constexpr_function
 def _transpose_layout(D, num_warps):
@@ -331,7 +330,8 @@ def _dense_fwd_tma_ws_kernel(
                         ones_ready)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                       k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
-                      NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready)),
+                      NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready,
+                      WRITE_LSE)),
     ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 @gluon.jit(do_not_specialize=_BOUNDED_INT_ARGS, do_not_specialize_on_alignment=_BOUNDED_PTR_ARGS)
@@ -381,5 +381,5 @@ def _bounded_fwd_tma_ws_kernel(
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                       k_empty, v_empty, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
                       NUM_STAGES, PageTable, SeqlensK, BlockList, stride_pt, page_size, MODE, v_raw, v_raw_ready,
-                      V_ROWS, ones_desc, ones, ones_ready)),
+                      V_ROWS, ones_desc, ones, ones_ready, WRITE_LSE)),
     ], [4, LOADER_WARPS], [_WS_CONSUMER_REGS, LOADER_REGS])

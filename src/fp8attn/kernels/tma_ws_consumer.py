@@ -11,7 +11,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .tma_parts import (_block_scales, _finalize_rows, _normalize_rows, _out_scale_inv, _p_operand, _pv_quarter,
-                        _row_lse, _row_sum, _row_sum_issue, _softmax_tile_f32, _store_lse, _store_rows,
+                        _row_lse, _row_sum, _row_sum_issue, _rowsum_mma, _softmax_tile_f32, _store_lse, _store_rows,
                         _store_rows_masked, _ws_block, _ws_num_blocks, _ws_round_robin)
 
 
@@ -168,7 +168,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     nc = 0  # per-sequence bounds: blocks whose last V tile was cleaned (``v_clean``'s phase)
     n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, BlockList, MODE)
     out_inv = _out_scale_inv(OutScale, OUT_FP8)
-    if not CAUSAL and not WRITE_LSE and HEAD_DIM != 256:  # (``_ws_attend``'s row sums on the tensor core)
+    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM):  # (``_ws_attend``'s row sums on the tensor core)
         mbarrier.wait(ones_ready, 0)
     for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
         t = _ws_round_robin(r)
@@ -215,7 +215,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     causal keeps it too (docs/perf-notes.md, dense round 15)."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     TN: gl.constexpr = k_smem.shape[1]
-    RS: gl.constexpr = not CAUSAL and not WRITE_LSE
+    RS: gl.constexpr = _rowsum_mma(CAUSAL, WRITE_LSE, zero_o.shape[1])
     acc = gl.zeros(zero_o.shape, gl.float32, o_layout)
     p, alpha, m_i, l_i = _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
                                         zero_s, qk_scale, mw, shift, row_o, 1, NUM_STAGES, CAUSAL, seqlen_k,
