@@ -303,6 +303,10 @@ if not causal:  # without an LSE: the row sums on the tensor core (tma_parts._ro
         k = dense_tma._aot_compile(causal, write_lse=False, head_dim=128, **kw)
         assert k.asm["cubin"], "no cubin"
         print("ok no lse", 128, kw, k.metadata.shared)
+    for lse in (False, True):  # three consumer warpgroups (dense_tma.ws_config(consumers=3))
+        k = dense_tma._aot_compile(causal, write_lse=lse, head_dim=64, consumers=3)
+        assert k.asm["cubin"], "no cubin"
+        print("ok three consumers", lse, k.metadata.shared)
 """
 
 
@@ -311,12 +315,13 @@ def test_aot_compile_sm90(causal):
     """Every variant of the Gluon kernels (head dim 64/128/256, at 128 and 256 the warp-specialized and the
     8-warp kernels, x bf16/e4m3 output), and the paged-cache kernel at head dims 64 and 128 (and with 64-key
     tiles, and with V in K's layout in boxes of a tile or of a smaller page), in varlen mode and varlen over
-    pages, and non-causal without an LSE (row sums on the tensor core), compiles for sm90 without a GPU (in a
+    pages, and non-causal without an LSE (row sums on the tensor core) and with three consumers, compiles for sm90 without a GPU (in a
     clean process: no interpreter mode). One process per mask,
     so that each stays well inside the subprocess timeout on a loaded machine."""
     out = _run_sm90_snippet(_AOT_SNIPPET.replace("CAUSAL", str(causal)))
     # non-causal without an LSE: the row sums on the tensor core (8 more variants)
-    assert out.count("ok ") == (34 if causal else 42), out[-3000:]
+    # non-causal: also the three-consumer variant, with and without an LSE (2 more)
+    assert out.count("ok ") == (34 if causal else 44), out[-3000:]
 
 
 def _run_sm90_snippet(snippet):
@@ -730,6 +735,42 @@ def test_gpu_tma_row_sums_without_lse(d):
     o_lse, _ = _varlen_run(vq, vk, vv, vqd, vkd, vvd, cu_q, cu_k, False)
     o_rs, _ = _varlen_run(vq, vk, vv, vqd, vkd, vvd, cu_q, cu_k, False, with_lse=False)
     assert_row_scaled(o_rs, o_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq,sk", [(128, 256), (640, 384), (1152, 1280)])
+def test_gpu_tma_three_consumers_d64(sq, sk, monkeypatch):
+    """The warp-specialized kernel's three-consumer variant (``dense_tma.ws_config(consumers=3)``: head dim 64
+    without a causal mask, 192-row blocks, 64-key tiles): a sequence's last block may end past it (here by 64
+    or 128 rows, which in a batch are the next sequence's), and those rows are neither stored nor written to
+    the LSE. Against the reference and against the default two consumers, with and without an LSE, bf16 and
+    fused e4m3 output, GQA, per-(batch, kv head) descales; and bit-identical on a repeat."""
+    _need_sm90()
+    assert dense_tma.ws_config(64, False)[0] == 2
+    q, k, v, qd, kd, vd, out, lse = _case(b=3, sq=sq, sk=sk, hq=6, hk=2, d=64, device="cuda")
+    vt = transpose_v_kmajor(v)
+    default = dense_tma.ws_config
+    for out_scale in (None, torch.tensor([0.21], device="cuda")):
+        kw = dict(softmax_scale=0.125, causal=False, q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale)
+        dt = E4M3 if out_scale is not None else torch.bfloat16
+        runs = {}
+        for consumers in (3, 2):
+            monkeypatch.setattr(dense_tma, "ws_config",
+                                lambda d, c, n=None, consumers=consumers: default(d, c, consumers))
+            for with_lse in (True, False):
+                o = torch.full(out.shape, float("nan"), device="cuda").to(dt)
+                ls = torch.full_like(lse, float("nan")) if with_lse else None
+                dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, **kw)
+                _reference_check(q, k, v, qd, kd, vd, o, ls, False, 0.125, out_scale=out_scale)
+                runs[consumers, with_lse] = (o, ls)
+        o3, l3 = runs[3, True]
+        torch.testing.assert_close(l3, runs[2, True][1], atol=1e-3, rtol=1e-4)
+        assert_row_scaled(runs[3, False][0], o3, out_scale is not None)
+        monkeypatch.setattr(dense_tma, "ws_config", lambda d, c, n=None: default(d, c, 3))
+        o = torch.full(out.shape, float("nan"), device="cuda").to(dt)
+        ls = torch.full_like(lse, float("nan"))
+        dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, **kw)
+        assert torch.equal(o.view(torch.uint8), o3.view(torch.uint8)) and torch.equal(ls, l3)
 
 
 def _on_both_kernels(monkeypatch, q, k, vt, out, lse, **kw):

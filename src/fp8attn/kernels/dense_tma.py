@@ -67,7 +67,7 @@ except ImportError:  # triton without Gluon: the fast path is simply unavailable
     HAS_GLUON = False
 
 from ..launch_rules import tma_options_reason, window_flags
-from .common import fill_varlen_block_list
+from .common import cdiv, fill_varlen_block_list
 # the kernels' signature; MODE_* and ENTRY are also read here by the paged launchers and the tests
 from .tma_signature import (_BOUNDED_PTR_ARGS, _PTR_ARGS, BLOCK_M, BLOCK_N, ENTRY, HEAD_DIMS, MODE_PAGED,
                             MODE_PAGED_VARLEN, MODE_VARLEN, NUM_STAGES, NUM_WARPS)
@@ -138,6 +138,20 @@ def _use_ws(head_dim, causal, seqlen_q):
     4-5% slower there on a one-block-per-CTA grid than the 8-warp kernel (H200, S16k)."""
     return head_dim in _WS_HEAD_DIMS and not (
         head_dim == 64 and causal and seqlen_q > _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q)
+
+
+def ws_config(head_dim, causal, consumers=None):
+    """``(consumers, keys per KV tile, ring stages)`` of the warp-specialized dense kernel: two consumer
+    warpgroups over ``_tiles``' tiles and ``NUM_STAGES`` ring stages. ``consumers=3`` (head dim 64 without a
+    causal mask): three over 192-row blocks and 64-key tiles in a 4-stage ring (with 128-key tiles their 160
+    registers spill the accumulator in the loop). Not the default: on the H200 it ran at 0.88-0.94x the two
+    consumers' speed without an LSE (the tensor-core row sums lose their gain at 64-key tiles) and
+    1.007-1.017x with one from 4k queries (docs/perf-notes.md, dense round 16)."""
+    if consumers is None:
+        consumers = 2
+    if consumers == 3:
+        return 3, 64, 4
+    return 2, _tiles(head_dim, True)[3], NUM_STAGES
 
 
 def _tiles(head_dim, ws):
@@ -392,19 +406,23 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     out_fp8 = out_scale is not None
     ws = _use_ws(d, causal, sq)
     rows, dh, dv, bn = _tiles(d, ws)
+    nc, stages = 2, NUM_STAGES
+    if ws:
+        nc, bn, stages = ws_config(d, causal)
     descs = ((q, *_rows_2d(q), [rows, dh]), (k, *_rows_2d(k), [bn, dh]),
              (v_kmajor, *_vt_2d(v_kmajor), [dv, bn]), (out, *_rows_2d(out), [rows, dv]))
     ls = lse.stride() if lse is not None else (0, 0, 0)
     args = (lse if lse is not None else q_descale, q_descale, k_descale, v_descale,
             out_scale if out_fp8 else q_descale, *ls, *q_descale.stride(), *k_descale.stride(),
             *v_descale.stride(), sq, sk, hq, hk, batch, float(softmax_scale) * _LOG2E)
-    blocks = (sq // BLOCK_M, batch * hq)
     if ws:
-        grid = ws_grid(blocks[0] * blocks[1], causal, sq, q.device.index)
+        grid = ws_grid(cdiv(sq, nc * rows) * batch * hq, causal, sq, q.device.index)
     else:
-        grid = blocks
-    _launch(d, ws, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES) + ((d,) if ws else ()))
+        grid = (sq // BLOCK_M, batch * hq)
+    _launch(d, ws, grid, descs, args, (bool(causal), lse is not None, out_fp8, stages) + ((d, nc) if ws else ()),
+            tiles=(rows, dh, dv, bn))
     return out, lse
+
 
 
 def _launch_varlen(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale, k_descale, v_descale, out_scale,
@@ -524,7 +542,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
         warp-specialized kernels' fifth, their tile of ones, is added here).
     args : the kernel's remaining run-time arguments in signature order.
     consts : the constexprs in ``_CONST_NAMES`` order: (CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES), and HEAD_DIM
-        for the warp-specialized kernel, and MODE and V_ROWS for the bounded one.
+        and CONSUMERS for the warp-specialized kernel, HEAD_DIM, MODE and V_ROWS for the bounded one.
     """
     drv = triton.runtime.driver.active  # the device and stream triton's own launch would use
     dev = drv.get_current_device()
@@ -540,7 +558,8 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
         layouts = _layouts(tiles, consts[2], bounded and consts[6], k_rows) + (_ones_layout(tiles[3]),)
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
-        ck = kernel[grid](*tds, *args, **dict(zip(_CONST_NAMES + ("MODE", "V_ROWS"), consts)), num_warps=num_warps)
+        names = _CONST_NAMES + (("MODE", "V_ROWS") if bounded else ("CONSUMERS",))
+        ck = kernel[grid](*tds, *args, **dict(zip(names, consts)), num_warps=num_warps)
         if _DIRECT_LAUNCH and not hasattr(ck, "result"):
             _COMPILED[key] = ck
         return
@@ -552,7 +571,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
 # ahead-of-time compile (inspection without a GPU)
 # ---------------------------------------------------------------------------------------------
 def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None, mode=None, block_n=None,
-                 v_rows=False, box=None):
+                 v_rows=False, box=None, consumers=None):
     """Compile the kernel for ``sm_{arch}`` without a GPU; returns triton's compiled kernel.
 
     Arguments get the specializations of a launch: none (the jit decorator turns them off).
@@ -560,6 +579,8 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
     with per-sequence bounds (``_bounded_fwd_tma_ws_kernel``, ``MODE_*``; head dims 64 and 128),
     ``block_n`` its keys per tile, ``v_rows`` its V in K's layout (``V_ROWS``), ``box`` the rows of its K and
     V boxes when fewer than the tile's keys (16, 32, 64, with ``v_rows``: ``paged_tma.box_rows``).
+    ``consumers``: the dense warp-specialized kernel's consumer warpgroups, with ``block_n`` and the ring's
+    stages from ``ws_config`` unless given.
     """
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -567,6 +588,10 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
     bounded = mode is not None
     ws = (head_dim in _WS_HEAD_DIMS if ws is None else ws) or bounded
     tiles = _tiles(head_dim, ws)
+    stages = NUM_STAGES
+    if ws and not bounded:
+        consumers, cfg_bn, stages = ws_config(head_dim, causal, consumers)
+        tiles = (*tiles[:3], cfg_bn)
     if block_n:
         tiles = (*tiles[:3], block_n)
     rows, dh, dv, bn = tiles
@@ -598,10 +623,13 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
         "CAUSAL": "constexpr", "WRITE_LSE": "constexpr", "OUT_FP8": "constexpr", "NUM_STAGES": "constexpr",
     }
     consts = {"CAUSAL": bool(causal), "WRITE_LSE": bool(write_lse), "OUT_FP8": bool(out_fp8),
-              "NUM_STAGES": NUM_STAGES}
+              "NUM_STAGES": stages}
     if ws:
         sig["HEAD_DIM"] = "constexpr"
         consts["HEAD_DIM"] = head_dim
+    if ws and not bounded:
+        sig["CONSUMERS"] = "constexpr"
+        consts["CONSUMERS"] = consumers
     if bounded:
         sig["MODE"] = sig["V_ROWS"] = "constexpr"
         consts["MODE"] = int(mode)

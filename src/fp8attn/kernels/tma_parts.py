@@ -334,7 +334,7 @@ def _ws_block(t, n_blocks, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, BM: gl
         _, _, hk, m0, shift, n_tiles = _query_block(qblk, b * nheads_q + h, len_q, seqlen_k, nheads_q, nheads_k,
                                                     BM, BN, CAUSAL, True)
     else:
-        pid_m, pid_bh = _ws_block_of(t, seqlen_q // BM, batch * nheads_q, CAUSAL)
+        pid_m, pid_bh = _ws_block_of(t, _ws_query_blocks(seqlen_q, BM), batch * nheads_q, CAUSAL)
         if MODE == 1:
             seqlen_k = gl.load(SeqlensK + pid_bh // nheads_q)
         b, h, hk, m0, shift, n_tiles = _query_block(pid_m, pid_bh, seqlen_q, seqlen_k, nheads_q, nheads_k, BM,
@@ -350,7 +350,16 @@ def _ws_num_blocks(seqlen_q, batch, nheads_q, BM: gl.constexpr, BlockList, MODE:
     if MODE >= 2:
         return gl.load(BlockList) * nheads_q
     else:
-        return (seqlen_q // BM) * batch * nheads_q
+        return _ws_query_blocks(seqlen_q, BM) * batch * nheads_q
+
+@gluon.jit
+def _ws_query_blocks(seqlen_q, BM: gl.constexpr):
+    """Query blocks per sequence of fixed length: ``seqlen_q`` is a multiple of 128 (``dense_tma.supported``),
+    so 128-row blocks divide it; 192-row blocks (three consumers) may end past it."""
+    if BM == 128:
+        return seqlen_q // BM
+    else:
+        return gl.cdiv(seqlen_q, BM)
 
 @gluon.jit
 def _ws_block_of(t, n_mb, n_bh, CAUSAL: gl.constexpr):

@@ -23,6 +23,7 @@ from .tma_ws_consumer import _ws_consumer
 # -----------------------------------------------------------------------------------------
 _WS_CONSUMER_REGS = gl.constexpr(240)  # 2 x 128 threads x 240 + 32 x 24 <= 64K registers per SM
 _WS_LOADER_REGS = gl.constexpr(24)
+_WS3_CONSUMER_REGS = gl.constexpr(160)  # three consumers: 3 x 128 x 160 + 32 x 24 <= 64K
 
 @gluon.jit
 def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
@@ -60,28 +61,29 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     NV: gl.constexpr = 1 if V_ROWS else HEAD_DIM // v_desc.block_type.shape[0]
     DQK: gl.constexpr = q_desc.block_type.shape[1]
     DV: gl.constexpr = v_desc.block_type.shape[0]
+    NC: gl.constexpr = q_ready.shape[0] // 2  # consumers
     g = 0
     it = 0
     lim = 0  # V_ROWS: keys holding data in the tile loaded last (>= TN: all)
     if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM):
         mbarrier.expect(ones_ready, ones_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(ones_desc, [0, 0], ones_ready, ones)
-    n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, BlockList, MODE)
+    n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, NC * MH, BlockList, MODE)
     for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
         t = _ws_round_robin(r)
         if t < n_blocks:
             b, h, hk, m0, shift, n_tiles, sk, q_row, k_row0, len_q = _ws_block(
-                t, n_blocks, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK,
+                t, n_blocks, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, NC * MH, TN, CAUSAL, SeqlensK,
                 BlockList, MODE)
             qb = it % 2
             qph = ((it // 2) & 1) ^ 1  # the first two blocks' waits pass on fresh barriers
-            for w in gl.static_range(2):
-                mbarrier.wait(q_empty.index(2 * qb + w), qph)
-                mbarrier.expect(q_ready.index(2 * qb + w), NQK * q_desc.block_type.nbytes)
+            for w in gl.static_range(NC):
+                mbarrier.wait(q_empty.index(NC * qb + w), qph)
+                mbarrier.expect(q_ready.index(NC * qb + w), NQK * q_desc.block_type.nbytes)
                 for hh in gl.static_range(NQK):
                     tma.async_copy_global_to_shared(q_desc, [q_row + m0 + w * MH, h * HEAD_DIM + hh * DQK],
-                                                    q_ready.index(2 * qb + w),
-                                                    q_smem.index(NQK * (2 * qb + w) + hh))
+                                                    q_ready.index(NC * qb + w),
+                                                    q_smem.index(NQK * (NC * qb + w) + hh))
             if KB < TN:  # the first tile's box rows (the next tiles' are loaded one tile ahead)
                 rows = _box_rows(PageTable, b, stride_pt, 0, sk, page_size, TN, KB)
             for tt in range(n_tiles):
@@ -224,13 +226,14 @@ def _tile_keys(box_rows, v_rows):
 
 @gluon.jit
 def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
-             N_TURN: gl.constexpr, V_ROWS: gl.constexpr = False):
-    """The warp-specialized kernels' shared memory, mbarriers initialized: ``(q_smem, k_smem, v_smem,
-    o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, v_raw_ready, ones,
-    ones_ready)``, ``ones`` the tile of ``ones_desc`` (16 x the tile's keys). ``turn``
-    holds N_TURN single-arrival barriers: the consumers' two turns (the paged kernel, N_TURN = 3, adds
-    its V tail barrier). V_ROWS (``v_desc`` a box of key rows, as K's): ``v_raw`` is a ring of such
-    boxes with TMA barriers ``v_raw_ready``, ``v_smem`` their transposes (else both alias V's)."""
+             NC: gl.constexpr, BOUNDED: gl.constexpr, V_ROWS: gl.constexpr = False):
+    """The warp-specialized kernels' shared memory for NC consumers, mbarriers initialized: ``(q_smem,
+    k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, v_raw_ready,
+    ones, ones_ready, v_clean)``, ``ones`` the tile of ``ones_desc`` (16 x the tile's keys). ``turn`` holds
+    the consumers' NC single-arrival turn barriers and, BOUNDED, the V tail barrier ``v_clean`` after them
+    (else ``v_clean`` aliases a turn barrier, unused). The partitions read NC from ``q_ready`` (2 NC). Q and its
+    barriers: (Q buffer, consumer). V_ROWS (``v_desc`` a box of key rows, as K's): ``v_raw`` is a ring of
+    such boxes with TMA barriers ``v_raw_ready``, ``v_smem`` their transposes (else both alias V's)."""
     MH: gl.constexpr = q_desc.block_type.shape[0]
     DQK: gl.constexpr = q_desc.block_type.shape[1]
     TN: gl.constexpr = _tile_keys(k_desc.block_type.shape[0], V_ROWS)
@@ -245,10 +248,10 @@ def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr
         gl.static_assert((NQK == 1) and (NV == 1) and (HEAD_DIM == 64 or HEAD_DIM == 128))
         # one 128-row block = one KV tile: the diagonal tile is the last (the paged kernel masks by
         # bounds and also runs 64-key tiles, for 64-slot pages)
-        gl.static_assert(TN == 2 * MH or (N_TURN == 3 and TN == MH))
+        gl.static_assert(TN == 2 * MH or (BOUNDED and TN == MH) or (NC == 3 and TN == MH))
 
     # Q: (Q buffer, consumer, box); K: (stage, box); V: (stage, box); O: (consumer, box)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [4 * NQK, MH, DQK], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NC * NQK, MH, DQK], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES * NQK, TN, DQK], k_desc.layout)
     if V_ROWS:
         gl.static_assert(NV == 1)
@@ -259,12 +262,13 @@ def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr
     else:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES * NV, DV, TN], v_desc.layout)
         v_raw = v_smem
-    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2 * NV, MH, DV], o_desc.layout)
+    o_smem = gl.allocate_shared_memory(o_desc.dtype, [NC * NV, MH, DV], o_desc.layout)
     ones = gl.allocate_shared_memory(ones_desc.dtype, ones_desc.block_type.shape, ones_desc.layout)
     ones_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [N_TURN, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2 * NC, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2 * NC, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NC + BOUNDED, 1], mbarrier.MBarrierLayout())
+    v_clean = turn.index(NC + BOUNDED - 1)  # (without BOUNDED a turn barrier, unused)
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -276,20 +280,20 @@ def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr
     else:
         v_raw_ready = v_ready
     mbarrier.init(ones_ready, count=1)
-    for w in gl.static_range(4):  # (Q buffer, consumer)
+    for w in gl.static_range(2 * NC):  # (Q buffer, consumer)
         mbarrier.init(q_ready.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
-    for w in gl.static_range(N_TURN):
+    for w in gl.static_range(NC + BOUNDED):
         mbarrier.init(turn.index(w), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=NC)  # one arrive per consumer
+        mbarrier.init(v_empty.index(i), count=NC)
     fence_async_shared()
     gl.thread_barrier()
     return q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
-        v_raw_ready, ones, ones_ready
+        v_raw_ready, ones, ones_ready, v_clean
 
 @gluon.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_PTR_ARGS)
 def _dense_fwd_tma_ws_kernel(
@@ -298,41 +302,70 @@ def _dense_fwd_tma_ws_kernel(
     stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
     seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
+    HEAD_DIM: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     """Head dims 64, 128 and 256 (``_WS_HEAD_DIMS``), warp-specialized as in FA3, and persistent: a
     grid of one CTA per SM walks the query blocks in rounds (``_ws_round_robin``, ``_ws_block_of``); a
     grid of one CTA per block (long causal inputs) runs one each. A 1-warp TMA producer fills a
     double-buffered Q and a K/V ring shared by all of the CTA's blocks (ready / empty mbarriers, no
-    CTA-wide barrier in the loop); two 4-warp consumers own 64 query rows each and take turns issuing
+    CTA-wide barrier in the loop); CONSUMERS 4-warp consumers own 64 query rows each and take turns issuing
     their MMAs (S_j and P_{j-1} V_{j-1} together; at head dim 256 S_j and P V's first quarter), so one
-    consumer's softmax runs while the other's MMAs use the tensor cores, and a block's epilogue
-    overlaps the next block's first loads. Consumers run at 240 registers, the producer at 24. Same
-    softmax step, accumulation and epilogues as the other kernels (the same bits), except that
-    non-causal calls without an LSE take their row sums from the tensor core (``ones_desc``, a (16, keys)
-    tile of e4m3 ones; ``tma_ws_consumer._ws_attend``)."""
+    consumer's softmax runs while the others' MMAs use the tensor cores, and a block's epilogue overlaps
+    the next block's first loads. Two consumers run at 240 registers. Three (``dense_tma.ws_config``; head
+    dim 64, non-causal, 64-key tiles: 192-row blocks, the last of a sequence partly past its end and those
+    rows not stored) run at ``_WS3_CONSUMER_REGS``, each softmax having two other consumers' MMAs to hide
+    under. The producer runs at 24. Same softmax step, accumulation and epilogues as the other kernels (with
+    two consumers the same bits), except that non-causal calls without an LSE take their row sums from the
+    tensor core (``ones_desc``, a (16, keys) tile of e4m3 ones; ``tma_ws_consumer._ws_attend``)."""
+    gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and HEAD_DIM == 64 and not CAUSAL))
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, _, _, ones, \
-        ones_ready = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, 2)
+        ones_ready, _ = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, CONSUMERS, False)
 
     # (the argument tuples are written out: a tuple held in a variable loses the constexpr flags)
-    gl.warp_specialize([
-        (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                        v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
-                        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                        seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                        OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
-                        ones_ready)),
-        (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                        v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
-                        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                        seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                        OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
-                        ones_ready)),
-        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                      k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
-                      NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready,
-                      WRITE_LSE)),
-    ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+                            ones_ready)),
+            (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+                            ones_ready)),
+            (_ws_consumer, (2, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+                            ones_ready)),
+            (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
+                          NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready,
+                          WRITE_LSE)),
+        ], [4, 4, 1], [_WS3_CONSUMER_REGS, _WS3_CONSUMER_REGS, _WS_LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+                            ones_ready)),
+            (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
+                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+                            ones_ready)),
+            (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
+                          NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready,
+                          WRITE_LSE)),
+        ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 @gluon.jit(do_not_specialize=_BOUNDED_INT_ARGS, do_not_specialize_on_alignment=_BOUNDED_PTR_ARGS)
 def _bounded_fwd_tma_ws_kernel(
@@ -356,9 +389,8 @@ def _bounded_fwd_tma_ws_kernel(
     32 registers for boxes under 64 keys, else 24)."""
     gl.static_assert(HEAD_DIM != 256)
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
-        v_raw_ready, ones, ones_ready = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM,
-                                                 3, V_ROWS)
-    v_clean = turn.index(2)
+        v_raw_ready, ones, ones_ready, v_clean = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES,
+                                                          HEAD_DIM, 2, True, V_ROWS)
     LOADER_WARPS: gl.constexpr = 4 if V_ROWS else 1
     # A 12-warp CTA's register pool is 168 x 384 = 64512: a 24-register producer leaves both consumers
     # their 240. Boxes under 64 keys (pages of 16, 32) keep 32: their producer holds more page-table

@@ -17,13 +17,15 @@ from .tma_parts import (_block_scales, _finalize_rows, _normalize_rows, _out_sca
 
 @gluon.jit
 def _ws_turn_wait(turn, WG: gl.constexpr, k):
-    """Wait for this consumer's k-th turn to issue MMAs. Consumer 0 goes first (its wait on the
-    fresh barrier's parity 1 passes); consumer 1's k-th turn is consumer 0's k-th pass."""
-    mbarrier.wait(turn.index(WG), (k + 1 - WG) & 1)
+    """Wait for this consumer's k-th turn to issue MMAs. The turn goes round the consumers (``turn``
+    starts with one barrier per consumer): consumer 0 goes first (its wait on the fresh barrier's parity 1
+    passes) and its k-th turn follows the last consumer's (k - 1)-th pass; consumer WG > 0's k-th turn is
+    consumer WG - 1's k-th pass."""
+    mbarrier.wait(turn.index(WG), (k + (WG == 0)) & 1)
 
 @gluon.jit
-def _ws_turn_pass(turn, WG: gl.constexpr):
-    mbarrier.arrive(turn.index(1 - WG))
+def _ws_turn_pass(turn, WG: gl.constexpr, NC: gl.constexpr):
+    mbarrier.arrive(turn.index((WG + 1) % NC))
 
 @gluon.jit
 def _ws_qk(q_smem, qi, k_smem, ks, zero_s, NQK: gl.constexpr):
@@ -40,13 +42,14 @@ def _ws_qk(q_smem, qi, k_smem, ks, zero_s, NQK: gl.constexpr):
 def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready, k_empty,
                   v_empty, turn, WG: gl.constexpr, zero_s, zero_o, qk_scale, mw, shift, p_layout: gl.constexpr,
                   row_o: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, n_lim=0,
-                  KEY_LIMIT: gl.constexpr = False, ones=None, ROWSUM_MMA: gl.constexpr = False):
+                  KEY_LIMIT: gl.constexpr = False, ones=None, ROWSUM_MMA: gl.constexpr = False,
+                  NC: gl.constexpr = 2):
     """KV tile j >= 1 of one consumer's query block (``g``: the same tile's index in this CTA's K/V
     ring, ``k``: this consumer's turn count): in its turn, issue S_j = Q K_j^T and P_{j-1} V_{j-1}
     (fresh accumulator), pass the turn, then softmax_j while P_{j-1} V_{j-1} runs, then add it to acc.
     ROWSUM_MMA: P_{j-1}'s row sums are issued with P_{j-1} V_{j-1} (``_row_sum_issue`` on ``ones``) and
     added to l as P V is to acc (l then lags the softmax by one tile, as acc does; l is in O's row
-    layout). ``n_lim`` / KEY_LIMIT: as ``_softmax_tile_f32``."""
+    layout). ``n_lim`` / KEY_LIMIT: as ``_softmax_tile_f32``. NC: the consumers taking turns."""
     TN: gl.constexpr = k_smem.shape[1]
     p8 = _p_operand(p, p_layout)
     ks = g % NUM_STAGES
@@ -56,7 +59,7 @@ def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, q_smem, qi, k_smem, v_s
     s_tok = _ws_qk(q_smem, qi, k_smem, ks, zero_s, 1)
     mbarrier.wait(v_ready.index(vp), ((g - 1) // NUM_STAGES) & 1)
     pv_tok, ls_tok = _ws_pv_issue(p8, v_smem.index(vp), ones, zero_o, ROWSUM_MMA)
-    _ws_turn_pass(turn, WG)
+    _ws_turn_pass(turn, WG, NC)
     s = warpgroup_mma_wait(num_outstanding=2 if ROWSUM_MMA else 1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks))
     p, alpha, m_i, l_new = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, j * TN, shift, row_o, MASKED, n_lim,
@@ -90,14 +93,14 @@ def _ws_pv_retire(pv_tok, ls_tok, l_i, alpha, row_o: gl.constexpr, ROWSUM_MMA: g
 def _ws_block_begin(t, n_blocks, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
                     stride_kds_h, stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch,
                     softmax_scale_log2, MH: gl.constexpr, TN: gl.constexpr, CAUSAL: gl.constexpr, SeqlensK,
-                    BlockList, MODE: gl.constexpr):
-    """A consumer's view of block t: ``(b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, seqlen_k,
-    q_row, len_q)``, ``mw`` its first query row, ``qb`` the Q buffer (the block's parity in this CTA's
-    order ``it``), the rest as ``_ws_block``. Per-sequence bounds (MODE != dense), non-causal: ``shift =
+                    BlockList, MODE: gl.constexpr, NC: gl.constexpr):
+    """Consumer WG's view of block t (NC consumers, blocks of NC * MH rows): ``(b, h, mw, shift, n_tiles,
+    qk_scale, v_descale, qb, seqlen_k, q_row, len_q)``, ``mw`` its first query row, ``qb`` the Q buffer (the
+    block's parity in this CTA's order ``it``), the rest as ``_ws_block``. Per-sequence bounds (MODE != dense), non-causal: ``shift =
     seqlen_k``, which leaves only the key limit in the masked tiles' bound ``n <= min(m + shift,
     seqlen_k - 1)``."""
     b, h, hk, m0, shift, n_tiles, seqlen_k, q_row, k_row, len_q = _ws_block(
-        t, n_blocks, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, 2 * MH, TN, CAUSAL, SeqlensK, BlockList, MODE)
+        t, n_blocks, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, NC * MH, TN, CAUSAL, SeqlensK, BlockList, MODE)
     if MODE != 0:
         if not CAUSAL:
             shift = seqlen_k
@@ -120,7 +123,7 @@ def _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG: gl.c
     _ws_turn_wait(turn, WG, k0)
     mbarrier.wait(k_ready.index(ks0), (g0 // NUM_STAGES) & 1)
     s_tok = _ws_qk(q_smem, qi, k_smem, ks0, zero_s, NQK)
-    _ws_turn_pass(turn, WG)
+    _ws_turn_pass(turn, WG, q_ready.shape[0] // 2)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks0))
     p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL or KEY_LIMIT, n_lim,
@@ -145,8 +148,8 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
                  WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
                  HEAD_DIM: gl.constexpr, SeqlensK, BlockList, Out, stride_om, stride_oh, v_clean,
                  MODE: gl.constexpr, V_ROWS: gl.constexpr = False, ones=None, ones_ready=None):
-    """Consumer WG (4 warps): rows 64 WG .. 64 WG + 63 of each of this CTA's query blocks, walked in the
-    producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or ``_ws_attend_d256``.
+    """Consumer WG (4 warps) of ``q_ready.shape[0] // 2``: rows 64 WG .. 64 WG + 63 of each of this CTA's query
+    blocks, walked in the producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or ``_ws_attend_d256``.
     MODE != dense (head dims 64, 128): per-sequence bounds (``_ws_block``), the V tail barrier
     ``v_clean`` (``_ws_clean_v_tail``); varlen rows are stored through ``Out`` (row stride
     ``stride_om``, head stride ``stride_oh``) with a row mask. ``ones`` (ready on ``ones_ready``, loaded
@@ -156,6 +159,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     MH: gl.constexpr = q_smem.shape[1]
     TN: gl.constexpr = k_smem.shape[1]
     DO: gl.constexpr = v_smem.shape[1]  # head-dim width of one O part (the whole head below 256)
+    NC: gl.constexpr = q_ready.shape[0] // 2  # consumers (two Q buffers each)
     s_layout: gl.constexpr = _ws_mma_layouts(4, TN, DO)[0]
     o_layout: gl.constexpr = _ws_mma_layouts(4, TN, DO)[1]
     p_layout: gl.constexpr = _ws_mma_layouts(4, TN, DO)[2]
@@ -166,7 +170,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     k0 = 0  # this consumer's turns before the current query block
     it = 0  # query blocks done by this CTA (Q double buffer)
     nc = 0  # per-sequence bounds: blocks whose last V tile was cleaned (``v_clean``'s phase)
-    n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, 2 * MH, BlockList, MODE)
+    n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, NC * MH, BlockList, MODE)
     out_inv = _out_scale_inv(OutScale, OUT_FP8)
     if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM):  # (``_ws_attend``'s row sums on the tensor core)
         mbarrier.wait(ones_ready, 0)
@@ -176,14 +180,14 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
             b, h, mw, shift, n_tiles, qk_scale, v_descale, qb, sk, q_row, len_q = _ws_block_begin(
                 t, n_blocks, it, WG, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
                 stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, MH,
-                TN, CAUSAL, SeqlensK, BlockList, MODE)
+                TN, CAUSAL, SeqlensK, BlockList, MODE, NC)
             if HEAD_DIM == 256:
-                _ws_attend_d256(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
+                _ws_attend_d256(WG, NC * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
                                 k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                                 o_desc, Lse, out_inv, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
                                 o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES)
             else:
-                _ws_attend(WG, 2 * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
+                _ws_attend(WG, NC * qb + WG, g0, k0, it, b, h, mw, shift, n_tiles, qk_scale, v_descale, q_smem,
                            k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                            o_desc, Lse, out_inv, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
                            o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, sk, v_clean, nc & 1, q_row,
@@ -216,6 +220,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     TN: gl.constexpr = k_smem.shape[1]
     RS: gl.constexpr = _rowsum_mma(CAUSAL, WRITE_LSE, zero_o.shape[1])
+    NC: gl.constexpr = q_ready.shape[0] // 2  # consumers
     acc = gl.zeros(zero_o.shape, gl.float32, o_layout)
     p, alpha, m_i, l_i = _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
                                         zero_s, qk_scale, mw, shift, row_o, 1, NUM_STAGES, CAUSAL, seqlen_k,
@@ -227,12 +232,12 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
             p, alpha, m_i, l_i, acc = _ws_tile_step(
                 j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
                 k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
-                False, ones=ones, ROWSUM_MMA=RS)
+                False, ones=ones, ROWSUM_MMA=RS, NC=NC)
         for j in range(n_plain, n_tiles):
             p, alpha, m_i, l_i, acc = _ws_tile_step(
                 j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
                 k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
-                True, seqlen_k, True, ones, RS)
+                True, seqlen_k, True, ones, RS, NC)
     else:
         # fully visible tiles; with CAUSAL the last tile is the diagonal one, masked
         n_plain = n_tiles - 1 if CAUSAL else n_tiles
@@ -240,14 +245,14 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
             p, alpha, m_i, l_i, acc = _ws_tile_step(
                 j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
                 k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
-                False, ones=ones, ROWSUM_MMA=RS)
+                False, ones=ones, ROWSUM_MMA=RS, NC=NC)
         if CAUSAL:
             if n_tiles > 1:
                 jm = n_tiles - 1
                 p, alpha, m_i, l_i, acc = _ws_tile_step(
                     jm, g0 + jm, k0 + jm, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
                     k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o,
-                    NUM_STAGES, True)
+                    NUM_STAGES, True, NC=NC)
 
     # The row max and sum are final: the LSE is stored before the last tile's P V, where the output
     # accumulator and that product peak the registers (stored after it, m_i lived through the peak
@@ -256,7 +261,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
         lse = _row_lse(gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o))
         if MODE >= 2:  # varlen: rows past the sequence's queries (the next sequence's) are not stored
             _store_lse(lse, Lse, b, h, q_row + mw, stride_lb, stride_lh, stride_lm, row_o, len_q - mw, True)
-        else:
+        elif (NC == 2) or (mw < seqlen_q):  # (three consumers: see below)
             _store_lse(lse, Lse, b, h, mw, stride_lb, stride_lh, stride_lm, row_o)
 
     # the last tile's P V
@@ -269,7 +274,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     _ws_turn_wait(turn, WG, k0 + n_tiles)
     mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
     pv_tok, ls_tok = _ws_pv_issue(p8, v_smem.index(vs), ones, zero_o, RS)
-    _ws_turn_pass(turn, WG)
+    _ws_turn_pass(turn, WG, NC)
     acc = acc * gl.expand_dims(alpha, 1)
     pv, l_i = _ws_pv_retire(pv_tok, ls_tok, l_i, alpha, row_o, RS)
     mbarrier.arrive(v_empty.index(vs))
@@ -284,7 +289,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
         else:
             _store_rows_masked(out, o_smem.index(WG), Out, q_row + mw, len_q - mw, h.to(gl.int64) * stride_oh,
                                stride_om, out_inv, OUT_FP8)
-    else:
+    elif (NC == 2) or (mw < seqlen_q):  # three consumers: a sequence's last block may end past it
         tma.store_wait(pendings=0)  # the previous block's output has left the buffer
         _store_rows(out, o_smem.index(WG), o_desc, b * seqlen_q + mw, h * zero_o.shape[1], out_inv, OUT_FP8)
 
@@ -340,7 +345,7 @@ def _ws_tile_step_d256(j, g, k, p, alpha_prev, m_i, l_i, acc0, acc1, acc2, acc3,
     s_tok = _ws_qk(q_smem, qi, k_smem, ks, zero_s, 2)
     mbarrier.wait(v_ready.index(vp), ((g - 1) // NUM_STAGES) & 1)
     pv_tok = warpgroup_mma(p8, v_smem.index(4 * vp).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-    _ws_turn_pass(turn, WG)
+    _ws_turn_pass(turn, WG, 2)
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks))
     p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, j * TN, shift, row_o, MASKED)
@@ -402,7 +407,7 @@ def _ws_attend_d256(WG: gl.constexpr, qb, g0, k0, it, b, h, mw, shift, n_tiles, 
     _ws_turn_wait(turn, WG, k0 + n_tiles)
     mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
     pv_tok = warpgroup_mma(p8, v_smem.index(4 * vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-    _ws_turn_pass(turn, WG)
+    _ws_turn_pass(turn, WG, 2)
     pv0 = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
     acc0, acc1, acc2, acc3 = _ws_pv_quarters(acc0, acc1, acc2, acc3, pv0, p8, v_smem, 4 * vs, alpha, o_layout)
     mbarrier.arrive(v_empty.index(vs))
