@@ -116,6 +116,13 @@ _VARLEN_HEAD_DIMS = (64, 128)  # the bounded kernel's
 # block per CTA in the hardware's order works through about one head at a time (not measured).
 _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 8192
 
+# Head dim 256 on the warp-specialized kernel: a call without an LSE runs the LSE variant into a scratch
+# tensor (B * H * S float32, ~1 MB at 16k tokens and 16 heads). The two variants sum in fp32 and give the
+# same output bits, but ptxas compiles the one without an LSE into the slower consumer loop (sm_90a: 9
+# spilled loads and stores per 64-key tile against 11, yet 3% slower on the H200: 808 vs 835 TF/s at S16k,
+# docs/perf-notes.md, dense rounds 15-16).
+_D256_LSE_SCRATCH = True
+
 
 def varlen_preferred(head_dim, max_seqlen_q):
     """Whether varlen inputs that the TMA kernel supports go to it by default (``FP8ATTN_DENSE_BACKEND``
@@ -411,15 +418,18 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
         nc, bn, stages = ws_config(d, causal)
     descs = ((q, *_rows_2d(q), [rows, dh]), (k, *_rows_2d(k), [bn, dh]),
              (v_kmajor, *_vt_2d(v_kmajor), [dv, bn]), (out, *_rows_2d(out), [rows, dv]))
-    ls = lse.stride() if lse is not None else (0, 0, 0)
-    args = (lse if lse is not None else q_descale, q_descale, k_descale, v_descale,
+    lse_k = lse
+    if lse is None and ws and d == 256 and _D256_LSE_SCRATCH:
+        lse_k = torch.empty(batch, hq, sq, device=q.device, dtype=torch.float32)
+    ls = lse_k.stride() if lse_k is not None else (0, 0, 0)
+    args = (lse_k if lse_k is not None else q_descale, q_descale, k_descale, v_descale,
             out_scale if out_fp8 else q_descale, *ls, *q_descale.stride(), *k_descale.stride(),
             *v_descale.stride(), sq, sk, hq, hk, batch, float(softmax_scale) * _LOG2E)
     if ws:
         grid = ws_grid(cdiv(sq, nc * rows) * batch * hq, causal, sq, q.device.index)
     else:
         grid = (sq // BLOCK_M, batch * hq)
-    _launch(d, ws, grid, descs, args, (bool(causal), lse is not None, out_fp8, stages) + ((d, nc) if ws else ()),
+    _launch(d, ws, grid, descs, args, (bool(causal), lse_k is not None, out_fp8, stages) + ((d, nc) if ws else ()),
             tiles=(rows, dh, dv, bn))
     return out, lse
 
