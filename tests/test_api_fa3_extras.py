@@ -86,6 +86,13 @@ def test_scheduler_metadata_sets_the_split_count(splits):
     agreeing = fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True,
                                                scheduler_metadata=meta, num_splits=splits)
     assert torch.equal(agreeing, ref)
+    # chunked-local attention, as FA3 code runs it: the same attention_chunk to both calls
+    meta = fp8attn.get_scheduler_metadata(2, 1, 64, 4, 2, 64, lens, page_size=16, causal=True, attention_chunk=32,
+                                          num_splits=splits)
+    chunked = dict(cache_seqlens=lens, page_table=pt, causal=True, attention_chunk=32)
+    out = fp8attn.flash_attn_with_kvcache(q, kc, vc, scheduler_metadata=meta, **chunked)
+    ref = fp8attn.flash_attn_with_kvcache(q, kc, vc, num_splits=splits, **chunked)
+    assert torch.equal(out, ref) and not torch.equal(out, agreeing)
 
 
 def test_scheduler_metadata_bad_inputs_name_the_argument():
@@ -104,8 +111,12 @@ def test_scheduler_metadata_bad_inputs_name_the_argument():
     _raises(ValueError, "batch_size", fp8attn.get_scheduler_metadata, 2.0, 1, 64, 4, 2, 64, lens)
     assert fp8attn.get_scheduler_metadata(torch.tensor(2), 1, 64, 4, 2, 64, lens, num_splits=2).shape == (2,)
     _raises(TypeError, "cache_seqlens", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, [50, 61])
-    _raises(NotImplementedError, "attention_chunk", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens,
-            attention_chunk=32)
+    # attention_chunk: checked and accepted (FA3 code passes the call's value); the split count is num_splits's
+    assert torch.equal(fp8attn.get_scheduler_metadata(2, 1, 64, 4, 2, 64, lens, attention_chunk=32, num_splits=3),
+                       torch.zeros(3, dtype=torch.int32))
+    for bad in (-1, 2.5, True):
+        _raises(ValueError, "attention_chunk", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens,
+                attention_chunk=bad)
 
 
 def _chunk_oracle(q, k, v, chunk, causal, window, qd=None, kd=None, vd=None, dtype=torch.float64):

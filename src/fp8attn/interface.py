@@ -753,8 +753,9 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
         shape (checked, not used: the split count is ``num_splits``).
     cache_seqlens : (batch,) int32 tensor; the metadata is made on its device.
     num_splits : 0 = fp8attn's heuristic (fixed from the call's shapes), 1 = no split, n = n KV splits.
-    attention_chunk, sm_margin : must be 0 here (the result carries only the split count; pass
-        ``attention_chunk`` to :func:`flash_attn_with_kvcache` itself).
+    attention_chunk : int >= 0, checked; it does not change the result (pass the same value to
+        :func:`flash_attn_with_kvcache`, which applies it).
+    sm_margin : must be 0.
     qkv_dtype, headdim_v, cu_seqlens_q, cu_seqlens_k_new, cache_leftpad, page_size, max_seqlen_k_new, causal,
         window_size, has_softcap, pack_gqa : accepted for FA3 parity; they do not change the result.
 
@@ -773,8 +774,7 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
             ok = False
         if not ok:
             raise ValueError(f"{name}: expected an int >= 0, got {val!r}. Pass the call's shape.")
-    C.unsupported("attention_chunk", attention_chunk, 0, "the metadata carries only the split count; pass "
-                  "attention_chunk to flash_attn_with_kvcache itself")
+    _check_attention_chunk(attention_chunk)
     C.unsupported("sm_margin", sm_margin, 0)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected a tensor (its device is the metadata's), got "
