@@ -27,7 +27,8 @@ def main(out_dir):
             qd, kd = (torch.rand(b, h, device="cuda") * 0.1 + 0.05 for _ in range(2))
             vd = torch.rand(b, h, device="cuda") + 0.5
             vt = transpose_v_kmajor(v8)
-            outs = {k: torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16) for k in ("scratch", "nolse", "lse")}
+            outs = {k: torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                    for k in ("scratch", "nolse", "lse")}
             lse = torch.empty(b, h, s, device="cuda")
             flops = attn_flops(b, h, s, s, d, causal=causal)
             kw = dict(softmax_scale=d ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)

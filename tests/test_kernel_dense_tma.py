@@ -315,9 +315,9 @@ def test_aot_compile_sm90(causal):
     """Every variant of the Gluon kernels (head dim 64/128/256, at 128 and 256 the warp-specialized and the
     8-warp kernels, x bf16/e4m3 output), and the paged-cache kernel at head dims 64 and 128 (and with 64-key
     tiles, and with V in K's layout in boxes of a tile or of a smaller page), in varlen mode and varlen over
-    pages, and non-causal without an LSE (row sums on the tensor core) and with three consumers, compiles for sm90 without a GPU (in a
-    clean process: no interpreter mode). One process per mask,
-    so that each stays well inside the subprocess timeout on a loaded machine."""
+    pages, and non-causal without an LSE (row sums on the tensor core) and with three consumers, compiles for
+    sm90 without a GPU (in a clean process: no interpreter mode). One process per mask, so that each stays
+    well inside the subprocess timeout on a loaded machine."""
     out = _run_sm90_snippet(_AOT_SNIPPET.replace("CAUSAL", str(causal)))
     # non-causal without an LSE: the row sums on the tensor core (8 more variants)
     # non-causal: also the three-consumer variant, with and without an LSE (2 more)

@@ -1,6 +1,7 @@
-"""The consumers of the warp-specialized ping-pong kernel (``tma_ws``): two 4-warp warpgroups of 64 query
-rows that take turns issuing their MMAs -- S_j = Q K_j^T together with P_{j-1} V_{j-1} -- so that one
-consumer's softmax runs under the other's tensor-core work. ``_ws_attend`` serves head dims 64 and 128,
+"""The consumers of the warp-specialized ping-pong kernel (``tma_ws``): two (or, in the dense kernel's
+three-consumer variant, three) 4-warp warpgroups of 64 query rows that take turns issuing their MMAs --
+S_j = Q K_j^T together with P_{j-1} V_{j-1} -- so that one consumer's softmax runs under the others'
+tensor-core work. ``_ws_attend`` serves head dims 64 and 128,
 ``_ws_attend_d256`` head dim 256 (operands in 128/64-wide pieces, P V in four quarters).
 """
 from __future__ import annotations
@@ -96,9 +97,9 @@ def _ws_block_begin(t, n_blocks, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds
                     BlockList, MODE: gl.constexpr, NC: gl.constexpr):
     """Consumer WG's view of block t (NC consumers, blocks of NC * MH rows): ``(b, h, mw, shift, n_tiles,
     qk_scale, v_descale, qb, seqlen_k, q_row, len_q)``, ``mw`` its first query row, ``qb`` the Q buffer (the
-    block's parity in this CTA's order ``it``), the rest as ``_ws_block``. Per-sequence bounds (MODE != dense), non-causal: ``shift =
-    seqlen_k``, which leaves only the key limit in the masked tiles' bound ``n <= min(m + shift,
-    seqlen_k - 1)``."""
+    block's parity in this CTA's order ``it``), the rest as ``_ws_block``. Per-sequence bounds (MODE !=
+    dense), non-causal: ``shift = seqlen_k``, which leaves only the key limit in the masked tiles' bound
+    ``n <= min(m + shift, seqlen_k - 1)``."""
     b, h, hk, m0, shift, n_tiles, seqlen_k, q_row, k_row, len_q = _ws_block(
         t, n_blocks, seqlen_q, seqlen_k, batch, nheads_q, nheads_k, NC * MH, TN, CAUSAL, SeqlensK, BlockList, MODE)
     if MODE != 0:
@@ -148,8 +149,9 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
                  WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
                  HEAD_DIM: gl.constexpr, SeqlensK, BlockList, Out, stride_om, stride_oh, v_clean,
                  MODE: gl.constexpr, V_ROWS: gl.constexpr = False, ones=None, ones_ready=None):
-    """Consumer WG (4 warps) of ``q_ready.shape[0] // 2``: rows 64 WG .. 64 WG + 63 of each of this CTA's query
-    blocks, walked in the producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or ``_ws_attend_d256``.
+    """Consumer WG (4 warps) of ``q_ready.shape[0] // 2``: rows 64 WG .. 64 WG + 63 of each of this CTA's
+    query blocks, walked in the producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or
+    ``_ws_attend_d256``.
     MODE != dense (head dims 64, 128): per-sequence bounds (``_ws_block``), the V tail barrier
     ``v_clean`` (``_ws_clean_v_tail``); varlen rows are stored through ``Out`` (row stride
     ``stride_om``, head stride ``stride_oh``) with a row mask. ``ones`` (ready on ``ones_ready``, loaded
