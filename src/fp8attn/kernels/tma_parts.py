@@ -61,10 +61,12 @@ def _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o: gl.constexpr,
     return p, gl.convert_layout(alpha, row_o), m_new, l_new
 
 @gluon.constexpr_function
-def _rowsum_mma(causal, write_lse, head_dim):
-    """Whether a warp-specialized call takes its row sums from the tensor core (``_row_sum_issue``):
-    non-causal calls without an LSE at head dims 64 and 128; the others sum in fp32, so an LSE is exact."""
-    return not causal and not write_lse and head_dim != 256
+def _rowsum_mma(causal, write_lse, head_dim, mode):
+    """Whether a warp-specialized call takes its row sums from the tensor core (``_row_sum_issue``): calls
+    without an LSE at head dims 64 and 128, non-causal, or causal at head dim 64 in the dense kernel (``mode``
+    0); the others sum in fp32, so an LSE is exact. Causal at head dim 128 the sums from the tensor core ran
+    even to 1% slower on the H200 (more spills), at 64 +3-9% (docs/perf-notes.md, dense rounds 15-16)."""
+    return not write_lse and head_dim != 256 and (not causal or (head_dim == 64 and mode == 0))
 
 @gluon.jit
 def _row_sum_issue(p8, ones):

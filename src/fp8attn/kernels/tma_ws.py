@@ -65,7 +65,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     g = 0
     it = 0
     lim = 0  # V_ROWS: keys holding data in the tile loaded last (>= TN: all)
-    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM):
+    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM, MODE):
         mbarrier.expect(ones_ready, ones_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(ones_desc, [0, 0], ones_ready, ones)
     n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, NC * MH, BlockList, MODE)

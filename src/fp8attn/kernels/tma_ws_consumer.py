@@ -174,7 +174,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     nc = 0  # per-sequence bounds: blocks whose last V tile was cleaned (``v_clean``'s phase)
     n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, NC * MH, BlockList, MODE)
     out_inv = _out_scale_inv(OutScale, OUT_FP8)
-    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM):  # (``_ws_attend``'s row sums on the tensor core)
+    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM, MODE):  # (``_ws_attend``'s row sums on the tensor core)
         mbarrier.wait(ones_ready, 0)
     for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
         t = _ws_round_robin(r)
@@ -214,14 +214,15 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     consumer sees whole run unmasked, the others (tile 0, the diagonal, the sequence's end) masked,
     and the last V tile is cleaned past the end (``_ws_clean_v_tail``, phase ``clean_phase``). Varlen:
     the sequence's ``len_q`` queries start at row ``q_row``; rows past them are not stored.
-    Non-causal without an LSE, the row sums come from the tensor core (``_row_sum_issue`` on the ``ones``
-    tile, issued with each P V): the output is normalized by the sum of the e4m3 P that P V multiplied,
-    and the softmax step has no fp32 sum chain (H200: d64 +5-8%, d128 +1-3%). With an LSE the sum is the
-    fp32 one of the unrounded P, so the LSE is exact (and final before the last P V, where it is stored);
-    causal keeps it too (docs/perf-notes.md, dense round 15)."""
+    Without an LSE (non-causal; causal at head dim 64, dense: ``_rowsum_mma``) the row sums come from the
+    tensor core (``_row_sum_issue`` on the ``ones`` tile, issued with each P V): the output is normalized by
+    the sum of the e4m3 P that P V multiplied, and the softmax step has no fp32 sum chain (H200: d64 +5-9%,
+    d128 +1-3%). With an LSE the sum is the fp32 one of the unrounded P, so the LSE is exact (and final
+    before the last P V, where it is stored); the other causal calls keep it too (docs/perf-notes.md, dense
+    rounds 15-16)."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     TN: gl.constexpr = k_smem.shape[1]
-    RS: gl.constexpr = _rowsum_mma(CAUSAL, WRITE_LSE, zero_o.shape[1])
+    RS: gl.constexpr = _rowsum_mma(CAUSAL, WRITE_LSE, zero_o.shape[1], MODE)
     NC: gl.constexpr = q_ready.shape[0] // 2  # consumers
     acc = gl.zeros(zero_o.shape, gl.float32, o_layout)
     p, alpha, m_i, l_i = _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
@@ -254,7 +255,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
                 p, alpha, m_i, l_i, acc = _ws_tile_step(
                     jm, g0 + jm, k0 + jm, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
                     k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o,
-                    NUM_STAGES, True, NC=NC)
+                    NUM_STAGES, True, ones=ones, ROWSUM_MMA=RS, NC=NC)
 
     # The row max and sum are final: the LSE is stored before the last tile's P V, where the output
     # accumulator and that product peak the registers (stored after it, m_i lived through the peak
