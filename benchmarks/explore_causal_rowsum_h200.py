@@ -19,6 +19,7 @@ SHAPES = [(64, 2048), (64, 4096), (64, 8192), (128, 4096), (128, 16384)]
 
 def child():
     from fp8attn.bench.common import attn_flops, graph_replay, time_ms
+    from fp8attn.bench.dense import dense_inputs
     from fp8attn.kernels import dense_tma
     from fp8attn.kernels.dense import transpose_v_kmajor
     from fp8attn.reference import attention_ref
@@ -41,9 +42,7 @@ def child():
                      "nan": bool(torch.isnan(o).any()), "same_bits_as_lse_call": bool(torch.equal(o, o_lse))})
     for d, s in SHAPES:
         b, h = 16384 // s, 16
-        q8, k8, v8 = ((torch.randn(b, s, h, d, device="cuda") * 2).to(E4M3) for _ in range(3))
-        qd, kd = (torch.rand(b, h, device="cuda") * 0.1 + 0.05 for _ in range(2))
-        vd = torch.rand(b, h, device="cuda") + 0.5
+        q8, k8, v8, qd, kd, vd = dense_inputs(b, s, h, d)
         vt = transpose_v_kmajor(v8)
         out = torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(b, h, s, device="cuda")

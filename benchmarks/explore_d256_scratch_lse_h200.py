@@ -8,10 +8,10 @@ import sys
 import torch
 
 from fp8attn.bench.common import attn_flops, graph_replay, results_header, time_ms
+from fp8attn.bench.dense import dense_inputs
 from fp8attn.kernels import dense_tma
 from fp8attn.kernels.dense import transpose_v_kmajor
 
-E4M3 = torch.float8_e4m3fn
 
 
 def main(out_dir):
@@ -23,9 +23,7 @@ def main(out_dir):
     for causal in (False, True):
         for s in (1024, 4096, 16384):
             b = 16384 // s
-            q8, k8, v8 = ((torch.randn(b, s, h, d, device="cuda") * 2).to(E4M3) for _ in range(3))
-            qd, kd = (torch.rand(b, h, device="cuda") * 0.1 + 0.05 for _ in range(2))
-            vd = torch.rand(b, h, device="cuda") + 0.5
+            q8, k8, v8, qd, kd, vd = dense_inputs(b, s, h, d)
             vt = transpose_v_kmajor(v8)
             outs = {k: torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16)
                     for k in ("scratch", "nolse", "lse")}

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from fp8attn.bench.common import attn_flops, graph_replay, results_header, time_ms
-from fp8attn.bench.dense import _rel_err
+from fp8attn.bench.dense import _rel_err, dense_inputs
 from fp8attn.kernels import dense_tma
 from fp8attn.kernels.dense import transpose_v_kmajor
 
@@ -27,9 +27,7 @@ def main(out_dir):
     h, d = 16, 64
     for s in (512, 1024, 2048, 4096, 8192, 16384):
         b = 16384 // s
-        q8, k8, v8 = ((torch.randn(b, s, h, d, device="cuda") * 2).to(E4M3) for _ in range(3))
-        qd, kd = (torch.rand(b, h, device="cuda") * 0.1 + 0.05 for _ in range(2))
-        vd = torch.rand(b, h, device="cuda") + 0.5
+        q8, k8, v8, qd, kd, vd = dense_inputs(b, s, h, d)
         vt = transpose_v_kmajor(v8)
         out = torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16)
         out8 = torch.empty(b, s, h, d, device="cuda", dtype=E4M3)

@@ -165,6 +165,17 @@ def test_varlen_rules():
     assert "head dim" in dense_tma.unsupported_reason(q256, k256, k256, out256, **kw)
 
 
+def test_ws_config():
+    """Two consumers by default (128-key tiles except at head dim 256); three only at head dim 64 without a
+    causal mask, else a ValueError naming ``consumers``."""
+    assert dense_tma.ws_config(128, True) == (2, 128, dense_tma.NUM_STAGES)
+    assert dense_tma.ws_config(256, False) == (2, 64, dense_tma.NUM_STAGES)
+    assert dense_tma.ws_config(64, False, 3) == (3, 64, 4)
+    for args in ((64, True, 3), (128, False, 3), (64, False, 4)):
+        with pytest.raises(ValueError, match="^consumers: "):
+            dense_tma.ws_config(*args)
+
+
 def test_supported_rejects_outside_contract():
     q, k, v, qd, kd, vd, out, lse = _case()
     vt = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # sequence-contiguous layout

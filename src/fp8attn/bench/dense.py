@@ -84,6 +84,16 @@ def _peer(name, fn, flops, peers, errors):
         errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
 
 
+def dense_inputs(batch, seqlen, nheads, headdim):
+    """The sweep's inputs on the GPU: ``(q8, k8, v8, q_descale, k_descale, v_descale)``, e4m3 (batch, seqlen,
+    nheads, headdim) tensors of 2 N(0, 1) and (batch, nheads) float32 descales (Q/K in [0.05, 0.15), V in
+    [0.5, 1.5)), drawn in that order from the current generator."""
+    q8, k8, v8 = ((torch.randn(batch, seqlen, nheads, headdim, device="cuda") * 2).to(E4M3) for _ in range(3))
+    qd, kd = (torch.rand(batch, nheads, device="cuda") * 0.1 + 0.05 for _ in range(2))
+    vd = torch.rand(batch, nheads, device="cuda") + 0.5
+    return q8, k8, v8, qd, kd, vd
+
+
 def _rel_err(out, q8, k8, v8, qd, kd, vd, causal):
     """Relative L2 error of batch 0, head 0 vs the fp32 reference from the dequantized inputs."""
     from ..reference import attention_ref
@@ -119,12 +129,7 @@ def run(out_dir=None, quick=False):
         for causal in (False, True):
             for s in seqlens:
                 b = tokens // s
-                q8 = (torch.randn(b, s, nheads, d, device="cuda") * 2).to(E4M3)
-                k8 = (torch.randn(b, s, nheads, d, device="cuda") * 2).to(E4M3)
-                v8 = (torch.randn(b, s, nheads, d, device="cuda") * 2).to(E4M3)
-                qd = torch.rand(b, nheads, device="cuda") * 0.1 + 0.05
-                kd = torch.rand(b, nheads, device="cuda") * 0.1 + 0.05
-                vd = torch.rand(b, nheads, device="cuda") + 0.5
+                q8, k8, v8, qd, kd, vd = dense_inputs(b, s, nheads, d)
                 out = torch.empty(b, s, nheads, d, device="cuda", dtype=torch.bfloat16)
                 lse = torch.empty(b, nheads, s, device="cuda", dtype=torch.float32)
                 flops = attn_flops(b, nheads, s, s, d, causal=causal)

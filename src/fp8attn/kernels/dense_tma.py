@@ -154,11 +154,12 @@ def ws_config(head_dim, causal, consumers=None):
     registers spill the accumulator in the loop). Not the default: on the H200 it ran at 0.88-0.94x the two
     consumers' speed without an LSE (the tensor-core row sums lose their gain at 64-key tiles) and
     1.007-1.017x with one from 4k queries (docs/perf-notes.md, dense round 16)."""
-    if consumers is None:
-        consumers = 2
-    if consumers == 3:
+    if consumers in (None, 2):
+        return 2, _tiles(head_dim, True)[3], NUM_STAGES
+    if consumers == 3 and head_dim == 64 and not causal:
         return 3, 64, 4
-    return 2, _tiles(head_dim, True)[3], NUM_STAGES
+    raise ValueError(f"consumers: expected 2, or 3 at head dim 64 without a causal mask, got {consumers!r} at head "
+                     f"dim {head_dim}, causal={causal}. Pass consumers=2 (the default) otherwise.")
 
 
 def _tiles(head_dim, ws):
@@ -432,7 +433,6 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     _launch(d, ws, grid, descs, args, (bool(causal), lse_k is not None, out_fp8, stages) + ((d, nc) if ws else ()),
             tiles=(rows, dh, dv, bn))
     return out, lse
-
 
 
 def _launch_varlen(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale, k_descale, v_descale, out_scale,

@@ -315,8 +315,9 @@ def _dense_fwd_tma_ws_kernel(
     dim 64, non-causal, 64-key tiles: 192-row blocks, the last of a sequence partly past its end and those
     rows not stored) run at ``_WS3_CONSUMER_REGS``, each softmax having two other consumers' MMAs to hide
     under. The producer runs at 24. Same softmax step, accumulation and epilogues as the other kernels (with
-    two consumers the same bits), except that non-causal calls without an LSE take their row sums from the
-    tensor core (``ones_desc``, a (16, keys) tile of e4m3 ones; ``tma_ws_consumer._ws_attend``)."""
+    two consumers the same bits), except that calls without an LSE (non-causal, or causal at head dim 64:
+    ``tma_parts._rowsum_mma``) take their row sums from the tensor core (``ones_desc``, a (16, keys) tile of
+    e4m3 ones; ``tma_ws_consumer._ws_attend``)."""
     gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and HEAD_DIM == 64 and not CAUSAL))
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, _, _, ones, \
         ones_ready, _ = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, CONSUMERS, False)

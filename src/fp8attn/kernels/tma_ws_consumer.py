@@ -155,8 +155,8 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     MODE != dense (head dims 64, 128): per-sequence bounds (``_ws_block``), the V tail barrier
     ``v_clean`` (``_ws_clean_v_tail``); varlen rows are stored through ``Out`` (row stride
     ``stride_om``, head stride ``stride_oh``) with a row mask. ``ones`` (ready on ``ones_ready``, loaded
-    once by the producer): the e4m3 ones tile of the row sums of non-causal calls without an LSE
-    (``_ws_attend``)."""
+    once by the producer): the e4m3 ones tile of the row sums of calls without an LSE (``_rowsum_mma``,
+    ``_ws_attend``)."""
     gl.static_assert(gl.num_warps() == 4)
     MH: gl.constexpr = q_smem.shape[1]
     TN: gl.constexpr = k_smem.shape[1]
