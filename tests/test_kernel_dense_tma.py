@@ -836,7 +836,8 @@ def test_gpu_tma_persistent_schedule_equals_8warp_kernel(causal, num_sms, d, mon
     (alternating direction), with a double-buffered Q and one K/V ring across blocks. With the grid cut
     to 3 or 7 CTAs (many rounds, odd and even, a partial last round) and at the real SM count, every
     block is written and gives the 8-warp kernel's bits; so does a causal input on the one-block-per-CTA
-    grid (seqlen_q above ``_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q``)."""
+    grid (seqlen_q above ``_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q``; head dims 128 and 256, as head dim 64
+    runs persistent at any length)."""
     _need_sm90()
     q, k, v, qd, kd, vd, out, lse = _case(b=3, sq=640, sk=896, hq=4, hk=2, d=d, device="cuda")
     vt = transpose_v_kmajor(v)
@@ -852,14 +853,22 @@ def test_gpu_tma_persistent_schedule_equals_8warp_kernel(causal, num_sms, d, mon
     _reference_check(q, k, v, qd, kd, vd, o_ws, l_ws, causal, 0.088)
 
 
-def test_kernel_choice_by_head_dim_and_length():
-    """Every head dim runs the warp-specialized kernel, except head dim 64 causal beyond the persistent
-    range (the 8-warp kernel; the rule of ``_use_ws``)."""
+def test_kernel_choice_by_head_dim_and_length(monkeypatch):
+    """Every head dim runs the warp-specialized kernel at every length (the rule of ``_use_ws``); the grid is
+    persistent except for causal inputs beyond ``_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q`` at head dims 128 and
+    256 (dense) or from the paged launcher, which passes no head dim."""
     longest = dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
-    assert dense_tma._use_ws(128, True, 512) and dense_tma._use_ws(128, True, 4 * longest)
-    assert dense_tma._use_ws(64, False, 4 * longest) and dense_tma._use_ws(64, True, longest)
-    assert not dense_tma._use_ws(64, True, longest + 128)
-    assert dense_tma._use_ws(256, False, 4096) and dense_tma._use_ws(256, True, 4 * longest)
+    for d in (64, 128, 256):
+        assert all(dense_tma._use_ws(d, c, s) for c in (False, True) for s in (512, longest, 4 * longest))
+    grid, n_sms = dense_tma.ws_grid, 132
+    monkeypatch.setattr(dense_tma, "_num_sms", lambda index: n_sms)
+    assert grid(10_000, True, longest, 0, head_dim=128) == (n_sms, 1)
+    assert grid(10_000, True, longest + 128, 0, head_dim=128) == (10_000, 1)
+    assert grid(10_000, True, longest + 128, 0, head_dim=256) == (10_000, 1)
+    assert grid(10_000, True, longest + 128, 0) == (10_000, 1)
+    assert grid(10_000, True, 4 * longest, 0, head_dim=64) == (n_sms, 1)
+    assert grid(10_000, False, 4 * longest, 0, head_dim=128) == (n_sms, 1)
+    assert grid(100, False, 512, 0, head_dim=128) == (100, 1)
     assert dense_tma._kernel_for(256, True) == (dense_tma._dense_fwd_tma_ws_kernel, 4)
 
 

@@ -13,8 +13,8 @@ output epilogue. Head dim, output dtype (``OUT_FP8``), causal and LSE are compil
   (64 query rows each, 240 registers) take turns issuing their MMAs -- S_j = Q K_j^T together with
   P_{j-1} V_{j-1} -- so one consumer's softmax overlaps the other's tensor-core work ("ping-pong").
   Persistent: one CTA per SM walks the query blocks in rounds, and a block's epilogue overlaps the
-  next block's loads (causal inputs longer than 8k run one block per CTA). Head dim 256 splits the
-  operands as the d256 kernel below (``_ws_attend_d256``).
+  next block's loads (causal inputs longer than 8k run one block per CTA, except at head dim 64).
+  Head dim 256 splits the operands as the d256 kernel below (``_ws_attend_d256``).
 * ``tma_ws._bounded_fwd_tma_ws_kernel``: the warp-specialized kernel's partitions with per-sequence bounds
   (``MODE``): over a paged FP8 KV cache (chunked prefill, ``paged_tma``: the producer reads each
   tile's page from the page table), with varlen queries and keys (``cu_seqlens``), or varlen queries
@@ -23,9 +23,9 @@ output epilogue. Head dim, output dtype (``OUT_FP8``), causal and LSE are compil
   masked (head dims 64, 128).
 * ``tma_lockstep._dense_fwd_tma_kernel``: the same math in 8 warps (2 warpgroups of 64 rows in lockstep); in the
   loop over KV tiles ``S_{j+1}`` is issued asynchronously before the softmax of tile ``j``, then
-  ``P_j V_j``, the accumulator is rescaled while it runs, and one wait retires both MMAs. Runs head
-  dim 64 causal inputs longer than 8k (``_use_ws``); the tests hold the warp-specialized kernel to
-  its bits.
+  ``P_j V_j``, the accumulator is rescaled while it runs, and one wait retires both MMAs. Not
+  dispatched since the warp-specialized kernel took head dim 64 causal inputs longer than 8k
+  (``_use_ws``); kept as the schedule the tests hold the warp-specialized kernel's bits to.
 * ``tma_lockstep._dense_fwd_tma_d256_kernel``: head dim 256 in 8 warps, operands in 128/64-wide pieces of the head
   dim, 64-key tiles, no next-tile QK^T under the softmax. Not dispatched since the warp-specialized
   kernel took head dim 256 (+1-22% on the H200, the same bits); kept as the independent schedule the
@@ -115,6 +115,10 @@ _VARLEN_HEAD_DIMS = (64, 128)  # the bounded kernel's
 # perfect balance there, so the likelier cause is its order: every head's K/V is live at once, where one
 # block per CTA in the hardware's order works through about one head at a time (not measured).
 _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 8192
+# ... but the dense kernel's causal inputs at these head dims run persistent at any length: at d64 the
+# persistent grid measured faster beyond 8k (H200, 16 heads: S16k 540 vs 507 TF/s without an LSE, 490 vs
+# 474 with one; S32k 561 vs 539), explore/d64_causal_long.json.
+_WS_PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 
 # Head dim 256 on the warp-specialized kernel: a call without an LSE runs the LSE variant into a scratch
 # tensor (B * H * S float32, ~1 MB at 16k tokens and 16 heads). The two variants sum in fp32 and give the
@@ -133,18 +137,22 @@ def varlen_preferred(head_dim, max_seqlen_q):
     return head_dim in _VARLEN_HEAD_DIMS and max_seqlen_q is not None and int(max_seqlen_q) >= 1024
 
 
-def ws_grid(n_blocks, causal, seqlen_q, device_index):
+def ws_grid(n_blocks, causal, seqlen_q, device_index, head_dim=None):
     """The warp-specialized kernels' grid for ``n_blocks`` query blocks: one CTA per SM (persistent), or
-    one per block for causal inputs longer than ``_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q``."""
-    persistent = not causal or seqlen_q <= _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
+    one per block for causal inputs longer than ``_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q`` unless ``head_dim``
+    (passed by the dense launcher) is in ``_WS_PERSISTENT_CAUSAL_HEAD_DIMS``."""
+    persistent = (not causal or seqlen_q <= _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
+                  or head_dim in _WS_PERSISTENT_CAUSAL_HEAD_DIMS)
     return (min(n_blocks, _num_sms(device_index)) if persistent else n_blocks, 1)
 
 
 def _use_ws(head_dim, causal, seqlen_q):
-    """The warp-specialized kernel, except head dim 64 causal beyond the persistent range, which ran
-    4-5% slower there on a one-block-per-CTA grid than the 8-warp kernel (H200, S16k)."""
-    return head_dim in _WS_HEAD_DIMS and not (
-        head_dim == 64 and causal and seqlen_q > _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q)
+    """The warp-specialized kernel at every head dim it has (the tests force the 8-warp kernels through
+    this to compare bits). Head dim 64 causal beyond 8k queries ran the 8-warp kernel until its calls
+    without an LSE summed rows on the tensor core; persistent, the warp-specialized kernel then measured
+    +10-11% without an LSE (S16k 540 vs 493 TF/s, S32k 561 vs 506) and even with one (490 vs 490, 501 vs 503;
+    H200, explore/d64_causal_long.json)."""
+    return head_dim in _WS_HEAD_DIMS
 
 
 def ws_config(head_dim, causal, consumers=None):
@@ -427,7 +435,7 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
             out_scale if out_fp8 else q_descale, *ls, *q_descale.stride(), *k_descale.stride(),
             *v_descale.stride(), sq, sk, hq, hk, batch, float(softmax_scale) * _LOG2E)
     if ws:
-        grid = ws_grid(cdiv(sq, nc * rows) * batch * hq, causal, sq, q.device.index)
+        grid = ws_grid(cdiv(sq, nc * rows) * batch * hq, causal, sq, q.device.index, head_dim=d)
     else:
         grid = (sq // BLOCK_M, batch * hq)
     _launch(d, ws, grid, descs, args, (bool(causal), lse_k is not None, out_fp8, stages) + ((d, nc) if ws else ()),
