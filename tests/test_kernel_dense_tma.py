@@ -849,8 +849,70 @@ def test_gpu_tma_persistent_schedule_equals_8warp_kernel(causal, num_sms, d, mon
             monkeypatch, q, k, vt, out, lse, softmax_scale=0.088, causal=causal, q_descale=qd, k_descale=kd,
             v_descale=vd)
         assert not torch.isnan(o_ws).any() and not torch.isnan(l_ws).any(), "a query block was not written"
-        assert torch.equal(o_ws.view(torch.uint8), o_8w.view(torch.uint8)) and torch.equal(l_ws, l_8w)
+        if dense_tma.kperm_on(d, 2, causal, True):
+            # K key-permuted: the fp32 row sums add in another order, so l (and the LSE) may differ in its
+            # last bits and an output in its last bf16 bit
+            _assert_within_ulps(o_ws, o_8w, l_ws, l_8w)
+        else:
+            assert torch.equal(o_ws.view(torch.uint8), o_8w.view(torch.uint8)) and torch.equal(l_ws, l_8w)
     _reference_check(q, k, v, qd, kd, vd, o_ws, l_ws, causal, 0.088)
+
+
+def _assert_within_ulps(o, o_ref, lse, lse_ref):
+    """bf16 outputs at most one bf16 ulp apart, LSEs within 1e-5 (a few fp32 ulps of l)."""
+    diff = (o.float() - o_ref.float()).abs()
+    assert bool((diff <= o_ref.float().abs() * 2 ** -7).all()), diff.max().item()
+    torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_lse", [False, True])
+@pytest.mark.parametrize("fp8_out", [False, True])
+def test_gpu_tma_kperm_same_output_bits(causal, with_lse, fp8_out, monkeypatch):
+    """Head dim 64: K loaded key-permuted (``dense_tma.kperm_on``; P then needs no cross-lane exchange)
+    gives the output bits of the plain K box, forced both ways whatever the rule picks, with GQA,
+    sequences of 384 queries over 640 keys, non-unit descales, bf16 and fused e4m3 output. With an LSE the
+    row sums are fp32 and add in another order: the LSE within 1e-5 and the output within one ulp."""
+    _need_sm90()
+    q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=384, sk=640, hq=6, hk=2, d=64, device="cuda")
+    vt = transpose_v_kmajor(v)
+    osc = torch.tensor([0.05], device="cuda") if fp8_out else None
+    res = []
+    for forced in (True, False):
+        monkeypatch.setattr(dense_tma, "kperm_on", lambda *args, f=forced: f)
+        o = torch.full(out.shape, float("nan"), device="cuda").to(E4M3 if fp8_out else torch.bfloat16)
+        ls = torch.full_like(lse, float("nan")) if with_lse else None
+        dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, softmax_scale=0.088, causal=causal, q_descale=qd,
+                                       k_descale=kd, v_descale=vd, out_scale=osc)
+        res.append((o, ls))
+    (o_p, l_p), (o_n, l_n) = res
+    if with_lse:
+        torch.testing.assert_close(l_p, l_n, atol=1e-5, rtol=0)
+        if fp8_out:
+            assert (_codes(o_p) - _codes(o_n)).abs().max().item() <= 1
+        else:
+            _assert_within_ulps(o_p, o_n, l_p, l_n)
+    else:
+        assert torch.equal(o_p.view(torch.uint8), o_n.view(torch.uint8))
+    _reference_check(q, k, v, qd, kd, vd, o_p, l_p, causal, 0.088, out_scale=osc)
+
+
+def test_kperm_rule_and_box():
+    """Key-permuted K at head dim 64 with two consumers, except non-causal calls with an LSE; the 5-D view
+    reads shared-memory row 16a + 8g + 2q + e from key 16a + 4q + 2g + e."""
+    assert dense_tma.kperm_on(64, 2, False, False) and dense_tma.kperm_on(64, 2, True, True)
+    assert dense_tma.kperm_on(64, 2, True, False) and not dense_tma.kperm_on(64, 2, False, True)
+    assert not any(dense_tma.kperm_on(d, 2, c, w) for d in (128, 256) for c in (False, True) for w in (False, True))
+    assert not dense_tma.kperm_on(64, 3, False, False)
+    k = torch.arange(2 * 256, dtype=torch.int32).view(2, 256, 1, 1).expand(2, 256, 3, 64).contiguous()
+    shape, strides = dense_tma._kperm_2d(k)
+    assert shape == [2 * 256 // 16, 2, 4, 2, 3 * 64] and strides[-1] == 1
+    box = torch.as_strided(k.view(-1), shape, strides)  # element strides of the same view
+    rows = box[:, :, :, :, 0].reshape(-1)  # smem order: (a, g, q, e) row-major
+    a, g, q, e = torch.meshgrid(*(torch.arange(n) for n in (2 * 256 // 16, 2, 4, 2)), indexing="ij")
+    assert torch.equal(rows, (16 * a + 4 * q + 2 * g + e).reshape(-1).int())
+    assert dense_tma.kperm_box(128, 64) == [8, 2, 4, 2, 64]
 
 
 def test_kernel_choice_by_head_dim_and_length(monkeypatch):

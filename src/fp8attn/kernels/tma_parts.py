@@ -23,9 +23,22 @@ _LN2 = gl.constexpr(0.6931471805599453)
 _E4M3_MAX = gl.constexpr(448.0)
 
 
+@gluon.constexpr_function
+def kperm_box_on(k_box_shape):
+    """Whether K's TMA box is key-permuted (``dense_tma.kperm_on``): 5-D, (keys / 16, 2, 4, 2, head dim)."""
+    return len(k_box_shape) == 5
+
+@gluon.jit
+def _kperm_keys(c):
+    """Key of S column ``c`` under a key-permuted K box (``kperm_box_on``): shared-memory row 16a + 8g + 2q + e
+    of K holds key 16a + 4q + 2g + e."""
+    return (c // 16) * 16 + ((c // 2) % 4) * 4 + ((c // 8) % 2) * 2 + c % 2
+
+
 @gluon.jit
 def _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o: gl.constexpr, MASKED: gl.constexpr,
-                      n_lim=0, KEY_LIMIT: gl.constexpr = False, ROW_SUM: gl.constexpr = True):
+                      n_lim=0, KEY_LIMIT: gl.constexpr = False, ROW_SUM: gl.constexpr = True,
+                      KPERM: gl.constexpr = False):
     """One online-softmax step on a raw fp32 S tile (wgmma accumulator layout).
 
     MASKED applies the bottom-right causal mask (key n visible to query m iff
@@ -38,7 +51,10 @@ def _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o: gl.constexpr,
     s_layout: gl.constexpr = s.type.layout
     if MASKED:
         offs_m = m0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s_layout))
-        offs_n = n0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
+        offs_n = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
+        if KPERM:
+            offs_n = _kperm_keys(offs_n)
+        offs_n = n0 + offs_n
         if KEY_LIMIT:
             keep = gl.expand_dims(offs_n, 0) <= gl.minimum(gl.expand_dims(offs_m, 1) + shift, n_lim - 1)
         else:
@@ -86,8 +102,15 @@ def _row_sum(ls, row_o: gl.constexpr):
     return gl.convert_layout(gl.max(ls, axis=1), row_o)
 
 @gluon.jit
-def _p_operand(p, p_layout: gl.constexpr):
-    """fp32 P in [0, 256] -> the e4m3 register A operand of P V."""
+def _p_operand(p, p_layout: gl.constexpr, KPERM: gl.constexpr = False):
+    """fp32 P in [0, 256] -> the e4m3 register A operand of P V. KPERM (``kperm_box_on``): P's columns are in
+    ``_kperm_keys`` order; relabelled to key order, the accumulator layout is the operand layout (no
+    cross-lane exchange; asserted)."""
+    if KPERM:
+        M: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        p = gl.reshape(gl.permute(gl.reshape(p, [M, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [M, N])
+        return gl.convert_layout(p.to(gl.float8e4nv), p_layout, assert_trivial=True)
     return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
 
 @gluon.jit

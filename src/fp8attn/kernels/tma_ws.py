@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .tma_signature import _PTR_ARGS, _INT_ARGS, _BOUNDED_PTR_ARGS, _BOUNDED_INT_ARGS
-from .tma_parts import _rowsum_mma, _ws_block, _ws_num_blocks, _ws_round_robin
+from .tma_parts import kperm_box_on, _rowsum_mma, _ws_block, _ws_num_blocks, _ws_round_robin
 from .tma_ws_consumer import _ws_consumer
 
 
@@ -31,7 +31,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, BlockList,
                stride_pt, page_size, MODE: gl.constexpr, v_raw=None, v_raw_ready=None,
                V_ROWS: gl.constexpr = False, ones_desc=None, ones=None, ones_ready=None,
-               WRITE_LSE: gl.constexpr = True):
+               WRITE_LSE: gl.constexpr = True, KPERM: gl.constexpr = False):
     """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
     through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
     while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
@@ -55,7 +55,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     read back correctly in the wgmma, see docs/perf-notes.md, dense round 15). The consumers wait for it
     before their first block, so it has landed before the CTA exits."""
     MH: gl.constexpr = q_desc.block_type.shape[0]
-    KB: gl.constexpr = k_desc.block_type.shape[0]
+    KB: gl.constexpr = _box_keys(k_desc.block_type.shape)
     TN: gl.constexpr = _tile_keys(KB, V_ROWS)
     NQK: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[1]
     NV: gl.constexpr = 1 if V_ROWS else HEAD_DIM // v_desc.block_type.shape[0]
@@ -120,6 +120,11 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                                                         v_raw.index(st).slice(i * KB, KB))
                     # the next tile's rows: the page-table loads are in flight during the transpose below
                     rows = _box_rows(PageTable, b, stride_pt, tt + 1, sk, page_size, TN, KB)
+                elif KPERM:  # a 5-D box: 16-key groups in the consumers' column order (``kperm_box_on``)
+                    mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(
+                        k_desc, [k_row // 16, 0, 0, 0, hk * HEAD_DIM], k_ready.index(st),
+                        k_smem.index(st)._reinterpret(k_desc.dtype, k_desc.block_type.shape, k_desc.layout))
                 else:
                     mbarrier.expect(k_ready.index(st), NQK * k_desc.block_type.nbytes)
                     for hh in gl.static_range(NQK):
@@ -145,6 +150,14 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     if V_ROWS:
         if g > 0:
             _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g - 1, lim, NUM_STAGES)
+
+@gluon.constexpr_function
+def _box_keys(shape):
+    """Keys in a K box: its rows, or the rows of a key-permuted 5-D box (``kperm_box``)."""
+    n = 1
+    for x in list(shape)[:-1]:
+        n *= int(x)
+    return n
 
 @gluon.constexpr_function
 def _transpose_layout(D, num_warps):
@@ -226,7 +239,7 @@ def _tile_keys(box_rows, v_rows):
 
 @gluon.jit
 def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
-             NC: gl.constexpr, BOUNDED: gl.constexpr, V_ROWS: gl.constexpr = False):
+             NC: gl.constexpr, BOUNDED: gl.constexpr, V_ROWS: gl.constexpr = False, KPERM: gl.constexpr = False):
     """The warp-specialized kernels' shared memory for NC consumers, mbarriers initialized: ``(q_smem,
     k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, v_raw_ready,
     ones, ones_ready, v_clean)``, ``ones`` the tile of ``ones_desc`` (16 x the tile's keys). ``turn`` holds
@@ -236,7 +249,7 @@ def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr
     such boxes with TMA barriers ``v_raw_ready``, ``v_smem`` their transposes (else both alias V's)."""
     MH: gl.constexpr = q_desc.block_type.shape[0]
     DQK: gl.constexpr = q_desc.block_type.shape[1]
-    TN: gl.constexpr = _tile_keys(k_desc.block_type.shape[0], V_ROWS)
+    TN: gl.constexpr = _tile_keys(_box_keys(k_desc.block_type.shape), V_ROWS)
     DV: gl.constexpr = HEAD_DIM if V_ROWS else v_desc.block_type.shape[0]
     NQK: gl.constexpr = HEAD_DIM // DQK  # Q/K boxes per head (256: two 128-wide halves)
     NV: gl.constexpr = HEAD_DIM // DV  # V/O boxes per head (256: four 64-wide quarters)
@@ -252,7 +265,12 @@ def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr
 
     # Q: (Q buffer, consumer, box); K: (stage, box); V: (stage, box); O: (consumer, box)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NC * NQK, MH, DQK], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES * NQK, TN, DQK], k_desc.layout)
+    if KPERM:  # (``kperm_box_on``) the producer writes each stage through a 5-D view
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, TN, DQK],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=k_desc.layout.swizzle_byte_width,
+                                                                element_bitwidth=8, rank=2))
+    else:
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES * NQK, TN, DQK], k_desc.layout)
     if V_ROWS:
         gl.static_assert(NV == 1)
         v_raw = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, TN, DV], v_desc.layout)
@@ -319,8 +337,11 @@ def _dense_fwd_tma_ws_kernel(
     ``tma_parts._rowsum_mma``) take their row sums from the tensor core (``ones_desc``, a (16, keys) tile of
     e4m3 ones; ``tma_ws_consumer._ws_attend``)."""
     gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and HEAD_DIM == 64 and not CAUSAL))
+    KPERM: gl.constexpr = kperm_box_on(k_desc.block_type.shape)
+    gl.static_assert(not KPERM or (HEAD_DIM == 64 and CONSUMERS == 2))
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, _, _, ones, \
-        ones_ready, _ = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, CONSUMERS, False)
+        ones_ready, _ = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, CONSUMERS, False,
+                                 False, KPERM)
 
     # (the argument tuples are written out: a tuple held in a variable loses the constexpr flags)
     if CONSUMERS == 3:
@@ -355,17 +376,17 @@ def _dense_fwd_tma_ws_kernel(
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                             OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
-                            ones_ready)),
+                            ones_ready, KPERM)),
             (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                             OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
-                            ones_ready)),
+                            ones_ready, KPERM)),
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
                           NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready,
-                          WRITE_LSE)),
+                          WRITE_LSE, KPERM)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 @gluon.jit(do_not_specialize=_BOUNDED_INT_ARGS, do_not_specialize_on_alignment=_BOUNDED_PTR_ARGS)

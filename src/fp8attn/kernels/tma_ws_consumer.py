@@ -11,9 +11,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .tma_parts import (_block_scales, _finalize_rows, _normalize_rows, _out_scale_inv, _p_operand, _pv_quarter,
-                        _row_lse, _row_sum, _row_sum_issue, _rowsum_mma, _softmax_tile_f32, _store_lse, _store_rows,
-                        _store_rows_masked, _ws_block, _ws_num_blocks, _ws_round_robin)
+from .tma_parts import (_block_scales, _finalize_rows, _normalize_rows, _out_scale_inv, _p_operand,
+                        _pv_quarter, _row_lse, _row_sum, _row_sum_issue, _rowsum_mma, _softmax_tile_f32, _store_lse,
+                        _store_rows, _store_rows_masked, _ws_block, _ws_num_blocks, _ws_round_robin)
 
 
 @gluon.jit
@@ -44,7 +44,7 @@ def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, q_smem, qi, k_smem, v_s
                   v_empty, turn, WG: gl.constexpr, zero_s, zero_o, qk_scale, mw, shift, p_layout: gl.constexpr,
                   row_o: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, n_lim=0,
                   KEY_LIMIT: gl.constexpr = False, ones=None, ROWSUM_MMA: gl.constexpr = False,
-                  NC: gl.constexpr = 2):
+                  NC: gl.constexpr = 2, KPERM: gl.constexpr = False):
     """KV tile j >= 1 of one consumer's query block (``g``: the same tile's index in this CTA's K/V
     ring, ``k``: this consumer's turn count): in its turn, issue S_j = Q K_j^T and P_{j-1} V_{j-1}
     (fresh accumulator), pass the turn, then softmax_j while P_{j-1} V_{j-1} runs, then add it to acc.
@@ -52,7 +52,7 @@ def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, q_smem, qi, k_smem, v_s
     added to l as P V is to acc (l then lags the softmax by one tile, as acc does; l is in O's row
     layout). ``n_lim`` / KEY_LIMIT: as ``_softmax_tile_f32``. NC: the consumers taking turns."""
     TN: gl.constexpr = k_smem.shape[1]
-    p8 = _p_operand(p, p_layout)
+    p8 = _p_operand(p, p_layout, KPERM)
     ks = g % NUM_STAGES
     vp = (g - 1) % NUM_STAGES
     _ws_turn_wait(turn, WG, k)
@@ -64,7 +64,7 @@ def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, q_smem, qi, k_smem, v_s
     s = warpgroup_mma_wait(num_outstanding=2 if ROWSUM_MMA else 1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks))
     p, alpha, m_i, l_new = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, j * TN, shift, row_o, MASKED, n_lim,
-                                             KEY_LIMIT, not ROWSUM_MMA)
+                                             KEY_LIMIT, not ROWSUM_MMA, KPERM)
     acc = acc * gl.expand_dims(alpha_prev, 1)
     pv, l_prev = _ws_pv_retire(pv_tok, ls_tok, l_i, alpha_prev, row_o, ROWSUM_MMA)
     mbarrier.arrive(v_empty.index(vp))
@@ -113,7 +113,7 @@ def _ws_block_begin(t, n_blocks, it, WG: gl.constexpr, QDs, KDs, VDs, stride_qds
 def _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG: gl.constexpr, g0, k0, it, zero_s,
                    qk_scale, mw, shift, row_o: gl.constexpr, NQK: gl.constexpr, NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, n_lim=0, KEY_LIMIT: gl.constexpr = False,
-                   ROWSUM_MMA: gl.constexpr = False):
+                   ROWSUM_MMA: gl.constexpr = False, KPERM: gl.constexpr = False):
     """KV tile 0 of a block: S_0 in this consumer's turn, then its softmax (masked under CAUSAL, where
     tile 0 may be on the diagonal, or KEY_LIMIT). Returns ``(p, alpha, m_i, l_i)`` as
     ``_softmax_tile_f32``; ROWSUM_MMA: l_i zero in O's row layout (``_ws_tile_step``)."""
@@ -128,7 +128,7 @@ def _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG: gl.c
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks0))
     p, alpha, m_i, l_i = _softmax_tile_f32(s, m_i, l_i, qk_scale, mw, 0, shift, row_o, CAUSAL or KEY_LIMIT, n_lim,
-                                           KEY_LIMIT, not ROWSUM_MMA)
+                                           KEY_LIMIT, not ROWSUM_MMA, KPERM)
     if ROWSUM_MMA:
         l_i = gl.convert_layout(l_i, row_o)
     return p, alpha, m_i, l_i
@@ -148,7 +148,8 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
                  seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL: gl.constexpr,
                  WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
                  HEAD_DIM: gl.constexpr, SeqlensK, BlockList, Out, stride_om, stride_oh, v_clean,
-                 MODE: gl.constexpr, V_ROWS: gl.constexpr = False, ones=None, ones_ready=None):
+                 MODE: gl.constexpr, V_ROWS: gl.constexpr = False, ones=None, ones_ready=None,
+                 KPERM: gl.constexpr = False):
     """Consumer WG (4 warps) of ``q_ready.shape[0] // 2``: rows 64 WG .. 64 WG + 63 of each of this CTA's
     query blocks, walked in the producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or
     ``_ws_attend_d256``.
@@ -193,7 +194,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
                            k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                            o_desc, Lse, out_inv, stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o,
                            o_layout, p_layout, CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, sk, v_clean, nc & 1, q_row,
-                           len_q, Out, stride_om, stride_oh, MODE, V_ROWS, ones)
+                           len_q, Out, stride_om, stride_oh, MODE, V_ROWS, ones, KPERM)
                 if MODE != 0:
                     nc += (n_tiles * TN > sk).to(gl.int32)
             g0 += n_tiles
@@ -207,7 +208,8 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
                stride_lb, stride_lh, stride_lm, seqlen_q, zero_s, zero_o, o_layout: gl.constexpr,
                p_layout: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr,
                NUM_STAGES: gl.constexpr, seqlen_k=0, v_clean=None, clean_phase=0, q_row=0, len_q=0, Out=None,
-               stride_om=0, stride_oh=0, MODE: gl.constexpr = 0, V_ROWS: gl.constexpr = False, ones=None):
+               stride_om=0, stride_oh=0, MODE: gl.constexpr = 0, V_ROWS: gl.constexpr = False, ones=None,
+               KPERM: gl.constexpr = False):
     """One consumer's 64 rows of one query block, head dims 64 and 128: Q in buffer ``qi``, KV tiles
     from ring position ``g0``, turns from ``k0``; normalized rows stored by TMA, LSE by plain stores.
     Per-sequence bounds (MODE != dense): ``seqlen_k`` keys of any count; tiles that every row of this
@@ -227,7 +229,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     acc = gl.zeros(zero_o.shape, gl.float32, o_layout)
     p, alpha, m_i, l_i = _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
                                         zero_s, qk_scale, mw, shift, row_o, 1, NUM_STAGES, CAUSAL, seqlen_k,
-                                        MODE != 0, RS)
+                                        MODE != 0, RS, KPERM)
 
     if MODE != 0:
         n_plain = gl.minimum(gl.maximum(gl.minimum(mw + shift + 1, seqlen_k) // TN, 1), n_tiles)
@@ -248,14 +250,14 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
             p, alpha, m_i, l_i, acc = _ws_tile_step(
                 j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
                 k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
-                False, ones=ones, ROWSUM_MMA=RS, NC=NC)
+                False, ones=ones, ROWSUM_MMA=RS, NC=NC, KPERM=KPERM)
         if CAUSAL:
             if n_tiles > 1:
                 jm = n_tiles - 1
                 p, alpha, m_i, l_i, acc = _ws_tile_step(
                     jm, g0 + jm, k0 + jm, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
                     k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o,
-                    NUM_STAGES, True, ones=ones, ROWSUM_MMA=RS, NC=NC)
+                    NUM_STAGES, True, ones=ones, ROWSUM_MMA=RS, NC=NC, KPERM=KPERM)
 
     # The row max and sum are final: the LSE is stored before the last tile's P V, where the output
     # accumulator and that product peak the registers (stored after it, m_i lived through the peak
@@ -270,7 +272,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     # the last tile's P V
     gl_ = g0 + n_tiles - 1
     vs = gl_ % NUM_STAGES
-    p8 = _p_operand(p, p_layout)
+    p8 = _p_operand(p, p_layout, KPERM)
     if MODE != 0 and not V_ROWS:  # (V_ROWS: the producer zeroed them while transposing)
         mbarrier.wait(v_ready.index(vs), (gl_ // NUM_STAGES) & 1)
         _ws_clean_v_tail(v_smem.index(vs), (n_tiles - 1) * TN, seqlen_k, v_clean, clean_phase, WG)
