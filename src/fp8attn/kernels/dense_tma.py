@@ -14,7 +14,8 @@ output epilogue. Head dim, output dtype (``OUT_FP8``), causal and LSE are compil
   P_{j-1} V_{j-1} -- so one consumer's softmax overlaps the other's tensor-core work ("ping-pong").
   Persistent: one CTA per SM walks the query blocks in rounds, and a block's epilogue overlaps the
   next block's loads (causal inputs longer than 8k run one block per CTA, except at head dim 64).
-  Head dim 256 splits the operands as the d256 kernel below (``_ws_attend_d256``).
+  Head dim 256 splits the operands as the d256 kernel below (``_ws_attend_d256``). Head dim 64 loads
+  K key-permuted (``kperm_on``), so that P becomes the A operand of P V without a cross-lane exchange.
 * ``tma_ws._bounded_fwd_tma_ws_kernel``: the warp-specialized kernel's partitions with per-sequence bounds
   (``MODE``): over a paged FP8 KV cache (chunked prefill, ``paged_tma``: the producer reads each
   tile's page from the page table), with varlen queries and keys (``cu_seqlens``), or varlen queries
