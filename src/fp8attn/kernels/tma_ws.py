@@ -335,7 +335,9 @@ def _dense_fwd_tma_ws_kernel(
     under. The producer runs at 24. Same softmax step, accumulation and epilogues as the other kernels (with
     two consumers the same bits), except that calls without an LSE (non-causal, or causal at head dim 64:
     ``tma_parts._rowsum_mma``) take their row sums from the tensor core (``ones_desc``, a (16, keys) tile of
-    e4m3 ones; ``tma_ws_consumer._ws_attend``)."""
+    e4m3 ones; ``tma_ws_consumer._ws_attend``). A 5-D ``k_desc`` box (KPERM, ``dense_tma.kperm_on``: head
+    dim 64, two consumers) loads each 16 keys' rows in the consumers' S column order, so that their P needs no
+    cross-lane exchange to become P V's operand."""
     gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and HEAD_DIM == 64 and not CAUSAL))
     KPERM: gl.constexpr = kperm_box_on(k_desc.block_type.shape)
     gl.static_assert(not KPERM or (HEAD_DIM == 64 and CONSUMERS == 2))

@@ -221,7 +221,8 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     the sum of the e4m3 P that P V multiplied, and the softmax step has no fp32 sum chain (H200: d64 +5-9%,
     d128 +1-3%). With an LSE the sum is the fp32 one of the unrounded P, so the LSE is exact (and final
     before the last P V, where it is stored); the other causal calls keep it too (docs/perf-notes.md, dense
-    rounds 15-16)."""
+    rounds 15-16). KPERM: K's rows were loaded key-permuted (``tma_parts.kperm_box_on``): masks use the
+    permuted key index and P is relabelled to key order, not exchanged across lanes (``_p_operand``)."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     TN: gl.constexpr = k_smem.shape[1]
     RS: gl.constexpr = _rowsum_mma(CAUSAL, WRITE_LSE, zero_o.shape[1], MODE)
