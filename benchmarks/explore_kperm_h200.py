@@ -65,8 +65,10 @@ def main(out_dir):
         for on in (False, True):
             _force(on)
             for name, ls in (("nolse", None), ("lse", lse)):
-                calls[f"{'kperm' if on else 'plain'}_{name}"] = graph_replay(
-                    [lambda ls=ls: dense_tma.launch_dense_fwd_tma(q8, k8, vt, out, ls, **kw)])[0]
+                call, graphed = graph_replay(
+                    [lambda ls=ls: dense_tma.launch_dense_fwd_tma(q8, k8, vt, out, ls, **kw)])
+                assert graphed, "an eager fallback would time whichever form was forced last"
+                calls[f"{'kperm' if on else 'plain'}_{name}"] = call
         best = {}
         for _ in range(3):
             for key, fn in calls.items():

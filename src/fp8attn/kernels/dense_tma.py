@@ -76,6 +76,7 @@ from .tma_signature import (_BOUNDED_PTR_ARGS, _PTR_ARGS, BLOCK_M, BLOCK_N, ENTR
 if HAS_GLUON:
     from .tma_lockstep import _dense_fwd_tma_d256_kernel, _dense_fwd_tma_kernel
     from .tma_ws import _bounded_fwd_tma_ws_kernel, _dense_fwd_tma_ws_kernel
+    from .tma_parts import kperm_box_on
 
 __all__ = ["supported", "unsupported_reason", "launch_dense_fwd_tma", "HAS_GLUON"]
 
@@ -105,9 +106,9 @@ def _num_sms(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Head dims on the warp-specialized kernel (H200, against the 8-warp kernels, the same bits: d128 +5-9% from
-# S2k and, persistent, S512 +34% / S1k +19% non-causal, +5-6% causal; d64 +2-6%, see ``_use_ws``; d256
-# +11-15% non-causal, +1% causal S512, +9-22% causal S1k-S16k).
+# Head dims on the warp-specialized kernel (H200, against the 8-warp kernels, which gave the same bits when
+# measured: d128 +5-9% from S2k and, persistent, S512 +34% / S1k +19% non-causal, +5-6% causal; d64 +2-6%;
+# d256 +11-15% non-causal, +1% causal S512, +9-22% causal S1k-S16k).
 _WS_HEAD_DIMS = (64, 128, 256)
 _VARLEN_HEAD_DIMS = (64, 128)  # the bounded kernel's
 # The warp-specialized kernel runs persistent (one CTA per SM walking the query blocks; a block's epilogue
@@ -148,11 +149,11 @@ def ws_grid(n_blocks, causal, seqlen_q, device_index, head_dim=None):
 
 
 def _use_ws(head_dim, causal, seqlen_q):
-    """The warp-specialized kernel at every head dim it has (the tests force the 8-warp kernels through
-    this to compare bits). Head dim 64 causal beyond 8k queries ran the 8-warp kernel until its calls
-    without an LSE summed rows on the tensor core; persistent, the warp-specialized kernel then measured
-    +10-11% without an LSE (S16k 540 vs 493 TF/s, S32k 561 vs 506) and even with one (490 vs 490, 501 vs 503;
-    H200, explore/d64_causal_long.json)."""
+    """The warp-specialized kernel at every head dim it has. The arguments are the signature the tests
+    replace to force the 8-warp kernels (to compare bits). Head dim 64 causal beyond 8k queries ran the
+    8-warp kernel until its calls without an LSE summed rows on the tensor core; persistent, the
+    warp-specialized kernel then measured +10-11% without an LSE (S16k 540 vs 493 TF/s, S32k 561 vs 506)
+    and even with one (490 vs 490, 501 vs 503; H200, explore/d64_causal_long.json)."""
     return head_dim in _WS_HEAD_DIMS
 
 
@@ -233,19 +234,21 @@ def kperm_on(head_dim, consumers, causal, write_lse):
     operand of P V (``tma_parts._p_operand``; sm_90a: the conversion's SHFL.IDX, SEL and cross-lane PRMT
     gone). Head dim 64 with two consumers, except non-causal calls with an LSE. On the H200 (16 heads,
     ``explore/kperm.json``): +4-5% non-causal and +6-8% causal without an LSE, +2% causal with one,
-    -0.5% to -1.8% non-causal with one. The output bits are the same; with an LSE its fp32 row sums add
-    in another order (the LSE within a few ulps)."""
+    -0.5% to -1.8% non-causal with one. Without an LSE the output bits are the same as the plain box's;
+    with one the fp32 row sums add in another order (measured: the LSE within 1.4e-6, the same output
+    bits; the tests allow one bf16 ulp)."""
     return head_dim == 64 and consumers == 2 and (causal or not write_lse)
 
 
 def kperm_box(keys, dh):
     """The 5-D K box of ``kperm_on``: (keys / 16, g 2, q 4, e 2, dh), shared-memory row
-    16a + 8g + 2q + e holding key 16a + 4q + 2g + e (``_kperm_2d``'s strides)."""
+    16a + 8g + 2q + e holding key 16a + 4q + 2g + e (``_kperm_view``'s strides)."""
     return [keys // 16, 2, 4, 2, dh]
 
 
-def _kperm_2d(k):
-    """Shape and strides of the 5-D TMA view of a contiguous K (batch, seqlen, nheads, d) for ``kperm_box``."""
+def _kperm_view(k):
+    """Shape and strides of the 5-D TMA view of a contiguous K (batch, seqlen, nheads, d) for ``kperm_box``
+    (batch * seqlen a multiple of 16, as the dense kernel's multiples of 128 are)."""
     b, s, h, d = k.shape
     r = h * d
     return [b * s // 16, 2, 4, 2, r], [16 * r, 2 * r, 4 * r, r, 1]
@@ -456,7 +459,7 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     if ws:
         nc, bn, stages = ws_config(d, causal)
     kperm = ws and kperm_on(d, nc, causal, lse is not None)
-    k_view = (*_kperm_2d(k), kperm_box(bn, dh)) if kperm else (*_rows_2d(k), [bn, dh])
+    k_view = (*_kperm_view(k), kperm_box(bn, dh)) if kperm else (*_rows_2d(k), [bn, dh])
     descs = ((q, *_rows_2d(q), [rows, dh]), (k, *k_view),
              (v_kmajor, *_vt_2d(v_kmajor), [dv, bn]), (out, *_rows_2d(out), [rows, dv]))
     lse_k = lse
@@ -599,7 +602,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
     kernel, num_warps = (_bounded_fwd_tma_ws_kernel, 4) if bounded else _kernel_for(d, ws)
     n_ptr = len(_BOUNDED_PTR_ARGS if bounded else _PTR_ARGS)
     tiles = tiles or _tiles(d, ws)
-    kperm = len(descs[1][3]) == 5  # K's box key-permuted (``kperm_box``)
+    kperm = kperm_box_on(descs[1][3])  # K's box key-permuted (``kperm_box``)
     k_rows = descs[1][3][0] * (16 if kperm else 1)  # K's box: the tile's keys, or up to one page of them
     if ws:  # the warp-specialized kernels' tile of ones (row sums)
         descs = (*descs, (_ones(descs[0][0].device), [_ONES_ROWS, BLOCK_N], [BLOCK_N, 1], [_ONES_ROWS, tiles[3]]))

@@ -24,7 +24,8 @@ mixed batch's decode rows would each fill a 128-row block alone, once per query 
 
 Numerics are ``dense_tma``'s (the same softmax step, two-level accumulation and epilogues): with
 128-key tiles and lengths that are multiples of 128 the output is bit-identical to the dense kernel
-run on the gathered K/V, and both V layouts give the same bits. Everything else (16-bit Q or cache,
+run on the gathered K/V with its plain K box (``dense_tma.kperm_on`` off), and both V layouts give the
+same bits. Everything else (16-bit Q or cache,
 per-token-head scales, other page sizes, windows, softcap, explicit splits) stays on the Triton kernel;
 ``unsupported_reason`` says why.
 """

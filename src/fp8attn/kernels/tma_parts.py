@@ -25,8 +25,26 @@ _E4M3_MAX = gl.constexpr(448.0)
 
 @gluon.constexpr_function
 def kperm_box_on(k_box_shape):
-    """Whether K's TMA box is key-permuted (``dense_tma.kperm_on``): 5-D, (keys / 16, 2, 4, 2, head dim)."""
+    """Whether K's TMA box is key-permuted (``dense_tma.kperm_on``): 5-D, (keys / 16, 2, 4, 2, head dim).
+    Also called on the host."""
     return len(k_box_shape) == 5
+
+@gluon.constexpr_function
+def box_keys(k_box_shape):
+    """Keys in a K box: its rows, or the rows of a key-permuted 5-D box (``kperm_box_on``)."""
+    n = 1
+    for x in list(k_box_shape)[:-1]:
+        n *= int(x)
+    return n
+
+@gluon.constexpr_function
+def k_smem_layout(k_desc_layout, k_box_shape):
+    """The layout of the K ring: the descriptor's, or for a key-permuted box the rank-2 layout of the same
+    swizzle (the producer writes each stage through a 5-D view of it)."""
+    if kperm_box_on(k_box_shape):
+        return gl.NVMMASharedLayout(swizzle_byte_width=k_desc_layout.swizzle_byte_width, element_bitwidth=8,
+                                    rank=2)
+    return k_desc_layout
 
 @gluon.jit
 def _kperm_keys(c):

@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .tma_signature import _PTR_ARGS, _INT_ARGS, _BOUNDED_PTR_ARGS, _BOUNDED_INT_ARGS
-from .tma_parts import kperm_box_on, _rowsum_mma, _ws_block, _ws_num_blocks, _ws_round_robin
+from .tma_parts import box_keys, k_smem_layout, kperm_box_on, _rowsum_mma, _ws_block, _ws_num_blocks, _ws_round_robin
 from .tma_ws_consumer import _ws_consumer
 
 
@@ -55,7 +55,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     read back correctly in the wgmma, see docs/perf-notes.md, dense round 15). The consumers wait for it
     before their first block, so it has landed before the CTA exits."""
     MH: gl.constexpr = q_desc.block_type.shape[0]
-    KB: gl.constexpr = _box_keys(k_desc.block_type.shape)
+    KB: gl.constexpr = box_keys(k_desc.block_type.shape)
     TN: gl.constexpr = _tile_keys(KB, V_ROWS)
     NQK: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[1]
     NV: gl.constexpr = 1 if V_ROWS else HEAD_DIM // v_desc.block_type.shape[0]
@@ -152,14 +152,6 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
             _ws_transpose_v(v_raw, v_smem, v_raw_ready, v_ready, v_empty, g - 1, lim, NUM_STAGES)
 
 @gluon.constexpr_function
-def _box_keys(shape):
-    """Keys in a K box: its rows, or the rows of a key-permuted 5-D box (``kperm_box``)."""
-    n = 1
-    for x in list(shape)[:-1]:
-        n *= int(x)
-    return n
-
-@gluon.constexpr_function
 def _transpose_layout(D, num_warps):
     """``_ws_transpose_v``'s register layout of a (keys, D) chunk: 4 keys x 8 head-dim bytes per thread
     (8-byte loads, byte permutes, 4-byte stores), 8 x 4 threads per warp, warps along the head dim
@@ -239,7 +231,7 @@ def _tile_keys(box_rows, v_rows):
 
 @gluon.jit
 def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
-             NC: gl.constexpr, BOUNDED: gl.constexpr, V_ROWS: gl.constexpr = False, KPERM: gl.constexpr = False):
+             NC: gl.constexpr, BOUNDED: gl.constexpr, V_ROWS: gl.constexpr = False):
     """The warp-specialized kernels' shared memory for NC consumers, mbarriers initialized: ``(q_smem,
     k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, v_raw_ready,
     ones, ones_ready, v_clean)``, ``ones`` the tile of ``ones_desc`` (16 x the tile's keys). ``turn`` holds
@@ -249,7 +241,7 @@ def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr
     such boxes with TMA barriers ``v_raw_ready``, ``v_smem`` their transposes (else both alias V's)."""
     MH: gl.constexpr = q_desc.block_type.shape[0]
     DQK: gl.constexpr = q_desc.block_type.shape[1]
-    TN: gl.constexpr = _tile_keys(_box_keys(k_desc.block_type.shape), V_ROWS)
+    TN: gl.constexpr = _tile_keys(box_keys(k_desc.block_type.shape), V_ROWS)
     DV: gl.constexpr = HEAD_DIM if V_ROWS else v_desc.block_type.shape[0]
     NQK: gl.constexpr = HEAD_DIM // DQK  # Q/K boxes per head (256: two 128-wide halves)
     NV: gl.constexpr = HEAD_DIM // DV  # V/O boxes per head (256: four 64-wide quarters)
@@ -265,12 +257,8 @@ def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr
 
     # Q: (Q buffer, consumer, box); K: (stage, box); V: (stage, box); O: (consumer, box)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NC * NQK, MH, DQK], q_desc.layout)
-    if KPERM:  # (``kperm_box_on``) the producer writes each stage through a 5-D view
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, TN, DQK],
-                                           gl.NVMMASharedLayout(swizzle_byte_width=k_desc.layout.swizzle_byte_width,
-                                                                element_bitwidth=8, rank=2))
-    else:
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES * NQK, TN, DQK], k_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES * NQK, TN, DQK],
+                                       k_smem_layout(k_desc.layout, k_desc.block_type.shape))
     if V_ROWS:
         gl.static_assert(NV == 1)
         v_raw = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, TN, DV], v_desc.layout)
@@ -333,17 +321,17 @@ def _dense_fwd_tma_ws_kernel(
     dim 64, non-causal, 64-key tiles: 192-row blocks, the last of a sequence partly past its end and those
     rows not stored) run at ``_WS3_CONSUMER_REGS``, each softmax having two other consumers' MMAs to hide
     under. The producer runs at 24. Same softmax step, accumulation and epilogues as the other kernels (with
-    two consumers the same bits), except that calls without an LSE (non-causal, or causal at head dim 64:
-    ``tma_parts._rowsum_mma``) take their row sums from the tensor core (``ones_desc``, a (16, keys) tile of
-    e4m3 ones; ``tma_ws_consumer._ws_attend``). A 5-D ``k_desc`` box (KPERM, ``dense_tma.kperm_on``: head
-    dim 64, two consumers) loads each 16 keys' rows in the consumers' S column order, so that their P needs no
-    cross-lane exchange to become P V's operand."""
+    two consumers the same bits, but for the LSE's row sums under KPERM, below), except that calls without an
+    LSE (non-causal, or causal at head dim 64: ``tma_parts._rowsum_mma``) take their row sums from the tensor
+    core (``ones_desc``, a (16, keys) tile of e4m3 ones; ``tma_ws_consumer._ws_attend``). A 5-D ``k_desc``
+    box (KPERM, ``dense_tma.kperm_on``: head dim 64, two consumers) loads each 16 keys' rows in the
+    consumers' S column order, so that their P needs no cross-lane exchange to become P V's operand; fp32
+    row sums (calls with an LSE) then add in another order."""
     gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and HEAD_DIM == 64 and not CAUSAL))
     KPERM: gl.constexpr = kperm_box_on(k_desc.block_type.shape)
     gl.static_assert(not KPERM or (HEAD_DIM == 64 and CONSUMERS == 2))
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, _, _, ones, \
-        ones_ready, _ = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, CONSUMERS, False,
-                                 False, KPERM)
+        ones_ready, _ = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, CONSUMERS, False)
 
     # (the argument tuples are written out: a tuple held in a variable loses the constexpr flags)
     if CONSUMERS == 3:
@@ -412,6 +400,7 @@ def _bounded_fwd_tma_ws_kernel(
     keys (``_tile_keys``), transposed in shared memory by a 4-warp producer (``_ws_transpose_v``; at
     32 registers for boxes under 64 keys, else 24)."""
     gl.static_assert(HEAD_DIM != 256)
+    gl.static_assert(not kperm_box_on(k_desc.block_type.shape))  # (a dense-kernel box only)
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
         v_raw_ready, ones, ones_ready, v_clean = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES,
                                                           HEAD_DIM, 2, True, V_ROWS)

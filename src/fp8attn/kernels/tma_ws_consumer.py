@@ -227,6 +227,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     TN: gl.constexpr = k_smem.shape[1]
     RS: gl.constexpr = _rowsum_mma(CAUSAL, WRITE_LSE, zero_o.shape[1], MODE)
     NC: gl.constexpr = q_ready.shape[0] // 2  # consumers
+    gl.static_assert(not KPERM or MODE == 0)  # (the bounded tiles below do not relabel P)
     acc = gl.zeros(zero_o.shape, gl.float32, o_layout)
     p, alpha, m_i, l_i = _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
                                         zero_s, qk_scale, mw, shift, row_o, 1, NUM_STAGES, CAUSAL, seqlen_k,
