@@ -6,7 +6,7 @@ configuration and a hash of its PTX with the debug sections and line markers rem
 the source lines). Covers the Triton dense kernel (causal, sliding windows, e4m3 and bf16 inputs), the
 Triton paged kernel (decode, prefill, windows, mixed varlen batches) and the Gluon TMA kernels (dense,
 paged, varlen, V transposed in shared memory; with and without an LSE; head dims 64, 128, 256; the dense
-kernel's three-consumer variant).
+kernel's three-consumer variant; at head dim 64 both K boxes, plain and key-permuted).
 
 Usage (repo root): ``python benchmarks/ptx_fingerprints_sm90.py > before.txt``; change; again into
 ``after.txt``; ``diff before.txt after.txt``.
@@ -111,6 +111,9 @@ def main():
                 dict(causal=False, write_lse=False, head_dim=64, mode=1, block_n=64),
                 dict(causal=False, write_lse=False, head_dim=128, out_fp8=True)]
         tma += [dict(causal=False, write_lse=w, head_dim=64, consumers=3) for w in (False, True)]
+        # head dim 64 on the plain K box where the launcher's rule permutes it (the tests force it)
+        tma += [dict(causal=c, write_lse=w, head_dim=64, kperm=False) for c, w in ((False, False), (True, False),
+                                                                                (True, True))]
         for cfg in tma:
             rows.append((f"tma {cfg}", fingerprint(dense_tma._aot_compile(**cfg).asm["ptx"])))
     for name, h in rows:

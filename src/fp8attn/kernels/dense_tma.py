@@ -627,7 +627,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
 # ahead-of-time compile (inspection without a GPU)
 # ---------------------------------------------------------------------------------------------
 def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None, mode=None, block_n=None,
-                 v_rows=False, box=None, consumers=None):
+                 v_rows=False, box=None, consumers=None, kperm=None):
     """Compile the kernel for ``sm_{arch}`` without a GPU; returns triton's compiled kernel.
 
     Arguments get the specializations of a launch: none (the jit decorator turns them off).
@@ -636,7 +636,8 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
     ``block_n`` its keys per tile, ``v_rows`` its V in K's layout (``V_ROWS``), ``box`` the rows of its K and
     V boxes when fewer than the tile's keys (16, 32, 64, with ``v_rows``: ``paged_tma.box_rows``).
     ``consumers``: the dense warp-specialized kernel's consumer warpgroups, with ``block_n`` and the ring's
-    stages from ``ws_config`` unless given.
+    stages from ``ws_config`` unless given. ``kperm``: its key-permuted K box forced on or off (default: the
+    launcher's rule, ``kperm_on``).
     """
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -662,7 +663,9 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
         return f"tensordesc<{dtype}[{', '.join(str(x) for x in shape)}],{layout!r}>"
 
     k_box = [kb, dh]
-    if ws and not bounded and kperm_on(head_dim, consumers, causal, write_lse):
+    if kperm is None:
+        kperm = ws and not bounded and kperm_on(head_dim, consumers, causal, write_lse)
+    if kperm:
         k_box, kl = kperm_box(kb, dh), _kperm_layout(kl)
 
     # in the kernels' parameter order
