@@ -13,7 +13,6 @@ from fp8attn.kernels import dense_tma
 from fp8attn.kernels.dense import transpose_v_kmajor
 
 
-
 def main(out_dir):
     torch.manual_seed(0)
     doc = results_header("d256_scratch_lse")

@@ -76,7 +76,7 @@ from .tma_signature import (_BOUNDED_PTR_ARGS, _PTR_ARGS, BLOCK_M, BLOCK_N, ENTR
 if HAS_GLUON:
     from .tma_lockstep import _dense_fwd_tma_d256_kernel, _dense_fwd_tma_kernel
     from .tma_ws import _bounded_fwd_tma_ws_kernel, _dense_fwd_tma_ws_kernel
-    from .tma_parts import kperm_box_on
+    from .tma_parts import box_keys, kperm_box_on
 
 __all__ = ["supported", "unsupported_reason", "launch_dense_fwd_tma", "HAS_GLUON"]
 
@@ -183,14 +183,18 @@ def _tiles(head_dim, ws):
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts(tiles, out_fp8, v_rows=False, k_rows=None):
+def _layouts(tiles, out_fp8, v_rows=False, k_rows=None, kperm=False):
     """Shared-memory layouts of the Q, K, V and output boxes of ``_tiles(...)`` (``v_rows``: V's box is
-    K's, rows of keys; ``k_rows``: rows of K's box when fewer than the tile's keys, up to one page)."""
+    K's, rows of keys; ``k_rows``: keys of K's box when fewer than the tile's, up to one page; ``kperm``:
+    K's box is ``kperm_box``, rank 5 with the swizzle of the 2-D box)."""
     f8 = gl.float8e4nv
     rows, dh, dv, bn = tiles
     kb = k_rows or bn
+    k_layout = gl.NVMMASharedLayout.get_default_for([kb, dh], f8)
+    if kperm:
+        k_layout = gl.NVMMASharedLayout(swizzle_byte_width=k_layout.swizzle_byte_width, element_bitwidth=8, rank=5)
     return (gl.NVMMASharedLayout.get_default_for([rows, dh], f8),
-            gl.NVMMASharedLayout.get_default_for([kb, dh], f8),
+            k_layout,
             gl.NVMMASharedLayout.get_default_for([kb, dh] if v_rows else [dv, bn], f8),
             gl.NVMMASharedLayout.get_default_for([rows, dv], f8 if out_fp8 else gl.bfloat16))
 
@@ -252,11 +256,6 @@ def _kperm_view(k):
     b, s, h, d = k.shape
     r = h * d
     return [b * s // 16, 2, 4, 2, r], [16 * r, 2 * r, 4 * r, r, 1]
-
-
-def _kperm_layout(layout):
-    """The rank-5 layout of ``kperm_box`` with the swizzle of K's 2-D box."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=layout.swizzle_byte_width, element_bitwidth=8, rank=5)
 
 
 def _rows_2d(x):
@@ -603,15 +602,13 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
     n_ptr = len(_BOUNDED_PTR_ARGS if bounded else _PTR_ARGS)
     tiles = tiles or _tiles(d, ws)
     kperm = kperm_box_on(descs[1][3])  # K's box key-permuted (``kperm_box``)
-    k_rows = descs[1][3][0] * (16 if kperm else 1)  # K's box: the tile's keys, or up to one page of them
+    k_rows = box_keys(descs[1][3])  # K's box: the tile's keys, or up to one page of them
     if ws:  # the warp-specialized kernels' tile of ones (row sums)
         descs = (*descs, (_ones(descs[0][0].device), [_ONES_ROWS, BLOCK_N], [BLOCK_N, 1], [_ONES_ROWS, tiles[3]]))
     key = (dev, d, kernel, tiles, k_rows, kperm) + consts
     ck = _COMPILED.get(key)
     if ck is None or _launch_hooks_set() or max(args[n_ptr:-1]) >= 2 ** 31:
-        layouts = _layouts(tiles, consts[2], bounded and consts[6], k_rows) + (_ones_layout(tiles[3]),)
-        if kperm:
-            layouts = (layouts[0], _kperm_layout(layouts[1])) + layouts[2:]
+        layouts = _layouts(tiles, consts[2], bounded and consts[6], k_rows, kperm) + (_ones_layout(tiles[3]),)
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
         names = _CONST_NAMES + (("MODE", "V_ROWS") if bounded else ("CONSUMERS",))
@@ -655,18 +652,15 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
     if v_rows:
         tiles = (*tiles[:3], BLOCK_N)  # V_ROWS tiles are 128 keys (``_tile_keys``)
         rows, dh, dv, bn = tiles
-    ql, kl, vl, ol = _layouts(tiles, out_fp8, v_rows, box)
+    if kperm is None:
+        kperm = ws and not bounded and kperm_on(head_dim, consumers, causal, write_lse)
+    ql, kl, vl, ol = _layouts(tiles, out_fp8, v_rows, box, kperm)
     kb = box or bn
+    k_box = kperm_box(kb, dh) if kperm else [kb, dh]
     kernel, num_warps = (_bounded_fwd_tma_ws_kernel, 4) if bounded else _kernel_for(head_dim, ws)
 
     def desc(shape, layout, dtype="fp8e4nv"):
         return f"tensordesc<{dtype}[{', '.join(str(x) for x in shape)}],{layout!r}>"
-
-    k_box = [kb, dh]
-    if kperm is None:
-        kperm = ws and not bounded and kperm_on(head_dim, consumers, causal, write_lse)
-    if kperm:
-        k_box, kl = kperm_box(kb, dh), _kperm_layout(kl)
 
     # in the kernels' parameter order
     ptrs = _BOUNDED_PTR_ARGS if bounded else _PTR_ARGS
