@@ -3,12 +3,17 @@
 pages of 64 with sequence-major V; bf16 and e4m3 Q), the launcher with an LSE output, CUDA-graph replays (best
 of two medians), plus the per-kernel GPU time of the default. Usage (repo root, GPU machine):
 ``PYTHONPATH=src python benchmarks/explore_decode_sweep_h200.py``.
+
+``--waves`` (``results/h200/explore/decode_waves.json``): split counts at B16/L32k, B8/L32k and B64/L4096 that
+give the grid whole waves of resident decode blocks (or many small ones), default tiles only, timed as one-call
+replays and per call in an 8-call captured step (``graph_step_ms``).
 """
 import json
+import sys
 
 import torch
 
-from fp8attn.bench.common import graph_replay, kernel_times_us, time_ms
+from fp8attn.bench.common import graph_replay, graph_step_ms, kernel_times_us, time_ms
 from fp8attn.bench.paged import D, E4M3, HK, HQ, _paged_pool
 from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, split_workspace
 from fp8attn.paged import to_v_seq_major
@@ -25,10 +30,15 @@ CONFIGS = {
 }
 
 
-def main():
+SWEEP_CASES = ((1, 131072, (0, 48, 56, 60, 64, 72, 88)), (64, 4096, (0, 2)))
+WAVE_CASES = ((16, 32768, (0, 6, 8, 12, 16, 24, 33, 66)), (8, 32768, (0, 12, 16, 33, 66)), (64, 4096, (0, 3, 4, 8)))
+
+
+def main(waves=False):
     torch.manual_seed(0)
     rows = {}
-    for batch, ctx, splits_list in ((1, 131072, (0, 48, 56, 60, 64, 72, 88)), (64, 4096, (0, 2))):
+    cases, configs = (WAVE_CASES, {"default": None}) if waves else (SWEEP_CASES, CONFIGS)
+    for batch, ctx, splits_list in cases:
         kc, vc, pts = _paged_pool(batch, ctx, PAGE, 1)
         vs = to_v_seq_major(vc)
         pt = pts[0]
@@ -40,7 +50,7 @@ def main():
             out = torch.empty(batch, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(batch, HQ, 1, device="cuda")
             ref = None
-            for cname, cfg in CONFIGS.items():
+            for cname, cfg in configs.items():
                 for ns in splits_list:
                     if cname != "default" and ns not in (0,):
                         continue
@@ -63,6 +73,8 @@ def main():
                     key = f"B{batch} L{ctx} {qn} {cname} splits={n}"
                     rows[key] = {"us": round(us, 2), "gbps": round(2 * batch * ctx * HK * D / us / 1e3),
                                  "diff": float((out.float() - ref).abs().max())}
+                    if waves:
+                        rows[key]["us_step"] = round(min(graph_step_ms([fn]) for _ in range(2)) * 1000, 2)
                     if cname == "default" and ns == 0:
                         rows[key]["kernels_us"] = kernel_times_us(fn)
                     print(key, rows[key], flush=True)
@@ -71,4 +83,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(waves="--waves" in sys.argv[1:])
