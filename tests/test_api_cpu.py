@@ -343,6 +343,46 @@ def test_kvcache_v_seq_major_append_and_attend():
                                 k_descale=torch.tensor([[0.02]]), v_descale=torch.tensor([[0.03]]))
 
 
+def test_kvcache_split_workspace():
+    """``split_workspace=``: a preallocated (out_partial, lse_partial) gives the same result as partials
+    allocated per call (varlen too); wrong workspaces are rejected naming the argument and the fix."""
+    from fp8attn import split_workspace
+    from fp8attn.paged import alloc_paged_cache
+
+    b, hq, hk, d, ps, nb = 3, 4, 2, 32, 16, 12
+    kc, vc = alloc_paged_cache(nb, ps, hk, d, poison_nan=True)
+    pt = torch.randperm(nb).to(torch.int32).view(b, nb // b)
+    lens = torch.tensor([40, 3, 17], dtype=torch.int32)
+    k, v = torch.randn(b, 40, hk, d).bfloat16(), torch.randn(b, 40, hk, d).bfloat16()
+    kw = dict(k_descale=torch.tensor([[0.02]]), v_descale=torch.tensor([[0.03]]), causal=True)
+    flash_attn_with_kvcache(torch.randn(b, 40, hq, d).bfloat16(), kc, vc, k=k, v=v, page_table=pt,
+                            cache_seqlens=torch.zeros(b, dtype=torch.int32), **kw)
+    q = torch.randn(b, 1, hq, d).bfloat16()
+    ws = split_workspace(q, 5, d)
+    o1, l1 = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, num_splits=3,
+                                     return_softmax_lse=True, **kw)
+    o2, l2 = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, num_splits=3,
+                                     return_softmax_lse=True, split_workspace=ws, **kw)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2) and not torch.isnan(o2.float()).any()
+    qv = torch.randn(4, hq, d).bfloat16()  # varlen: decode rows and a 2-query chunk
+    cu = torch.tensor([0, 1, 3, 4], dtype=torch.int32)
+    vkw = dict(cache_seqlens=lens, page_table=pt, cu_seqlens_q=cu, max_seqlen_q=2, num_splits=2, **kw)
+    assert torch.equal(flash_attn_with_kvcache(qv, kc, vc, **vkw),
+                       flash_attn_with_kvcache(qv, kc, vc, split_workspace=split_workspace(qv, 2, d), **vkw))
+    call = dict(cache_seqlens=lens, page_table=pt, **kw)
+    bad = [(dict(num_splits=3, split_workspace=ws[0]), TypeError, "split_workspace: expected a tuple"),
+           (dict(num_splits=0, split_workspace=ws), ValueError, "explicit num_splits"),
+           (dict(num_splits=6, split_workspace=ws), ValueError, r"out_partial contiguous float32 \(>= 6"),
+           (dict(num_splits=2, split_workspace=split_workspace(q, 2, d + 1)), ValueError, "out_partial"),
+           (dict(num_splits=2, split_workspace=(ws[0], ws[1].double())), ValueError, "lse_partial.*float64"),
+           (dict(num_splits=2, split_workspace=(ws[0].transpose(1, 3).contiguous().transpose(1, 3), ws[1])),
+            ValueError, "not contiguous"),
+           (dict(num_splits=2, split_workspace=ws, attention_chunk=16), ValueError, "attention_chunk")]
+    for extra, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            flash_attn_with_kvcache(q, kc, vc, **call, **extra)
+
+
 # ------------------------------------------------------------------ the CPU path rounds P like the GPU
 def test_cpu_path_rounds_p_like_the_kernels():
     """e4m3 inputs: P in e4m3 (FP8 P@V); bf16 inputs: P in bf16; bf16 Q over an e4m3 paged cache: P in

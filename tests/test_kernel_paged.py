@@ -91,7 +91,7 @@ def cu_from_lens(lens, device=DEV):
 
 def run_paged(q, cache, *, cu_seqlens_q=None, max_seqlen_q=None, causal=True, window_size=(-1, -1),
               softcap=0.0, q_descale=None, k_descale=None, v_descale=None, num_splits=1, out_dtype=None,
-              out_scale=None, softmax_scale=None, config=None, with_lse=True):
+              out_scale=None, softmax_scale=None, config=None, with_lse=True, split_workspace=(None, None)):
     """The paged launch into NaN-poisoned outputs: ``(out, lse)`` (``lse`` None without ``with_lse``)."""
     hq, d = q.shape[-2], q.shape[-1]
     dv = cache["v_cache"].shape[-1]
@@ -113,7 +113,7 @@ def run_paged(q, cache, *, cu_seqlens_q=None, max_seqlen_q=None, causal=True, wi
                      window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
                      v_descale=v_descale, k_cache_scales=cache.get("k_cache_scales"),
                      v_cache_scales=cache.get("v_cache_scales"), out_scale=out_scale, num_splits=num_splits,
-                     config=config)
+                     out_partial=split_workspace[0], lse_partial=split_workspace[1], config=config)
     return out, lse
 
 
@@ -263,6 +263,21 @@ def test_split_kv(num_splits):
     check(out, lse, ref, ref_lse, lp)
     assert (out.float() - out1.float()).abs().max().item() <= 2e-2
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+
+
+def test_split_kv_caller_workspace():
+    """A caller's workspace (``split_workspace``) with more splits than the call uses, NaN-poisoned: the same
+    bits as partials allocated by the launch; one with fewer splits is rejected naming the fix."""
+    c = make_cache([300, 0, 65, 1], 16, 2, 32)
+    q = torch.randn(4, 1, 8, 32, device=DEV).to(torch.bfloat16)
+    kd, vd = rand_descale(4, 2), rand_descale(4, 2)
+    ws = tuple(poison_(t) for t in split_workspace(q, 5, 32))
+    out1, lse1 = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=3)
+    out2, lse2 = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=3, split_workspace=ws)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    assert torch.isfinite(ws[1][:3]).any() and torch.isnan(ws[1][3:]).all()  # written: the first 3 splits only
+    with pytest.raises(ValueError, match=r"split_workspace: expected room for 3 splits.*split_workspace\(q, 3"):
+        run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=3, split_workspace=split_workspace(q, 2, 32))
 
 
 def test_chunked_prefill_equals_single_shot():
@@ -603,6 +618,49 @@ def test_gpu_cuda_graph_capture_short_replay_long():
     assert torch.equal(out, eo) and torch.equal(lse, el)
     ref, ref_lse, lpref = refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
     check(out, lse, ref, ref_lse, lpref)
+
+
+@pytest.mark.gpu
+def test_gpu_public_call_with_append_and_split_workspace_in_a_graph():
+    """The public call an engine captures: ``flash_attn_with_kvcache`` appending a token (``k=``/``v=``) with an
+    explicit split count and a preallocated ``split_workspace``, captured at short lengths and replayed at
+    long ones: the output, LSE and cache bytes equal an eager call on a copy of the cache."""
+    from fp8attn import flash_attn_with_kvcache
+
+    hq, hk, d, ps, b, splits = 32, 8, 128, 16, 4, 4
+    c = make_cache([3000, 2000, 4000, 17], ps, hk, d, device="cuda")
+    kc, vc, pt = c["k_cache"], c["v_cache"], c["page_table"]
+    q = torch.randn(b, 1, hq, d, device="cuda").to(torch.bfloat16)
+    kn, vn = (torch.randn(b, 1, hk, d, device="cuda").to(torch.bfloat16) for _ in range(2))
+    kd, vd = rand_descale(b, hk, "cuda"), rand_descale(b, hk, "cuda")
+    ws = tuple(poison_(t) for t in split_workspace(q, splits, d))
+    out = torch.empty(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    seq_buf = torch.tensor([10, 5, 17, 0], dtype=torch.int32, device="cuda")
+    res = {}
+
+    def call(kc=kc, vc=vc, lens=seq_buf, o=out, **kw):
+        return flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, page_table=pt, k_descale=kd,
+                                       v_descale=vd, causal=True, num_splits=splits, return_softmax_lse=True,
+                                       out=o, **kw)
+
+    def launch():
+        res["lse"] = call(split_workspace=ws)[1]
+
+    long = torch.tensor([2999, 1999, 3999, 16], dtype=torch.int32, device="cuda")
+    launch()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch()
+    kc0, vc0 = kc.clone(), vc.clone()  # the cache as the replay finds it
+    seq_buf.copy_(long)
+    g.replay()
+    torch.cuda.synchronize()
+    eo, el = call(kc0, vc0, long.clone(), torch.empty_like(out))
+    assert torch.equal(out, eo) and torch.equal(res["lse"], el)
+    assert torch.equal(kc.view(torch.uint8), kc0.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vc0.view(torch.uint8))
+    assert not torch.isnan(ws[1]).any()  # the partials went to the caller's workspace (empty splits: -inf)
 
 
 @pytest.mark.gpu

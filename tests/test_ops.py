@@ -125,6 +125,21 @@ def test_opcheck_attention(name, args, tag):
     torch.library.opcheck(ops.OPS[name + "_out"], args + (out,), test_utils=OPCHECK_TESTS)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_opcheck_paged_with_split_workspace(varlen):
+    """The split-KV scratch arguments (mutable, optional) through both paged ops: opcheck, and the same
+    results as calls without them."""
+    args = _paged_case(varlen=varlen)
+    args = args[:19] + (3,) + args[20:]  # num_splits 3
+    ws = fp8attn.split_workspace(args[0], 4, args[2].shape[-1])
+    torch.library.opcheck(ops.OPS["paged_fwd"], args + ws, test_utils=OPCHECK_TESTS)
+    out = _out_for("paged_fwd", args)
+    torch.library.opcheck(ops.OPS["paged_fwd_out"], args + (out,) + ws, test_utils=OPCHECK_TESTS)
+    o, lse = ops.OPS["paged_fwd"](*args, *ws)
+    o2, lse2 = ops.OPS["paged_fwd"](*args)
+    assert torch.equal(o.view(torch.uint8), o2.view(torch.uint8)) and torch.equal(lse, lse2)
+
+
 @pytest.mark.parametrize("name,args,tag", _cases()[:4], ids=[c[2] + " " + c[0] for c in _cases()[:4]])
 def test_fake_matches_real_exactly(name, args, tag):
     real = ops.OPS[name](*args)

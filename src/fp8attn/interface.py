@@ -52,6 +52,38 @@ def _check_out_args(out, out_dtype, out_scale, oshape, q):
     C.check_out(out, oshape, dt, q.device)
 
 
+def _check_split_workspace(split_workspace, num_splits, chunk, q, nheads_q, headdim_v):
+    """``split_workspace``: None, or ``(out_partial, lse_partial)`` of ``fp8attn.split_workspace`` for this
+    q with at least ``num_splits`` (explicit, >= 1) splits."""
+    if split_workspace is None:
+        return None
+    fix = (f"Allocate it once with fp8attn.split_workspace(q, num_splits, {headdim_v}) and pass an explicit "
+           "num_splits (or scheduler_metadata).")
+    if not isinstance(split_workspace, (tuple, list)) or len(split_workspace) != 2:
+        raise TypeError(f"split_workspace: expected a tuple (out_partial, lse_partial), got "
+                        f"{type(split_workspace).__name__}. {fix}")
+    if num_splits < 1:
+        raise ValueError(f"split_workspace: expected an explicit num_splits >= 1 with a workspace (0 lets the "
+                         f"heuristic choose a count the workspace may not hold), got num_splits={num_splits}. {fix}")
+    if chunk:
+        raise ValueError(f"split_workspace: not supported with attention_chunk={chunk} (its calls run over "
+                         "rearranged query rows). Drop split_workspace.")
+    op, lp = split_workspace
+    lead = (*q.shape[:-2], nheads_q)
+    for name, t, tail in (("out_partial", op, (headdim_v,)), ("lse_partial", lp, ())):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"split_workspace: expected {name} to be a torch.Tensor, got {type(t).__name__}. {fix}")
+        ok = (t.dim() == len(lead) + len(tail) + 1 and tuple(t.shape[1:]) == lead + tail and t.shape[0] >= num_splits
+              and t.dtype == torch.float32 and t.is_contiguous())
+        if not ok:
+            want = f"contiguous float32 (>= {num_splits}, {', '.join(map(str, lead + tail))})"
+            raise ValueError(f"split_workspace: expected {name} {want}, got {t.dtype} {tuple(t.shape)}"
+                             f"{'' if t.is_contiguous() else ' (not contiguous)'}. {fix}")
+        if t.device != q.device:
+            raise ValueError(f"split_workspace: expected {name} on {q.device}, got {t.device}. Move it to {q.device}.")
+    return op, lp
+
+
 def _descales(q_descale, k_descale, v_descale, batch, nheads_k, device, validate):
     for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         C.check_descale(name, d, batch, nheads_k, device)
@@ -529,7 +561,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
                             return_softmax_lse=False, *, out=None, out_dtype=None, out_scale=None,
-                            k_cache_scales=None, v_cache_scales=None, validate=False):
+                            k_cache_scales=None, v_cache_scales=None, split_workspace=None, validate=False):
     """Attention over a KV cache (contiguous or paged), optionally appending new K/V first.
 
     Parameters
@@ -551,6 +583,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     causal, window_size, softcap, softmax_scale : as in :func:`flash_attn_func` (bottom-right alignment:
         the queries are the last tokens of each sequence).
     num_splits : 0 = heuristic from shapes (never from live lengths), 1 = no split, n = n KV splits.
+    split_workspace : optional ``(out_partial, lse_partial)`` from :func:`fp8attn.split_workspace` (float32,
+        at least ``num_splits`` splits, q's shape): the split partials go there instead of tensors allocated
+        per call, so an engine allocates them once, before CUDA-graph capture. Needs an explicit num_splits.
     return_softmax_lse : also return the LSE, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q).
     rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2), applied to the new k and to 16-bit q (FA3
         semantics): k at positions cache_seqlens[b] + i; q at cache_seqlens[b] + i when causal or with a
@@ -711,6 +746,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                              f"[{int(ids.min())}, {int(ids.max())}]. Fix the block allocation.")
     oshape = tuple(q.shape[:-1]) + (v_cache.shape[-1],)
     _check_out_args(out, out_dtype, out_scale, oshape, q)
+    ws = _check_split_workspace(split_workspace, num_splits, chunk, q, q.shape[-2], v_cache.shape[-1])
     qd, kd, vd = _descales(q_descale, k_descale, v_descale, batch, hk, dev, validate)
     if rotary_cos is not None or rotary_sin is not None:
         q, kn = _rotate(q, kn if k is not None else None, rotary_cos, rotary_sin, rotary_seqlens, rotary_interleaved,
@@ -732,7 +768,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                                      max_seqlen_q, (qd, kd, vd), **attn)
     else:
         o, lse = ops.paged_fwd(q, k_cache, v_cache, pt, total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
-                               max_seqlen_q=max_seqlen_q, q_descale=qd, k_descale=kd, v_descale=vd, **attn)
+                               max_seqlen_q=max_seqlen_q, q_descale=qd, k_descale=kd, v_descale=vd,
+                               split_workspace=ws, **attn)
     return (o, lse) if return_softmax_lse else o
 
 

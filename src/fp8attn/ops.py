@@ -170,7 +170,7 @@ def _block_tokens(descale, x, varlen, block):
 
 def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                 causal, window_left, window_right, softcap, q_descale, k_descale, v_descale, k_cache_scales,
-                v_cache_scales, out_scale, out_dtype, num_splits, return_lse, out):
+                v_cache_scales, out_scale, out_dtype, num_splits, return_lse, out, out_partial=None, lse_partial=None):
     varlen = cu_seqlens_q is not None
     dt = _out_dtype(q, out_dtype, out_scale)
     oshape, lse_shape = _dense_shapes(q, v_cache, varlen)
@@ -186,7 +186,7 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
                    max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
                    window_size=window, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
                    v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
-                   out_scale=out_scale, num_splits=num_splits)
+                   out_scale=out_scale, num_splits=num_splits, out_partial=out_partial, lse_partial=lse_partial)
         return o, lse if return_lse else _no_lse(q)
     qg = q.shape[-2] // k_cache.shape[2]
     v_seq_major = is_v_seq_major(v_cache)
@@ -368,13 +368,12 @@ def _dense_out_fake(*args):
 
 def _paged_fake(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                 causal, window_left, window_right, softcap, q_descale, k_descale, v_descale, k_cache_scales,
-                v_cache_scales, out_scale, out_dtype, num_splits, return_lse):
+                v_cache_scales, out_scale, out_dtype, num_splits, return_lse, out_partial=None, lse_partial=None):
     return _attn_fake(q, v_cache, cu_seqlens_q, out_scale, out_dtype, return_lse)
 
 
 def _paged_out_fake(*args):
-    *rest, return_lse, out = args
-    q, v_cache, cu = rest[0], rest[2], rest[5]
+    q, v_cache, cu, return_lse = args[0], args[2], args[5], args[_PAGED_NARGS - 1]
     return _lse_fake(q, v_cache, cu, return_lse)
 
 
@@ -413,6 +412,9 @@ _PAGED_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Ten
                "int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, "
                "Tensor? k_cache_scales, Tensor? v_cache_scales, Tensor? out_scale, ScalarType? out_dtype, "
                "int num_splits, bool return_lse")
+_PAGED_NARGS = _PAGED_ARGS.count(",") + 1
+# The split-KV partials (``paged.split_workspace``): scratch the kernel writes when it splits the keys.
+_SPLIT_WS = "Tensor(b!)? out_partial=None, Tensor(c!)? lse_partial=None"
 
 # name -> (schema, implementation, fake)
 _SPECS = {
@@ -420,9 +422,9 @@ _SPECS = {
                   lambda *a: _dense_impl(*a, None), _dense_fake),
     "dense_fwd_out": (f"({_DENSE_ARGS}, Tensor(a!) out) -> Tensor",
                       lambda *a: _dense_impl(*a)[1], _dense_out_fake),
-    "paged_fwd": (f"({_PAGED_ARGS}) -> (Tensor, Tensor)",
-                  lambda *a: _paged_impl(*a, None), _paged_fake),
-    "paged_fwd_out": (f"({_PAGED_ARGS}, Tensor(a!) out) -> Tensor",
+    "paged_fwd": (f"({_PAGED_ARGS}, {_SPLIT_WS}) -> (Tensor, Tensor)",
+                  lambda *a: _paged_impl(*a[:_PAGED_NARGS], None, *a[_PAGED_NARGS:]), _paged_fake),
+    "paged_fwd_out": (f"({_PAGED_ARGS}, Tensor(a!) out, {_SPLIT_WS}) -> Tensor",
                       lambda *a: _paged_impl(*a)[1], _paged_out_fake),
     "combine": ("(Tensor out_partial, Tensor lse_partial, Tensor? out_scale, ScalarType? out_dtype) -> (Tensor, Tensor)",
                 lambda *a: _combine_impl(*a, None), _combine_fake),
@@ -558,7 +560,7 @@ def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, 
 def paged_fwd(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=None, max_seqlen_q=None,
               softmax_scale, causal, window_size, softcap, q_descale, k_descale, v_descale,
               k_cache_scales=None, v_cache_scales=None, out_scale=None, out_dtype=None, out=None,
-              num_splits=0, return_lse=True):
+              num_splits=0, return_lse=True, split_workspace=None):
     """Attention over a paged cache (chunked prefill, mixed batches, decode) through
     ``fp8attn::paged_fwd[_out]``.
 
@@ -569,6 +571,8 @@ def paged_fwd(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=No
     page_table : (batch, max_pages) int32. cache_seqlens : (batch,) int32 (queries' tokens included).
     k_cache_scales, v_cache_scales : optional (num_blocks, page_size, nheads_k) float32.
     return_lse : False: the kernel writes no LSE and ``lse`` is an empty float32 tensor.
+    split_workspace : optional ``(out_partial, lse_partial)`` of ``paged.split_workspace`` (float32, at least
+        the call's split count), written instead of partials allocated per call when the keys are split.
 
     Returns
     -------
@@ -578,14 +582,15 @@ def paged_fwd(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=No
     args = (q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, float(softmax_scale),
             bool(causal), window_size[0], window_size[1], float(softcap), q_descale, k_descale, v_descale,
             k_cache_scales, v_cache_scales, out_scale, out_dtype, int(num_splits), bool(return_lse))
+    ws = tuple(split_workspace) if split_workspace is not None else (None, None)
     if _needs_grad(q, k_cache, v_cache):
-        return _no_backward("paged_fwd", _paged_op(*args) if out is None else None, (q, k_cache, v_cache),
+        return _no_backward("paged_fwd", _paged_op(*args, *ws) if out is None else None, (q, k_cache, v_cache),
                             out is not None)
-    if _eager_direct(q, k_cache, v_cache, out):
-        return _paged_impl(*args, out)
+    if _eager_direct(q, k_cache, v_cache, out, *ws):
+        return _paged_impl(*args, out, *ws)
     if out is None:
-        return _paged_op(*args)
-    return out, _paged_out_op(*args, out)
+        return _paged_op(*args, *ws)
+    return out, _paged_out_op(*args, out, *ws)
 
 
 def combine(out_partial, lse_partial, *, out=None, out_dtype=None, out_scale=None):

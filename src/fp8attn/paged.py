@@ -7,7 +7,7 @@ import torch
 
 __all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "empty_paged", "to_v_seq_major",
            "is_v_seq_major", "paged_precision", "paged_precisions", "decode_shaped", "small_shaped",
-           "decode_row_queries", "packed_token_seqs"]
+           "decode_row_queries", "packed_token_seqs", "split_workspace"]
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -123,6 +123,30 @@ def is_v_seq_major(v_cache: torch.Tensor) -> bool:
     nb, ps, hk, d = v_cache.shape
     return (ps > 1 and d > 1 and v_cache.stride(1) == 1 and v_cache.stride(3) == ps
             and v_cache.stride(2) == d * ps and (nb == 1 or v_cache.stride(0) == hk * d * ps))
+
+
+def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: int | None = None):
+    """Preallocate the split-KV partials of calls shaped like ``q`` (allocate once, outside CUDA-graph capture;
+    pass as ``flash_attn_with_kvcache(..., num_splits=n, split_workspace=...)``, n <= ``num_splits``).
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads_q, headdim) or varlen (total_q, nheads_q, headdim); only its shape and
+        device are read.
+    num_splits : int >= 1, the most KV splits a call will use.
+    headdim_v : V's head dim. nheads_q : query heads (default: q's).
+
+    Returns
+    -------
+    (out_partial, lse_partial) : float32 (num_splits, batch, seqlen_q, nheads_q, headdim_v) and
+        (num_splits, batch, seqlen_q, nheads_q); varlen q gives (num_splits, total_q, nheads_q, headdim_v)
+        and (num_splits, total_q, nheads_q). Their contents are scratch (overwritten by every call).
+    """
+    lead = tuple(q.shape[:-2])
+    h = q.shape[-2] if nheads_q is None else nheads_q
+    op = torch.empty((num_splits, *lead, h, headdim_v), dtype=torch.float32, device=q.device)
+    lp = torch.empty((num_splits, *lead, h), dtype=torch.float32, device=q.device)
+    return op, lp
 
 
 def make_page_table(seqlens, page_size, num_blocks, generator=None, device="cpu", fill=-1):

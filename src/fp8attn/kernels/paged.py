@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ..launch_rules import window_flags
-from ..paged import is_v_seq_major, paged_precisions
+from ..paged import is_v_seq_major, paged_precisions, split_workspace  # (split_workspace: re-exported)
 from ..paged_plan import CPU_NUM_SMS, choose_num_splits, paged_config, paged_grid  # noqa: F401  (re-exported)
 from . import dense_tma, paged_tma
 from .combine import launch_combine
@@ -399,20 +399,6 @@ def _num_sms(device) -> int:
 HEADS_INNER_DEFAULT = True  # H200: 0-1.5% faster decode (B64-B256), never slower beyond noise
 
 
-def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: int | None = None):
-    """Preallocate split-KV partials for ``q`` (allocate once, outside CUDA-graph capture).
-
-    Returns ``(out_partial, lse_partial)``: float32 (num_splits, batch, seqlen_q, nheads_q, headdim_v) and
-    (num_splits, batch, seqlen_q, nheads_q); varlen q (total_q, nheads_q, d) gives
-    (num_splits, total_q, nheads_q, headdim_v) and (num_splits, total_q, nheads_q).
-    """
-    lead = tuple(q.shape[:-2])
-    h = q.shape[-2] if nheads_q is None else nheads_q
-    op = torch.empty((num_splits, *lead, h, headdim_v), dtype=torch.float32, device=q.device)
-    lp = torch.empty((num_splits, *lead, h), dtype=torch.float32, device=q.device)
-    return op, lp
-
-
 def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      cache_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, *,
                      cu_seqlens_q: torch.Tensor | None = None, max_seqlen_q: int, softmax_scale: float,
@@ -446,7 +432,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out_scale : optional 0-d/(1,) float32 static output scale (fused e4m3fn output).
     num_splits : split-KV factor, fixed by the caller (``choose_num_splits``); > 1 writes partials
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
-        them with ``launch_combine``.
+        them with ``launch_combine``. A workspace with more splits than the call's is used in part.
     config : optional override {block_m, block_n, num_warps, num_stages, maxnreg, compute_dtype, pv_fp16,
         heads_inner, two_class, decode_first, unmasked_tiles, tma, split_at, block_list}
         (benchmarks). ``pv_fp16`` (FP8 Q and cache only): FP8 QK^T, then P@V in fp16 with V upcast in
@@ -521,6 +507,11 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split = num_splits > 1
     if split and (out_partial is None or lse_partial is None):
         out_partial, lse_partial = split_workspace(q, num_splits, dv, hq)
+    elif split:  # a caller's workspace (``split_workspace``) may hold more splits than this call uses
+        if out_partial.shape[0] < num_splits or lse_partial.shape[0] < num_splits:
+            raise ValueError(f"split_workspace: expected room for {num_splits} splits, got {out_partial.shape[0]} "
+                             f"and {lse_partial.shape[0]}. Allocate it with split_workspace(q, {num_splits}, ...).")
+        out_partial, lse_partial = out_partial[:num_splits], lse_partial[:num_splits]
     # The launches of this kernel: (tiles (bm, bn, num_warps, stages, maxnreg), two classes, big class,
     # grid0, the big class's query-count range, whether it also writes the TMA kernel's block list).
     launches = [((bm, bn, nw, ns, maxnreg), two_class, True, grid0, (0, 2 ** 31 - 1), False)]
