@@ -289,6 +289,12 @@ def test_out_dtype_and_out_scale_bad():
     q, k, v = qkv(E4M3)
     _raises(TypeError, "out_dtype", flash_attn_func, q, k, v, out_dtype=torch.float8_e4m3fn)
     _raises(ValueError, "out_scale", flash_attn_func, q, k, v, out_scale=torch.ones(2))
+    _raises(ValueError, "out_scale", flash_attn_func, q, k, v, out_scale=torch.ones(1, dtype=torch.float64))
+    # a per-token / per-group scale asks for a kind that does not fuse: NotImplementedError (a ValueError too)
+    for scale in (torch.ones(q.shape[0] * q.shape[1]), torch.ones(q.shape[0], q.shape[1], 1, 1), torch.ones(4)):
+        _raises(NotImplementedError, "fused_output_quant_supported", flash_attn_func, q, k, v, out_scale=scale)
+    op, lp = torch.randn(3, B, 1, H, D), torch.randn(3, B, 1, H)
+    _raises(NotImplementedError, "out_scale", flash_attn_combine, op, lp, out_scale=torch.ones(B))
     _raises(ValueError, "out_dtype", flash_attn_func, q, k, v, out_scale=torch.tensor(1.0), out_dtype=torch.bfloat16)
 
 

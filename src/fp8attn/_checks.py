@@ -20,6 +20,11 @@ def _fail(exc, arg, expected, got, fix):
     raise exc(f"{arg}: expected {expected}, got {got}. {fix}")
 
 
+class UnsupportedOutputQuant(NotImplementedError, ValueError):
+    """An ``out_scale`` of a kind that does not fuse (per-token, per-group, dynamic): NotImplementedError,
+    and a ValueError too, as every other bad ``out_scale`` is."""
+
+
 def want_value_checks(t: torch.Tensor, validate: bool) -> bool:
     """Value checks are free on CPU; on a GPU they sync, so they are opt-in and skipped in capture.
     Never while torch.compile traces (a value read would break the graph)."""
@@ -206,7 +211,12 @@ def check_out_scale(out_scale, device):
     if out_scale is None:
         return
     check_tensor("out_scale", out_scale)
-    if out_scale.numel() != 1 or out_scale.dtype != torch.float32:
+    if out_scale.numel() != 1:  # a scale per token / group / channel: a kind that does not fuse
+        _fail(UnsupportedOutputQuant, "out_scale", "a float32 tensor with one element (static per-tensor scale)",
+              f"shape {tuple(out_scale.shape)}", "Per-token, per-group and dynamic output quantization do not fuse "
+              "(fp8attn.fused_output_quant_supported(kind) is False for them): pass out_scale=None and quantize "
+              "the output separately.")
+    if out_scale.dtype != torch.float32:
         _fail(ValueError, "out_scale", "a float32 tensor with one element (static per-tensor scale)",
               f"shape {tuple(out_scale.shape)} dtype {out_scale.dtype}",
               "Only static per-tensor output scales fuse; quantize the output separately for other kinds.")
