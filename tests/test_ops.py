@@ -263,6 +263,29 @@ def test_opcheck_quant_and_scaled_bmm():
                                                   torch.bfloat16), test_utils=OPCHECK_TESTS)
 
 
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_block"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_opcheck_quantize_fp8(granularity, varlen):
+    """``fp8attn::quantize_fp8`` (the op behind quantize_qkv): opcheck with and without the Hadamard rotation
+    and sequence-major output, fakes equal to the real shapes/strides, and quantize_qkv's results through it."""
+    x = torch.randn(*((37,) if varlen else (2, 37)), 4, 32, dtype=torch.bfloat16) * 3
+    for rotate, seq_major in ((False, False), (True, False), (False, True)):
+        args = (x, granularity, 2, rotate, 7, 16, seq_major, False)
+        torch.library.opcheck(ops.OPS["quantize_fp8"], args, test_utils=OPCHECK_TESTS)
+        real = ops.OPS["quantize_fp8"](*args)
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            fake = ops.OPS["quantize_fp8"](mode.from_tensor(x), *args[1:])
+        for r, f in zip(real, fake):
+            assert (tuple(r.shape), r.dtype, r.stride()) == (tuple(f.shape), f.dtype, f.stride())
+    k = torch.randn(*x.shape[:-2], 2, 32, dtype=torch.bfloat16)
+    q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(x, k, k, granularity, block_size=16)
+    y, d = ops.OPS["quantize_fp8"](x, granularity, 2, False, fp8attn.hadamard.DEFAULT_SEED, 16, False, False)
+    assert torch.equal(q8.view(torch.uint8), y.view(torch.uint8))
+    assert torch.equal(qd, d.expand(qd.shape) if granularity == "per_tensor" else d)
+
+
 def _bf16(args):
     return tuple(a.float().bfloat16() if isinstance(a, torch.Tensor) and a.dtype == E4M3 else a for a in args)
 

@@ -35,6 +35,7 @@ combine                split-KV merge -> (out, lse)
 combine_out            same, writes ``out`` (mutated) -> lse
 write_kv_cache         scatter/quantize new tokens into the caches (mutated) -> ()
 quant_fp8_static       static per-tensor FP8 quant: clamp(x * (1/scale), -448, 448) -> e4m3fn
+quantize_fp8           dynamic FP8 quant of one of quantize_qkv's inputs -> (x8, descale), optionally rotated
 scaled_bmm             batched FP8 matmul with per-batch / per-row / per-column scales
 =====================  =======================================================================
 
@@ -314,6 +315,14 @@ def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, k_descale, v_des
         cache.view(torch.uint8)[blk, off] = q8.view(torch.uint8)
 
 
+def _quantize_fp8_impl(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
+    from .qkv import quantize_one
+
+    with launch_device(x):  # (a no-op on the CPU)
+        y, d = quantize_one(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton)
+    return y, _fresh(d)  # (the torch path's per-block descales are a transposed view, per-tensor a broadcast)
+
+
 def _quant_impl(x, scale):
     if kernel_path_ok(x):
         from .quant_ops import launch_quant_fp8_static
@@ -390,6 +399,14 @@ def _write_kv_cache_fake(*args):
     return None
 
 
+def _quantize_fp8_fake(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
+    from .qkv import descale_shape, empty_seq_major
+
+    y = empty_seq_major(tuple(x.shape), torch.float8_e4m3fn, x.device) if seq_major else \
+        x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+    return y, x.new_empty(descale_shape(x, granularity, nheads_k, block_t), dtype=torch.float32)
+
+
 def _quant_fake(x, scale):
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
 
@@ -435,6 +452,8 @@ _SPECS = {
                        "Tensor(d!)? v_cache_scales) -> ()",
                        _write_kv_cache_impl, _write_kv_cache_fake),
     "quant_fp8_static": ("(Tensor x, Tensor scale) -> Tensor", _quant_impl, _quant_fake),
+    "quantize_fp8": ("(Tensor x, str granularity, int nheads_k, bool rotate, int seed, int block_t, bool seq_major, "
+                     "bool use_triton) -> (Tensor, Tensor)", _quantize_fp8_impl, _quantize_fp8_fake),
     "scaled_bmm": ("(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype) -> Tensor",
                    _scaled_bmm_impl, _scaled_bmm_fake),
 }

@@ -17,12 +17,12 @@ import math
 import torch
 
 from . import hadamard as _had
+from . import ops
 from ._checks import check_same_device
-from .capability import launch_device
 from .kernels.quantize import HAS_TRITON
 from .quant import descale_from_amax
 
-__all__ = ["quantize_qkv", "GRANULARITIES", "V_LAYOUTS", "empty_seq_major"]
+__all__ = ["quantize_qkv", "GRANULARITIES", "V_LAYOUTS", "empty_seq_major", "quantize_one", "descale_shape"]
 
 GRANULARITIES = ("per_tensor", "per_head", "per_block")
 V_LAYOUTS = ("seq_major", "contiguous")
@@ -124,6 +124,26 @@ def _triton_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=Fals
     return (y.squeeze(0) if x.dim() == 3 else y), ret
 
 
+def quantize_one(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
+    """One input of ``quantize_qkv`` (the body of the ``fp8attn::quantize_fp8`` op): ``(x8, descale)`` with
+    the descale in ``descale_shape`` (per_tensor: (1, 1); the caller broadcasts it)."""
+    fn = _triton_path if use_triton else _torch_path
+    y, d = fn(x, granularity, nheads_k, rotate, seed, block_t, seq_major=seq_major)
+    return y, (d[:1, :1] if granularity == "per_tensor" else d)
+
+
+def descale_shape(x, granularity, nheads_k, block_t):
+    """The descale shape ``quantize_one`` returns for x (batch, seqlen, heads, dim) / varlen (total, heads,
+    dim): per_tensor (1, 1), per_head (batch, nheads_k), per_block (batch, heads, cdiv(seqlen, block_t)) (at
+    least one block); varlen counts as batch 1."""
+    b, s = (x.shape[0], x.shape[1]) if x.dim() == 4 else (1, x.shape[0])
+    if granularity == "per_tensor":
+        return (1, 1)
+    if granularity == "per_head":
+        return (b, nheads_k)
+    return (b, x.shape[-2], torch.sym_max(1, (s + block_t - 1) // block_t))
+
+
 def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128, *,
                  seed=_had.DEFAULT_SEED, backend="auto", v_layout="seq_major"):
     """Quantize 16-bit Q, K, V to FP8 e4m3 with dynamic descales; optionally Hadamard-rotate Q and K.
@@ -183,10 +203,12 @@ def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128
     if backend == "triton" and not HAS_TRITON:
         raise ValueError("backend: expected 'auto' or 'torch' without triton installed, got 'triton'. "
                          "Install triton or pass backend='torch'.")
-    fn = _triton_path if use_triton else _torch_path
-    with launch_device(q):  # a no-op on the CPU
-        q8, qd = fn(q, granularity, hk, hadamard, seed, bt)
-        k8, kd = fn(k, granularity, hk, hadamard, seed, bt)
-        vg = "per_head" if granularity == "per_block" else granularity
-        v8, vd = fn(v, vg, hk, False, seed, 64, seq_major=v_layout == "seq_major")
+    op = ops.OPS["quantize_fp8"]  # one op per input: opaque to torch.compile, with an exact fake
+    q8, qd = op(q, granularity, hk, bool(hadamard), int(seed), bt, False, use_triton)
+    k8, kd = op(k, granularity, hk, bool(hadamard), int(seed), bt, False, use_triton)
+    vg = "per_head" if granularity == "per_block" else granularity
+    v8, vd = op(v, vg, hk, False, int(seed), 64, v_layout == "seq_major", use_triton)
+    if granularity == "per_tensor":  # one descale, as a stride-0 (batch, nheads_k) view
+        b = q.shape[0] if q.dim() == 4 else 1
+        qd, kd, vd = (d.expand(b, hk) for d in (qd, kd, vd))
     return q8, k8, v8, qd, kd, vd
