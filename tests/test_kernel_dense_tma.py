@@ -600,6 +600,54 @@ def test_gpu_tma_fp8_out(sq, sk, causal, d, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_gpu_tma_fp8_out_bits_equal_the_epilogue_formula(d, varlen, with_lse, monkeypatch):
+    """The TMA kernel's fused e4m3 output equals clamp(out * (1 / out_scale), -448, 448).to(e4m3) bit for bit
+    (the issue's formula; ``kernels/common.output_epilogue`` computes the same in the Triton kernels), on
+    inputs whose fp32 output is known exactly: every key of a (sequence, kv head) is the same row, so each P
+    entry is exp2(0) = 1 and the output is the mean of V's rows (256 keys, a power of two; V's magnitudes in
+    [1/2, 4), so every partial sum is exact in fp32) times a power-of-two v_descale. The scales 0.013 and
+    1/448 are not powers of two, so the epilogue's own rounding decides the codes; 1/2048 saturates."""
+    _need_sm90()
+    import fp8attn
+
+    monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")  # raises if the fast path were not taken
+    b, sq, sk, hq, hk = 2, 200, 256, 4, 2
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q = _fp8((b, sq, hq, d), "cuda")
+    key = _fp8((b, 1, hk, d), "cuda")
+    k = key.expand(b, sk, hk, d).contiguous()
+    # magnitudes in [1/2, 4): within one wgmma's 32-key sum the terms stay within 11 bits of each other (its
+    # internal alignment keeps more), and the fp32 sums over 256 keys are exact
+    mag = torch.empty(b, sk, hk, d, device="cuda").uniform_(-1, 1.9, generator=g).exp2()
+    sign = torch.randint(0, 2, (b, sk, hk, d), device="cuda", generator=g) * 2 - 1
+    v = (mag * sign).to(E4M3)
+    qd = torch.rand(b, hk, device="cuda", generator=g) * 0.3 + 0.02
+    kd = torch.rand(b, hk, device="cuda", generator=g) * 0.3 + 0.02
+    vd = 2.0 ** torch.randint(-2, 3, (b, hk), device="cuda", generator=g).float()
+    exact = v.float().sum(1) / sk * vd[:, :, None]  # (b, hk, d), exact in fp32
+    exact = exact.repeat_interleave(hq // hk, dim=1)[:, None].expand(b, sq, hq, d)
+    for osc in (0.013, 1.0 / 448, 1.0 / 2048):
+        st = torch.tensor([osc], device="cuda")
+        want = (exact * (1.0 / st)).clamp(-448, 448).to(E4M3)
+        if varlen:
+            cu = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
+            cuk = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
+            res = fp8attn.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cuk, sq, sk,
+                                                 q_descale=qd, k_descale=kd, v_descale=vd, out_scale=st,
+                                                 return_attn_probs=with_lse)
+        else:
+            res = fp8attn.flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, out_scale=st,
+                                          return_attn_probs=with_lse)
+        out = (res[0] if with_lse else res).reshape(b, sq, hq, d)
+        assert out.dtype == E4M3
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), (osc, (_codes(out) - _codes(want)).abs().max())
+    assert want.float().abs().max().item() == 448.0  # the last scale saturates
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_tma_fp8_out_cuda_graph(d, monkeypatch):
     """out_scale is read on the device: a captured launch follows a new out_scale value on replay."""
     _need_sm90()

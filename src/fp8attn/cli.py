@@ -14,6 +14,7 @@ BENCH_ROUTINES = {
     "accuracy": ("fp8attn.bench.accuracy", "run"),
     "decode": ("fp8attn.bench.paged", "run_decode"),
     "decode-fp8q": ("fp8attn.bench.paged", "run_decode_fp8q"),
+    "decode-large": ("fp8attn.bench.paged", "run_decode_large"),
     "prefill-chunked": ("fp8attn.bench.paged", "run_prefill_chunked"),
     "mixed": ("fp8attn.bench.paged", "run_mixed"),
     "output-quant": ("fp8attn.bench.output_quant", "run"),
