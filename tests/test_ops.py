@@ -127,17 +127,28 @@ def test_opcheck_attention(name, args, tag):
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_opcheck_paged_with_split_workspace(varlen):
-    """The split-KV scratch arguments (mutable, optional) through both paged ops: opcheck, and the same
-    results as calls without them."""
+    """The split-KV scratch arguments (mutable, optional) of the out variant: opcheck, and the same results
+    as the functional op (which has none, so graphs keep it a plain node); the Python entry point takes the
+    out variant when given a workspace without ``out=``, also under torch.compile."""
     args = _paged_case(varlen=varlen)
     args = args[:19] + (3,) + args[20:]  # num_splits 3
     ws = fp8attn.split_workspace(args[0], 4, args[2].shape[-1])
-    torch.library.opcheck(ops.OPS["paged_fwd"], args + ws, test_utils=OPCHECK_TESTS)
+    assert not ops.OPS["paged_fwd"]._schema.is_mutable
     out = _out_for("paged_fwd", args)
     torch.library.opcheck(ops.OPS["paged_fwd_out"], args + (out,) + ws, test_utils=OPCHECK_TESTS)
-    o, lse = ops.OPS["paged_fwd"](*args, *ws)
+    lse = ops.OPS["paged_fwd_out"](*args, out, *ws)
     o2, lse2 = ops.OPS["paged_fwd"](*args)
-    assert torch.equal(o.view(torch.uint8), o2.view(torch.uint8)) and torch.equal(lse, lse2)
+    assert torch.equal(out.view(torch.uint8), o2.view(torch.uint8)) and torch.equal(lse, lse2)
+    names = ("cu_seqlens_q", "max_seqlen_q", "softmax_scale", "causal", "window_size", "softcap", "q_descale",
+             "k_descale", "v_descale", "k_cache_scales", "v_cache_scales", "out_scale", "out_dtype", "num_splits")
+    kw = dict(zip(names, args[5:9] + ((args[9], args[10]),) + args[11:20]))
+
+    def entry(*a):
+        return ops.paged_fwd(*a, **kw, split_workspace=ws)
+    o3, lse3 = entry(*args[:5])
+    o4, lse4 = torch.compile(entry, fullgraph=True, backend="aot_eager")(*args[:5])
+    for o_, l_ in ((o3, lse3), (o4, lse4)):
+        assert torch.equal(o_.view(torch.uint8), o2.view(torch.uint8)) and torch.equal(l_, lse2)
 
 
 @pytest.mark.parametrize("name,args,tag", _cases()[:4], ids=[c[2] + " " + c[0] for c in _cases()[:4]])

@@ -377,7 +377,7 @@ def _dense_out_fake(*args):
 
 def _paged_fake(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                 causal, window_left, window_right, softcap, q_descale, k_descale, v_descale, k_cache_scales,
-                v_cache_scales, out_scale, out_dtype, num_splits, return_lse, out_partial=None, lse_partial=None):
+                v_cache_scales, out_scale, out_dtype, num_splits, return_lse):
     return _attn_fake(q, v_cache, cu_seqlens_q, out_scale, out_dtype, return_lse)
 
 
@@ -430,7 +430,8 @@ _PAGED_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Ten
                "Tensor? k_cache_scales, Tensor? v_cache_scales, Tensor? out_scale, ScalarType? out_dtype, "
                "int num_splits, bool return_lse")
 _PAGED_NARGS = _PAGED_ARGS.count(",") + 1
-# The split-KV partials (``paged.split_workspace``): scratch the kernel writes when it splits the keys.
+# The split-KV partials (``paged.split_workspace``): scratch the kernel writes when it splits the keys
+# (``paged_fwd_out`` only).
 _SPLIT_WS = "Tensor(b!)? out_partial=None, Tensor(c!)? lse_partial=None"
 
 # name -> (schema, implementation, fake)
@@ -439,8 +440,9 @@ _SPECS = {
                   lambda *a: _dense_impl(*a, None), _dense_fake),
     "dense_fwd_out": (f"({_DENSE_ARGS}, Tensor(a!) out) -> Tensor",
                       lambda *a: _dense_impl(*a)[1], _dense_out_fake),
-    "paged_fwd": (f"({_PAGED_ARGS}, {_SPLIT_WS}) -> (Tensor, Tensor)",
-                  lambda *a: _paged_impl(*a[:_PAGED_NARGS], None, *a[_PAGED_NARGS:]), _paged_fake),
+    # (functional: no mutable argument, so graphs keep it as a plain node that passes can rewrite; a call with
+    # a split workspace takes the out variant)
+    "paged_fwd": (f"({_PAGED_ARGS}) -> (Tensor, Tensor)", lambda *a: _paged_impl(*a, None), _paged_fake),
     "paged_fwd_out": (f"({_PAGED_ARGS}, Tensor(a!) out, {_SPLIT_WS}) -> Tensor",
                       lambda *a: _paged_impl(*a)[1], _paged_out_fake),
     "combine": ("(Tensor out_partial, Tensor lse_partial, Tensor? out_scale, ScalarType? out_dtype) -> (Tensor, Tensor)",
@@ -602,13 +604,16 @@ def paged_fwd(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=No
             bool(causal), window_size[0], window_size[1], float(softcap), q_descale, k_descale, v_descale,
             k_cache_scales, v_cache_scales, out_scale, out_dtype, int(num_splits), bool(return_lse))
     ws = tuple(split_workspace) if split_workspace is not None else (None, None)
-    if _needs_grad(q, k_cache, v_cache):
-        return _no_backward("paged_fwd", _paged_op(*args, *ws) if out is None else None, (q, k_cache, v_cache),
+    if _needs_grad(q, k_cache, v_cache):  # (the workspace is scratch: the functional op allocates its own)
+        return _no_backward("paged_fwd", _paged_op(*args) if out is None else None, (q, k_cache, v_cache),
                             out is not None)
     if _eager_direct(q, k_cache, v_cache, out, *ws):
         return _paged_impl(*args, out, *ws)
-    if out is None:
-        return _paged_op(*args, *ws)
+    if out is None and split_workspace is None:
+        return _paged_op(*args)
+    if out is None:  # the workspace is a mutable argument of the out variant only
+        oshape = _dense_shapes(q, v_cache, cu_seqlens_q is not None)[0]
+        out = q.new_empty(oshape, dtype=_out_dtype(q, out_dtype, out_scale))
     return out, _paged_out_op(*args, out, *ws)
 
 

@@ -260,7 +260,7 @@ def _fuse_functional(graph, attn, getitem0, views, quant_nodes, scale, fake_mode
 def _fuse_out_variant(graph, af, base_getitem, views, quant_nodes, scale, fake_mode):
     kw = dict(af.kwargs)
     bases = kw.get("_all_bases")
-    if bases is None or len(bases) != 1:
+    if not bases:  # (the output buffer is the first base; a split workspace adds two more, kept as they are)
         return 0
     buf = bases[0]
     if not _is_call(buf, {aten.empty.memory_format, aten.full.default, aten.zeros.default, aten.empty_strided.default}):
@@ -278,7 +278,7 @@ def _fuse_out_variant(graph, af, base_getitem, views, quant_nodes, scale, fake_m
     kw["out_scale"] = s
     if "out_dtype" in kw:
         kw["out_dtype"] = None
-    kw["_all_bases"] = [nb]
+    kw["_all_bases"] = [nb, *bases[1:]]
     with graph.inserting_after(af):
         new = graph.call_function(af.target, af.args, kw)
     repl = _mirror_getitems(graph, af, new, fake_mode)
