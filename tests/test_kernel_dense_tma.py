@@ -600,20 +600,21 @@ def test_gpu_tma_fp8_out(sq, sk, causal, d, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("backend,varlen", [("tma", False), ("triton", False), ("triton", True)])
 @pytest.mark.parametrize("with_lse", [False, True])
-def test_gpu_tma_fp8_out_bits_equal_the_epilogue_formula(d, varlen, with_lse, monkeypatch):
-    """The TMA kernel's fused e4m3 output equals clamp(out * (1 / out_scale), -448, 448).to(e4m3) bit for bit
-    (the issue's formula; ``kernels/common.output_epilogue`` computes the same in the Triton kernels), on
-    inputs whose fp32 output is known exactly: every key of a (sequence, kv head) is the same row, so each P
+def test_gpu_fp8_out_bits_equal_the_epilogue_formula(d, backend, varlen, with_lse, monkeypatch):
+    """The fused e4m3 output equals clamp(out * (1 / out_scale), -448, 448).to(e4m3) bit for bit, through both
+    copies of the epilogue: the TMA kernel's (``tma_parts._output_epilogue``, Gluon; fixed-length calls of
+    128-multiples) and the Triton kernel's (``common.output_epilogue``; other lengths, and varlen calls with
+    ``out_scale``), on inputs whose fp32 output is known exactly: every key of a (sequence, kv head) is the same row, so each P
     entry is exp2(0) = 1 and the output is the mean of V's rows (256 keys, a power of two; V's magnitudes in
     [1/2, 4), so every partial sum is exact in fp32) times a power-of-two v_descale. The scales 0.013 and
     1/448 are not powers of two, so the epilogue's own rounding decides the codes; 1/2048 saturates."""
     _need_sm90()
     import fp8attn
 
-    monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")  # raises if the fast path were not taken
-    b, sq, sk, hq, hk = 2, 200, 256, 4, 2
+    monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", backend)  # tma: raises if the TMA kernel were not taken
+    b, sq, sk, hq, hk = 2, 256 if backend == "tma" else 200, 256, 4, 2
     g = torch.Generator(device="cuda").manual_seed(d)
     q = _fp8((b, sq, hq, d), "cuda")
     key = _fp8((b, 1, hk, d), "cuda")
