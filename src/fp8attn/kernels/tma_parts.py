@@ -95,12 +95,15 @@ def _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o: gl.constexpr,
     return p, gl.convert_layout(alpha, row_o), m_new, l_new
 
 @gluon.constexpr_function
-def _rowsum_mma(causal, write_lse, head_dim, mode):
+def _rowsum_mma(causal, write_lse, head_dim, mode, out_fp8):
     """Whether a warp-specialized call takes its row sums from the tensor core (``_row_sum_issue``): calls
     without an LSE at head dims 64 and 128, non-causal, or causal at head dim 64 in the dense kernel (``mode``
-    0); the others sum in fp32, so an LSE is exact. Causal at head dim 128 the sums from the tensor core ran
-    even to 1% slower on the H200 (more spills), at 64 +3-9% (docs/perf-notes.md, dense rounds 15-16)."""
-    return not write_lse and head_dim != 256 and (not causal or (head_dim == 64 and mode == 0))
+    0), except the fused e4m3 output at head dim 128; the others sum in fp32, so an LSE is exact. Causal at
+    head dim 128 the sums from the tensor core ran even to 1% slower on the H200 (more spills), at 64 +3-9%
+    (docs/perf-notes.md, dense rounds 15-16); with the e4m3 output at head dim 128 5.5% slower (B4 S4096
+    non-causal: 722-734 us against 683-701 with fp32 sums; perf-notes, the fused output and the row sums)."""
+    return (not write_lse and head_dim != 256 and (not causal or (head_dim == 64 and mode == 0))
+            and not (out_fp8 and head_dim == 128))
 
 @gluon.jit
 def _row_sum_issue(p8, ones):

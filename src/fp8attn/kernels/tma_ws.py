@@ -31,7 +31,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, BlockList,
                stride_pt, page_size, MODE: gl.constexpr, v_raw=None, v_raw_ready=None,
                V_ROWS: gl.constexpr = False, ones_desc=None, ones=None, ones_ready=None,
-               WRITE_LSE: gl.constexpr = True, KPERM: gl.constexpr = False):
+               WRITE_LSE: gl.constexpr = True, KPERM: gl.constexpr = False, OUT_FP8: gl.constexpr = False):
     """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
     through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
     while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
@@ -65,7 +65,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     g = 0
     it = 0
     lim = 0  # V_ROWS: keys holding data in the tile loaded last (>= TN: all)
-    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM, MODE):
+    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM, MODE, OUT_FP8):
         mbarrier.expect(ones_ready, ones_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(ones_desc, [0, 0], ones_ready, ones)
     n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, NC * MH, BlockList, MODE)
@@ -357,7 +357,7 @@ def _dense_fwd_tma_ws_kernel(
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
                           NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready,
-                          WRITE_LSE)),
+                          WRITE_LSE, False, OUT_FP8)),
         ], [4, 4, 1], [_WS3_CONSUMER_REGS, _WS3_CONSUMER_REGS, _WS_LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -376,7 +376,7 @@ def _dense_fwd_tma_ws_kernel(
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
                           NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready,
-                          WRITE_LSE, KPERM)),
+                          WRITE_LSE, KPERM, OUT_FP8)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 @gluon.jit(do_not_specialize=_BOUNDED_INT_ARGS, do_not_specialize_on_alignment=_BOUNDED_PTR_ARGS)
@@ -426,5 +426,5 @@ def _bounded_fwd_tma_ws_kernel(
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                       k_empty, v_empty, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
                       NUM_STAGES, PageTable, SeqlensK, BlockList, stride_pt, page_size, MODE, v_raw, v_raw_ready,
-                      V_ROWS, ones_desc, ones, ones_ready, WRITE_LSE)),
+                      V_ROWS, ones_desc, ones, ones_ready, WRITE_LSE, False, OUT_FP8)),
     ], [4, LOADER_WARPS], [_WS_CONSUMER_REGS, LOADER_REGS])

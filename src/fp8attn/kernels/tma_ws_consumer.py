@@ -175,7 +175,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     nc = 0  # per-sequence bounds: blocks whose last V tile was cleaned (``v_clean``'s phase)
     n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, NC * MH, BlockList, MODE)
     out_inv = _out_scale_inv(OutScale, OUT_FP8)
-    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM, MODE):  # (``_ws_attend``'s row sums on the tensor core)
+    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM, MODE, OUT_FP8):  # (``_ws_attend``'s row sums on the tensor core)
         mbarrier.wait(ones_ready, 0)
     for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
         t = _ws_round_robin(r)
@@ -225,7 +225,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     permuted key index and P is relabelled to key order, not exchanged across lanes (``_p_operand``)."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     TN: gl.constexpr = k_smem.shape[1]
-    RS: gl.constexpr = _rowsum_mma(CAUSAL, WRITE_LSE, zero_o.shape[1], MODE)
+    RS: gl.constexpr = _rowsum_mma(CAUSAL, WRITE_LSE, zero_o.shape[1], MODE, OUT_FP8)
     NC: gl.constexpr = q_ready.shape[0] // 2  # consumers
     gl.static_assert(not KPERM or MODE == 0)  # (the bounded tiles below do not relabel P)
     acc = gl.zeros(zero_o.shape, gl.float32, o_layout)
