@@ -30,7 +30,7 @@ Ops (``torch.ops.fp8attn.<name>.default``):
 dense_fwd              dense / varlen forward -> (out, lse); lse (0,) if not return_lse
 dense_fwd_out          same, writes ``out`` (mutated) -> lse
 paged_fwd              paged-cache attention -> (out, lse); lse (0,) if not return_lse
-paged_fwd_out          same, writes ``out`` (mutated) -> lse
+paged_fwd_out          same, writes ``out`` (mutated; the split workspace too, when given) -> lse
 combine                split-KV merge -> (out, lse)
 combine_out            same, writes ``out`` (mutated) -> lse
 write_kv_cache         scatter/quantize new tokens into the caches (mutated) -> ()
