@@ -320,7 +320,7 @@ def _quantize_fp8_impl(x, granularity, nheads_k, rotate, seed, block_t, seq_majo
 
     with launch_device(x):  # (a no-op on the CPU)
         y, d = quantize_one(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton)
-    return y, _fresh(d)  # (the torch path's per-block descales are a transposed view, per-tensor a broadcast)
+    return y, _fresh(d)  # (the torch path's per-block descales are a transposed view)
 
 
 def _quant_impl(x, scale):

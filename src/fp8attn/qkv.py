@@ -60,12 +60,13 @@ def empty_seq_major(shape, dtype, device):
 
 
 def _reduce(amax_blocks, granularity, nheads_k):
-    """(batch, heads, nblocks) block amaxes -> descale of the granularity, as a view the kernel reads
-    at [b, h, blk] and the dense kernel reads at [b, h_k] (per-head / per-tensor) or [b, h, blk]."""
+    """(batch, heads, nblocks) block amaxes -> ``(descale, full)``: the descale in ``descale_shape`` (per-tensor
+    (1, 1), per-head (b, h_k), per-block (b, h, blk)) and, as a view, the one the tile kernel reads at
+    [b, h, blk]."""
     b, h, nb = amax_blocks.shape
     if granularity == "per_tensor":
         d = descale_from_amax(amax_blocks.amax(), E4M3_MAX).reshape(1, 1)
-        return d.expand(b, nheads_k), d.reshape(1, 1, 1).expand(b, h, nb)
+        return d, d.reshape(1, 1, 1).expand(b, h, nb)
     if granularity == "per_head":
         g = h // nheads_k
         a = amax_blocks.amax(dim=2).view(b, nheads_k, g).amax(dim=2)  # (b, h_k)
@@ -128,8 +129,7 @@ def quantize_one(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use
     """One input of ``quantize_qkv`` (the body of the ``fp8attn::quantize_fp8`` op): ``(x8, descale)`` with
     the descale in ``descale_shape`` (per_tensor: (1, 1); the caller broadcasts it)."""
     fn = _triton_path if use_triton else _torch_path
-    y, d = fn(x, granularity, nheads_k, rotate, seed, block_t, seq_major=seq_major)
-    return y, (d[:1, :1] if granularity == "per_tensor" else d)
+    return fn(x, granularity, nheads_k, rotate, seed, block_t, seq_major=seq_major)
 
 
 def descale_shape(x, granularity, nheads_k, block_t):
