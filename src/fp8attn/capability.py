@@ -5,11 +5,13 @@ import contextlib
 import functools
 import importlib.util
 import os
+import threading
 import warnings
 
 import torch
 
-__all__ = ["has_triton", "triton_version", "kernel_path_ok", "execution_path", "warn_once", "launch_device"]
+__all__ = ["has_triton", "triton_version", "kernel_path_ok", "execution_path", "warn_once", "launch_device",
+           "FallbackWarning", "FallbackError", "fallback_mode", "report_fallback"]
 
 
 @functools.lru_cache(None)
@@ -60,9 +62,48 @@ def execution_path(device: str | torch.device | None = None) -> str:
 
 
 _warned: set = set()
+_warn_lock = threading.Lock()
+
+_FALLBACK_MODES = ("warn", "error", "silent")
 
 
-def warn_once(key: str, msg: str) -> None:
-    if key not in _warned:
+class FallbackWarning(RuntimeWarning):
+    """A CUDA call that no kernel can take runs the torch reference instead (the fallback policy)."""
+
+
+class FallbackError(NotImplementedError):
+    """Raised instead of a fallback when FP8ATTN_FALLBACK=error."""
+
+
+def warn_once(key: str, msg: str, category=RuntimeWarning) -> None:
+    """``warnings.warn(msg)`` the first time ``key`` is seen in this process (thread-safe)."""
+    with _warn_lock:
+        if key in _warned:
+            return
         _warned.add(key)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    warnings.warn(msg, category, stacklevel=3)
+
+
+def fallback_mode() -> str:
+    """The fallback policy from FP8ATTN_FALLBACK: 'warn' (default), 'error' or 'silent'."""
+    mode = os.environ.get("FP8ATTN_FALLBACK", "warn").strip().lower() or "warn"
+    if mode not in _FALLBACK_MODES:
+        raise ValueError(f"FP8ATTN_FALLBACK: expected one of {_FALLBACK_MODES}, got {mode!r}; "
+                         "fix: unset it or set it to warn, error or silent")
+    return mode
+
+
+def report_fallback(reason: str, message: str) -> None:
+    """Apply the one fallback policy to a CUDA call that will run the torch reference.
+
+    ``reason`` is a short stable key (one warning per process and reason); ``message`` says what
+    runs instead and why. 'warn' warns once (FallbackWarning), 'error' raises FallbackError, 'silent'
+    does nothing. Call it before the reference runs and before anything is written."""
+    mode = fallback_mode()
+    if mode == "silent":
+        return
+    text = f"fp8attn fallback ({reason}): {message}"
+    if mode == "error":
+        raise FallbackError(text + " [FP8ATTN_FALLBACK=error]")
+    warn_once("fallback:" + reason, text + " (warned once per process; FP8ATTN_FALLBACK=error raises instead, "
+              "=silent hides this)", FallbackWarning)
