@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from . import capability
+from ._checks import _fail
 from .interface import flash_attn_combine, flash_attn_varlen_func
 from .qkv import empty_seq_major
 from .quant import DESCALE_FLOOR
@@ -96,9 +97,9 @@ def _amax_torch(*parts):
     return out
 
 
-def _cast_torch(x, ds, y):
-    """``y[...] = saturate(x / ds)`` in e4m3fn (NaN propagates); returns the count of clipped elements."""
-    z = x.float() / ds
+def _cast_torch(x, inv, y):
+    """``y[...] = saturate(x * inv)`` in e4m3fn (NaN propagates); returns the count of clipped elements."""
+    z = x.float() * inv
     y.copy_(z.clamp(-E4M3_MAX, E4M3_MAX).to(_E4M3))
     return (z.abs() > E4M3_MAX).sum()
 
@@ -140,16 +141,18 @@ def _quant(qn, qp, kn, kp, v, ds=None, count=False, use_triton=False):
             amax = torch.empty(3, n, dtype=torch.float32, device=kn.device)
             launch(amax, amax, amax, amax_pass=True, quant=False, count=False)
             ds = _descale(amax.amax(dim=1)) if has_q else _kv_only(_descale(amax[1:].amax(dim=1)))
-        sat = torch.empty(n, dtype=torch.int32, device=kn.device) if count else ds
-        launch(ds, ds, sat, amax_pass=False, quant=True, count=count)
+        inv = 1.0 / ds  # IEEE division here, a multiply in the kernel: the torch form's bits
+        sat = torch.empty(n, dtype=torch.int32, device=kn.device) if count else inv
+        launch(inv, inv, sat, amax_pass=False, quant=True, count=count)
         return q8, k8, v8, ds, (sat.sum() if count else None)
     if ds is None:
         kv = _descale(torch.stack([_amax_torch(kn, kp), _amax_torch(v)]))
         ds = torch.cat([_descale(_amax_torch(qn, qp)).reshape(1), kv]) if has_q else _kv_only(kv)
+    inv = 1.0 / ds
     if has_q:
-        _cast_torch(qn, ds[0], q8[..., :dn])
-        _cast_torch(qp, ds[0], q8[..., dn:])
-    sat = _cast_torch(kn, ds[1], k8[..., :dn]) + _cast_torch(kph, ds[1], k8[..., dn:]) + _cast_torch(v, ds[2], v8)
+        _cast_torch(qn, inv[0], q8[..., :dn])
+        _cast_torch(qp, inv[0], q8[..., dn:])
+    sat = _cast_torch(kn, inv[1], k8[..., :dn]) + _cast_torch(kph, inv[1], k8[..., dn:]) + _cast_torch(v, inv[2], v8)
     return q8, k8, v8, ds, (sat if count else None)
 
 
@@ -196,10 +199,6 @@ def quantize_mla(q_nope, q_pe, k_nope, k_pe, v, *, backend="auto"):
 # ----------------------------------------------------------------------------------------------------------
 # validation
 # ----------------------------------------------------------------------------------------------------------
-def _fail(exc, arg, expected, got, fix):
-    raise exc(f"{arg}: expected {expected}, got {got}. {fix}")
-
-
 def _tensor(name, t, ndim, dtypes=None):
     if not isinstance(t, torch.Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(t).__name__, f"Pass {name} as a tensor.")

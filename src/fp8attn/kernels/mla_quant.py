@@ -10,7 +10,9 @@ constexprs:
   every slot is written, so the workspace needs no initialization and no atomics are used. A NaN or
   Inf element makes its tile's amax +inf (the descale built from it is then NaN, so the damage is
   visible downstream instead of being scaled away).
-* ``QUANT``: ``saturate(x / Ds[i])`` cast to e4m3fn, NaN propagating; ``COUNT`` stores at ``Sat[pid]``
+* ``QUANT``: ``saturate(x * Inv[i])`` cast to e4m3fn, NaN propagating (``Inv`` holds the reciprocal
+  descales, computed by the caller with IEEE division: the kernel's own fp32 division would compile to
+  the approximate ``div.full.f32`` and round differently from the torch form); ``COUNT`` stores at ``Sat[pid]``
   how many of the program's K and V elements fell outside +-448 before the clamp.
 
 The descales between the passes are reduced by the caller with device ops (no host synchronization).
@@ -46,9 +48,9 @@ if HAS_TRITON:
         return tl.max(tl.max(tl.where(x == x, tl.abs(x), float("inf")), 1), 0)
 
     @triton.jit
-    def _store_q(Y, y_f32, ds, t64, offs_d, ok, h, stride_t, stride_h, col0):
-        """``saturate(x / ds)`` in e4m3fn at columns ``col0 + offs_d``; returns how many elements clipped."""
-        y = y_f32 / ds
+    def _store_q(Y, y_f32, inv, t64, offs_d, ok, h, stride_t, stride_h, col0):
+        """``saturate(x * inv)`` in e4m3fn at columns ``col0 + offs_d``; returns how many elements clipped."""
+        y = y_f32 * inv
         over = tl.sum(tl.sum((tl.abs(y) > _E4M3_MAX).to(tl.int32), 1), 0)
         y = tl.clamp(y, -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(Y + t64[:, None] * stride_t + h * stride_h + (col0 + offs_d[None, :]), y.to(tl.float8e4nv),
@@ -56,7 +58,7 @@ if HAS_TRITON:
         return over
 
     @triton.jit
-    def _mla_quant_kernel(QN, QP, KN, KP, V, Q8, K8, V8, Amax, Ds, Sat,
+    def _mla_quant_kernel(QN, QP, KN, KP, V, Q8, K8, V8, Amax, Inv, Sat,
                           T, H,
                           s_qn_t, s_qn_h, s_qn_d, s_qp_t, s_qp_h, s_qp_d,
                           s_kn_t, s_kn_h, s_kn_d, s_kp_t, s_kp_h, s_kp_d,
@@ -87,15 +89,15 @@ if HAS_TRITON:
             tl.store(Amax + 2 * s_amax + pid, _amax(vv))
         if QUANT:
             if HAS_Q:
-                qds = tl.load(Ds)
-                _store_q(Q8, qn, qds, t64, dn, ok, h, s_q8_t, s_q8_h, 0)
-                _store_q(Q8, qp, qds, t64, dr, ok, h, s_q8_t, s_q8_h, DN)
-            kds = tl.load(Ds + 1)
-            vds = tl.load(Ds + 2)
-            over = _store_q(K8, kn, kds, t64, dn, ok, h, s_k8_t, s_k8_h, 0)
-            over += _store_q(K8, kp, kds, t64, dr, ok, h, s_k8_t, s_k8_h, DN)
+                qinv = tl.load(Inv)
+                _store_q(Q8, qn, qinv, t64, dn, ok, h, s_q8_t, s_q8_h, 0)
+                _store_q(Q8, qp, qinv, t64, dr, ok, h, s_q8_t, s_q8_h, DN)
+            kinv = tl.load(Inv + 1)
+            vinv = tl.load(Inv + 2)
+            over = _store_q(K8, kn, kinv, t64, dn, ok, h, s_k8_t, s_k8_h, 0)
+            over += _store_q(K8, kp, kinv, t64, dr, ok, h, s_k8_t, s_k8_h, DN)
             # V through three strides: its memory order is the caller's (sequence-major for P @ V)
-            y = vv / vds
+            y = vv * vinv
             over += tl.sum(tl.sum((tl.abs(y) > _E4M3_MAX).to(tl.int32), 1), 0)
             y = tl.clamp(y, -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
             tl.store(V8 + t64[:, None] * s_v8_t + h * s_v8_h + dv[None, :] * s_v8_d, y.to(tl.float8e4nv),
@@ -104,7 +106,7 @@ if HAS_TRITON:
                 tl.store(Sat + pid, over)
 
 
-def launch_mla_quant(qn, qp, kn, kp, v, q8, k8, v8, amax, ds, sat, *, has_q, amax_pass, quant, count):
+def launch_mla_quant(qn, qp, kn, kp, v, q8, k8, v8, amax, inv, sat, *, has_q, amax_pass, quant, count):
     """One pass of ``_mla_quant_kernel`` over T tokens and H heads (grid ``(cdiv(T, BLOCK_T), H)``).
 
     Parameters
@@ -113,12 +115,12 @@ def launch_mla_quant(qn, qp, kn, kp, v, q8, k8, v8, amax, ds, sat, *, has_q, ama
     kn : (T, H, DN). kp : (T, H, DR), a zero head stride for a RoPE part shared by the heads. v : (T, H, DV).
     q8, k8 : float8_e4m3fn (T, H, DN + DR), last dim contiguous. v8 : float8_e4m3fn (T, H, DV), any strides.
     amax : float32 (3, n) with n >= programs, written by ``amax_pass`` (row 0 only with ``has_q``).
-    ds : float32 (3,) descales of Q, K, V, read by ``quant``.
+    inv : float32 (3,) reciprocal descales ``1 / descale`` of Q, K, V, read by ``quant``.
     sat : int32 (programs,), written with ``count``.
     """
     T, H, DN = kn.shape
     grid = (cdiv(T, BLOCK_T), H)
-    _mla_quant_kernel[grid](qn, qp, kn, kp, v, q8, k8, v8, amax, ds, sat, T, H,
+    _mla_quant_kernel[grid](qn, qp, kn, kp, v, q8, k8, v8, amax, inv, sat, T, H,
                             *qn.stride(), *qp.stride(), *kn.stride(), *kp.stride(), *v.stride(),
                             q8.stride(0), q8.stride(1), k8.stride(0), k8.stride(1), *v8.stride(), amax.stride(0),
                             DN=DN, DR=kp.shape[-1], DV=v.shape[-1], HAS_Q=has_q, AMAX=amax_pass, QUANT=quant,
