@@ -168,6 +168,44 @@ def _entries(shape: str, d: int):
     return e, peers, params
 
 
+_FLOOR_KERNELS = {}
+
+
+def _floor_kernel(nargs: int):
+    """A do-nothing @triton.jit kernel of ``nargs`` integer arguments (what a launch costs before any work)."""
+    if nargs in _FLOOR_KERNELS:
+        return _FLOOR_KERNELS[nargs]
+    import triton
+
+    names = [f"a{i}" for i in range(nargs)]
+    src = f"def _floor_{nargs}(X, {', '.join(names)}):\n    pass\n"
+    scope: dict = {}
+    exec(compile(src, f"<floor{nargs}>", "exec"), scope)  # a generated signature of nargs arguments
+    fn = scope[f"_floor_{nargs}"]
+    fn.__module__ = __name__
+    _FLOOR_KERNELS[nargs] = triton.jit(fn)
+    return _FLOOR_KERNELS[nargs]
+
+
+def _floors(d: int) -> dict:
+    """The costs under every entry point: a torch.empty, a Triton JIT launch of a do-nothing kernel with 1
+    and 64 integer arguments, the same kernels' compiled launcher called directly, and torch SDPA."""
+    x = torch.empty(16, device="cuda")
+    out = {"floor torch.empty": lambda: torch.empty((1, 128, 4, d), device="cuda", dtype=torch.bfloat16)}
+    for n in (1, 64):
+        k = _floor_kernel(n)
+        args = (x, *range(3, 3 + n))
+        out[f"floor triton jit launch {n} args"] = (lambda k=k, args=args: k[(1,)](*args))
+        ck = k[(1,)](*args)
+        drv = __import__("triton").runtime.driver.active
+        dev = drv.get_current_device()
+        stream = drv.get_current_stream(dev)
+        out[f"floor triton compiled run {n} args"] = (
+            lambda ck=ck, args=args, stream=stream: ck.run(1, 1, 1, stream, ck.function, ck.packed_metadata,
+                                                           None, None, None, *args))
+    return out
+
+
 def _peer_key(entry: str) -> str:
     return "decode" if ("kvcache" in entry or "paged" in entry or "write_kv" in entry) else "dense"
 
@@ -183,6 +221,8 @@ def run(out_dir=None, quick: bool = False, calls: int = 300, profile_dir: str | 
         for shape in shapes:
             for d in dims:
                 entries, peers, params = _entries(shape, d)
+                if shape == "tiny":
+                    entries.update(_floors(d))
                 peer_ms = {}
                 for name, fn in peers.items():
                     peer_ms[name] = per_call_ms(fn, calls)[1:]
