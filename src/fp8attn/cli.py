@@ -20,6 +20,7 @@ BENCH_ROUTINES = {
     "output-quant": ("fp8attn.bench.output_quant", "run"),
     "mla": ("fp8attn.bench.mla", "run"),
     "engine": ("fp8attn.engine.bench", "run"),
+    "host": ("fp8attn.bench.host", "run"),
 }
 
 
