@@ -16,9 +16,12 @@ Cases (DESIGN §6 format, results/<gpu>/mla_prefill.json): one sequence of 8192 
   (``mla.prefill_ref``) on the first 16 heads; ``params.saturation_rate``: the share of the cached
   chunks' K / V elements that ``fp8_gather``'s estimated descales clipped.
 
-Activations are synthetic: N(0, 1) latents with log-normal per-channel scales (RMS-normalized rows
-have uneven channels) plus rare outliers (probability 1e-3, N(0, 10^2)), the same distribution for the
-new tokens and the cache, so that the saturation rate reflects the estimate, not a distribution shift.
+Activations are synthetic: latents with per-channel means N(0, 1) and log-normal per-channel scales
+(normalized activations have uneven, biased channels) plus rare outliers (probability 1e-3, N(0, 10^2)), the
+same channel statistics for the new tokens and the cache, so that the saturation rate reflects the
+estimate, not a distribution shift. With isotropic mean-zero latents instead, the output is itself at the
+noise level and its relative error is about e4m3's precision times the logits' spread (5-6% measured in
+the CPU tests' small shapes), not a property of the pipeline.
 """
 from __future__ import annotations
 
@@ -31,8 +34,10 @@ REF_HEADS = 16
 
 
 def _latents(n, width, gen, dev):
-    scale = torch.exp(torch.randn(width, generator=gen) * 0.5)
-    x = torch.randn(n, width, generator=gen) * scale
+    g = torch.Generator().manual_seed(width)  # the same channel statistics for the new tokens and the cache
+    scale = torch.exp(torch.randn(width, generator=g) * 0.5)
+    mean = torch.randn(width, generator=g)
+    x = torch.randn(n, width, generator=gen) * scale + mean
     x += (torch.rand(n, width, generator=gen) < 1e-3) * torch.randn(n, width, generator=gen) * 10
     return x.to(dev, torch.bfloat16)
 
