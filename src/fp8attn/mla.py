@@ -332,6 +332,8 @@ class _Plan(NamedTuple):
     message: str | None
 
 
+# The two queries below answer as ``capability.supports(entry, **call_kwargs) -> Support(kernel, reason)`` will
+# (keyword arguments of the call in, the same pair out), so that they can become entries of it.
 def _support_fp8_prefill(*, device_type, kernel_ok, dims) -> Support:
     """FP8 MLA prefill: the fused quantization and FP8 attention (the torch path on CPU tensors, the
     Triton kernels on CUDA ones: head-dim parts of power-of-two widths, qk and v up to 256)."""
