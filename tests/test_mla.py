@@ -184,6 +184,18 @@ def test_chunked_equals_unchunked(mode):
         assert _rel(many, ref) <= 3e-2 and _rel(one, ref) <= 3e-2
 
 
+@pytest.mark.parametrize("mode", ["fp8_gather", "bf16_gather"])
+def test_q_is_quantized_once_for_all_chunks(monkeypatch, mode):
+    args, kw = _problem(ctx=(70, 45))
+    calls = []
+    real = mla._quant
+    monkeypatch.setattr(mla, "_quant", lambda *a, **k: calls.append((a[0] is not None, k.get("ds") is None))
+                        or real(*a, **k))
+    mla.prefill(*args, **kw, chunk_size=32, mode=mode)
+    # one call with Q (dynamic), then one per chunk without Q: estimated descales with fp8_gather
+    assert calls == [(True, True)] + [(False, mode == "bf16_gather")] * 3
+
+
 def test_saturation_with_an_outlier_in_the_cached_prefix():
     args, kw = _problem(ctx=(70, 45), outlier=(0, 37))
     H, dn, dr, dv = 16, 128, 64, 128
