@@ -78,7 +78,8 @@ def _with_dense(p, cs):
     """``p`` at lengths ``cs``, with the dense K/V (for the oracle) read back from its paged cache."""
     L, (hk, d) = int(cs.max()), p["kc"].shape[2:]
     dense = lambda c: torch.stack([torch.cat([_dense_tokens(c, p["pt"], n, b).view(E4M3),  # noqa: E731
-                                              torch.zeros(L - n, hk, d, dtype=E4M3)]) for b, n in enumerate(cs.tolist())])
+                                              torch.zeros(L - n, hk, d, dtype=E4M3)])
+                                   for b, n in enumerate(cs.tolist())])
     return dict(p, cs=cs, k8=dense(p["kc"]), v8=dense(p["vc"]))
 
 

@@ -305,7 +305,8 @@ def route_new_tokens(k, v, k_cache_shard, v_cache_shard, page_table_shard, cache
         kf, vf = k, v
     else:
         if k.shape[0] != batch:
-            C._fail(ValueError, "k", f"batch {batch} (cache_seqlens' entries) in (batch, seqlen_new, nheads_k, headdim)",
+            C._fail(ValueError, "k", f"batch {batch} (cache_seqlens' entries) in (batch, seqlen_new, nheads_k, "
+                    "headdim)",
                     f"{tuple(k.shape)}", "Pass one row of new tokens per sequence, or cu_seqlens_k_new.")
         s_new = k.shape[1]
         seq = torch.arange(batch, device=dev).repeat_interleave(s_new)
@@ -585,7 +586,8 @@ def cp_decode(q, k_cache_shard, v_cache_shard, page_table_shard, cache_seqlens_s
     if agree:
         dev = torch.device("cpu")
         if backend == "nccl":  # NCCL gathers device tensors only
-            dev = q.device if isinstance(q, torch.Tensor) and q.is_cuda else torch.device("cuda", torch.cuda.current_device())
+            dev = q.device if isinstance(q, torch.Tensor) and q.is_cuda else \
+                torch.device("cuda", torch.cuda.current_device())
         _agree(sig, err, group, world, dev)
     _all_gather(ws.recv, ws.send, group)
     return _merge(ws, out, out_dtype, out_scale, q, return_softmax_lse)

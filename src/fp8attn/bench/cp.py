@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import statistics
 
 import torch
@@ -213,8 +214,10 @@ def _bench_ranks(rank, world, out_dir=None, quick=False):
         del g, s, p, ws
         torch.cuda.empty_cache()
         dist.barrier()
-    return str(write_results(doc, out_dir or os.path.join("benchmarks", "results", f"h200x{world}"))) \
-        if rank == 0 else None
+    if rank != 0:
+        return None
+    folder = re.sub(r"x\d+$", "", gpu_dirname()) + f"x{world}"  # the GPUs used, not the host's count
+    return str(write_results(doc, out_dir or os.path.join("benchmarks", "results", folder)))
 
 
 def _rank_main(rank, world, out_dir, quick):
