@@ -685,8 +685,8 @@ def _local_worker(fn, rank, world_size, backend, folder, timeout, args):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        else:  # the ranks share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        else:  # one intra-op thread: the ranks share the host's cores, and a forked child must not reuse the
+            torch.set_num_threads(1)  # parent's OpenMP pool
         store = dist.FileStore(os.path.join(folder, "store"), world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
