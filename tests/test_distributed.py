@@ -430,6 +430,11 @@ def test_gpu_simulated_shards_equal_the_single_decode(layout):
     assert err(got) <= 2 * err(single[0]) + 1e-3, (err(got), err(single[0]))
     torch.testing.assert_close(got.float(), single[0].float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, single[1], atol=1e-3, rtol=1e-4)
+    torch.cuda.set_sync_debug_mode("error")  # the path never waits for the device
+    try:
+        D.simulate_cp_decode(p["q"], shards, out=out, workspace=ws, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
     # CUDA-graph replay == eager
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
@@ -459,6 +464,12 @@ def _nccl_worker(rank, world, p):
         err = None
     except TypeError as e:
         err = str(e)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # without the rank check, no host sync on the path
+    try:
+        D.cp_decode(*args, check_ranks=False, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
     g = torch.cuda.CUDAGraph()
     st = torch.cuda.Stream()
     st.wait_stream(torch.cuda.current_stream())

@@ -7,7 +7,8 @@
   all-gather, combine); ``eager_ms`` the eager call with its rank check (``check_ranks=True``, a small
   collective and a host read), ``eager_nocheck_ms`` without it. Peer ``one_gpu``: the single-GPU decode
   (``flash_attn_with_kvcache``) on the full cache on rank 0, graph replay and eager. ``params.seqlen_k`` is the
-  context. ``gbps``: FP8 K + V bytes of the whole context / time (both GPUs together for ours). ``err``: relative
+  context. The parts, each rank's slowest: ``local_attention_ms`` (the shard's attention with its LSE, a graph
+  replay) and ``all_gather_ms`` (the gather of the partials alone, eager). ``gbps``: FP8 K + V bytes of the whole context / time (both GPUs together for ours). ``err``: relative
   error against an fp32 attention over the dequantized cache; ``err_vs_one_gpu`` against the one-GPU output.
   Timing: both ranks run the same fixed loops (a median over rounds of CUDA-event-timed loops, after a barrier)
   so their collectives stay in step; ours is the slower rank's time.
@@ -30,7 +31,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ..distributed import CPShardPlan, CPWorkspace, cp_decode, launch_local, shard_paged_cache, simulate_cp_decode
+from ..distributed import (CPShardPlan, CPWorkspace, _all_gather, cp_decode, launch_local, shard_paged_cache,
+                           simulate_cp_decode)
 from ..interface import flash_attn_combine, flash_attn_with_kvcache
 from ..paged import empty_paged
 from .common import graph_replay, gpu_dirname, results_header, time_ms, write_results
@@ -192,6 +194,13 @@ def _bench_ranks(rank, world, out_dir=None, quick=False):
         dist.barrier()
         eager = _slowest(_loop_ms(lambda: cp_decode(*args, **kw), group_sync=True))
         eager_nocheck = _slowest(_loop_ms(lambda: cp_decode(*args, check_ranks=False, **kw), group_sync=True))
+        # the parts: this rank's attention alone (a graph replay) and the all-gather alone
+        part_out, _ = ws.views(ws.send)
+        part = lambda: flash_attn_with_kvcache(  # noqa: E731
+            p["q"], s.k_cache, s.v_cache, cache_seqlens=s.cache_seqlens, page_table=s.page_table, out=part_out,
+            out_dtype=torch.float32, return_softmax_lse=True, k_descale=p["kd"], v_descale=p["vd"])
+        local_ms = _slowest(_loop_ms(graph_replay([part])[0]))
+        gather_ms = _slowest(_loop_ms(lambda: _all_gather(ws.recv, ws.send, None), group_sync=True))
         g = _capture(lambda: cp_decode(*args, check_ranks=False, **kw))
         ms = _slowest(_loop_ms(g.replay, group_sync=True)) if g is not None else None
         if g is not None:
@@ -205,7 +214,8 @@ def _bench_ranks(rank, world, out_dir=None, quick=False):
             case = {"case": f"d128 B{b} L{L} cp{world}", "params": _params(b, L, world),
                     "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / t / 1e6, "err": err, "err_vs_one_gpu": err1,
                              "eager_ms": eager, "eager_nocheck_ms": eager_nocheck, "cuda_graph": ms is not None,
-                             "graph_equals_eager": graph_same, "speedup_vs_one_gpu": peer["ms"] / t,
+                             "graph_equals_eager": graph_same, "local_attention_ms": local_ms,
+                             "all_gather_ms": gather_ms, "speedup_vs_one_gpu": peer["ms"] / t,
                              "eager_speedup_vs_one_gpu": peer["eager_ms"] / eager},
                     "peers": {"one_gpu": peer}}
             doc["cases"].append(case)
@@ -218,10 +228,6 @@ def _bench_ranks(rank, world, out_dir=None, quick=False):
         return None
     folder = re.sub(r"x\d+$", "", gpu_dirname()) + f"x{world}"  # the GPUs used, not the host's count
     return str(write_results(doc, out_dir or os.path.join("benchmarks", "results", folder)))
-
-
-def _rank_main(rank, world, out_dir, quick):
-    return _bench_ranks(rank, world, out_dir, quick)
 
 
 def run(out_dir=None, quick=False):
@@ -238,7 +244,7 @@ def run(out_dir=None, quick=False):
         print("fp8attn bench cp: needs 2 GPUs (found "
               f"{torch.cuda.device_count()}); `fp8attn bench cp-simulate` runs both shards on one GPU.")
         return None
-    return launch_local(_rank_main, 2, out_dir, quick, backend="nccl", timeout=TIMEOUT, deadline_s=3600.0)[0]
+    return launch_local(_bench_ranks, 2, out_dir, quick, backend="nccl", timeout=TIMEOUT, deadline_s=3600.0)[0]
 
 
 def run_simulate(out_dir=None, quick=False, world=2):
