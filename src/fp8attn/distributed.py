@@ -553,7 +553,8 @@ def cp_decode(q, k_cache_shard, v_cache_shard, page_table_shard, cache_seqlens_s
         has a key for; its output is 0).
     workspace : optional :class:`CPWorkspace` (allocated once; needed for CUDA graphs with a fixed address).
     check_ranks : exchange a status tensor before the gather so that a rank's bad argument raises on every rank
-        (one small extra collective and a host read). Skipped while a CUDA graph is being captured.
+        (one small extra collective and a host read). Skipped while a CUDA graph is being captured. The same on
+        every rank (it sets the number of collectives).
     validate : also run the value checks on GPU tensors (they sync the device).
 
     Returns
