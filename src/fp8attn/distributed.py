@@ -453,7 +453,7 @@ def _attend(q, shard_args, attn, out_flat, ws):
 def _merge(ws, out, out_dtype, out_scale, q, return_softmax_lse):
     dt = None if out_scale is not None else _out_dtype(q, out_dtype, None)
     o, lse = flash_attn_combine(ws.out_partial, ws.lse_partial, out=out, out_dtype=dt, out_scale=out_scale)
-    return (o, lse.transpose(1, 2)) if return_softmax_lse else o
+    return (o, lse.transpose(1, 2).contiguous()) if return_softmax_lse else o
 
 
 def _f64_bits(x):
