@@ -126,8 +126,8 @@ def test_plan_owner_local_pages_and_lengths(layout):
 @pytest.mark.parametrize("layout", D.LAYOUTS)
 def test_simulated_shards_equal_the_single_decode(layout):
     """Shards of both layouts (uneven, empty for the short and the empty sequences) merged == one decode."""
-    for world, ps, qkind in ((2, 16, "bf16"), (3, 4, "fp8")):
-        p = _problem([0, 5, 37, 70], ps=ps, qkind=qkind)
+    for world, ps, qkind, sq in ((2, 16, "bf16", 1), (3, 4, "fp8", 1), (2, 8, "bf16", 3)):  # 3: non-causal queries
+        p = _problem([0, 5, 37, 70], ps=ps, qkind=qkind, sq=sq)
         plan = D.CPShardPlan(world, ps, p["pt"].shape[1], layout)
         shards = [D.shard_paged_cache(p["kc"], p["vc"], p["pt"], p["cs"], plan, r) for r in range(world)]
         assert any(int(s.cache_seqlens[1]) == 0 for s in shards)  # the 5-token sequence leaves a shard empty
@@ -141,11 +141,11 @@ def test_simulated_shards_equal_the_single_decode(layout):
         assert out.shape == single[0].shape and out.dtype == torch.bfloat16 and lse.shape == single[1].shape
         _assert_matches(out, lse, p, single)
         assert (out[0].float() == 0).all() and torch.isneginf(lse[0]).all()
-        # out= and a workspace, fp32 output, causal (one query sees every key either way)
+        # out= and a workspace, fp32 output, causal with one query (it sees every key either way)
         ws = D.CPWorkspace(p["q"], p["vc"].shape[-1], world)
         buf = torch.full_like(out, float("nan"), dtype=torch.float32)
         got = D.simulate_cp_decode(p["q"], shards, q_descale=p["qd"], k_descale=p["kd"], v_descale=p["vd"], out=buf,
-                                   out_dtype=torch.float32, workspace=ws, causal=True)
+                                   out_dtype=torch.float32, workspace=ws, causal=sq == 1)
         assert got is buf
         torch.testing.assert_close(buf.bfloat16(), out, atol=1e-2, rtol=0)
 
