@@ -296,6 +296,12 @@ def _two_rank_worker(rank, world, probs):
                 res["bad_scale"] = None
             except Exception as e:  # noqa: BLE001
                 res["bad_scale"] = (type(e).__name__, str(e))
+            # a query that differs across ranks (its values: the shapes agree)
+            try:
+                D.cp_decode(p["q"] * (1 + rank), *args[1:], **kw)
+                res["bad_q"] = None
+            except Exception as e:  # noqa: BLE001
+                res["bad_q"] = (type(e).__name__, str(e))
             res["after_errors"] = D.cp_decode(*args, **kw)  # the group is still in step
         if name == "append":  # decode steps with new tokens routed to their owner
             cs = p["cs"].clone()
@@ -336,6 +342,8 @@ def test_cp_decode_two_gloo_ranks():
         assert ("raised on rank 1" in msg) == (r == 0)
         typ, msg = res[r]["bad_scale"]
         assert typ == "ValueError" and msg.startswith("softmax_scale: expected the same value on every rank"), msg
+        typ, msg = res[r]["bad_q"]
+        assert typ == "ValueError" and msg.startswith("q: expected the same values on every rank"), msg
         assert torch.equal(res[r]["after_errors"], res[r]["rr"][0])
     # appends: the single-process cache gets the same tokens through the attention call
     p = probs["append"][0]

@@ -29,8 +29,8 @@ Errors: every rank validates its arguments (the local attention call included) b
 then the ranks exchange one small status tensor (``check_ranks=True``, on by default outside CUDA-graph
 capture): a rank that rejected its arguments raises its own error and every other rank raises the same
 exception type with that message, and arguments that must agree across ranks (the query's shape and dtype,
-heads, head dims, softmax scale, causal, softcap, output dtype) are compared, so a bad input raises on
-every rank instead of leaving the others waiting in the gather. Collectives run under the process group's
+heads, head dims, softmax scale, causal, softcap, output dtype; q and the descales by their float64 sums) are
+compared, so a bad input raises on every rank instead of leaving the others waiting in the gather. Collectives run under the process group's
 timeout (``timeout=`` of ``init_process_group`` / ``new_group``; :data:`CP_TIMEOUT` in this module's helpers).
 """
 from __future__ import annotations
@@ -477,16 +477,28 @@ def _signature(q, k_cache, v_cache, softmax_scale, causal, softcap, out_dtype, o
             ("presence", "out_scale", int(out_scale is not None)))
 
 
-def _agree(sig, err, group, world, device):
-    """Exchange every rank's status and signature (one small all-gather, then a host read) and raise on every
-    rank if any rank failed or the signatures differ."""
+def _checksums(values, device, ok):
+    """float64 sums of ``values`` ((name, tensor or None) pairs) as int64 bits on ``device``, computed there
+    (no host read); zeros where a rank failed (its tensors may be anything) or a value is None."""
+    sums = []
+    for _, t in values:
+        if ok and isinstance(t, torch.Tensor):
+            sums.append(t.detach().to(device=device, dtype=torch.float64).sum().reshape(1))
+        else:
+            sums.append(torch.zeros(1, dtype=torch.float64, device=device))
+    return torch.cat(sums).view(torch.int64) if sums else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def _agree(sig, values, err, group, world, device):
+    """Exchange every rank's status, signature and checksums of ``values`` (one small all-gather, then a host
+    read) and raise on every rank if any rank failed or they differ."""
     msg = b""
     code = 0
     if err is not None:
         code = next((i + 1 for i, cls in enumerate(_EXC) if isinstance(err, cls)), len(_EXC))
         msg = str(err).encode("utf-8", "replace")[:_MSG_BYTES]
     row = [code, *(v for _, _, v in sig), len(msg), *msg, *([0] * (_MSG_BYTES - len(msg)))]
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    mine = torch.cat((torch.tensor(row, dtype=torch.int64, device=device), _checksums(values, device, err is None)))
     rows = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     _all_gather(rows, mine, group)
     table = rows.view(world, -1).tolist()
@@ -505,6 +517,12 @@ def _agree(sig, err, group, world, device):
             C._fail(ValueError, arg, f"the same {field} on every rank of the context-parallel group", got,
                     "Pass every rank the same query and options; only the cache shards, page tables and lengths "
                     "differ per rank.")
+    for i, (name, _) in enumerate(values):
+        vals = [table[r][len(row) + i] for r in range(world)]
+        if len(set(vals)) > 1:
+            got = ", ".join(f"{struct.unpack('<d', struct.pack('<q', v))[0]!r} on rank {r}" for r, v in enumerate(vals))
+            C._fail(ValueError, name, "the same values on every rank of the context-parallel group (compared by their "
+                    "float64 sums)", got, f"Pass every rank the same {name}.")
 
 
 def _all_gather(recv, send, group):
@@ -589,7 +607,8 @@ def cp_decode(q, k_cache_shard, v_cache_shard, page_table_shard, cache_seqlens_s
         if backend == "nccl":  # NCCL gathers device tensors only
             dev = q.device if isinstance(q, torch.Tensor) and q.is_cuda else \
                 torch.device("cuda", torch.cuda.current_device())
-        _agree(sig, err, group, world, dev)
+        _agree(sig, (("q", q), ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)), err,
+               group, world, dev)
     _all_gather(ws.recv, ws.send, group)
     return _merge(ws, out, out_dtype, out_scale, q, return_softmax_lse)
 
