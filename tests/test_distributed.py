@@ -256,6 +256,10 @@ def test_local_argument_errors():
     plan = D.CPShardPlan(2, 8, p["pt"].shape[1])
     with pytest.raises(ValueError, match="^plan: expected page_size 16"):
         D.shard_paged_cache(p["kc"], p["vc"], p["pt"], p["cs"], plan, 0)
+    bad = p["pt"].clone()
+    bad[1, 0] = p["kc"].shape[0]
+    with pytest.raises(ValueError, match="^page_table: expected block ids <"):
+        D.shard_paged_cache(p["kc"], p["vc"], bad, p["cs"], D.CPShardPlan(1, 16, p["pt"].shape[1]), 0)
     with pytest.raises(ValueError, match="^rank"):
         D.shard_paged_cache(p["kc"], p["vc"], p["pt"], p["cs"], D.CPShardPlan(2, 16, p["pt"].shape[1]), 2)
     shards = [D.shard_paged_cache(p["kc"], p["vc"], p["pt"], p["cs"], D.CPShardPlan(2, 16, p["pt"].shape[1]), r)

@@ -234,6 +234,9 @@ def shard_paged_cache(k_cache, v_cache, page_table, cache_seqlens, plan, rank, *
     valid = sub >= 0
     ids, inverse = torch.unique(sub[valid], return_inverse=True)
     need = ids.numel()
+    if need and int(ids[-1]) >= k_cache.shape[0]:  # (unique ids come sorted)
+        C._fail(ValueError, "page_table", f"block ids < {k_cache.shape[0]} (the pool's blocks)",
+                f"block {int(ids[-1])} among the pages rank {rank} owns", "Fix the block allocation.")
     nb = need if num_blocks is None else num_blocks
     if isinstance(nb, bool) or not isinstance(nb, int) or nb < need:
         C._fail(ValueError, "num_blocks", f"an int >= {need} (the blocks rank {rank} owns)", repr(num_blocks),
