@@ -21,6 +21,8 @@ BENCH_ROUTINES = {
     "mla": ("fp8attn.bench.mla", "run"),
     "engine": ("fp8attn.engine.bench", "run"),
     "host": ("fp8attn.bench.host", "run"),
+    "cp": ("fp8attn.bench.cp", "run"),
+    "cp-simulate": ("fp8attn.bench.cp", "run_simulate"),
 }
 
 
