@@ -6,7 +6,7 @@ configuration and a hash of its PTX with the debug sections and line markers rem
 the source lines). Covers the Triton dense kernel (causal, sliding windows, e4m3 and bf16 inputs), the
 Triton paged kernel (decode, prefill, windows, mixed varlen batches) and the Gluon TMA kernels (dense,
 paged, varlen, V transposed in shared memory; with and without an LSE; head dims 64, 128, 256; the dense
-kernel's three-consumer variant; at head dim 64 both K boxes, plain and key-permuted).
+kernel's three-consumer variant; at head dim 64 both K boxes, plain and key-permuted; qk 192 / v 128).
 
 Usage (repo root): ``python benchmarks/ptx_fingerprints_sm90.py > before.txt``; change; again into
 ``after.txt``; ``diff before.txt after.txt``.
@@ -114,6 +114,8 @@ def main():
         # head dim 64 on the plain K box where the launcher's rule permutes it (the tests force it)
         tma += [dict(causal=c, write_lse=w, head_dim=64, kperm=False) for c, w in ((False, False), (True, False),
                                                                                 (True, True))]
+        # MLA prefill's qk 192 / v 128 (Q and K in three 64-wide boxes)
+        tma += [dict(causal=c, write_lse=w, head_dim=192, head_dim_v=128) for c in (False, True) for w in (False, True)]
         for cfg in tma:
             rows.append((f"tma {cfg}", fingerprint(dense_tma._aot_compile(**cfg).asm["ptx"])))
     for name, h in rows:

@@ -1,11 +1,12 @@
 """TMA/wgmma dense forward (kernels/dense_tma) vs the reference, and its dispatch from launch_dense_fwd.
 
 CPU: ``supported`` rejects every case outside the fast path's contract and accepts (up to the device
-check) head dims 64, 128 and 256 and the fused FP8 output, and every kernel variant compiles ahead of
-time for sm90 when the compiler is present. GPU (`gpu` marker, sm90): head dims 64, 128 and 256, causal and
+check) head dims 64, 128 and 256, qk 192 / v 128 (``FP8ATTN_TMA_QK192``) and the fused FP8 output, and every
+kernel variant compiles ahead of time for sm90 when the compiler is present. GPU (`gpu` marker, sm90): head dims 64, 128 and 256, causal and
 non-causal, seqlen_q == / < seqlen_k, GQA, random per-(batch, kv head) descales, LSE, determinism,
 the FP8ATTN_DENSE_BACKEND switch; the fused e4m3 output against the Triton kernel's (at most one
-e4m3 code apart) and against the reference, and under CUDA-graph replay with a changed out_scale.
+e4m3 code apart) and against the reference, and under CUDA-graph replay with a changed out_scale; qk 192 /
+v 128 against the reference (GQA, Sq != Sk causal, with and without an LSE) and its switch.
 """
 import math
 import os
@@ -1091,3 +1092,178 @@ def test_gpu_varlen_v_kmajor_matches_cpu():
         c0 = 16 * (int(cu[b]) // 16 + b)
         for g in (got, got_t):
             assert torch.equal(g[:, :, c0:c0 + L].cpu().view(torch.uint8), ref[:, :, c0:c0 + L].view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# qk 192 / v 128 (MLA prefill) on the warp-specialized kernel
+# ---------------------------------------------------------------------------------------------
+def _case_qk192(b=2, sq=256, sk=256, hq=8, hk=2, device="cpu"):
+    """``_case`` with q/k head dim 192, v/out head dim 128, V sequence-contiguous (``vt``) as well."""
+    q, k, v = _fp8((b, sq, hq, 192), device), _fp8((b, sk, hk, 192), device), _fp8((b, sk, hk, 128), device)
+    qd = torch.rand(b, hk, device=device) * 0.28 + 0.02
+    kd = torch.rand(b, hk, device=device) * 0.28 + 0.02
+    vd = torch.rand(b, hk, device=device) * 1.5 + 0.5
+    out = torch.empty(b, sq, hq, 128, device=device, dtype=torch.bfloat16)
+    lse = torch.empty(b, hq, sq, device=device)
+    vt = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    return q, k, v, vt, qd, kd, vd, out, lse
+
+
+def test_qk192_rules(monkeypatch):
+    """qk 192 / v 128 passes every shape rule of the dense path (on CPU tensors only the device check is
+    left), causal or not, with or without an LSE, GQA 1 or 4; unless ``FP8ATTN_TMA_QK192=0``, with the fused
+    e4m3 output, varlen, or with any other unequal pair. Its tiles: Q/K in 64-wide boxes, V/O whole, two
+    consumers over 128-key tiles."""
+    monkeypatch.delenv("FP8ATTN_TMA_QK192", raising=False)
+    assert dense_tma.qk192_enabled()
+    for hk in (2, 8):
+        q, k, v, vt, qd, kd, vd, out, lse = _case_qk192(hk=hk)
+        for causal in (False, True):
+            for lse_ in (lse, None):
+                why = dense_tma.unsupported_reason(q, k, vt, out, **_kw(qd, kd, vd, lse_, causal=causal))
+                assert why == "inputs must be CUDA tensors", (hk, causal, why)
+    q, k, v, vt, qd, kd, vd, out, lse = _case_qk192()
+    kw = _kw(qd, kd, vd, lse)
+    for flag in ("1", ""):
+        monkeypatch.setenv("FP8ATTN_TMA_QK192", flag)
+        assert dense_tma.unsupported_reason(q, k, vt, out, **kw) == "inputs must be CUDA tensors"
+    monkeypatch.setenv("FP8ATTN_TMA_QK192", "0")
+    assert not dense_tma.qk192_enabled()
+    assert "FP8ATTN_TMA_QK192=0" in dense_tma.unsupported_reason(q, k, vt, out, **kw)
+    monkeypatch.setenv("FP8ATTN_TMA_QK192", "yes")
+    with pytest.raises(ValueError, match="FP8ATTN_TMA_QK192"):
+        dense_tma.unsupported_reason(q, k, vt, out, **kw)
+    monkeypatch.delenv("FP8ATTN_TMA_QK192")
+    out8 = torch.empty(out.shape, dtype=E4M3)
+    assert "Triton" in dense_tma.unsupported_reason(q, k, vt, out8, **_kw(qd, kd, vd, lse, out_scale=torch.ones(1)))
+    out192 = torch.empty(2, 256, 8, 192, dtype=torch.bfloat16)
+    assert "shape mismatch" in dense_tma.unsupported_reason(q, k, vt, out192, **kw)
+    for dq, dk, dv in ((192, 192, 192), (192, 192, 64), (128, 128, 192), (192, 128, 128), (256, 256, 128)):
+        qx, kx, vx = _fp8((2, 256, 8, dq), "cpu"), _fp8((2, 256, 2, dk), "cpu"), _fp8((2, 256, 2, dv), "cpu")
+        ox = torch.empty(2, 256, 8, dv, dtype=torch.bfloat16)
+        assert "head dim" in dense_tma.unsupported_reason(qx, kx, vx, ox, **kw), (dq, dk, dv)
+    # varlen stays on the Triton kernel
+    cu = torch.tensor([0, 256, 512], dtype=torch.int32)
+    kv = _kw(qd, kd, vd, torch.empty(8, 512), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    why = dense_tma.unsupported_reason(q.view(512, 8, 192), k.view(512, 2, 192), v.view(512, 2, 128),
+                                       out.view(512, 8, 128), **kv)
+    assert "head dim" in why
+    assert dense_tma._tiles(192, True, 128) == (64, 64, 128, 128)
+    assert dense_tma.ws_config(192, True, head_dim_v=128) == (2, 128, dense_tma.NUM_STAGES)
+    for args in ((192, False, 128), (192, True, 64), (128, True, 192)):
+        with pytest.raises(ValueError, match="head dims"):
+            dense_tma._tiles(*args)
+    with pytest.raises(ValueError, match="^consumers: "):
+        dense_tma.ws_config(192, False, 3, head_dim_v=128)
+
+
+_QK192_AOT_SNIPPET = _SASS_PRELUDE + """
+for causal in (False, True):
+    for lse in (False, True):
+        k = dense_tma._aot_compile(causal, write_lse=lse, head_dim=192, head_dim_v=128)
+        sass = sass_of(k)
+        regs = sorted({{int(x, 16) for x in re.findall(r"USETMAXREG\\.\\S+\\s+(0x[0-9a-f]+)", sass)}})
+        print("qk192", int(causal), int(lse), k.metadata.shared, len(re.findall(r"\\bSTL", sass)),
+              len(re.findall(r"\\bLDL", sass)), *regs)
+"""
+
+
+def test_aot_compile_sm90_qk192():
+    """qk 192 / v 128 on the warp-specialized kernel compiles for sm90 without a GPU, causal or not, with or
+    without an LSE: the 240 / 24 register split of head dim 128, shared memory within the H200's 227 KB, and
+    few spilled stores / loads (head dim 128's causal kernel with an LSE has 14 / 18; the qk 192 kernels
+    11-20 / 5-30, mostly of the block's state outside the loop over KV tiles)."""
+    out = _run_sm90_snippet(_QK192_AOT_SNIPPET)
+    rows = [line.split()[1:] for line in out.splitlines() if line.startswith("qk192 ")]
+    assert len(rows) == 4, out[-3000:]
+    for causal, lse, smem, stl, ldl, *regs in rows:
+        assert {24, 240} <= {int(r) for r in regs}, (causal, lse, regs)
+        assert int(smem) <= 232448, (causal, lse, smem)
+        assert int(stl) <= 32 and int(ldl) <= 48, (causal, lse, stl, ldl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_lse", [True, False])
+@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 4)])
+@pytest.mark.parametrize("sq,sk,causal", [(128, 128, False), (128, 128, True), (1024, 1024, False),
+                                          (1024, 1024, True), (1024, 4096, True), (1024, 4096, False),
+                                          (4096, 4096, True)])
+def test_gpu_tma_qk192_vs_reference(sq, sk, causal, hq, hk, with_lse, monkeypatch):
+    """qk 192 / v 128 through ``launch_dense_fwd``'s default dispatch takes the warp-specialized kernel (the
+    launch is spied on: head dim 192, V / O 128 wide) and matches the reference from the dequantized inputs
+    (FA3's rule; random per-(batch, kv head) descales); the LSE within 1e-3. Without an LSE: causal, the same
+    bits as with one (fp32 row sums, as at head dim 128); non-causal, each row the same up to one factor (the
+    row sums of the e4m3 P, taken on the tensor core: ``assert_row_scaled``)."""
+    _need_sm90()
+    monkeypatch.delenv("FP8ATTN_DENSE_BACKEND", raising=False)
+    monkeypatch.delenv("FP8ATTN_TMA_QK192", raising=False)
+    q, k, v, _, qd, kd, vd, out, lse = _case_qk192(b=2, sq=sq, sk=sk, hq=hq, hk=hk, device="cuda")
+    launches = []
+    real = dense_tma._launch
+
+    def spy(d, ws, grid, descs, args, consts, **kw):
+        launches.append((d, ws, consts, descs[2][3], descs[3][3]))
+        return real(d, ws, grid, descs, args, consts, **kw)
+
+    monkeypatch.setattr(dense_tma, "_launch", spy)
+    scale = 192 ** -0.5
+    kw = dict(softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd, k_descale=kd,
+              v_descale=vd)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    launch_dense_fwd(q, k, v, out, lse, **kw)
+    assert launches == [(192, True, (causal, True, False, dense_tma.NUM_STAGES, 192, 2, 128), [128, 128],
+                         [64, 128])], launches
+    _reference_check(q, k, v, qd, kd, vd, out, lse, causal, scale)
+    if not with_lse:
+        o2 = torch.full_like(out, float("nan"))
+        launch_dense_fwd(q, k, v, o2, None, **kw)
+        assert len(launches) == 2 and launches[1][2][1] is False
+        if causal:
+            assert torch.equal(o2.view(torch.int16), out.view(torch.int16))
+        else:
+            assert_row_scaled(o2, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_tma_qk192_switch_and_triton(causal, monkeypatch):
+    """``FP8ATTN_TMA_QK192=0`` sends qk 192 / v 128 to the Triton kernel (the TMA launcher is not called; with
+    ``FP8ATTN_DENSE_BACKEND=tma`` a ValueError names the switch); both kernels agree within FP8 attention error
+    and the TMA kernel is deterministic; ``flash_attn_func`` takes the TMA kernel by default."""
+    _need_sm90()
+    import fp8attn
+
+    monkeypatch.delenv("FP8ATTN_DENSE_BACKEND", raising=False)
+    q, k, v, _, qd, kd, vd, out, lse = _case_qk192(b=1, sq=1024, sk=2048, hq=16, hk=16, device="cuda")
+    kw = dict(softmax_scale=0.1, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd, k_descale=kd,
+              v_descale=vd)
+    calls = []
+    real = dense_tma.launch_dense_fwd_tma
+
+    def spy(*a, **k_):
+        calls.append(1)
+        return real(*a, **k_)
+
+    monkeypatch.setattr(dense_tma, "launch_dense_fwd_tma", spy)
+    launch_dense_fwd(q, k, v, out, lse, **kw)
+    o2, l2 = torch.empty_like(out), torch.empty_like(lse)
+    launch_dense_fwd(q, k, v, o2, l2, **kw)
+    assert len(calls) == 2
+    assert torch.equal(out.view(torch.int16), o2.view(torch.int16)) and torch.equal(lse, l2)
+    monkeypatch.setenv("FP8ATTN_TMA_QK192", "0")
+    ot, lt = torch.empty_like(out), torch.empty_like(lse)
+    launch_dense_fwd(q, k, v, ot, lt, **kw)
+    assert len(calls) == 2
+    assert (ot.float() - out.float()).abs().max().item() <= 0.05 * ot.float().abs().max().item()
+    torch.testing.assert_close(lt, lse, atol=1e-3, rtol=1e-4)
+    monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")
+    with pytest.raises(ValueError, match="FP8ATTN_TMA_QK192=0"):
+        launch_dense_fwd(q, k, v, ot, lt, **kw)
+    monkeypatch.delenv("FP8ATTN_TMA_QK192")
+    monkeypatch.delenv("FP8ATTN_DENSE_BACKEND")
+    of = fp8attn.flash_attn_func(q, k, v, softmax_scale=0.1, causal=causal, q_descale=qd, k_descale=kd,
+                                 v_descale=vd)
+    of = of[0] if isinstance(of, tuple) else of
+    assert len(calls) == 3 and of.shape == out.shape
+    assert (of.float() - out.float()).abs().max().item() <= 0.05 * out.float().abs().max().item()

@@ -1,7 +1,9 @@
 """Dense FP8 attention forward for Hopper with TMA loads and asynchronous wgmma (Gluon).
 
 The fast path of ``dense.launch_dense_fwd`` for the common prefill case: e4m3 Q/K/V, head dim 64,
-128 or 256 (the same for q/k and v), sequence lengths that are multiples of 128, per-(batch, kv head)
+128 or 256 (the same for q/k and v) or MLA prefill's qk 192 / v 128 (``QK192_V128``: Q and K in three
+64-wide boxes whose S MMAs chain, V and O as at head dim 128; ``FP8ATTN_TMA_QK192=0`` leaves it to the
+Triton kernel), sequence lengths that are multiples of 128, per-(batch, kv head)
 descales, optional bottom-right causal mask and LSE; bf16 output, or e4m3 output with the fused
 static per-tensor scale ``out_scale``. Everything else stays on the Triton kernel (``supported``).
 This module holds the launchers. The kernels' Gluon code is in ``tma_ws`` / ``tma_ws_consumer`` and
@@ -54,6 +56,7 @@ P @ V started from a zero accumulator and added to the fp32 accumulator (two-lev
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -78,7 +81,7 @@ if HAS_GLUON:
     from .tma_ws import _bounded_fwd_tma_ws_kernel, _dense_fwd_tma_ws_kernel
     from .tma_parts import box_keys, kperm_box_on
 
-__all__ = ["supported", "unsupported_reason", "launch_dense_fwd_tma", "HAS_GLUON"]
+__all__ = ["supported", "unsupported_reason", "launch_dense_fwd_tma", "HAS_GLUON", "QK192_V128", "qk192_enabled"]
 
 _LOG2E = 1.4426950408889634
 
@@ -111,6 +114,21 @@ def _num_sms(index):
 # d256 +11-15% non-causal, +1% causal S512, +9-22% causal S1k-S16k).
 _WS_HEAD_DIMS = (64, 128, 256)
 _VARLEN_HEAD_DIMS = (64, 128)  # the bounded kernel's
+# The one pair of unequal head dims (qk, v) on the warp-specialized dense kernel: MLA prefill's (qk_nope 128 +
+# qk_rope 64, v 128). Taken by default; ``FP8ATTN_TMA_QK192=0`` leaves it to the Triton kernel (``qk192_enabled``).
+QK192_V128 = (192, 128)
+
+
+def qk192_enabled():
+    """Whether dense (non-varlen) calls at qk 192 / v 128 may run on the warp-specialized kernel: unless the
+    environment variable ``FP8ATTN_TMA_QK192`` is ``0`` (unset, empty or ``1``: yes; anything else is a
+    ValueError)."""
+    flag = os.environ.get("FP8ATTN_TMA_QK192", "1") or "1"
+    if flag not in ("0", "1"):
+        raise ValueError(f"FP8ATTN_TMA_QK192: expected 0 or 1, got {flag!r}. Unset it (or 1) to run qk 192 / "
+                         "v 128 on the TMA kernel, 0 to keep it on the Triton kernel.")
+    return flag == "1"
+
 # The warp-specialized kernel runs persistent (one CTA per SM walking the query blocks; a block's epilogue
 # overlaps the next one's loads) except for causal inputs longer than this (H200, causal S16k: -2% to -6%
 # persistent; S8k and shorter: even or faster). A load model puts the alternating schedule within 0.2% of
@@ -157,26 +175,34 @@ def _use_ws(head_dim, causal, seqlen_q):
     return head_dim in _WS_HEAD_DIMS
 
 
-def ws_config(head_dim, causal, consumers=None):
+def ws_config(head_dim, causal, consumers=None, head_dim_v=None):
     """``(consumers, keys per KV tile, ring stages)`` of the warp-specialized dense kernel: two consumer
     warpgroups over ``_tiles``' tiles and ``NUM_STAGES`` ring stages. ``consumers=3`` (head dim 64 without a
     causal mask): three over 192-row blocks and 64-key tiles in a 4-stage ring (with 128-key tiles their 160
     registers spill the accumulator in the loop). Not the default: on the H200 it ran at 0.88-0.94x the two
     consumers' speed without an LSE (the tensor-core row sums lose their gain at 64-key tiles) and
-    1.007-1.017x with one from 4k queries (docs/perf-notes.md, dense round 16)."""
+    1.007-1.017x with one from 4k queries (docs/perf-notes.md, dense round 16). ``head_dim_v``: V's head dim
+    where it differs (qk 192 / v 128: two consumers, 128-key tiles, as head dim 128)."""
     if consumers in (None, 2):
-        return 2, _tiles(head_dim, True)[3], NUM_STAGES
+        return 2, _tiles(head_dim, True, head_dim_v)[3], NUM_STAGES
     if consumers == 3 and head_dim == 64 and not causal:
         return 3, 64, 4
     raise ValueError(f"consumers: expected 2, or 3 at head dim 64 without a causal mask, got {consumers!r} at head "
                      f"dim {head_dim}, causal={causal}. Pass consumers=2 (the default) otherwise.")
 
 
-def _tiles(head_dim, ws):
+def _tiles(head_dim, ws, head_dim_v=None):
     """(rows of a Q/O box, head-dim width of a Q/K box, of a V/O box, keys per KV tile). The
     warp-specialized kernel loads Q and stores O per 64-row consumer; head dim 256 runs Q/K in two
     128-wide halves, V/O in four 64-wide quarters, with 64-key tiles (``_ws_attend_d256``, and the 8-warp
-    ``_dense_fwd_tma_d256_kernel``)."""
+    ``_dense_fwd_tma_d256_kernel``). ``head_dim_v`` (V's and O's, when it differs; warp-specialized only):
+    qk 192 / v 128 runs Q/K in three 64-wide boxes (a 192-byte row is no swizzle width: one box of it
+    cannot be swizzled for the wgmma), V/O whole, 128-key tiles."""
+    if head_dim_v not in (None, head_dim):
+        if not (ws and (head_dim, head_dim_v) == QK192_V128):
+            raise ValueError(f"head dims (qk, v): expected equal ones or {QK192_V128} on the warp-specialized "
+                             f"kernel, got ({head_dim}, {head_dim_v}), ws={ws}")
+        return (BLOCK_M // 2, 64, head_dim_v, BLOCK_N)
     if head_dim == 256:
         return (BLOCK_M // 2 if ws else BLOCK_M, 128, 64, 64)
     return (BLOCK_M // 2 if ws else BLOCK_M, head_dim, head_dim, BLOCK_N)
@@ -291,10 +317,17 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
         return "q, k, v, out must be 4-d (batch, seqlen, nheads, headdim)"
     batch, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    if d not in HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
-        return (f"head dim must be 64, 128 or 256 and equal for q, k and v (other head dims are not "
-                f"supported), got {d}, {k.shape[-1]}, {v.shape[-1]}")
-    if k.shape[0] != batch or tuple(v.shape) != tuple(k.shape) or tuple(out.shape) != tuple(q.shape):
+    dv = v.shape[-1]
+    if (d, k.shape[-1], dv) == (*QK192_V128[:1], *QK192_V128):
+        if out_scale is not None:
+            return "qk 192 / v 128 with the fused FP8 output (out_scale) runs on the Triton kernel"
+        if not qk192_enabled():
+            return "qk 192 / v 128 on the TMA kernel is switched off (FP8ATTN_TMA_QK192=0)"
+    elif d not in HEAD_DIMS or k.shape[-1] != d or dv != d:
+        return (f"head dim must be 64, 128 or 256 and equal for q, k and v, or {QK192_V128[0]} for q and k with "
+                f"{QK192_V128[1]} for v (other head dims are not supported), got {d}, {k.shape[-1]}, {dv}")
+    if (k.shape[0] != batch or tuple(v.shape[:-1]) != tuple(k.shape[:-1])
+            or tuple(out.shape) != (*q.shape[:-1], dv)):
         return "shape mismatch between q, k, v, out"
     if batch == 0 or hq == 0:
         return "empty batch or no heads (nothing to launch)"
@@ -304,7 +337,7 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
         return f"seqlen_q ({sq}) and seqlen_k ({sk}) must be positive multiples of 128"
     if causal and sq > sk:
         return f"causal with seqlen_q ({sq}) > seqlen_k ({sk}) is not supported"
-    if max(batch * sq, batch * sk, batch * hk * d) >= 2 ** 31:
+    if max(batch * sq, batch * sk, batch * hk * dv) >= 2 ** 31:
         return "too many rows for 32-bit TMA coordinates"
     if not (q.is_contiguous() and k.is_contiguous() and out.is_contiguous()):
         return "q, k, out must be contiguous (batch, seqlen, nheads, headdim)"
@@ -393,7 +426,8 @@ def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descal
     bool
         True for: CUDA tensors on an sm90 device; q, k, v float8_e4m3fn; out bfloat16, or
         float8_e4m3fn together with ``out_scale`` (a float32 tensor with one element, on the same
-        device); head dim 64, 128 or 256, the same for q, k and v; contiguous q,
+        device); head dim 64, 128 or 256, the same for q, k and v, or 192 for q and k with 128 for v and
+        out (``QK192_V128``, bf16 out, unless ``FP8ATTN_TMA_QK192=0``: ``qk192_enabled``); contiguous q,
         k, out (batch, seqlen, nheads, d) and V in memory order (batch, nheads_k, d, seqlen_k);
         seqlen_q and seqlen_k multiples of 128; nheads_q a multiple of nheads_k; causal only with
         seqlen_q <= seqlen_k; float32 (batch, nheads_k) descales (broadcast views allowed); no
@@ -416,14 +450,15 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     Parameters
     ----------
     q : torch.Tensor
-        float8_e4m3fn (batch, seqlen_q, nheads_q, d), contiguous; d is 64, 128 or 256.
+        float8_e4m3fn (batch, seqlen_q, nheads_q, d), contiguous; d is 64, 128 or 256, or 192 with
+        dv 128 (MLA prefill's qk 192 / v 128, ``QK192_V128``; dense inputs, bf16 out).
     k : torch.Tensor
         float8_e4m3fn (batch, seqlen_k, nheads_k, d), contiguous.
     v_kmajor : torch.Tensor
-        float8_e4m3fn (batch, seqlen_k, nheads_k, d) with memory order
-        (batch, nheads_k, d, seqlen_k) (``dense.transpose_v_kmajor``).
+        float8_e4m3fn (batch, seqlen_k, nheads_k, dv) with memory order
+        (batch, nheads_k, dv, seqlen_k) (``dense.transpose_v_kmajor``); dv is d but at qk 192.
     out : torch.Tensor
-        (batch, seqlen_q, nheads_q, d), contiguous: bfloat16, or float8_e4m3fn with ``out_scale``.
+        (batch, seqlen_q, nheads_q, dv), contiguous: bfloat16, or float8_e4m3fn with ``out_scale``.
         Written in place.
     lse : torch.Tensor or None
         float32 (batch, nheads_q, seqlen_q), any strides; natural-log LSE written when given.
@@ -440,6 +475,11 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
         (total_k, nheads_k, d), v_kmajor (total_k, nheads_k, d) in any layout (laid out again by
         ``dense.varlen_v_kmajor``), lse (nheads_q, total_q).
 
+    Notes
+    -----
+    ``supported`` takes qk 192 / v 128 by default; the environment variable ``FP8ATTN_TMA_QK192=0`` turns that
+    off (those calls then run on the Triton kernel of ``dense``), ``1`` or unset keeps it on.
+
     Returns
     -------
     tuple
@@ -450,13 +490,13 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
                               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale,
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     batch, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk, hk, d_v = k.shape[1], k.shape[2], v_kmajor.shape[-1]
     out_fp8 = out_scale is not None
-    ws = _use_ws(d, causal, sq)
-    rows, dh, dv, bn = _tiles(d, ws)
+    ws = d_v != d or _use_ws(d, causal, sq)  # (qk 192 / v 128 has only the warp-specialized kernel)
+    rows, dh, dv, bn = _tiles(d, ws, d_v)
     nc, stages = 2, NUM_STAGES
     if ws:
-        nc, bn, stages = ws_config(d, causal)
+        nc, bn, stages = ws_config(d, causal) if d_v == d else ws_config(d, causal, head_dim_v=d_v)
     kperm = ws and kperm_on(d, nc, causal, lse is not None)
     k_view = (*_kperm_view(k), kperm_box(bn, dh)) if kperm else (*_rows_2d(k), [bn, dh])
     descs = ((q, *_rows_2d(q), [rows, dh]), (k, *k_view),
@@ -472,8 +512,8 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
         grid = ws_grid(cdiv(sq, nc * rows) * batch * hq, causal, sq, q.device.index, head_dim=d)
     else:
         grid = (sq // BLOCK_M, batch * hq)
-    _launch(d, ws, grid, descs, args, (bool(causal), lse_k is not None, out_fp8, stages) + ((d, nc) if ws else ()),
-            tiles=(rows, dh, dv, bn))
+    _launch(d, ws, grid, descs, args,
+            (bool(causal), lse_k is not None, out_fp8, stages) + ((d, nc, d_v) if ws else ()), tiles=(rows, dh, dv, bn))
     return out, lse
 
 
@@ -593,8 +633,8 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
     descs : four (tensor, shape, strides, block_shape) tuples: the Q, K, V and output TMA views (the
         warp-specialized kernels' fifth, their tile of ones, is added here).
     args : the kernel's remaining run-time arguments in signature order.
-    consts : the constexprs in ``_CONST_NAMES`` order: (CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES), and HEAD_DIM
-        and CONSUMERS for the warp-specialized kernel, HEAD_DIM, MODE and V_ROWS for the bounded one.
+    consts : the constexprs in ``_CONST_NAMES`` order: (CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES), and HEAD_DIM,
+        CONSUMERS and HEAD_DIM_V for the warp-specialized kernel, HEAD_DIM, MODE and V_ROWS for the bounded one.
     """
     drv = triton.runtime.driver.active  # the device and stream triton's own launch would use
     dev = drv.get_current_device()
@@ -611,7 +651,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
         layouts = _layouts(tiles, consts[2], bounded and consts[6], k_rows, kperm) + (_ones_layout(tiles[3]),)
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
-        names = _CONST_NAMES + (("MODE", "V_ROWS") if bounded else ("CONSUMERS",))
+        names = _CONST_NAMES + (("MODE", "V_ROWS") if bounded else ("CONSUMERS", "HEAD_DIM_V"))
         ck = kernel[grid](*tds, *args, **dict(zip(names, consts)), num_warps=num_warps)
         if _DIRECT_LAUNCH and not hasattr(ck, "result"):
             _COMPILED[key] = ck
@@ -624,7 +664,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
 # ahead-of-time compile (inspection without a GPU)
 # ---------------------------------------------------------------------------------------------
 def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, ws=None, mode=None, block_n=None,
-                 v_rows=False, box=None, consumers=None, kperm=None):
+                 v_rows=False, box=None, consumers=None, kperm=None, head_dim_v=None):
     """Compile the kernel for ``sm_{arch}`` without a GPU; returns triton's compiled kernel.
 
     Arguments get the specializations of a launch: none (the jit decorator turns them off).
@@ -634,17 +674,18 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
     V boxes when fewer than the tile's keys (16, 32, 64, with ``v_rows``: ``paged_tma.box_rows``).
     ``consumers``: the dense warp-specialized kernel's consumer warpgroups, with ``block_n`` and the ring's
     stages from ``ws_config`` unless given. ``kperm``: its key-permuted K box forced on or off (default: the
-    launcher's rule, ``kperm_on``).
+    launcher's rule, ``kperm_on``). ``head_dim_v``: V's and O's head dim where it differs (``QK192_V128``, the
+    dense warp-specialized kernel).
     """
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     bounded = mode is not None
-    ws = (head_dim in _WS_HEAD_DIMS if ws is None else ws) or bounded
-    tiles = _tiles(head_dim, ws)
+    ws = (head_dim in _WS_HEAD_DIMS or head_dim_v not in (None, head_dim) if ws is None else ws) or bounded
+    tiles = _tiles(head_dim, ws, head_dim_v)
     stages = NUM_STAGES
     if ws and not bounded:
-        consumers, cfg_bn, stages = ws_config(head_dim, causal, consumers)
+        consumers, cfg_bn, stages = ws_config(head_dim, causal, consumers, head_dim_v)
         tiles = (*tiles[:3], cfg_bn)
     if block_n:
         tiles = (*tiles[:3], block_n)
@@ -685,8 +726,9 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
         sig["HEAD_DIM"] = "constexpr"
         consts["HEAD_DIM"] = head_dim
     if ws and not bounded:
-        sig["CONSUMERS"] = "constexpr"
+        sig["CONSUMERS"] = sig["HEAD_DIM_V"] = "constexpr"
         consts["CONSUMERS"] = consumers
+        consts["HEAD_DIM_V"] = head_dim_v or head_dim
     if bounded:
         sig["MODE"] = sig["V_ROWS"] = "constexpr"
         consts["MODE"] = int(mode)

@@ -31,7 +31,8 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, BlockList,
                stride_pt, page_size, MODE: gl.constexpr, v_raw=None, v_raw_ready=None,
                V_ROWS: gl.constexpr = False, ones_desc=None, ones=None, ones_ready=None,
-               WRITE_LSE: gl.constexpr = True, KPERM: gl.constexpr = False, OUT_FP8: gl.constexpr = False):
+               WRITE_LSE: gl.constexpr = True, KPERM: gl.constexpr = False, OUT_FP8: gl.constexpr = False,
+               HEAD_DIM_V: gl.constexpr = 0):
     """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
     through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
     while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
@@ -53,19 +54,23 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
     First, once, where the consumers take their row sums from the tensor core (``_rowsum_mma``): their
     tile of e4m3 ones (``ones_desc``) into ``ones`` (written by TMA: a tile stored from registers did not
     read back correctly in the wgmma, see docs/perf-notes.md, dense round 15). The consumers wait for it
-    before their first block, so it has landed before the CTA exits."""
+    before their first block, so it has landed before the CTA exits.
+
+    HEAD_DIM_V: V's and O's head dim where it differs from Q's and K's ``HEAD_DIM`` (0: the same; the
+    dense kernel's qk 192 / v 128, ``_dense_fwd_tma_ws_kernel``)."""
+    DHV: gl.constexpr = HEAD_DIM if HEAD_DIM_V == 0 else HEAD_DIM_V
     MH: gl.constexpr = q_desc.block_type.shape[0]
     KB: gl.constexpr = box_keys(k_desc.block_type.shape)
     TN: gl.constexpr = _tile_keys(KB, V_ROWS)
     NQK: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[1]
-    NV: gl.constexpr = 1 if V_ROWS else HEAD_DIM // v_desc.block_type.shape[0]
+    NV: gl.constexpr = 1 if V_ROWS else DHV // v_desc.block_type.shape[0]
     DQK: gl.constexpr = q_desc.block_type.shape[1]
     DV: gl.constexpr = v_desc.block_type.shape[0]
     NC: gl.constexpr = q_ready.shape[0] // 2  # consumers
     g = 0
     it = 0
     lim = 0  # V_ROWS: keys holding data in the tile loaded last (>= TN: all)
-    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM, MODE, OUT_FP8):
+    if _rowsum_mma(CAUSAL, WRITE_LSE, DHV, MODE, OUT_FP8):
         mbarrier.expect(ones_ready, ones_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(ones_desc, [0, 0], ones_ready, ones)
     n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, NC * MH, BlockList, MODE)
@@ -100,7 +105,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                         v_col = _varlen_v_start(k_row0, b) + tt * TN
                     else:
                         k_row = k_row0 + tt * TN
-                        v_row = (b * nheads_k + hk) * HEAD_DIM
+                        v_row = (b * nheads_k + hk) * DHV
                         v_col = tt * TN
                 st = g % NUM_STAGES
                 eph = ((g // NUM_STAGES) & 1) ^ 1  # the first NUM_STAGES waits pass on fresh barriers
@@ -231,24 +236,31 @@ def _tile_keys(box_rows, v_rows):
 
 @gluon.jit
 def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
-             NC: gl.constexpr, BOUNDED: gl.constexpr, V_ROWS: gl.constexpr = False):
+             NC: gl.constexpr, BOUNDED: gl.constexpr, V_ROWS: gl.constexpr = False,
+             HEAD_DIM_V: gl.constexpr = 0):
     """The warp-specialized kernels' shared memory for NC consumers, mbarriers initialized: ``(q_smem,
     k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, v_raw_ready,
     ones, ones_ready, v_clean)``, ``ones`` the tile of ``ones_desc`` (16 x the tile's keys). ``turn`` holds
     the consumers' NC single-arrival turn barriers and, BOUNDED, the V tail barrier ``v_clean`` after them
     (else ``v_clean`` aliases a turn barrier, unused). The partitions read NC from ``q_ready`` (2 NC). Q and its
     barriers: (Q buffer, consumer). V_ROWS (``v_desc`` a box of key rows, as K's): ``v_raw`` is a ring of
-    such boxes with TMA barriers ``v_raw_ready``, ``v_smem`` their transposes (else both alias V's)."""
+    such boxes with TMA barriers ``v_raw_ready``, ``v_smem`` their transposes (else both alias V's).
+    HEAD_DIM_V: as ``_ws_loader``'s (qk 192 / v 128: Q and K in three 64-wide boxes, V and O whole)."""
+    DHV: gl.constexpr = HEAD_DIM if HEAD_DIM_V == 0 else HEAD_DIM_V
     MH: gl.constexpr = q_desc.block_type.shape[0]
     DQK: gl.constexpr = q_desc.block_type.shape[1]
     TN: gl.constexpr = _tile_keys(box_keys(k_desc.block_type.shape), V_ROWS)
     DV: gl.constexpr = HEAD_DIM if V_ROWS else v_desc.block_type.shape[0]
     NQK: gl.constexpr = HEAD_DIM // DQK  # Q/K boxes per head (256: two 128-wide halves)
-    NV: gl.constexpr = HEAD_DIM // DV  # V/O boxes per head (256: four 64-wide quarters)
+    NV: gl.constexpr = DHV // DV  # V/O boxes per head (256: four 64-wide quarters)
     gl.static_assert(MH == 64)
     gl.static_assert(o_desc.block_type.shape[1] == DV)
     if HEAD_DIM == 256:
         gl.static_assert((NQK == 2) and (NV == 4) and (TN == 64))
+    elif HEAD_DIM != DHV:
+        # qk 192 / v 128: a 192-byte row is no swizzle width, so Q and K go in 64-wide boxes (64-byte swizzle)
+        gl.static_assert((HEAD_DIM == 192) and (DHV == 128) and (NQK == 3) and (NV == 1) and (TN == 2 * MH))
+        gl.static_assert((not BOUNDED) and (NC == 2))
     else:
         gl.static_assert((NQK == 1) and (NV == 1) and (HEAD_DIM == 64 or HEAD_DIM == 128))
         # one 128-row block = one KV tile: the diagonal tile is the last (the paged kernel masks by
@@ -308,7 +320,7 @@ def _dense_fwd_tma_ws_kernel(
     stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
     seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
-    HEAD_DIM: gl.constexpr, CONSUMERS: gl.constexpr,
+    HEAD_DIM: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM_V: gl.constexpr,
 ):
     """Head dims 64, 128 and 256 (``_WS_HEAD_DIMS``), warp-specialized as in FA3, and persistent: a
     grid of one CTA per SM walks the query blocks in rounds (``_ws_round_robin``, ``_ws_block_of``); a
@@ -326,12 +338,16 @@ def _dense_fwd_tma_ws_kernel(
     core (``ones_desc``, a (16, keys) tile of e4m3 ones; ``tma_ws_consumer._ws_attend``). A 5-D ``k_desc``
     box (KPERM, ``dense_tma.kperm_on``: head dim 64, two consumers) loads each 16 keys' rows in the
     consumers' S column order, so that their P needs no cross-lane exchange to become P V's operand; fp32
-    row sums (calls with an LSE) then add in another order."""
+    row sums (calls with an LSE) then add in another order. HEAD_DIM_V: V's and O's head dim, HEAD_DIM
+    (64, 128, 256) or 128 with HEAD_DIM 192 (MLA's qk 192 / v 128: Q and K in three 64-wide boxes whose
+    S MMAs chain into one accumulator, then ``_ws_attend`` as at head dim 128)."""
     gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and HEAD_DIM == 64 and not CAUSAL))
+    gl.static_assert(HEAD_DIM_V == HEAD_DIM or (HEAD_DIM == 192 and HEAD_DIM_V == 128))
     KPERM: gl.constexpr = kperm_box_on(k_desc.block_type.shape)
     gl.static_assert(not KPERM or (HEAD_DIM == 64 and CONSUMERS == 2))
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, _, _, ones, \
-        ones_ready, _ = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, CONSUMERS, False)
+        ones_ready, _ = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, CONSUMERS, False,
+                                 False, HEAD_DIM_V)
 
     # (the argument tuples are written out: a tuple held in a variable loses the constexpr flags)
     if CONSUMERS == 3:
@@ -366,17 +382,17 @@ def _dense_fwd_tma_ws_kernel(
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                             OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
-                            ones_ready, KPERM)),
+                            ones_ready, KPERM, HEAD_DIM_V)),
             (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                             v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                             stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                             seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                             OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
-                            ones_ready, KPERM)),
+                            ones_ready, KPERM, HEAD_DIM_V)),
             (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                           k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
                           NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready,
-                          WRITE_LSE, KPERM, OUT_FP8)),
+                          WRITE_LSE, KPERM, OUT_FP8, HEAD_DIM_V)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
 
 @gluon.jit(do_not_specialize=_BOUNDED_INT_ARGS, do_not_specialize_on_alignment=_BOUNDED_PTR_ARGS)

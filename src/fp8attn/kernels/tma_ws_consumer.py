@@ -44,20 +44,21 @@ def _ws_tile_step(j, g, k, p, alpha_prev, m_i, l_i, acc, q_smem, qi, k_smem, v_s
                   v_empty, turn, WG: gl.constexpr, zero_s, zero_o, qk_scale, mw, shift, p_layout: gl.constexpr,
                   row_o: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, n_lim=0,
                   KEY_LIMIT: gl.constexpr = False, ones=None, ROWSUM_MMA: gl.constexpr = False,
-                  NC: gl.constexpr = 2, KPERM: gl.constexpr = False):
+                  NC: gl.constexpr = 2, KPERM: gl.constexpr = False, NQK: gl.constexpr = 1):
     """KV tile j >= 1 of one consumer's query block (``g``: the same tile's index in this CTA's K/V
     ring, ``k``: this consumer's turn count): in its turn, issue S_j = Q K_j^T and P_{j-1} V_{j-1}
     (fresh accumulator), pass the turn, then softmax_j while P_{j-1} V_{j-1} runs, then add it to acc.
     ROWSUM_MMA: P_{j-1}'s row sums are issued with P_{j-1} V_{j-1} (``_row_sum_issue`` on ``ones``) and
     added to l as P V is to acc (l then lags the softmax by one tile, as acc does; l is in O's row
-    layout). ``n_lim`` / KEY_LIMIT: as ``_softmax_tile_f32``. NC: the consumers taking turns."""
+    layout). ``n_lim`` / KEY_LIMIT: as ``_softmax_tile_f32``. NC: the consumers taking turns. NQK: Q/K boxes
+    per head (``_ws_qk``; qk 192: three)."""
     TN: gl.constexpr = k_smem.shape[1]
     p8 = _p_operand(p, p_layout, KPERM)
     ks = g % NUM_STAGES
     vp = (g - 1) % NUM_STAGES
     _ws_turn_wait(turn, WG, k)
     mbarrier.wait(k_ready.index(ks), (g // NUM_STAGES) & 1)
-    s_tok = _ws_qk(q_smem, qi, k_smem, ks, zero_s, 1)
+    s_tok = _ws_qk(q_smem, qi, k_smem, ks, zero_s, NQK)
     mbarrier.wait(v_ready.index(vp), ((g - 1) // NUM_STAGES) & 1)
     pv_tok, ls_tok = _ws_pv_issue(p8, v_smem.index(vp), ones, zero_o, ROWSUM_MMA)
     _ws_turn_pass(turn, WG, NC)
@@ -149,7 +150,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
                  WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
                  HEAD_DIM: gl.constexpr, SeqlensK, BlockList, Out, stride_om, stride_oh, v_clean,
                  MODE: gl.constexpr, V_ROWS: gl.constexpr = False, ones=None, ones_ready=None,
-                 KPERM: gl.constexpr = False):
+                 KPERM: gl.constexpr = False, HEAD_DIM_V: gl.constexpr = 0):
     """Consumer WG (4 warps) of ``q_ready.shape[0] // 2``: rows 64 WG .. 64 WG + 63 of each of this CTA's
     query blocks, walked in the producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or
     ``_ws_attend_d256``.
@@ -157,8 +158,10 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     ``v_clean`` (``_ws_clean_v_tail``); varlen rows are stored through ``Out`` (row stride
     ``stride_om``, head stride ``stride_oh``) with a row mask. ``ones`` (ready on ``ones_ready``, loaded
     once by the producer): the e4m3 ones tile of the row sums of calls without an LSE (``_rowsum_mma``,
-    ``_ws_attend``)."""
+    ``_ws_attend``). HEAD_DIM_V: V's and O's head dim where it differs from ``HEAD_DIM`` (0: the same; qk 192 /
+    v 128 runs ``_ws_attend`` with Q and K in three boxes)."""
     gl.static_assert(gl.num_warps() == 4)
+    DHV: gl.constexpr = HEAD_DIM if HEAD_DIM_V == 0 else HEAD_DIM_V
     MH: gl.constexpr = q_smem.shape[1]
     TN: gl.constexpr = k_smem.shape[1]
     DO: gl.constexpr = v_smem.shape[1]  # head-dim width of one O part (the whole head below 256)
@@ -175,7 +178,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     nc = 0  # per-sequence bounds: blocks whose last V tile was cleaned (``v_clean``'s phase)
     n_blocks = _ws_num_blocks(seqlen_q, batch, nheads_q, NC * MH, BlockList, MODE)
     out_inv = _out_scale_inv(OutScale, OUT_FP8)
-    if _rowsum_mma(CAUSAL, WRITE_LSE, HEAD_DIM, MODE, OUT_FP8):  # (``_ws_attend``'s row sums on the tensor core)
+    if _rowsum_mma(CAUSAL, WRITE_LSE, DHV, MODE, OUT_FP8):  # (``_ws_attend``'s row sums on the tensor core)
         mbarrier.wait(ones_ready, 0)
     for r in range(0, gl.cdiv(n_blocks, gl.num_programs(0))):
         t = _ws_round_robin(r)
@@ -222,15 +225,22 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     d128 +1-3%). With an LSE the sum is the fp32 one of the unrounded P, so the LSE is exact (and final
     before the last P V, where it is stored); the other causal calls keep it too (docs/perf-notes.md, dense
     rounds 15-16). KPERM: K's rows were loaded key-permuted (``tma_parts.kperm_box_on``): masks use the
-    permuted key index and P is relabelled to key order, not exchanged across lanes (``_p_operand``)."""
+    permuted key index and P is relabelled to key order, not exchanged across lanes (``_p_operand``).
+    Q and K may come in NQK boxes per head (the ring's buffers per stage; qk 192: three 64-wide boxes,
+    Q buffer ``qi`` then their first at NQK qi), whose S MMAs chain (``_ws_qk``)."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     TN: gl.constexpr = k_smem.shape[1]
+    NQK: gl.constexpr = k_smem.shape[0] // NUM_STAGES
     RS: gl.constexpr = _rowsum_mma(CAUSAL, WRITE_LSE, zero_o.shape[1], MODE, OUT_FP8)
     NC: gl.constexpr = q_ready.shape[0] // 2  # consumers
     gl.static_assert(not KPERM or MODE == 0)  # (the bounded tiles below do not relabel P)
+    gl.static_assert(NQK == 1 or MODE == 0)
+    qs = qi  # the Q buffer's first box
+    if NQK > 1:
+        qs = NQK * qi
     acc = gl.zeros(zero_o.shape, gl.float32, o_layout)
-    p, alpha, m_i, l_i = _ws_first_tile(q_smem, qi, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
-                                        zero_s, qk_scale, mw, shift, row_o, 1, NUM_STAGES, CAUSAL, seqlen_k,
+    p, alpha, m_i, l_i = _ws_first_tile(q_smem, qs, k_smem, q_ready, k_ready, k_empty, turn, WG, g0, k0, it,
+                                        zero_s, qk_scale, mw, shift, row_o, NQK, NUM_STAGES, CAUSAL, seqlen_k,
                                         MODE != 0, RS, KPERM)
 
     if MODE != 0:
@@ -250,16 +260,16 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
         n_plain = n_tiles - 1 if CAUSAL else n_tiles
         for j in range(1, n_plain):
             p, alpha, m_i, l_i, acc = _ws_tile_step(
-                j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
+                j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qs, k_smem, v_smem, k_ready, v_ready,
                 k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
-                False, ones=ones, ROWSUM_MMA=RS, NC=NC, KPERM=KPERM)
+                False, ones=ones, ROWSUM_MMA=RS, NC=NC, KPERM=KPERM, NQK=NQK)
         if CAUSAL:
             if n_tiles > 1:
                 jm = n_tiles - 1
                 p, alpha, m_i, l_i, acc = _ws_tile_step(
-                    jm, g0 + jm, k0 + jm, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
+                    jm, g0 + jm, k0 + jm, p, alpha, m_i, l_i, acc, q_smem, qs, k_smem, v_smem, k_ready, v_ready,
                     k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o,
-                    NUM_STAGES, True, ones=ones, ROWSUM_MMA=RS, NC=NC, KPERM=KPERM)
+                    NUM_STAGES, True, ones=ones, ROWSUM_MMA=RS, NC=NC, KPERM=KPERM, NQK=NQK)
 
     # The row max and sum are final: the LSE is stored before the last tile's P V, where the output
     # accumulator and that product peak the registers (stored after it, m_i lived through the peak
