@@ -996,11 +996,11 @@ def test_kernel_choice_by_head_dim_and_length(monkeypatch):
     assert dense_tma._kernel_for(256, True) == (dense_tma._dense_fwd_tma_ws_kernel, 4)
 
 
-def _varlen_case(lens_q, lens_k, hq=8, hk=2, d=128):
+def _varlen_case(lens_q, lens_k, hq=8, hk=2, d=128, dv=None):
     cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     b = len(lens_q)
-    q, k, v = (_fp8((int(cu[-1]), h, d), "cuda") for cu, h in ((cu_q, hq), (cu_k, hk), (cu_k, hk)))
+    q, k, v = (_fp8((int(cu[-1]), h, w), "cuda") for cu, h, w in ((cu_q, hq, d), (cu_k, hk, d), (cu_k, hk, dv or d)))
     qd = torch.rand(b, hk, device="cuda") * 0.28 + 0.02
     kd = torch.rand(b, hk, device="cuda") * 0.28 + 0.02
     vd = torch.rand(b, hk, device="cuda") * 1.5 + 0.5
@@ -1142,12 +1142,18 @@ def test_qk192_rules(monkeypatch):
         qx, kx, vx = _fp8((2, 256, 8, dq), "cpu"), _fp8((2, 256, 2, dk), "cpu"), _fp8((2, 256, 2, dv), "cpu")
         ox = torch.empty(2, 256, 8, dv, dtype=torch.bfloat16)
         assert "head dim" in dense_tma.unsupported_reason(qx, kx, vx, ox, **kw), (dq, dk, dv)
-    # varlen stays on the Triton kernel
+    # varlen: the bounded kernel (by default from 1024 queries, as head dim 128), also behind the switch
     cu = torch.tensor([0, 256, 512], dtype=torch.int32)
     kv = _kw(qd, kd, vd, torch.empty(8, 512), cu_seqlens_q=cu, cu_seqlens_k=cu)
-    why = dense_tma.unsupported_reason(q.view(512, 8, 192), k.view(512, 2, 192), v.view(512, 2, 128),
-                                       out.view(512, 8, 128), **kv)
-    assert "head dim" in why
+    vargs = (q.view(512, 8, 192), k.view(512, 2, 192), v.view(512, 2, 128), out.view(512, 8, 128))
+    assert dense_tma.unsupported_reason(*vargs, **kv) == "inputs must be CUDA tensors"
+    assert dense_tma.varlen_preferred(192, 1024) and not dense_tma.varlen_preferred(192, 1023)
+    assert "shape mismatch" in dense_tma.unsupported_reason(*vargs[:3], out.view(512, 8, 128)[:, :4], **kv)
+    assert "head dim" in dense_tma.unsupported_reason(*vargs[:2], k.view(512, 2, 192), out.view(512, 8, 128)
+                                                      .new_empty(512, 8, 192), **kv)
+    monkeypatch.setenv("FP8ATTN_TMA_QK192", "0")
+    assert "FP8ATTN_TMA_QK192=0" in dense_tma.unsupported_reason(*vargs, **kv)
+    monkeypatch.delenv("FP8ATTN_TMA_QK192")
     assert dense_tma._tiles(192, True, 128) == (64, 64, 128, 128)
     assert dense_tma.ws_config(192, True, head_dim_v=128) == (2, 128, dense_tma.NUM_STAGES)
     for args in ((192, False, 128), (192, True, 64), (128, True, 192)):
@@ -1158,28 +1164,31 @@ def test_qk192_rules(monkeypatch):
 
 
 _QK192_AOT_SNIPPET = _SASS_PRELUDE + """
-for causal in (False, True):
-    for lse in (False, True):
-        k = dense_tma._aot_compile(causal, write_lse=lse, head_dim=192, head_dim_v=128)
-        sass = sass_of(k)
-        regs = sorted({{int(x, 16) for x in re.findall(r"USETMAXREG\\.\\S+\\s+(0x[0-9a-f]+)", sass)}})
-        print("qk192", int(causal), int(lse), k.metadata.shared, len(re.findall(r"\\bSTL", sass)),
-              len(re.findall(r"\\bLDL", sass)), *regs)
+for mode in (None, dense_tma.MODE_VARLEN):
+    for causal in (False, True):
+        for lse in (False, True):
+            k = dense_tma._aot_compile(causal, write_lse=lse, head_dim=192, head_dim_v=128, mode=mode)
+            sass = sass_of(k)
+            regs = sorted({{int(x, 16) for x in re.findall(r"USETMAXREG\\.\\S+\\s+(0x[0-9a-f]+)", sass)}})
+            print("qk192", mode, int(causal), int(lse), k.metadata.shared, len(re.findall(r"\\bSTL", sass)),
+                  len(re.findall(r"\\bLDL", sass)), *regs)
 """
 
 
 def test_aot_compile_sm90_qk192():
-    """qk 192 / v 128 on the warp-specialized kernel compiles for sm90 without a GPU, causal or not, with or
-    without an LSE: the 240 / 24 register split of head dim 128, shared memory within the H200's 227 KB, and
-    few spilled stores / loads (head dim 128's causal kernel with an LSE has 14 / 18; the qk 192 kernels
-    11-20 / 5-30, mostly of the block's state outside the loop over KV tiles)."""
+    """qk 192 / v 128 on the warp-specialized kernel (dense, and varlen on the bounded kernel) compiles for
+    sm90 without a GPU, causal or not, with or without an LSE: the 240 / 24 register split of head dim 128,
+    shared memory within the H200's 227 KB, and few spilled stores / loads, of a block's scalars outside the
+    loop over KV tiles but for one pair per tile as at head dim 128 (sm_90a, causal with an LSE: dense 20 / 30
+    against head dim 128's 14 / 18; varlen non-causal without one 46 / 47 against 30 / 33). An accumulator
+    spilled in the loop would be hundreds."""
     out = _run_sm90_snippet(_QK192_AOT_SNIPPET)
     rows = [line.split()[1:] for line in out.splitlines() if line.startswith("qk192 ")]
-    assert len(rows) == 4, out[-3000:]
-    for causal, lse, smem, stl, ldl, *regs in rows:
-        assert {24, 240} <= {int(r) for r in regs}, (causal, lse, regs)
-        assert int(smem) <= 232448, (causal, lse, smem)
-        assert int(stl) <= 32 and int(ldl) <= 48, (causal, lse, stl, ldl)
+    assert len(rows) == 8, out[-3000:]
+    for mode, causal, lse, smem, stl, ldl, *regs in rows:
+        assert {24, 240} <= {int(r) for r in regs}, (mode, causal, lse, regs)
+        assert int(smem) <= 232448, (mode, causal, lse, smem)
+        assert int(stl) <= 64 and int(ldl) <= 64, (mode, causal, lse, stl, ldl)
 
 
 @pytest.mark.gpu
@@ -1267,3 +1276,69 @@ def test_gpu_tma_qk192_switch_and_triton(causal, monkeypatch):
     of = of[0] if isinstance(of, tuple) else of
     assert len(calls) == 3 and of.shape == out.shape
     assert (of.float() - out.float()).abs().max().item() <= 0.05 * out.float().abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_lse", [True, False])
+@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_tma_qk192_varlen_vs_reference_and_triton(causal, hq, hk, with_lse, monkeypatch):
+    """Varlen qk 192 / v 128 on the bounded kernel (``_launch_varlen`` spied on): lengths off the 128 grid, a
+    one-query and an empty sequence, key counts not a multiple of 16; each sequence against the reference on its
+    slice (with an LSE; without one, causal the same bits, non-causal each row up to one factor:
+    ``assert_row_scaled``), the batch against the Triton kernel, repeated runs bit-identical; the default
+    dispatch takes it from 1024 queries unless ``FP8ATTN_TMA_QK192=0``."""
+    _need_sm90()
+    monkeypatch.delenv("FP8ATTN_TMA_QK192", raising=False)
+    lens_q, lens_k = [300, 1, 0, 517, 128, 1000], [300, 50, 7, 901, 128, 1000]
+    q, k, v, qd, kd, vd, cu_q, cu_k = _varlen_case(lens_q, lens_k, hq, hk, d=192, dv=128)
+    out, lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
+    assert out.shape == (q.shape[0], hq, 128)
+    for i in range(len(lens_q)):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        if q1 == q0:
+            continue
+        one = (q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], qd[i:i + 1], kd[i:i + 1], vd[i:i + 1])
+        _reference_check(*one, out[None, q0:q1], lse[None, :, q0:q1], causal, 192 ** -0.5)
+    out2, lse2 = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
+    assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2)
+    tri, tri_lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=False)
+    assert (out.float() - tri.float()).abs().max().item() <= 2e-2 * tri.float().abs().max().item()
+    torch.testing.assert_close(lse, tri_lse, atol=2e-3, rtol=1e-4)
+    if not with_lse:
+        o3, _ = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, with_lse=False)
+        if causal:
+            assert torch.equal(o3.view(torch.int16), out.view(torch.int16))
+        else:
+            assert_row_scaled(o3, out)
+    # the default dispatch (no FP8ATTN_DENSE_BACKEND): TMA from 1024 queries, Triton with the switch off
+    calls = []
+    real = dense_tma._launch_varlen
+    monkeypatch.setattr(dense_tma, "_launch_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.delenv("FP8ATTN_DENSE_BACKEND", raising=False)
+    o4 = torch.empty_like(out)
+    kw = dict(softmax_scale=192 ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd,
+              k_descale=kd, v_descale=vd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1024, max_seqlen_k=1024)
+    launch_dense_fwd(q, k, v, o4, torch.empty_like(lse), **kw)
+    assert calls == [1] and torch.equal(o4.view(torch.int16), out.view(torch.int16))
+    monkeypatch.setenv("FP8ATTN_TMA_QK192", "0")
+    launch_dense_fwd(q, k, v, o4, torch.empty_like(lse), **kw)
+    assert calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_tma_qk192_varlen_bits_equal_dense(causal):
+    """qk 192 / v 128, equal sequences of 384 queries / 640 keys: the varlen kernel's blocks are the dense
+    kernel's, tile for tile, so the same output and LSE bits."""
+    _need_sm90()
+    b, sq, sk, hq, hk = 2, 384, 640, 8, 2
+    q, k, v, qd, kd, vd, cu_q, cu_k = _varlen_case([sq] * b, [sk] * b, hq, hk, d=192, dv=128)
+    out, lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
+    od = torch.empty(b, sq, hq, 128, device="cuda", dtype=torch.bfloat16)
+    ld = torch.empty(b, hq, sq, device="cuda")
+    dense_tma.launch_dense_fwd_tma(q.view(b, sq, hq, 192), k.view(b, sk, hk, 192),
+                                   transpose_v_kmajor(v.view(b, sk, hk, 128)), od, ld, softmax_scale=192 ** -0.5,
+                                   causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out.view(b, sq, hq, 128).view(torch.int16), od.view(torch.int16))
+    assert torch.equal(lse.view(hq, b, sq).transpose(0, 1), ld)

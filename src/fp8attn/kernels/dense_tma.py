@@ -150,11 +150,13 @@ _D256_LSE_SCRATCH = True
 
 def varlen_preferred(head_dim, max_seqlen_q):
     """Whether varlen inputs that the TMA kernel supports go to it by default (``FP8ATTN_DENSE_BACKEND``
-    unset): head dims 64 and 128 with sequences up to at least 1024 queries. Measured on the H200 (eager
+    unset): head dims 64 and 128, and q/k head dim 192 (qk 192 / v 128: not measured, taken as head dim 128 is;
+    ``FP8ATTN_TMA_QK192=0`` turns it off), with sequences up to at least 1024 queries. Measured on the H200 (eager
     calls, V laid out by ``dense.varlen_v_kmajor`` in each call; ``explore/dense_varlen_tma.json``): d128
     1.48-2.26x the Triton kernel, d64 1.22-1.77x, over 8 random lengths 512-4096, 4 x 4096 and 16 x 1024,
     causal or not; shorter batches were not measured."""
-    return head_dim in _VARLEN_HEAD_DIMS and max_seqlen_q is not None and int(max_seqlen_q) >= 1024
+    return (head_dim in _VARLEN_HEAD_DIMS or head_dim == QK192_V128[0]) and max_seqlen_q is not None \
+        and int(max_seqlen_q) >= 1024
 
 
 def ws_grid(n_blocks, causal, seqlen_q, device_index, head_dim=None):
@@ -389,9 +391,14 @@ def _varlen_unsupported_reason(q, k, v, out, *, q_descale, k_descale, v_descale,
         return "varlen q, k, v, out must be 3-d (total, nheads, headdim)"
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
-    if d not in _VARLEN_HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
-        return f"varlen head dim must be 64 or 128 for q, k and v, got {d}, {k.shape[-1]}, {v.shape[-1]}"
-    if tuple(v.shape) != tuple(k.shape) or tuple(out.shape) != tuple(q.shape):
+    dv = v.shape[-1]
+    if (d, k.shape[-1], dv) == (*QK192_V128[:1], *QK192_V128):
+        if not qk192_enabled():
+            return "qk 192 / v 128 on the TMA kernel is switched off (FP8ATTN_TMA_QK192=0)"
+    elif d not in _VARLEN_HEAD_DIMS or k.shape[-1] != d or dv != d:
+        return (f"varlen head dim must be 64 or 128 for q, k and v, or {QK192_V128[0]} for q and k with "
+                f"{QK192_V128[1]} for v, got {d}, {k.shape[-1]}, {dv}")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]) or tuple(out.shape) != (*q.shape[:-1], dv):
         return "shape mismatch between q/out or k/v"
     if total_q == 0 or hq == 0 or hk == 0 or hq % hk != 0:
         return f"nheads_q ({hq}) must be a positive multiple of nheads_k ({hk}), total_q positive"
@@ -433,7 +440,7 @@ def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descal
         seqlen_q <= seqlen_k; float32 (batch, nheads_k) descales (broadcast views allowed); no
         sliding window (``(-1, 0)`` is the causal mask), softcap or per-block descales; lse None or
         float32 (batch, nheads_q, seqlen_q). Varlen (``cu_seqlens_q`` and ``cu_seqlens_k``, int32): head
-        dims 64 and 128, bf16 out, contiguous q/k/out (total, nheads, d), V in any layout, lse None or
+        dims 64 and 128 or qk 192 / v 128, bf16 out, contiguous q/k/out (total, nheads, d), V in any layout, lse None or
         (nheads_q, total_q). ``unsupported_reason`` says why not.
     """
     return unsupported_reason(q, k, v, out, causal=causal, window_size=window_size, softcap=softcap,
@@ -471,7 +478,7 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
         float32, one element: the output is ``clamp(o / out_scale, -448, 448)`` in e4m3fn (read on
         the device; no host synchronization).
     cu_seqlens_q, cu_seqlens_k : torch.Tensor or None
-        int32 (batch + 1,): varlen inputs (head dims 64, 128), q/out (total_q, nheads_q, d), k
+        int32 (batch + 1,): varlen inputs (head dims 64, 128, qk 192 / v 128), q/out (total_q, nheads_q, d), k
         (total_k, nheads_k, d), v_kmajor (total_k, nheads_k, d) in any layout (laid out again by
         ``dense.varlen_v_kmajor``), lse (nheads_q, total_q).
 
@@ -523,22 +530,23 @@ def _launch_varlen(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale
     query blocks of ``varlen_block_list`` (the grid from their capacity, ``total_q // 128 + batch`` per head)."""
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
+    d_v = v_kmajor.shape[-1]
     batch = cu_seqlens_q.numel() - 1
-    rows, dh, dv, bn = tiles = _tiles(d, True)
+    rows, dh, dv, bn = tiles = _tiles(d, True, d_v)
     from .dense import varlen_v_kmajor  # (dense imports this module)
 
     vt = varlen_v_kmajor(v_kmajor, cu_seqlens_k)
     blocks, ls, row_strides, grid = varlen_schedule(cu_seqlens_q, cu_seqlens_k, True, total_q, hq, lse, out)
     descs = ((q, [total_q, hq * d], [hq * d, 1], [rows, dh]), (k, [total_k, hk * d], [hk * d, 1], [bn, dh]),
-             (vt, [hk * d, vt.shape[-1]], [vt.shape[-1], 1], [dv, bn]),
-             (out, [total_q, hq * d], [hq * d, 1], [rows, dv]))
+             (vt, [hk * d_v, vt.shape[-1]], [vt.shape[-1], 1], [dv, bn]),
+             (out, [total_q, hq * d_v], [hq * d_v, 1], [rows, dv]))
     out_fp8 = out_scale is not None
     args = (lse if lse is not None else q_descale, q_descale, k_descale, v_descale,
             out_scale if out_fp8 else q_descale, cu_seqlens_q, cu_seqlens_q, blocks, out, *ls, *q_descale.stride(),
             *k_descale.stride(), *v_descale.stride(), 0, 1, *row_strides, total_q, hq, hk, batch,
             float(softmax_scale) * _LOG2E)
-    _launch(d, True, grid, descs, args, (bool(causal), lse is not None, out_fp8, NUM_STAGES, d, MODE_VARLEN, False),
-            bounded=True, tiles=tiles)
+    _launch(d, True, grid, descs, args,
+            (bool(causal), lse is not None, out_fp8, NUM_STAGES, d, MODE_VARLEN, False, d_v), bounded=True, tiles=tiles)
     return out, lse
 
 
@@ -634,7 +642,8 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
         warp-specialized kernels' fifth, their tile of ones, is added here).
     args : the kernel's remaining run-time arguments in signature order.
     consts : the constexprs in ``_CONST_NAMES`` order: (CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES), and HEAD_DIM,
-        CONSUMERS and HEAD_DIM_V for the warp-specialized kernel, HEAD_DIM, MODE and V_ROWS for the bounded one.
+        CONSUMERS and HEAD_DIM_V for the warp-specialized kernel, HEAD_DIM, MODE, V_ROWS and HEAD_DIM_V for the
+        bounded one.
     """
     drv = triton.runtime.driver.active  # the device and stream triton's own launch would use
     dev = drv.get_current_device()
@@ -651,7 +660,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
         layouts = _layouts(tiles, consts[2], bounded and consts[6], k_rows, kperm) + (_ones_layout(tiles[3]),)
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
-        names = _CONST_NAMES + (("MODE", "V_ROWS") if bounded else ("CONSUMERS", "HEAD_DIM_V"))
+        names = _CONST_NAMES + (("MODE", "V_ROWS") if bounded else ("CONSUMERS",)) + ("HEAD_DIM_V",)
         ck = kernel[grid](*tds, *args, **dict(zip(names, consts)), num_warps=num_warps)
         if _DIRECT_LAUNCH and not hasattr(ck, "result"):
             _COMPILED[key] = ck
@@ -730,9 +739,10 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
         consts["CONSUMERS"] = consumers
         consts["HEAD_DIM_V"] = head_dim_v or head_dim
     if bounded:
-        sig["MODE"] = sig["V_ROWS"] = "constexpr"
+        sig["MODE"] = sig["V_ROWS"] = sig["HEAD_DIM_V"] = "constexpr"
         consts["MODE"] = int(mode)
         consts["V_ROWS"] = bool(v_rows)
+        consts["HEAD_DIM_V"] = head_dim_v or head_dim
     # no attributes: a launch specializes no integer or pointer argument (_INT_ARGS, _PTR_ARGS)
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})

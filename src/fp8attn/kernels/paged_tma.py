@@ -237,5 +237,5 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
             page_table.stride(0), ps, *row_args, seqlen_q, hq, hk, batch, float(softmax_scale) * dense_tma._LOG2E)
     dense_tma._launch(d, True, grid, descs, args,
                       (bool(causal), lse is not None, out_scale is not None, num_stages or dense_tma.NUM_STAGES, d,
-                       mode, v_rows), bounded=True, tiles=(rows, dh, dv, bn))
+                       mode, v_rows, d), bounded=True, tiles=(rows, dh, dv, bn))
     return out, lse

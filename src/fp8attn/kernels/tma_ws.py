@@ -97,11 +97,11 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                         n = tt * TN
                         pg = gl.maximum(gl.load(PageTable + b.to(gl.int64) * stride_pt + n // page_size), 0)
                         k_row = pg * page_size + n % page_size
-                        v_row = (pg * nheads_k + hk) * HEAD_DIM
+                        v_row = (pg * nheads_k + hk) * DHV
                         v_col = n % page_size
                     elif MODE == 2:
                         k_row = k_row0 + tt * TN
-                        v_row = hk * HEAD_DIM
+                        v_row = hk * DHV
                         v_col = _varlen_v_start(k_row0, b) + tt * TN
                     else:
                         k_row = k_row0 + tt * TN
@@ -260,7 +260,7 @@ def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr
     elif HEAD_DIM != DHV:
         # qk 192 / v 128: a 192-byte row is no swizzle width, so Q and K go in 64-wide boxes (64-byte swizzle)
         gl.static_assert((HEAD_DIM == 192) and (DHV == 128) and (NQK == 3) and (NV == 1) and (TN == 2 * MH))
-        gl.static_assert((not BOUNDED) and (NC == 2))
+        gl.static_assert((not V_ROWS) and (NC == 2))
     else:
         gl.static_assert((NQK == 1) and (NV == 1) and (HEAD_DIM == 64 or HEAD_DIM == 128))
         # one 128-row block = one KV tile: the diagonal tile is the last (the paged kernel masks by
@@ -402,7 +402,7 @@ def _bounded_fwd_tma_ws_kernel(
     stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
     stride_pt, page_size, stride_om, stride_oh, seqlen_q, nheads_q, nheads_k, batch, softmax_scale_log2,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
-    HEAD_DIM: gl.constexpr, MODE: gl.constexpr, V_ROWS: gl.constexpr,
+    HEAD_DIM: gl.constexpr, MODE: gl.constexpr, V_ROWS: gl.constexpr, HEAD_DIM_V: gl.constexpr,
 ):
     """``_dense_fwd_tma_ws_kernel`` with per-sequence bounds, MODE (``MODE_*``): a paged FP8 KV cache
     (chunked prefill; key counts from ``SeqlensK``, a tile's page from ``PageTable``, read by the
@@ -414,12 +414,14 @@ def _bounded_fwd_tma_ws_kernel(
     (``_ws_clean_v_tail``). Head dims 64 and 128. V sequence-major within each page (pages a multiple of
     the tile, 64 or 128 keys), or (V_ROWS) in K's layout, FA3's, in pages of 16, 32 or a multiple of 64
     keys (``_tile_keys``), transposed in shared memory by a 4-warp producer (``_ws_transpose_v``; at
-    32 registers for boxes under 64 keys, else 24)."""
+    32 registers for boxes under 64 keys, else 24). HEAD_DIM_V: V's and O's head dim, HEAD_DIM or, varlen
+    (MODE 2) with V sequence-major, 128 with HEAD_DIM 192 (``_dense_fwd_tma_ws_kernel``'s qk 192 / v 128)."""
     gl.static_assert(HEAD_DIM != 256)
+    gl.static_assert(HEAD_DIM_V == HEAD_DIM or (HEAD_DIM == 192 and HEAD_DIM_V == 128 and MODE == 2 and not V_ROWS))
     gl.static_assert(not kperm_box_on(k_desc.block_type.shape))  # (a dense-kernel box only)
     q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
         v_raw_ready, ones, ones_ready, v_clean = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES,
-                                                          HEAD_DIM, 2, True, V_ROWS)
+                                                          HEAD_DIM, 2, True, V_ROWS, HEAD_DIM_V)
     LOADER_WARPS: gl.constexpr = 4 if V_ROWS else 1
     # A 12-warp CTA's register pool is 168 x 384 = 64512: a 24-register producer leaves both consumers
     # their 240. Boxes under 64 keys (pages of 16, 32) keep 32: their producer holds more page-table
@@ -432,15 +434,15 @@ def _bounded_fwd_tma_ws_kernel(
                         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                         seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                         OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
-                        v_clean, MODE, V_ROWS, ones, ones_ready)),
+                        v_clean, MODE, V_ROWS, ones, ones_ready, False, HEAD_DIM_V)),
         (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                         v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
                         stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
                         seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                         OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
-                        v_clean, MODE, V_ROWS, ones, ones_ready)),
+                        v_clean, MODE, V_ROWS, ones, ones_ready, False, HEAD_DIM_V)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                       k_empty, v_empty, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
                       NUM_STAGES, PageTable, SeqlensK, BlockList, stride_pt, page_size, MODE, v_raw, v_raw_ready,
-                      V_ROWS, ones_desc, ones, ones_ready, WRITE_LSE, False, OUT_FP8)),
+                      V_ROWS, ones_desc, ones, ones_ready, WRITE_LSE, False, OUT_FP8, HEAD_DIM_V)),
     ], [4, LOADER_WARPS], [_WS_CONSUMER_REGS, LOADER_REGS])

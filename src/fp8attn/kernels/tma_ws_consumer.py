@@ -154,7 +154,7 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     """Consumer WG (4 warps) of ``q_ready.shape[0] // 2``: rows 64 WG .. 64 WG + 63 of each of this CTA's
     query blocks, walked in the producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or
     ``_ws_attend_d256``.
-    MODE != dense (head dims 64, 128): per-sequence bounds (``_ws_block``), the V tail barrier
+    MODE != dense (head dims 64, 128; varlen also qk 192 / v 128): per-sequence bounds (``_ws_block``), the V tail barrier
     ``v_clean`` (``_ws_clean_v_tail``); varlen rows are stored through ``Out`` (row stride
     ``stride_om``, head stride ``stride_oh``) with a row mask. ``ones`` (ready on ``ones_ready``, loaded
     once by the producer): the e4m3 ones tile of the row sums of calls without an LSE (``_rowsum_mma``,
@@ -234,7 +234,6 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     RS: gl.constexpr = _rowsum_mma(CAUSAL, WRITE_LSE, zero_o.shape[1], MODE, OUT_FP8)
     NC: gl.constexpr = q_ready.shape[0] // 2  # consumers
     gl.static_assert(not KPERM or MODE == 0)  # (the bounded tiles below do not relabel P)
-    gl.static_assert(NQK == 1 or MODE == 0)
     qs = qi  # the Q buffer's first box
     if NQK > 1:
         qs = NQK * qi
@@ -247,14 +246,14 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
         n_plain = gl.minimum(gl.maximum(gl.minimum(mw + shift + 1, seqlen_k) // TN, 1), n_tiles)
         for j in range(1, n_plain):
             p, alpha, m_i, l_i, acc = _ws_tile_step(
-                j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
+                j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qs, k_smem, v_smem, k_ready, v_ready,
                 k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
-                False, ones=ones, ROWSUM_MMA=RS, NC=NC)
+                False, ones=ones, ROWSUM_MMA=RS, NC=NC, NQK=NQK)
         for j in range(n_plain, n_tiles):
             p, alpha, m_i, l_i, acc = _ws_tile_step(
-                j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qi, k_smem, v_smem, k_ready, v_ready,
+                j, g0 + j, k0 + j, p, alpha, m_i, l_i, acc, q_smem, qs, k_smem, v_smem, k_ready, v_ready,
                 k_empty, v_empty, turn, WG, zero_s, zero_o, qk_scale, mw, shift, p_layout, row_o, NUM_STAGES,
-                True, seqlen_k, True, ones, RS, NC)
+                True, seqlen_k, True, ones, RS, NC, NQK=NQK)
     else:
         # fully visible tiles; with CAUSAL the last tile is the diagonal one, masked
         n_plain = n_tiles - 1 if CAUSAL else n_tiles
