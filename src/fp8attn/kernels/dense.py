@@ -516,8 +516,9 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     warm-up call).
 
     Inputs that ``dense_tma.supported`` accepts (e4m3 in, bf16 out or e4m3 out with out_scale, head dim
-    64, 128 or 256, or qk 192 / v 128 with bf16 out unless ``FP8ATTN_TMA_QK192=0``, lengths that are multiples of 128, per-(batch, kv head) descales, no window/softcap;
-    varlen at head dims 64 and 128, taken by default where ``dense_tma.varlen_preferred``; see there)
+    64, 128 or 256, or qk 192 / v 128 with bf16 out unless ``FP8ATTN_TMA_QK192=0``, lengths that are
+    multiples of 128, per-(batch, kv head) descales, no window/softcap; varlen at head dims 64 and 128 and
+    qk 192 / v 128, taken by default where ``dense_tma.varlen_preferred``; see there)
     run on the TMA/wgmma kernel of ``dense_tma`` instead. ``FP8ATTN_DENSE_BACKEND`` selects:
     unset or ``auto`` (that rule), ``triton`` (always this module's kernel), ``tma`` (the TMA kernel;
     ValueError naming the reason when the inputs are not supported).

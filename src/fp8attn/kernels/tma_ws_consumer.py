@@ -154,8 +154,8 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     """Consumer WG (4 warps) of ``q_ready.shape[0] // 2``: rows 64 WG .. 64 WG + 63 of each of this CTA's
     query blocks, walked in the producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or
     ``_ws_attend_d256``.
-    MODE != dense (head dims 64, 128; varlen also qk 192 / v 128): per-sequence bounds (``_ws_block``), the V tail barrier
-    ``v_clean`` (``_ws_clean_v_tail``); varlen rows are stored through ``Out`` (row stride
+    MODE != dense (head dims 64, 128; varlen also qk 192 / v 128): per-sequence bounds (``_ws_block``), the V
+    tail barrier ``v_clean`` (``_ws_clean_v_tail``); varlen rows are stored through ``Out`` (row stride
     ``stride_om``, head stride ``stride_oh``) with a row mask. ``ones`` (ready on ``ones_ready``, loaded
     once by the producer): the e4m3 ones tile of the row sums of calls without an LSE (``_rowsum_mma``,
     ``_ws_attend``). HEAD_DIM_V: V's and O's head dim where it differs from ``HEAD_DIM`` (0: the same; qk 192 /
