@@ -5,8 +5,9 @@ check) head dims 64, 128 and 256, qk 192 / v 128 (``FP8ATTN_TMA_QK192``) and the
 kernel variant compiles ahead of time for sm90 when the compiler is present. GPU (`gpu` marker, sm90): head
 dims 64, 128 and 256, causal and non-causal, seqlen_q == / < seqlen_k, GQA, random per-(batch, kv head)
 descales, LSE, determinism, the FP8ATTN_DENSE_BACKEND switch; the fused e4m3 output against the Triton
-kernel's (at most one e4m3 code apart) and against the reference, and under CUDA-graph replay with a changed out_scale; qk 192 /
-v 128 against the reference (GQA, Sq != Sk causal, with and without an LSE, dense and varlen) and its switch.
+kernel's (at most one e4m3 code apart) and against the reference, and under CUDA-graph replay with a
+changed out_scale; qk 192 / v 128 against the reference (GQA, Sq != Sk causal, with and without an LSE, dense
+and varlen) and its switch.
 """
 import math
 import os
