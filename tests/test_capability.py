@@ -129,7 +129,6 @@ def test_attention_fallback_is_reported_before_the_append(machine, monkeypatch):
     """The append's kernel imports, the attention's does not: error mode refuses before the append writes."""
     machine((9, 0))
     monkeypatch.setenv("FP8ATTN_FALLBACK", "error")
-    monkeypatch.setitem(sys.modules, "fp8attn.kernels.paged", None)
     writes = []
     monkeypatch.setattr(cap, "_import_kernel", lambda kernel: (lambda *a, **k: writes.append(kernel), None)
                         if kernel == "cache" else (None, "ImportError: no paged kernel"))

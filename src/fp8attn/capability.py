@@ -1,4 +1,14 @@
-"""What this device / install supports; cached. Decides the execution path of each op."""
+"""What this device / install supports, and the one fallback policy; cached.
+
+* ``kernel_for(t, kernel)``: the dispatch point of every op. It returns the kernel's launch function for a
+  call on ``t``'s device, or None for the torch reference; a CUDA call that no kernel can take (no triton,
+  a GPU older than sm89, FP8ATTN_FORCE_REFERENCE=1, an ImportError inside ``fp8attn.kernels``) is a
+  *fallback* and goes through ``report_fallback`` first (warn once per process and reason, raise
+  ``FallbackError`` with FP8ATTN_FALLBACK=error, or nothing with ``silent``). CPU tensors never warn.
+  The rule is the pure function ``decide``; its result is cached per (device, kernel, environment).
+* ``supports(entry, **call_kwargs)``: which kernel ("hopper", "triton" or None) a call of a public
+  function runs, and why, from the same rules dispatch runs (see docs/api.md).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +23,7 @@ import torch
 
 __all__ = ["has_triton", "triton_version", "kernel_path_ok", "execution_path", "warn_once", "launch_device",
            "FallbackWarning", "FallbackError", "fallback_mode", "report_fallback", "decide", "Decision", "kernel_for",
-           "KERNELS", "supports", "Support", "ENTRIES", "MIN_CAPABILITY", "HOPPER_CAPABILITY"]
+           "KERNELS", "supports", "Support", "ENTRIES", "MIN_CAPABILITY"]
 
 
 @functools.lru_cache(None)
@@ -37,8 +47,6 @@ def _cc(index: int):
 
 # FP8 tensor-core dots (tl.dot on e4m3) need sm89 (Ada) or newer; the kernels are tuned for sm90.
 MIN_CAPABILITY = (8, 9)
-# The capability of the Hopper kernels (TMA, warp-specialized Gluon).
-HOPPER_CAPABILITY = (9, 0)
 _FORCE_ENV = "FP8ATTN_FORCE_REFERENCE"
 
 
