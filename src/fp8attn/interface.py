@@ -23,6 +23,7 @@ import torch
 
 from . import _checks as C
 from . import ops
+from .capability import kernel_for
 from .paged import packed_token_seqs, slot_mapping_for
 from .quant import expand_descale, is_fp8
 
@@ -756,6 +757,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         raise ValueError("rotary_seqlens: expected None without rotary_cos/rotary_sin, got a tensor. "
                          "Pass the rotary tables too, or drop rotary_seqlens.")
     if k is not None:
+        if not torch.compiler.is_compiling():  # (compiled: the ops report at run time, inside their implementation)
+            kernel_for(q, "paged")  # the attention's fallback is reported before the append writes (error: no write)
         ops.write_kv_cache(kn, vn, k_cache, v_cache, slots, k_descale=kd if k_descale is not None else None,
                            v_descale=vd if v_descale is not None else None, token_seq_idx=seq_idx,
                            k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)

@@ -47,14 +47,12 @@ registered kernel").
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import reference as ref
 from ._checks import check_same_device
-from .capability import kernel_path_ok, launch_device
-from .launch_rules import TMA_QUERY_BLOCK, paged_tma_call_reason
+from .capability import kernel_for, launch_device
+from .launch_rules import TMA_QUERY_BLOCK, attention_out_dtype, paged_tma_call_reason
 from .paged import is_v_seq_major, packed_token_seqs, paged_precisions
 from .paged_plan import CPU_NUM_SMS, paged_grid
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
@@ -65,24 +63,8 @@ __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "quant_fp8_sta
 NAMESPACE = "fp8attn"
 
 
-@functools.lru_cache(None)
-def _kernel(module: str, name: str):
-    """Import a launch function lazily (kernels import triton); cached (it is on the hot path)."""
-    import importlib
-
-    try:
-        mod = importlib.import_module(f"fp8attn.kernels.{module}")
-    except ImportError:
-        return None
-    return getattr(mod, name, None)
-
-
 def _out_dtype(q, out_dtype, out_scale):
-    if out_scale is not None:
-        return torch.float8_e4m3fn
-    if out_dtype is not None:
-        return out_dtype
-    return torch.bfloat16 if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) else q.dtype
+    return attention_out_dtype(q.dtype, out_dtype, out_scale)
 
 
 def _fresh(x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +109,7 @@ def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     dt = _out_dtype(q, out_dtype, out_scale)
     oshape, lse_shape = _dense_shapes(q, v, varlen)
     window = (int(window_left), int(window_right))
-    launch = _kernel("dense", "launch_dense_fwd") if kernel_path_ok(q) else None
+    launch = kernel_for(q, "dense")  # (None: the reference; a CUDA call reports the fallback first)
     if launch is not None:
         o = out if out is not None else torch.empty(oshape, dtype=dt, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
@@ -178,7 +160,7 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
     window = (int(window_left), int(window_right))
     if max_seqlen_q is None:
         max_seqlen_q = q.shape[1] if not varlen else q.shape[0]
-    launch = _kernel("paged", "launch_paged_fwd") if kernel_path_ok(q) else None
+    launch = kernel_for(q, "paged")
     if launch is not None:
         o = out if out is not None else torch.empty(oshape, dtype=dt, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
@@ -261,7 +243,7 @@ def _combine_dtype(out_partial, out_dtype, out_scale):
 
 def _combine_impl(out_partial, lse_partial, out_scale, out_dtype, out):
     dt = _combine_dtype(out_partial, out_dtype, out_scale)
-    launch = _kernel("combine", "launch_combine") if kernel_path_ok(out_partial) else None
+    launch = kernel_for(out_partial, "combine")
     if launch is not None:
         o = out if out is not None else torch.empty(out_partial.shape[1:], dtype=dt, device=out_partial.device)
         lse = torch.empty(lse_partial.shape[1:], dtype=torch.float32, device=out_partial.device)
@@ -279,7 +261,7 @@ def _combine_impl(out_partial, lse_partial, out_scale, out_dtype, out):
 
 def _write_kv_cache_impl(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
                          k_cache_scales, v_cache_scales):
-    launch = _kernel("cache", "launch_write_kv_cache") if kernel_path_ok(k) else None
+    launch = kernel_for(k, "cache")
     if launch is not None:
         with launch_device(k):
             launch(k, v, k_cache, v_cache, slot_mapping, k_descale=k_descale, v_descale=v_descale,
@@ -323,16 +305,19 @@ def _quantize_fp8_impl(x, granularity, nheads_k, rotate, seed, block_t, seq_majo
     return y, _fresh(d)  # (the torch path's per-block descales are a transposed view)
 
 
-def _quant_impl(x, scale):
-    if kernel_path_ok(x):
-        from .quant_ops import launch_quant_fp8_static
+def _load_quant_static():
+    from .quant_ops import launch_quant_fp8_static
 
-        launch = launch_quant_fp8_static()
-        if launch is not None:
-            y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-            with launch_device(x):
-                launch(x, scale, y)
-            return y
+    return launch_quant_fp8_static()
+
+
+def _quant_impl(x, scale):
+    launch = kernel_for(x, "quant_fp8_static", _load_quant_static)
+    if launch is not None:
+        y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        with launch_device(x):
+            launch(x, scale, y)
+        return y
     from .quant_ops import quant_fp8_static_torch
 
     return quant_fp8_static_torch(x, scale)
