@@ -1343,3 +1343,36 @@ def test_gpu_tma_qk192_varlen_bits_equal_dense(causal):
                                    causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
     assert torch.equal(out.view(b, sq, hq, 128).view(torch.int16), od.view(torch.int16))
     assert torch.equal(lse.view(hq, b, sq).transpose(0, 1), ld)
+
+
+def test_qk192_launch_views(monkeypatch):
+    """The qk 192 / v 128 launches' TMA views and boxes (the launch itself replaced, CPU tensors): Q and K as
+    (rows, heads * 192) in 64-wide boxes, V sequence-major as (heads * 128, keys) in 128 x 128 boxes, O as
+    (rows, heads * 128) in 64 x 128 boxes; HEAD_DIM 192 with HEAD_DIM_V 128, dense and varlen."""
+    seen = []
+    monkeypatch.setattr(dense_tma, "_launch", lambda d, ws, grid, descs, args, consts, **kw: seen.append(
+        (d, ws, [(list(shape), list(strides), box) for _, shape, strides, box in descs], consts, kw)))
+    monkeypatch.setattr(dense_tma, "_num_sms", lambda index: 132)
+    b, sq, sk, hq, hk = 2, 256, 384, 8, 2
+    q, k, v, vt, qd, kd, vd, out, lse = _case_qk192(b=b, sq=sq, sk=sk, hq=hq, hk=hk)
+    dense_tma.launch_dense_fwd_tma(q, k, vt, out, None, softmax_scale=0.1, causal=True, q_descale=qd, k_descale=kd,
+                                   v_descale=vd)
+    d, ws, views, consts, kw = seen.pop()
+    assert (d, ws, consts) == (192, True, (True, False, False, dense_tma.NUM_STAGES, 192, 2, 128))
+    assert views == [([b * sq, hq * 192], [hq * 192, 1], [64, 64]), ([b * sk, hk * 192], [hk * 192, 1], [128, 64]),
+                     ([b * hk * 128, sk], [sk, 1], [128, 128]), ([b * sq, hq * 128], [hq * 128, 1], [64, 128])]
+    assert kw == dict(tiles=(64, 64, 128, 128))
+    if not (dense_mod.INTERPRET or torch.cuda.is_available()):
+        pytest.skip("the varlen block list needs CUDA or the interpreter")
+    cu = torch.tensor([0, 100, 356], dtype=torch.int32)
+    tq = 356
+    dense_tma.launch_dense_fwd_tma(q.view(-1, hq, 192)[:tq], k.view(-1, hk, 192)[:tq], v.view(-1, hk, 128)[:tq],
+                                   out.view(-1, hq, 128)[:tq], torch.empty(hq, tq), softmax_scale=0.1, causal=False,
+                                   q_descale=qd, k_descale=kd, v_descale=vd, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    d, ws, views, consts, kw = seen.pop()
+    cols = 16 * (tq // 16 + b + 1)
+    assert (d, ws, consts) == (192, True, (False, True, False, dense_tma.NUM_STAGES, 192, dense_tma.MODE_VARLEN,
+                                           False, 128))
+    assert views == [([tq, hq * 192], [hq * 192, 1], [64, 64]), ([tq, hk * 192], [hk * 192, 1], [128, 64]),
+                     ([hk * 128, cols], [cols, 1], [128, 128]), ([tq, hq * 128], [hq * 128, 1], [64, 128])]
+    assert kw == dict(bounded=True, tiles=(64, 64, 128, 128))
