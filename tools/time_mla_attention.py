@@ -1,9 +1,9 @@
 """Time FP8 attention at MLA prefill's head dims (qk 192 / v 128) on one GPU against torch SDPA (cuDNN, bf16).
 
 For B1 x 8k tokens, 128 and 16 heads, causal and not: this library's dense forward on the warp-specialized TMA
-kernel (its default for these head dims; also with an LSE, and with a 3-stage K/V ring as an exploration), the
-same call forced onto the Triton kernel (``FP8ATTN_DENSE_BACKEND=triton``), and
-``scaled_dot_product_attention`` under ``SDPBackend.CUDNN_ATTENTION`` on the dequantized bf16 inputs (q/k 192,
+kernel (its default for these head dims; also with an LSE, and as explorations with a 3-stage K/V ring and,
+causal, with one CTA per query block instead of the persistent grid), the same call forced onto the Triton
+kernel (``FP8ATTN_DENSE_BACKEND=triton``), and ``scaled_dot_product_attention`` under ``SDPBackend.CUDNN_ATTENTION`` on the dequantized bf16 inputs (q/k 192,
 v 128). Prints one line per kernel: milliseconds, TF/s counted as 2 x visible (query, key) pairs x (192 + 128)
 per head, the speed-up over cuDNN bf16, and the error against the float32 reference from the dequantized FP8
 inputs on the first heads (max |out - ref| / max |ref|). Checks that the TMA rows really ran the TMA kernel.
@@ -73,6 +73,17 @@ def _stages(n):
         dense_tma.ws_config = real
 
 
+@contextlib.contextmanager
+def _grid_per_block():
+    """Causal calls on one CTA per query block instead of the persistent grid (exploration)."""
+    real = dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
+    dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 0
+    try:
+        yield
+    finally:
+        dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = real
+
+
 def _err(out, ref):
     o = out[:, :, :REF_HEADS].float()
     return float((o - ref).abs().max() / ref.abs().max())
@@ -117,10 +128,13 @@ def main():
             def ours(lse_=None, kw=kw, out=out):
                 return launch_dense_fwd(q8, k8, vt, out, lse_, **kw)
 
-            for name, ctx, fn, tma in (("fp8 tma", contextlib.nullcontext(), ours, True),
-                                       ("fp8 tma +lse", contextlib.nullcontext(), lambda: ours(lse), True),
-                                       ("fp8 tma 3-stage", _stages(3), ours, True),
-                                       ("fp8 triton", _env(FP8ATTN_DENSE_BACKEND="triton"), ours, False)):
+            variants = [("fp8 tma", contextlib.nullcontext(), ours, True),
+                        ("fp8 tma +lse", contextlib.nullcontext(), lambda: ours(lse), True),
+                        ("fp8 tma 3-stage", _stages(3), ours, True)]
+            if causal:
+                variants.append(("fp8 tma per-block grid", _grid_per_block(), ours, True))
+            variants.append(("fp8 triton", _env(FP8ATTN_DENSE_BACKEND="triton"), ours, False))
+            for name, ctx, fn, tma in variants:
                 with ctx:
                     calls.clear()
                     out.fill_(float("nan"))
