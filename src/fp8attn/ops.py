@@ -10,17 +10,22 @@ passes (``fp8attn.compile``) can match them by name.
 Why ``Library.define`` + one impl and not ``torch.library.custom_op``: the same opaque op with the
 same fake, but dispatch stays in C++ up to the Python implementation (no Python autograd wrapper, no
 run-time aliasing check). Measured per-call overhead on a 2-core CI CPU: custom_op 10.7 us,
-this form 3.4 us, a plain Python call 0.3 us (see docs/compile.md for the GPU numbers). None of the
-ops is differentiable (there is no FP8 backward op yet): the Autograd key is a C++ fallthrough, and
-the Python entry points below, when grad mode is on and an input requires grad, return outputs whose
-backward raises NotImplementedError -- the forward works (inference without ``torch.no_grad``), a
-backward through fp8attn fails loudly instead of silently dropping gradients. (Calling
-``torch.ops.fp8attn.*`` directly gives outputs that do not require grad.)
+this form 3.4 us, a plain Python call 0.3 us (see docs/compile.md for the GPU numbers).
+
+Autograd: ``dense_fwd`` is differentiable (``torch.library.register_autograd``; its backward is the
+opaque op ``dense_bwd``, so a compiled forward + backward holds both ops and no graph break). The
+forward saves only Q/K/V as given (FP8 or 16-bit), the descales, O and the natural-log LSE. The other
+ops are not differentiable: their Autograd key is a C++ fallthrough, and the Python entry points below,
+when grad mode is on and an input requires grad, return outputs whose backward raises
+NotImplementedError -- the forward works (inference without ``torch.no_grad``), a backward through
+them fails loudly instead of silently dropping gradients. (Calling ``torch.ops.fp8attn.paged_fwd``
+directly gives outputs that do not require grad.) ``QuantizedAttention`` is the autograd of
+``fp8attn.attention`` (16-bit leaves, straight-through quantizer).
 
 Eager calls of the attention entry points (``dense_fwd``, ``paged_fwd``, ``combine``) skip the
 dispatcher hop and call the op's implementation directly when nothing could observe the difference
 (``_eager_direct``: not traced by torch.compile / jit, no torch-function or dispatch mode, no functorch
-transform, plain tensors). That hop costs 5-12 us per call on an H200 host (docs/perf-notes.md); under
+transform, plain tensors, and no input that requires grad with grad mode on). That hop costs 5-12 us per call on an H200 host (docs/perf-notes.md); under
 tracing, FakeTensor, export or any mode the op is called as before, so graphs still hold
 ``fp8attn::*`` ops and their fakes.
 
@@ -28,7 +33,8 @@ Ops (``torch.ops.fp8attn.<name>.default``):
 
 =====================  =======================================================================
 dense_fwd              dense / varlen forward -> (out, lse); lse (0,) if not return_lse
-dense_fwd_out          same, writes ``out`` (mutated) -> lse
+dense_fwd_out          same, writes ``out`` (mutated) -> lse (not differentiable: out= with grad raises)
+dense_bwd              attention backward -> (dq, dk, dv) (reference.attention_bwd_ref's semantics)
 paged_fwd              paged-cache attention -> (out, lse); lse (0,) if not return_lse
 paged_fwd_out          same, writes ``out`` (mutated; the split workspace too, when given) -> lse
 combine                split-KV merge -> (out, lse)
@@ -646,8 +652,9 @@ class _RaiseOnBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         raise NotImplementedError(
-            f"fp8attn::{ctx.op_name} has no backward: fp8attn's forward ops are not differentiable yet. "
-            "Run inference under torch.no_grad() / torch.inference_mode(), or detach the inputs.")
+            f"fp8attn::{ctx.op_name} has no backward (paged / KV-cache attention and combine are inference ops; "
+            "the dense and varlen attention of flash_attn_func / flash_attn_varlen_func and fp8attn.attention are "
+            "differentiable). Run inference under torch.no_grad() / torch.inference_mode(), or detach the inputs.")
 
 
 class QuantizedAttention(torch.autograd.Function):

@@ -22,6 +22,13 @@ __all__ = ["attention", "set_fp8_backward", "get_fp8_backward"]
 _BLOCK = 128  # tokens per scale block of granularity="per_block"
 
 
+@torch.compiler.assume_constant_result
+def _rotation(d, device):
+    """The (d, d) float32 rotation ``quantize_qkv(hadamard=True)`` applies (a constant to torch.compile: it is
+    built from a seeded CPU generator, which graphs cannot hold)."""
+    return _had.rotation_matrix(d, _had.DEFAULT_SEED, device=device)
+
+
 def set_fp8_backward(mode: str) -> None:
     """Set the process default precision of the attention backward.
 
@@ -121,7 +128,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         qd, kd = (expand_descale(x, b, k.shape[-2], q.device) for x in (qd, kd))
     if b is not None:
         vd = expand_descale(vd, b, k.shape[-2], q.device)
-    rotation = _had.rotation_matrix(q.shape[-1], _had.DEFAULT_SEED, device=q.device) if hadamard else None
+    rotation = _rotation(q.shape[-1], q.device) if hadamard else None
     attn = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(softmax_scale, q.shape[-1]), bool(causal),
             window[0], window[1], float(softcap), _BLOCK if granularity == "per_block" else 0, mode,
             bool(deterministic))
