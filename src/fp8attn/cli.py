@@ -19,6 +19,7 @@ BENCH_ROUTINES = {
     "mixed": ("fp8attn.bench.paged", "run_mixed"),
     "output-quant": ("fp8attn.bench.output_quant", "run"),
     "engine": ("fp8attn.engine.bench", "run"),
+    "host": ("fp8attn.bench.host", "run"),
     "backward": ("fp8attn.bench.backward", "run"),
     "convergence": ("fp8attn.bench.convergence", "run"),
 }
