@@ -359,8 +359,9 @@ def test_gpu_kernel_backward_vs_reference(case, mode):
     want = R.attention_bwd_ref(do, *fp8, o, lse, **kw)
     want64 = R.attention_bwd_ref(do, *fp8, o, lse, **{**kw, "mode": "dequantized"}, compute_dtype=torch.float64)
     for g, w, w64 in zip(got, want, want64):
-        # FA3's rule: kernel error <= 2x the same-precision reference's error + a floor
-        assert _rel(g, w64) <= 2 * _rel(w, w64) + 2e-3, (_rel(g, w64), _rel(w, w64))
+        # FA3's rule: kernel error <= 2x the same-precision reference's error + a floor (the kernel rounds P and
+        # dS to bf16 in the dequantized mode, which the fp32 reference does not)
+        assert _rel(g, w64) <= 2 * _rel(w, w64) + 5e-3, (_rel(g, w64), _rel(w, w64))
 
 
 @pytest.mark.gpu
