@@ -107,6 +107,7 @@ KERNELS = {
     "combine": ("combine", "launch_combine"),
     "cache": ("cache", "launch_write_kv_cache"),
     "quantize": ("quantize", "launch_quant_tile"),
+    "backward": ("backward", "launch_attention_bwd"),
 }
 
 
