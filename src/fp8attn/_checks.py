@@ -167,8 +167,8 @@ def check_cu_seqlens(name, cu, batch=None, validate=False, total=None, total_nam
 
 def check_max_seqlen(name, mx, cu_name, cu, validate):
     """``mx`` (an int; a SymInt under torch.compile) bounds the lengths in ``cu`` (a value check)."""
-    if not isinstance(mx, (int, torch.SymInt)) or mx < 0:
-        _fail(TypeError, name, "a non-negative int", repr(mx), "Pass the longest sequence length as an int.")
+    if isinstance(mx, bool) or not isinstance(mx, (int, torch.SymInt)) or mx < 0:
+        _fail(TypeError, name, "a non-negative int", describe(mx), "Pass the longest sequence length as an int.")
     if want_value_checks(cu, validate) and cu.numel() > 1:
         longest = int((cu[1:] - cu[:-1]).max())
         if longest > mx:
@@ -178,6 +178,7 @@ def check_max_seqlen(name, mx, cu_name, cu, validate):
 
 def check_cache_scales(name, sc, k_cache):
     """Per-token-head scales beside a paged cache: float32 or bfloat16 (num_blocks, page_size, nheads_k)."""
+    check_tensor(name, sc, allow_none=True)
     if sc is not None and (tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.dtype not in SCALE_STORAGE_DTYPES):
         _fail(ValueError, name, f"float32 or bfloat16 {tuple(k_cache.shape[:3])} (num_blocks, page_size, nheads_k)",
               f"{sc.dtype} {tuple(sc.shape)}", "Allocate it beside the cache.")

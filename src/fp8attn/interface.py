@@ -328,14 +328,14 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     if qkv.dim() == 5:
         if qkv.shape[2] != 3 or num_heads_q is not None:
             raise ValueError(f"qkv: expected (batch, seqlen, 3, nheads, headdim) without num_heads_q, got shape "
-                             f"{tuple(qkv.shape)} and num_heads_q={num_heads_q!r}. Stack q, k, v on dim 2, or pass the "
-                             "4-D form with num_heads_q.")
+                             f"{tuple(qkv.shape)} and num_heads_q={C.describe(num_heads_q)}. Stack q, k, v on dim 2, "
+                             "or pass the 4-D form with num_heads_q.")
         q, k, v = qkv.unbind(dim=2)
     else:
         total = qkv.shape[2]
         if not isinstance(num_heads_q, int) or not 0 < num_heads_q < total or (total - num_heads_q) % 2:
             raise ValueError(f"num_heads_q: expected an int with qkv's {total} heads = num_heads_q + 2 * nheads_k, got "
-                             f"{num_heads_q!r}. Pass the number of query heads packed first.")
+                             f"{C.describe(num_heads_q)}. Pass the number of query heads packed first.")
         hk = (total - num_heads_q) // 2
         q, k, v = qkv.split([num_heads_q, hk, hk], dim=2)
     return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
@@ -514,8 +514,8 @@ def _metadata_splits(scheduler_metadata, num_splits):
                          f"{got}. Pass that function's result, or None.")
     n = scheduler_metadata.shape[0]
     if num_splits not in (0, n):
-        raise ValueError(f"num_splits: expected 0 or {n} (the split count of scheduler_metadata), got {num_splits!r}. "
-                         "Pass one of them.")
+        raise ValueError(f"num_splits: expected 0 or {n} (the split count of scheduler_metadata), got "
+                         f"{C.describe(num_splits)}. Pass one of them.")
     return n
 
 
@@ -548,7 +548,9 @@ def _leftpad_view(k_cache, v_cache, rows, cache_seqlens, cache_leftpad, batch, v
         views.append(c.as_strided((c.shape[0] * seqlen, 1, *c.shape[2:]), (token, token, *c.stride()[2:]),
                                   c.storage_offset()))
     pos = torch.arange(seqlen, device=cache_leftpad.device, dtype=torch.int64)[None, :] + cache_leftpad.long()[:, None]
-    page_table = (rows[:, :1].long() * seqlen + pos.clamp_max(seqlen - 1)).to(torch.int32)
+    # positions outside the row (lengths past it, unchecked on a GPU) get page -1: an append there is skipped, never
+    # written over another token of the cache
+    page_table = torch.where((pos >= 0) & (pos < seqlen), rows[:, :1].long() * seqlen + pos, -1).to(torch.int32)
     return views[0], views[1], page_table, cache_seqlens - cache_leftpad
 
 
@@ -581,7 +583,8 @@ def _validate_rotary(q, kn, cos, sin, rotary_seqlens, cache_seqlens, seq_idx, po
     if kn is None:
         raise ValueError("rotary_cos: expected new k/v with rotary tables (the rotation is applied to the new keys "
                          "and to q), got k=None. Pass k= and v=, or rotate q yourself.")
-    if tuple(cos.shape) != tuple(sin.shape) or 2 * cos.shape[1] > q.shape[-1] or cos.shape[1] % 8 != 0:
+    if (tuple(cos.shape) != tuple(sin.shape) or 2 * cos.shape[1] > q.shape[-1] or cos.shape[1] % 8 != 0
+            or not cos.shape[0]):
         raise ValueError(f"rotary_cos: expected (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim {q.shape[-1]} "
                          f"and a multiple of 16, matching rotary_sin; got {tuple(cos.shape)} and {tuple(sin.shape)}.")
     if is_fp8(q.dtype):
@@ -602,12 +605,13 @@ def _validate_rotary(q, kn, cos, sin, rotary_seqlens, cache_seqlens, seq_idx, po
         q_seq, q_i = _token_rows(q.device, batch, cu_seqlens=cu_seqlens_q, total=q.shape[0])
         q_seq = q_seq.clamp(max=max(batch - 1, 0))  # (rows past cu_seqlens_q[-1]: padding)
     q_pos = base.long()[q_seq] + (q_i if positional_q else 0)
-    if C.want_value_checks(q_pos, validate):
-        pos = torch.cat((k_pos, q_pos))
-        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= cos.shape[0]):
-            raise ValueError(f"rotary_cos: expected rows for positions [{int(pos.min())}, {int(pos.max())}] (the "
-                             f"rotated positions), got {cos.shape[0]} rows. Build the tables for the full context "
-                             "length (and pass non-negative rotary_seqlens).")
+    if not C.want_value_checks(q_pos, validate):  # unchecked positions past the tables: their last row, never a fault
+        return q_pos.clamp(0, cos.shape[0] - 1), k_pos.clamp(0, cos.shape[0] - 1)
+    pos = torch.cat((k_pos, q_pos))
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= cos.shape[0]):
+        raise ValueError(f"rotary_cos: expected rows for positions [{int(pos.min())}, {int(pos.max())}] (the "
+                         f"rotated positions), got {cos.shape[0]} rows. Build the tables for the full context "
+                         "length (and pass non-negative rotary_seqlens).")
     return q_pos, k_pos
 
 
@@ -919,7 +923,7 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     torch.Tensor : int32, shape (num_splits,), zeros.
     """
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {num_splits!r}. "
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {C.describe(num_splits)}. "
                          "Pass 0, 1 or a split count.")
     for name, val in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
                       ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim)):
@@ -928,7 +932,7 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
         except TypeError:
             ok = False
         if not ok:
-            raise ValueError(f"{name}: expected an int >= 0, got {val!r}. Pass the call's shape.")
+            raise ValueError(f"{name}: expected an int >= 0, got {C.describe(val)}. Pass the call's shape.")
     _check_attention_chunk(attention_chunk)
     C.unsupported("sm_margin", sm_margin, 0)
     if not isinstance(cache_seqlens, torch.Tensor):

@@ -60,10 +60,10 @@ if HAS_TRITON:
             xf = x.to(tl.float32)
         xf = tl.where(m, xf, 0.0)
         # A NaN or Inf makes the tile's amax NaN, so its group's descale is NaN: visible damage, never a value
-        # replaced silently (x - x is 0 exactly for finite x, NaN for NaN and +-Inf; no max-with-NaN semantics
-        # are relied on).
-        n_bad = tl.sum(tl.sum(tl.where((xf - xf) == 0.0, 0, 1), 1), 0)
-        amax = tl.max(tl.max(tl.abs(tl.where((xf - xf) == 0.0, xf, 0.0)), 1), 0)
+        # replaced silently (|x| < inf is False for NaN and +-Inf; no max-with-NaN semantics are relied on).
+        finite = tl.abs(xf) < float("inf")
+        n_bad = tl.sum(tl.sum(tl.where(finite, 0, 1), 1), 0)
+        amax = tl.max(tl.max(tl.where(finite, tl.abs(xf), 0.0), 1), 0)
         amax = tl.where(n_bad > 0, float("nan"), amax)
         if WRITE_AMAX:
             tl.store(Amax + b * stride_ab + h * stride_ah + blk * stride_an, amax)
