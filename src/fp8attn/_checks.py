@@ -303,7 +303,8 @@ def check_descale_kind(name, d, tensor_name, dtype):
     FP8 inputs only)."""
     if d is not None and not is_fp8(dtype):
         _fail(ValueError, name, f"None for a {dtype} {tensor_name} (a descale describes an FP8 tensor)",
-              describe(d), f"Drop {name}, or quantize {tensor_name} to FP8 (fp8attn.quantize_qkv) and pass its descale.")
+              describe(d), f"Drop {name} (FA3 applies descales to FP8 data only), or pass an FP8 {tensor_name} "
+              "(fp8attn.quantize_qkv) with its descale.")
 
 
 def check_out_scale_values(out_scale, validate):

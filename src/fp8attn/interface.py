@@ -259,12 +259,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
         sequence dim (memory order (batch, nheads_k, headdim_v, seqlen_k), ``quantize_qkv``'s v8): that
         is the K-major operand of Hopper's FP8 P @ V, which FP8 V in any other layout is first copied
         into on CUDA (one transpose pass over V).
-    softmax_scale : float, default 1/sqrt(headdim).
-    causal : bool, bottom-right aligned (query i sees keys <= i + seqlen_k - seqlen_q).
+    softmax_scale : finite float >= 0, default 1/sqrt(headdim).
+    causal : bool (a non-bool is a TypeError), bottom-right aligned (query i sees keys <= i + seqlen_k - seqlen_q).
     q_descale, k_descale, v_descale : float32 (batch, nheads_k), or per-tensor (), (1,), (1, 1), or
-        per-sequence (batch, 1). Dequantized value = fp8 * descale. Default 1.
-    window_size : (left, right), -1 = unbounded; bottom-right aligned like causal.
-    softcap : float, logits -> softcap * tanh(logits / softcap) when > 0.
+        per-sequence (batch, 1); finite and > 0. Dequantized value = fp8 * descale. Default 1. A descale
+        describes an FP8 tensor: one given for a 16/32-bit input is refused.
+    window_size : (left, right) ints >= -1, -1 = unbounded; bottom-right aligned like causal.
+    softcap : finite float >= 0, logits -> softcap * tanh(logits / softcap) when > 0.
     num_splits : must be 1 (the dense kernel does not split KV).
     pack_gqa : None/False/True, a scheduling hint for GQA (the same result either way).
     deterministic : accepted; every fp8attn forward is deterministic (bit-identical reruns).
@@ -280,7 +281,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     descale_block_size : per-block Q/K scales (``quantize_qkv(granularity="per_block")``): q_descale
         float32 (batch, nheads_q, cdiv(seqlen_q, block)), k_descale (batch, nheads_k, cdiv(seqlen_k, block));
         v_descale stays (batch, nheads_k). A power of two in [16, 256]. Varlen: batch 1 over packed tokens.
-    validate : also run the value checks (descale values) on GPU tensors (they sync the device).
+    validate : also run the value checks (descale and out_scale values) on GPU tensors (they sync the device;
+        docs/api.md, "Validation and the nothing-lost guarantee").
 
     Returns
     -------
@@ -830,7 +832,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     cache_batch_idx : (batch,) int32, rows of a contiguous cache used by each batch entry.
     page_table : (batch, max_pages) int32; unused entries may hold -1.
     cu_seqlens_q : (batch + 1,) int32 for varlen q (mixed prefill chunks and decode rows); max_seqlen_q int.
-    q_descale, k_descale, v_descale : float32 (batch, nheads_k) or per-tensor/per-sequence broadcasts.
+    q_descale, k_descale, v_descale : float32 (batch, nheads_k) or per-tensor/per-sequence broadcasts:
+        q_descale for an FP8 q only; k_descale / v_descale for an FP8 cache only (a bf16 q over an FP8 cache
+        takes them; new k/v are quantized with them).
     causal, window_size, softcap, softmax_scale : as in :func:`flash_attn_func` (bottom-right alignment:
         the queries are the last tokens of each sequence).
     num_splits : 0 = heuristic from shapes (never from live lengths), 1 = no split, n = n KV splits.
@@ -858,7 +862,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     out_dtype : bf16 (default for FP8 q), fp16 or fp32. out_scale : float32 one-element static scale;
         the output is then e4m3fn ``saturate(out / out_scale)``.
     k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32 or bfloat16 per-token-head descales.
-    validate : also run the value checks (page ids, lengths, descale values) on GPU tensors (syncs).
+    validate : also run the value checks (page ids, lengths, slots, descale and out_scale values) on GPU
+        tensors (syncs). Every check runs before the append writes the cache (docs/api.md, "Validation and the
+        nothing-lost guarantee", says what the kernels do with unchecked values).
 
     Returns
     -------
