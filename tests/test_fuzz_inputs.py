@@ -217,8 +217,8 @@ def _outcome(fn, kw):
 
 def _snapshot(kw):
     """The bytes of every (non-meta) tensor argument, as uint8 (NaN slots compare equal)."""
-    return {n: t.detach().reshape(-1).contiguous().view(torch.uint8).clone() for n, t in kw.items()
-            if torch.is_tensor(t) and t.device.type != "meta"}
+    return {n: torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()).reshape(-1).view(torch.uint8)
+            for n, t in kw.items() if torch.is_tensor(t) and t.device.type != "meta"}
 
 
 @pytest.mark.parametrize("call", list(CALLS))

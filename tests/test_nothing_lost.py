@@ -322,7 +322,8 @@ def _tensors(kw):
 
 
 def _bytes(t):
-    return t.detach().reshape(-1).contiguous().view(torch.uint8).clone()
+    """A fresh contiguous copy of t's bytes (uint8: NaN payloads compare equal)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t.detach()).reshape(-1).view(torch.uint8)
 
 
 def refused_unchanged(fn, kw, exc, arg):

@@ -17,7 +17,7 @@ Unsupported FA3 arguments raise NotImplementedError naming them; none is silentl
 from __future__ import annotations
 
 import operator
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -680,28 +680,50 @@ def _validate_new_tokens(k, v, k_cache, v_cache, cu_seqlens_k_new, batch, valida
                            total_name="k")
 
 
-def _check_cache_values(c, k_cache, page_table, cache_leftpad, leftpad_end, validate):
+def _check_cache_values(cache_seqlens, total_len, pt, ps, capacity, slots, k_cache, page_table, cache_leftpad,
+                        leftpad_end, validate):
     """The value checks of a cache call (CPU, or validate=True on a GPU): lengths within the capacity, used page
     ids in the cache, the new tokens' slots distinct."""
-    if not c.value_checks or not c.total_len.numel():
+    if not total_len.numel():
         return
-    if int(c.cache_seqlens.min()) < 0:
-        raise ValueError(f"cache_seqlens: expected lengths >= 0, got {int(c.cache_seqlens.min())}. "
+    if int(cache_seqlens.min()) < 0:
+        raise ValueError(f"cache_seqlens: expected lengths >= 0, got {int(cache_seqlens.min())}. "
                          "Pass the tokens already in each sequence's cache.")
-    if cache_leftpad is not None and int(leftpad_end.max()) > c.capacity:
-        raise ValueError(f"cache_seqlens: expected lengths <= the cache rows' {c.capacity} tokens, got "
+    if cache_leftpad is not None and int(leftpad_end.max()) > capacity:
+        raise ValueError(f"cache_seqlens: expected lengths <= the cache rows' {capacity} tokens, got "
                          f"{int(leftpad_end.max())} (left pad included). Shorten the sequence.")
-    longest = int(c.total_len.max())
-    if longest > c.capacity:
-        raise ValueError(f"cache_seqlens: expected lengths <= the cache capacity {c.capacity} "
-                         f"(max_pages {c.pt.shape[1]} x page_size {c.ps}), got {longest}. "
+    longest = int(total_len.max())
+    if longest > capacity:
+        raise ValueError(f"cache_seqlens: expected lengths <= the cache capacity {capacity} "
+                         f"(max_pages {pt.shape[1]} x page_size {ps}), got {longest}. "
                          "Allocate more pages or shorten the sequence.")
     if page_table is not None and page_table.numel():
-        used = torch.arange(c.pt.shape[1], device=c.pt.device)[None, :] * c.ps < c.total_len.long()[:, None]
-        C.check_index_values("page_table", c.pt[used], k_cache.shape[0], validate, "page ids (for used pages)")
-    if c.slots is not None:
-        C.check_slots(c.slots, k_cache.shape[0] * k_cache.shape[1], validate,
+        used = torch.arange(pt.shape[1], device=pt.device)[None, :] * ps < total_len.long()[:, None]
+        C.check_index_values("page_table", pt[used], k_cache.shape[0], validate, "page ids (for used pages)")
+    if slots is not None:
+        C.check_slots(slots, k_cache.shape[0] * k_cache.shape[1], validate,
                       name="page_table" if page_table is not None else "cache_batch_idx")
+
+
+class _CachePlan(NamedTuple):
+    """What ``_validate_kvcache`` hands the body of ``flash_attn_with_kvcache``: the caches (a one-token-page view
+    with cache_leftpad), page table, lengths after the append, the new tokens' slots / rows / values, rotary
+    positions ``(q_pos, k_pos)`` or None, expanded descales, the attention keywords of ``ops.paged_fwd``, the split
+    workspace, attention_chunk and the split count."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    pt: torch.Tensor
+    total_len: torch.Tensor
+    slots: torch.Tensor | None
+    seq_idx: torch.Tensor | None
+    kn: torch.Tensor | None
+    vn: torch.Tensor | None
+    rotary: tuple | None
+    descales: tuple
+    attn: dict
+    ws: tuple | None
+    chunk: int
+    num_splits: int
 
 
 def _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -797,14 +819,13 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cac
         total_len = cache_seqlens + new_len
     if cache_leftpad is not None and value_checks:
         leftpad_end = total_len + cache_leftpad
-    plan = SimpleNamespace(k_cache=k_cache, v_cache=v_cache, pt=pt, ps=ps, capacity=capacity,
-                           cache_seqlens=cache_seqlens, total_len=total_len, value_checks=value_checks, slots=slots,
-                           seq_idx=seq_idx, kn=kn, vn=vn, descales=descales, attn=attn, ws=ws, chunk=chunk,
-                           num_splits=num_splits, varlen=varlen, batch=batch, rotary=None)
-    _check_cache_values(plan, k_cache, page_table, cache_leftpad, leftpad_end, validate)
-    plan.rotary = _validate_rotary(q, kn, rotary_cos, rotary_sin, rotary_seqlens, rotary_base, seq_idx, pos_in_new,
-                                   cu_seqlens_q, batch, bool(causal) or tuple(window_size) != (-1, -1), validate)
-    return plan
+    if value_checks:
+        _check_cache_values(cache_seqlens, total_len, pt, ps, capacity, slots, k_cache, page_table, cache_leftpad,
+                            leftpad_end, validate)
+    rotary = _validate_rotary(q, kn, rotary_cos, rotary_sin, rotary_seqlens, rotary_base, seq_idx, pos_in_new,
+                              cu_seqlens_q, batch, bool(causal) or tuple(window_size) != (-1, -1), validate)
+    return _CachePlan(k_cache, v_cache, pt, total_len, slots, seq_idx, kn, vn, rotary, descales, attn, ws, chunk,
+                      num_splits)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
