@@ -290,14 +290,6 @@ def check_softcap(softcap):
     return c
 
 
-def check_nonneg_int(name, value, fix):
-    """A Python int >= 0 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < 0:
-        _fail(TypeError if not isinstance(value, (int, torch.SymInt)) else ValueError, name, "an int >= 0",
-              describe(value), fix)
-    return value
-
-
 def check_descale_kind(name, d, tensor_name, dtype):
     """A descale describes an FP8 tensor: refuse one for a 16/32-bit ``tensor_name`` (FA3 applies descales to
     FP8 inputs only)."""
