@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from . import _checks as C
-from . import ops
+from . import ops, plan
 from .capability import kernel_for
 from .paged import packed_token_seqs, slot_mapping_for
 from .quant import expand_descale, is_fp8
@@ -115,6 +115,14 @@ def _block_descales(q_descale, k_descale, v_descale, block, batch, nheads_q, nhe
     C.check_descale("v_descale", v_descale, batch, nheads_k, device)
     C.check_descale_values("v_descale", v_descale, validate)
     return q_descale, k_descale, expand_descale(v_descale, batch, nheads_k, device)
+
+
+def _plannable(q, validate, causal, return_lse, deterministic, window_size) -> bool:
+    """Whether a call's signature may select an eager plan (``fp8attn.plan``): a CUDA call without
+    ``validate=True`` whose flags are plain bools and whose window is a tuple (``1 == True`` and
+    ``[-1, -1] != (-1, -1)`` as keys, so other types take the checked path, which refuses or accepts them)."""
+    return (validate is False and type(q) is torch.Tensor and q.is_cuda and type(causal) is bool
+            and type(return_lse) is bool and type(deterministic) is bool and type(window_size) is tuple)
 
 
 def _check_fp8_backward(fp8_backward):
@@ -303,12 +311,30 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     lse : (batch, nheads_q, seqlen_q) float32 natural-log (only with return_attn_probs). Rows that see
         no key give out = 0 and lse = -inf.
     """
+    key = None
+    if _plannable(q, validate, causal, return_attn_probs, deterministic, window_size) and not attention_chunk \
+            and descale_block_size is None and qv is None:
+        key = ("dense", plan.tensor_sig(q), plan.tensor_sig(k), plan.tensor_sig(v), plan.tensor_sig(q_descale),
+               plan.tensor_sig(k_descale), plan.tensor_sig(v_descale), plan.tensor_sig(out), plan.tensor_sig(out_scale),
+               softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, deterministic, sm_margin,
+               return_attn_probs, out_dtype, fp8_backward, plan.env_sig(),
+               (type(softmax_scale), type(softcap), type(num_splits), type(pack_gqa), type(sm_margin)))
+        run = plan.lookup(key)
+        if run is not None and plan.eager_ok(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
+            return run(q, k, v, q_descale, k_descale, v_descale, out, out_scale)
     qd, kd, vd, attn = _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale,
                                        window_size, attention_chunk, softcap, num_splits, pack_gqa, deterministic,
                                        sm_margin, return_attn_probs, out, out_dtype, out_scale, descale_block_size,
                                        validate)
     _check_fp8_backward(fp8_backward)
     attn.update(fp8_backward=fp8_backward, deterministic=bool(deterministic))
+    if key is not None and plan.eager_ok(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
+        run = plan.dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, softmax_scale=attn["softmax_scale"],
+                                  causal=attn["causal"], window_size=attn["window_size"], softcap=attn["softcap"],
+                                  return_lse=bool(return_attn_probs))
+        if run is not None:
+            plan.store(key, run)
+            return run(q, k, v, q_descale, k_descale, v_descale, out, out_scale)
     sq, sk, chunk = q.shape[1], k.shape[1], attention_chunk
     # (a chunk that holds every key and query position changes nothing: keys 0..seqlen_k - 1, queries at or after 0)
     if chunk and sq and sk and ((sk - 1) // chunk > 0 or sq > sk):
