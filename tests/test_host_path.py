@@ -96,3 +96,39 @@ def test_eager_plan_not_taken_for_grad_or_other_signatures(monkeypatch):
     with pytest.raises(ValueError, match="q_descale"):
         fp8attn.flash_attn_func(q8, k8, v8, causal=True, q_descale=qd * float("nan"), k_descale=kd, v_descale=vd,
                                 validate=True)
+
+
+@pytest.mark.parametrize("q_fp8", [False, True])
+def test_eager_plan_paged_decode_equals_checked_path(q_fp8):
+    """A repeated eager decode over a paged FP8 cache (no append) runs its plan: the same bits as the
+    checked path, NaN-poisoned unused slots and non-unit scales included."""
+    import fp8attn
+    from fp8attn import plan
+    from fp8attn.paged import alloc_paged_cache, make_page_table
+
+    plan.clear()
+    b, hq, hk, d, ps, L = 4, 8, 2, 128, 16, 300
+    nb = 3 * b * ((L + ps - 1) // ps)
+    kc, vc = alloc_paged_cache(nb, ps, hk, d, device="cuda", poison_nan=True, v_seq_major=True)
+    pt = make_page_table([L] * b, ps, nb, generator=torch.Generator().manual_seed(1)).cuda()
+    seqlens = torch.tensor([L, 1, 257, 128], dtype=torch.int32, device="cuda")
+    desc = torch.rand(b, hk, device="cuda") * 0.1 + 0.01
+    fp8attn.write_kv_cache(torch.randn(b * L, hk, d, device="cuda"), torch.randn(b * L, hk, d, device="cuda"), kc, vc,
+                           (pt.long()[:, :, None] * ps + torch.arange(ps, device="cuda")).reshape(b, -1)[:, :L]
+                           .reshape(-1).masked_fill(torch.arange(L, device="cuda").repeat(b) >= seqlens.repeat_interleave(L), -1),
+                           k_descale=desc, v_descale=desc,
+                           token_seq_idx=torch.arange(b, device="cuda", dtype=torch.int32).repeat_interleave(L))
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    kw = dict(cache_seqlens=seqlens, page_table=pt, k_descale=desc, v_descale=desc)
+    if q_fp8:
+        qd = torch.rand(b, hk, device="cuda") * 0.05 + 0.01
+        q = (q.float() / 0.05).clamp(-448, 448).to(torch.float8_e4m3fn)
+        kw["q_descale"] = qd
+    ref, ref_lse = fp8attn.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, validate=True, **kw)
+    outs = [fp8attn.flash_attn_with_kvcache(q, kc, vc, **kw) for _ in range(3)]
+    o, lse = fp8attn.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **kw)
+    assert len(plan._PLANS) == 2
+    assert not torch.isnan(ref).any()
+    for x in (*outs, o):
+        assert torch.equal(x, ref)
+    assert torch.equal(lse, ref_lse)
