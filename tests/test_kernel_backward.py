@@ -16,6 +16,10 @@ The floor is 2e-3 of the oracle's largest magnitude (bf16 resolves 4e-3 relative
 """
 import math
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,6 +271,41 @@ def test_bad_mode():
 
 
 # ------------------------------------------------------------------------------------------------
+# sm90 compile on the CPU
+# ------------------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+H200_SMEM_PER_BLOCK = 232448
+
+
+def _ptxas_available() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is needed for the sm90 compile")
+def test_sm90_compile_default_configs():
+    """The default launch configurations of both main kernels compile for sm90 (d64 dequantized, d128 fp8
+    mode), run their products on wgmma (QGMMA in the SASS: the e4m3 operand layouts were accepted), fit
+    the H200's shared memory and barely spill (register-file overflow, which the interpreter cannot show)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_backward_sm90.py"), "--quick"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in r.stdout.splitlines() if " cfg=" in ln]
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert len(lines) == 4, r.stdout
+    for ln in lines:
+        vals = dict(re.findall(r"(\w+)=(\d+)", ln))
+        assert int(vals["QGMMA"]) > 0 and int(vals["wgmma"]) > 0, ln
+        assert int(vals["smem"]) <= H200_SMEM_PER_BLOCK, ln
+        # at most a few spilled words (d128 fp8 mode's dK/dV spills 8 bytes); a tile that outgrows the
+        # register file spills hundreds (the d256 dK/dV configurations: docs in kernels/backward.py)
+        assert int(re.search(r"STACK:(\d+)", ln).group(1)) <= 16, f"spills: {ln}"
+
+
+# ------------------------------------------------------------------------------------------------
 # GPU tests (H200)
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
@@ -300,33 +339,37 @@ def test_gpu_deterministic():
 
 
 def _make_gpu(b, sq, sk, hq, hk, d, dv):
-    desc = [(torch.rand(b, hk, device="cuda") * 1.5 + 0.5) for _ in range(3)]
+    desc = [(torch.rand(b, hk, device="cuda") + 0.5) for _ in range(3)]
     q = (torch.randn(b, sq, hq, d, device="cuda")).to(E4M3)
     k = (torch.randn(b, sk, hk, d, device="cuda")).to(E4M3)
-    v = (torch.randn(b, hk, dv, sk, device="cuda")).to(E4M3).permute(0, 3, 1, 2)  # sequence-major, as quantize_qkv
+    v = (torch.randn(b, hk, dv, sk, device="cuda") * 2).to(E4M3).permute(0, 3, 1, 2)  # sequence-major, as quantize_qkv
     do = torch.randn(b, sq, hq, dv, device="cuda", dtype=torch.bfloat16)
     return dict(q=q, k=k, v=v, do=do, desc=desc)
 
 
-def _gpu_ref(inp, causal, wl, wr, softcap, dtype):
+def _gpu_ref(inp, causal, wl, wr, softcap, mode):
+    """float32 autograd oracle (float64 einsums of 4k x 4k per head are slow) and the low-precision
+    emulation of ``mode`` (``_emul_seq``), per batch element; (out, lse, dq, dk, dv, lq, lk, lv), token-major."""
     q, k, v = inp["q"], inp["k"], inp["v"]
     g = q.shape[2] // k.shape[2]
-    qd = inp["desc"][0].repeat_interleave(g, 1)
-    deq = [q.to(dtype) * qd[:, None, :, None].to(dtype), k.to(dtype) * inp["desc"][1][:, None, :, None].to(dtype),
-           v.to(dtype) * inp["desc"][2][:, None, :, None].to(dtype)]
-    res = [[], [], [], [], []]
+    f = torch.float32
+    deq = [q.to(f) * inp["desc"][0].repeat_interleave(g, 1)[:, None, :, None], k.to(f) * inp["desc"][1][:, None, :, None],
+           v.to(f) * inp["desc"][2][:, None, :, None]]
+    res = [[] for _ in range(8)]
+    scale = q.shape[-1] ** -0.5
     for bi in range(q.shape[0]):
-        r = _grads_seq(*(x[bi].transpose(0, 1) for x in deq), inp["do"][bi].transpose(0, 1),
-                       q.shape[-1] ** -0.5, causal, wl, wr, softcap, dtype)
-        for lst, x in zip(res, r):
+        qh, kh, vh = (x[bi].transpose(0, 1) for x in deq)
+        do = inp["do"][bi].transpose(0, 1).to(f)
+        out, lse, dq, dk, dv = _grads_seq(qh, kh, vh, do, scale, causal, wl, wr, softcap, f)
+        low = _emul_seq(qh, kh, vh, do, out.to(torch.bfloat16).to(f), scale, causal, wl, wr, softcap, mode)
+        for lst, x in zip(res, (out, lse, dq, dk, dv, *low)):
             lst.append(x)
-    out, lse, dq, dk, dv = (torch.stack(x) for x in res)
-    return out.transpose(1, 2), lse, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return [torch.stack(x).transpose(1, 2) if i != 1 else torch.stack(x) for i, x in enumerate(res)]
 
 
 def _gpu_launch(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized", fwd=None):
     if fwd is None:
-        fwd = _gpu_ref(inp, causal, wl, wr, softcap, torch.float32)
+        fwd = _gpu_ref(inp, causal, wl, wr, softcap, mode)
     out, lse = fwd[0].to(torch.bfloat16).contiguous(), fwd[1].float().contiguous()
     grads = [torch.empty(x.shape, device="cuda", dtype=torch.float32) for x in (inp["q"], inp["k"], inp["v"])]
     launch_attention_bwd(inp["do"], inp["q"], inp["k"], inp["v"], out, lse, *grads, q_descale=inp["desc"][0],
@@ -336,17 +379,11 @@ def _gpu_launch(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantiz
 
 
 def _gpu_check(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized"):
-    # float32 autograd is the oracle at these sizes (float64 einsums of 4k x 4k x heads are slow); bf16
-    # autograd the low-precision reference; fp8 mode is held to 4x bf16's error (e4m3's 3-bit mantissa
-    # against bf16's 7, averaged over the contraction) and reported next to it
-    ref = _gpu_ref(inp, causal, wl, wr, softcap, torch.float32)
-    low = _gpu_ref(inp, causal, wl, wr, softcap, torch.bfloat16)
+    """The CPU tests' rule at real shapes: within 2x the emulated low-precision error of the mode + floor."""
+    ref = _gpu_ref(inp, causal, wl, wr, softcap, mode)
     got = _gpu_launch(inp, causal=causal, wl=wl, wr=wr, softcap=softcap, mode=mode, fwd=ref)
-    for name, x, r, lo in zip(("dq", "dk", "dv"), got, ref[2:], low[2:]):
+    for name, x, r, lo in zip(("dq", "dk", "dv"), got, ref[2:5], ref[5:8]):
         err = (x.double() - r.double()).abs().max().item()
-        low_err = (lo.double() - r.double()).abs().max().item()
-        factor = 2 if mode == "dequantized" else 8
-        bound = factor * low_err + 2e-3 * r.abs().max().item()
-        print(f"{name} mode={mode} err={err:.3e} bf16_err={low_err:.3e}")
-        assert not torch.isnan(x).any()
-        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
+        low = (lo.double() - r.double()).abs().max().item()
+        print(f"{name} mode={mode} err={err:.3e} emulated={low:.3e} max|ref|={r.abs().max().item():.3e}")
+        assert_close_fa3(x.float(), r, lo, floor=2e-3 * r.abs().max().item() + 1e-6, name=name)

@@ -56,7 +56,7 @@ import triton.language as tl
 from ..launch_rules import window_flags
 from .common import INTERPRET, LOG2E, causal_window_mask, cdiv, full_tile_range, kv_range, next_pow2, seq_bounds
 
-__all__ = ["launch_attention_bwd", "bwd_configs", "MODES"]
+__all__ = ["launch_attention_bwd", "bwd_configs", "table_configs", "MODES"]
 
 MODES = ("dequantized", "fp8")
 E4M3_MAX = tl.constexpr(448.0)
@@ -64,19 +64,26 @@ P_SCALE_FP8 = tl.constexpr(256.0)  # P in [0, 1] -> [0, 256] for the e4m3 cast (
 AMAX_FLOOR = tl.constexpr(1e-30)  # an all-zero dO/dS tile keeps a finite scale (zeros stay zeros)
 
 # ---------------------------------------------------------------------------------------------
-# Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class, the first the
-# untuned default. dK/dV holds two (BLOCK_N x d) fp32 accumulators plus the K and V tiles, so its key
-# block shrinks with d; dQ holds one (BLOCK_M x d) accumulator.
+# Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim class, fp8 mode), the first
+# the untuned default, chosen from sm90 AOT compiles (benchmarks/aot_backward_sm90.py: registers and
+# spills). dK/dV holds two (BLOCK_N x d) fp32 accumulators plus the K and V tiles (V upcast to 16 bits in
+# the dequantized mode), so its key block shrinks with d; at d256 every configuration spills. dQ holds one
+# (BLOCK_M x d) accumulator. FP8 wgmma needs its K dimension (BLOCK_M in P^T dO and dS^T Q, BLOCK_N in
+# dS K) a multiple of 32, and an M of 64 per warpgroup (BLOCK_N for dK/dV).
 # ---------------------------------------------------------------------------------------------
 _CFGS_DKDV = {
-    64: [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)],
-    128: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2)],
-    256: [(64, 64, 8, 1), (32, 64, 8, 2), (64, 32, 4, 2)],
+    (64, False): [(64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3)],
+    (64, True): [(64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3)],
+    (128, False): [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
+    (128, True): [(64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2)],
+    (256, False): [(32, 64, 8, 1), (64, 64, 8, 1)],
+    (256, True): [(32, 64, 8, 1), (64, 64, 8, 1)],
 }
 _CFGS_DQ = {
-    64: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
-    128: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)],
-    256: [(64, 64, 8, 1), (64, 32, 4, 2), (128, 32, 8, 1)],
+    (dcls, fp8): cfgs for fp8 in (False, True) for dcls, cfgs in (
+        (64, [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]),
+        (128, [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)]),
+        (256, [(64, 32, 4, 2), (64, 64, 8, 1), (64, 64, 8, 2)]))
 }
 _INTERPRET_CFG = (16, 16, 4, 1)
 PRE_BLOCK_M = 64
@@ -93,7 +100,7 @@ def _cfg(bm, bn, w, s):
 
 
 def bwd_configs(table):
-    """Autotune search space of one kernel (union over head-dim classes; pruned per launch)."""
+    """Autotune search space of one kernel (union over the table; pruned per launch)."""
     if INTERPRET:
         return [_cfg(*_INTERPRET_CFG)]
     seen = []
@@ -102,11 +109,16 @@ def bwd_configs(table):
     return [_cfg(*c) for c in seen]
 
 
+def table_configs(table, block_d, block_dv, mode_fp8):
+    """The configurations of one launch class, default first."""
+    return table[(_dclass(block_d, block_dv), bool(mode_fp8))]
+
+
 def _pruner(table):
     def prune(configs, named_args, **kwargs):
         if INTERPRET:
             return configs[:1]
-        want = table[_dclass(kwargs["BLOCK_D"], kwargs["BLOCK_DV"])]
+        want = table_configs(table, kwargs["BLOCK_D"], kwargs["BLOCK_DV"], kwargs["MODE_FP8"])
         out = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in want]
         return out or configs[:1]
     return prune
@@ -525,11 +537,11 @@ def _bucket(n: int) -> int:
 def _launch(plain, tuned, table, grid, args, kwargs):
     """One main-kernel launch: autotuned when eager on a GPU; the cached best or default config during
     CUDA-graph capture, under the interpreter and with FP8ATTN_NO_AUTOTUNE=1."""
-    dcls = _dclass(kwargs["BLOCK_D"], kwargs["BLOCK_DV"])
     key = (id(table),) + tuple(kwargs[k] for k in _AUTOTUNE_KEY if k in kwargs) + (args[-1],)
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if INTERPRET or capturing or os.environ.get("FP8ATTN_NO_AUTOTUNE", "0") == "1":
-        cfg = _INTERPRET_CFG if INTERPRET else _TUNED.get(key, table[dcls][0])
+        cfg = _INTERPRET_CFG if INTERPRET else _TUNED.get(
+            key, table_configs(table, kwargs["BLOCK_D"], kwargs["BLOCK_DV"], kwargs["MODE_FP8"])[0])
         bm, bn, w, st = cfg
         plain[grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
         return
