@@ -85,7 +85,7 @@ CASES = [
     {"name": "e4m3 d128 varlen causal fp8", "s": 1024, "d": 128, "causal": True, "mode": "fp8", "varlen": True},
 ]
 
-# compiled by tests/test_kernel_backward.py (one case per mode; the default configurations)
+# compiled by tests/test_sm90_compile.py (one case per mode; the default configurations)
 QUICK = [c for c in CASES if c["name"] in ("e4m3 d64 causal deq", "e4m3 d128 noncausal fp8")]
 
 
