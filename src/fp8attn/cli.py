@@ -19,6 +19,9 @@ BENCH_ROUTINES = {
     "mixed": ("fp8attn.bench.paged", "run_mixed"),
     "output-quant": ("fp8attn.bench.output_quant", "run"),
     "engine": ("fp8attn.engine.bench", "run"),
+    "host": ("fp8attn.bench.host", "run"),
+    "cp": ("fp8attn.bench.cp", "run"),
+    "cp-simulate": ("fp8attn.bench.cp", "run_simulate"),
 }
 
 
