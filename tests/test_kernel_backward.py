@@ -28,6 +28,7 @@ from fp8attn.kernels.backward import launch_attention_bwd  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU_DEV = "cuda"  # the gpu tests' device (their helpers also run on the CPU at toy shapes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -87,6 +88,7 @@ def _round_fp8_p(p):
 def _emul_seq(q, k, v, do, out_lp, scale, causal, wl, wr, softcap, mode):
     """Float64 backward of one sequence with the kernel's low-precision steps: mode "dequantized" rounds P
     and dS to bf16 (dO is bf16 already); mode "fp8" rounds dO, P * 2**8 and dS to e4m3 (per-head scales)."""
+    q, k, v, do, out_lp = (x.double() for x in (q, k, v, do, out_lp))
     g = q.shape[0] // k.shape[0]
     _, _, p, t = _attn_seq(q, k, v, scale, causal, wl, wr, softcap)
     ke, ve = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
@@ -301,11 +303,11 @@ def test_gpu_deterministic():
 
 
 def _make_gpu(b, sq, sk, hq, hk, d, dv):
-    desc = [(torch.rand(b, hk, device="cuda") + 0.5) for _ in range(3)]
-    q = (torch.randn(b, sq, hq, d, device="cuda")).to(E4M3)
-    k = (torch.randn(b, sk, hk, d, device="cuda")).to(E4M3)
-    v = (torch.randn(b, hk, dv, sk, device="cuda") * 2).to(E4M3).permute(0, 3, 1, 2)  # sequence-major, as quantize_qkv
-    do = torch.randn(b, sq, hq, dv, device="cuda", dtype=torch.bfloat16)
+    desc = [(torch.rand(b, hk, device=GPU_DEV) + 0.5) for _ in range(3)]
+    q = (torch.randn(b, sq, hq, d, device=GPU_DEV)).to(E4M3)
+    k = (torch.randn(b, sk, hk, d, device=GPU_DEV)).to(E4M3)
+    v = (torch.randn(b, hk, dv, sk, device=GPU_DEV) * 2).to(E4M3).permute(0, 3, 1, 2)  # sequence-major, as quantize_qkv
+    do = torch.randn(b, sq, hq, dv, device=GPU_DEV, dtype=torch.bfloat16)
     return dict(q=q, k=k, v=v, do=do, desc=desc)
 
 
@@ -333,7 +335,7 @@ def _gpu_launch(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantiz
     if fwd is None:
         fwd = _gpu_ref(inp, causal, wl, wr, softcap, mode)
     out, lse = fwd[0].to(torch.bfloat16).contiguous(), fwd[1].float().contiguous()
-    grads = [torch.empty(x.shape, device="cuda", dtype=torch.float32) for x in (inp["q"], inp["k"], inp["v"])]
+    grads = [torch.empty(x.shape, device=GPU_DEV, dtype=torch.float32) for x in (inp["q"], inp["k"], inp["v"])]
     launch_attention_bwd(inp["do"], inp["q"], inp["k"], inp["v"], out, lse, *grads, q_descale=inp["desc"][0],
                          k_descale=inp["desc"][1], v_descale=inp["desc"][2], softmax_scale=inp["q"].shape[-1] ** -0.5,
                          causal=causal, window_left=wl, window_right=wr, softcap=softcap, mode=mode)
