@@ -59,7 +59,7 @@ def capture(case):
     finally:
         for n in names:
             setattr(B, n, real[n])
-    return [(real[n], caps[n].calls[0]) for n in names[1:]]
+    return [(real[n], call) for n in names[1:] for call in caps[n].calls]
 
 
 def compile_one(fn, args, kwargs):
@@ -98,7 +98,8 @@ def main():
             cfgs = B.table_configs(table, kwargs["BLOCK_D"], kwargs["BLOCK_DV"], kwargs["MODE_FP8"])
             for bm, bn, w, st in (cfgs if every else cfgs[:1]):
                 kw = dict(kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
-                label = f"{case['name']} {fn.__name__[5:]}"
+                part = {(True, False): " dk", (False, True): " dv"}.get((kwargs.get("DO_DK"), kwargs.get("DO_DV")), "")
+                label = f"{case['name']} {fn.__name__[5:]}{part}"
                 try:
                     row = compile_one(fn, args, kw)
                 except Exception as e:  # noqa: BLE001  (reported, counted, the script exits non-zero)

@@ -317,7 +317,8 @@ def _gpu_ref(inp, causal, wl, wr, softcap, mode):
     q, k, v = inp["q"], inp["k"], inp["v"]
     g = q.shape[2] // k.shape[2]
     f = torch.float32
-    deq = [q.to(f) * inp["desc"][0].repeat_interleave(g, 1)[:, None, :, None], k.to(f) * inp["desc"][1][:, None, :, None],
+    deq = [q.to(f) * inp["desc"][0].repeat_interleave(g, 1)[:, None, :, None],
+           k.to(f) * inp["desc"][1][:, None, :, None],
            v.to(f) * inp["desc"][2][:, None, :, None]]
     res = [[] for _ in range(8)]
     scale = q.shape[-1] ** -0.5

@@ -6,7 +6,8 @@ Three kernels, no atomics, so every rerun is bit-identical (``deterministic`` ne
    the log2 domain (``lse * log2(e)``; ``+inf`` for a row that saw no key, so ``exp2(s - lse2) = 0``
    there and the row contributes nothing), into one fp32 workspace.
 2. ``_bwd_dkdv_kernel``: one program per (key block, batch, kv head); it loops over the query heads of
-   the group and their query blocks, so dK/dV are summed over the group in registers.
+   the group and their query blocks, so dK/dV are summed over the group in registers. At head dim 256
+   (and 192) it runs twice, once per gradient, as both fp32 accumulators do not fit in registers.
 3. ``_bwd_dq_kernel``: one program per (query block, batch, query head), looping over key blocks.
 
 Both main kernels recompute ``P = exp2(s * scale * log2(e) - lse2)`` from Q, K and the saved LSE.
@@ -67,7 +68,9 @@ AMAX_FLOOR = tl.constexpr(1e-30)  # an all-zero dO/dS tile keeps a finite scale 
 # Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim class, fp8 mode), the first
 # the untuned default, chosen from sm90 AOT compiles (benchmarks/aot_backward_sm90.py: registers and
 # spills). dK/dV holds two (BLOCK_N x d) fp32 accumulators plus the K and V tiles (V upcast to 16 bits in
-# the dequantized mode), so its key block shrinks with d; at d256 every configuration spills. dQ holds one
+# the dequantized mode), so its key block shrinks with d; at d256 both together spilled hundreds of words in
+# every configuration, so there it runs once per gradient: the dV part and the fp8-mode dK part at
+# (32, 64, 8, 1) do not spill, the dequantized dK part still does (its 16-bit V and Q operands). dQ holds one
 # (BLOCK_M x d) accumulator. FP8 wgmma needs its K dimension (BLOCK_M in P^T dO and dS^T Q, BLOCK_N in
 # dS K) a multiple of 32, and an M of 64 per warpgroup (BLOCK_N for dK/dV).
 # ---------------------------------------------------------------------------------------------
@@ -76,8 +79,8 @@ _CFGS_DKDV = {
     (64, True): [(64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3)],
     (128, False): [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
     (128, True): [(64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2)],
-    (256, False): [(32, 64, 8, 1), (64, 64, 8, 1)],
-    (256, True): [(32, 64, 8, 1), (64, 64, 8, 1)],
+    (256, False): [(32, 64, 8, 1), (64, 64, 8, 2)],
+    (256, True): [(32, 64, 8, 1), (64, 64, 8, 2)],
 }
 _CFGS_DQ = {
     (dcls, fp8): cfgs for fp8 in (False, True) for dcls, cfgs in (
@@ -125,7 +128,7 @@ def _pruner(table):
 
 
 _AUTOTUNE_KEY = ["BLOCK_D", "BLOCK_DV", "IS_FP8", "MODE_FP8", "CAUSAL", "HAS_WINDOW", "SOFTCAP", "IS_VARLEN",
-                 "seqlen_bucket"]
+                 "DO_DK", "DO_DV", "seqlen_bucket"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +287,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, w_base, ws_lse_off, stride_qm, st
                 qk_scale, vd, softcap, window_left, window_right,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                 IS_FP8: tl.constexpr, MODE_FP8: tl.constexpr, DS_DTYPE: tl.constexpr,
-                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                DO_DK: tl.constexpr, DO_DV: tl.constexpr):
     """Accumulate one query head's query blocks [lo, hi) into dk, dv ((BLOCK_N, d) fp32, unscaled:
     dk needs ``softmax_scale * qd`` after the loops). MASKED adds the row-bound loads and logit masks."""
     for start_m in range(lo, hi, BLOCK_M):
@@ -308,27 +312,32 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, w_base, ws_lse_off, stride_qm, st
         if MODE_FP8:
             do_inv = _tile_inv_scale(do.to(tl.float32))
             do8 = _to_e4m3(do.to(tl.float32), do_inv)
-            # dV += P^T dO (contraction over queries: the compiler stores do8 K-major in shared memory)
-            dv += tl.dot((pT * P_SCALE_FP8).to(tl.float8e4nv), do8) * (1.0 / (P_SCALE_FP8 * do_inv))
-            if IS_FP8:
-                dpT = tl.dot(v, tl.trans(do8)) * (vd / do_inv)
+        if DO_DV:
+            if MODE_FP8:
+                # dV += P^T dO (contraction over queries: the compiler stores do8 K-major in shared memory)
+                dv += tl.dot((pT * P_SCALE_FP8).to(tl.float8e4nv), do8) * (1.0 / (P_SCALE_FP8 * do_inv))
             else:
-                dpT = tl.dot(v, tl.trans(do8.to(v.dtype))) * (vd / do_inv)
-        else:
-            dv = tl.dot(pT.to(do.dtype), do, dv)
-            dpT = tl.dot(v.to(do.dtype), tl.trans(do)) * vd
-        dsT = pT * (dpT - delta[None, :])
-        if SOFTCAP:
-            dsT = dsT * (1.0 - t * t)
-        if MODE_FP8:
-            ds_inv = _tile_inv_scale(dsT)
-            ds8 = _to_e4m3(dsT, ds_inv)
-            if IS_FP8:
-                dk += tl.dot(ds8, q) * (1.0 / ds_inv)
+                dv = tl.dot(pT.to(do.dtype), do, dv)
+        if DO_DK:
+            if MODE_FP8:
+                if IS_FP8:
+                    dpT = tl.dot(v, tl.trans(do8)) * (vd / do_inv)
+                else:
+                    dpT = tl.dot(v, tl.trans(do8.to(v.dtype))) * (vd / do_inv)
             else:
-                dk += tl.dot(ds8.to(q.dtype), q) * (1.0 / ds_inv)
-        else:
-            dk = tl.dot(dsT.to(DS_DTYPE), q.to(DS_DTYPE), dk)
+                dpT = tl.dot(v.to(do.dtype), tl.trans(do)) * vd
+            dsT = pT * (dpT - delta[None, :])
+            if SOFTCAP:
+                dsT = dsT * (1.0 - t * t)
+            if MODE_FP8:
+                ds_inv = _tile_inv_scale(dsT)
+                ds8 = _to_e4m3(dsT, ds_inv)
+                if IS_FP8:
+                    dk += tl.dot(ds8, q) * (1.0 / ds_inv)
+                else:
+                    dk += tl.dot(ds8.to(q.dtype), q) * (1.0 / ds_inv)
+            else:
+                dk = tl.dot(dsT.to(DS_DTYPE), q.to(DS_DTYPE), dk)
     return dk, dv
 
 
@@ -348,7 +357,7 @@ def _bwd_dkdv_kernel(
     IS_FP8: tl.constexpr, MODE_FP8: tl.constexpr, IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DS_DTYPE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DO_DK: tl.constexpr, DO_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
@@ -391,12 +400,17 @@ def _bwd_dkdv_kernel(
                 lo if run == 0 else full_lo if run == 1 else full_hi,
                 full_lo if run == 0 else full_hi if run == 1 else hi,
                 seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, vd, softcap, window_left, window_right,
-                run != 1, CAUSAL, HAS_WINDOW, SOFTCAP, IS_FP8, MODE_FP8, DS_DTYPE, EVEN_D, EVEN_DV, BLOCK_M)
-    dk = dk * (softmax_scale * qd)
-    tl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + tok_k[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=n_ok[:, None] & d_ok)
-    tl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + tok_k[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & dv_ok)
+                run != 1, CAUSAL, HAS_WINDOW, SOFTCAP, IS_FP8, MODE_FP8, DS_DTYPE, EVEN_D, EVEN_DV, BLOCK_M,
+                DO_DK, DO_DV)
+    if DO_DK:
+        dk = dk * (softmax_scale * qd)
+        tl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + tok_k[:, None] * stride_dkn
+                 + offs_d[None, :] * stride_dkd,
+                 dk.to(DK.dtype.element_ty), mask=n_ok[:, None] & d_ok)
+    if DO_DV:
+        tl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + tok_k[:, None] * stride_dvn
+                 + offs_dv[None, :] * stride_dvd,
+                 dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & dv_ok)
 
 
 @triton.jit
@@ -462,6 +476,8 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks see the most keys: start them first (less tail at the end)
+        pid_m = tl.num_programs(0) - 1 - pid_m
     b = tl.program_id(1)
     hq = tl.program_id(2)
     q_start, k_start, seqlen_q, seqlen_k = seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q_static,
@@ -601,9 +617,10 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
 
     Notes
     -----
-    Three launches (preprocess, dK/dV, dQ). The main kernels autotune per (head dims, dtype, mode,
-    masks, varlen, seqlen bucket) on the first eager call; during CUDA-graph capture they use the config
-    an eager call picked, else the table's default (``FP8ATTN_NO_AUTOTUNE=1``: always the default).
+    Three launches (preprocess, dK/dV, dQ; four at head dim 192/256, one per gradient for dK and dV).
+    The main kernels autotune per (head dims, dtype, mode, masks, varlen, seqlen bucket) on the first eager
+    call; during CUDA-graph capture they use the config an eager call picked, else the table's default
+    (``FP8ATTN_NO_AUTOTUNE=1``: always the default).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}; pass 'dequantized' or 'fp8'")
@@ -655,8 +672,13 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
 
     args = (q, k, v, do, ws, dk, dv, *descs, cu_q, cu_k, *common_in, *_strides4(dk, varlen), *_strides4(dv, varlen),
             *ds_strides, *tail)
-    _launch(_bwd_dkdv_kernel, _dkdv_tuned, _CFGS_DKDV,
-            lambda meta: (cdiv(sk, meta["BLOCK_N"]), batch, nheads_k), args, kwargs)
+    # At d256 the dK and dV accumulators together outgrow the register file (hundreds of spilled words in
+    # every configuration): one launch per gradient there, each recomputing P (five GEMMs instead of four).
+    split = _dclass(block_d, block_dv) == 256
+    for do_dk, do_dv in ((True, False), (False, True)) if split else ((True, True),):
+        _launch(_bwd_dkdv_kernel, _dkdv_tuned, _CFGS_DKDV,
+                lambda meta: (cdiv(sk, meta["BLOCK_N"]), batch, nheads_k), args,
+                dict(kwargs, DO_DK=do_dk, DO_DV=do_dv))
     args = (q, k, v, do, ws, dq, *descs, cu_q, cu_k, *common_in, *_strides4(dq, varlen), *ds_strides, *tail)
     _launch(_bwd_dq_kernel, _dq_tuned, _CFGS_DQ,
             lambda meta: (cdiv(sq, meta["BLOCK_M"]), batch, nheads_q), args, kwargs)
