@@ -24,7 +24,10 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 from conftest import assert_close_fa3  # noqa: E402
 
-from fp8attn.kernels.backward import launch_attention_bwd  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fp8attn.kernels.backward import _tile_inv_scale, _to_e4m3, launch_attention_bwd  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -174,20 +177,19 @@ def _references(inp, scale, causal, wl, wr, softcap, mode):
     return cat
 
 
-def _run_and_check(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized", grad_dtype=torch.float32,
-                   rerun=False):
+def _kernel_args(inp, ref, *, causal, wl, wr, softcap, mode, grad_dtype, lse_shift=0.0):
+    """(views, grads, kwargs) of ``launch_attention_bwd`` for ``inp`` with the forward's out/lse from ``ref``
+    (``lse_shift`` added to the LSE); grads NaN-filled."""
     d, dv_dim = inp["q"].shape[-1], inp["v"].shape[-1]
-    scale = d ** -0.5
-    ref = _references(inp, scale, causal, wl, wr, softcap, mode)
     b, hq, hk = len(inp["seqs_q"]), inp["hq"], inp["hk"]
-    nq, nk = sum(inp["seqs_q"]), sum(inp["seqs_k"])
-    tq, tk = inp["q"].shape[0], inp["k"].shape[0]
+    nq = sum(inp["seqs_q"])
+    tq = inp["q"].shape[0]
     out = torch.full((tq, hq, dv_dim), float("nan"), dtype=torch.bfloat16)
     out[:nq] = ref["out"].to(torch.bfloat16)
     lse = torch.full((hq, tq), float("nan"))
-    lse[:, :nq] = ref["lse"]
+    lse[:, :nq] = ref["lse"] + lse_shift
     q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
-    kw = dict(q_descale=inp["desc"][0], k_descale=inp["desc"][1], v_descale=inp["desc"][2], softmax_scale=scale,
+    kw = dict(q_descale=inp["desc"][0], k_descale=inp["desc"][1], v_descale=inp["desc"][2], softmax_scale=d ** -0.5,
               causal=causal, window_left=wl, window_right=wr, softcap=softcap, mode=mode)
     if inp["varlen"]:
         kw.update(cu_seqlens_q=inp["cu_q"], cu_seqlens_k=inp["cu_k"], max_seqlen_q=max(inp["seqs_q"]),
@@ -200,6 +202,15 @@ def _run_and_check(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequan
     views = tuple(x.to(DEV) for x in views)
     kw = {n: (x.to(DEV) if torch.is_tensor(x) else x) for n, x in kw.items()}
     grads = [torch.full(x.shape, float("nan"), dtype=grad_dtype, device=DEV) for x in views[1:4]]
+    return views, grads, kw
+
+
+def _run_and_check(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized", grad_dtype=torch.float32,
+                   rerun=False):
+    ref = _references(inp, inp["q"].shape[-1] ** -0.5, causal, wl, wr, softcap, mode)
+    nq, nk = sum(inp["seqs_q"]), sum(inp["seqs_k"])
+    views, grads, kw = _kernel_args(inp, ref, causal=causal, wl=wl, wr=wr, softcap=softcap, mode=mode,
+                                    grad_dtype=grad_dtype)
     launch_attention_bwd(*views, *grads, **kw)
     dq, dk, dv = (g.reshape(-1, *g.shape[-2:]).cpu() for g in grads)
     if inp["varlen"]:
@@ -267,6 +278,90 @@ def test_bad_mode():
     inp = _make([16], [16], 1, 1, 64, 64)
     with pytest.raises(ValueError, match="mode"):
         _run_and_check(inp, mode="e5m2")
+
+
+@triton.jit
+def _e4m3_probe(X, Y, S, SCALE: tl.constexpr, AMAX: tl.constexpr):
+    """Y = the bits of the backward's e4m3 cast of a 4 x 4 tile X (scale: the tile's amax scale or SCALE),
+    S = the scale."""
+    i = tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    x = tl.load(X + i)
+    if AMAX:
+        inv = _tile_inv_scale(x)
+    else:
+        inv = tl.full((), SCALE, tl.float32)
+    tl.store(Y + i, _to_e4m3(x, inv).to(tl.int8, bitcast=True))  # bits: the interpreter reads 0x7F as 480
+    tl.store(S, inv)
+
+
+@pytest.fixture
+def strict_e4m3_cast(monkeypatch):
+    """The interpreter's float -> e4m3 conversion made non-saturating: a value past 448 becomes NaN. The
+    kernels must clamp every e4m3 operand themselves (DESIGN's saturating-casts rule); with the
+    interpreter's default (saturating) conversion a cast that skips the clamp cannot be told apart."""
+    import numpy as np
+    from triton.runtime import interpreter as ti
+
+    saturating = ti.InterpreterBuilder.create_fp_to_fp
+
+    def strict(self, src, dst_type, rounding_mode):
+        out = saturating(self, src, dst_type, rounding_mode)
+        if dst_type.scalar == tl.float8e4nv:
+            past = np.abs(np.asarray(src.data, dtype=np.float32)) > 448.0
+            out.data[past] = 0x7F  # e4m3fn NaN
+        return out
+
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_fp_to_fp", strict)
+    return saturating  # to restore the saturating conversion inside a test
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="patches the interpreter's e4m3 cast")
+def test_e4m3_helpers_saturate_and_keep_zero_tiles_finite(strict_e4m3_cast):
+    def probe(x, scale=1.0, amax=True):
+        y, s = torch.empty(16, dtype=torch.int8), torch.empty(1)
+        _e4m3_probe[(1,)](x, y, s, SCALE=scale, AMAX=amax)
+        return y.view(E4M3).float(), s.item()
+
+    # values at, just past and far past 448, at a fixed scale (P * 2**8 of a P above 1.75)
+    x = torch.tensor([448.0, 448.5, 463.0, 464.0, 1e6, 3.0e38, -449.0, -1e9] + [0.0] * 8)
+    y, _ = probe(x, amax=False)
+    assert torch.equal(y[:8], torch.tensor([448.0] * 6 + [-448.0] * 2)), y
+    # a NaN stays NaN (no clamp turns it into a finite -448)
+    y, _ = probe(torch.tensor([float("nan"), 1.0] + [0.0] * 14), amax=False)
+    assert y[0].isnan() and y[1] == 1.0, y
+    y, _ = probe(torch.tensor([1.0] * 8 + [2.0] * 8), scale=256.0, amax=False)
+    assert (y == 256.0).sum() == 8 and (y == 448.0).sum() == 8, y
+    # an amax scale may round the largest element just past 448; an all-zero tile keeps a finite scale
+    x = torch.randn(16) * 1e-3
+    y, s = probe(x)
+    assert torch.isfinite(y).all() and y.abs().max() == 448.0 and math.isfinite(s), (y, s)
+    y, s = probe(torch.zeros(16))
+    assert torch.equal(y, torch.zeros(16)) and 0.0 < s < float("inf") and math.isfinite(1.0 / s), s
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="patches the interpreter's e4m3 cast")
+def test_fp8_mode_p_past_one_stays_finite(strict_e4m3_cast):
+    # P recomputed from a saved LSE below the recomputed logits' logsumexp exceeds 1 (a forward whose
+    # logits or LSE differ from the backward's); here by e**4, so P * 2**8 reaches past 448 (every row's
+    # largest P is at least 1 / seqlen_k). Every e4m3 operand must be clamped by the kernel: with the
+    # non-saturating cast a missed clamp gives NaN bytes (0x7F) and gradients that differ from the
+    # saturating cast's bits, which a clamped kernel reproduces exactly.
+    inp = _make([20], [20], 2, 1, 64, 64)
+    ref = _references(inp, 64 ** -0.5, False, -1, -1, 0.0, "fp8")
+    shift = -4.0
+    assert math.exp(-shift) / 20 * 256 > 464  # past 448 after rounding too
+    views, grads, kw = _kernel_args(inp, ref, causal=False, wl=-1, wr=-1, softcap=0.0, mode="fp8",
+                                    grad_dtype=torch.float32, lse_shift=shift)
+    launch_attention_bwd(*views, *grads, **kw)
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert torch.isfinite(g).all(), f"{name}: NaN/inf with P * 2**8 past 448"
+    sat = [torch.empty_like(g) for g in grads]
+    from triton.runtime import interpreter as ti
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ti.InterpreterBuilder, "create_fp_to_fp", strict_e4m3_cast)
+        launch_attention_bwd(*views, *sat, **kw)
+    for name, g, s in zip(("dq", "dk", "dv"), grads, sat):
+        assert torch.equal(g, s), f"{name}: differs between the strict and the saturating e4m3 cast"
 
 
 # ------------------------------------------------------------------------------------------------

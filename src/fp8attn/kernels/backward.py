@@ -27,7 +27,10 @@ Modes (``mode``):
 * ``"fp8"``: dO, P and dS are scaled into e4m3 for the four backward GEMMs, with one scale per tile:
   dO per (query block, head) tile, ``448 / amax``; P (in [0, 1]) times ``2**8``, as the forward does,
   so it spans e4m3's normal range down to 2**-6 * 2**-8; dS per (query block x key block) tile,
-  ``448 / amax`` (an all-zero tile keeps a finite scale: the amax is floored at 1e-30). Each tile
+  ``448 / amax`` (an all-zero tile keeps a finite scale: the amax is floored at 1e-30). All three are
+  clamped to +-448 before the cast (``_to_e4m3``): P recomputed from the saved LSE is not bounded by 1
+  when the forward's logits or LSE differ from the recomputed ones, and an amax scale can round the
+  largest element just past 448. Each tile
   product is a fresh dot multiplied by its scalar scales and added to the fp32 accumulator (two-level
   accumulation: Hopper's reduced-precision FP8 accumulator never spans more than one tile). With
   16-bit Q/K/V (no e4m3 x bf16 MMA) the e4m3 dO/dS are upcast to multiply the 16-bit operands, which
@@ -184,10 +187,14 @@ def _logits(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _to_e4m3(x, inv_scale):
-    """Saturating cast of ``x * inv_scale`` to e4m3 (the GPU's cvt saturates too; the clamp keeps the
-    interpreter equal)."""
+    """Saturating cast of ``x * inv_scale`` to e4m3: every e4m3 operand of the backward goes through here
+    (DESIGN's saturating-casts rule), so no cast relies on how a backend's conversion treats values
+    past 448 (sm90's cvt saturates, a non-saturating conversion gives NaN). NaN stays NaN: the default
+    min/max compile to PTX's NaN-dropping ``min.f32``/``max.f32``, which would turn a NaN into -448
+    on the GPU only (a bogus finite gradient where the interpreter shows NaN)."""
     y = x * inv_scale
-    return tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX).to(tl.float8e4nv)
+    y = tl.maximum(y, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(y, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -315,7 +322,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, w_base, ws_lse_off, stride_qm, st
         if DO_DV:
             if MODE_FP8:
                 # dV += P^T dO (contraction over queries: the compiler stores do8 K-major in shared memory)
-                dv += tl.dot((pT * P_SCALE_FP8).to(tl.float8e4nv), do8) * (1.0 / (P_SCALE_FP8 * do_inv))
+                # P recomputed from the saved LSE exceeds 1 where the forward's logits or LSE differ
+                # from these (another kernel, rounding), so P * 2**8 is clamped like every e4m3 operand
+                dv += tl.dot(_to_e4m3(pT, P_SCALE_FP8), do8) * (1.0 / (P_SCALE_FP8 * do_inv))
             else:
                 dv = tl.dot(pT.to(do.dtype), do, dv)
         if DO_DK:
