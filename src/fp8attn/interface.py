@@ -23,7 +23,7 @@ import torch
 
 from . import _checks as C
 from . import ops
-from .paged import packed_token_seqs, slot_mapping_for
+from .paged import token_rows as _token_rows
 from .quant import expand_descale, is_fp8
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
@@ -388,16 +388,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (o, lse) if return_attn_probs else o
 
 
-def _token_rows(device, batch, seqlen=None, cu_seqlens=None, total=None):
-    """(batch row, index within the row) of every token of a padded (batch, seqlen) or packed (cu_seqlens)
-    layout, as int64 tensors in token order (no host sync)."""
-    if cu_seqlens is None:
-        return (torch.arange(batch, device=device).repeat_interleave(seqlen),
-                torch.arange(seqlen, device=device).repeat(batch))
-    seq, tok = packed_token_seqs(cu_seqlens, total)
-    return seq, tok - cu_seqlens.long()[seq]
-
-
 def _check_chunked_cache_call(chunk, cache_leftpad, page_size, causal, max_q):
     """What ``_chunked_cache_call`` cannot run (``page_size``: 1 for a contiguous cache, read as one-token pages)."""
     if cache_leftpad is not None:
@@ -504,17 +494,6 @@ def _leftpad_view(k_cache, v_cache, rows, cache_seqlens, cache_leftpad, batch, v
     pos = torch.arange(seqlen, device=cache_leftpad.device, dtype=torch.int64)[None, :] + cache_leftpad.long()[:, None]
     page_table = (rows[:, :1].long() * seqlen + pos.clamp_max(seqlen - 1)).to(torch.int32)
     return views[0], views[1], page_table, cache_seqlens - cache_leftpad
-
-
-def _new_token_slots(page_table, cache_seqlens, ps, batch, seqlen_new=None, cu_seqlens_k_new=None, total_new=None):
-    """Slot ids, batch rows and positions among the new tokens, for tokens appended after ``cache_seqlens``."""
-    seq, pos_in_new = _token_rows(page_table.device, batch, seqlen_new, cu_seqlens_k_new, total_new)
-    if cu_seqlens_k_new is None:
-        new_len = torch.full((batch,), seqlen_new, dtype=torch.int32, device=page_table.device)
-    else:
-        new_len = (cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]).to(torch.int32)
-    slots = slot_mapping_for(page_table, ps, seq, cache_seqlens.long()[seq] + pos_in_new)
-    return slots, seq.to(torch.int32), pos_in_new, new_len
 
 
 def _rotate(q, kn, cos, sin, rotary_seqlens, interleaved, cache_seqlens, seq_idx, pos_in_new, cu_seqlens_q,
@@ -719,15 +698,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         if cu_seqlens_k_new is not None:
             C.check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, batch=batch, validate=validate,
                                total=k.shape[0], total_name="k")
-            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch,
-                                                                   cu_seqlens_k_new=cu_seqlens_k_new,
-                                                       total_new=k.shape[0])
-            kn, vn = k, v
-        else:
-            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch,
-                                                                   seqlen_new=k.shape[1])
-            kn, vn = k.reshape(-1, hk, k.shape[-1]), v.reshape(-1, hk, v.shape[-1])
-        total_len = cache_seqlens + new_len
+        kn, vn = k, v
+        # the append computes the lengths after it on the device; the value checks below need them first
+        if value_checks:
+            total_len = cache_seqlens + (k.shape[1] if cu_seqlens_k_new is None else
+                                         (cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]).to(torch.int32))
     else:
         total_len = cache_seqlens
     if value_checks and total_len.numel() and cache_leftpad is not None and \
@@ -749,16 +724,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     ws = _check_split_workspace(split_workspace, num_splits, chunk, q, q.shape[-2], v_cache.shape[-1])
     qd, kd, vd = _descales(q_descale, k_descale, v_descale, batch, hk, dev, validate)
     if rotary_cos is not None or rotary_sin is not None:
-        q, kn = _rotate(q, kn if k is not None else None, rotary_cos, rotary_sin, rotary_seqlens, rotary_interleaved,
-                        rotary_base, seq_idx if k is not None else None, pos_in_new if k is not None else None,
-                        cu_seqlens_q, batch, causal or tuple(window_size) != (-1, -1), validate)
+        seq_idx, pos_in_new = (_token_rows(dev, batch, k.shape[1] if cu_seqlens_k_new is None else None,
+                                           cu_seqlens_k_new, k.shape[0]) if k is not None else (None, None))
+        k3 = kn.reshape(-1, hk, kn.shape[-1]) if k is not None else None
+        q, kn = _rotate(q, k3, rotary_cos, rotary_sin, rotary_seqlens, rotary_interleaved, rotary_base, seq_idx,
+                        pos_in_new, cu_seqlens_q, batch, causal or tuple(window_size) != (-1, -1), validate)
+        kn = kn.reshape(k.shape) if k is not None else None
     elif rotary_seqlens is not None:
         raise ValueError("rotary_seqlens: expected None without rotary_cos/rotary_sin, got a tensor. "
                          "Pass the rotary tables too, or drop rotary_seqlens.")
     if k is not None:
-        ops.write_kv_cache(kn, vn, k_cache, v_cache, slots, k_descale=kd if k_descale is not None else None,
-                           v_descale=vd if v_descale is not None else None, token_seq_idx=seq_idx,
-                           k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+        total_len = ops.append_kv_cache(kn, vn, k_cache, v_cache, pt, cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new,
+                                        k_descale=kd if k_descale is not None else None,
+                                        v_descale=vd if v_descale is not None else None,
+                                        k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
     attn = dict(softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
                 window_size=_resolve_window(causal, window_size), softcap=float(softcap),
                 k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, out_scale=out_scale,
