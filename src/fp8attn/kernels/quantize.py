@@ -111,26 +111,25 @@ if HAS_TRITON:
                 count = group_heads * nblocks
             amax = tl.zeros((), tl.float32)
             bad = tl.zeros((), tl.int32)
-            for t in range(0, count):
-                f = first + t
-                xf = _load_tile(X, R, f // (nheads * nblocks), (f // nblocks) % nheads, f % nblocks, seqlen,
-                                head_dim, r_scale, stride_xb, stride_xs, stride_xh, stride_xd, ROTATE, BLOCK_T,
-                                BLOCK_D)
-                a = _tile_amax(xf)
-                bad += (a != a).to(tl.int32)
-                amax = tl.maximum(amax, tl.where(a != a, 0.0, a))
-            ds = _descale(tl.where(bad > 0, float("nan"), amax))
-            bb = first // (nheads * nblocks)
-            tl.store(DS + bb * stride_db + ((first // nblocks) % nheads // group_heads) * stride_dh, ds)
-            for t in range(0, count):
-                f = first + t
+            # pass 1 (it < count) takes the amax of each tile, pass 2 quantizes them; one loop, so that the tile
+            # load (and its rotation's shared-memory buffers) exists once in the kernel
+            for it in range(0, 2 * count):
+                quant = it >= count
+                f = first + it - count * quant.to(tl.int64)
                 b = f // (nheads * nblocks)
                 h = (f // nblocks) % nheads
                 blk = f % nblocks
                 xf = _load_tile(X, R, b, h, blk, seqlen, head_dim, r_scale, stride_xb, stride_xs, stride_xh,
                                 stride_xd, ROTATE, BLOCK_T, BLOCK_D)
-                _store_tile(Y, xf, ds, b, h, blk, seqlen, head_dim, stride_yb, stride_ys, stride_yh, stride_yd,
-                            BLOCK_T, BLOCK_D)
+                a = _tile_amax(xf)
+                bad += ((a != a) & (it < count)).to(tl.int32)
+                amax = tl.where(quant, amax, tl.maximum(amax, tl.where(a != a, 0.0, a)))
+                ds = _descale(tl.where(bad > 0, float("nan"), amax))
+                if quant:
+                    if it == count:
+                        tl.store(DS + b * stride_db + (h // group_heads) * stride_dh, ds)
+                    _store_tile(Y, xf, ds, b, h, blk, seqlen, head_dim, stride_yb, stride_ys, stride_yh, stride_yd,
+                                BLOCK_T, BLOCK_D)
         else:
             blk0 = tl.program_id(0)
             b = tl.program_id(1).to(tl.int64)
@@ -203,6 +202,8 @@ def launch_quantize(x4, y, r, r_scale, ds, *, granularity, nheads_k, rotate, blo
     b, s, h, d = x4.shape
     nb = max(1, cdiv(s, block_t))
     common = (b, s, h, d, nb, h // nheads_k if granularity == "per_head" else 1, r_scale, *x4.stride(), *y.stride())
+    # (num_stages=1 where a program loops over tiles: a pipelined loop would multiply the rotation's shared
+    # memory past the 227 KiB of an sm90 block at head dim 256)
     meta = dict(PER_TENSOR=granularity == "per_tensor", ROTATE=rotate, BLOCK_T=block_t, BLOCK_D=block_d,
                 num_warps=4)
     dstr = tuple(ds.stride()) + (0,) * (3 - ds.dim())
@@ -215,10 +216,11 @@ def launch_quantize(x4, y, r, r_scale, ds, *, granularity, nheads_k, rotate, blo
     tiles = _group_tiles(granularity, b, h, nheads_k, nb)
     if single if single is not None else tiles <= SINGLE_MAX_TILES:
         groups = 1 if granularity == "per_tensor" else b * nheads_k
-        _quantize_kernel[(groups,)](x4, y, r, ds, ds, *common, *dstr, MODE=MODE_SINGLE, TPP=1, BLOCK_P=16, **meta)
+        _quantize_kernel[(groups,)](x4, y, r, ds, ds, *common, *dstr, MODE=MODE_SINGLE, TPP=1, BLOCK_P=16,
+                                    num_stages=1, **meta)
         return
     partials = torch.empty(b * h * nb, device=x4.device, dtype=torch.float32)
     _quantize_kernel[(nb, b, h)](x4, y, r, partials, ds, *common, *dstr, MODE=MODE_PARTIAL, TPP=1, BLOCK_P=16, **meta)
     tpp = min(next_pow2(cdiv(tiles, _PARTIALS_PER_TILE)), next_pow2(nb))
     _quantize_kernel[(cdiv(nb, tpp), b, h)](x4, y, r, partials, ds, *common, *dstr, MODE=MODE_QUANT, TPP=tpp,
-                                            BLOCK_P=min(next_pow2(tiles), 1024), **meta)
+                                            BLOCK_P=min(next_pow2(tiles), 1024), num_stages=1, **meta)
