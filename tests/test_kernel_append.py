@@ -4,8 +4,8 @@ The one-launch append derives each new token's slot in the kernel; it must leave
 that the explicit-slot path leaves (torch slot arithmetic + ``launch_write_kv_cache``), and the op's CPU
 reference the same bytes again, for every scale kind, fixed and varlen new tokens, sequence-major V,
 NaN-poisoned caches, page sizes 1 and 16 and empty sequences; out-of-range positions and page ids are
-skipped (opcheck: tests/test_ops.py). GPU tests count the launches of a decode step with an append and run it under the sync debug
-mode.
+skipped (opcheck: tests/test_ops.py). GPU tests count the launches of a decode step with an append and
+run it under the sync debug mode.
 """
 import os
 
@@ -34,7 +34,7 @@ def _poisoned(shape, dtype, seq_major=False):
     return to_v_seq_major(c) if seq_major else c
 
 
-def _case(ps, varlen, dtype, scales, seq_major=False):
+def _case(ps, varlen, dtype, scales, seq_major=False, d=D, dv=DV):
     """Inputs of one append: 3 sequences (cached lengths 0, 5, 17) over a shuffled page pool."""
     batch, max_pages = 3, 3
     nb = batch * max_pages + 2
@@ -45,15 +45,15 @@ def _case(ps, varlen, dtype, scales, seq_major=False):
     if varlen:
         new = torch.tensor([2, 0, 1], dtype=torch.int32)
         cu = torch.cat([torch.zeros(1, dtype=torch.int32), new.cumsum(0).to(torch.int32)])
-        k = torch.randn(int(new.sum()), HK, D) * 3
-        v = torch.randn(int(new.sum()), HK, DV) * 3
+        k = torch.randn(int(new.sum()), HK, d) * 3
+        v = torch.randn(int(new.sum()), HK, dv) * 3
     else:
         cu = None
-        k = torch.randn(batch, 2, HK, D) * 3
-        v = torch.randn(batch, 2, HK, DV) * 3
+        k = torch.randn(batch, 2, HK, d) * 3
+        v = torch.randn(batch, 2, HK, dv) * 3
     k, v = k.to(DEV, torch.bfloat16), v.to(DEV, torch.bfloat16)
-    kc = _poisoned((nb, ps, HK, D), dtype)
-    vc = _poisoned((nb, ps, HK, DV), dtype, seq_major)
+    kc = _poisoned((nb, ps, HK, d), dtype)
+    vc = _poisoned((nb, ps, HK, dv), dtype, seq_major)
     kw = {}
     if scales == "per_tensor":
         kw = dict(k_descale=torch.tensor(0.37, device=DEV), v_descale=torch.tensor([[1.9]], device=DEV))
@@ -154,10 +154,10 @@ def test_gpu_decode_append_is_one_launch_without_sync(scales):
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    hq, ps = 8, 16
-    k, v, kc, vc, pt, cached, cu, kw = _case(ps, False, E4M3, scales)
-    k, v = k[:, :1], v[:, :1]
-    q = torch.randn(3, 1, hq, D, device=DEV, dtype=torch.bfloat16)
+    hq, ps, d = 8, 16, 64
+    k, v, kc, vc, pt, cached, cu, kw = _case(ps, False, E4M3, scales, d=d, dv=d)
+    k, v = k[:, :1], v[:, :1]  # (one new token per sequence; a strided view)
+    q = torch.randn(3, 1, hq, d, device=DEV, dtype=torch.bfloat16)
     kc = kc.float().nan_to_num(0.0).to(E4M3)
     vc = vc.float().nan_to_num(0.0).to(E4M3)
     kw = {n: t.nan_to_num(1.0) if "scales" in n else t for n, t in kw.items()}
@@ -165,21 +165,21 @@ def test_gpu_decode_append_is_one_launch_without_sync(scales):
     call = dict(cache_seqlens=cached, page_table=pt, **kw)
     fp8attn.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k=k, v=v, **call)  # warm-up (compiles)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.set_sync_debug_mode("error")  # (synchronize itself counts as a sync: outside)
+        try:
             out = fp8attn.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, **call)
-            torch.cuda.synchronize()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     appends = [n for n in names if "_append_kv_kernel" in n]
     assert len(appends) == 1, names
     assert not any("_write_kv_kernel" in n for n in names), names
     # the previous path: explicit slots + write kernel, then attention over the grown cache
     slots, seq = _explicit_slots(k, pt, cached, None, kc)
-    launch_write_kv_cache(k.reshape(-1, HK, D), v.reshape(-1, HK, DV), kc2, vc2, slots, token_seq_idx=seq,
-                          **{n: t for n, t in kw2.items()})
-    _assert_same((kc, vc), (kc2, vc2))
+    launch_write_kv_cache(k.reshape(-1, HK, d), v.reshape(-1, HK, d), kc2, vc2, slots, token_seq_idx=seq, **kw2)
+    _assert_same((kc, vc, kw.get("k_cache_scales"), kw.get("v_cache_scales")),
+                 (kc2, vc2, kw2.get("k_cache_scales"), kw2.get("v_cache_scales")))
     ref = fp8attn.flash_attn_with_kvcache(q, kc2, vc2, cache_seqlens=cached + 1, page_table=pt, **kw2)
     assert torch.equal(out, ref)

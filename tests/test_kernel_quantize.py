@@ -145,13 +145,13 @@ def test_gpu_quantize_qkv_launches_and_no_sync(gran, hadamard, s):
     kw = dict(granularity=gran, hadamard=hadamard)
     want = fp8attn.quantize_qkv(q, k, v, **kw)  # warm-up (compiles, builds the rotation)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.set_sync_debug_mode("error")  # (synchronize itself counts as a sync: outside)
+        try:
             got = fp8attn.quantize_qkv(q, k, v, **kw)
-            torch.cuda.synchronize()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) <= 6, kernels
     for a, b in zip(got, want):

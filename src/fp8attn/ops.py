@@ -42,8 +42,8 @@ scaled_bmm             batched FP8 matmul with per-batch / per-row / per-column 
 =====================  =======================================================================
 
 The Python functions below (``dense_fwd``, ``paged_fwd``, ``combine``, ``write_kv_cache``,
-``append_kv_cache``, ``quantize_fp8``, ``quant_fp8_static``, ``scaled_bmm``) keep the signatures ``interface`` calls and route ``out=`` to
-the ``*_out`` ops. Registration is idempotent: re-importing or reloading this module reuses ops that
+``append_kv_cache``, ``quantize_fp8``, ``quant_fp8_static``, ``scaled_bmm``) keep the signatures
+``interface`` calls and route ``out=`` to the ``*_out`` ops. Registration is idempotent: re-importing or reloading this module reuses ops that
 already exist instead of registering a kernel twice (which would emit "Overriding a previously
 registered kernel").
 """
