@@ -23,6 +23,7 @@ import torch
 
 from . import _checks as C
 from . import ops
+from .capability import kernel_for
 from .paged import token_rows as _token_rows
 from .quant import expand_descale, is_fp8
 
@@ -122,6 +123,11 @@ def _scale(softmax_scale, d):
     return s
 
 
+def _check_fp8_backward(fp8_backward):
+    if fp8_backward is not None:
+        ops.check_bwd_mode("fp8_backward", fp8_backward)
+
+
 def _check_attention_chunk(attention_chunk):
     if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
         raise ValueError(f"attention_chunk: expected an int >= 0 (0 = no chunks), got {attention_chunk!r}. "
@@ -204,7 +210,8 @@ def _chunked_dense(q, k, v, chunk, qd, kd, vd, **kw):
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                     pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, *,
-                    out=None, out_dtype=None, out_scale=None, descale_block_size=None, validate=False):
+                    out=None, out_dtype=None, out_scale=None, descale_block_size=None, validate=False,
+                    fp8_backward=None):
     """Dense attention.
 
     Parameters
@@ -223,7 +230,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     softcap : float, logits -> softcap * tanh(logits / softcap) when > 0.
     num_splits : must be 1 (the dense kernel does not split KV).
     pack_gqa : None/False/True, a scheduling hint for GQA (the same result either way).
-    deterministic : accepted; every fp8attn forward is deterministic (bit-identical reruns).
+    deterministic : every fp8attn forward is deterministic (bit-identical reruns); passed to the backward
+        (bit-identical gradients on reruns).
     sm_margin : must be 0.
     return_attn_probs : when True also return the LSE (FA3 semantics; no probabilities).
     attention_chunk : int >= 0 (FA3 semantics); > 0: query i (at key position p = i + seqlen_k - seqlen_q)
@@ -237,6 +245,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
         float32 (batch, nheads_q, cdiv(seqlen_q, block)), k_descale (batch, nheads_k, cdiv(seqlen_k, block));
         v_descale stays (batch, nheads_k). A power of two in [16, 256]. Varlen: batch 1 over packed tokens.
     validate : also run the value checks (descale values) on GPU tensors (they sync the device).
+    fp8_backward : "dequantized" / "fp8", the precision of this call's backward; None: the process default
+        (``fp8attn.set_fp8_backward``). Differentiable when q, k or v requires grad (docs/api.md "Training
+        (backward)"); gradients of FP8 leaves are cast by autograd to the leaf's FP8 dtype (use
+        ``fp8attn.attention`` to train from 16-bit tensors).
 
     Returns
     -------
@@ -247,6 +259,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     """
     _unsupported_qv(qv)
     chunk = _check_attention_chunk(attention_chunk)
+    _check_fp8_backward(fp8_backward)
     C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV; use flash_attn_with_kvcache for split-KV")
     C.unsupported("sm_margin", sm_margin, 0)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -267,7 +280,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                                      k.shape[1], q.device, validate)
     attn = dict(softmax_scale=_scale(softmax_scale, d), causal=bool(causal),
                 window_size=_resolve_window(causal, window_size), softcap=float(softcap), out_scale=out_scale,
-                out_dtype=out_dtype, out=out, pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
+                out_dtype=out_dtype, out=out, pack_gqa=pack_gqa, return_lse=bool(return_attn_probs),
+                fp8_backward=fp8_backward, deterministic=bool(deterministic))
     # (a chunk that holds every key and query position changes nothing: keys 0..seqlen_k - 1, queries at or after 0)
     if chunk and sq and k.shape[1] and ((k.shape[1] - 1) // chunk > 0 or sq > k.shape[1]):
         if descale_block_size is not None:
@@ -283,7 +297,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
                               window_size=(-1, -1), attention_chunk=0, softcap=0.0, deterministic=False,
                               num_heads_q=None, sm_margin=0, return_attn_probs=False, *, out=None, out_dtype=None,
-                              out_scale=None, validate=False):
+                              out_scale=None, validate=False, fp8_backward=None):
     """Dense attention over packed Q/K/V (FA3's ``flash_attn_qkvpacked_func``): :func:`flash_attn_func` on views
     of ``qkv``, no copy.
 
@@ -293,6 +307,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
         ``num_heads_q`` (GQA: the query heads, then the key heads, then the value heads). Any dtype
         :func:`flash_attn_func` takes; FP8 with the descales.
     num_heads_q : the query heads of a 4-D ``qkv``; must be None for a 5-D one.
+    fp8_backward : as :func:`flash_attn_func` (the gradient lands in ``qkv``).
 
     The other arguments are :func:`flash_attn_func`'s.
 
@@ -317,7 +332,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
         q, k, v = qkv.split([num_heads_q, hk, hk], dim=2)
     return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
                            attention_chunk, softcap, 1, None, deterministic, sm_margin, return_attn_probs, out=out,
-                           out_dtype=out_dtype, out_scale=out_scale, validate=validate)
+                           out_dtype=out_dtype, out_scale=out_scale, validate=validate, fp8_backward=fp8_backward)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
@@ -325,7 +340,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
                            num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
                            return_attn_probs=False, *, out=None, out_dtype=None, out_scale=None,
-                           descale_block_size=None, validate=False):
+                           descale_block_size=None, validate=False, fp8_backward=None):
     """Variable-length attention over packed sequences.
 
     Parameters
@@ -336,7 +351,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_q, max_seqlen_k : int upper bounds of the per-sequence lengths.
     seqused_q, seqused_k : optional (batch,) int32: tokens actually used per sequence (<= its length).
     Other arguments as in :func:`flash_attn_func` (``attention_chunk`` too, without seqused_q/k and per-block
-    descales); descales are (batch, nheads_k). With
+    descales; ``fp8_backward`` and ``deterministic`` for the backward, which takes no seqused_q/k); descales
+    are (batch, nheads_k). With
     ``descale_block_size`` the per-block Q/K descales run over the packed token index:
     q_descale (1, nheads_q, cdiv(total_q, block)), k_descale (1, nheads_k, cdiv(total_k, block)).
 
@@ -346,6 +362,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     _unsupported_qv(qv)
     chunk = _check_attention_chunk(attention_chunk)
+    _check_fp8_backward(fp8_backward)
     C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV")
     C.unsupported("sm_margin", sm_margin, 0)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -372,7 +389,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         vd = expand_descale(v_descale, b, hk, q.device)
     attn = dict(softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
                 window_size=_resolve_window(causal, window_size), softcap=float(softcap), out_scale=out_scale,
-                out_dtype=out_dtype, out=out, pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
+                out_dtype=out_dtype, out=out, pack_gqa=pack_gqa, return_lse=bool(return_attn_probs),
+                fp8_backward=fp8_backward, deterministic=bool(deterministic))
     if chunk:
         for name, val in (("seqused_q", seqused_q), ("seqused_k", seqused_k), ("descale_block_size", descale_block_size)):
             if val is not None:
@@ -734,6 +752,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         raise ValueError("rotary_seqlens: expected None without rotary_cos/rotary_sin, got a tensor. "
                          "Pass the rotary tables too, or drop rotary_seqlens.")
     if k is not None:
+        if not torch.compiler.is_compiling():  # (compiled: the ops report at run time, inside their implementation)
+            kernel_for(q, "paged")  # the attention's fallback is reported before the append writes (error: no write)
         total_len = ops.append_kv_cache(kn, vn, k_cache, v_cache, pt, cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new,
                                         k_descale=kd if k_descale is not None else None,
                                         v_descale=vd if v_descale is not None else None,

@@ -18,7 +18,7 @@ import torch
 from . import hadamard as _had
 from . import ops
 from ._checks import check_same_device
-from .kernels.quantize import HAS_TRITON
+from .capability import has_triton, kernel_for
 from .quant import descale_from_amax
 
 __all__ = ["quantize_qkv", "GRANULARITIES", "V_LAYOUTS", "empty_seq_major", "quantize_one", "descale_shape"]
@@ -169,7 +169,8 @@ def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128
     seed : int
         Seed of the rotation's signs.
     backend : {"auto", "triton", "torch"}
-        auto: Triton on CUDA tensors, torch otherwise.
+        auto: Triton on CUDA tensors where the kernels run (a CUDA call that cannot reports a fallback,
+        ``fp8attn.capability``), torch otherwise.
     v_layout : {"seq_major", "contiguous"}
         Memory order of ``v8`` (its shape is v's either way). seq_major (default): the sequence
         dimension is contiguous, memory order (batch, nheads_k, headdim_v, seqlen_k) / varlen
@@ -198,10 +199,11 @@ def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128
         raise ValueError(f"v_layout: expected one of {V_LAYOUTS}, got {v_layout!r}. seq_major feeds the FP8 "
                          "kernels without a transpose; contiguous keeps V row-major.")
     hk = k.shape[-2]
-    use_triton = backend == "triton" or (backend == "auto" and HAS_TRITON and q.is_cuda)
-    if backend == "triton" and not HAS_TRITON:
+    if backend == "triton" and not has_triton():
         raise ValueError("backend: expected 'auto' or 'torch' without triton installed, got 'triton'. "
                          "Install triton or pass backend='torch'.")
+    # auto: the Triton kernel on a CUDA device that can run it; a CUDA call that cannot reports the fallback
+    use_triton = backend == "triton" or (backend == "auto" and kernel_for(q, "quantize") is not None)
     op = ops.quantize_fp8  # one op per input: opaque to torch.compile, with an exact fake
     q8, qd = op(q, granularity, hk, bool(hadamard), int(seed), bt, False, use_triton)
     k8, kd = op(k, granularity, hk, bool(hadamard), int(seed), bt, False, use_triton)
