@@ -340,7 +340,12 @@ def _write_kv_cache_impl(k, v, k_cache, v_cache, slot_mapping, k_descale, v_desc
 def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
                           k_cache_scales, v_cache_scales):
     nb, ps, hk, _ = k_cache.shape
-    keep = slot_mapping >= 0
+    # unchecked slots (a GPU call without validate=True) outside the cache are skipped, as the kernel does
+    keep = (slot_mapping >= 0) & (slot_mapping < nb * ps)
+    rows = [d.shape[0] for d in (k_descale, v_descale) if d is not None and d.numel() != 1]
+    if rows and token_seq_idx is not None and k_cache_scales is None and k_cache.element_size() == 1:
+        # (so are tokens whose row has no descale, as the kernel skips them)
+        keep &= (token_seq_idx >= 0) & (token_seq_idx < min(rows))
     slots = slot_mapping[keep].long()
     blk, off = slots // ps, slots % ps
     sel = keep.nonzero().squeeze(-1)

@@ -13,7 +13,7 @@ import torch
 from . import _checks as C
 from . import hadamard as _had
 from . import ops
-from .interface import _resolve_window, _scale
+from .interface import _resolve_window
 from .qkv import GRANULARITIES, quantize_qkv
 from .quant import expand_descale
 
@@ -129,7 +129,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if b is not None:
         vd = expand_descale(vd, b, k.shape[-2], q.device)
     rotation = _rotation(q.shape[-1], q.device) if hadamard else None
-    attn = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(softmax_scale, q.shape[-1]), bool(causal),
+    attn = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, C.check_softmax_scale(softmax_scale, q.shape[-1]), bool(causal),
             window[0], window[1], float(softcap), _BLOCK if granularity == "per_block" else 0, mode,
             bool(deterministic))
     o, lse = ops.QuantizedAttention.apply(q, k, v, q8, k8, v8, qd, kd, vd, rotation, attn)

@@ -207,10 +207,12 @@ def _dense_fwd_kernel(
         k_start = tl.zeros((), tl.int64)
         seqlen_q = seqlen_q_static
         seqlen_k = seqlen_k_static
+    # seqused within [0, the sequence's length] (checked only on the CPU or with validate=True): clamped, as the
+    # reference does, so an unchecked value never reaches rows of another sequence
     if HAS_SEQUSED_Q:
-        seqlen_q = tl.load(seqused_q + b).to(tl.int32)
+        seqlen_q = tl.maximum(tl.minimum(tl.load(seqused_q + b).to(tl.int32), seqlen_q), 0)
     if HAS_SEQUSED_K:
-        seqlen_k = tl.load(seqused_k + b).to(tl.int32)
+        seqlen_k = tl.maximum(tl.minimum(tl.load(seqused_k + b).to(tl.int32), seqlen_k), 0)
 
     if PACK_GQA:
         n_rows = seqlen_q * qgroup
