@@ -78,9 +78,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _tile_amax(xf):
-        """max |x| over the tile, NaN if it holds a NaN or Inf (x - x is 0 exactly for finite x only; no
+        """max |x| over the tile, NaN if it holds a NaN or Inf (|x| < inf is False for NaN and +-Inf; no
         max-with-NaN semantics are relied on)."""
-        fin = (xf - xf) == 0.0
+        fin = tl.abs(xf) < float("inf")
         n_bad = tl.sum(tl.sum(tl.where(fin, 0, 1), 1), 0)
         amax = tl.max(tl.max(tl.abs(tl.where(fin, xf, 0.0)), 1), 0)
         return tl.where(n_bad > 0, float("nan"), amax)
