@@ -331,7 +331,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     if key is not None and plan.eager_ok(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
         run = plan.dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, softmax_scale=attn["softmax_scale"],
                                   causal=attn["causal"], window_size=attn["window_size"], softcap=attn["softcap"],
-                                  return_lse=bool(return_attn_probs))
+                                  return_lse=bool(return_attn_probs)) or \
+            plan.dense_plan(q, k, v, batch=q.shape[0], attn=attn, varlen=False, return_lse=bool(return_attn_probs))
         if run is not None:
             plan.store(key, run)
             return run(q, k, v, q_descale, k_descale, v_descale, out, out_scale)
@@ -459,6 +460,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     -------
     out : (total_q, nheads_q, headdim_v); lse : (nheads_q, total_q) float32 (with return_attn_probs).
     """
+    key = None
+    tensors = (q, k, v, q_descale, k_descale, v_descale, out, out_scale, cu_seqlens_q, cu_seqlens_k, seqused_q,
+               seqused_k)
+    if _plannable(q, validate, causal, return_attn_probs, deterministic, window_size) and not attention_chunk \
+            and descale_block_size is None and qv is None:
+        key = ("varlen", tuple(plan.tensor_sig(t) for t in tensors), max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+               window_size, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out_dtype,
+               fp8_backward, plan.env_sig(), (type(max_seqlen_q), type(max_seqlen_k), type(softmax_scale),
+                                              type(softcap), type(num_splits), type(pack_gqa), type(sm_margin)))
+        run = plan.lookup(key)
+        if run is not None and plan.eager_ok(*tensors):
+            return run(*tensors)
     qd, kd, vd, attn = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                         seqused_k, softmax_scale, causal, qv, q_descale, k_descale, v_descale,
                                         window_size, attention_chunk, softcap, num_splits, pack_gqa, deterministic,
@@ -466,6 +479,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                         validate)
     _check_fp8_backward(fp8_backward)
     attn.update(fp8_backward=fp8_backward, deterministic=bool(deterministic))
+    if key is not None and plan.eager_ok(*tensors):
+        run = plan.dense_plan(q, k, v, batch=cu_seqlens_q.numel() - 1, attn=attn, varlen=True,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=bool(return_attn_probs))
+        if run is not None:
+            plan.store(key, run)
+            return run(*tensors)
     if attention_chunk:
         o, lse = _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                  attention_chunk, qd, kd, vd, **attn)
