@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from . import _checks as C
-from . import ops
+from . import ops, plan
 from .capability import kernel_for
 from .paged import slot_mapping_for
 from .paged import token_rows as _token_rows
@@ -116,6 +116,14 @@ def _block_descales(q_descale, k_descale, v_descale, block, batch, nheads_q, nhe
     C.check_descale("v_descale", v_descale, batch, nheads_k, device)
     C.check_descale_values("v_descale", v_descale, validate)
     return q_descale, k_descale, expand_descale(v_descale, batch, nheads_k, device)
+
+
+def _plannable(q, validate, causal, return_lse, deterministic, window_size) -> bool:
+    """Whether a call's signature may select an eager plan (``fp8attn.plan``): a CUDA call without
+    ``validate=True`` whose flags are plain bools and whose window is a tuple (``1 == True`` and
+    ``[-1, -1] != (-1, -1)`` as keys, so other types take the checked path, which refuses or accepts them)."""
+    return (validate is False and type(q) is torch.Tensor and q.is_cuda and type(causal) is bool
+            and type(return_lse) is bool and type(deterministic) is bool and type(window_size) is tuple)
 
 
 def _check_fp8_backward(fp8_backward):
@@ -304,12 +312,31 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     lse : (batch, nheads_q, seqlen_q) float32 natural-log (only with return_attn_probs). Rows that see
         no key give out = 0 and lse = -inf.
     """
+    key = None
+    if _plannable(q, validate, causal, return_attn_probs, deterministic, window_size) and not attention_chunk \
+            and descale_block_size is None and qv is None:
+        key = ("dense", plan.tensor_sig(q), plan.tensor_sig(k), plan.tensor_sig(v), plan.tensor_sig(q_descale),
+               plan.tensor_sig(k_descale), plan.tensor_sig(v_descale), plan.tensor_sig(out), plan.tensor_sig(out_scale),
+               softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, deterministic, sm_margin,
+               return_attn_probs, out_dtype, fp8_backward, plan.env_sig(),
+               (type(softmax_scale), type(softcap), type(num_splits), type(pack_gqa), type(sm_margin)))
+        run = plan.lookup(key)
+        if run is not None and plan.eager_ok(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
+            return run(q, k, v, q_descale, k_descale, v_descale, out, out_scale)
     qd, kd, vd, attn = _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale,
                                        window_size, attention_chunk, softcap, num_splits, pack_gqa, deterministic,
                                        sm_margin, return_attn_probs, out, out_dtype, out_scale, descale_block_size,
                                        validate)
     _check_fp8_backward(fp8_backward)
     attn.update(fp8_backward=fp8_backward, deterministic=bool(deterministic))
+    if key is not None and plan.eager_ok(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
+        run = plan.dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, softmax_scale=attn["softmax_scale"],
+                                  causal=attn["causal"], window_size=attn["window_size"], softcap=attn["softcap"],
+                                  return_lse=bool(return_attn_probs)) or \
+            plan.dense_plan(q, k, v, batch=q.shape[0], attn=attn, varlen=False, return_lse=bool(return_attn_probs))
+        if run is not None:
+            plan.store(key, run)
+            return run(q, k, v, q_descale, k_descale, v_descale, out, out_scale)
     sq, sk, chunk = q.shape[1], k.shape[1], attention_chunk
     # (a chunk that holds every key and query position changes nothing: keys 0..seqlen_k - 1, queries at or after 0)
     if chunk and sq and sk and ((sk - 1) // chunk > 0 or sq > sk):
@@ -434,6 +461,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     -------
     out : (total_q, nheads_q, headdim_v); lse : (nheads_q, total_q) float32 (with return_attn_probs).
     """
+    key = None
+    tensors = (q, k, v, q_descale, k_descale, v_descale, out, out_scale, cu_seqlens_q, cu_seqlens_k, seqused_q,
+               seqused_k)
+    if _plannable(q, validate, causal, return_attn_probs, deterministic, window_size) and not attention_chunk \
+            and descale_block_size is None and qv is None:
+        key = ("varlen", tuple(plan.tensor_sig(t) for t in tensors), max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+               window_size, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out_dtype,
+               fp8_backward, plan.env_sig(), (type(max_seqlen_q), type(max_seqlen_k), type(softmax_scale),
+                                              type(softcap), type(num_splits), type(pack_gqa), type(sm_margin)))
+        run = plan.lookup(key)
+        if run is not None and plan.eager_ok(*tensors):
+            return run(*tensors)
     qd, kd, vd, attn = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                         seqused_k, softmax_scale, causal, qv, q_descale, k_descale, v_descale,
                                         window_size, attention_chunk, softcap, num_splits, pack_gqa, deterministic,
@@ -441,6 +480,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                         validate)
     _check_fp8_backward(fp8_backward)
     attn.update(fp8_backward=fp8_backward, deterministic=bool(deterministic))
+    if key is not None and plan.eager_ok(*tensors):
+        run = plan.dense_plan(q, k, v, batch=cu_seqlens_q.numel() - 1, attn=attn, varlen=True,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=bool(return_attn_probs))
+        if run is not None:
+            plan.store(key, run)
+            return run(*tensors)
     if attention_chunk:
         o, lse = _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                  attention_chunk, qd, kd, vd, **attn)
@@ -903,12 +948,35 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     out : q's shape with headdim_v, (batch, seqlen_q, nheads_q, headdim_v) or (total_q, nheads_q, headdim_v).
     lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
+    key = None
+    tensors = (q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, q_descale, k_descale, v_descale,
+               k_cache_scales, v_cache_scales, out, out_scale)
+    if _plannable(q, validate, causal, return_softmax_lse, rotary_interleaved, window_size) and k is None \
+            and v is None and qv is None and rotary_cos is None and rotary_sin is None and rotary_seqlens is None \
+            and cache_batch_idx is None and cache_leftpad is None and page_table is not None \
+            and cu_seqlens_k_new is None and not attention_chunk and scheduler_metadata is None \
+            and split_workspace is None:
+        key = ("paged", tuple(plan.tensor_sig(t) for t in tensors), max_seqlen_q, softmax_scale, causal, window_size,
+               softcap, num_splits, pack_gqa, sm_margin, return_softmax_lse, rotary_interleaved, out_dtype,
+               plan.env_sig(), (type(max_seqlen_q), type(softmax_scale), type(softcap), type(num_splits),
+                                type(pack_gqa), type(sm_margin)))
+        run = plan.lookup(key)
+        if run is not None and plan.eager_ok(*tensors):
+            return run(*tensors)
     c = _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                           cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
                           q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk,
                           softcap, rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin,
                           return_softmax_lse, out, out_dtype, out_scale, k_cache_scales, v_cache_scales,
                           split_workspace, validate)
+    if key is not None and c.pt is page_table and c.k_cache is k_cache and c.v_cache is v_cache \
+            and c.total_len is cache_seqlens and cache_seqlens.dtype == torch.int32 and plan.eager_ok(*tensors):
+        batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
+        run = plan.paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, batch=batch, attn=c.attn,
+                              num_splits=c.num_splits, return_lse=bool(return_softmax_lse))
+        if run is not None:
+            plan.store(key, run)
+            return run(*tensors)
     qd, kd, vd = c.descales
     kn = c.kn
     if c.rotary is not None:
