@@ -90,7 +90,7 @@ def test_eager_plan_not_taken_for_grad_or_other_signatures(monkeypatch):
     # the environment switch of the dispatch is part of the signature
     monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "triton")
     fp8attn.flash_attn_func(q8, k8, v8, causal=True, **kw)
-    assert len(plan._PLANS) == 1  # the Triton kernel's call leaves no plan
+    assert len(plan._PLANS) == 2  # its own plan (the Triton kernel's launcher), not the Hopper one
     # a bad descale value on a GPU: unchecked on both paths (validate=True checks it)
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND")
     with pytest.raises(ValueError, match="q_descale"):
@@ -132,3 +132,31 @@ def test_eager_plan_paged_decode_equals_checked_path(q_fp8):
     for x in (*outs, o):
         assert torch.equal(x, ref)
     assert torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_eager_plan_triton_kernel_calls_equal_checked_path(causal):
+    """Calls the Triton dense kernel serves (varlen at short lengths, 16-bit inputs, a window) run the
+    kernel-level launcher's plan: the same bits as the checked path."""
+    import fp8attn
+    from fp8attn import plan
+
+    plan.clear()
+    q8, k8, v8, qd, kd, vd = _fp8_inputs(b=3, s=192, d=64)
+    cu = torch.tensor([0, 100, 150, 576], dtype=torch.int32, device="cuda")
+    args = (q8.reshape(-1, *q8.shape[2:]), k8.reshape(-1, *k8.shape[2:]), v8.reshape(-1, *v8.shape[2:]), cu, cu, 426,
+            426)
+    kw = dict(causal=causal, q_descale=qd[:1].expand(3, -1).contiguous(), k_descale=kd[:1].expand(3, -1).contiguous(),
+              v_descale=vd[:1].expand(3, -1).contiguous())
+    ref = fp8attn.flash_attn_varlen_func(*args, validate=True, **kw)
+    got = [fp8attn.flash_attn_varlen_func(*args, **kw) for _ in range(3)]
+    qb, kb, vb = (torch.randn(2, 200, h, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    ref16 = fp8attn.flash_attn_func(qb, kb, vb, causal=causal, window_size=(64, 0) if causal else (-1, -1),
+                                    validate=True)
+    got16 = [fp8attn.flash_attn_func(qb, kb, vb, causal=causal, window_size=(64, 0) if causal else (-1, -1))
+             for _ in range(3)]
+    assert len(plan._PLANS) == 2
+    for x in got:
+        assert torch.equal(x, ref)
+    for x in got16:
+        assert torch.equal(x, ref16)

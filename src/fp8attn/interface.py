@@ -24,7 +24,8 @@ import torch
 from . import _checks as C
 from . import ops, plan
 from .capability import kernel_for
-from .paged import packed_token_seqs, slot_mapping_for
+from .paged import slot_mapping_for
+from .paged import token_rows as _token_rows
 from .quant import expand_descale, is_fp8
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
@@ -331,7 +332,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     if key is not None and plan.eager_ok(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
         run = plan.dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, softmax_scale=attn["softmax_scale"],
                                   causal=attn["causal"], window_size=attn["window_size"], softcap=attn["softcap"],
-                                  return_lse=bool(return_attn_probs))
+                                  return_lse=bool(return_attn_probs)) or \
+            plan.dense_plan(q, k, v, batch=q.shape[0], attn=attn, varlen=False, return_lse=bool(return_attn_probs))
         if run is not None:
             plan.store(key, run)
             return run(q, k, v, q_descale, k_descale, v_descale, out, out_scale)
@@ -459,6 +461,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     -------
     out : (total_q, nheads_q, headdim_v); lse : (nheads_q, total_q) float32 (with return_attn_probs).
     """
+    key = None
+    tensors = (q, k, v, q_descale, k_descale, v_descale, out, out_scale, cu_seqlens_q, cu_seqlens_k, seqused_q,
+               seqused_k)
+    if _plannable(q, validate, causal, return_attn_probs, deterministic, window_size) and not attention_chunk \
+            and descale_block_size is None and qv is None:
+        key = ("varlen", tuple(plan.tensor_sig(t) for t in tensors), max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+               window_size, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out_dtype,
+               fp8_backward, plan.env_sig(), (type(max_seqlen_q), type(max_seqlen_k), type(softmax_scale),
+                                              type(softcap), type(num_splits), type(pack_gqa), type(sm_margin)))
+        run = plan.lookup(key)
+        if run is not None and plan.eager_ok(*tensors):
+            return run(*tensors)
     qd, kd, vd, attn = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                         seqused_k, softmax_scale, causal, qv, q_descale, k_descale, v_descale,
                                         window_size, attention_chunk, softcap, num_splits, pack_gqa, deterministic,
@@ -466,6 +480,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                         validate)
     _check_fp8_backward(fp8_backward)
     attn.update(fp8_backward=fp8_backward, deterministic=bool(deterministic))
+    if key is not None and plan.eager_ok(*tensors):
+        run = plan.dense_plan(q, k, v, batch=cu_seqlens_q.numel() - 1, attn=attn, varlen=True,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=bool(return_attn_probs))
+        if run is not None:
+            plan.store(key, run)
+            return run(*tensors)
     if attention_chunk:
         o, lse = _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                  attention_chunk, qd, kd, vd, **attn)
@@ -475,16 +495,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                q_descale=qd, k_descale=kd, v_descale=vd, descale_block=descale_block_size or 0,
                                **attn)
     return (o, lse) if return_attn_probs else o
-
-
-def _token_rows(device, batch, seqlen=None, cu_seqlens=None, total=None):
-    """(batch row, index within the row) of every token of a padded (batch, seqlen) or packed (cu_seqlens)
-    layout, as int64 tensors in token order (no host sync)."""
-    if cu_seqlens is None:
-        return (torch.arange(batch, device=device).repeat_interleave(seqlen),
-                torch.arange(seqlen, device=device).repeat(batch))
-    seq, tok = packed_token_seqs(cu_seqlens, total)
-    return seq, tok - cu_seqlens.long()[seq]
 
 
 def _check_chunked_cache_call(chunk, cache_leftpad, page_size, causal, max_q):
@@ -751,15 +761,14 @@ def _check_cache_values(cache_seqlens, total_len, pt, ps, capacity, slots, k_cac
 
 class _CachePlan(NamedTuple):
     """What ``_validate_kvcache`` hands the body of ``flash_attn_with_kvcache``: the caches (a one-token-page view
-    with cache_leftpad), page table, lengths after the append, the new tokens' slots / rows / values, rotary
-    positions ``(q_pos, k_pos)`` or None, expanded descales, the attention keywords of ``ops.paged_fwd``, the split
-    workspace, attention_chunk and the split count."""
+    with cache_leftpad), page table, lengths after the append, the cached lengths (after the pad), the new
+    tokens, rotary positions ``(q_pos, k_pos)`` or None, expanded descales, the attention keywords of
+    ``ops.paged_fwd``, the split workspace, attention_chunk and the split count."""
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     pt: torch.Tensor
-    total_len: torch.Tensor
-    slots: torch.Tensor | None
-    seq_idx: torch.Tensor | None
+    total_len: torch.Tensor | None  # (None with new tokens on a GPU without value checks: the append computes it)
+    cache_seqlens: torch.Tensor
     kn: torch.Tensor | None
     vn: torch.Tensor | None
     rotary: tuple | None
@@ -852,15 +861,18 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cac
     slots = seq_idx = pos_in_new = kn = vn = None
     total_len = cache_seqlens
     if k is not None:
-        if cu_seqlens_k_new is not None:
-            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch,
-                                                                   cu_seqlens_k_new=cu_seqlens_k_new,
-                                                                   total_new=k.shape[0])
-            kn, vn = k, v
+        # the append derives the slots and the lengths after it on the device (ops.append_kv_cache); they are
+        # computed here only for the value checks, and the new tokens' rows for the rotary positions
+        kn, vn = k, v
+        seqlen_new = k.shape[1] if cu_seqlens_k_new is None else None
+        if value_checks:
+            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch, seqlen_new,
+                                                                   cu_seqlens_k_new, k.shape[0])
+            total_len = cache_seqlens + new_len
         else:
-            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch, seqlen_new=k.shape[1])
-            kn, vn = k.reshape(-1, hk, k.shape[-1]), v.reshape(-1, hk, v.shape[-1])
-        total_len = cache_seqlens + new_len
+            total_len = None
+            if rotary_cos is not None or rotary_sin is not None:
+                seq_idx, pos_in_new = _token_rows(pt.device, batch, seqlen_new, cu_seqlens_k_new, k.shape[0])
     if cache_leftpad is not None and value_checks:
         leftpad_end = total_len + cache_leftpad
     if value_checks:
@@ -868,7 +880,7 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cac
                             leftpad_end, validate)
     rotary = _validate_rotary(q, kn, rotary_cos, rotary_sin, rotary_seqlens, rotary_base, seq_idx, pos_in_new,
                               cu_seqlens_q, batch, bool(causal) or tuple(window_size) != (-1, -1), validate)
-    return _CachePlan(k_cache, v_cache, pt, total_len, slots, seq_idx, kn, vn, rotary, descales, attn, ws, chunk,
+    return _CachePlan(k_cache, v_cache, pt, total_len, cache_seqlens, kn, vn, rotary, descales, attn, ws, chunk,
                       num_splits)
 
 
@@ -972,20 +984,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
 
         q_pos, k_pos = c.rotary
         q = apply_rotary(q.reshape(-1, *q.shape[-2:]), rotary_cos, rotary_sin, q_pos, rotary_interleaved).reshape(q.shape)
-        kn = apply_rotary(kn, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
+        kn = apply_rotary(kn.reshape(-1, *kn.shape[-2:]), rotary_cos, rotary_sin, k_pos, rotary_interleaved).reshape(
+            kn.shape)
     if k is not None:  # the first write: everything above has been checked
         if not torch.compiler.is_compiling():  # (compiled: the ops report at run time, inside their implementation)
             kernel_for(q, "paged")  # the attention's fallback is reported before the append writes (error: no write)
-        ops.write_kv_cache(kn, c.vn, c.k_cache, c.v_cache, c.slots, k_descale=kd if k_descale is not None else None,
-                           v_descale=vd if v_descale is not None else None, token_seq_idx=c.seq_idx,
-                           k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+        total_len = ops.append_kv_cache(kn, c.vn, c.k_cache, c.v_cache, c.pt, c.cache_seqlens,
+                                        cu_seqlens_k_new=cu_seqlens_k_new,
+                                        k_descale=kd if k_descale is not None else None,
+                                        v_descale=vd if v_descale is not None else None,
+                                        k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+    else:
+        total_len = c.total_len
     attn = dict(c.attn, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, num_splits=c.num_splits,
                 return_lse=bool(return_softmax_lse))
     if c.chunk:
-        o, lse = _chunked_cache_call(q, c.k_cache, c.v_cache, c.pt, c.total_len, c.chunk, page_table is None,
+        o, lse = _chunked_cache_call(q, c.k_cache, c.v_cache, c.pt, total_len, c.chunk, page_table is None,
                                      cu_seqlens_q, max_seqlen_q, c.descales, **attn)
     else:
-        o, lse = ops.paged_fwd(q, c.k_cache, c.v_cache, c.pt, c.total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
+        o, lse = ops.paged_fwd(q, c.k_cache, c.v_cache, c.pt, total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
                                max_seqlen_q=max_seqlen_q, q_descale=qd, k_descale=kd, v_descale=vd,
                                split_workspace=c.ws, **attn)
     return (o, lse) if return_softmax_lse else o

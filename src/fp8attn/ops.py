@@ -22,8 +22,9 @@ them fails loudly instead of silently dropping gradients. (Calling ``torch.ops.f
 directly gives outputs that do not require grad.) ``QuantizedAttention`` is the autograd of
 ``fp8attn.attention`` (16-bit leaves, straight-through quantizer).
 
-Eager calls of the attention entry points (``dense_fwd``, ``paged_fwd``, ``combine``) skip the
-dispatcher hop and call the op's implementation directly when nothing could observe the difference
+Eager calls of the attention entry points (``dense_fwd``, ``paged_fwd``, ``combine``), of the cache append
+and of ``quantize_fp8`` skip the dispatcher hop and call the op's implementation directly when nothing could
+observe the difference
 (``_eager_direct``: not traced by torch.compile / jit, no torch-function or dispatch mode, no functorch
 transform, plain tensors, and no input that requires grad with grad mode on). That hop costs 5-12 us per call on an H200 host (docs/perf-notes.md); under
 tracing, FakeTensor, export or any mode the op is called as before, so graphs still hold
@@ -40,14 +41,15 @@ paged_fwd_out          same, writes ``out`` (mutated; the split workspace too, w
 combine                split-KV merge -> (out, lse)
 combine_out            same, writes ``out`` (mutated) -> lse
 write_kv_cache         scatter/quantize new tokens into the caches (mutated) -> ()
+append_kv_cache        append new tokens after the cached ones (caches mutated) -> lengths after the append
 quant_fp8_static       static per-tensor FP8 quant: clamp(x * (1/scale), -448, 448) -> e4m3fn
 quantize_fp8           dynamic FP8 quant of one of quantize_qkv's inputs -> (x8, descale), optionally rotated
 scaled_bmm             batched FP8 matmul with per-batch / per-row / per-column scales
 =====================  =======================================================================
 
 The Python functions below (``dense_fwd``, ``paged_fwd``, ``combine``, ``write_kv_cache``,
-``quant_fp8_static``, ``scaled_bmm``) keep the signatures ``interface`` calls and route ``out=`` to
-the ``*_out`` ops. Registration is idempotent: re-importing or reloading this module reuses ops that
+``append_kv_cache``, ``quantize_fp8``, ``quant_fp8_static``, ``scaled_bmm``) keep the signatures
+``interface`` calls and route ``out=`` to the ``*_out`` ops. Registration is idempotent: re-importing or reloading this module reuses ops that
 already exist instead of registering a kernel twice (which would emit "Overriding a previously
 registered kernel").
 """
@@ -59,13 +61,13 @@ from . import reference as ref
 from ._checks import check_same_device
 from .capability import kernel_for, launch_device, report_fallback
 from .launch_rules import TMA_QUERY_BLOCK, attention_out_dtype, paged_tma_call_reason
-from .paged import is_v_seq_major, packed_token_seqs, paged_precisions
+from .paged import is_v_seq_major, packed_token_seqs, paged_precisions, slot_mapping_for, token_rows
 from .paged_plan import CPU_NUM_SMS, paged_grid
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 
-__all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "quant_fp8_static", "scaled_bmm",
-           "QuantizedAttention", "set_fp8_backward", "fp8_backward_mode", "check_bwd_mode", "BWD_MODES", "OPS",
-           "NAMESPACE"]
+__all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "append_kv_cache", "quantize_fp8", "quant_fp8_static",
+           "scaled_bmm", "QuantizedAttention", "set_fp8_backward", "fp8_backward_mode", "check_bwd_mode", "BWD_MODES",
+           "OPS", "NAMESPACE"]
 
 NAMESPACE = "fp8attn"
 
@@ -366,12 +368,37 @@ def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, k_descale, v_des
         cache.view(torch.uint8)[blk, off] = q8.view(torch.uint8)
 
 
+def _append_kv_cache_impl(k, v, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_k_new, k_descale, v_descale,
+                          k_cache_scales, v_cache_scales):
+    launch = kernel_for(k, "append")
+    if launch is not None:
+        with launch_device(k):
+            return launch(k, v, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_k_new, k_descale=k_descale,
+                          v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+    # the reference: explicit slots (-1 where the kernel skips the token), then the scatter
+    batch, hk = page_table.shape[0], k.shape[-2]
+    if cu_seqlens_k_new is None:
+        seq, i = token_rows(k.device, batch, seqlen=k.shape[1])
+        new_len = torch.full((batch,), k.shape[1], dtype=torch.int32, device=k.device)
+        k, v = k.reshape(-1, hk, k.shape[-1]), v.reshape(-1, hk, v.shape[-1])
+    else:
+        seq, i = token_rows(k.device, batch, cu_seqlens=cu_seqlens_k_new, total=k.shape[0])
+        new_len = (cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]).to(torch.int32)
+    live = seq < batch  # (packed tokens past cu_seqlens_k_new[-1] belong to no sequence)
+    seq = seq.clamp(max=max(batch - 1, 0))
+    pos = cache_seqlens.long()[seq] + i if batch else i
+    slots = torch.where(live, slot_mapping_for(page_table, k_cache.shape[1], seq, pos, k_cache.shape[0]), -1)
+    _write_kv_cache_torch(k, v, k_cache, v_cache, slots, k_descale, v_descale, seq.to(torch.int32), k_cache_scales,
+                          v_cache_scales)
+    return (cache_seqlens + new_len).to(torch.int32)
+
+
 def _quantize_fp8_impl(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
     from .qkv import quantize_one
 
     with launch_device(x):  # (a no-op on the CPU)
         y, d = quantize_one(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton)
-    return y, _fresh(d)  # (the torch path's per-block descales are a transposed view)
+    return y, (d if d.is_contiguous() else _fresh(d))  # (the torch path's per-block descales are a transposed view)
 
 
 def _load_quant_static():
@@ -458,6 +485,10 @@ def _write_kv_cache_fake(*args):
     return None
 
 
+def _append_kv_cache_fake(k, v, k_cache, v_cache, page_table, cache_seqlens, *args):
+    return cache_seqlens.new_empty((page_table.shape[0],), dtype=torch.int32)
+
+
 def _quantize_fp8_fake(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
     from .qkv import descale_shape, empty_seq_major
 
@@ -519,6 +550,10 @@ _SPECS = {
                        "Tensor? k_descale, Tensor? v_descale, Tensor? token_seq_idx, Tensor(c!)? k_cache_scales, "
                        "Tensor(d!)? v_cache_scales) -> ()",
                        _write_kv_cache_impl, _write_kv_cache_fake),
+    "append_kv_cache": ("(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor page_table, "
+                        "Tensor cache_seqlens, Tensor? cu_seqlens_k_new, Tensor? k_descale, Tensor? v_descale, "
+                        "Tensor(c!)? k_cache_scales, Tensor(d!)? v_cache_scales) -> Tensor",
+                        _append_kv_cache_impl, _append_kv_cache_fake),
     "quant_fp8_static": ("(Tensor x, Tensor scale) -> Tensor", _quant_impl, _quant_fake),
     "quantize_fp8": ("(Tensor x, str granularity, int nheads_k, bool rotate, int seed, int block_t, bool seq_major, "
                      "bool use_triton) -> (Tensor, Tensor)", _quantize_fp8_impl, _quantize_fp8_fake),
@@ -625,6 +660,7 @@ _dense_op, _dense_out_op = OPS["dense_fwd"], OPS["dense_fwd_out"]
 _paged_op, _paged_out_op = OPS["paged_fwd"], OPS["paged_fwd_out"]
 _combine_op, _combine_out_op = OPS["combine"], OPS["combine_out"]
 _write_kv_cache_op = OPS["write_kv_cache"]
+_append_kv_cache_op = OPS["append_kv_cache"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -836,6 +872,43 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
     """
     _write_kv_cache_op(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
                        k_cache_scales, v_cache_scales)
+
+
+def append_kv_cache(k, v, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_k_new=None, k_descale=None,
+                    v_descale=None, k_cache_scales=None, v_cache_scales=None):
+    """Append new tokens after each sequence's cached ones, quantized as ``write_kv_cache`` does, in place
+    (``fp8attn::append_kv_cache``: on a GPU one launch that derives the slots itself).
+
+    Parameters
+    ----------
+    k, v : (batch, seqlen_new, nheads_k, headdim[_v]) or varlen (total_new, nheads_k, headdim[_v]) with
+        cu_seqlens_k_new (batch + 1,) int32; 16/32-bit. k_cache, v_cache : (num_blocks, page_size, nheads_k,
+        headdim[_v]), mutated. page_table : (batch, max_pages) int32. cache_seqlens : (batch,) int32, the
+        tokens already cached: sequence b's i-th new token goes to position cache_seqlens[b] + i.
+    k_descale, v_descale : float32 per-tensor or (batch, nheads_k) / (batch, 1) static descales, or None (1).
+    k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) dynamic per-token-head scales (mutated).
+
+    Tokens at a position outside the row's pages (negative, or >= max_pages * page_size) or in a page id
+    outside [0, num_blocks) are not written.
+
+    Returns
+    -------
+    (batch,) int32: the lengths after the append (cache_seqlens + each sequence's new tokens).
+    """
+    args = (k, v, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_k_new, k_descale, v_descale,
+            k_cache_scales, v_cache_scales)
+    if _eager_direct(*args):
+        return _append_kv_cache_impl(*args)
+    return _append_kv_cache_op(*args)
+
+
+def quantize_fp8(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
+    """Dynamic FP8 quantization of one of ``quantize_qkv``'s inputs (``fp8attn::quantize_fp8``; see
+    ``qkv.quantize_one`` for the arguments). Returns ``(x8, descale)``."""
+    args = (x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton)
+    if not _needs_grad(x) and _eager_direct(x):
+        return _quantize_fp8_impl(*args)
+    return OPS["quantize_fp8"](*args)
 
 
 def quant_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 __all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "empty_paged", "to_v_seq_major",
            "is_v_seq_major", "paged_precision", "paged_precisions", "decode_shaped", "small_shaped",
-           "decode_row_queries", "packed_token_seqs", "split_workspace"]
+           "decode_row_queries", "packed_token_seqs", "token_rows", "split_workspace"]
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -207,15 +207,29 @@ def packed_token_seqs(cu_seqlens: torch.Tensor, total: int):
     return torch.searchsorted(cu_seqlens[1:].long(), tok, right=True), tok
 
 
-def slot_mapping_for(page_table, page_size, seq_idx, positions):
+def token_rows(device, batch, seqlen=None, cu_seqlens=None, total=None):
+    """(batch row, index within the row) of every token of a padded (batch, seqlen) or packed (cu_seqlens, ``total``
+    tokens) layout, as int64 tensors in token order (no host sync); packed tokens past ``cu_seqlens[-1]`` get the
+    row ``batch``."""
+    if cu_seqlens is None:
+        return (torch.arange(batch, device=device).repeat_interleave(seqlen),
+                torch.arange(seqlen, device=device).repeat(batch))
+    seq, tok = packed_token_seqs(cu_seqlens, total)
+    return seq, tok - cu_seqlens.long()[seq]
+
+
+def slot_mapping_for(page_table, page_size, seq_idx, positions, num_blocks=None):
     """Slots (block * page_size + offset) of tokens at ``positions`` of sequences ``seq_idx``.
 
-    A token whose position lies outside its row's capacity ``[0, max_pages * page_size)``, or whose sequence
-    is not a row of the table, gets slot -1, which ``write_kv_cache`` skips: lengths the API's value checks
-    did not see (a GPU call without validate=True) never write over another token's slot (no host sync)."""
+    A token whose position lies outside its row's capacity ``[0, max_pages * page_size)``, whose sequence is not a
+    row of the table, or (with ``num_blocks``) whose page id is outside ``[0, num_blocks)``, gets slot -1, which
+    the cache writes skip: lengths the API's value checks did not see never write over another token's slot (no
+    host sync). (A page id of -1 gives a negative slot either way.)"""
     positions, seq_idx = positions.long(), seq_idx.long()
     rows, cols = page_table.shape
-    page_col = positions // page_size
+    page_col = torch.div(positions, page_size, rounding_mode="floor")
     ok = (positions >= 0) & (page_col < cols) & (seq_idx < rows)
     pages = page_table.long()[seq_idx.clamp(max=max(rows - 1, 0)), page_col.clamp(0, max(cols - 1, 0))]
+    if num_blocks is not None:
+        ok &= (pages >= 0) & (pages < num_blocks)
     return torch.where(ok, pages * page_size + positions % page_size, -1)

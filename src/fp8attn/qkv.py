@@ -1,10 +1,9 @@
 """``quantize_qkv``: 16-bit Q, K, V -> FP8 e4m3 with descales, optionally Hadamard-rotating Q and K.
 
-On CUDA (or under TRITON_INTERPRET=1) it runs the Triton tile kernel of kernels/quantize.py: a pass
-that computes the amax of every (batch, head, token block) — and, for per-block granularity,
-quantizes in the same pass since a tile is exactly one scale block — and, for per-tensor / per-head
-granularity, a second pass that quantizes with the reduced descale. The tiny amax reductions between
-the passes are torch ops (no host sync). A pure-torch path computes the same thing elsewhere.
+On CUDA (or under TRITON_INTERPRET=1) it runs the Triton kernel of kernels/quantize.py: per input at
+most two launches (amax partials, then the in-kernel reduction of each scale group and the quantization),
+one where a tile or one program covers a whole scale group; no torch op runs between them (no host
+sync). A pure-torch path computes the same thing elsewhere.
 
 Descale convention (fp8attn.quant): ``descale = max(amax, DESCALE_FLOOR * 448) / 448`` and
 ``x8 = saturate(x / descale)``.
@@ -126,34 +125,34 @@ def _torch_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=False
     return y, ret
 
 
-def _triton_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=False):
-    from .kernels.quantize import launch_quant_tile
+@functools.lru_cache(maxsize=32)
+def _padded_rotation(d, block_d, seed, device, dtype):
+    """The +-1 rotation zero-padded to (block_d, block_d), built once per (d, seed, device, dtype): a call
+    then launches nothing but the quantize kernels (and copies nothing from the host)."""
+    r = torch.zeros(block_d, block_d, device=device, dtype=dtype)  # ±1: exact in any dtype
+    r[:d, :d] = _had.rotation_matrix(d, seed, device=device, dtype=dtype, normalized=False)
+    return r
+
+
+def _triton_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=False, single=None):
+    from .kernels.quantize import launch_quantize
 
     x4 = _as4d(x)
     b, s, h, d = x4.shape
     block_d = max(16, 1 << (d - 1).bit_length())
-    nb = max(1, -(-s // block_t))
     if seq_major:  # the kernel stores through y's strides: written sequence-major in the same pass
         y = empty_seq_major((b, s, h, d), torch.float8_e4m3fn, x.device)
     else:
         y = torch.empty(b, s, h, d, device=x.device, dtype=torch.float8_e4m3fn)
     if rotate:
-        r = torch.zeros(block_d, block_d, device=x.device, dtype=x.dtype)  # ±1: exact in any dtype
-        r[:d, :d] = _had.rotation_matrix(d, seed, device=x.device, dtype=x.dtype, normalized=False)
+        r = _padded_rotation(d, block_d, int(seed), x.device, x.dtype)
         r_scale = 1.0 / math.sqrt(_had.hadamard_block_size(d))
     else:
         r, r_scale = y, 1.0
-    amax = torch.empty(b, h, nb, device=x.device, dtype=torch.float32)
-    launch = functools.partial(launch_quant_tile, x4, y, r, r_scale, amax, rotate=rotate, block_t=block_t,
-                               block_d=block_d)
-    if granularity == "per_block":  # a tile is exactly one scale block: one pass
-        ret = torch.empty(b, h, nb, device=x.device, dtype=torch.float32)
-        launch(ret, write_amax=False, quant=True, self_scale=True)
-    else:  # amax pass, tiny torch reduction (no host sync), quantize pass
-        launch(amax, write_amax=True, quant=False, self_scale=False)
-        ret, full = _reduce(amax, granularity, nheads_k)
-        launch(full, write_amax=False, quant=True, self_scale=False)
-    return (y.squeeze(0) if x.dim() == 3 else y), ret
+    ds = torch.empty(descale_shape(x4, granularity, nheads_k, block_t), device=x.device, dtype=torch.float32)
+    launch_quantize(x4, y, r, r_scale, ds, granularity=granularity, nheads_k=nheads_k, rotate=rotate,
+                    block_t=block_t, block_d=block_d, single=single)
+    return (y.squeeze(0) if x.dim() == 3 else y), ds
 
 
 def quantize_one(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
@@ -228,7 +227,7 @@ def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128
     hk = k.shape[-2]
     # auto: the Triton kernel on a CUDA device that can run it; a CUDA call that cannot reports the fallback
     use_triton = backend == "triton" or (backend == "auto" and kernel_for(q, "quantize") is not None)
-    op = ops.OPS["quantize_fp8"]  # one op per input: opaque to torch.compile, with an exact fake
+    op = ops.quantize_fp8  # one op per input: opaque to torch.compile, with an exact fake
     q8, qd = op(q, granularity, hk, bool(hadamard), int(seed), bt, False, use_triton)
     k8, kd = op(k, granularity, hk, bool(hadamard), int(seed), bt, False, use_triton)
     vg = "per_head" if granularity == "per_block" else granularity

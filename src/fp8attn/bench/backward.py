@@ -94,9 +94,9 @@ def _timed(step, flops):
 def run(out_dir=None, quick=False):
     """Run the sweep; write backward.json into ``out_dir`` (default benchmarks/results/<gpu>/)."""
     import fp8attn
-    from .. import ops
+    from ..capability import kernel_for
 
-    if ops._kernel("backward", "launch_attention_bwd") is None:
+    if kernel_for(torch.empty(0, device="cuda"), "backward") is None:
         raise RuntimeError("fp8attn bench backward: the Triton backward kernel (fp8attn.kernels.backward) is not "
                            "available in this install; the reference backward would run instead (and run out of "
                            "memory at these lengths).")
