@@ -94,7 +94,7 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
         return None
     from .kernels import dense as kd_
     from .kernels import dense_tma
-    from .kernels.common import window_flags
+    from .launch_rules import window_flags
 
     backend = kd_.dense_backend()
     if backend == "triton" or kd_.wants_kmajor_copy(v, True, None, True):

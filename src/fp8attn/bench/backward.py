@@ -94,6 +94,7 @@ def _timed(step, flops):
 def run(out_dir=None, quick=False):
     """Run the sweep; write backward.json into ``out_dir`` (default benchmarks/results/<gpu>/)."""
     import fp8attn
+    from .. import ops
     from ..capability import kernel_for
 
     if kernel_for(torch.empty(0, device="cuda"), "backward") is None:
