@@ -261,6 +261,30 @@ def test_opcheck_write_kv_cache():
     assert kc.view(torch.uint8).count_nonzero() > 0 and (kc[1].float() == 0).all()  # slot -1 skipped
 
 
+def test_opcheck_append_kv_cache():
+    """``fp8attn::append_kv_cache`` (the append of flash_attn_with_kvcache): opcheck with fixed new tokens and
+    static per-(sequence, head) descales, and varlen new tokens with dynamic scales (mutated); the lengths it
+    returns."""
+    nb, ps, hk, d = 6, 4, 2, 32
+    pt = torch.tensor([[3, 0], [5, 1]], dtype=torch.int32)
+    cached = torch.tensor([2, 4], dtype=torch.int32)
+    for varlen, scales in ((False, False), (True, True)):
+        cu = torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None
+        shape = (4, hk, d) if varlen else (2, 2, hk, d)
+        k, v = torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16)
+        kc = torch.zeros(nb, ps, hk, d, dtype=E4M3)
+        vc = torch.zeros(nb, ps, hk, d, dtype=E4M3)
+        ks = torch.ones(nb, ps, hk) if scales else None
+        vs = torch.ones(nb, ps, hk) if scales else None
+        kd = None if scales else torch.rand(2, hk) * 0.05 + 0.01
+        args = (k, v, kc, vc, pt, cached, cu, kd, kd, ks, vs)
+        torch.library.opcheck(ops.OPS["append_kv_cache"], args, test_utils=OPCHECK_TESTS)
+        total = ops.append_kv_cache(k, v, kc, vc, pt, cached, cu_seqlens_k_new=cu, k_descale=kd, v_descale=kd,
+                                    k_cache_scales=ks, v_cache_scales=vs)
+        assert total.dtype == torch.int32 and total.tolist() == ([5, 5] if varlen else [4, 6])
+        assert kc[3, 2].view(torch.uint8).count_nonzero() > 0  # sequence 0's first new token: page 3, offset 2
+
+
 def test_opcheck_quant_and_scaled_bmm():
     x = torch.randn(3, 5, 16, dtype=torch.bfloat16) * 50
     torch.library.opcheck(ops.OPS["quant_fp8_static"], (x, OSCALE), test_utils=OPCHECK_TESTS)
@@ -302,22 +326,26 @@ def _bf16(args):
 
 
 def test_opcheck_16bit_inputs_and_autograd():
-    """16-bit q/k/v; autograd: a C++ fallthrough at the Autograd key (the ops are non-differentiable),
-    and the Python entry points make a backward raise instead of silently dropping gradients."""
+    """16-bit q/k/v; autograd: registered on dense_fwd (tests/test_backward.py checks its gradients), a C++
+    fallthrough at the Autograd key of paged_fwd, whose Python entry point makes a backward raise instead of
+    silently dropping gradients."""
     for name, args in (("dense_fwd", _bf16(_dense_case(True))), ("paged_fwd", _bf16(_paged_case(False, OSCALE)))):
         torch.library.opcheck(ops.OPS[name], args, test_utils=OPCHECK_TESTS)
         rg = (args[0].clone().requires_grad_(True),) + args[1:]
         torch.library.opcheck(ops.OPS[name], rg, test_utils=("test_autograd_registration",))
         assert torch._C._dispatch_has_kernel_for_dispatch_key(ops.OPS[name].name(), "Autograd")
-    q = torch.randn(2, 3, 2, 32, requires_grad=True)
-    o = fp8attn.flash_attn_func(q, q, q)
+    q = torch.randn(1, 3, 2, 32, requires_grad=True)
+    kc = torch.randn(4, 4, 2, 32)
+    pt = torch.arange(4, dtype=torch.int32)[None]
+    o = fp8attn.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([9], dtype=torch.int32), page_table=pt)
     assert o.requires_grad
     with pytest.raises(NotImplementedError, match="no backward"):
         o.sum().backward()
     with torch.no_grad():
-        assert not fp8attn.flash_attn_func(q, q, q).requires_grad
+        assert not fp8attn.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([9], dtype=torch.int32),
+                                                   page_table=pt).requires_grad
     with pytest.raises(NotImplementedError, match="out="):
-        fp8attn.flash_attn_func(q, q, q, out=torch.empty(2, 3, 2, 32))
+        fp8attn.flash_attn_func(q, q, q, out=torch.empty(1, 3, 2, 32))
 
 
 def test_ops_live_only_in_fp8attn_namespace():

@@ -106,7 +106,9 @@ KERNELS = {
     "paged": ("paged", "launch_paged_fwd"),
     "combine": ("combine", "launch_combine"),
     "cache": ("cache", "launch_write_kv_cache"),
-    "quantize": ("quantize", "launch_quant_tile"),
+    "append": ("cache", "launch_append_kv_cache"),
+    "quantize": ("quantize", "launch_quantize"),
+    "backward": ("backward", "launch_attention_bwd"),
 }
 
 
@@ -274,7 +276,7 @@ _ENTRY_KERNELS = {
     "flash_attn_func": ("q", ("dense",)),
     "flash_attn_varlen_func": ("q", ("dense",)),
     "flash_attn_qkvpacked_func": ("qkv", ("dense",)),
-    "flash_attn_with_kvcache": ("q", ("paged",)),  # (+ "cache" with new k/v)
+    "flash_attn_with_kvcache": ("q", ("paged",)),  # (+ "append" with new k/v)
     "flash_attn_combine": ("out_partial", ("combine",)),
     "write_kv_cache": ("k", ("cache",)),
     "quantize_qkv": ("q", ("quantize",)),
@@ -368,7 +370,7 @@ def _key_of(val):
 def _support(entry, dev, kw, has_call):
     _, kernels = _ENTRY_KERNELS[entry]
     if entry == "flash_attn_with_kvcache" and kw.get("k") is not None:
-        kernels = ("cache",) + kernels
+        kernels = ("append",) + kernels
     if entry == "quantize_qkv" and kw.get("backend", "auto") != "auto":
         if kw["backend"] == "torch":
             return Support(None, "backend='torch' asks for the torch path")

@@ -23,6 +23,8 @@ BENCH_ROUTINES = {
     "host": ("fp8attn.bench.host", "run"),
     "cp": ("fp8attn.bench.cp", "run"),
     "cp-simulate": ("fp8attn.bench.cp", "run_simulate"),
+    "backward": ("fp8attn.bench.backward", "run"),
+    "convergence": ("fp8attn.bench.convergence", "run"),
 }
 # the routines that run without a GPU (the others time GPU kernels)
 CPU_ROUTINES = ("accuracy",)

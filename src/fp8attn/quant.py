@@ -44,8 +44,11 @@ DESCALE_FLOOR = 2.0 ** -40
 
 
 def descale_from_amax(amax: torch.Tensor, fp8_max_value: float) -> torch.Tensor:
-    """The module's descale convention, float32: ``max(amax, DESCALE_FLOOR * fp8_max) / fp8_max``."""
-    return (amax.float().clamp_min(DESCALE_FLOOR * fp8_max_value) / fp8_max_value).to(torch.float32)
+    """The module's descale convention, float32: ``max(amax, DESCALE_FLOOR * fp8_max) / fp8_max``, the
+    correctly rounded quotient on every device (torch's CUDA division by a scalar multiplies by its
+    reciprocal, one ulp away at times; a float64 quotient rounded once to float32 is exact, as the
+    kernels' ``div_rn``)."""
+    return (amax.double().clamp_min(DESCALE_FLOOR * fp8_max_value) / fp8_max_value).to(torch.float32)
 
 
 # Per-token-head KV-cache scales may be stored in float32 or bfloat16 (half the scale bytes: 4 B per

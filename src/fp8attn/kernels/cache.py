@@ -1,6 +1,9 @@
-"""write_kv_cache: quantize new K/V tokens into a paged cache (one launch for K and V).
+"""Quantize new K/V tokens into a paged cache (one launch for K and V).
 
-Slots: ``slot_mapping[t] = block_id * page_size + offset``; a negative slot (padding) is skipped.
+``launch_write_kv_cache`` takes explicit slots: ``slot_mapping[t] = block_id * page_size + offset``; a
+negative slot (padding) is skipped. ``launch_append_kv_cache`` (the append of ``flash_attn_with_kvcache``)
+derives each token's slot in the kernel from the page table, the cached lengths and the new-token layout,
+and writes the lengths after the append, so the append is one launch with no slot arithmetic around it.
 Scale modes (``quant`` conventions, ``x ~= x8 * descale``):
 
 * 16-bit cache: plain copy (descales ignored).
@@ -24,7 +27,7 @@ from ..paged import is_v_seq_major
 from ..quant import DESCALE_FLOOR, scale_storage_pad
 from .common import INTERPRET, cdiv, next_pow2
 
-__all__ = ["launch_write_kv_cache"]
+__all__ = ["launch_write_kv_cache", "launch_append_kv_cache"]
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -48,7 +51,7 @@ def _round_to_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 @triton.jit
 def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
                  s_xt, s_xh, s_cb, s_cp, s_ch, s_cd, s_sb, s_sp, s_sh, s_db, s_dh,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, HAS_DS: tl.constexpr,
                  FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, INTERP: tl.constexpr, SCALE_PAD: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     m2 = hmask[:, None] & (offs_d[None, :] < D)
@@ -59,7 +62,10 @@ def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
         tl.store(c_ptrs, x.to(C.dtype.element_ty), mask=m2)
     else:
         if MODE == 1:
-            ds = tl.load(DS + seq * s_db + heads * s_dh, mask=hmask, other=1.0)
+            if HAS_DS:
+                ds = tl.load(DS + seq * s_db + heads * s_dh, mask=hmask, other=1.0)
+            else:  # no descale: x / 1 (exact), without a tensor of ones per call
+                ds = tl.where(hmask, 1.0, 1.0)
         else:
             a = tl.abs(x)
             a = tl.where(a != a, 0.0, a)  # NaN has no magnitude
@@ -81,42 +87,143 @@ def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
 
 @triton.jit
 def _write_kv_kernel(K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS,
-                     nheads, page_size,
+                     nheads, page_size, num_slots, num_seqs,
                      s_kt, s_kh, s_vt, s_vh,
                      s_kcb, s_kcp, s_kch, s_kcd, s_vcb, s_vcp, s_vch, s_vcd,
                      s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
                      s_kdb, s_kdh, s_vdb, s_vdh,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_H: tl.constexpr, MODE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
+                     HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
                      FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, INTERP: tl.constexpr,
                      K_SCALE_PAD: tl.constexpr, V_SCALE_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
-    if slot < 0:
+    # negative slots are padding; slots past the cache and sequence rows past the descales (values the API checks
+    # only on the CPU or with validate=True) are skipped too: never an out-of-bounds write or read
+    if (slot < 0) | (slot >= num_slots):
         return
     blk = slot // page_size
     off = slot % page_size
     if HAS_SEQ_IDX:
         seq = tl.load(SEQ_IDX + t).to(tl.int64)
+        if (seq < 0) | (seq >= num_seqs):
+            return
     else:
         seq = 0
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < nheads
     _quant_store(K, KC, KS, KD, t, seq, blk, off, heads, hmask,
                  s_kt, s_kh, s_kcb, s_kcp, s_kch, s_kcd, s_ksb, s_ksp, s_ksh, s_kdb, s_kdh,
-                 D, BLOCK_D, MODE, FP8_MAX, FLOOR, INTERP, K_SCALE_PAD)
+                 D, BLOCK_D, MODE, HAS_KD, FP8_MAX, FLOOR, INTERP, K_SCALE_PAD)
     _quant_store(V, VC, VS, VD, t, seq, blk, off, heads, hmask,
                  s_vt, s_vh, s_vcb, s_vcp, s_vch, s_vcd, s_vsb, s_vsp, s_vsh, s_vdb, s_vdh,
-                 DV, BLOCK_DV, MODE, FP8_MAX, FLOOR, INTERP, V_SCALE_PAD)
+                 DV, BLOCK_DV, MODE, HAS_VD, FP8_MAX, FLOOR, INTERP, V_SCALE_PAD)
 
 
-def _descale_strides(d: torch.Tensor | None, nheads_k: int):
+@triton.jit
+def _append_kv_kernel(K, V, KC, VC, PT, SEQLENS, CU, TOTAL, KD, VD, KS, VS,
+                      batch, nheads, page_size, max_pages, num_blocks, seqlen_new, num_tokens,
+                      s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ptb, s_ptc, s_len, s_cu,
+                      s_kcb, s_kcp, s_kch, s_kcd, s_vcb, s_vcp, s_vch, s_vcd,
+                      s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
+                      s_kdb, s_kdh, s_vdb, s_vdh,
+                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_B: tl.constexpr, MODE: tl.constexpr, VARLEN: tl.constexpr,
+                      HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
+                      FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, INTERP: tl.constexpr,
+                      K_SCALE_PAD: tl.constexpr, V_SCALE_PAD: tl.constexpr):
+    """One new token (program 0) x BLOCK_H heads (program 1). Token t of sequence b (its i-th new token)
+    goes to position ``SEQLENS[b] + i``: page ``PT[b, pos // page_size]``, offset ``pos % page_size``.
+    Program (0, 0) also writes ``TOTAL[b] = SEQLENS[b] + new tokens of b``."""
+    t = tl.program_id(0).to(tl.int64)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        for b0 in range(0, batch, BLOCK_B):
+            bs = b0 + tl.arange(0, BLOCK_B)
+            bm = bs < batch
+            n = tl.load(SEQLENS + bs * s_len, mask=bm, other=0)
+            if VARLEN:
+                n += tl.load(CU + (bs + 1) * s_cu, mask=bm, other=0) - tl.load(CU + bs * s_cu, mask=bm, other=0)
+            else:
+                n += seqlen_new
+            tl.store(TOTAL + bs, n, mask=bm)
+    if VARLEN:
+        # sequence = number of sequences that end at or before t (searchsorted(cu[1:], t, right=True)); a
+        # token past cu[batch] (padding) gets the sequence ``batch`` and is skipped
+        seq = tl.zeros((), tl.int64)
+        for b0 in range(0, batch, BLOCK_B):
+            bs = b0 + tl.arange(0, BLOCK_B)
+            ends = tl.load(CU + (bs + 1) * s_cu, mask=bs < batch, other=2147483647)
+            seq += tl.sum((ends <= t).to(tl.int64), 0)
+        ok = (t < num_tokens) & (seq < batch)
+        seq = tl.minimum(seq, batch - 1)
+        i = t - tl.load(CU + seq * s_cu, mask=ok, other=0).to(tl.int64)
+        k_row = t * s_kt
+        v_row = t * s_vt
+    else:
+        ok = t < num_tokens
+        seq = t // tl.maximum(seqlen_new, 1)  # (no token when seqlen_new == 0: ok is False)
+        i = t % tl.maximum(seqlen_new, 1)
+        k_row = seq * s_kb + i * s_kt
+        v_row = seq * s_vb + i * s_vt
+    pos = tl.load(SEQLENS + seq * s_len, mask=ok, other=0).to(tl.int64) + i
+    col = pos // page_size
+    # positions outside the row's pages (lengths the API checks only on the CPU or with validate=True) and
+    # page ids outside the cache (e.g. the -1 of an unused table entry) are skipped: never a write elsewhere
+    ok = ok & (pos >= 0) & (col < max_pages)
+    blk = tl.load(PT + seq * s_ptb + col * s_ptc, mask=ok, other=-1).to(tl.int64)
+    ok = ok & (blk >= 0) & (blk < num_blocks)
+    if ok:
+        off = pos % page_size
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < nheads
+        _quant_store(K, KC, KS, KD, k_row, seq, blk, off, heads, hmask,
+                     1, s_kh, s_kcb, s_kcp, s_kch, s_kcd, s_ksb, s_ksp, s_ksh, s_kdb, s_kdh,
+                     D, BLOCK_D, MODE, HAS_KD, FP8_MAX, FLOOR, INTERP, K_SCALE_PAD)
+        _quant_store(V, VC, VS, VD, v_row, seq, blk, off, heads, hmask,
+                     1, s_vh, s_vcb, s_vcp, s_vch, s_vcd, s_vsb, s_vsp, s_vsh, s_vdb, s_vdh,
+                     DV, BLOCK_DV, MODE, HAS_VD, FP8_MAX, FLOOR, INTERP, V_SCALE_PAD)
+
+
+def _descale_strides(d: torch.Tensor | None):
     """(stride over sequences, stride over heads) of a per-tensor or (batch, nheads_k|1) descale."""
     if d is None or d.numel() == 1:
         return 0, 0
     if d.dim() == 1:  # (batch,) per sequence
         return d.stride(0), 0
     return (d.stride(0) if d.shape[0] > 1 else 0), (d.stride(1) if d.shape[1] > 1 else 0)
+
+
+def _scale_args(k, v, k_cache, v_cache, k_descale, v_descale, k_cache_scales, v_cache_scales, dummy):
+    """The arguments both kernels share past their token operands: the caches, descales, scale tensors,
+    their strides and the mode constexprs (kwargs). A missing static descale is 1 (no tensor of ones)."""
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert v_cache.stride(-1) == 1 or is_v_seq_major(v_cache)
+    if k_cache.dtype not in _FP8_MAX:
+        mode = MODE_COPY
+    elif k_cache_scales is not None:
+        mode = MODE_DYNAMIC
+    else:
+        mode = MODE_STATIC
+    static = mode == MODE_STATIC
+    kd = k_descale if static and k_descale is not None else None
+    vd = v_descale if static and v_descale is not None else None
+    dyn = mode == MODE_DYNAMIC
+    d, dv = k.shape[-1], v.shape[-1]
+    nheads_k = k.shape[-2]
+    block_h = min(next_pow2(nheads_k), 16)
+    tensors = (k_cache, v_cache)
+    scales = (kd if kd is not None else dummy, vd if vd is not None else dummy,
+              k_cache_scales if dyn else dummy, v_cache_scales if dyn else dummy)
+    strides = (*k_cache.stride(), *v_cache.stride(),
+               *(k_cache_scales.stride() if dyn else (0, 0, 0)), *(v_cache_scales.stride() if dyn else (0, 0, 0)),
+               *_descale_strides(kd), *_descale_strides(vd))
+    meta = dict(D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), BLOCK_H=block_h, MODE=mode,
+                HAS_KD=kd is not None, HAS_VD=vd is not None,
+                FP8_MAX=_FP8_MAX.get(k_cache.dtype, 1.0), FLOOR=DESCALE_FLOOR, INTERP=INTERPRET,
+                K_SCALE_PAD=scale_storage_pad(k_cache_scales.dtype) if dyn else 1.0,
+                V_SCALE_PAD=scale_storage_pad(v_cache_scales.dtype) if dyn else 1.0, num_warps=4)
+    return tensors, scales, strides, meta, cdiv(nheads_k, block_h)
 
 
 def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -136,59 +243,81 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         contiguous, or sequence-major (memory order (num_blocks, nheads_k, headdim_v, page_size),
         ``fp8attn.paged.alloc_paged_cache(..., v_seq_major=True)``).
     slot_mapping : (num_tokens,) int64 (int32 accepted): ``block_id * page_size + offset``; negative
-        entries are skipped.
+        entries, and entries >= num_blocks * page_size, are skipped.
     k_descale, v_descale : float32 static descales: per-tensor (0-d / (1,) / (1, 1)) or
         per-(sequence, head) (batch, nheads_k) / per-sequence (batch, 1) with ``token_seq_idx``.
-        Ignored for a 16-bit cache. Used when the cache scales are None.
-    token_seq_idx : (num_tokens,) int32, the batch row of each token (per-(sequence, head) descales).
+        Ignored for a 16-bit cache. Used when the cache scales are None; None means 1.
+    token_seq_idx : (num_tokens,) int32, the batch row of each token (per-(sequence, head) descales); a token
+        whose row is outside the descales' rows is skipped.
     k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32 or bfloat16. When given
         (both), the per-token-head descale is computed dynamically from each (token, head), rounded to
         the storage dtype (padded up, ``quant.scale_storage_pad``) and stored there; the cache holds
         the values quantized with exactly the stored descale.
     """
-    num_tokens, nheads_k, d = k.shape
-    dv = v.shape[-1]
+    num_tokens = k.shape[0]
     if num_tokens == 0:
         return
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
-    assert v_cache.stride(-1) == 1 or is_v_seq_major(v_cache)
+    caches, scales, strides, meta, head_blocks = _scale_args(k, v, k_cache, v_cache, k_descale, v_descale,
+                                                             k_cache_scales, v_cache_scales, slot_mapping)
+    s_kdb, s_vdb = strides[-4], strides[-2]
+    has_seq = meta["MODE"] == MODE_STATIC and (s_kdb != 0 or s_vdb != 0)
+    used = (d for d, on in ((k_descale, meta["HAS_KD"]), (v_descale, meta["HAS_VD"])) if on)
+    seq_rows = [d.shape[0] for d in used if d.numel() != 1]
     page_size = k_cache.shape[1]
-    is_fp8 = k_cache.dtype in _FP8_MAX
-    if not is_fp8:
-        mode = MODE_COPY
-    elif k_cache_scales is not None:
-        mode = MODE_DYNAMIC
+    _write_kv_kernel[(num_tokens, head_blocks)](
+        k, v, *caches, slot_mapping, token_seq_idx if has_seq else slot_mapping, *scales,
+        k.shape[1], page_size, k_cache.shape[0] * page_size, min(seq_rows) if seq_rows else 1,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides, HAS_SEQ_IDX=has_seq, **meta)
+
+
+def launch_append_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                           cu_seqlens_k_new: torch.Tensor | None = None, *, k_descale: torch.Tensor | None = None,
+                           v_descale: torch.Tensor | None = None, k_cache_scales: torch.Tensor | None = None,
+                           v_cache_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Append new K/V tokens after each sequence's cached ones (quantizing as ``launch_write_kv_cache``), in
+    place, in one launch; returns the lengths after the append.
+
+    Parameters
+    ----------
+    k : (batch, seqlen_new, nheads_k, headdim), or varlen (total_new, nheads_k, headdim) with
+        ``cu_seqlens_k_new``; bf16/fp16/fp32, last dim contiguous.
+    v : as ``k`` with headdim_v.
+    k_cache, v_cache : (num_blocks, page_size, nheads_k, headdim[_v]) as in ``launch_write_kv_cache``.
+    page_table : (batch, max_pages) int32 (any strides): sequence b's position p lives in page
+        ``page_table[b, p // page_size]`` at offset ``p % page_size``.
+    cache_seqlens : (batch,) int32, tokens already cached; sequence b's i-th new token goes to position
+        ``cache_seqlens[b] + i``.
+    cu_seqlens_k_new : (batch + 1,) int32 offsets of the sequences' new tokens in a varlen ``k``; tokens past
+        ``cu_seqlens_k_new[batch]`` are skipped.
+    k_descale, v_descale : float32 per-tensor, (batch, nheads_k) or (batch, 1) static descales (row b for
+        sequence b); None means 1. k_cache_scales, v_cache_scales : dynamic per-token-head scales, as in
+        ``launch_write_kv_cache``.
+
+    A token whose position is negative or at or past ``max_pages * page_size``, or whose page id is outside
+    ``[0, num_blocks)``, is not written (its lengths are still counted in the result).
+
+    Returns
+    -------
+    (batch,) int32: ``cache_seqlens[b]`` + the new tokens of sequence b.
+    """
+    batch = page_table.shape[0]
+    varlen = cu_seqlens_k_new is not None
+    num_tokens = k.shape[0] if varlen else k.shape[0] * k.shape[1]
+    seqlen_new = 0 if varlen else k.shape[1]
+    total = torch.empty(batch, dtype=torch.int32, device=k.device)
+    caches, scales, strides, meta, head_blocks = _scale_args(k, v, k_cache, v_cache, k_descale, v_descale,
+                                                             k_cache_scales, v_cache_scales, total)
+    if varlen:
+        kst, vst = (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1))
     else:
-        mode = MODE_STATIC
-    fp8_max = _FP8_MAX.get(k_cache.dtype, 1.0)
-    dummy = slot_mapping
-    if mode == MODE_STATIC:
-        if k_descale is None:
-            k_descale = torch.ones((), dtype=torch.float32, device=k.device)
-        if v_descale is None:
-            v_descale = torch.ones((), dtype=torch.float32, device=k.device)
-    kd = k_descale if mode == MODE_STATIC else dummy
-    vd = v_descale if mode == MODE_STATIC else dummy
-    kdb, kdh = _descale_strides(k_descale, nheads_k) if mode == MODE_STATIC else (0, 0)
-    vdb, vdh = _descale_strides(v_descale, nheads_k) if mode == MODE_STATIC else (0, 0)
-    has_seq = mode == MODE_STATIC and (kdb != 0 or vdb != 0)
-    ks = k_cache_scales if mode == MODE_DYNAMIC else dummy
-    vs = v_cache_scales if mode == MODE_DYNAMIC else dummy
-    kss = k_cache_scales.stride() if mode == MODE_DYNAMIC else (0, 0, 0)
-    vss = v_cache_scales.stride() if mode == MODE_DYNAMIC else (0, 0, 0)
-    block_h = min(next_pow2(nheads_k), 16)
-    grid = (num_tokens, cdiv(nheads_k, block_h))
-    _write_kv_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping, token_seq_idx if has_seq else slot_mapping, kd, vd, ks, vs,
-        nheads_k, page_size,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        *kss, *vss, kdb, kdh, vdb, vdh,
-        D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
-        BLOCK_H=block_h, MODE=mode, HAS_SEQ_IDX=has_seq, FP8_MAX=fp8_max, FLOOR=DESCALE_FLOOR,
-        INTERP=INTERPRET,
-        K_SCALE_PAD=scale_storage_pad(k_cache_scales.dtype) if mode == MODE_DYNAMIC else 1.0,
-        V_SCALE_PAD=scale_storage_pad(v_cache_scales.dtype) if mode == MODE_DYNAMIC else 1.0,
-        num_warps=4,
-    )
+        kst, vst = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
+    if batch == 0:
+        return total
+    _append_kv_kernel[(max(num_tokens, 1), head_blocks)](
+        k, v, *caches, page_table, cache_seqlens, cu_seqlens_k_new if varlen else total, total, *scales,
+        batch, k.shape[-2], k_cache.shape[1], page_table.shape[1], k_cache.shape[0], seqlen_new, num_tokens,
+        *kst, *vst, page_table.stride(0), page_table.stride(1), cache_seqlens.stride(0),
+        cu_seqlens_k_new.stride(0) if varlen else 0, *strides,
+        BLOCK_B=min(next_pow2(batch), 256), VARLEN=varlen, **meta)
+    return total

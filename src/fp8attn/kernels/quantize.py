@@ -1,12 +1,25 @@
-"""Triton tile kernel behind ``fp8attn.quantize_qkv`` (see fp8attn/qkv.py for the orchestration).
+"""Triton kernel behind ``fp8attn.quantize_qkv`` (see fp8attn/qkv.py for the orchestration).
 
-One (token block, batch, head) tile per program: optional Hadamard rotation, the tile's amax, and/or
-the saturating e4m3 quantization with a given (or, per-block, its own) descale.
+The unit of work is a tile: ``BLOCK_T`` tokens of one (batch, head), optionally Hadamard-rotated. A scale
+group is the tiles one descale covers: the whole tensor (per_tensor), one (batch, KV head) with its query
+heads (per_head), or the tile itself (per_block). ``launch_quantize`` quantizes one input in at most two
+launches with nothing between them:
 
-Descale convention (fp8attn.quant): ``descale = max(amax, DESCALE_FLOOR * 448) / 448`` and
-``x8 = saturate(x / descale)``.
+* per_block: one launch; each tile quantizes with its own descale.
+* a group of at most ``SINGLE_MAX_TILES`` tiles: one launch, one program per group, which reads its tiles
+  twice (the amax, then the quantization).
+* otherwise: pass 1 writes each tile's amax (a partial); pass 2 programs each reduce the partials of their
+  group (the few of one (batch, KV head), or all of them per tensor), quantize ``TPP`` tiles, and the
+  group's first program stores the descale.
+
+Descale convention (fp8attn.quant): ``descale = max(amax, DESCALE_FLOOR * 448) / 448`` (an IEEE division,
+as ``quant.descale_from_amax``) and ``x8 = saturate(x / descale)``. A NaN or Inf in a group makes its
+amax, hence its descale and every value quantized with it, NaN: visible damage, never a value replaced
+silently.
 """
 from __future__ import annotations
+
+import torch
 
 from ..quant import DESCALE_FLOOR
 
@@ -19,36 +32,28 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
-__all__ = ["launch_quant_tile", "HAS_TRITON"]
+__all__ = ["launch_quantize", "HAS_TRITON", "SINGLE_MAX_TILES"]
 
 E4M3_MAX = 448.0
+# Largest group one program quantizes alone (one launch): its tiles are read twice by one SM, which stays
+# cheap for groups this small and saves the second launch.
+SINGLE_MAX_TILES = 8
+# Partials a pass-2 program may read per tile it quantizes (4 bytes each against a tile's 8-32 KiB).
+_PARTIALS_PER_TILE = 512
+
+MODE_PARTIAL, MODE_QUANT, MODE_SINGLE, MODE_BLOCK = 0, 1, 2, 3
 
 
 if HAS_TRITON:
-    from .common import cdiv  # (also applies the interpreter fixes under TRITON_INTERPRET=1, once)
+    from .common import cdiv, next_pow2  # (also applies the interpreter fixes under TRITON_INTERPRET=1, once)
 
     @triton.jit
-    def _quant_tile_kernel(X, Y, R, Amax, Ds,
-                           seqlen, nheads, head_dim, r_scale,
-                           stride_xb, stride_xs, stride_xh, stride_xd,
-                           stride_yb, stride_ys, stride_yh, stride_yd,
-                           stride_ab, stride_ah, stride_an,
-                           stride_db, stride_dh, stride_dn,
-                           ROTATE: tl.constexpr, WRITE_AMAX: tl.constexpr, QUANT: tl.constexpr,
-                           SELF_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One (token block, batch, head) tile: optional rotation x @ R, amax, FP8 quantization.
-
-        SELF_SCALE: the descale comes from this tile's own amax (per-block granularity, one pass).
-        Otherwise QUANT reads the descale at Ds[b, h, blk] (stride-0 views broadcast).
-        """
-        blk = tl.program_id(0)
-        b = tl.program_id(1).to(tl.int64)
-        h = tl.program_id(2).to(tl.int64)
+    def _load_tile(X, R, b, h, blk, seqlen, head_dim, r_scale, stride_xb, stride_xs, stride_xh, stride_xd,
+                   ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The fp32 tile (BLOCK_T tokens of (b, h), rotated by R when ROTATE; 0 outside the tensor)."""
         offs_t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_d = tl.arange(0, BLOCK_D)
-        t_ok = offs_t < seqlen
-        d_ok = offs_d < head_dim
-        m = t_ok[:, None] & d_ok[None, :]
+        m = (offs_t < seqlen)[:, None] & (offs_d < head_dim)[None, :]
         t64 = offs_t.to(tl.int64)
         x = tl.load(X + b * stride_xb + t64[:, None] * stride_xs + h * stride_xh + offs_d[None, :] * stride_xd,
                     mask=m, other=0.0)
@@ -57,39 +62,165 @@ if HAS_TRITON:
             xf = tl.dot(x, r, input_precision="ieee") * r_scale
         else:
             xf = x.to(tl.float32)
-        xf = tl.where(m, xf, 0.0)
-        xf = tl.where(xf != xf, 0.0, xf)  # NaN carries no magnitude for the amax
-        amax = tl.max(tl.max(tl.abs(xf), 1), 0)
-        if WRITE_AMAX:
-            tl.store(Amax + b * stride_ab + h * stride_ah + blk * stride_an, amax)
-        if QUANT:
-            if SELF_SCALE:
-                ds = tl.maximum(amax, DESCALE_FLOOR_C * E4M3_MAX_C) / E4M3_MAX_C
-                tl.store(Ds + b * stride_db + h * stride_dh + blk * stride_dn, ds)
+        return tl.where(m, xf, 0.0)
+
+    @triton.jit
+    def _store_tile(Y, xf, ds, b, h, blk, seqlen, head_dim, stride_yb, stride_ys, stride_yh, stride_yd,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        offs_t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_d = tl.arange(0, BLOCK_D)
+        m = (offs_t < seqlen)[:, None] & (offs_d < head_dim)[None, :]
+        t64 = offs_t.to(tl.int64)
+        y = xf / ds
+        y = tl.minimum(tl.maximum(y, -E4M3_MAX_C), E4M3_MAX_C)
+        tl.store(Y + b * stride_yb + t64[:, None] * stride_ys + h * stride_yh + offs_d[None, :] * stride_yd,
+                 y.to(tl.float8e4nv), mask=m)
+
+    @triton.jit
+    def _tile_amax(xf):
+        """max |x| over the tile, NaN if it holds a NaN or Inf (|x| < inf is False for NaN and +-Inf; no
+        max-with-NaN semantics are relied on)."""
+        fin = tl.abs(xf) < float("inf")
+        n_bad = tl.sum(tl.sum(tl.where(fin, 0, 1), 1), 0)
+        amax = tl.max(tl.max(tl.abs(tl.where(fin, xf, 0.0)), 1), 0)
+        return tl.where(n_bad > 0, float("nan"), amax)
+
+    @triton.jit
+    def _descale(amax):
+        """``quant.descale_from_amax`` bit for bit (IEEE division: Triton's ``/`` is approximate); NaN stays."""
+        ds = tl.math.div_rn(tl.maximum(amax, DESCALE_FLOOR_C * E4M3_MAX_C), E4M3_MAX_C)
+        return tl.where(amax != amax, amax, ds)
+
+    @triton.jit
+    def _quantize_kernel(X, Y, R, P, DS,
+                         batch, seqlen, nheads, head_dim, nblocks, group_heads, r_scale,
+                         stride_xb, stride_xs, stride_xh, stride_xd,
+                         stride_yb, stride_ys, stride_yh, stride_yd,
+                         stride_db, stride_dh, stride_dn,
+                         MODE: tl.constexpr, PER_TENSOR: tl.constexpr, TPP: tl.constexpr, BLOCK_P: tl.constexpr,
+                         ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """See the module docstring. Tiles are numbered ``(b * nheads + h) * nblocks + blk`` (P's layout); a
+        group is a run of ``group_tiles`` consecutive tiles from ``first``: per head, the ``group_heads`` heads
+        of one KV head; per tensor, all of them."""
+        if MODE == 2:  # one program per group
+            if PER_TENSOR:
+                first = tl.zeros((), tl.int64)
+                count = batch * nheads * nblocks
             else:
-                ds = tl.load(Ds + b * stride_db + h * stride_dh + blk * stride_dn)
-            y = xf / ds
-            y = tl.minimum(tl.maximum(y, -E4M3_MAX_C), E4M3_MAX_C)
-            tl.store(Y + b * stride_yb + t64[:, None] * stride_ys + h * stride_yh + offs_d[None, :] * stride_yd,
-                     y.to(tl.float8e4nv), mask=m)
+                first = tl.program_id(0).to(tl.int64) * group_heads * nblocks
+                count = group_heads * nblocks
+            amax = tl.zeros((), tl.float32)
+            bad = tl.zeros((), tl.int32)
+            # pass 1 (it < count) takes the amax of each tile, pass 2 quantizes them; one loop, so that the tile
+            # load (and its rotation's shared-memory buffers) exists once in the kernel
+            for it in range(0, 2 * count):
+                quant = it >= count
+                f = first + it - count * quant.to(tl.int64)
+                b = f // (nheads * nblocks)
+                h = (f // nblocks) % nheads
+                blk = f % nblocks
+                xf = _load_tile(X, R, b, h, blk, seqlen, head_dim, r_scale, stride_xb, stride_xs, stride_xh,
+                                stride_xd, ROTATE, BLOCK_T, BLOCK_D)
+                a = _tile_amax(xf)
+                bad += ((a != a) & (it < count)).to(tl.int32)
+                amax = tl.where(quant, amax, tl.maximum(amax, tl.where(a != a, 0.0, a)))
+                ds = _descale(tl.where(bad > 0, float("nan"), amax))
+                if quant:
+                    if it == count:
+                        tl.store(DS + b * stride_db + (h // group_heads) * stride_dh, ds)
+                    _store_tile(Y, xf, ds, b, h, blk, seqlen, head_dim, stride_yb, stride_ys, stride_yh, stride_yd,
+                                BLOCK_T, BLOCK_D)
+        else:
+            blk0 = tl.program_id(0)
+            b = tl.program_id(1).to(tl.int64)
+            h = tl.program_id(2).to(tl.int64)
+            if MODE == 1:  # reduce the group's partials, then quantize TPP tiles
+                if PER_TENSOR:
+                    first = tl.zeros((), tl.int64)
+                    count = batch * nheads * nblocks
+                else:
+                    first = (b * nheads + (h // group_heads) * group_heads) * nblocks
+                    count = group_heads * nblocks
+                acc = tl.zeros((BLOCK_P,), tl.float32)
+                bad = tl.zeros((BLOCK_P,), tl.int32)
+                for p0 in range(0, count, BLOCK_P):
+                    offs = p0 + tl.arange(0, BLOCK_P)
+                    p = tl.load(P + first + offs, mask=offs < count, other=0.0)
+                    bad += (p != p).to(tl.int32)
+                    acc = tl.maximum(acc, tl.where(p != p, 0.0, p))
+                amax = tl.where(tl.sum(bad, 0) > 0, float("nan"), tl.max(acc, 0))
+                ds = _descale(amax)
+                if PER_TENSOR:
+                    lead = (blk0 == 0) & (b == 0) & (h == 0)
+                else:
+                    lead = (blk0 == 0) & (h % group_heads == 0)
+                if lead:
+                    tl.store(DS + b * stride_db + (h // group_heads) * stride_dh, ds)
+                for j in range(TPP):
+                    blk = blk0 * TPP + j  # (past the last block every token is masked)
+                    xf = _load_tile(X, R, b, h, blk, seqlen, head_dim, r_scale, stride_xb, stride_xs, stride_xh,
+                                    stride_xd, ROTATE, BLOCK_T, BLOCK_D)
+                    _store_tile(Y, xf, ds, b, h, blk, seqlen, head_dim, stride_yb, stride_ys, stride_yh,
+                                stride_yd, BLOCK_T, BLOCK_D)
+            else:
+                xf = _load_tile(X, R, b, h, blk0, seqlen, head_dim, r_scale, stride_xb, stride_xs, stride_xh,
+                                stride_xd, ROTATE, BLOCK_T, BLOCK_D)
+                amax = _tile_amax(xf)
+                if MODE == 0:
+                    tl.store(P + (b * nheads + h) * nblocks + blk0, amax)
+                else:  # per block: the tile is its own group
+                    ds = _descale(amax)
+                    tl.store(DS + b * stride_db + h * stride_dh + blk0 * stride_dn, ds)
+                    _store_tile(Y, xf, ds, b, h, blk0, seqlen, head_dim, stride_yb, stride_ys, stride_yh,
+                                stride_yd, BLOCK_T, BLOCK_D)
 
     DESCALE_FLOOR_C = tl.constexpr(DESCALE_FLOOR)
     E4M3_MAX_C = tl.constexpr(E4M3_MAX)
 
 
-def launch_quant_tile(x4, y, r, r_scale, amax, ds, *, rotate, write_amax, quant, self_scale, block_t, block_d):
-    """One pass of the tile kernel over x4 (batch, seqlen, heads, dim).
+def _group_tiles(granularity, b, h, nheads_k, nb):
+    """Tiles of one scale group."""
+    return b * h * nb if granularity == "per_tensor" else (h // nheads_k) * nb
+
+
+def launch_quantize(x4, y, r, r_scale, ds, *, granularity, nheads_k, rotate, block_t, block_d, single=None):
+    """Quantize x4 (batch, seqlen, heads, dim) into y with dynamic descales written to ds.
 
     Parameters
     ----------
-    x4 : (batch, seqlen, heads, dim) bf16/fp16/fp32 input. y : same shape, float8_e4m3fn output.
+    x4 : (batch, seqlen, heads, dim) bf16/fp16/fp32 input (any strides). y : same shape, float8_e4m3fn output
+        (any strides: a sequence-major y is written in the same pass).
     r : (block_d, block_d) +-1 rotation (x4's dtype) when rotate, else any tensor; r_scale its norm.
-    amax : float32 (batch, heads, nblocks) written when write_amax.
-    ds : float32 descales read at [b, h, blk] (stride-0 views allowed), or written there when self_scale.
+    ds : float32 descales, written: per_tensor (1, 1), per_head (batch, nheads_k), per_block (batch, heads,
+        cdiv(seqlen, block_t)).
+    granularity : "per_tensor", "per_head" or "per_block". nheads_k : KV heads (heads // nheads_k query heads
+        share a per-head descale). block_t : tokens per tile (the per_block scale block). block_d : the head dim
+        padded to a power of two >= 16.
+    single : force (True) or forbid (False) the one-launch form; None picks it for groups of at most
+        ``SINGLE_MAX_TILES`` tiles.
     """
     b, s, h, d = x4.shape
-    grid = (cdiv(s, block_t), b, h)
-    _quant_tile_kernel[grid](x4, y, r, amax, ds, s, h, d, r_scale, *x4.stride(), *y.stride(),
-                             *amax.stride(), *ds.stride(), ROTATE=rotate, WRITE_AMAX=write_amax,
-                             QUANT=quant, SELF_SCALE=self_scale, BLOCK_T=block_t, BLOCK_D=block_d,
-                             num_warps=4)
+    nb = max(1, cdiv(s, block_t))
+    common = (b, s, h, d, nb, h // nheads_k if granularity == "per_head" else 1, r_scale, *x4.stride(), *y.stride())
+    # (num_stages=1 where a program loops over tiles: a pipelined loop would multiply the rotation's shared
+    # memory past the 227 KiB of an sm90 block at head dim 256)
+    meta = dict(PER_TENSOR=granularity == "per_tensor", ROTATE=rotate, BLOCK_T=block_t, BLOCK_D=block_d,
+                num_warps=4)
+    dstr = tuple(ds.stride()) + (0,) * (3 - ds.dim())
+    if b * h == 0:  # no tile: every descale is the floor's
+        ds.fill_(DESCALE_FLOOR)
+        return
+    if granularity == "per_block":
+        _quantize_kernel[(nb, b, h)](x4, y, r, ds, ds, *common, *dstr, MODE=MODE_BLOCK, TPP=1, BLOCK_P=16, **meta)
+        return
+    tiles = _group_tiles(granularity, b, h, nheads_k, nb)
+    if single if single is not None else tiles <= SINGLE_MAX_TILES:
+        groups = 1 if granularity == "per_tensor" else b * nheads_k
+        _quantize_kernel[(groups,)](x4, y, r, ds, ds, *common, *dstr, MODE=MODE_SINGLE, TPP=1, BLOCK_P=16,
+                                    num_stages=1, **meta)
+        return
+    partials = torch.empty(b * h * nb, device=x4.device, dtype=torch.float32)
+    _quantize_kernel[(nb, b, h)](x4, y, r, partials, ds, *common, *dstr, MODE=MODE_PARTIAL, TPP=1, BLOCK_P=16, **meta)
+    tpp = min(next_pow2(cdiv(tiles, _PARTIALS_PER_TILE)), next_pow2(nb))
+    _quantize_kernel[(cdiv(nb, tpp), b, h)](x4, y, r, partials, ds, *common, *dstr, MODE=MODE_QUANT, TPP=tpp,
+                                            BLOCK_P=min(next_pow2(tiles), 1024), num_stages=1, **meta)
