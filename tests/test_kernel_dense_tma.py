@@ -1128,8 +1128,11 @@ def test_qk192_rules(monkeypatch):
     for flag in ("1", ""):
         monkeypatch.setenv("FP8ATTN_TMA_QK192", flag)
         assert dense_tma.unsupported_reason(q, k, vt, out, **kw) == "inputs must be CUDA tensors"
+    from fp8attn import plan
+
+    on = plan.env_sig()
     monkeypatch.setenv("FP8ATTN_TMA_QK192", "0")
-    assert not dense_tma.qk192_enabled()
+    assert not dense_tma.qk192_enabled() and plan.env_sig() != on  # (eager plans are keyed on the switch)
     assert "FP8ATTN_TMA_QK192=0" in dense_tma.unsupported_reason(q, k, vt, out, **kw)
     monkeypatch.setenv("FP8ATTN_TMA_QK192", "yes")
     with pytest.raises(ValueError, match="FP8ATTN_TMA_QK192"):
@@ -1240,7 +1243,8 @@ def test_gpu_tma_qk192_vs_reference(sq, sk, causal, hq, hk, with_lse, monkeypatc
 def test_gpu_tma_qk192_switch_and_triton(causal, monkeypatch):
     """``FP8ATTN_TMA_QK192=0`` sends qk 192 / v 128 to the Triton kernel (the TMA launcher is not called; with
     ``FP8ATTN_DENSE_BACKEND=tma`` a ValueError names the switch); both kernels agree within FP8 attention error
-    and the TMA kernel is deterministic; ``flash_attn_func`` takes the TMA kernel by default."""
+    and the TMA kernel is deterministic; ``flash_attn_func`` takes the TMA kernel by default, also through its
+    eager plan, which the switch then bypasses."""
     _need_sm90()
     import fp8attn
 
@@ -1277,6 +1281,11 @@ def test_gpu_tma_qk192_switch_and_triton(causal, monkeypatch):
     of = of[0] if isinstance(of, tuple) else of
     assert len(calls) == 3 and of.shape == out.shape
     assert (of.float() - out.float()).abs().max().item() <= 0.05 * out.float().abs().max().item()
+    fp8attn.flash_attn_func(q, k, v, softmax_scale=0.1, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert len(calls) == 4  # (the call's plan)
+    monkeypatch.setenv("FP8ATTN_TMA_QK192", "0")  # a plan made with the switch on does not serve it off
+    fp8attn.flash_attn_func(q, k, v, softmax_scale=0.1, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert len(calls) == 4
 
 
 @pytest.mark.gpu

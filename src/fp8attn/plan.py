@@ -24,7 +24,7 @@ __all__ = ["tensor_sig", "env_sig", "lookup", "store", "eager_ok", "clear", "den
            "MAX_PLANS"]
 
 # environment switches the dispatch reads (a plan made under one value never serves another)
-ENV_SWITCHES = ("FP8ATTN_DENSE_BACKEND", "FP8ATTN_FORCE_REFERENCE", "FP8ATTN_FALLBACK")
+ENV_SWITCHES = ("FP8ATTN_DENSE_BACKEND", "FP8ATTN_FORCE_REFERENCE", "FP8ATTN_FALLBACK", "FP8ATTN_TMA_QK192")
 MAX_PLANS = 1024
 
 _PLANS: dict = {}
