@@ -116,6 +116,7 @@ def main():
                                                                                 (True, True))]
         # MLA prefill's qk 192 / v 128 (Q and K in three 64-wide boxes)
         tma += [dict(causal=c, write_lse=w, head_dim=192, head_dim_v=128) for c in (False, True) for w in (False, True)]
+        tma += [dict(causal=c, write_lse=c, head_dim=192, head_dim_v=128, mode=2) for c in (False, True)]
         for cfg in tma:
             rows.append((f"tma {cfg}", fingerprint(dense_tma._aot_compile(**cfg).asm["ptx"])))
     for name, h in rows:
