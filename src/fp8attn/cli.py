@@ -19,6 +19,8 @@ BENCH_ROUTINES = {
     "mixed": ("fp8attn.bench.paged", "run_mixed"),
     "output-quant": ("fp8attn.bench.output_quant", "run"),
     "engine": ("fp8attn.engine.bench", "run"),
+    "transformers": ("fp8attn.bench.transformers_integration", "run_speed"),
+    "transformers-accuracy": ("fp8attn.bench.transformers_integration", "run_accuracy"),
 }
 
 
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
         bp.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results/<gpu>)")
         bp.add_argument("--quick", action="store_true", help="a few cases only (smoke run)")
         ba = bp.parse_args(rest)
-        if not torch.cuda.is_available() and ba.routine != "accuracy":
+        if not torch.cuda.is_available() and ba.routine not in ("accuracy", "transformers-accuracy"):
             print("fp8attn bench: this routine times GPU kernels and needs a CUDA device.", file=sys.stderr)
             return 2
         fn = _load(*BENCH_ROUTINES[ba.routine])
