@@ -125,7 +125,7 @@ def _load_smollm(device):
     return model, tok
 
 
-def run_accuracy(out_dir=None, quick=False, num_prompts=32, new_tokens=64, seed=0, batch=8):
+def run_accuracy(out_dir=None, quick=False, num_prompts=32, new_tokens=64, seed=0, batch=32):
     """SmolLM2-135M accuracy of fp8attn and FP8Cache against sdpa (see the module docstring)."""
     from ..data import sample_prompts
     from ..integrations import transformers as fx

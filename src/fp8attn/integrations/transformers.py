@@ -573,7 +573,8 @@ class FP8CacheLayer(CacheLayerMixin):
         self.lens = self.lens + n_new
         self._valid.append((s, new_mask))
         out_dtype = _out_dtype(q.dtype)
-        qq = q if q.dtype in (torch.bfloat16, torch.float16) else q.to(torch.bfloat16)  # 16-bit Q over FP8 K/V
+        # 16-bit Q over FP8 K/V: fp32 queries go to fp16, whose 10 mantissa bits keep more of them than bf16
+        qq = q if q.dtype in (torch.bfloat16, torch.float16) else q.to(torch.float16)
         common = dict(cache_seqlens=self.lens, page_table=self.page_table, softmax_scale=scale, causal=causal,
                       window_size=window, softcap=softcap, out_dtype=out_dtype, **akw)
         if new_mask is None or s == 1:
