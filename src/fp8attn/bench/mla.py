@@ -1,0 +1,179 @@
+"""``fp8attn bench mla``: MLA FP8 prefill (``fp8attn.mla.prefill``) end to end against the same pipeline with
+torch SDPA (cuDNN backend, bf16) as its attention.
+
+Cases (DESIGN §6 format, results/<gpu>/mla_prefill.json): one sequence of 8192 new tokens, 128 heads, qk 192
+(NoPE 128 + RoPE 64) / v 128, kv_lora_rank 512, with no cached prefix and with a 32k cached prefix walked in
+4k chunks (paged bf16 latent cache, 64-token pages in a shuffled pool), each in both gather modes
+(``bf16_gather``, ``fp8_gather``).
+
+* ``ours.ms``: one eager ``prefill`` call end to end (new tokens' up-projection and quantization, every
+  chunk's gather, up-projection and quantization, attention, LSE merge).
+* ``peers.bf16.ms``: the same pipeline in 16 bits (same gather and up-projection code) with
+  ``torch.ops.aten._scaled_dot_product_cudnn_attention`` (its LSE merged by ``flash_attn_combine``).
+* ``tflops`` (ours and the peer): attention only -- the attention calls of one prefill over inputs built
+  beforehand, counted as 2 x visible pairs x (192 + 128) x heads; ``params.attn_ms`` is that time.
+* ``err``: relative L2 error of the output against a float64 reference of the whole MLA computation
+  (``mla.prefill_ref``) on the first 16 heads; ``params.saturation_rate``: the share of the cached
+  chunks' K / V elements that ``fp8_gather``'s estimated descales clipped.
+
+Activations are synthetic: latents with per-channel means N(0, 1) and log-normal per-channel scales
+(normalized activations have uneven, biased channels) plus rare outliers (probability 1e-3, N(0, 10^2)), the
+same channel statistics for the new tokens and the cache, so that the saturation rate reflects the
+estimate, not a distribution shift. With isotropic mean-zero latents instead, the output is itself at the
+noise level and its relative error is about e4m3's precision times the logits' spread (5-6% measured in
+the CPU tests' small shapes), not a property of the pipeline.
+"""
+from __future__ import annotations
+
+import torch
+
+from .common import attn_flops, results_header, time_ms, write_results
+
+H, DN, DR, DV, RANK, T, PS = 128, 128, 64, 128, 512, 8192, 64
+REF_HEADS = 16
+
+
+def _latents(n, width, gen, dev):
+    g = torch.Generator().manual_seed(width)  # the same channel statistics for the new tokens and the cache
+    scale = torch.exp(torch.randn(width, generator=g) * 0.5)
+    mean = torch.randn(width, generator=g)
+    x = torch.randn(n, width, generator=gen) * scale + mean
+    x += (torch.rand(n, width, generator=gen) < 1e-3) * torch.randn(n, width, generator=gen) * 10
+    return x.to(dev, torch.bfloat16)
+
+
+def _inputs(ctx, dev="cuda"):
+    gen = torch.Generator().manual_seed(0)
+    q_nope = (torch.randn(T, H, DN, generator=gen)).to(dev, torch.bfloat16)
+    q_pe = (torch.randn(T, H, DR, generator=gen)).to(dev, torch.bfloat16)
+    kv_c = _latents(T, RANK, gen, dev)
+    k_pe = _latents(T, DR, gen, dev)
+    w_uk = (torch.randn(RANK, H, DN, generator=gen) * RANK ** -0.5).to(dev, torch.bfloat16)
+    w_uv = (torch.randn(RANK, H, DV, generator=gen) * RANK ** -0.5).to(dev, torch.bfloat16)
+    kw = dict(cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32, device=dev), max_seqlen_q=T,
+              softmax_scale=(DN + DR) ** -0.5, max_context_len=ctx)
+    if ctx:
+        npages = ctx // PS
+        cache = torch.full((2 * npages, PS, RANK + DR), float("nan"), dtype=torch.bfloat16, device=dev)
+        pt = torch.randperm(2 * npages, generator=gen)[:npages].to(dev, torch.int32).view(1, npages)
+        rows = torch.cat([_latents(ctx, RANK, gen, dev), _latents(ctx, DR, gen, dev)], dim=-1)
+        cache.view(-1, RANK + DR)[(pt[0].long()[:, None] * PS + torch.arange(PS, device=dev)).reshape(-1)] = rows
+        kw.update(latent_cache=cache, page_table=pt, context_lens=torch.tensor([ctx], dtype=torch.int32, device=dev))
+    return (q_nope, q_pe, kv_c, k_pe, w_uk, w_uv), kw
+
+
+def _sdpa_attend(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, seqused_k, descales, out, out_dtype):
+    """One sequence through cuDNN SDPA (bf16): out (T, H, dv) written, LSE (H, T) returned."""
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, 0.0, bool(causal),
+        False, scale=scale)[:2]
+    out.copy_(o[0].transpose(0, 1))
+    return out, lse.reshape(q.shape[1], q.shape[0]).float()
+
+
+def _run16(args, kw, attend, chunk, out):
+    from .. import mla
+
+    plan = mla._Plan(False, False, None, None)
+    return mla._run(*args, kw["cu_seqlens_q"], kw["max_seqlen_q"], kw.get("latent_cache"), kw.get("page_table"),
+                    kw.get("context_lens"), kw["max_context_len"], None, kw["softmax_scale"], chunk, out, plan, None,
+                    True, attend16=attend)
+
+
+def _attention_only(args, kw, chunk, fp8):
+    """A callable running just the attention calls of one prefill, over inputs built here."""
+    from .. import mla
+
+    q_nope, q_pe, kv_c, k_pe, w_uk, w_uv = args
+    n = kw["max_context_len"] // chunk
+    kn, v = mla._up_project(kv_c, w_uk, w_uv)
+    cu = kw["cu_seqlens_q"]
+    cu_k = torch.tensor([0, chunk], dtype=torch.int32, device=cu.device)
+    chunks = []
+    for c in range(n):
+        rows, lens = mla._gather(kw["latent_cache"], None, kw["page_table"], kw["context_lens"], c * chunk, chunk,
+                                 torch.bfloat16)
+        chunks.append((*mla._up_project(rows[:, :RANK], w_uk, w_uv), rows[:, RANK:], lens))
+    o = torch.empty(n + 1, T, H, DV, device=cu.device, dtype=torch.float32)
+    if fp8:
+        q, k, vv, ds, _ = mla._quant(q_nope, q_pe, kn, k_pe, v, use_triton=True)
+        d = [x.view(1, 1) for x in ds]
+        built = [(*mla._quant(None, None, a, p, b, use_triton=True)[1:4], lens) for a, b, p, lens in chunks]
+        attend = mla._attend
+        calls = [(q, ck, cv, cu, cu_k, T, chunk, False, lens, (d[0], cds[1:2].view(1, 1), cds[2:3].view(1, 1)))
+                 for ck, cv, cds, lens in built]
+        calls.append((q, k, vv, cu, cu, T, T, True, None, tuple(d)))
+    else:
+        q, k = mla._concat16(q_nope, q_pe), mla._concat16(kn, k_pe[:, None])
+        attend = _sdpa_attend
+        calls = [(q, mla._concat16(a, p[:, None]), b, cu, cu_k, T, chunk, False, lens, None) for a, b, p, lens in chunks]
+        calls.append((q, k, v, cu, cu, T, T, True, None, None))
+
+    def run():
+        for i, (qq, kk, vv_, cq, ck_, mq, mk, causal, used, desc) in enumerate(calls):
+            attend(qq, kk, vv_, cq, ck_, mq, mk, kw["softmax_scale"], causal, used, desc, o[i], torch.float32)
+    return run
+
+
+def _err(out, args, kw):
+    from .. import mla
+
+    hs = slice(0, REF_HEADS)
+    a = (args[0][:, hs], args[1][:, hs], args[2], args[3], args[4][:, hs], args[5][:, hs])
+    ref = mla.prefill_ref(*a, cu_seqlens_q=kw["cu_seqlens_q"], softmax_scale=kw["softmax_scale"],
+                          latent_cache=kw.get("latent_cache"), page_table=kw.get("page_table"),
+                          context_lens=kw.get("context_lens"))
+    o = out[:, hs].double()
+    return float((o - ref).norm() / ref.norm())
+
+
+def _case(ctx, chunk, mode):
+    from .. import mla
+
+    args, kw = _inputs(ctx)
+    out = torch.empty(T, H, DV, dtype=torch.bfloat16, device="cuda")
+    stats = mla.SaturationStats("cuda")
+    mla.prefill(*args, **kw, chunk_size=chunk, mode=mode, out=out, stats=stats)
+    torch.cuda.synchronize()
+    err = _err(out, args, kw)
+    rate = stats.rate() if mode == "fp8_gather" and ctx else None
+    ms = time_ms(lambda: mla.prefill(*args, **kw, chunk_size=chunk, mode=mode, out=out))
+    pairs = T * (T + 1) / 2 + T * ctx
+    flops = attn_flops(1, H, T, T + ctx, DN + DR, DV, visible_pairs=pairs)
+    attn_ms = time_ms(_attention_only(args, kw, chunk, True))
+    params = {"batch": 1, "new_tokens": T, "cached_tokens": ctx, "chunk": chunk if ctx else None, "nheads": H,
+              "qk_head_dim": DN + DR, "v_head_dim": DV, "kv_lora_rank": RANK, "page_size": PS, "mode": mode,
+              "causal": True, "latent_cache": "bf16" if ctx else None, "attn_ms": attn_ms, "saturation_rate": rate,
+              "err_heads": REF_HEADS}
+    peers = {}
+    try:
+        out16 = torch.empty_like(out)
+        _run16(args, kw, _sdpa_attend, chunk, out16)
+        torch.cuda.synchronize()
+        p_ms = time_ms(lambda: _run16(args, kw, _sdpa_attend, chunk, out16))
+        p_attn = time_ms(_attention_only(args, kw, chunk, False))
+        peers["bf16"] = {"ms": p_ms, "tflops": flops / p_attn * 1e-9, "gbps": None, "err": _err(out16, args, kw),
+                         "attn_ms": p_attn}
+    except Exception as e:  # the peer may be missing on this install: say why in the results
+        peers["bf16"] = {"ms": None, "tflops": None, "gbps": None, "error": f"{type(e).__name__}: {e}"[:300]}
+    name = f"mla new{T // 1024}k " + (f"ctx{ctx // 1024}k chunk{chunk // 1024}k" if ctx else "ctx0") + f" {mode}"
+    return {"case": name, "params": params,
+            "ours": {"ms": ms, "tflops": flops / attn_ms * 1e-9, "gbps": None, "err": err}, "peers": peers}
+
+
+def run(out_dir=None, quick=False):
+    """Run the cases, print a table, write results/<gpu>/mla_prefill.json; returns the path."""
+    doc = results_header("mla_prefill")
+    plan = [(0, 4096), (32768, 4096)] if not quick else [(0, 4096)]
+    for ctx, chunk in plan:
+        for mode in ("bf16_gather", "fp8_gather"):
+            doc["cases"].append(_case(ctx, chunk, mode))
+            torch.cuda.empty_cache()
+    print(f"{'case':<40}{'ms':>9}{'bf16 ms':>9}{'x':>7}{'attn TF/s':>11}{'bf16':>8}{'err':>10}{'sat':>10}")
+    for c in doc["cases"]:
+        p = c["peers"]["bf16"]
+        x = p["ms"] / c["ours"]["ms"] if p.get("ms") else float("nan")
+        print(f"{c['case']:<40}{c['ours']['ms']:>9.2f}{(p.get('ms') or float('nan')):>9.2f}{x:>7.2f}"
+              f"{c['ours']['tflops']:>11.0f}{(p.get('tflops') or float('nan')):>8.0f}{c['ours']['err']:>10.2e}"
+              f"{(c['params']['saturation_rate'] or 0):>10.2e}")
+    return write_results(doc, out_dir)
