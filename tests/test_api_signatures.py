@@ -53,13 +53,28 @@ FA3 = {
 
 # Extensions the API promises (issue 2 §5 / DESIGN §2); each must be keyword-only.
 EXTENSIONS = {
-    "flash_attn_func": {"out", "out_dtype", "out_scale"},
-    "flash_attn_varlen_func": {"out", "out_dtype", "out_scale"},
+    "flash_attn_func": {"out", "out_dtype", "out_scale", "fp8_backward"},
+    "flash_attn_varlen_func": {"out", "out_dtype", "out_scale", "fp8_backward"},
     "flash_attn_with_kvcache": {"out", "out_dtype", "out_scale", "k_cache_scales", "v_cache_scales"},
     "flash_attn_combine": set(),
-    "flash_attn_qkvpacked_func": {"out", "out_dtype", "out_scale"},
+    "flash_attn_qkvpacked_func": {"out", "out_dtype", "out_scale", "fp8_backward"},
     "get_scheduler_metadata": set(),
 }
+
+# fp8attn.attention, the training entry (integrations call exactly this): q, k, v positional, the rest
+# keyword-only with these defaults.
+ATTENTION = [("causal", False), ("softmax_scale", None), ("window_size", (-1, -1)), ("softcap", 0.0),
+             ("granularity", "per_head"), ("hadamard", False), ("fp8_backward", None), ("deterministic", False),
+             ("cu_seqlens_q", None), ("cu_seqlens_k", None), ("max_seqlen_q", None), ("max_seqlen_k", None),
+             ("return_lse", False)]
+
+
+def test_attention_signature_pinned():
+    params = list(inspect.signature(fp8attn.attention).parameters.values())
+    assert [(p.name, p.kind) for p in params[:3]] == [(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in "qkv"]
+    assert [(p.name, p.default) for p in params[3:]] == ATTENTION
+    assert all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in params[3:])
+    assert {"attention", "set_fp8_backward", "get_fp8_backward"} <= set(fp8attn.__all__)
 
 
 @pytest.mark.parametrize("name", sorted(FA3))

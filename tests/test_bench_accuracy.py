@@ -5,8 +5,10 @@ from fp8attn.bench.accuracy import run
 
 
 def test_accuracy_routine_on_cpu(tmp_path):
-    path = run(out_dir=tmp_path, seqlen=128, growth_lens=[128, 256])
+    seen = []
+    path = run(out_dir=tmp_path, seqlen=128, growth_lens=[128, 256], progress=lambda *a: seen.append(a))
     assert path == tmp_path / "accuracy.json"
+    assert [(i, total) for i, total, _ in seen] == [(i, 15) for i in range(1, 16)]  # progress: one call per case
     saved = json.loads(path.read_text())
     assert saved["device"] in ("cpu", "cuda")
     rmse = {c["case"]: c["ours"]["rmse"] for c in saved["cases"]}

@@ -1,7 +1,9 @@
 """Every public entry point (the FA3-style API, quantize_qkv, quant.quantize, ops.scaled_bmm), one argument at a
 time made wrong: the call runs, or raises a ValueError /
 TypeError in the "<arg>: expected ..., got ..." form, or a NotImplementedError; never an IndexError,
-a RuntimeError from deep inside, a hang or NaN from finite inputs (CPU path, value checks on).
+a RuntimeError from deep inside, a hang or NaN from finite inputs (CPU path, value checks on); and a
+refused call leaves every byte of its tensor arguments as it was (tests/test_nothing_lost.py holds a
+grid per writing entry point).
 
 Mutations per tensor argument: other dtypes, a dimension dropped or added, zero rows, a non-contiguous
 last dimension, one row fewer or more, negative or huge integers, NaN or zeros in float inputs, a list
@@ -213,6 +215,12 @@ def _outcome(fn, kw):
     return "ok NaN" if nan else "ok"
 
 
+def _snapshot(kw):
+    """The bytes of every (non-meta) tensor argument, as uint8 (NaN slots compare equal)."""
+    return {n: torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()).reshape(-1).view(torch.uint8)
+            for n, t in kw.items() if torch.is_tensor(t) and t.device.type != "meta"}
+
+
 @pytest.mark.parametrize("call", list(CALLS))
 def test_one_bad_argument_at_a_time(call):
     fn, kw = CALLS[call]()
@@ -224,9 +232,14 @@ def test_one_bad_argument_at_a_time(call):
             kw2[name] = value
             if validate is not None:
                 kw2["validate"] = validate
+            before = _snapshot(kw2)
             res = _outcome(fn, kw2)
             if res == "ok NaN" and kind == "nan":
                 continue  # NaN in, NaN out
             if res not in ("ok", "clear"):
                 bad.append(f"{name} {kind} validate={validate}: {res}")
+            elif res == "clear" and _snapshot(kw2).keys() == before.keys():
+                changed = [n for n, b in _snapshot(kw2).items() if not torch.equal(b, before[n])]
+                if changed:  # nothing lost: a refused call writes nothing
+                    bad.append(f"{name} {kind} validate={validate}: refused after writing {changed}")
     assert not bad, "\n".join(bad)

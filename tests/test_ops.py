@@ -302,22 +302,26 @@ def _bf16(args):
 
 
 def test_opcheck_16bit_inputs_and_autograd():
-    """16-bit q/k/v; autograd: a C++ fallthrough at the Autograd key (the ops are non-differentiable),
-    and the Python entry points make a backward raise instead of silently dropping gradients."""
+    """16-bit q/k/v; autograd: registered on dense_fwd (tests/test_backward.py checks its gradients), a C++
+    fallthrough at the Autograd key of paged_fwd, whose Python entry point makes a backward raise instead of
+    silently dropping gradients."""
     for name, args in (("dense_fwd", _bf16(_dense_case(True))), ("paged_fwd", _bf16(_paged_case(False, OSCALE)))):
         torch.library.opcheck(ops.OPS[name], args, test_utils=OPCHECK_TESTS)
         rg = (args[0].clone().requires_grad_(True),) + args[1:]
         torch.library.opcheck(ops.OPS[name], rg, test_utils=("test_autograd_registration",))
         assert torch._C._dispatch_has_kernel_for_dispatch_key(ops.OPS[name].name(), "Autograd")
-    q = torch.randn(2, 3, 2, 32, requires_grad=True)
-    o = fp8attn.flash_attn_func(q, q, q)
+    q = torch.randn(1, 3, 2, 32, requires_grad=True)
+    kc = torch.randn(4, 4, 2, 32)
+    pt = torch.arange(4, dtype=torch.int32)[None]
+    o = fp8attn.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([9], dtype=torch.int32), page_table=pt)
     assert o.requires_grad
     with pytest.raises(NotImplementedError, match="no backward"):
         o.sum().backward()
     with torch.no_grad():
-        assert not fp8attn.flash_attn_func(q, q, q).requires_grad
+        assert not fp8attn.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([9], dtype=torch.int32),
+                                                   page_table=pt).requires_grad
     with pytest.raises(NotImplementedError, match="out="):
-        fp8attn.flash_attn_func(q, q, q, out=torch.empty(2, 3, 2, 32))
+        fp8attn.flash_attn_func(q, q, q, out=torch.empty(1, 3, 2, 32))
 
 
 def test_ops_live_only_in_fp8attn_namespace():

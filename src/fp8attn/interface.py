@@ -16,13 +16,14 @@ Unsupported FA3 arguments raise NotImplementedError naming them; none is silentl
 """
 from __future__ import annotations
 
-import math
 import operator
+from typing import NamedTuple
 
 import torch
 
 from . import _checks as C
-from . import ops
+from . import ops, plan
+from .capability import kernel_for
 from .paged import packed_token_seqs, slot_mapping_for
 from .quant import expand_descale, is_fp8
 
@@ -84,49 +85,72 @@ def _check_split_workspace(split_workspace, num_splits, chunk, q, nheads_q, head
     return op, lp
 
 
-def _descales(q_descale, k_descale, v_descale, batch, nheads_k, device, validate):
-    for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+def _descales(q_descale, k_descale, v_descale, batch, nheads_k, device, validate, q_dtype, kv_dtype):
+    """FA3's (batch, nheads_k) descales (or their broadcasts), each for an FP8 tensor only, as expanded views."""
+    for name, d, what, dt in (("q_descale", q_descale, "q", q_dtype), ("k_descale", k_descale, "k", kv_dtype),
+                              ("v_descale", v_descale, "v", kv_dtype)):
+        C.check_descale_kind(name, d, what, dt)
         C.check_descale(name, d, batch, nheads_k, device)
         C.check_descale_values(name, d, validate)
     return tuple(expand_descale(d, batch, nheads_k, device) for d in (q_descale, k_descale, v_descale))
 
 
 def _block_descales(q_descale, k_descale, v_descale, block, batch, nheads_q, nheads_k, seqlen_q, seqlen_k,
-                    device, validate):
+                    device, validate, dtype):
     """Validate per-block Q/K descales (batch, heads, cdiv(seqlen, block)); V stays per (batch, KV head)."""
-    if not isinstance(block, int) or block < 16 or block > 256 or block & (block - 1):
-        raise ValueError(f"descale_block_size: expected a power of two in [16, 256], got {block!r}. "
+    if isinstance(block, bool) or not isinstance(block, int) or block < 16 or block > 256 or block & (block - 1):
+        raise ValueError(f"descale_block_size: expected a power of two in [16, 256], got {C.describe(block)}. "
                          "Use the block_size passed to fp8attn.quantize_qkv(granularity='per_block').")
     for name, d, h, s in (("q_descale", q_descale, nheads_q, seqlen_q), ("k_descale", k_descale, nheads_k, seqlen_k)):
+        C.check_descale_kind(name, d, name[0], dtype)
         want = (batch, h, -(-s // block))
         if not isinstance(d, torch.Tensor) or tuple(d.shape) != want or d.dtype != torch.float32:
-            got = f"{d.dtype} {tuple(d.shape)}" if isinstance(d, torch.Tensor) else repr(d)
+            got = f"{d.dtype} {tuple(d.shape)}" if isinstance(d, torch.Tensor) else C.describe(d)
             raise ValueError(f"{name}: expected float32 {want} (batch, heads, cdiv(seqlen, {block})) with "
                              f"descale_block_size={block}, got {got}. Pass the per-block descales from quantize_qkv.")
         if d.device != device:
             raise ValueError(f"{name}: expected device {device}, got {d.device}. Move {name} to {device}.")
         C.check_descale_values(name, d, validate)
+    C.check_descale_kind("v_descale", v_descale, "v", dtype)
     C.check_descale("v_descale", v_descale, batch, nheads_k, device)
     C.check_descale_values("v_descale", v_descale, validate)
     return q_descale, k_descale, expand_descale(v_descale, batch, nheads_k, device)
 
 
-def _scale(softmax_scale, d):
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(d)
-    s = float(softmax_scale)
-    # the kernels take the row max of the raw logits and scale it after (max(s) * c == max(s * c) needs c >= 0)
-    if not (0.0 <= s < math.inf):
-        raise ValueError(f"softmax_scale: expected a finite float >= 0, got {softmax_scale!r}. "
-                         f"Pass None for 1/sqrt(headdim) = {1.0 / math.sqrt(d):.6g}, or negate q instead of the scale.")
-    return s
+def _plannable(q, validate, causal, return_lse, deterministic, window_size) -> bool:
+    """Whether a call's signature may select an eager plan (``fp8attn.plan``): a CUDA call without
+    ``validate=True`` whose flags are plain bools and whose window is a tuple (``1 == True`` and
+    ``[-1, -1] != (-1, -1)`` as keys, so other types take the checked path, which refuses or accepts them)."""
+    return (validate is False and type(q) is torch.Tensor and q.is_cuda and type(causal) is bool
+            and type(return_lse) is bool and type(deterministic) is bool and type(window_size) is tuple)
+
+
+def _check_fp8_backward(fp8_backward):
+    if fp8_backward is not None:
+        ops.check_bwd_mode("fp8_backward", fp8_backward)
 
 
 def _check_attention_chunk(attention_chunk):
     if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
-        raise ValueError(f"attention_chunk: expected an int >= 0 (0 = no chunks), got {attention_chunk!r}. "
+        raise ValueError(f"attention_chunk: expected an int >= 0 (0 = no chunks), got {C.describe(attention_chunk)}. "
                          "Pass the chunk length in tokens.")
     return attention_chunk
+
+
+def _validate_options(q, oshape, softmax_scale, causal, window_size, softcap, out, out_dtype, out_scale, validate,
+                      flags=()):
+    """The Python-valued options every attention entry point shares, checked without a tensor op (plus the
+    out_scale value where values are checked): the attention keywords of ``ops.dense_fwd`` / ``ops.paged_fwd``.
+    ``flags``: further ``(name, value)`` bools (pack_gqa may also be None)."""
+    C.check_flag("causal", causal)
+    C.check_flag("validate", validate)
+    for name, val in flags:
+        C.check_flag(name, val, allow_none=name == "pack_gqa")
+    _check_out_args(out, out_dtype, out_scale, oshape, q)
+    C.check_out_scale_values(out_scale, validate)
+    return dict(softmax_scale=C.check_softmax_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
+                window_size=_resolve_window(causal, window_size), softcap=C.check_softcap(softcap),
+                out_scale=out_scale, out_dtype=out_dtype, out=out)
 
 
 def _chunk_cu_seqlens(cu_q, cu_k, max_q, max_k, chunk):
@@ -201,50 +225,11 @@ def _chunked_dense(q, k, v, chunk, qd, kd, vd, **kw):
     return o, lse
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
-                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
-                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, *,
-                    out=None, out_dtype=None, out_scale=None, descale_block_size=None, validate=False):
-    """Dense attention.
-
-    Parameters
-    ----------
-    q : (batch, seqlen_q, nheads_q, headdim), float8_e4m3fn / float8_e5m2 / bf16 / fp16 / fp32.
-    k : (batch, seqlen_k, nheads_k, headdim), same dtype as q. nheads_q % nheads_k == 0.
-    v : (batch, seqlen_k, nheads_k, headdim_v), same dtype as q; the last dim contiguous, or the
-        sequence dim (memory order (batch, nheads_k, headdim_v, seqlen_k), ``quantize_qkv``'s v8): that
-        is the K-major operand of Hopper's FP8 P @ V, which FP8 V in any other layout is first copied
-        into on CUDA (one transpose pass over V).
-    softmax_scale : float, default 1/sqrt(headdim).
-    causal : bool, bottom-right aligned (query i sees keys <= i + seqlen_k - seqlen_q).
-    q_descale, k_descale, v_descale : float32 (batch, nheads_k), or per-tensor (), (1,), (1, 1), or
-        per-sequence (batch, 1). Dequantized value = fp8 * descale. Default 1.
-    window_size : (left, right), -1 = unbounded; bottom-right aligned like causal.
-    softcap : float, logits -> softcap * tanh(logits / softcap) when > 0.
-    num_splits : must be 1 (the dense kernel does not split KV).
-    pack_gqa : None/False/True, a scheduling hint for GQA (the same result either way).
-    deterministic : accepted; every fp8attn forward is deterministic (bit-identical reruns).
-    sm_margin : must be 0.
-    return_attn_probs : when True also return the LSE (FA3 semantics; no probabilities).
-    attention_chunk : int >= 0 (FA3 semantics); > 0: query i (at key position p = i + seqlen_k - seqlen_q)
-        sees only keys of its chunk, ``p // chunk * chunk <= j < (p // chunk + 1) * chunk``, intersected with
-        the causal / window masks. Runs as a varlen call with one sequence per (batch, chunk).
-    qv : not supported yet; a non-default value raises NotImplementedError.
-    out : optional preallocated output, written in place and returned.
-    out_dtype : bf16 / fp16 / fp32 output. out_scale : float32 one-element static per-tensor scale;
-        the output is then e4m3fn ``saturate(out / out_scale)``, written by the kernel.
-    descale_block_size : per-block Q/K scales (``quantize_qkv(granularity="per_block")``): q_descale
-        float32 (batch, nheads_q, cdiv(seqlen_q, block)), k_descale (batch, nheads_k, cdiv(seqlen_k, block));
-        v_descale stays (batch, nheads_k). A power of two in [16, 256]. Varlen: batch 1 over packed tokens.
-    validate : also run the value checks (descale values) on GPU tensors (they sync the device).
-
-    Returns
-    -------
-    out : (batch, seqlen_q, nheads_q, headdim_v), bf16 for FP8 inputs (``out_dtype`` overrides), the
-        input dtype for 16/32-bit inputs, e4m3fn with ``out_scale``.
-    lse : (batch, nheads_q, seqlen_q) float32 natural-log (only with return_attn_probs). Rows that see
-        no key give out = 0 and lse = -inf.
-    """
+def _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
+                    attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out,
+                    out_dtype, out_scale, descale_block_size, validate):
+    """Every check of :func:`flash_attn_func` (before anything is written). Returns the expanded descales and the
+    attention keywords of ``ops.dense_fwd``."""
     _unsupported_qv(qv)
     chunk = _check_attention_chunk(attention_chunk)
     C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV; use flash_attn_with_kvcache for split-KV")
@@ -258,21 +243,101 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     if k.shape[0] != b or v.shape[0] != b or v.shape[1] != k.shape[1]:
         raise ValueError(f"k/v: expected batch {b} and matching seqlen_k, got k {tuple(k.shape)} v {tuple(v.shape)}. "
                          "Give q, k and v the same batch and k, v the same seqlen.")
-    hk = k.shape[2]
-    _check_out_args(out, out_dtype, out_scale, (b, sq, hq, v.shape[-1]), q)
+    hk, sk = k.shape[2], k.shape[1]
+    attn = _validate_options(q, (b, sq, hq, v.shape[-1]), softmax_scale, causal, window_size, softcap, out,
+                             out_dtype, out_scale, validate, (("pack_gqa", pack_gqa), ("deterministic", deterministic),
+                                                              ("return_attn_probs", return_attn_probs)))
+    attn.update(pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
     if descale_block_size is None:
-        qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate)
+        qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate, q.dtype, k.dtype)
     else:
-        qd, kd, vd = _block_descales(q_descale, k_descale, v_descale, descale_block_size, b, hq, hk, sq,
-                                     k.shape[1], q.device, validate)
-    attn = dict(softmax_scale=_scale(softmax_scale, d), causal=bool(causal),
-                window_size=_resolve_window(causal, window_size), softcap=float(softcap), out_scale=out_scale,
-                out_dtype=out_dtype, out=out, pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
-    # (a chunk that holds every key and query position changes nothing: keys 0..seqlen_k - 1, queries at or after 0)
-    if chunk and sq and k.shape[1] and ((k.shape[1] - 1) // chunk > 0 or sq > k.shape[1]):
-        if descale_block_size is not None:
+        qd, kd, vd = _block_descales(q_descale, k_descale, v_descale, descale_block_size, b, hq, hk, sq, sk, q.device,
+                                     validate, q.dtype)
+        if chunk and sq and sk and ((sk - 1) // chunk > 0 or sq > sk):
             raise NotImplementedError("attention_chunk with descale_block_size is not supported: pass per-(batch, "
                                       "head) descales (quantize_qkv granularity='per_head') with attention_chunk.")
+    return qd, kd, vd, attn
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, *,
+                    out=None, out_dtype=None, out_scale=None, descale_block_size=None, validate=False,
+                    fp8_backward=None):
+    """Dense attention.
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads_q, headdim), float8_e4m3fn / float8_e5m2 / bf16 / fp16 / fp32.
+    k : (batch, seqlen_k, nheads_k, headdim), same dtype as q. nheads_q % nheads_k == 0.
+    v : (batch, seqlen_k, nheads_k, headdim_v), same dtype as q; the last dim contiguous, or the
+        sequence dim (memory order (batch, nheads_k, headdim_v, seqlen_k), ``quantize_qkv``'s v8): that
+        is the K-major operand of Hopper's FP8 P @ V, which FP8 V in any other layout is first copied
+        into on CUDA (one transpose pass over V).
+    softmax_scale : finite float >= 0, default 1/sqrt(headdim).
+    causal : bool (a non-bool is a TypeError), bottom-right aligned (query i sees keys <= i + seqlen_k - seqlen_q).
+    q_descale, k_descale, v_descale : float32 (batch, nheads_k), or per-tensor (), (1,), (1, 1), or
+        per-sequence (batch, 1); finite and > 0. Dequantized value = fp8 * descale. Default 1. A descale
+        describes an FP8 tensor: one given for a 16/32-bit input is refused.
+    window_size : (left, right) ints >= -1, -1 = unbounded; bottom-right aligned like causal.
+    softcap : finite float >= 0, logits -> softcap * tanh(logits / softcap) when > 0.
+    num_splits : must be 1 (the dense kernel does not split KV).
+    pack_gqa : None/False/True, a scheduling hint for GQA (the same result either way).
+    deterministic : every fp8attn forward is deterministic (bit-identical reruns); passed to the backward
+        (bit-identical gradients on reruns).
+    sm_margin : must be 0.
+    return_attn_probs : when True also return the LSE (FA3 semantics; no probabilities).
+    attention_chunk : int >= 0 (FA3 semantics); > 0: query i (at key position p = i + seqlen_k - seqlen_q)
+        sees only keys of its chunk, ``p // chunk * chunk <= j < (p // chunk + 1) * chunk``, intersected with
+        the causal / window masks. Runs as a varlen call with one sequence per (batch, chunk).
+    qv : not supported yet; a non-default value raises NotImplementedError.
+    out : optional preallocated output, written in place and returned.
+    out_dtype : bf16 / fp16 / fp32 output. out_scale : float32 one-element static per-tensor scale;
+        the output is then e4m3fn ``saturate(out / out_scale)``, written by the kernel.
+    descale_block_size : per-block Q/K scales (``quantize_qkv(granularity="per_block")``): q_descale
+        float32 (batch, nheads_q, cdiv(seqlen_q, block)), k_descale (batch, nheads_k, cdiv(seqlen_k, block));
+        v_descale stays (batch, nheads_k). A power of two in [16, 256]. Varlen: batch 1 over packed tokens.
+    validate : also run the value checks (descale and out_scale values) on GPU tensors (they sync the device;
+        docs/api.md, "Validation and the nothing-lost guarantee").
+    fp8_backward : "dequantized" / "fp8", the precision of this call's backward; None: the process default
+        (``fp8attn.set_fp8_backward``). Differentiable when q, k or v requires grad (docs/api.md "Training
+        (backward)"); gradients of FP8 leaves are cast by autograd to the leaf's FP8 dtype (use
+        ``fp8attn.attention`` to train from 16-bit tensors).
+
+    Returns
+    -------
+    out : (batch, seqlen_q, nheads_q, headdim_v), bf16 for FP8 inputs (``out_dtype`` overrides), the
+        input dtype for 16/32-bit inputs, e4m3fn with ``out_scale``.
+    lse : (batch, nheads_q, seqlen_q) float32 natural-log (only with return_attn_probs). Rows that see
+        no key give out = 0 and lse = -inf.
+    """
+    key = None
+    if _plannable(q, validate, causal, return_attn_probs, deterministic, window_size) and not attention_chunk \
+            and descale_block_size is None and qv is None:
+        key = ("dense", plan.tensor_sig(q), plan.tensor_sig(k), plan.tensor_sig(v), plan.tensor_sig(q_descale),
+               plan.tensor_sig(k_descale), plan.tensor_sig(v_descale), plan.tensor_sig(out), plan.tensor_sig(out_scale),
+               softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, deterministic, sm_margin,
+               return_attn_probs, out_dtype, fp8_backward, plan.env_sig(),
+               (type(softmax_scale), type(softcap), type(num_splits), type(pack_gqa), type(sm_margin)))
+        run = plan.lookup(key)
+        if run is not None and plan.eager_ok(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
+            return run(q, k, v, q_descale, k_descale, v_descale, out, out_scale)
+    qd, kd, vd, attn = _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale,
+                                       window_size, attention_chunk, softcap, num_splits, pack_gqa, deterministic,
+                                       sm_margin, return_attn_probs, out, out_dtype, out_scale, descale_block_size,
+                                       validate)
+    _check_fp8_backward(fp8_backward)
+    attn.update(fp8_backward=fp8_backward, deterministic=bool(deterministic))
+    if key is not None and plan.eager_ok(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
+        run = plan.dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, softmax_scale=attn["softmax_scale"],
+                                  causal=attn["causal"], window_size=attn["window_size"], softcap=attn["softcap"],
+                                  return_lse=bool(return_attn_probs))
+        if run is not None:
+            plan.store(key, run)
+            return run(q, k, v, q_descale, k_descale, v_descale, out, out_scale)
+    sq, sk, chunk = q.shape[1], k.shape[1], attention_chunk
+    # (a chunk that holds every key and query position changes nothing: keys 0..seqlen_k - 1, queries at or after 0)
+    if chunk and sq and sk and ((sk - 1) // chunk > 0 or sq > sk):
         o, lse = _chunked_dense(q, k, v, chunk, qd, kd, vd, **attn)
     else:
         o, lse = ops.dense_fwd(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd,
@@ -283,7 +348,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
                               window_size=(-1, -1), attention_chunk=0, softcap=0.0, deterministic=False,
                               num_heads_q=None, sm_margin=0, return_attn_probs=False, *, out=None, out_dtype=None,
-                              out_scale=None, validate=False):
+                              out_scale=None, validate=False, fp8_backward=None):
     """Dense attention over packed Q/K/V (FA3's ``flash_attn_qkvpacked_func``): :func:`flash_attn_func` on views
     of ``qkv``, no copy.
 
@@ -293,6 +358,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
         ``num_heads_q`` (GQA: the query heads, then the key heads, then the value heads). Any dtype
         :func:`flash_attn_func` takes; FP8 with the descales.
     num_heads_q : the query heads of a 4-D ``qkv``; must be None for a 5-D one.
+    fp8_backward : as :func:`flash_attn_func` (the gradient lands in ``qkv``).
 
     The other arguments are :func:`flash_attn_func`'s.
 
@@ -305,19 +371,67 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     if qkv.dim() == 5:
         if qkv.shape[2] != 3 or num_heads_q is not None:
             raise ValueError(f"qkv: expected (batch, seqlen, 3, nheads, headdim) without num_heads_q, got shape "
-                             f"{tuple(qkv.shape)} and num_heads_q={num_heads_q!r}. Stack q, k, v on dim 2, or pass the "
-                             "4-D form with num_heads_q.")
+                             f"{tuple(qkv.shape)} and num_heads_q={C.describe(num_heads_q)}. Stack q, k, v on dim 2, "
+                             "or pass the 4-D form with num_heads_q.")
         q, k, v = qkv.unbind(dim=2)
     else:
         total = qkv.shape[2]
         if not isinstance(num_heads_q, int) or not 0 < num_heads_q < total or (total - num_heads_q) % 2:
             raise ValueError(f"num_heads_q: expected an int with qkv's {total} heads = num_heads_q + 2 * nheads_k, got "
-                             f"{num_heads_q!r}. Pass the number of query heads packed first.")
+                             f"{C.describe(num_heads_q)}. Pass the number of query heads packed first.")
         hk = (total - num_heads_q) // 2
         q, k, v = qkv.split([num_heads_q, hk, hk], dim=2)
     return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
                            attention_chunk, softcap, 1, None, deterministic, sm_margin, return_attn_probs, out=out,
-                           out_dtype=out_dtype, out_scale=out_scale, validate=validate)
+                           out_dtype=out_dtype, out_scale=out_scale, validate=validate, fp8_backward=fp8_backward)
+
+
+def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                     softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
+                     num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out, out_dtype, out_scale,
+                     descale_block_size, validate):
+    """Every check of :func:`flash_attn_varlen_func` (before anything is written). Returns the expanded descales
+    and the attention keywords of ``ops.dense_fwd``."""
+    _unsupported_qv(qv)
+    chunk = _check_attention_chunk(attention_chunk)
+    C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV")
+    C.unsupported("sm_margin", sm_margin, 0)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        C.check_tensor(name, t, ndim=3, allow_seq_contiguous=name == "v")
+    C.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                        seqused_k=seqused_k)
+    C.check_qkv_dtypes(q, k, v)
+    C.check_heads(q, k, v)
+    C.check_leading_dims("k", k, "v", v, 1, "token count (total_k)")
+    C.check_flag("validate", validate)
+    C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate, total=q.shape[0], total_name="q")
+    b = cu_seqlens_q.numel() - 1
+    C.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch=b, validate=validate, total=k.shape[0], total_name="k")
+    C.check_max_seqlen("max_seqlen_q", max_seqlen_q, "cu_seqlens_q", cu_seqlens_q, validate)
+    C.check_max_seqlen("max_seqlen_k", max_seqlen_k, "cu_seqlens_k", cu_seqlens_k, validate)
+    C.check_seqused("seqused_q", seqused_q, b, cu_seqlens_q, validate)
+    C.check_seqused("seqused_k", seqused_k, b, cu_seqlens_k, validate)
+    hk = k.shape[1]
+    attn = _validate_options(q, (q.shape[0], q.shape[1], v.shape[-1]), softmax_scale, causal, window_size, softcap,
+                             out, out_dtype, out_scale, validate, (("pack_gqa", pack_gqa),
+                                                                   ("deterministic", deterministic),
+                                                                   ("return_attn_probs", return_attn_probs)))
+    attn.update(pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
+    if descale_block_size is None:
+        qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate, q.dtype, k.dtype)
+    else:
+        qd, kd, _ = _block_descales(q_descale, k_descale, None, descale_block_size, 1, q.shape[1], hk,
+                                    q.shape[0], k.shape[0], q.device, validate, q.dtype)
+        C.check_descale_kind("v_descale", v_descale, "v", v.dtype)
+        C.check_descale("v_descale", v_descale, b, hk, q.device)
+        C.check_descale_values("v_descale", v_descale, validate)
+        vd = expand_descale(v_descale, b, hk, q.device)
+    if chunk:
+        for name, val in (("seqused_q", seqused_q), ("seqused_k", seqused_k), ("descale_block_size", descale_block_size)):
+            if val is not None:
+                raise NotImplementedError(f"attention_chunk with {name} is not supported: drop {name} (trim the "
+                                          "sequences in cu_seqlens instead; per-(batch, head) descales).")
+    return qd, kd, vd, attn
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
@@ -325,7 +439,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
                            num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
                            return_attn_probs=False, *, out=None, out_dtype=None, out_scale=None,
-                           descale_block_size=None, validate=False):
+                           descale_block_size=None, validate=False, fp8_backward=None):
     """Variable-length attention over packed sequences.
 
     Parameters
@@ -336,7 +450,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_q, max_seqlen_k : int upper bounds of the per-sequence lengths.
     seqused_q, seqused_k : optional (batch,) int32: tokens actually used per sequence (<= its length).
     Other arguments as in :func:`flash_attn_func` (``attention_chunk`` too, without seqused_q/k and per-block
-    descales); descales are (batch, nheads_k). With
+    descales; ``fp8_backward`` and ``deterministic`` for the backward, which takes no seqused_q/k); descales
+    are (batch, nheads_k). With
     ``descale_block_size`` the per-block Q/K descales run over the packed token index:
     q_descale (1, nheads_q, cdiv(total_q, block)), k_descale (1, nheads_k, cdiv(total_k, block)).
 
@@ -344,42 +459,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     -------
     out : (total_q, nheads_q, headdim_v); lse : (nheads_q, total_q) float32 (with return_attn_probs).
     """
-    _unsupported_qv(qv)
-    chunk = _check_attention_chunk(attention_chunk)
-    C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV")
-    C.unsupported("sm_margin", sm_margin, 0)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        C.check_tensor(name, t, ndim=3, allow_seq_contiguous=name == "v")
-    C.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    C.check_qkv_dtypes(q, k, v)
-    C.check_heads(q, k, v)
-    C.check_leading_dims("k", k, "v", v, 1, "token count (total_k)")
-    C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate, total=q.shape[0], total_name="q")
-    b = cu_seqlens_q.numel() - 1
-    C.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch=b, validate=validate, total=k.shape[0], total_name="k")
-    C.check_int32("seqused_q", seqused_q, ndim=1)
-    C.check_int32("seqused_k", seqused_k, ndim=1)
-    C.check_max_seqlen("max_seqlen_q", max_seqlen_q, "cu_seqlens_q", cu_seqlens_q, validate)
-    C.check_max_seqlen("max_seqlen_k", max_seqlen_k, "cu_seqlens_k", cu_seqlens_k, validate)
-    hk = k.shape[1]
-    _check_out_args(out, out_dtype, out_scale, (q.shape[0], q.shape[1], v.shape[-1]), q)
-    if descale_block_size is None:
-        qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate)
-    else:
-        qd, kd, _ = _block_descales(q_descale, k_descale, None, descale_block_size, 1, q.shape[1], hk,
-                                    q.shape[0], k.shape[0], q.device, validate)
-        C.check_descale("v_descale", v_descale, b, hk, q.device)
-        vd = expand_descale(v_descale, b, hk, q.device)
-    attn = dict(softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
-                window_size=_resolve_window(causal, window_size), softcap=float(softcap), out_scale=out_scale,
-                out_dtype=out_dtype, out=out, pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
-    if chunk:
-        for name, val in (("seqused_q", seqused_q), ("seqused_k", seqused_k), ("descale_block_size", descale_block_size)):
-            if val is not None:
-                raise NotImplementedError(f"attention_chunk with {name} is not supported: drop {name} (trim the "
-                                          "sequences in cu_seqlens instead; per-(batch, head) descales).")
-        o, lse = _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), chunk,
-                                 qd, kd, vd, **attn)
+    qd, kd, vd, attn = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                        seqused_k, softmax_scale, causal, qv, q_descale, k_descale, v_descale,
+                                        window_size, attention_chunk, softcap, num_splits, pack_gqa, deterministic,
+                                        sm_margin, return_attn_probs, out, out_dtype, out_scale, descale_block_size,
+                                        validate)
+    _check_fp8_backward(fp8_backward)
+    attn.update(fp8_backward=fp8_backward, deterministic=bool(deterministic))
+    if attention_chunk:
+        o, lse = _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                 attention_chunk, qd, kd, vd, **attn)
     else:
         o, lse = ops.dense_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                                seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -471,8 +560,8 @@ def _metadata_splits(scheduler_metadata, num_splits):
                          f"{got}. Pass that function's result, or None.")
     n = scheduler_metadata.shape[0]
     if num_splits not in (0, n):
-        raise ValueError(f"num_splits: expected 0 or {n} (the split count of scheduler_metadata), got {num_splits!r}. "
-                         "Pass one of them.")
+        raise ValueError(f"num_splits: expected 0 or {n} (the split count of scheduler_metadata), got "
+                         f"{C.describe(num_splits)}. Pass one of them.")
     return n
 
 
@@ -487,10 +576,13 @@ def _leftpad_view(k_cache, v_cache, rows, cache_seqlens, cache_leftpad, batch, v
     if cache_leftpad.numel() != batch:
         raise ValueError(f"cache_leftpad: expected {batch} entries (batch), got {cache_leftpad.numel()}. "
                          "Give each sequence its first live cache row.")
-    if value_checks and batch and (int(cache_leftpad.min()) < 0 or bool((cache_leftpad > cache_seqlens).any())):
-        raise ValueError(f"cache_leftpad: expected 0 <= cache_leftpad <= cache_seqlens per sequence, got "
-                         f"{cache_leftpad.tolist()} with cache_seqlens {cache_seqlens.tolist()}. The pad precedes the "
-                         "cached tokens.")
+    if value_checks and batch:
+        bad = (cache_leftpad < 0) | (cache_leftpad > cache_seqlens)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"cache_leftpad: expected 0 <= cache_leftpad <= cache_seqlens per sequence, got "
+                             f"{int(cache_leftpad[b])} with cache_seqlens {int(cache_seqlens[b])} for sequence {b}. "
+                             "The pad precedes the cached tokens.")
     seqlen = k_cache.shape[1]
     views = []
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -502,7 +594,9 @@ def _leftpad_view(k_cache, v_cache, rows, cache_seqlens, cache_leftpad, batch, v
         views.append(c.as_strided((c.shape[0] * seqlen, 1, *c.shape[2:]), (token, token, *c.stride()[2:]),
                                   c.storage_offset()))
     pos = torch.arange(seqlen, device=cache_leftpad.device, dtype=torch.int64)[None, :] + cache_leftpad.long()[:, None]
-    page_table = (rows[:, :1].long() * seqlen + pos.clamp_max(seqlen - 1)).to(torch.int32)
+    # positions outside the row (lengths past it, unchecked on a GPU) get page -1: an append there is skipped, never
+    # written over another token of the cache
+    page_table = torch.where((pos >= 0) & (pos < seqlen), rows[:, :1].long() * seqlen + pos, -1).to(torch.int32)
     return views[0], views[1], page_table, cache_seqlens - cache_leftpad
 
 
@@ -513,21 +607,30 @@ def _new_token_slots(page_table, cache_seqlens, ps, batch, seqlen_new=None, cu_s
         new_len = torch.full((batch,), seqlen_new, dtype=torch.int32, device=page_table.device)
     else:
         new_len = (cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]).to(torch.int32)
-    slots = slot_mapping_for(page_table, ps, seq, cache_seqlens.long()[seq] + pos_in_new)
+    # (tokens past cu_seqlens_k_new[-1] are padding: sequence ``batch``, slot -1)
+    rows = seq if cu_seqlens_k_new is None else seq.clamp(max=max(batch - 1, 0))
+    slots = slot_mapping_for(page_table, ps, seq, cache_seqlens.long()[rows] + pos_in_new)
     return slots, seq.to(torch.int32), pos_in_new, new_len
 
 
-def _rotate(q, kn, cos, sin, rotary_seqlens, interleaved, cache_seqlens, seq_idx, pos_in_new, cu_seqlens_q,
-            batch, positional_q, validate):
-    """Apply FA3's rotary to the new keys and q (see flash_attn_with_kvcache). Returns (q, kn)."""
-    from .rotary import apply_rotary
-
+def _validate_rotary(q, kn, cos, sin, rotary_seqlens, cache_seqlens, seq_idx, pos_in_new, cu_seqlens_q, batch,
+                     positional_q, validate):
+    """The checks of FA3's rotary (see flash_attn_with_kvcache) and the rotated positions: ``(q_pos, k_pos)``
+    int64 (no host sync), or None without rotary tables."""
+    if cos is None and sin is None:
+        if rotary_seqlens is not None:
+            raise ValueError(f"rotary_seqlens: expected None without rotary_cos/rotary_sin, got "
+                             f"{C.describe(rotary_seqlens)}. Pass the rotary tables too, or drop rotary_seqlens.")
+        return None
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
         C.check_tensor(name, t, ndim=2)
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}. Build the tables in float32.")
     if kn is None:
         raise ValueError("rotary_cos: expected new k/v with rotary tables (the rotation is applied to the new keys "
                          "and to q), got k=None. Pass k= and v=, or rotate q yourself.")
-    if tuple(cos.shape) != tuple(sin.shape) or 2 * cos.shape[1] > q.shape[-1] or cos.shape[1] % 8 != 0:
+    if (tuple(cos.shape) != tuple(sin.shape) or 2 * cos.shape[1] > q.shape[-1] or cos.shape[1] % 8 != 0
+            or not cos.shape[0]):
         raise ValueError(f"rotary_cos: expected (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim {q.shape[-1]} "
                          f"and a multiple of 16, matching rotary_sin; got {tuple(cos.shape)} and {tuple(sin.shape)}.")
     if is_fp8(q.dtype):
@@ -535,23 +638,238 @@ def _rotate(q, kn, cos, sin, rotary_seqlens, interleaved, cache_seqlens, seq_idx
     base = cache_seqlens
     if rotary_seqlens is not None:
         C.check_int32("rotary_seqlens", rotary_seqlens, ndim=1)
+        if rotary_seqlens.numel() != batch:
+            raise ValueError(f"rotary_seqlens: expected {batch} entries (batch), got {rotary_seqlens.numel()}. "
+                             "Pass one rotary position per sequence.")
         base = rotary_seqlens
     # new keys: position base[b] + i (i = index among the sequence's new tokens)
-    k_pos = base.long()[seq_idx.long()] + pos_in_new
+    k_pos = base.long()[seq_idx.long().clamp(max=max(batch - 1, 0))] + pos_in_new
     # queries: base[b] + i when causal / windowed, else base[b] for all of them
     if cu_seqlens_q is None:
         q_seq, q_i = _token_rows(q.device, batch, seqlen=q.shape[1])
     else:
         q_seq, q_i = _token_rows(q.device, batch, cu_seqlens=cu_seqlens_q, total=q.shape[0])
+        q_seq = q_seq.clamp(max=max(batch - 1, 0))  # (rows past cu_seqlens_q[-1]: padding)
     q_pos = base.long()[q_seq] + (q_i if positional_q else 0)
-    if C.want_value_checks(q_pos, validate):
-        hi = max(int(k_pos.max()) if k_pos.numel() else 0, int(q_pos.max()) if q_pos.numel() else 0)
-        if hi >= cos.shape[0]:
-            raise ValueError(f"rotary_cos: expected at least {hi + 1} rows (the largest rotated position + 1), got "
-                             f"{cos.shape[0]}. Build the tables for the full context length.")
-    q3 = q.reshape(-1, q.shape[-2], q.shape[-1])
-    q = apply_rotary(q3, cos, sin, q_pos, interleaved).reshape(q.shape)
-    return q, apply_rotary(kn, cos, sin, k_pos, interleaved)
+    if not C.want_value_checks(q_pos, validate):  # unchecked positions past the tables: their last row, never a fault
+        return q_pos.clamp(0, cos.shape[0] - 1), k_pos.clamp(0, cos.shape[0] - 1)
+    pos = torch.cat((k_pos, q_pos))
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= cos.shape[0]):
+        raise ValueError(f"rotary_cos: expected rows for positions [{int(pos.min())}, {int(pos.max())}] (the "
+                         f"rotated positions), got {cos.shape[0]} rows. Build the tables for the full context "
+                         "length (and pass non-negative rotary_seqlens).")
+    return q_pos, k_pos
+
+
+def _cache_rows(q, k_cache, page_table, cache_batch_idx, k_cache_scales, batch, validate):
+    """The (batch, pages) int32 page table of the call: ``page_table``, or one page per row of a contiguous cache."""
+    if page_table is not None:
+        C.check_int32("page_table", page_table, ndim=2)
+        if cache_batch_idx is not None:
+            raise NotImplementedError("cache_batch_idx with page_table is not supported; index the page table instead.")
+        if page_table.shape[0] != batch:
+            raise ValueError(f"page_table: expected {batch} rows (batch), got {page_table.shape[0]}. One row per sequence.")
+        return page_table
+    C.unsupported("k_cache_scales", k_cache_scales, None, "per-token-head scales need a paged cache (page_table)")
+    if cache_batch_idx is None:
+        if k_cache.shape[0] < batch:
+            raise ValueError(f"k_cache: expected at least batch={batch} rows, got {k_cache.shape[0]}. "
+                             "Allocate one cache row per sequence or pass cache_batch_idx.")
+        return torch.arange(batch, device=q.device, dtype=torch.int32).view(-1, 1)
+    C.check_int32("cache_batch_idx", cache_batch_idx, ndim=1)
+    if cache_batch_idx.numel() != batch:
+        raise ValueError(f"cache_batch_idx: expected {batch} entries (batch), got {cache_batch_idx.numel()}. "
+                         "Give each sequence its cache row.")
+    C.check_index_values("cache_batch_idx", cache_batch_idx, k_cache.shape[0], validate, "rows of k_cache")
+    return cache_batch_idx.view(-1, 1)
+
+
+def _cache_lengths(cache_seqlens, batch, default, device):
+    """``cache_seqlens`` as a (batch,) int32 tensor (an int is broadcast; None is ``default``)."""
+    if cache_seqlens is None:
+        return torch.full((batch,), default, dtype=torch.int32, device=device)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    C.check_int32("cache_seqlens", cache_seqlens, ndim=1)
+    if cache_seqlens.numel() != batch:
+        raise ValueError(f"cache_seqlens: expected {batch} entries (batch), got {cache_seqlens.numel()}.")
+    return cache_seqlens
+
+
+def _validate_new_tokens(k, v, k_cache, v_cache, cu_seqlens_k_new, batch, validate):
+    """The new tokens of an append: 16/32-bit (batch, seqlen_new, nheads_k, headdim[_v]) or, with cu_seqlens_k_new,
+    (total_new, nheads_k, headdim[_v])."""
+    if (k is None) != (v is None):
+        raise ValueError("k/v: expected both new K and new V or neither, got only one. Pass both to append.")
+    if k is None:
+        if cu_seqlens_k_new is not None:
+            raise ValueError(f"cu_seqlens_k_new: expected None without new k/v, got {C.describe(cu_seqlens_k_new)}. "
+                             "Pass k= and v= with it, or drop it.")
+        return
+    hk = k_cache.shape[2]
+    C.check_tensor("k", k, ndim=3 if cu_seqlens_k_new is not None else 4)
+    C.check_tensor("v", v, ndim=3 if cu_seqlens_k_new is not None else 4)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"{name}: expected bf16/fp16/fp32 new tokens, got {t.dtype}. Pass the unquantized values "
+                            "(they are quantized into an FP8 cache here).")
+    if k.shape[-2] != hk or k.shape[-1] != k_cache.shape[-1] or v.shape[-1] != v_cache.shape[-1]:
+        raise ValueError(f"k: expected (..., {hk}, {k_cache.shape[-1]}) like the cache, got {tuple(k.shape)}.")
+    C.check_leading_dims("k", k, "v", v, k.dim() - 1, "token dims")
+    if cu_seqlens_k_new is None and k.shape[0] != batch:
+        raise ValueError(f"k: expected batch {batch} (as q) in (batch, seqlen_new, nheads_k, headdim), got "
+                         f"{tuple(k.shape)}. Pass one row of new tokens per sequence, or cu_seqlens_k_new.")
+    if cu_seqlens_k_new is not None:
+        C.check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, batch=batch, validate=validate, total=k.shape[0],
+                           total_name="k")
+
+
+def _check_cache_values(cache_seqlens, total_len, pt, ps, capacity, slots, k_cache, page_table, cache_leftpad,
+                        leftpad_end, validate):
+    """The value checks of a cache call (CPU, or validate=True on a GPU): lengths within the capacity, used page
+    ids in the cache, the new tokens' slots distinct."""
+    if not total_len.numel():
+        return
+    if int(cache_seqlens.min()) < 0:
+        raise ValueError(f"cache_seqlens: expected lengths >= 0, got {int(cache_seqlens.min())}. "
+                         "Pass the tokens already in each sequence's cache.")
+    if cache_leftpad is not None and int(leftpad_end.max()) > capacity:
+        raise ValueError(f"cache_seqlens: expected lengths <= the cache rows' {capacity} tokens, got "
+                         f"{int(leftpad_end.max())} (left pad included). Shorten the sequence.")
+    longest = int(total_len.max())
+    if longest > capacity:
+        raise ValueError(f"cache_seqlens: expected lengths <= the cache capacity {capacity} "
+                         f"(max_pages {pt.shape[1]} x page_size {ps}), got {longest}. "
+                         "Allocate more pages or shorten the sequence.")
+    if page_table is not None and page_table.numel():
+        used = torch.arange(pt.shape[1], device=pt.device)[None, :] * ps < total_len.long()[:, None]
+        C.check_index_values("page_table", pt[used], k_cache.shape[0], validate, "page ids (for used pages)")
+    if slots is not None:
+        C.check_slots(slots, k_cache.shape[0] * k_cache.shape[1], validate,
+                      name="page_table" if page_table is not None else "cache_batch_idx")
+
+
+class _CachePlan(NamedTuple):
+    """What ``_validate_kvcache`` hands the body of ``flash_attn_with_kvcache``: the caches (a one-token-page view
+    with cache_leftpad), page table, lengths after the append, the new tokens' slots / rows / values, rotary
+    positions ``(q_pos, k_pos)`` or None, expanded descales, the attention keywords of ``ops.paged_fwd``, the split
+    workspace, attention_chunk and the split count."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    pt: torch.Tensor
+    total_len: torch.Tensor
+    slots: torch.Tensor | None
+    seq_idx: torch.Tensor | None
+    kn: torch.Tensor | None
+    vn: torch.Tensor | None
+    rotary: tuple | None
+    descales: tuple
+    attn: dict
+    ws: tuple | None
+    chunk: int
+    num_splits: int
+
+
+def _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
+                      q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk, softcap,
+                      rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse, out,
+                      out_dtype, out_scale, k_cache_scales, v_cache_scales, split_workspace, validate):
+    """Every check of :func:`flash_attn_with_kvcache`, before anything is written (the append included). Returns
+    the call's plan: the (paged view of the) caches, page table, lengths, the new tokens' slots, rotary positions,
+    expanded descales and the attention keywords of ``ops.paged_fwd``. Tensor work here is device-side (no
+    host sync) except the value checks (CPU, or validate=True)."""
+    _unsupported_qv(qv)
+    chunk = _check_attention_chunk(attention_chunk)
+    if scheduler_metadata is not None:
+        num_splits = _metadata_splits(scheduler_metadata, num_splits)
+    C.unsupported("sm_margin", sm_margin, 0)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {C.describe(num_splits)}. "
+                         "Pass 0, 1 or a split count.")
+    varlen = cu_seqlens_q is not None
+    C.check_tensor("q", q, ndim=3 if varlen else 4)
+    C.check_tensor("k_cache", k_cache, ndim=4)
+    C.check_tensor("v_cache", v_cache, ndim=4, allow_v_seq_major=True)
+    C.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
+                        cu_seqlens_q=cu_seqlens_q, k=k, v=v, cache_batch_idx=cache_batch_idx,
+                        k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, rotary_cos=rotary_cos,
+                        rotary_sin=rotary_sin, cu_seqlens_k_new=cu_seqlens_k_new, cache_leftpad=cache_leftpad,
+                        rotary_seqlens=rotary_seqlens)
+    C.check_qkv_dtypes(q, k_cache, v_cache, k_name="k_cache", v_name="v_cache", allow_mixed_q=True)
+    C.check_heads(q, k_cache, v_cache)
+    if v_cache.shape[0] != k_cache.shape[0] or v_cache.shape[1] != k_cache.shape[1]:  # (heads: check_heads)
+        C.check_leading_dims("k_cache", k_cache, "v_cache", v_cache, 3, "(num_blocks, page_size, nheads_k)")
+    C.check_flag("validate", validate)
+    if varlen:
+        C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate, total=q.shape[0], total_name="q")
+        batch = cu_seqlens_q.numel() - 1
+        if max_seqlen_q is None:
+            raise ValueError("max_seqlen_q: expected an int with cu_seqlens_q, got None. Pass the longest query length.")
+        C.check_max_seqlen("max_seqlen_q", max_seqlen_q, "cu_seqlens_q", cu_seqlens_q, validate)
+    else:
+        batch = q.shape[0]
+    hk, dv = k_cache.shape[2], v_cache.shape[-1]
+    attn = _validate_options(q, tuple(q.shape[:-1]) + (dv,), softmax_scale, causal, window_size, softcap, out,
+                             out_dtype, out_scale, validate, (("pack_gqa", pack_gqa),
+                                                              ("rotary_interleaved", rotary_interleaved),
+                                                              ("return_softmax_lse", return_softmax_lse)))
+    ws = _check_split_workspace(split_workspace, num_splits, chunk, q, q.shape[-2], dv)
+    for name, sc in (("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
+        if sc is not None:
+            C.check_tensor(name, sc, ndim=3)
+            C.check_cache_scales(name, sc, k_cache)
+            if not is_fp8(k_cache.dtype):
+                raise ValueError(f"{name}: expected None for a {k_cache.dtype} cache, got a tensor. Scales apply to FP8 caches.")
+    if k_cache_scales is not None and k_descale is not None:
+        raise ValueError("k_descale: expected None with k_cache_scales (per-token-head scales replace it), got a tensor. Drop one.")
+    if v_cache_scales is not None and v_descale is not None:
+        raise ValueError("v_descale: expected None with v_cache_scales (per-token-head scales replace it), got a tensor. Drop one.")
+    if k is not None and (k_cache_scales is None) != (v_cache_scales is None):
+        raise ValueError("k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither with new "
+                         "k/v, got one. Allocate both beside the cache.")
+    descales = _descales(q_descale, k_descale, v_descale, batch, hk, q.device, validate, q.dtype, k_cache.dtype)
+    _validate_new_tokens(k, v, k_cache, v_cache, cu_seqlens_k_new, batch, validate)
+
+    # Contiguous caches are paged caches with one page per cache row.
+    pt = _cache_rows(q, k_cache, page_table, cache_batch_idx, k_cache_scales, batch, validate)
+    ps = k_cache.shape[1]
+    capacity = pt.shape[1] * ps
+    cache_seqlens = _cache_lengths(cache_seqlens, batch, capacity if k is None else 0, q.device)
+    value_checks = C.want_value_checks(cache_seqlens, validate)  # (free on CPU; opt-in on a GPU)
+    rotary_base = cache_seqlens  # rotary positions stay absolute cache rows (FA3), left pad included
+    leftpad_end = None
+    if cache_leftpad is not None:
+        if page_table is not None:
+            raise NotImplementedError("cache_leftpad with page_table is not supported: leave the pad out of the page "
+                                      "table (start each row at its first live page), or use a contiguous cache.")
+        k_cache, v_cache, pt, cache_seqlens = _leftpad_view(k_cache, v_cache, pt, cache_seqlens, cache_leftpad, batch,
+                                                            value_checks)
+        ps, capacity = 1, pt.shape[1]
+    if chunk:
+        _check_chunked_cache_call(chunk, cache_leftpad, ps if page_table is not None else 1, bool(causal),
+                                  max_seqlen_q if varlen else q.shape[1])
+    slots = seq_idx = pos_in_new = kn = vn = None
+    total_len = cache_seqlens
+    if k is not None:
+        if cu_seqlens_k_new is not None:
+            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch,
+                                                                   cu_seqlens_k_new=cu_seqlens_k_new,
+                                                                   total_new=k.shape[0])
+            kn, vn = k, v
+        else:
+            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch, seqlen_new=k.shape[1])
+            kn, vn = k.reshape(-1, hk, k.shape[-1]), v.reshape(-1, hk, v.shape[-1])
+        total_len = cache_seqlens + new_len
+    if cache_leftpad is not None and value_checks:
+        leftpad_end = total_len + cache_leftpad
+    if value_checks:
+        _check_cache_values(cache_seqlens, total_len, pt, ps, capacity, slots, k_cache, page_table, cache_leftpad,
+                            leftpad_end, validate)
+    rotary = _validate_rotary(q, kn, rotary_cos, rotary_sin, rotary_seqlens, rotary_base, seq_idx, pos_in_new,
+                              cu_seqlens_q, batch, bool(causal) or tuple(window_size) != (-1, -1), validate)
+    return _CachePlan(k_cache, v_cache, pt, total_len, slots, seq_idx, kn, vn, rotary, descales, attn, ws, chunk,
+                      num_splits)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -579,7 +897,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     cache_batch_idx : (batch,) int32, rows of a contiguous cache used by each batch entry.
     page_table : (batch, max_pages) int32; unused entries may hold -1.
     cu_seqlens_q : (batch + 1,) int32 for varlen q (mixed prefill chunks and decode rows); max_seqlen_q int.
-    q_descale, k_descale, v_descale : float32 (batch, nheads_k) or per-tensor/per-sequence broadcasts.
+    q_descale, k_descale, v_descale : float32 (batch, nheads_k) or per-tensor/per-sequence broadcasts:
+        q_descale for an FP8 q only; k_descale / v_descale for an FP8 cache only (a bf16 q over an FP8 cache
+        takes them; new k/v are quantized with them).
     causal, window_size, softcap, softmax_scale : as in :func:`flash_attn_func` (bottom-right alignment:
         the queries are the last tokens of each sequence).
     num_splits : 0 = heuristic from shapes (never from live lengths), 1 = no split, n = n KV splits.
@@ -607,169 +927,44 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     out_dtype : bf16 (default for FP8 q), fp16 or fp32. out_scale : float32 one-element static scale;
         the output is then e4m3fn ``saturate(out / out_scale)``.
     k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32 or bfloat16 per-token-head descales.
-    validate : also run the value checks (page ids, lengths, descale values) on GPU tensors (syncs).
+    validate : also run the value checks (page ids, lengths, slots, descale and out_scale values) on GPU
+        tensors (syncs). Every check runs before the append writes the cache (docs/api.md, "Validation and the
+        nothing-lost guarantee", says what the kernels do with unchecked values).
 
     Returns
     -------
     out : q's shape with headdim_v, (batch, seqlen_q, nheads_q, headdim_v) or (total_q, nheads_q, headdim_v).
     lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
-    _unsupported_qv(qv)
-    chunk = _check_attention_chunk(attention_chunk)
-    if scheduler_metadata is not None:
-        num_splits = _metadata_splits(scheduler_metadata, num_splits)
-    C.unsupported("sm_margin", sm_margin, 0)
-    if not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {num_splits!r}. Pass 0, 1 or a split count.")
-    varlen = cu_seqlens_q is not None
-    C.check_tensor("q", q, ndim=3 if varlen else 4)
-    C.check_tensor("k_cache", k_cache, ndim=4)
-    C.check_tensor("v_cache", v_cache, ndim=4, allow_v_seq_major=True)
-    C.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
-                        cu_seqlens_q=cu_seqlens_q, k=k, v=v, cache_batch_idx=cache_batch_idx,
-                        k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, rotary_cos=rotary_cos,
-                        rotary_sin=rotary_sin, cu_seqlens_k_new=cu_seqlens_k_new, cache_leftpad=cache_leftpad)
-    C.check_qkv_dtypes(q, k_cache, v_cache, k_name="k_cache", v_name="v_cache", allow_mixed_q=True)
-    C.check_heads(q, k_cache, v_cache)
-    if v_cache.shape[0] != k_cache.shape[0] or v_cache.shape[1] != k_cache.shape[1]:  # (heads: check_heads)
-        C.check_leading_dims("k_cache", k_cache, "v_cache", v_cache, 3, "(num_blocks, page_size, nheads_k)")
-    hk = k_cache.shape[2]
-    if varlen:
-        C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate, total=q.shape[0], total_name="q")
-        batch = cu_seqlens_q.numel() - 1
-        if max_seqlen_q is None:
-            raise ValueError("max_seqlen_q: expected an int with cu_seqlens_q, got None. Pass the longest query length.")
-        C.check_max_seqlen("max_seqlen_q", max_seqlen_q, "cu_seqlens_q", cu_seqlens_q, validate)
-    else:
-        batch = q.shape[0]
-    dev = q.device
-    # Contiguous caches are paged caches with one page per cache row.
-    if page_table is None:
-        C.unsupported("k_cache_scales", k_cache_scales, None, "per-token-head scales need a paged cache (page_table)")
-        if cache_batch_idx is not None:
-            C.check_int32("cache_batch_idx", cache_batch_idx, ndim=1)
-            if cache_batch_idx.numel() != batch:
-                raise ValueError(f"cache_batch_idx: expected {batch} entries (batch), got {cache_batch_idx.numel()}. "
-                                 "Give each sequence its cache row.")
-            if C.want_value_checks(cache_batch_idx, validate) and batch and (
-                    int(cache_batch_idx.min()) < 0 or int(cache_batch_idx.max()) >= k_cache.shape[0]):
-                raise ValueError(f"cache_batch_idx: expected rows in [0, {k_cache.shape[0]}) of k_cache, got range "
-                                 f"[{int(cache_batch_idx.min())}, {int(cache_batch_idx.max())}]. Index existing rows.")
-            pt = cache_batch_idx.view(-1, 1)
-        else:
-            if k_cache.shape[0] < batch:
-                raise ValueError(f"k_cache: expected at least batch={batch} rows, got {k_cache.shape[0]}. "
-                                 "Allocate one cache row per sequence or pass cache_batch_idx.")
-            pt = torch.arange(batch, device=dev, dtype=torch.int32).view(-1, 1)
-    else:
-        C.check_int32("page_table", page_table, ndim=2)
-        if cache_batch_idx is not None:
-            raise NotImplementedError("cache_batch_idx with page_table is not supported; index the page table instead.")
-        if page_table.shape[0] != batch:
-            raise ValueError(f"page_table: expected {batch} rows (batch), got {page_table.shape[0]}. One row per sequence.")
-        pt = page_table
-    ps = k_cache.shape[1]
-    capacity = pt.shape[1] * ps
-    if cache_seqlens is None:
-        cache_seqlens = torch.full((batch,), capacity if k is None else 0, dtype=torch.int32, device=dev)
-    elif isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=dev)
-    else:
-        C.check_int32("cache_seqlens", cache_seqlens, ndim=1)
-        if cache_seqlens.numel() != batch:
-            raise ValueError(f"cache_seqlens: expected {batch} entries (batch), got {cache_seqlens.numel()}.")
-    value_checks = C.want_value_checks(cache_seqlens, validate)  # (free on CPU; opt-in on a GPU)
-    rotary_base = cache_seqlens  # rotary positions stay absolute cache rows (FA3), left pad included
-    if cache_leftpad is not None:
-        if page_table is not None:
-            raise NotImplementedError("cache_leftpad with page_table is not supported: leave the pad out of the page "
-                                      "table (start each row at its first live page), or use a contiguous cache.")
-        k_cache, v_cache, pt, cache_seqlens = _leftpad_view(k_cache, v_cache, pt, cache_seqlens, cache_leftpad, batch,
-                                                            value_checks)
-        ps = 1
-        capacity = pt.shape[1]
-    if chunk:  # (before the append: a call refused here writes nothing)
-        _check_chunked_cache_call(chunk, cache_leftpad, ps if page_table is not None else 1, bool(causal),
-                                  max_seqlen_q if varlen else q.shape[1])
-    if value_checks and cache_seqlens.numel() and int(cache_seqlens.min()) < 0:
-        raise ValueError(f"cache_seqlens: expected lengths >= 0, got {int(cache_seqlens.min())}. "
-                         "Pass the tokens already in each sequence's cache.")
-    for name, sc in (("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
-        if sc is not None:
-            C.check_tensor(name, sc, ndim=3)
-            C.check_cache_scales(name, sc, k_cache)
-            if not is_fp8(k_cache.dtype):
-                raise ValueError(f"{name}: expected None for a {k_cache.dtype} cache, got a tensor. Scales apply to FP8 caches.")
-    if k_cache_scales is not None and k_descale is not None:
-        raise ValueError("k_descale: expected None with k_cache_scales (per-token-head scales replace it), got a tensor. Drop one.")
-    if v_cache_scales is not None and v_descale is not None:
-        raise ValueError("v_descale: expected None with v_cache_scales (per-token-head scales replace it), got a tensor. Drop one.")
+    c = _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                          cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
+                          q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk,
+                          softcap, rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin,
+                          return_softmax_lse, out, out_dtype, out_scale, k_cache_scales, v_cache_scales,
+                          split_workspace, validate)
+    qd, kd, vd = c.descales
+    kn = c.kn
+    if c.rotary is not None:
+        from .rotary import apply_rotary
 
-    if (k is None) != (v is None):
-        raise ValueError("k/v: expected both new K and new V or neither, got only one. Pass both to append.")
-    if k is not None:
-        C.check_tensor("k", k, ndim=3 if cu_seqlens_k_new is not None else 4)
-        C.check_tensor("v", v, ndim=3 if cu_seqlens_k_new is not None else 4)
-        if k.shape[-2] != hk or k.shape[-1] != k_cache.shape[-1] or v.shape[-1] != v_cache.shape[-1]:
-            raise ValueError(f"k: expected (..., {hk}, {k_cache.shape[-1]}) like the cache, got {tuple(k.shape)}.")
-        C.check_leading_dims("k", k, "v", v, k.dim() - 1, "token dims")
-        if cu_seqlens_k_new is None and k.shape[0] != batch:
-            raise ValueError(f"k: expected batch {batch} (as q) in (batch, seqlen_new, nheads_k, headdim), got "
-                             f"{tuple(k.shape)}. Pass one row of new tokens per sequence, or cu_seqlens_k_new.")
-        if cu_seqlens_k_new is not None:
-            C.check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, batch=batch, validate=validate,
-                               total=k.shape[0], total_name="k")
-            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch,
-                                                                   cu_seqlens_k_new=cu_seqlens_k_new,
-                                                       total_new=k.shape[0])
-            kn, vn = k, v
-        else:
-            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch,
-                                                                   seqlen_new=k.shape[1])
-            kn, vn = k.reshape(-1, hk, k.shape[-1]), v.reshape(-1, hk, v.shape[-1])
-        total_len = cache_seqlens + new_len
-    else:
-        total_len = cache_seqlens
-    if value_checks and total_len.numel() and cache_leftpad is not None and \
-            int((total_len + cache_leftpad).max()) > capacity:
-        raise ValueError(f"cache_seqlens: expected lengths <= the cache rows' {capacity} tokens, got "
-                         f"{int((total_len + cache_leftpad).max())} (left pad included). Shorten the sequence.")
-    if value_checks and total_len.numel() and int(total_len.max()) > capacity:
-        raise ValueError(f"cache_seqlens: expected lengths <= the cache capacity {capacity} "
-                         f"(max_pages {pt.shape[1]} x page_size {ps}), got {int(total_len.max())}. "
-                         "Allocate more pages or shorten the sequence.")
-    if page_table is not None and C.want_value_checks(page_table, validate) and page_table.numel():
-        used = torch.arange(pt.shape[1], device=dev)[None, :] * ps < total_len.long()[:, None]
-        ids = pt[used]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= k_cache.shape[0]):
-            raise ValueError(f"page_table: expected page ids in [0, {k_cache.shape[0]}) for used pages, got range "
-                             f"[{int(ids.min())}, {int(ids.max())}]. Fix the block allocation.")
-    oshape = tuple(q.shape[:-1]) + (v_cache.shape[-1],)
-    _check_out_args(out, out_dtype, out_scale, oshape, q)
-    ws = _check_split_workspace(split_workspace, num_splits, chunk, q, q.shape[-2], v_cache.shape[-1])
-    qd, kd, vd = _descales(q_descale, k_descale, v_descale, batch, hk, dev, validate)
-    if rotary_cos is not None or rotary_sin is not None:
-        q, kn = _rotate(q, kn if k is not None else None, rotary_cos, rotary_sin, rotary_seqlens, rotary_interleaved,
-                        rotary_base, seq_idx if k is not None else None, pos_in_new if k is not None else None,
-                        cu_seqlens_q, batch, causal or tuple(window_size) != (-1, -1), validate)
-    elif rotary_seqlens is not None:
-        raise ValueError("rotary_seqlens: expected None without rotary_cos/rotary_sin, got a tensor. "
-                         "Pass the rotary tables too, or drop rotary_seqlens.")
-    if k is not None:
-        ops.write_kv_cache(kn, vn, k_cache, v_cache, slots, k_descale=kd if k_descale is not None else None,
-                           v_descale=vd if v_descale is not None else None, token_seq_idx=seq_idx,
+        q_pos, k_pos = c.rotary
+        q = apply_rotary(q.reshape(-1, *q.shape[-2:]), rotary_cos, rotary_sin, q_pos, rotary_interleaved).reshape(q.shape)
+        kn = apply_rotary(kn, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
+    if k is not None:  # the first write: everything above has been checked
+        if not torch.compiler.is_compiling():  # (compiled: the ops report at run time, inside their implementation)
+            kernel_for(q, "paged")  # the attention's fallback is reported before the append writes (error: no write)
+        ops.write_kv_cache(kn, c.vn, c.k_cache, c.v_cache, c.slots, k_descale=kd if k_descale is not None else None,
+                           v_descale=vd if v_descale is not None else None, token_seq_idx=c.seq_idx,
                            k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
-    attn = dict(softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
-                window_size=_resolve_window(causal, window_size), softcap=float(softcap),
-                k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, out_scale=out_scale,
-                out_dtype=out_dtype, out=out, num_splits=num_splits, return_lse=bool(return_softmax_lse))
-    if chunk:
-        o, lse = _chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, page_table is None, cu_seqlens_q,
-                                     max_seqlen_q, (qd, kd, vd), **attn)
+    attn = dict(c.attn, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, num_splits=c.num_splits,
+                return_lse=bool(return_softmax_lse))
+    if c.chunk:
+        o, lse = _chunked_cache_call(q, c.k_cache, c.v_cache, c.pt, c.total_len, c.chunk, page_table is None,
+                                     cu_seqlens_q, max_seqlen_q, c.descales, **attn)
     else:
-        o, lse = ops.paged_fwd(q, k_cache, v_cache, pt, total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
+        o, lse = ops.paged_fwd(q, c.k_cache, c.v_cache, c.pt, c.total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
                                max_seqlen_q=max_seqlen_q, q_descale=qd, k_descale=kd, v_descale=vd,
-                               split_workspace=ws, **attn)
+                               split_workspace=c.ws, **attn)
     return (o, lse) if return_softmax_lse else o
 
 
@@ -801,7 +996,7 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     torch.Tensor : int32, shape (num_splits,), zeros.
     """
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {num_splits!r}. "
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {C.describe(num_splits)}. "
                          "Pass 0, 1 or a split count.")
     for name, val in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
                       ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim)):
@@ -810,7 +1005,7 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
         except TypeError:
             ok = False
         if not ok:
-            raise ValueError(f"{name}: expected an int >= 0, got {val!r}. Pass the call's shape.")
+            raise ValueError(f"{name}: expected an int >= 0, got {C.describe(val)}. Pass the call's shape.")
     _check_attention_chunk(attention_chunk)
     C.unsupported("sm_margin", sm_margin, 0)
     if not isinstance(cache_seqlens, torch.Tensor):
@@ -819,37 +1014,135 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     return torch.zeros(num_splits, dtype=torch.int32, device=cache_seqlens.device)
 
 
-def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, *, out_scale=None):
-    """Merge split-KV partial results.
-
-    Parameters
-    ----------
-    out_partial : (num_splits, batch, seqlen, nheads, headdim) or (num_splits, total, nheads, headdim), float32.
-    lse_partial : (num_splits, batch, seqlen, nheads) or (num_splits, total, nheads), float32 natural-log.
-        An empty split has lse = -inf (its out_partial is ignored, even if NaN).
-    out : optional preallocated output of out_partial.shape[1:].
-    out_dtype : output dtype (default: out_partial's dtype).
-    out_scale : float32 one-element static scale; the output is then e4m3fn ``saturate(out / out_scale)``.
-
-    Returns
-    -------
-    (out, lse) : out (batch, seqlen, nheads, headdim); lse (batch, seqlen, nheads) float32. Rows whose
-        splits are all empty give 0 and -inf.
-    """
+def _validate_combine(out_partial, lse_partial, out, out_dtype, out_scale, validate):
+    """Every check of :func:`flash_attn_combine` (before ``out`` is written)."""
     C.check_tensor("out_partial", out_partial, ndim=(4, 5))
     C.check_tensor("lse_partial", lse_partial, ndim=(3, 4))
+    C.check_flag("validate", validate)
     if tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
         raise ValueError(f"lse_partial: expected shape {tuple(out_partial.shape[:-1])} (out_partial without headdim), "
                          f"got {tuple(lse_partial.shape)}. Pass the LSE of each split in (num_splits, batch, seqlen, nheads).")
     for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
         if t.dtype != torch.float32:
             raise TypeError(f"{name}: expected float32, got {t.dtype}. Keep split partials in float32.")
-    C.check_same_device(out_partial=out_partial, lse_partial=lse_partial, out=out)
+    if out_partial.shape[0] == 0:
+        raise ValueError(f"out_partial: expected at least one split (num_splits >= 1 on dim 0), got shape "
+                         f"{tuple(out_partial.shape)}. Pass the partials of a split-KV call.")
+    C.check_same_device(out_partial=out_partial, lse_partial=lse_partial, out=out, out_scale=out_scale)
     C.check_out_dtype(out_dtype)
     C.check_out_scale(out_scale, out_partial.device)
+    if out_scale is not None and out_dtype is not None:
+        raise ValueError(f"out_dtype: expected None when out_scale is given (the output is float8_e4m3fn), "
+                         f"got {out_dtype}. Drop out_dtype or out_scale.")
     dt = torch.float8_e4m3fn if out_scale is not None else (out_dtype or out_partial.dtype)
     C.check_out(out, out_partial.shape[1:], dt, out_partial.device)
+    C.check_out_scale_values(out_scale, validate)
+    C.check_lse_values(lse_partial, validate)
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, *, out_scale=None, validate=False):
+    """Merge split-KV partial results.
+
+    Parameters
+    ----------
+    out_partial : (num_splits, batch, seqlen, nheads, headdim) or (num_splits, total, nheads, headdim), float32;
+        num_splits >= 1.
+    lse_partial : (num_splits, batch, seqlen, nheads) or (num_splits, total, nheads), float32 natural-log.
+        An empty split has lse = -inf (its out_partial is ignored, even if NaN); NaN or +inf are refused where
+        values are checked.
+    out : optional preallocated output of out_partial.shape[1:].
+    out_dtype : output dtype (default: out_partial's dtype).
+    out_scale : float32 one-element static scale; the output is then e4m3fn ``saturate(out / out_scale)``.
+    validate : also run the value checks (out_scale and LSE values) on GPU tensors (they sync the device).
+
+    Returns
+    -------
+    (out, lse) : out (batch, seqlen, nheads, headdim); lse (batch, seqlen, nheads) float32. Rows whose
+        splits are all empty give 0 and -inf.
+    """
+    _validate_combine(out_partial, lse_partial, out, out_dtype, out_scale, validate)
     return ops.combine(out_partial, lse_partial, out=out, out_dtype=out_dtype, out_scale=out_scale)
+
+
+def _per_sequence_rows(k_descale, v_descale):
+    """The batch rows of the per-(sequence, head) descales among ``k_descale`` / ``v_descale`` (the fewest), or
+    None when both are per-tensor (or None)."""
+    rows = [d.shape[0] for d in (k_descale, v_descale) if d is not None and d.numel() != 1]
+    return min(rows) if rows else None
+
+
+def _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
+                             k_cache_scales, v_cache_scales, validate):
+    """Every check of :func:`write_kv_cache` (before the caches are written)."""
+    C.check_flag("validate", validate)
+    for name, t in (("k", k), ("v", v)):
+        C.check_tensor(name, t, ndim=3)
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"{name}: expected bf16/fp16/fp32 new tokens, got {t.dtype}. Pass the unquantized values.")
+    C.check_tensor("k_cache", k_cache, ndim=4)
+    C.check_tensor("v_cache", v_cache, ndim=4, allow_v_seq_major=True)
+    C.check_tensor("slot_mapping", slot_mapping, ndim=1)
+    for name, d in (("k_descale", k_descale), ("v_descale", v_descale), ("token_seq_idx", token_seq_idx),
+                    ("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
+        C.check_tensor(name, d, allow_none=True)
+    C.check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, k_descale=k_descale,
+                        v_descale=v_descale, token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales,
+                        v_cache_scales=v_cache_scales)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not (is_fp8(c.dtype) or c.dtype in (torch.float16, torch.bfloat16, torch.float32)):
+            raise TypeError(f"{name}: expected an FP8 (e4m3fn / e5m2) or bf16/fp16/fp32 cache, got {c.dtype}. "
+                            "Allocate it with fp8attn.paged.alloc_paged_cache.")
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: expected the dtype of k_cache ({k_cache.dtype}), got {v_cache.dtype}. "
+                        "Store K and V in one dtype.")
+    if k_cache.dtype == torch.float8_e4m3fnuz and k_cache.device.type != "cpu":
+        raise NotImplementedError("k_cache: float8_e4m3fnuz caches are supported by the CPU reference path only "
+                                  "(emulation); allocate an e4m3fn cache.")
+    C.check_leading_dims("k", k, "v", v, 1, "token count")
+    C.check_leading_dims("k_cache", k_cache, "v_cache", v_cache, 3, "(num_blocks, page_size, nheads_k)")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping: expected int64 or int32, got {slot_mapping.dtype}. Pass slot ids as integers.")
+    if slot_mapping.numel() != k.shape[0]:
+        raise ValueError(f"slot_mapping: expected {k.shape[0]} entries (one per token), got {slot_mapping.numel()}.")
+    if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:]:
+        raise ValueError(f"k: expected (num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}) matching k_cache, got {tuple(k.shape)}.")
+    hk = k_cache.shape[2]
+    if (k_cache_scales is None) != (v_cache_scales is None):
+        raise ValueError("k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither, got one. "
+                         "Allocate both beside the cache.")
+    for name, sc, d in (("k_cache_scales", k_cache_scales, k_descale), ("v_cache_scales", v_cache_scales, v_descale)):
+        if sc is None:
+            continue
+        C.check_cache_scales(name, sc, k_cache)
+        if not is_fp8(k_cache.dtype):
+            raise ValueError(f"{name}: expected None for a {k_cache.dtype} cache, got a tensor. Scales apply to FP8 caches.")
+        if d is not None:
+            raise ValueError(f"{name[0]}_descale: expected None with {name} (per-token-head scales replace it), got "
+                             f"{C.describe(d)}. Drop one.")
+    for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if d is None:
+            continue
+        C.check_descale_kind(name, d, "k_cache" if name[0] == "k" else "v_cache", k_cache.dtype)
+        if d.dtype != torch.float32:
+            raise TypeError(f"{name}: expected float32, got {d.dtype}. Pass {name}.float().")
+        per_seq = (d.dim() == 1 or (d.dim() == 2 and d.shape[1] in (1, hk))) and d.shape[0] >= 1
+        if not (d.numel() == 1 and d.dim() <= 2) and not per_seq:
+            raise ValueError(f"{name}: expected a per-tensor (), (1,) or (1, 1) descale, or a per-(sequence, head) "
+                             f"(batch, {hk}) / per-sequence (batch, 1) one, got shape {tuple(d.shape)}. "
+                             "Pass the cache's descales in FA3's (batch, nheads_k) form.")
+        if d.numel() != 1 and token_seq_idx is None:
+            raise ValueError(f"token_seq_idx: expected an int32 (num_tokens,) tensor with a per-(sequence, head) "
+                             f"{name} of shape {tuple(d.shape)}, got None. Pass each token's batch row.")
+        C.check_descale_values(name, d, validate)
+    C.check_int32("token_seq_idx", token_seq_idx, ndim=1)
+    if token_seq_idx is not None and token_seq_idx.numel() != k.shape[0]:
+        raise ValueError(f"token_seq_idx: expected {k.shape[0]} entries (one per token), got {token_seq_idx.numel()}. "
+                         "Pass each token's batch row.")
+    rows = _per_sequence_rows(k_descale, v_descale)
+    if rows is not None and C.want_value_checks(token_seq_idx, validate):  # (tokens with a negative slot are skipped)
+        C.check_index_values("token_seq_idx", token_seq_idx[slot_mapping >= 0], rows, validate,
+                             "batch rows of the descales")
+    C.check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1], validate)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_descale=None, token_seq_idx=None,
@@ -860,50 +1153,18 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
     ----------
     k, v : (num_tokens, nheads_k, headdim[_v]) bf16 / fp16 / fp32.
     k_cache, v_cache : (num_blocks, page_size, nheads_k, headdim[_v]) e4m3fn / e5m2 (quantized with a
-        saturating cast) or bf16 / fp16 (plain copy).
+        saturating cast) or bf16 / fp16 / fp32 (plain copy), one dtype.
     slot_mapping : (num_tokens,) int64 (or int32), ``block_id * page_size + offset``; negative = skip.
-    k_descale, v_descale : static descales, per-tensor (0-d / (1,) / (1, 1)) or per-(sequence, head)
-        (batch, nheads_k) with ``token_seq_idx`` (num_tokens,) int32 giving each token's row.
+        Slots are distinct within a call and < num_blocks * page_size (value checks; see docs/api.md).
+    k_descale, v_descale : static descales of an FP8 cache (refused for a 16/32-bit one), float32,
+        per-tensor (0-d / (1,) / (1, 1)) or per-(sequence, head) (batch, nheads_k) / per-sequence (batch, 1)
+        with ``token_seq_idx`` (num_tokens,) int32 giving each token's row, in [0, batch).
     k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32 or bfloat16: dynamic
         per-token-head scales, computed (amax / fp8_max, floored; for bf16 padded up by 2**-7 so rounding
         never clips) and stored here; tokens are quantized with exactly the stored value.
     validate : also check slot ids and descale values on GPU tensors (syncs the device).
     """
-    for name, t in (("k", k), ("v", v)):
-        C.check_tensor(name, t, ndim=3)
-        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(f"{name}: expected bf16/fp16/fp32 new tokens, got {t.dtype}. Pass the unquantized values.")
-    C.check_tensor("k_cache", k_cache, ndim=4)
-    C.check_tensor("v_cache", v_cache, ndim=4, allow_v_seq_major=True)
-    C.check_tensor("slot_mapping", slot_mapping, ndim=1)
-    C.check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, k_descale=k_descale,
-                        v_descale=v_descale, token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales,
-                        v_cache_scales=v_cache_scales)
-    C.check_leading_dims("k", k, "v", v, 1, "token count")
-    C.check_leading_dims("k_cache", k_cache, "v_cache", v_cache, 3, "(num_blocks, page_size, nheads_k)")
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slot_mapping: expected int64 or int32, got {slot_mapping.dtype}. Pass slot ids as integers.")
-    if slot_mapping.numel() != k.shape[0]:
-        raise ValueError(f"slot_mapping: expected {k.shape[0]} entries (one per token), got {slot_mapping.numel()}.")
-    if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:]:
-        raise ValueError(f"k: expected (num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}) matching k_cache, got {tuple(k.shape)}.")
-    nb, ps = k_cache.shape[:2]
-    if C.want_value_checks(slot_mapping, validate) and slot_mapping.numel() and int(slot_mapping.max()) >= nb * ps:
-        raise ValueError(f"slot_mapping: expected slots < num_blocks * page_size = {nb * ps}, got {int(slot_mapping.max())}.")
-    for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
-        if d is not None:
-            C.check_tensor(name, d)
-            if d.dtype != torch.float32:
-                raise TypeError(f"{name}: expected float32, got {d.dtype}. Pass {name}.float().")
-            if d.numel() != 1 and token_seq_idx is None:
-                raise ValueError(f"token_seq_idx: expected an int32 (num_tokens,) tensor with a per-(sequence, head) "
-                                 f"{name} of shape {tuple(d.shape)}, got None. Pass each token's batch row.")
-            C.check_descale_values(name, d, validate)
-    C.check_int32("token_seq_idx", token_seq_idx, ndim=1)
-    if (k_cache_scales is None) != (v_cache_scales is None):
-        raise ValueError("k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither, got one. "
-                         "Allocate both beside the cache.")
-    for name, sc in (("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
-        C.check_cache_scales(name, sc, k_cache)
+    _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
+                             k_cache_scales, v_cache_scales, validate)
     ops.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale=k_descale, v_descale=v_descale,
                        token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cdiv", "next_pow2", "window_flags", "tma_options_reason", "paged_tma_call_reason",
+__all__ = ["cdiv", "next_pow2", "window_flags", "attention_out_dtype", "tma_options_reason", "paged_tma_call_reason",
            "TMA_QUERY_BLOCK", "PAGED_TMA_HEAD_DIMS", "PAGED_TMA_MIN_PAGE", "PAGED_TMA_SMALL_PAGES"]
 
 # Query rows of one TMA query block: a fixed-length call runs on the paged TMA kernel with a multiple of
@@ -32,6 +32,16 @@ def next_pow2(n: int) -> int:
     """Host-side smallest power of two >= n (1 for n <= 1); see ``cdiv`` for why not
     ``triton.next_power_of_2``."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def attention_out_dtype(q_dtype, out_dtype, out_scale):
+    """The output dtype of an attention op: e4m3fn with ``out_scale``, else ``out_dtype``, else bf16 for FP8
+    inputs and the input dtype for 16/32-bit ones."""
+    if out_scale is not None:
+        return torch.float8_e4m3fn
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if q_dtype not in (torch.float16, torch.bfloat16, torch.float32) else q_dtype
 
 
 def window_flags(causal, window_size):

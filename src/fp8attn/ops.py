@@ -10,17 +10,22 @@ passes (``fp8attn.compile``) can match them by name.
 Why ``Library.define`` + one impl and not ``torch.library.custom_op``: the same opaque op with the
 same fake, but dispatch stays in C++ up to the Python implementation (no Python autograd wrapper, no
 run-time aliasing check). Measured per-call overhead on a 2-core CI CPU: custom_op 10.7 us,
-this form 3.4 us, a plain Python call 0.3 us (see docs/compile.md for the GPU numbers). None of the
-ops is differentiable (there is no FP8 backward op yet): the Autograd key is a C++ fallthrough, and
-the Python entry points below, when grad mode is on and an input requires grad, return outputs whose
-backward raises NotImplementedError -- the forward works (inference without ``torch.no_grad``), a
-backward through fp8attn fails loudly instead of silently dropping gradients. (Calling
-``torch.ops.fp8attn.*`` directly gives outputs that do not require grad.)
+this form 3.4 us, a plain Python call 0.3 us (see docs/compile.md for the GPU numbers).
+
+Autograd: ``dense_fwd`` is differentiable (``torch.library.register_autograd``; its backward is the
+opaque op ``dense_bwd``, so a compiled forward + backward holds both ops and no graph break). The
+forward saves only Q/K/V as given (FP8 or 16-bit), the descales, O and the natural-log LSE. The other
+ops are not differentiable: their Autograd key is a C++ fallthrough, and the Python entry points below,
+when grad mode is on and an input requires grad, return outputs whose backward raises
+NotImplementedError -- the forward works (inference without ``torch.no_grad``), a backward through
+them fails loudly instead of silently dropping gradients. (Calling ``torch.ops.fp8attn.paged_fwd``
+directly gives outputs that do not require grad.) ``QuantizedAttention`` is the autograd of
+``fp8attn.attention`` (16-bit leaves, straight-through quantizer).
 
 Eager calls of the attention entry points (``dense_fwd``, ``paged_fwd``, ``combine``) skip the
 dispatcher hop and call the op's implementation directly when nothing could observe the difference
 (``_eager_direct``: not traced by torch.compile / jit, no torch-function or dispatch mode, no functorch
-transform, plain tensors). That hop costs 5-12 us per call on an H200 host (docs/perf-notes.md); under
+transform, plain tensors, and no input that requires grad with grad mode on). That hop costs 5-12 us per call on an H200 host (docs/perf-notes.md); under
 tracing, FakeTensor, export or any mode the op is called as before, so graphs still hold
 ``fp8attn::*`` ops and their fakes.
 
@@ -28,7 +33,8 @@ Ops (``torch.ops.fp8attn.<name>.default``):
 
 =====================  =======================================================================
 dense_fwd              dense / varlen forward -> (out, lse); lse (0,) if not return_lse
-dense_fwd_out          same, writes ``out`` (mutated) -> lse
+dense_fwd_out          same, writes ``out`` (mutated) -> lse (not differentiable: out= with grad raises)
+dense_bwd              attention backward -> (dq, dk, dv) (reference.attention_bwd_ref's semantics)
 paged_fwd              paged-cache attention -> (out, lse); lse (0,) if not return_lse
 paged_fwd_out          same, writes ``out`` (mutated; the split workspace too, when given) -> lse
 combine                split-KV merge -> (out, lse)
@@ -47,42 +53,25 @@ registered kernel").
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import reference as ref
 from ._checks import check_same_device
-from .capability import kernel_path_ok, launch_device
-from .launch_rules import TMA_QUERY_BLOCK, paged_tma_call_reason
+from .capability import kernel_for, launch_device, report_fallback
+from .launch_rules import TMA_QUERY_BLOCK, attention_out_dtype, paged_tma_call_reason
 from .paged import is_v_seq_major, packed_token_seqs, paged_precisions
 from .paged_plan import CPU_NUM_SMS, paged_grid
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 
 __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "quant_fp8_static", "scaled_bmm",
-           "OPS", "NAMESPACE"]
+           "QuantizedAttention", "set_fp8_backward", "fp8_backward_mode", "check_bwd_mode", "BWD_MODES", "OPS",
+           "NAMESPACE"]
 
 NAMESPACE = "fp8attn"
 
 
-@functools.lru_cache(None)
-def _kernel(module: str, name: str):
-    """Import a launch function lazily (kernels import triton); cached (it is on the hot path)."""
-    import importlib
-
-    try:
-        mod = importlib.import_module(f"fp8attn.kernels.{module}")
-    except ImportError:
-        return None
-    return getattr(mod, name, None)
-
-
 def _out_dtype(q, out_dtype, out_scale):
-    if out_scale is not None:
-        return torch.float8_e4m3fn
-    if out_dtype is not None:
-        return out_dtype
-    return torch.bfloat16 if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) else q.dtype
+    return attention_out_dtype(q.dtype, out_dtype, out_scale)
 
 
 def _fresh(x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +116,7 @@ def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     dt = _out_dtype(q, out_dtype, out_scale)
     oshape, lse_shape = _dense_shapes(q, v, varlen)
     window = (int(window_left), int(window_right))
-    launch = _kernel("dense", "launch_dense_fwd") if kernel_path_ok(q) else None
+    launch = kernel_for(q, "dense")  # (None: the reference; a CUDA call reports the fallback first)
     if launch is not None:
         o = out if out is not None else torch.empty(oshape, dtype=dt, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
@@ -169,6 +158,63 @@ def _block_tokens(descale, x, varlen, block):
     return t[0] if varlen else t
 
 
+def _dense_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    causal, window_left, window_right, softcap, q_descale, k_descale, v_descale, descale_block, mode,
+                    deterministic, grad_dtype):
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_left=int(window_left),
+              window_right=int(window_right), softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, mode=mode, deterministic=deterministic)
+    if q.device.type == "cuda":
+        launch = kernel_for(q, "backward")  # (None: a fallback, already reported)
+        why = _bwd_kernel_gap(q, launch)
+        if why is None:
+            return _dense_bwd_kernel(launch, dout, q, k, v, out, lse, q_descale, k_descale, v_descale, descale_block,
+                                     grad_dtype, kw)
+        if launch is not None:
+            report_fallback(why[0], why[1])
+    return ref.attention_bwd_ref(dout, q, k, v, out, lse, q_descale=q_descale, k_descale=k_descale,
+                                 v_descale=v_descale, descale_block=descale_block, grad_dtype=grad_dtype, **kw)
+
+
+def _bwd_kernel_gap(q, launch):
+    """Why no backward kernel takes this CUDA call, as ``(reason, message)`` for ``report_fallback``; None when
+    one does."""
+    if launch is None:
+        return ("backward-no-kernel", "no backward kernel on this device/install")
+    if q.dtype not in (torch.float8_e4m3fn, torch.bfloat16, torch.float16):
+        return ("backward-dtype", f"the backward kernel takes e4m3fn or bf16/fp16 inputs, got {q.dtype}; the "
+                "attention backward runs the torch reference")
+    return None
+
+
+def _dense_bwd_kernel(launch, dout, q, k, v, out, lse, q_descale, k_descale, v_descale, descale_block, grad_dtype,
+                      kw):
+    if descale_block:  # the kernel folds (batch, nheads_k) descales only: per-block scales are applied here, to bf16
+        q, k, v = _per_block_bf16(q, k, v, q_descale, k_descale, v_descale, descale_block, kw["cu_seqlens_k"])
+        q_descale = k_descale = v_descale = None
+    dq = torch.empty(q.shape, dtype=grad_dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=grad_dtype, device=q.device)
+    with launch_device(q):
+        launch(dout, q, k, v, out, lse, dq, dk, dv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+               **kw)
+    return dq, dk, dv
+
+
+def _per_block_bf16(q, k, v, q_descale, k_descale, v_descale, block, cu_seqlens_k):
+    """Per-block-scaled FP8 Q/K (and per-(sequence, head) V) as bf16 real values, for the backward kernel's
+    16-bit path (a transient copy the backward frees; the forward saved the FP8 tensors)."""
+    varlen = cu_seqlens_k is not None
+    qr = q.float() * _block_tokens(q_descale, q, varlen, block)[..., None]
+    kr = k.float() * _block_tokens(k_descale, k, varlen, block)[..., None]
+    if varlen:  # v_descale is per sequence: (batch, nheads_k) -> each packed token's row
+        seq = packed_token_seqs(cu_seqlens_k, v.shape[0])[0].clamp(max=v_descale.shape[0] - 1)
+        vr = v.float() * v_descale[seq][..., None]
+    else:
+        vr = v.float() * v_descale[:, None, :, None]
+    return qr.to(torch.bfloat16), kr.to(torch.bfloat16), vr.to(torch.bfloat16)
+
+
 def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                 causal, window_left, window_right, softcap, q_descale, k_descale, v_descale, k_cache_scales,
                 v_cache_scales, out_scale, out_dtype, num_splits, return_lse, out, out_partial=None, lse_partial=None):
@@ -178,7 +224,7 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
     window = (int(window_left), int(window_right))
     if max_seqlen_q is None:
         max_seqlen_q = q.shape[1] if not varlen else q.shape[0]
-    launch = _kernel("paged", "launch_paged_fwd") if kernel_path_ok(q) else None
+    launch = kernel_for(q, "paged")
     if launch is not None:
         o = out if out is not None else torch.empty(oshape, dtype=dt, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
@@ -261,7 +307,7 @@ def _combine_dtype(out_partial, out_dtype, out_scale):
 
 def _combine_impl(out_partial, lse_partial, out_scale, out_dtype, out):
     dt = _combine_dtype(out_partial, out_dtype, out_scale)
-    launch = _kernel("combine", "launch_combine") if kernel_path_ok(out_partial) else None
+    launch = kernel_for(out_partial, "combine")
     if launch is not None:
         o = out if out is not None else torch.empty(out_partial.shape[1:], dtype=dt, device=out_partial.device)
         lse = torch.empty(lse_partial.shape[1:], dtype=torch.float32, device=out_partial.device)
@@ -279,7 +325,7 @@ def _combine_impl(out_partial, lse_partial, out_scale, out_dtype, out):
 
 def _write_kv_cache_impl(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
                          k_cache_scales, v_cache_scales):
-    launch = _kernel("cache", "launch_write_kv_cache") if kernel_path_ok(k) else None
+    launch = kernel_for(k, "cache")
     if launch is not None:
         with launch_device(k):
             launch(k, v, k_cache, v_cache, slot_mapping, k_descale=k_descale, v_descale=v_descale,
@@ -292,7 +338,12 @@ def _write_kv_cache_impl(k, v, k_cache, v_cache, slot_mapping, k_descale, v_desc
 def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
                           k_cache_scales, v_cache_scales):
     nb, ps, hk, _ = k_cache.shape
-    keep = slot_mapping >= 0
+    # unchecked slots (a GPU call without validate=True) outside the cache are skipped, as the kernel does
+    keep = (slot_mapping >= 0) & (slot_mapping < nb * ps)
+    rows = [d.shape[0] for d in (k_descale, v_descale) if d is not None and d.numel() != 1]
+    if rows and token_seq_idx is not None and k_cache_scales is None and k_cache.element_size() == 1:
+        # (so are tokens whose row has no descale, as the kernel skips them)
+        keep &= (token_seq_idx >= 0) & (token_seq_idx < min(rows))
     slots = slot_mapping[keep].long()
     blk, off = slots // ps, slots % ps
     sel = keep.nonzero().squeeze(-1)
@@ -323,16 +374,19 @@ def _quantize_fp8_impl(x, granularity, nheads_k, rotate, seed, block_t, seq_majo
     return y, _fresh(d)  # (the torch path's per-block descales are a transposed view)
 
 
-def _quant_impl(x, scale):
-    if kernel_path_ok(x):
-        from .quant_ops import launch_quant_fp8_static
+def _load_quant_static():
+    from .quant_ops import launch_quant_fp8_static
 
-        launch = launch_quant_fp8_static()
-        if launch is not None:
-            y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-            with launch_device(x):
-                launch(x, scale, y)
-            return y
+    return launch_quant_fp8_static()
+
+
+def _quant_impl(x, scale):
+    launch = kernel_for(x, "quant_fp8_static", _load_quant_static)
+    if launch is not None:
+        y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        with launch_device(x):
+            launch(x, scale, y)
+        return y
     from .quant_ops import quant_fp8_static_torch
 
     return quant_fp8_static_torch(x, scale)
@@ -367,6 +421,11 @@ def _dense_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
                 softmax_scale, causal, window_left, window_right, softcap, q_descale, k_descale, v_descale,
                 out_scale, out_dtype, pack_gqa, descale_block, return_lse):
     return _attn_fake(q, v, cu_seqlens_q, out_scale, out_dtype, return_lse)
+
+
+def _dense_bwd_fake(dout, q, k, v, out, lse, *rest):
+    grad_dtype = rest[-1]
+    return tuple(x.new_empty(x.shape, dtype=grad_dtype) for x in (q, k, v))
 
 
 def _dense_out_fake(*args):
@@ -424,6 +483,11 @@ _DENSE_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_s
                "int window_left, int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, "
                "Tensor? v_descale, Tensor? out_scale, ScalarType? out_dtype, bool pack_gqa, int descale_block, "
                "bool return_lse")
+_DENSE_NARGS = _DENSE_ARGS.count(",") + 1
+_DENSE_BWD_ARGS = ("Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
+                   "Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, float softmax_scale, bool causal, "
+                   "int window_left, int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, "
+                   "Tensor? v_descale, int descale_block, str mode, bool deterministic, ScalarType grad_dtype")
 _PAGED_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cache_seqlens, "
                "Tensor? cu_seqlens_q, SymInt? max_seqlen_q, float softmax_scale, bool causal, int window_left, "
                "int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, "
@@ -436,8 +500,10 @@ _SPLIT_WS = "Tensor(b!)? out_partial=None, Tensor(c!)? lse_partial=None"
 
 # name -> (schema, implementation, fake)
 _SPECS = {
-    "dense_fwd": (f"({_DENSE_ARGS}) -> (Tensor, Tensor)",
-                  lambda *a: _dense_impl(*a, None), _dense_fake),
+    # (bwd_mode / deterministic only steer the backward: see _dense_setup_context)
+    "dense_fwd": (f"({_DENSE_ARGS}, str bwd_mode='dequantized', bool deterministic=False) -> (Tensor, Tensor)",
+                  lambda *a: _dense_impl(*a[:_DENSE_NARGS], None), lambda *a: _dense_fake(*a[:_DENSE_NARGS])),
+    "dense_bwd": (f"({_DENSE_BWD_ARGS}) -> (Tensor, Tensor, Tensor)", _dense_bwd_impl, _dense_bwd_fake),
     "dense_fwd_out": (f"({_DENSE_ARGS}, Tensor(a!) out) -> Tensor",
                       lambda *a: _dense_impl(*a)[1], _dense_out_fake),
     # (functional: no mutable argument, so graphs keep it as a plain node that passes can rewrite; a call with
@@ -459,6 +525,63 @@ _SPECS = {
     "scaled_bmm": ("(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype) -> Tensor",
                    _scaled_bmm_impl, _scaled_bmm_fake),
 }
+
+# --------------------------------------------------------------------------------------------
+# Autograd of dense_fwd (the backward is the opaque op dense_bwd)
+# --------------------------------------------------------------------------------------------
+
+BWD_MODES = ref.BWD_MODES
+_bwd_default = {"mode": "dequantized"}
+
+
+def set_fp8_backward(mode: str) -> None:
+    """Set the process default of the attention backward (see ``fp8attn.set_fp8_backward``)."""
+    _bwd_default["mode"] = check_bwd_mode("mode", mode)
+
+
+def fp8_backward_mode() -> str:
+    """The process default of the attention backward: "dequantized" or "fp8"."""
+    return _bwd_default["mode"]
+
+
+def check_bwd_mode(name, mode):
+    if mode not in BWD_MODES:
+        raise ValueError(f"{name}: expected one of {BWD_MODES}, got {mode!r}. 'dequantized' runs the backward "
+                         "products in 16/32-bit; 'fp8' rounds dO, P and dS to e4m3 with per-block scales.")
+    return mode
+
+
+def _grad_dtype(x):
+    """The dtype dense_bwd returns a gradient in: the input's for 16/32-bit inputs, float32 for FP8 inputs
+    (autograd then casts it to the FP8 leaf's dtype; ``fp8attn.attention`` keeps it)."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64) else torch.float32
+
+
+def _dense_setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, _squ, _suk, max_q, max_k, scale, causal, wl, wr, softcap, qd, kd, vd, _osc, _odt, _pg,
+     block, return_lse, mode, deterministic) = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)  # (as FA3: the LSE output carries no gradient)
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, qd, kd, vd)
+    ctx.inputs = inputs if not return_lse else None  # (to recompute the LSE the caller did not ask for)
+    ctx.attrs = (max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic)
+
+
+def _dense_backward(ctx, grad_out, grad_lse):
+    q, k, v, o, lse, cu_q, cu_k, qd, kd, vd = ctx.saved_tensors
+    max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = ctx.attrs
+    if ctx.inputs is not None:  # a direct op call without the LSE: one more forward (the Python entry asks for it)
+        args = list(ctx.inputs)
+        args[_DENSE_NARGS - 1] = True
+        with torch.no_grad():
+            lse = OPS["dense_fwd"](*args)[1]
+    grads = OPS["dense_bwd"](grad_out.contiguous(), q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr,
+                             softcap, qd, kd, vd, block, mode, deterministic, _grad_dtype(q))
+    return (*grads,) + (None,) * (_DENSE_NARGS + 2 - 3)
+
+
+# name -> (backward, setup_context) for torch.library.register_autograd
+_AUTOGRAD = {"dense_fwd": (_dense_backward, _dense_setup_context)}
 
 _TAGS = tuple(t for t in (getattr(torch.Tag, "pt2_compliant_tag", None),
                           getattr(torch.Tag, "needs_fixed_stride_order", None)) if t is not None)
@@ -485,10 +608,14 @@ def _register():
             setattr(ns, "_fp8attn_library", lib)
         lib.define(name + schema, tags=_TAGS)
         lib.impl(name, impl, "CompositeExplicitAutograd")
-        # Non-differentiable ops: autograd falls through in C++ (no Python hop per call). The Python
-        # entry points attach a backward that raises when an input requires grad (_no_backward).
-        lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
+        if name in _AUTOGRAD:
+            torch.library.register_autograd(f"{NAMESPACE}::{name}", _AUTOGRAD[name][0],
+                                            setup_context=_AUTOGRAD[name][1], lib=lib)
+        else:
+            # Non-differentiable ops: autograd falls through in C++ (no Python hop per call). The Python
+            # entry points attach a backward that raises when an input requires grad (_no_backward).
+            lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
 
 
 _register()
@@ -515,8 +642,48 @@ class _RaiseOnBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         raise NotImplementedError(
-            f"fp8attn::{ctx.op_name} has no backward: fp8attn's forward ops are not differentiable yet. "
-            "Run inference under torch.no_grad() / torch.inference_mode(), or detach the inputs.")
+            f"fp8attn::{ctx.op_name} has no backward (paged / KV-cache attention and combine are inference ops; "
+            "the dense and varlen attention of flash_attn_func / flash_attn_varlen_func and fp8attn.attention are "
+            "differentiable). Run inference under torch.no_grad() / torch.inference_mode(), or detach the inputs.")
+
+
+class QuantizedAttention(torch.autograd.Function):
+    """FP8 attention of 16-bit leaves with a straight-through quantizer (``fp8attn.attention``).
+
+    ``forward(q, k, v, q8, k8, v8, q_descale, k_descale, v_descale, rotation, attn)``: q, k, v are the 16-bit
+    tensors (differentiable), q8..v_descale their ``quantize_qkv`` result (computed by the caller, not
+    differentiated), ``rotation`` the (headdim, headdim) float32 Hadamard matrix Q and K were rotated by (or
+    None) and ``attn`` a tuple ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+    window_left, window_right, softcap, descale_block, mode, deterministic)``. Returns ``(out, lse)``.
+
+    The quantizer is the identity for the backward (straight-through): the gradient with respect to the real
+    values the FP8 tensors represent is the gradient of the 16-bit inputs, rotated back (``@ R^T``) for Q and
+    K when they were rotated. Saved for the backward: the FP8 Q/K/V, their descales, O and the LSE only.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, q8, k8, v8, q_descale, k_descale, v_descale, rotation, attn):
+        cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = attn
+        args = (q8, k8, v8, cu_q, cu_k, None, None, max_q, max_k, scale, causal, wl, wr, softcap, q_descale,
+                k_descale, v_descale, None, q.dtype, False, block, True)
+        o, lse = _dense_impl(*args, None) if _eager_direct(q8, k8, v8) else _dense_op(*args)
+        ctx.save_for_backward(q8, k8, v8, q_descale, k_descale, v_descale, o, lse, rotation, cu_q, cu_k)
+        ctx.attn = attn
+        ctx.grad_dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q8, k8, v8, qd, kd, vd, o, lse, rotation, cu_q, cu_k = ctx.saved_tensors
+        _, _, max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = ctx.attn
+        gdt = torch.float32 if rotation is not None else ctx.grad_dtypes[0]
+        dq, dk, dv = OPS["dense_bwd"](grad_out.contiguous(), q8, k8, v8, o, lse, cu_q, cu_k, max_q, max_k, scale,
+                                      causal, wl, wr, softcap, qd, kd, vd, block, mode, deterministic, gdt)
+        if rotation is not None:  # x_rot = x @ R  =>  dL/dx = dL/dx_rot @ R^T
+            dq = (dq @ rotation.t()).to(ctx.grad_dtypes[0])
+            dk = (dk @ rotation.t()).to(ctx.grad_dtypes[1])
+        return dq, dk.to(ctx.grad_dtypes[1]), dv.to(ctx.grad_dtypes[2]), None, None, None, None, None, None, None, None
 
 
 def _needs_grad(*ts):
@@ -534,6 +701,17 @@ def _no_backward(name, res, grad_inputs, out_given):
     return _RaiseOnBackward.apply(name, o, *grad_inputs), lse
 
 
+def _check_grad_call(out, out_scale, seqused_q, seqused_k):
+    """The forward options the attention backward does not take, rejected before anything runs."""
+    for name, val, why in (("out", out, "a preallocated output is written in place (no autograd through it)"),
+                           ("out_scale", out_scale, "an FP8 output carries no gradient"),
+                           ("seqused_q", seqused_q, "the backward takes whole varlen sequences"),
+                           ("seqused_k", seqused_k, "the backward takes whole varlen sequences")):
+        if val is not None:
+            raise NotImplementedError(f"{name}= with inputs that require grad is not supported: {why}. Drop {name}, "
+                                      "or run under torch.no_grad() for inference.")
+
+
 def _eager_direct(*ts) -> bool:
     """Whether a call may run an op's implementation without the dispatcher (see module docstring)."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_function_stack() == 0
@@ -544,8 +722,13 @@ def _eager_direct(*ts) -> bool:
 def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
               max_seqlen_q=None, max_seqlen_k=None, softmax_scale, causal, window_size, softcap,
               q_descale, k_descale, v_descale, out_scale=None, out_dtype=None, out=None,
-              pack_gqa=None, descale_block=0, return_lse=True):
+              pack_gqa=None, descale_block=0, return_lse=True, fp8_backward=None, deterministic=False):
     """Dense (4-D q) or varlen (3-D q + cu_seqlens) forward through ``fp8attn::dense_fwd[_out]``.
+
+    Differentiable when q, k or v requires grad (grad mode on): the call then goes through the dispatcher
+    (autograd registered on ``fp8attn::dense_fwd``), computes the LSE even when ``return_lse`` is False (the
+    backward recomputes P from it) and the backward runs ``fp8attn::dense_bwd`` with ``fp8_backward`` (None:
+    the process default, ``set_fp8_backward``) and ``deterministic``.
 
     Parameters
     ----------
@@ -569,8 +752,11 @@ def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, 
             float(softmax_scale), bool(causal), window_size[0], window_size[1], float(softcap),
             q_descale, k_descale, v_descale, out_scale, out_dtype, bool(pack_gqa), int(descale_block),
             bool(return_lse))
-    if _needs_grad(q, k, v):
-        return _no_backward("dense_fwd", _dense_op(*args) if out is None else None, (q, k, v), out is not None)
+    if _needs_grad(q, k, v):  # never the eager fast path: autograd is registered on the op
+        _check_grad_call(out, out_scale, seqused_q, seqused_k)
+        mode = check_bwd_mode("fp8_backward", fp8_backward if fp8_backward is not None else fp8_backward_mode())
+        o, lse = _dense_op(*args[:-1], True, mode, bool(deterministic))
+        return o, lse if return_lse else _no_lse(q)
     if _eager_direct(q, k, v, out):
         return _dense_impl(*args, out)
     if out is None:

@@ -79,15 +79,40 @@ def paged_precision(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_sca
     return fp8_qk, fp8_pv, cdt
 
 
+_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.bfloat16, torch.float16,
+                 torch.float32)
+
+
+def _check_cache_shape(**sizes):
+    """Each ``name=(value, minimum)``: a Python int >= minimum. (Messages as ``_checks._fail`` writes them;
+    ``_checks`` imports this module.)"""
+    for name, (n, lo) in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < lo:
+            got = repr(n) if isinstance(n, (int, float, str)) else type(n).__name__
+            raise (ValueError if isinstance(n, int) and not isinstance(n, bool) else TypeError)(
+                f"{name}: expected an int >= {lo}, got {got}. Pass the {name.replace('_', ' ')} as an int.")
+
+
 def alloc_paged_cache(num_blocks, page_size, nheads_k, headdim, dtype=torch.float8_e4m3fn, device="cpu",
                       poison_nan=False, with_scales=False, v_seq_major=False):
     """Allocate (k_cache, v_cache[, k_scales, v_scales]) of shape (num_blocks, page_size, nheads_k, headdim).
+
+    num_blocks >= 0, page_size, nheads_k, headdim >= 1 (ints); dtype: e4m3fn, e5m2, e4m3fnuz (CPU emulation),
+    bf16, fp16 or fp32.
 
     ``poison_nan`` fills every slot with NaN (for tests: unwritten slots must never be read).
     ``v_seq_major`` stores V sequence-major inside each page: the same (num_blocks, page_size, nheads_k,
     headdim) shape, memory order (num_blocks, nheads_k, headdim, page_size). Every function taking a V
     cache accepts it; on Hopper the FP8 P@V of chunked prefill then reads V tiles K-major instead of
     transposing them (use page_size >= 64)."""
+    _check_cache_shape(num_blocks=(num_blocks, 0), page_size=(page_size, 1), nheads_k=(nheads_k, 1),
+                       headdim=(headdim, 1))
+    if dtype not in _CACHE_DTYPES:
+        raise TypeError(f"dtype: expected one of {', '.join(str(d) for d in _CACHE_DTYPES)}, got {dtype!r}. "
+                        "Pass torch.float8_e4m3fn for an FP8 cache, or the model's 16-bit dtype.")
+    for name, flag in (("poison_nan", poison_nan), ("with_scales", with_scales), ("v_seq_major", v_seq_major)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected True or False, got {type(flag).__name__}. Pass {name} as a bool.")
     shape = (num_blocks, page_size, nheads_k, headdim)
     k = empty_paged(shape, dtype, device)
     v = empty_paged(shape, dtype, device, seq_major=v_seq_major)
@@ -142,6 +167,13 @@ def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: 
         (num_splits, batch, seqlen_q, nheads_q); varlen q gives (num_splits, total_q, nheads_q, headdim_v)
         and (num_splits, total_q, nheads_q). Their contents are scratch (overwritten by every call).
     """
+    if not isinstance(q, torch.Tensor) or q.dim() not in (3, 4):
+        got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        raise (ValueError if isinstance(q, torch.Tensor) else TypeError)(
+            f"q: expected a (batch, seqlen_q, nheads_q, headdim) or varlen (total_q, nheads_q, headdim) tensor, got "
+            f"{got}. Pass the q of the calls the workspace serves.")
+    _check_cache_shape(num_splits=(num_splits, 1), headdim_v=(headdim_v, 1),
+                       **({} if nheads_q is None else {"nheads_q": (nheads_q, 1)}))
     lead = tuple(q.shape[:-2])
     h = q.shape[-2] if nheads_q is None else nheads_q
     op = torch.empty((num_splits, *lead, h, headdim_v), dtype=torch.float32, device=q.device)
@@ -178,9 +210,12 @@ def packed_token_seqs(cu_seqlens: torch.Tensor, total: int):
 def slot_mapping_for(page_table, page_size, seq_idx, positions):
     """Slots (block * page_size + offset) of tokens at ``positions`` of sequences ``seq_idx``.
 
-    The page column is clamped to the table's width, so a position past the capacity (rejected by the
-    API's value checks where they run) never indexes outside the table (no host sync needed)."""
-    positions = positions.long()
-    page_col = (positions // page_size).clamp(max=page_table.shape[1] - 1)
-    pages = page_table.long()[seq_idx.long(), page_col]
-    return pages * page_size + positions % page_size
+    A token whose position lies outside its row's capacity ``[0, max_pages * page_size)``, or whose sequence
+    is not a row of the table, gets slot -1, which ``write_kv_cache`` skips: lengths the API's value checks
+    did not see (a GPU call without validate=True) never write over another token's slot (no host sync)."""
+    positions, seq_idx = positions.long(), seq_idx.long()
+    rows, cols = page_table.shape
+    page_col = positions // page_size
+    ok = (positions >= 0) & (page_col < cols) & (seq_idx < rows)
+    pages = page_table.long()[seq_idx.clamp(max=max(rows - 1, 0)), page_col.clamp(0, max(cols - 1, 0))]
+    return torch.where(ok, pages * page_size + positions % page_size, -1)

@@ -8,6 +8,10 @@ the passes are torch ops (no host sync). A pure-torch path computes the same thi
 
 Descale convention (fp8attn.quant): ``descale = max(amax, DESCALE_FLOOR * 448) / 448`` and
 ``x8 = saturate(x / descale)``.
+
+Non-finite inputs are never replaced silently: where values are checked (CPU tensors, or ``validate=True``)
+they raise; elsewhere a NaN or Inf makes the amax of its scale group NaN, hence its descale NaN, so every
+attention output that reads the group is NaN (no host sync on the way).
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ import torch
 
 from . import hadamard as _had
 from . import ops
-from ._checks import check_same_device
-from .kernels.quantize import HAS_TRITON
+from ._checks import check_finite, check_flag, check_same_device, describe
+from .capability import has_triton, kernel_for
 from .quant import descale_from_amax
 
 __all__ = ["quantize_qkv", "GRANULARITIES", "V_LAYOUTS", "empty_seq_major", "quantize_one", "descale_shape"]
@@ -29,7 +33,8 @@ V_LAYOUTS = ("seq_major", "contiguous")
 E4M3_MAX = 448.0
 
 
-def _validate(q, k, v):
+def _validate(q, k, v, granularity, hadamard, block_size, seed, backend, v_layout, validate):
+    """Every check of ``quantize_qkv``; returns the token block of the scales."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}. Pass {name} as a tensor.")
@@ -43,6 +48,30 @@ def _validate(q, k, v):
         raise ValueError(f"q/k/v: expected the same layout, got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D tensors.")
     if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
         raise ValueError(f"q: expected nheads_q divisible by nheads_k = {k.shape[-2]}, got {q.shape[-2]}.")
+    check_flag("hadamard", hadamard)
+    check_flag("validate", validate)
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {describe(granularity)}. "
+                         "Pick per_tensor, per_head (FA3's descales) or per_block.")
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size: expected an int (tokens per scale block), got {describe(block_size)}. "
+                        "Pass a power of two in [16, 256].")
+    if granularity == "per_block" and (block_size < 16 or block_size > 256 or block_size & (block_size - 1)):
+        raise ValueError(f"block_size: expected a power of two in [16, 256], got {block_size}. Pass 64 or 128.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int, got {describe(seed)}. Pass the rotation's seed as an int.")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {describe(backend)}. "
+                         "Pass 'auto' (Triton on CUDA tensors, torch otherwise).")
+    if backend == "triton" and not has_triton():
+        raise ValueError("backend: expected 'auto' or 'torch' without triton installed, got 'triton'. "
+                         "Install triton or pass backend='torch'.")
+    if v_layout not in V_LAYOUTS:
+        raise ValueError(f"v_layout: expected one of {V_LAYOUTS}, got {describe(v_layout)}. seq_major feeds the FP8 "
+                         "kernels without a transpose; contiguous keeps V row-major.")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_finite(name, t, validate)
+    return block_size if granularity == "per_block" else 64
 
 
 def _as4d(x):
@@ -81,9 +110,11 @@ def _torch_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=False
     x4 = _as4d(x)
     b, s, h, d = x4.shape
     xf = _had.rotate(x4, seed) if rotate else x4.float()
-    xf = torch.nan_to_num(xf, nan=0.0) if not rotate else xf
     nb = max(1, math.ceil(s / block_t))
-    a = torch.nn.functional.pad(xf.abs().nan_to_num(nan=0.0), (0, 0, 0, 0, 0, nb * block_t - s))
+    # a NaN or Inf makes its group's amax, hence its descale, NaN (visible damage; see the module docstring)
+    a = xf.abs()
+    a = torch.where(torch.isfinite(a), a, float("nan"))
+    a = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, nb * block_t - s))
     amax_blocks = a.view(b, nb, block_t, h, d).amax(dim=(2, 4)).transpose(1, 2)  # (b, h, nb)
     ret, full = _reduce(amax_blocks, granularity, nheads_k)
     idx = torch.arange(s, device=x.device) // block_t
@@ -145,7 +176,7 @@ def descale_shape(x, granularity, nheads_k, block_t):
 
 
 def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128, *,
-                 seed=_had.DEFAULT_SEED, backend="auto", v_layout="seq_major"):
+                 seed=_had.DEFAULT_SEED, backend="auto", v_layout="seq_major", validate=False):
     """Quantize 16-bit Q, K, V to FP8 e4m3 with dynamic descales; optionally Hadamard-rotate Q and K.
 
     Parameters
@@ -170,7 +201,8 @@ def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128
     seed : int
         Seed of the rotation's signs.
     backend : {"auto", "triton", "torch"}
-        auto: Triton on CUDA tensors, torch otherwise.
+        auto: Triton on CUDA tensors where the kernels run (a CUDA call that cannot reports a fallback,
+        ``fp8attn.capability``), torch otherwise.
     v_layout : {"seq_major", "contiguous"}
         Memory order of ``v8`` (its shape is v's either way). seq_major (default): the sequence
         dimension is contiguous, memory order (batch, nheads_k, headdim_v, seqlen_k) / varlen
@@ -178,6 +210,12 @@ def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128
         same pass, so flash_attn_func / flash_attn_varlen_func skip their V transpose pass (a full read
         and write of V; H200, 16k tokens x 16 heads x d128: 23.6 us, 14% of an S512 forward). Use
         ``.reshape`` rather than ``.view`` on it. contiguous: row-major like the input.
+    validate : bool
+        Also check GPU inputs for NaN / Inf (a host sync). CPU inputs are always checked. A non-finite value
+        raises ValueError naming the tensor and the count; unchecked (a GPU call without validate), it makes
+        the descale of its scale group NaN (the group: the tensor for per_tensor, the (batch, KV head) for
+        per_head, the (batch, head, token block) for per_block), so attention over it gives NaN, never a
+        silently replaced value.
 
     Returns
     -------
@@ -186,23 +224,10 @@ def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128
         descales as above. With per_block, pass ``descale_block_size=block_size`` to flash_attn_func /
         flash_attn_varlen_func.
     """
-    _validate(q, k, v)
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}. "
-                         "Pick per_tensor, per_head (FA3's descales) or per_block.")
-    bt = int(block_size)
-    if granularity == "per_block" and (bt < 16 or bt > 256 or bt & (bt - 1)):
-        raise ValueError(f"block_size: expected a power of two in [16, 256], got {block_size}")
-    if granularity != "per_block":
-        bt = 64
-    if v_layout not in V_LAYOUTS:
-        raise ValueError(f"v_layout: expected one of {V_LAYOUTS}, got {v_layout!r}. seq_major feeds the FP8 "
-                         "kernels without a transpose; contiguous keeps V row-major.")
+    bt = _validate(q, k, v, granularity, hadamard, block_size, seed, backend, v_layout, validate)
     hk = k.shape[-2]
-    use_triton = backend == "triton" or (backend == "auto" and HAS_TRITON and q.is_cuda)
-    if backend == "triton" and not HAS_TRITON:
-        raise ValueError("backend: expected 'auto' or 'torch' without triton installed, got 'triton'. "
-                         "Install triton or pass backend='torch'.")
+    # auto: the Triton kernel on a CUDA device that can run it; a CUDA call that cannot reports the fallback
+    use_triton = backend == "triton" or (backend == "auto" and kernel_for(q, "quantize") is not None)
     op = ops.OPS["quantize_fp8"]  # one op per input: opaque to torch.compile, with an exact fake
     q8, qd = op(q, granularity, hk, bool(hadamard), int(seed), bt, False, use_triton)
     k8, kd = op(k, granularity, hk, bool(hadamard), int(seed), bt, False, use_triton)

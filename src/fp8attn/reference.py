@@ -28,7 +28,7 @@ import torch
 
 from .quant import expand_descale, is_fp8, saturating_cast
 
-__all__ = ["attention_ref", "varlen_attention_ref", "block_descales_to_tokens", "paged_attention_ref", "combine_ref",
+__all__ = ["attention_ref", "varlen_attention_ref", "attention_bwd_ref", "BWD_MODES", "block_descales_to_tokens", "paged_attention_ref", "combine_ref",
            "gather_paged", "pad_varlen", "unpad_varlen"]
 
 P_SCALE = 256.0  # 2**8: P's offset into the e4m3 range (kernels use exp2(s - m + 8))
@@ -105,17 +105,7 @@ def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
     if softcap and softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(sq, device=dev)[None, :, None]
-    j = torch.arange(sk, device=dev)[None, None, :]
-    shift = (seqlens_k - seqlens_q)[:, None, None]
-    keep = valid_k[:, None, :] & valid_q[:, :, None]
-    if causal:
-        keep = keep & (j <= i + shift)
-    left, right = window_size
-    if left is not None and left >= 0:
-        keep = keep & (j >= i + shift - left)
-    if right is not None and right >= 0:
-        keep = keep & (j <= i + shift + right)
+    keep = _keep_mask(valid_q, valid_k, seqlens_q, seqlens_k, causal, window_size)
     s = torch.where(keep[:, None], s, torch.tensor(float("-inf"), dtype=cdt, device=dev))
 
     m = s.amax(dim=-1, keepdim=True) if sk > 0 else s.new_full(s.shape[:-1] + (1,), float("-inf"))
@@ -144,6 +134,23 @@ def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None
     lse = torch.where(empty, torch.tensor(float("-inf"), dtype=cdt, device=dev),
                       m_safe + torch.log(torch.where(empty, torch.ones_like(l), l)))
     return o, lse.squeeze(-1).float()
+
+
+def _keep_mask(valid_q, valid_k, seqlens_q, seqlens_k, causal, window_size):
+    """(batch, seqlen_q, seqlen_k) bool: the (query, key) pairs a row attends to (bottom-right aligned)."""
+    dev = valid_q.device
+    i = torch.arange(valid_q.shape[1], device=dev)[None, :, None]
+    j = torch.arange(valid_k.shape[1], device=dev)[None, None, :]
+    shift = (seqlens_k - seqlens_q)[:, None, None]
+    keep = valid_k[:, None, :] & valid_q[:, :, None]
+    if causal:
+        keep = keep & (j <= i + shift)
+    left, right = window_size
+    if left is not None and left >= 0:
+        keep = keep & (j >= i + shift - left)
+    if right is not None and right >= 0:
+        keep = keep & (j <= i + shift + right)
+    return keep
 
 
 def block_descales_to_tokens(descale: torch.Tensor, seqlen: int, block_size: int) -> torch.Tensor:
@@ -303,3 +310,159 @@ def combine_ref(out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype=
         osc = out_scale if torch.is_tensor(out_scale) else torch.tensor(out_scale)
         return saturating_cast(o / osc.float().reshape(()).to(o.device)), lse_out
     return o.to(out_dtype or out_partial.dtype), lse_out
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------
+
+BWD_MODES = ("dequantized", "fp8")
+BWD_TILE = 64  # the tile (rows x keys) of one e4m3 scale for dO, P and dS in the "fp8" backward emulation
+
+
+def _e4m3_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """x (..., R, C) rounded through e4m3 with one amax scale per (rows x cols) tile (fp32 accumulation
+    follows in the caller): the value an FP8 backward GEMM reads for dO, P or dS."""
+    from .quant import descale_from_amax
+
+    *lead, r, c = x.shape
+    if x.numel() == 0:
+        return x
+    rr, cc = -(-r // rows) * rows, -(-c // cols) * cols
+    xp = torch.nn.functional.pad(x, (0, cc - c, 0, rr - r))
+    t = xp.reshape(*lead, rr // rows, rows, cc // cols, cols)
+    d = descale_from_amax(t.abs().amax(dim=(-3, -1), keepdim=True), 448.0).to(x.dtype)
+    y = saturating_cast(t / d).to(x.dtype) * d
+    return y.reshape(*lead, rr, cc)[..., :r, :c]
+
+
+def _bwd_padded(do, qf, kf, vf, out, lse, seqlens_q, seqlens_k, softmax_scale, causal, window_size, softcap, mode,
+                cdt):
+    """The backward on padded, dequantized (real-valued) tensors.
+
+    do, out : (b, sq, hq, dv); qf : (b, sq, hq, d); kf, vf : (b, sk, hk, d / dv), all in ``cdt``;
+    lse : (b, hq, sq) float32. Returns (dq, dk, dv) in ``cdt``, dk / dv summed over each KV head's group.
+    """
+    b, sq, hq, _ = qf.shape
+    sk, hk = kf.shape[1], kf.shape[2]
+    g = hq // hk
+    dev = qf.device
+    valid_q = torch.arange(sq, device=dev)[None, :] < seqlens_q[:, None]
+    valid_k = torch.arange(sk, device=dev)[None, :] < seqlens_k[:, None]
+    keep = _keep_mask(valid_q, valid_k, seqlens_q, seqlens_k, causal, window_size)[:, None]  # (b, 1, sq, sk)
+    kr, vr = kf.repeat_interleave(g, dim=2), vf.repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kr) * softmax_scale
+    t = None
+    if softcap and softcap > 0:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    lse_c = lse.to(cdt)[..., None]
+    live = keep & torch.isfinite(lse_c)  # a row that saw no key (lse = -inf) contributes nothing
+    zero = torch.zeros((), dtype=cdt, device=dev)
+    p = torch.where(live, torch.exp(torch.where(live, s - lse_c, zero)), zero)  # P recomputed from the LSE
+    do_t = do.transpose(1, 2)  # (b, hq, sq, dv)
+    delta = (do.to(cdt) * out.to(cdt)).sum(-1).transpose(1, 2)[..., None]  # (b, hq, sq, 1): rowsum(dO * O)
+    do_mm, p_mm = do_t, p
+    if mode == "fp8":
+        do_mm = _e4m3_tiles(do_t, BWD_TILE, do_t.shape[-1])
+        p_mm = _e4m3_tiles(p, BWD_TILE, BWD_TILE)
+    dv = torch.einsum("bhqk,bhqd->bkhd", p_mm, do_mm)
+    dp = torch.einsum("bhqd,bkhd->bhqk", do_mm, vr)
+    ds = p * (dp - delta)
+    if t is not None:
+        ds = ds * (1 - t * t)
+    if mode == "fp8":
+        ds = _e4m3_tiles(ds, BWD_TILE, BWD_TILE)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kr) * softmax_scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * softmax_scale
+    dk = dk.reshape(b, sk, hk, g, dk.shape[-1]).sum(3)
+    dv = dv.reshape(b, sk, hk, g, dv.shape[-1]).sum(3)
+    return dq, dk, dv
+
+
+def _bwd_dequant(x, descale, token_descale, group, cdt):
+    """(b, s, heads, d) real values: x * descale (a (b, nheads_k) descale, repeated over ``group`` heads)
+    * token_descale ((b, s, heads), per-block scales expanded)."""
+    y = x.to(cdt)
+    if descale is not None:
+        y = y * descale.to(cdt).repeat_interleave(group, dim=1)[:, None, :, None]
+    if token_descale is not None:
+        y = y * token_descale.to(cdt)[..., None]
+    return y
+
+
+def attention_bwd_ref(do, q, k, v, out, lse, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                      causal=False, window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,
+                      cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, mode="dequantized",
+                      deterministic=False, descale_block=0, grad_dtype=torch.float32, compute_dtype=torch.float32):
+    """The attention backward: gradients with respect to the real values q, k, v represent.
+
+    P is recomputed from Q, K and the forward's LSE (``exp(s - lse)``), ``Delta = rowsum(dO * O)``,
+    ``dS = P * (dO V^T - Delta)`` (times ``1 - tanh^2`` under softcap), ``dQ = scale * dS K``,
+    ``dK = scale * dS^T Q``, ``dV = P^T dO``; dK / dV are summed over the query heads of a KV head's group.
+
+    Parameters
+    ----------
+    do : (batch, seqlen_q, nheads_q, headdim_v) / varlen (total_q, nheads_q, headdim_v), 16/32-bit: dL/dout.
+    q, k, v : as the forward's (dense (batch, seqlen, heads, dim) or varlen (total, heads, dim)); all FP8 with
+        the descales, or all 16/32-bit (descales None). Any strides.
+    out : the forward's output, do's shape, 16/32-bit. lse : float32 natural-log (batch, nheads_q, seqlen_q) /
+        varlen (nheads_q, total_q); a row with lse = -inf contributes no gradient.
+    q_descale, k_descale, v_descale : float32 (batch, nheads_k) (broadcast views allowed) or None (= 1). With
+        ``descale_block > 0``: q_descale (batch, nheads_q, cdiv(seqlen_q, block)), k_descale (batch, nheads_k,
+        cdiv(seqlen_k, block)) per-block (varlen: batch 1 over packed tokens); v_descale stays (batch, nheads_k).
+    softmax_scale : the model's scale (default 1/sqrt(headdim)). causal, window_left, window_right, softcap :
+        as the forward (bottom-right aligned; -1 unbounded).
+    cu_seqlens_q, cu_seqlens_k : (batch + 1,) int32 (varlen) with max_seqlen_q / max_seqlen_k.
+    mode : "dequantized" (exact products in ``compute_dtype``) or "fp8" (dO, P and dS rounded through e4m3
+        with one scale per ``BWD_TILE`` x ``BWD_TILE`` tile -- dO per ``BWD_TILE`` rows -- before the
+        backward products, as FP8 GEMMs with fp32 accumulation read them).
+    deterministic : accepted (this path is deterministic).
+    grad_dtype : dtype of the returned gradients. compute_dtype : float32, or float64 for an oracle.
+
+    Returns
+    -------
+    (dq, dk, dv) : contiguous, shapes of q, k, v, ``grad_dtype``.
+    """
+    if mode not in BWD_MODES:
+        raise ValueError(f"mode: expected one of {BWD_MODES}, got {mode!r}. Pick 'dequantized' or 'fp8'.")
+    cdt = compute_dtype
+    varlen = cu_seqlens_q is not None
+    hq, hk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    g = hq // hk
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    blk = int(descale_block or 0)
+    qtok = ktok = None
+    if blk:  # per-block Q/K descales -> per-token (b, s, heads) (varlen: packed tokens, batch 1)
+        qtok = block_descales_to_tokens(q_descale, q.shape[-3], blk)
+        ktok = block_descales_to_tokens(k_descale, k.shape[-3], blk)
+        q_descale = k_descale = None
+    if varlen:
+        b = cu_seqlens_q.numel() - 1
+        msq, msk = max(int(max_seqlen_q), 1), max(int(max_seqlen_k), 1)
+        lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+        lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+        pq = lambda x: pad_varlen(x, cu_seqlens_q, msq)  # noqa: E731
+        pk = lambda x: pad_varlen(x, cu_seqlens_k, msk)  # noqa: E731
+        qp, kp, vp, dop, op = pq(q), pk(k), pk(v), pq(do), pq(out)
+        lsep = pq(lse.transpose(0, 1)[..., None])[..., 0].transpose(1, 2)  # (b, hq, msq)
+        if blk:
+            qtok, ktok = pq(qtok[0][..., None])[..., 0], pk(ktok[0][..., None])[..., 0]
+    else:
+        b = q.shape[0]
+        lq = torch.full((b,), q.shape[1], dtype=torch.int64, device=q.device)
+        lk = torch.full((b,), k.shape[1], dtype=torch.int64, device=q.device)
+        qp, kp, vp, dop, op, lsep = q, k, v, do, out, lse
+    qd, kd, vd = (expand_descale(x, b, hk, q.device) if x is not None else None
+                  for x in (q_descale, k_descale, v_descale))
+    qf = _bwd_dequant(qp, qd, qtok, g, cdt)
+    kf = _bwd_dequant(kp, kd, ktok, 1, cdt)
+    vf = _bwd_dequant(vp, vd, None, 1, cdt)
+    dq, dk, dv = _bwd_padded(dop.to(cdt), qf, kf, vf, op, lsep, lq.to(q.device), lk.to(q.device), softmax_scale,
+                             causal, (window_left, window_right), softcap, mode, cdt)
+    if varlen:
+        dq = _scatter_rows(dq, cu_seqlens_q, q.shape[0])
+        dk = _scatter_rows(dk, cu_seqlens_k, k.shape[0])
+        dv = _scatter_rows(dv, cu_seqlens_k, v.shape[0])
+    return tuple(x.to(grad_dtype).contiguous() for x in (dq, dk, dv))

@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from .capability import kernel_path_ok, launch_device
+from .capability import kernel_for, launch_device
 
 __all__ = ["scaled_bmm_impl", "normalize_scales", "launch_scaled_bmm"]
 
@@ -85,13 +85,13 @@ def scaled_bmm_impl(a, b, scale_a, scale_b, out_dtype):
     """Implementation behind ``fp8attn::scaled_bmm`` (checks, then Triton on CUDA or torch)."""
     _check(a, b, out_dtype)
     sa, sb = normalize_scales(a, b, scale_a, scale_b)
+    # (the kernel multiplies FP8 tiles of one dtype; other dtypes take the torch path by design, not a fallback)
+    launch = kernel_for(a, "scaled_bmm", launch_scaled_bmm) if a.dtype in _FP8 and a.dtype == b.dtype else None
     out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=out_dtype, device=a.device)
-    if kernel_path_ok(a) and a.dtype in _FP8 and a.dtype == b.dtype:
-        launch = launch_scaled_bmm()
-        if launch is not None:
-            with launch_device(a):
-                launch(a, b, sa, sb, out)
-            return out
+    if launch is not None:
+        with launch_device(a):
+            launch(a, b, sa, sb, out)
+        return out
     return out.copy_(scaled_bmm_torch(a, b, sa, sb, out_dtype))
 
 

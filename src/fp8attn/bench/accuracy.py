@@ -17,6 +17,7 @@ the two differ by rounding order and by the random draw (the generators differ b
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -89,8 +90,15 @@ VARIANTS = [("bf16", False), ("per_tensor", False), ("per_head", False), ("per_b
             ("per_tensor", True), ("per_head", True), ("per_block", True)]
 
 
-def run(out_dir=None, quick=False, seqlen=4096, growth_lens=None):
-    """Write accuracy.json into ``out_dir`` (default benchmarks/results/<gpu or cpu>/); returns its path."""
+def _progress(i, total, case):
+    """One line per case on stderr (the CPU run of the full routine takes minutes)."""
+    print(f"accuracy [{i}/{total}] {case}", file=sys.stderr, flush=True)
+
+
+def run(out_dir=None, quick=False, seqlen=4096, growth_lens=None, progress=_progress):
+    """Write accuracy.json into ``out_dir`` (default benchmarks/results/<gpu or cpu>/); returns its path.
+    ``progress(i, total, case)`` is called before each case (None: quiet)."""
+    progress = progress or (lambda *a: None)
     dev = _device()
     gen = torch.Generator(device=dev).manual_seed(0)
     doc = results_header("accuracy")
@@ -100,9 +108,12 @@ def run(out_dir=None, quick=False, seqlen=4096, growth_lens=None):
     s = seqlen
     q, k, v = (outlier_inputs((b, s, h, d), device=dev, gen=gen) for _ in range(3))
     ref = _oracle(q, k, v)
-    for gran, had in VARIANTS:
-        out = _run_variant(q, k, v, gran, had)
+    lens = growth_lens or ([4096, 32768] if quick else [4096, 32768, 131072])
+    total = len(VARIANTS) + 4 * len(lens)
+    for i, (gran, had) in enumerate(VARIANTS, 1):
         name = gran + ("+hadamard" if had else "")
+        progress(i, total, f"{name} S{s}")
+        out = _run_variant(q, k, v, gran, had)
         doc["cases"].append({"case": f"{name} S{s}",
                              "params": {"batch": b, "seqlen_q": s, "seqlen_k": s, "nheads_q": h, "nheads_k": h,
                                         "headdim": d, "granularity": gran, "hadamard": had,
@@ -114,14 +125,15 @@ def run(out_dir=None, quick=False, seqlen=4096, growth_lens=None):
     del q, k, v, ref
     # 2) error growth with the key length (queries: the last 256 positions, non-causal)
     sq, hh = min(256, seqlen), 4
-    lens = growth_lens or ([4096, 32768] if quick else [4096, 32768, 131072])
-    for sk in lens:
+    for j, sk in enumerate(lens):
         q = outlier_inputs((b, sq, hh, d), device=dev, gen=gen)
         k, v = (outlier_inputs((b, sk, hh, d), device=dev, gen=gen) for _ in range(2))
         ref = _oracle(q, k, v)
-        for gran, had in [("bf16", False), ("per_tensor", False), ("per_head", False), ("per_block", True)]:
-            out = _run_variant(q, k, v, gran, had)
+        for i, (gran, had) in enumerate([("bf16", False), ("per_tensor", False), ("per_head", False),
+                                         ("per_block", True)], len(VARIANTS) + 4 * j + 1):
             name = gran + ("+hadamard" if had else "")
+            progress(i, total, f"growth {name} Sk{sk}")
+            out = _run_variant(q, k, v, gran, had)
             doc["cases"].append({"case": f"growth {name} Sk{sk}",
                                  "params": {"batch": b, "seqlen_q": sq, "seqlen_k": sk, "nheads_q": hh,
                                             "nheads_k": hh, "headdim": d, "granularity": gran, "hadamard": had},

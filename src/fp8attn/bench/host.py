@@ -168,23 +168,11 @@ def _entries(shape: str, d: int):
     return e, peers, params
 
 
-_FLOOR_KERNELS = {}
-
-
 def _floor_kernel(nargs: int):
-    """A do-nothing @triton.jit kernel of ``nargs`` integer arguments (what a launch costs before any work)."""
-    if nargs in _FLOOR_KERNELS:
-        return _FLOOR_KERNELS[nargs]
-    import triton
+    """A do-nothing @triton.jit kernel of one pointer and ``nargs`` integer arguments."""
+    from . import _floor_kernels
 
-    names = [f"a{i}" for i in range(nargs)]
-    src = f"def _floor_{nargs}(X, {', '.join(names)}):\n    pass\n"
-    scope: dict = {}
-    exec(compile(src, f"<floor{nargs}>", "exec"), scope)  # a generated signature of nargs arguments
-    fn = scope[f"_floor_{nargs}"]
-    fn.__module__ = __name__
-    _FLOOR_KERNELS[nargs] = triton.jit(fn)
-    return _FLOOR_KERNELS[nargs]
+    return getattr(_floor_kernels, f"floor_{nargs}")
 
 
 def _floors(d: int) -> dict:

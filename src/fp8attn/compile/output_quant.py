@@ -236,7 +236,8 @@ def _mirror_getitems(graph, old, new, fake_mode):
 def _fuse_functional(graph, attn, getitem0, views, quant_nodes, scale, fake_mode):
     op = attn.target
     names = [a.name for a in op._schema.arguments]
-    args = list(attn.args) + [None] * (len(names) - len(attn.args))
+    args = list(attn.args) + [a.default_value if a.has_default_value() else None  # (dense_fwd's bwd_mode has one)
+                              for a in op._schema.arguments[len(attn.args):]]
     for k, v in attn.kwargs.items():
         args[names.index(k)] = v
     dev = _val(getitem0).device

@@ -81,7 +81,7 @@ def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
 
 @triton.jit
 def _write_kv_kernel(K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS,
-                     nheads, page_size,
+                     nheads, page_size, num_slots, num_seqs,
                      s_kt, s_kh, s_vt, s_vh,
                      s_kcb, s_kcp, s_kch, s_kcd, s_vcb, s_vcp, s_vch, s_vcd,
                      s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
@@ -92,12 +92,16 @@ def _write_kv_kernel(K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS,
                      K_SCALE_PAD: tl.constexpr, V_SCALE_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
-    if slot < 0:
+    # negative slots are padding; slots past the cache and sequence rows past the descales (values the API checks
+    # only on the CPU or with validate=True) are skipped too: never an out-of-bounds write or read
+    if (slot < 0) | (slot >= num_slots):
         return
     blk = slot // page_size
     off = slot % page_size
     if HAS_SEQ_IDX:
         seq = tl.load(SEQ_IDX + t).to(tl.int64)
+        if (seq < 0) | (seq >= num_seqs):
+            return
     else:
         seq = 0
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -136,11 +140,12 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         contiguous, or sequence-major (memory order (num_blocks, nheads_k, headdim_v, page_size),
         ``fp8attn.paged.alloc_paged_cache(..., v_seq_major=True)``).
     slot_mapping : (num_tokens,) int64 (int32 accepted): ``block_id * page_size + offset``; negative
-        entries are skipped.
+        entries, and entries >= num_blocks * page_size, are skipped.
     k_descale, v_descale : float32 static descales: per-tensor (0-d / (1,) / (1, 1)) or
         per-(sequence, head) (batch, nheads_k) / per-sequence (batch, 1) with ``token_seq_idx``.
         Ignored for a 16-bit cache. Used when the cache scales are None.
-    token_seq_idx : (num_tokens,) int32, the batch row of each token (per-(sequence, head) descales).
+    token_seq_idx : (num_tokens,) int32, the batch row of each token (per-(sequence, head) descales); a token
+        whose row is outside the descales' rows is skipped.
     k_cache_scales, v_cache_scales : (num_blocks, page_size, nheads_k) float32 or bfloat16. When given
         (both), the per-token-head descale is computed dynamically from each (token, head), rounded to
         the storage dtype (padded up, ``quant.scale_storage_pad``) and stored there; the cache holds
@@ -176,11 +181,12 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
     vs = v_cache_scales if mode == MODE_DYNAMIC else dummy
     kss = k_cache_scales.stride() if mode == MODE_DYNAMIC else (0, 0, 0)
     vss = v_cache_scales.stride() if mode == MODE_DYNAMIC else (0, 0, 0)
+    seq_rows = [d.shape[0] for d in (k_descale, v_descale) if d is not None and d.numel() != 1]
     block_h = min(next_pow2(nheads_k), 16)
     grid = (num_tokens, cdiv(nheads_k, block_h))
     _write_kv_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping, token_seq_idx if has_seq else slot_mapping, kd, vd, ks, vs,
-        nheads_k, page_size,
+        nheads_k, page_size, k_cache.shape[0] * page_size, min(seq_rows) if seq_rows else 1,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),

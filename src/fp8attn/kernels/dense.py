@@ -42,7 +42,8 @@ from .common import (
     scale_logits,
 )
 
-__all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor", "varlen_v_kmajor"]
+__all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor", "varlen_v_kmajor", "tma_reason", "dense_backend",
+           "wants_kmajor_copy"]
 
 
 # descale modes (constexpr DESCALE_MODE)
@@ -206,10 +207,12 @@ def _dense_fwd_kernel(
         k_start = tl.zeros((), tl.int64)
         seqlen_q = seqlen_q_static
         seqlen_k = seqlen_k_static
+    # seqused within [0, the sequence's length] (checked only on the CPU or with validate=True): clamped, as the
+    # reference does, so an unchecked value never reaches rows of another sequence
     if HAS_SEQUSED_Q:
-        seqlen_q = tl.load(seqused_q + b).to(tl.int32)
+        seqlen_q = tl.maximum(tl.minimum(tl.load(seqused_q + b).to(tl.int32), seqlen_q), 0)
     if HAS_SEQUSED_K:
-        seqlen_k = tl.load(seqused_k + b).to(tl.int32)
+        seqlen_k = tl.maximum(tl.minimum(tl.load(seqused_k + b).to(tl.int32), seqlen_k), 0)
 
     if PACK_GQA:
         n_rows = seqlen_q * qgroup
@@ -522,23 +525,15 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     unset or ``auto`` (that rule), ``triton`` (always this module's kernel), ``tma`` (the TMA kernel;
     ValueError naming the reason when the inputs are not supported).
     """
-    backend = os.environ.get("FP8ATTN_DENSE_BACKEND", "auto") or "auto"
-    if backend not in ("auto", "triton", "tma"):
-        raise ValueError(f"FP8ATTN_DENSE_BACKEND: expected auto, triton or tma, got {backend!r}")
+    backend = dense_backend()
     if backend != "triton":
         if cu_seqlens_q is None:  # (varlen: the TMA kernel lays V out itself, varlen_v_kmajor)
             v = _kmajor_v(v, q.dtype == torch.float8_e4m3fn, v_kmajor)  # _build_launch then leaves it as is
-        if seqused_q is not None or seqused_k is not None:
-            why = "seqused_q/seqused_k are not supported"
-        elif backend == "auto" and cu_seqlens_q is not None and not dense_tma.varlen_preferred(q.shape[-1],
-                                                                                              max_seqlen_q):
-            why = "varlen: the Triton kernel is the faster one for these shapes (dense_tma.varlen_preferred)"
-        else:
-            why = dense_tma.unsupported_reason(
-                q, k, v, out, causal=causal, window_size=window_size, softcap=softcap, q_descale=q_descale,
-                k_descale=k_descale, v_descale=v_descale, out_scale=out_scale, cu_seqlens_q=cu_seqlens_q,
-                descale_block_q=descale_block_q, descale_block_k=descale_block_k, lse=lse,
-                cu_seqlens_k=cu_seqlens_k)
+        why = tma_reason(q, k, v, out, lse, causal=causal, window_size=window_size, softcap=softcap,
+                         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, descale_block_q=descale_block_q,
+                         descale_block_k=descale_block_k, backend=backend)
         if why is None:
             return dense_tma.launch_dense_fwd_tma(
                 q, k, v, out, lse, softmax_scale=softmax_scale, causal=window_flags(causal, window_size)[0],
@@ -561,14 +556,48 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     return out, lse
 
 
+def dense_backend() -> str:
+    """``FP8ATTN_DENSE_BACKEND``: auto (unset), triton or tma (see ``launch_dense_fwd``)."""
+    backend = os.environ.get("FP8ATTN_DENSE_BACKEND", "auto") or "auto"
+    if backend not in ("auto", "triton", "tma"):
+        raise ValueError(f"FP8ATTN_DENSE_BACKEND: expected auto, triton or tma, got {backend!r}")
+    return backend
+
+
+def tma_reason(q, k, v, out, lse, *, causal, window_size, softcap, q_descale, k_descale, v_descale, out_scale,
+               cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, descale_block_q, descale_block_k,
+               backend, capability=None):
+    """Why ``launch_dense_fwd`` keeps a call on this module's Triton kernel, or None when the TMA kernel of
+    ``dense_tma`` takes it: THE rule of the dense dispatch (``fp8attn.capability.supports`` asks it too).
+
+    Arguments are ``launch_dense_fwd``'s, with ``v`` as the kernels read it (after ``_kmajor_v``) and
+    ``backend`` from ``dense_backend()``; ``capability``: as ``dense_tma.unsupported_reason``.
+    """
+    if backend == "triton":
+        return "FP8ATTN_DENSE_BACKEND=triton"
+    if seqused_q is not None or seqused_k is not None:
+        return "seqused_q/seqused_k are not supported"
+    if backend == "auto" and cu_seqlens_q is not None and not dense_tma.varlen_preferred(q.shape[-1], max_seqlen_q):
+        return "varlen: the Triton kernel is the faster one for these shapes (dense_tma.varlen_preferred)"
+    return dense_tma.unsupported_reason(
+        q, k, v, out, causal=causal, window_size=window_size, softcap=softcap, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, out_scale=out_scale, cu_seqlens_q=cu_seqlens_q,
+        descale_block_q=descale_block_q, descale_block_k=descale_block_k, lse=lse, cu_seqlens_k=cu_seqlens_k,
+        capability=capability)
+
+
+def wants_kmajor_copy(v, is_fp8, v_kmajor, on_cuda) -> bool:
+    """Whether ``_kmajor_v`` copies ``v`` into the sequence-contiguous layout (``v_kmajor`` None: FP8 V on
+    CUDA whose head dim is contiguous)."""
+    if v_kmajor is None:
+        v_kmajor = is_fp8 and on_cuda and v.stride(-1) == 1 and v.shape[-3] > 1
+    return bool(v_kmajor) and v.stride(-3) != 1
+
+
 def _kmajor_v(v, is_fp8, v_kmajor):
     """V as the kernels read it: a sequence-contiguous copy (``transpose_v_kmajor``) when ``v_kmajor``
     asks for one (None: for FP8 V on CUDA whose head dim is contiguous), else V as given."""
-    if v_kmajor is None:
-        v_kmajor = is_fp8 and v.is_cuda and v.stride(-1) == 1 and v.shape[-3] > 1
-    if v_kmajor and v.stride(-3) != 1:
-        v = transpose_v_kmajor(v)
-    return v
+    return transpose_v_kmajor(v) if wants_kmajor_copy(v, is_fp8, v_kmajor, v.is_cuda) else v
 
 
 def _build_launch(q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap,

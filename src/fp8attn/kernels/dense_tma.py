@@ -78,7 +78,7 @@ if HAS_GLUON:
     from .tma_ws import _bounded_fwd_tma_ws_kernel, _dense_fwd_tma_ws_kernel
     from .tma_parts import box_keys, kperm_box_on
 
-__all__ = ["supported", "unsupported_reason", "launch_dense_fwd_tma", "HAS_GLUON"]
+__all__ = ["supported", "unsupported_reason", "capability_reason", "device_reason", "launch_dense_fwd_tma", "HAS_GLUON"]
 
 _LOG2E = 1.4426950408889634
 
@@ -273,8 +273,12 @@ def _vt_2d(v):
 
 
 def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descale, v_descale,
-                       out_scale, cu_seqlens_q, descale_block_q, descale_block_k, lse, cu_seqlens_k=None):
-    """Why the TMA fast path cannot run these inputs, or None when it can (see ``supported``)."""
+                       out_scale, cu_seqlens_q, descale_block_q, descale_block_k, lse, cu_seqlens_k=None,
+                       capability=None):
+    """Why the TMA fast path cannot run these inputs, or None when it can (see ``supported``).
+
+    ``capability``: judge the device by this compute capability instead of the tensors' device (a query
+    about a call, ``fp8attn.capability.supports``: its tensors may be shapes on the meta device)."""
     if not HAS_GLUON:
         return "triton.experimental.gluon is not available"
     why = tma_options_reason(q.dtype, k.dtype, v.dtype, out.dtype, window_size=window_size, softcap=softcap,
@@ -284,7 +288,7 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
     if cu_seqlens_q is not None:
         return _varlen_unsupported_reason(q, k, v, out, q_descale=q_descale, k_descale=k_descale,
                                           v_descale=v_descale, out_scale=out_scale, cu_seqlens_q=cu_seqlens_q,
-                                          cu_seqlens_k=cu_seqlens_k, lse=lse)
+                                          cu_seqlens_k=cu_seqlens_k, lse=lse, capability=capability)
     causal = window_flags(causal, window_size)[0]
     ts = (q, k, v, out)
     if any(t.dim() != 4 for t in ts):
@@ -311,11 +315,11 @@ def unsupported_reason(q, k, v, out, *, causal, window_size, softcap, q_descale,
     if not v.permute(0, 2, 3, 1).is_contiguous():
         return "v must be sequence-contiguous (memory order (batch, nheads_k, headdim, seqlen_k))"
     return _common_unsupported_reason(ts, batch, hq, hk, q_descale, k_descale, v_descale, out_scale, lse,
-                                      (batch, hq, sq), "(batch, nheads_q, seqlen_q)")
+                                      (batch, hq, sq), "(batch, nheads_q, seqlen_q)", capability=capability)
 
 
 def _common_unsupported_reason(ts, batch, hq, hk, q_descale, k_descale, v_descale, out_scale, lse, lse_shape,
-                               lse_name, extra=()):
+                               lse_name, extra=(), capability=None):
     """The alignment, descale, LSE and device rules of the dense and varlen paths."""
     if any(t.data_ptr() % 16 for t in ts):
         return "q, k, v, out must be 16-byte aligned"
@@ -327,24 +331,30 @@ def _common_unsupported_reason(ts, batch, hq, hk, q_descale, k_descale, v_descal
     if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != lse_shape):
         return f"lse must be float32 {lse_name}"
     # device checks last: the shape rules above hold (and are testable) without CUDA
-    return device_reason(ts, tuple(extra) + (q_descale, k_descale, v_descale, lse, out_scale))
+    return device_reason(ts, tuple(extra) + (q_descale, k_descale, v_descale, lse, out_scale), capability)
 
 
-def device_reason(ts, extra=()):
+def capability_reason(capability):
+    """The compute-capability rule of every TMA kernel: None for sm90, else why not."""
+    return None if tuple(capability) == (9, 0) else "needs an sm90 (Hopper) GPU"
+
+
+def device_reason(ts, extra=(), capability=None):
     """The device rules of every TMA kernel: ``ts`` (q, k, v, out) CUDA tensors on one sm90 device with the
-    tensors of ``extra`` (None entries skipped). None when they hold."""
+    tensors of ``extra`` (None entries skipped). None when they hold. With ``capability`` given, only
+    ``capability_reason(capability)`` (the tensors' devices are the caller's business)."""
+    if capability is not None:
+        return capability_reason(capability)
     dev = ts[0].device
     if not all(t.is_cuda for t in ts):
         return "inputs must be CUDA tensors"
     if any(t.device != dev for t in tuple(ts) + tuple(t for t in extra if t is not None)):
         return "all tensors must be on one device"
-    if _capability(dev.index if dev.index is not None else torch.cuda.current_device()) != (9, 0):
-        return "needs an sm90 (Hopper) GPU"
-    return None
+    return capability_reason(_capability(dev.index if dev.index is not None else torch.cuda.current_device()))
 
 
 def _varlen_unsupported_reason(q, k, v, out, *, q_descale, k_descale, v_descale, out_scale, cu_seqlens_q,
-                               cu_seqlens_k, lse):
+                               cu_seqlens_k, lse, capability=None):
     """``unsupported_reason`` for varlen inputs (``_bounded_fwd_tma_ws_kernel`` in ``MODE_VARLEN``), after
     ``launch_rules.tma_options_reason``."""
     if cu_seqlens_k is None:
@@ -373,7 +383,8 @@ def _varlen_unsupported_reason(q, k, v, out, *, q_descale, k_descale, v_descale,
     if max(total_q + 128 * (batch + 1), 16 * (total_k // 16 + batch + 1) + 128, hk * d) >= 2 ** 31:
         return "too many rows for 32-bit TMA coordinates"
     return _common_unsupported_reason(ts, batch, hq, hk, q_descale, k_descale, v_descale, out_scale, lse,
-                                      (hq, total_q), "(nheads_q, total_q)", extra=(cu_seqlens_q, cu_seqlens_k))
+                                      (hq, total_q), "(nheads_q, total_q)", extra=(cu_seqlens_q, cu_seqlens_k),
+                                      capability=capability)
 
 
 def supported(q, k, v, out, *, causal, window_size, softcap, q_descale, k_descale, v_descale,

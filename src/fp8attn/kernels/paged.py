@@ -59,7 +59,7 @@ from .common import (INTERPRET, causal_window_mask, fill_varlen_block_list, fina
                      full_tile_range, kv_range, next_pow2, online_softmax_step, output_epilogue, scale_logits,
                      upcast_fp8_in_place)
 
-__all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config"]
+__all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config", "tma_reason", "launch_grid"]
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
        torch.float8_e4m3fn: tl.float8e4nv}
@@ -388,6 +388,47 @@ def _paged_fwd_kernel(
                      P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE, UNMASKED_TILES)
 
 
+def tma_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, cu_seqlens_q, max_seqlen_q, causal,
+               window_size, softcap, q_descale, k_descale, v_descale, k_cache_scales, v_cache_scales, out_scale,
+               num_splits, config=None, capability=None):
+    """Why ``launch_paged_fwd`` keeps a call's FP8 prefill chunks on this module's Triton kernel, or None when
+    ``paged_tma`` takes them (varlen: its sequences of ``paged_tma.VARLEN_MIN_Q`` queries or more, unless
+    the launch splits the keys, ``launch_grid``): THE rule of the paged dispatch
+    (``fp8attn.capability.supports`` asks it too). Arguments are ``launch_paged_fwd``'s; ``capability``:
+    as ``paged_tma.unsupported_reason``."""
+    if INTERPRET:
+        return "the Triton interpreter (TRITON_INTERPRET=1) runs the Triton kernel"
+    if not (config or {}).get("tma", True):
+        return "config tma=False"
+    # (no further check when no sequence fills one query block: decode calls skip its host cost)
+    if (max_seqlen_q if cu_seqlens_q is not None else q.shape[1]) < paged_tma.VARLEN_MIN_Q:
+        return f"fewer than {paged_tma.VARLEN_MIN_Q} queries per sequence (decode, short chunks)"
+    return paged_tma.unsupported_reason(
+        q, k_cache, v_cache, page_table, cache_seqlens, out, lse, cu_seqlens_q=cu_seqlens_q, causal=causal,
+        window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, out_scale=out_scale, num_splits=num_splits,
+        capability=capability)
+
+
+def launch_grid(q, k_cache, v_cache, page_table, *, cu_seqlens_q, max_seqlen_q, precisions=None, k_token_scales,
+                v_token_scales, num_splits, num_sms, config=None):
+    """``paged_plan.paged_grid`` of a launch: ``(tiles, small_tiles, block_q, two_class, grid0, num_splits)``.
+    ``precisions``: ``paged.paged_precisions`` of the call (computed here when None)."""
+    varlen = cu_seqlens_q is not None
+    hq, d = q.shape[-2], q.shape[-1]
+    hk, page_size = k_cache.shape[2], k_cache.shape[1]
+    v_seq_major = is_v_seq_major(v_cache)
+    if precisions is None:
+        precisions = paged_precisions(q.dtype, k_cache.dtype, v_cache.dtype, k_token_scales, v_token_scales,
+                                      max_seqlen_q, hq // hk, v_seq_major)
+    return paged_grid(
+        batch=cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0], nheads_k=hk, qg=hq // hk, headdim=d,
+        max_seqlen_q=max_seqlen_q, q_rows=q.shape[0] if varlen else q.shape[1], varlen=varlen, page_size=page_size,
+        capacity=page_table.shape[1] * page_size, mma_fp8=precisions[0][0], mma_fp8_s=precisions[1][0],
+        v_seq_major=v_seq_major, fp8_cache=k_cache.element_size() == 1,
+        token_scales=k_token_scales or v_token_scales, num_splits=num_splits, num_sms=num_sms, config=config)
+
+
 @functools.lru_cache(None)
 def _num_sms(device) -> int:
     if device.type != "cuda":
@@ -454,15 +495,11 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     cfg = config or {}  # benchmark overrides
     varlen = cu_seqlens_q is not None
-    tma_ok = False  # FP8 prefill chunks the TMA kernel takes (varlen: those of VARLEN_MIN_Q queries or more)
-    # (no check when no sequence fills one query block: decode calls skip its host cost)
-    if not INTERPRET and cfg.get("tma", True) and \
-            (max_seqlen_q if varlen else q.shape[1]) >= paged_tma.VARLEN_MIN_Q:
-        tma_ok = paged_tma.unsupported_reason(
-            q, k_cache, v_cache, page_table, cache_seqlens, out, lse, cu_seqlens_q=cu_seqlens_q, causal=causal,
-            window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
-            v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
-            out_scale=out_scale, num_splits=num_splits) is None
+    # FP8 prefill chunks the TMA kernel takes (varlen: those of VARLEN_MIN_Q queries or more)
+    tma_ok = tma_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, cu_seqlens_q=cu_seqlens_q,
+                        max_seqlen_q=max_seqlen_q, causal=causal, window_size=window_size, softcap=softcap,
+                        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, k_cache_scales=k_cache_scales,
+                        v_cache_scales=v_cache_scales, out_scale=out_scale, num_splits=num_splits, config=cfg) is None
     tma_args = dict(softmax_scale=softmax_scale, causal=window_flags(causal, window_size)[0], q_descale=q_descale,
                     k_descale=k_descale, v_descale=v_descale, out_scale=out_scale) if tma_ok else None
     if tma_ok and not varlen:
@@ -496,10 +533,9 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         p_fp8 = p_fp8_s = False
     # Mixed batches: decode rows get their own small-tile programs (one per sequence) instead of
     # riding in the large prefill tiles (docs/perf-notes.md, paged mixed batches).
-    (bm, bn, nw, ns, maxnreg), small_cfg, block_q, two_class, grid0, num_splits = paged_grid(
-        batch=batch, nheads_k=hk, qg=qg, headdim=d, max_seqlen_q=max_seqlen_q, q_rows=total_q if varlen else seqlen_q,
-        varlen=varlen, page_size=page_size, capacity=page_table.shape[1] * page_size, mma_fp8=mma_fp8,
-        mma_fp8_s=mma_fp8_s, v_seq_major=v_seq_major, fp8_cache=fp8_cache, token_scales=has_ks or has_vs,
+    (bm, bn, nw, ns, maxnreg), small_cfg, block_q, two_class, grid0, num_splits = launch_grid(
+        q, k_cache, v_cache, page_table, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+        precisions=((mma_fp8, p_fp8, cdt), (mma_fp8_s, p_fp8_s, cdt_s)), k_token_scales=has_ks, v_token_scales=has_vs,
         num_splits=num_splits, num_sms=_num_sms(q.device), config=config)
     if grid0 == 0:
         return

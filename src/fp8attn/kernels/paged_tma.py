@@ -92,7 +92,7 @@ def descale_strides(ds):
 
 def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, cu_seqlens_q, causal,
                        window_size, softcap, q_descale, k_descale, v_descale, k_cache_scales, v_cache_scales,
-                       out_scale, num_splits):
+                       out_scale, num_splits, capability=None):
     """Why ``launch_paged_prefill_tma`` cannot run these inputs, or None when it can.
 
     Parameters are those of ``paged.launch_paged_fwd``. Supported: CUDA tensors on an sm90 device;
@@ -106,6 +106,8 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
     1); out bfloat16, or float8_e4m3fn with a one-element float32 ``out_scale``; lse None or float32
     (batch, nheads_q, seqlen_q) (varlen: (nheads_q, total_q)); no window, softcap, per-token-head cache
     scales, or ``num_splits`` above 1 (0, the heuristic, runs unsplit here: the kernel is persistent).
+    ``capability``: judge the device by this compute capability instead of the tensors' device
+    (``dense_tma.device_reason``).
     """
     if not dense_tma.HAS_GLUON:
         return "triton.experimental.gluon is not available"
@@ -154,7 +156,7 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
         return "q, k_cache, v_cache, out must be 16-byte aligned"
     # device checks last: the shape rules above hold (and are testable) without CUDA
     return dense_tma.device_reason(ts, (page_table, cache_seqlens, cu_seqlens_q, q_descale, k_descale, v_descale, lse,
-                                        out_scale))
+                                        out_scale), capability)
 
 
 def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, softmax_scale, causal,

@@ -1,7 +1,8 @@
 """Triton tile kernel behind ``fp8attn.quantize_qkv`` (see fp8attn/qkv.py for the orchestration).
 
 One (token block, batch, head) tile per program: optional Hadamard rotation, the tile's amax, and/or
-the saturating e4m3 quantization with a given (or, per-block, its own) descale.
+the saturating e4m3 quantization with a given (or, per-block, its own) descale. A NaN or Inf in a tile
+makes its amax NaN (and so the descale of its scale group), never a silently replaced value.
 
 Descale convention (fp8attn.quant): ``descale = max(amax, DESCALE_FLOOR * 448) / 448`` and
 ``x8 = saturate(x / descale)``.
@@ -58,13 +59,18 @@ if HAS_TRITON:
         else:
             xf = x.to(tl.float32)
         xf = tl.where(m, xf, 0.0)
-        xf = tl.where(xf != xf, 0.0, xf)  # NaN carries no magnitude for the amax
-        amax = tl.max(tl.max(tl.abs(xf), 1), 0)
+        # A NaN or Inf makes the tile's amax NaN, so its group's descale is NaN: visible damage, never a value
+        # replaced silently (|x| < inf is False for NaN and +-Inf; no max-with-NaN semantics are relied on).
+        finite = tl.abs(xf) < float("inf")
+        n_bad = tl.sum(tl.sum(tl.where(finite, 0, 1), 1), 0)
+        amax = tl.max(tl.max(tl.where(finite, tl.abs(xf), 0.0), 1), 0)
+        amax = tl.where(n_bad > 0, float("nan"), amax)
         if WRITE_AMAX:
             tl.store(Amax + b * stride_ab + h * stride_ah + blk * stride_an, amax)
         if QUANT:
             if SELF_SCALE:
                 ds = tl.maximum(amax, DESCALE_FLOOR_C * E4M3_MAX_C) / E4M3_MAX_C
+                ds = tl.where(amax != amax, amax, ds)  # (keep a NaN amax: tl.maximum need not propagate it)
                 tl.store(Ds + b * stride_db + h * stride_dh + blk * stride_dn, ds)
             else:
                 ds = tl.load(Ds + b * stride_db + h * stride_dh + blk * stride_dn)

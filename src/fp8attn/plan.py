@@ -1,0 +1,130 @@
+"""Eager call plans: what a validated, dispatched call reduces to, cached per call signature.
+
+Most users call attention eagerly, once per layer per step, with the same shapes every step. The first
+call of a signature runs the whole public path (validation, the op, the kernel dispatch rule); when that
+call could be served by one kernel launch with no data-dependent decision in between, the path leaves a
+*plan*: a small function that allocates the outputs and launches the kernel directly. Later calls with
+the same signature run the plan.
+
+A signature holds everything the validation and the dispatch rule read, so equal signatures pass and
+dispatch alike: every tensor's shape, strides, dtype, device and 16-byte alignment, every Python
+argument, and the environment switches the dispatch reads. What no signature holds -- tensor values --
+is never checked on a GPU without ``validate=True`` on either path, so a plan changes no behaviour. Plans
+are only used for eager calls of plain tensors outside torch.compile, tracing, torch-function or dispatch
+modes and functorch transforms, and never when an input requires grad (such a call records its backward
+through the op).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["tensor_sig", "env_sig", "lookup", "store", "eager_ok", "clear", "dense_tma_plan", "ENV_SWITCHES",
+           "MAX_PLANS"]
+
+# environment switches the dispatch reads (a plan made under one value never serves another)
+ENV_SWITCHES = ("FP8ATTN_DENSE_BACKEND", "FP8ATTN_FORCE_REFERENCE", "FP8ATTN_FALLBACK")
+MAX_PLANS = 1024
+
+_PLANS: dict = {}
+
+
+def tensor_sig(t):
+    """The part of a tensor the validation and dispatch read: shape, strides, dtype, device, alignment."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):  # (the checked path refuses it: a key that is never stored)
+        return ("not a tensor", type(t))
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+def env_sig() -> tuple:
+    return tuple(os.environ.get(k) for k in ENV_SWITCHES)
+
+
+def eager_ok(*ts) -> bool:
+    """Whether a call may take a plan: eager, plain CUDA tensors, nothing recording or transforming it."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None or torch._C._get_tracing_state() is not None:
+        return False
+    grad = torch.is_grad_enabled()
+    for t in ts:
+        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def lookup(key):
+    """The plan of ``key``, or None (also for a key holding an unhashable argument: the checked path
+    then names the argument)."""
+    try:
+        return _PLANS.get(key)
+    except TypeError:
+        return None
+
+
+def store(key, plan) -> None:
+    if len(_PLANS) >= MAX_PLANS:  # a workload with unbounded signatures: start over rather than grow
+        _PLANS.clear()
+    try:
+        _PLANS[key] = plan
+    except TypeError:
+        pass
+
+
+def clear() -> None:
+    """Forget every plan (tests; a process that changed what a plan captured, e.g. the current device's
+    properties)."""
+    _PLANS.clear()
+
+
+def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal, window_size, softcap, return_lse):
+    """The plan of a dense (4-D) FP8 call that the Hopper kernel serves with one launch, or None.
+
+    Called by the public path after validation, with its expanded descales; ``None`` when the call needs
+    anything else (a V transpose, the Triton kernel, the reference, a fallback report)."""
+    if not q.is_cuda or q.dtype != torch.float8_e4m3fn:
+        return None
+    from .capability import kernel_for
+    from .launch_rules import attention_out_dtype
+
+    if kernel_for(q, "dense") is None:
+        return None
+    from .kernels import dense as kd_
+    from .kernels import dense_tma
+    from .kernels.common import window_flags
+
+    backend = kd_.dense_backend()
+    if backend == "triton" or kd_.wants_kmajor_copy(v, True, None, True):
+        return None
+    odt = attention_out_dtype(q.dtype, out.dtype if out is not None else None, out_scale)
+    oshape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    b, sq, hq, _ = q.shape
+    probe_out = out if out is not None else torch.empty(oshape, dtype=odt, device=q.device)
+    probe_lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
+    why = kd_.tma_reason(q, k, v, probe_out, probe_lse, causal=causal, window_size=window_size, softcap=softcap,
+                         q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, cu_seqlens_q=None,
+                         cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None,
+                         descale_block_q=None, descale_block_k=None, backend=backend)
+    if why is not None:
+        return None
+    from .capability import launch_device
+    from .quant import expand_descale
+
+    hk = k.shape[2]
+    kernel_causal = window_flags(causal, window_size)[0]
+    launch = dense_tma.launch_dense_fwd_tma
+    dev = q.device
+    lse_shape = (b, hq, sq)
+
+    def run(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
+        o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
+        with launch_device(q):
+            launch(q, k, v, o, lse, softmax_scale=softmax_scale, causal=kernel_causal,
+                   q_descale=expand_descale(q_descale, b, hk, dev), k_descale=expand_descale(k_descale, b, hk, dev),
+                   v_descale=expand_descale(v_descale, b, hk, dev), out_scale=out_scale)
+        return (o, lse) if return_lse else o
+    return run
