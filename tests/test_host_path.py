@@ -90,9 +90,73 @@ def test_eager_plan_not_taken_for_grad_or_other_signatures(monkeypatch):
     # the environment switch of the dispatch is part of the signature
     monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "triton")
     fp8attn.flash_attn_func(q8, k8, v8, causal=True, **kw)
-    assert len(plan._PLANS) == 1  # the Triton kernel's call leaves no plan
+    assert len(plan._PLANS) == 2  # its own plan (the Triton kernel's launcher), not the Hopper one
     # a bad descale value on a GPU: unchecked on both paths (validate=True checks it)
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND")
     with pytest.raises(ValueError, match="q_descale"):
         fp8attn.flash_attn_func(q8, k8, v8, causal=True, q_descale=qd * float("nan"), k_descale=kd, v_descale=vd,
                                 validate=True)
+
+
+@pytest.mark.parametrize("q_fp8", [False, True])
+def test_eager_plan_paged_decode_equals_checked_path(q_fp8):
+    """A repeated eager decode over a paged FP8 cache (no append) runs its plan: the same bits as the
+    checked path, NaN-poisoned unused slots and non-unit scales included."""
+    import fp8attn
+    from fp8attn import plan
+    from fp8attn.paged import alloc_paged_cache, make_page_table
+
+    plan.clear()
+    b, hq, hk, d, ps, L = 4, 8, 2, 128, 16, 300
+    nb = 3 * b * ((L + ps - 1) // ps)
+    kc, vc = alloc_paged_cache(nb, ps, hk, d, device="cuda", poison_nan=True, v_seq_major=True)
+    pt = make_page_table([L] * b, ps, nb, generator=torch.Generator().manual_seed(1)).cuda()
+    seqlens = torch.tensor([L, 1, 257, 128], dtype=torch.int32, device="cuda")
+    desc = torch.rand(b, hk, device="cuda") * 0.1 + 0.01
+    fp8attn.write_kv_cache(torch.randn(b * L, hk, d, device="cuda"), torch.randn(b * L, hk, d, device="cuda"), kc, vc,
+                           (pt.long()[:, :, None] * ps + torch.arange(ps, device="cuda")).reshape(b, -1)[:, :L]
+                           .reshape(-1).masked_fill(torch.arange(L, device="cuda").repeat(b) >= seqlens.repeat_interleave(L), -1),
+                           k_descale=desc, v_descale=desc,
+                           token_seq_idx=torch.arange(b, device="cuda", dtype=torch.int32).repeat_interleave(L))
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    kw = dict(cache_seqlens=seqlens, page_table=pt, k_descale=desc, v_descale=desc)
+    if q_fp8:
+        qd = torch.rand(b, hk, device="cuda") * 0.05 + 0.01
+        q = (q.float() / 0.05).clamp(-448, 448).to(torch.float8_e4m3fn)
+        kw["q_descale"] = qd
+    ref, ref_lse = fp8attn.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, validate=True, **kw)
+    outs = [fp8attn.flash_attn_with_kvcache(q, kc, vc, **kw) for _ in range(3)]
+    o, lse = fp8attn.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **kw)
+    assert len(plan._PLANS) == 2
+    assert not torch.isnan(ref).any()
+    for x in (*outs, o):
+        assert torch.equal(x, ref)
+    assert torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_eager_plan_triton_kernel_calls_equal_checked_path(causal):
+    """Calls the Triton dense kernel serves (varlen at short lengths, 16-bit inputs, a window) run the
+    kernel-level launcher's plan: the same bits as the checked path."""
+    import fp8attn
+    from fp8attn import plan
+
+    plan.clear()
+    q8, k8, v8, qd, kd, vd = _fp8_inputs(b=3, s=192, d=64)
+    cu = torch.tensor([0, 100, 150, 576], dtype=torch.int32, device="cuda")
+    args = (q8.reshape(-1, *q8.shape[2:]), k8.reshape(-1, *k8.shape[2:]), v8.reshape(-1, *v8.shape[2:]), cu, cu, 426,
+            426)
+    kw = dict(causal=causal, q_descale=qd[:1].expand(3, -1).contiguous(), k_descale=kd[:1].expand(3, -1).contiguous(),
+              v_descale=vd[:1].expand(3, -1).contiguous())
+    ref = fp8attn.flash_attn_varlen_func(*args, validate=True, **kw)
+    got = [fp8attn.flash_attn_varlen_func(*args, **kw) for _ in range(3)]
+    qb, kb, vb = (torch.randn(2, 200, h, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    ref16 = fp8attn.flash_attn_func(qb, kb, vb, causal=causal, window_size=(64, 0) if causal else (-1, -1),
+                                    validate=True)
+    got16 = [fp8attn.flash_attn_func(qb, kb, vb, causal=causal, window_size=(64, 0) if causal else (-1, -1))
+             for _ in range(3)]
+    assert len(plan._PLANS) == 2
+    for x in got:
+        assert torch.equal(x, ref)
+    for x in got16:
+        assert torch.equal(x, ref16)

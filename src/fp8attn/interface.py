@@ -331,7 +331,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     if key is not None and plan.eager_ok(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
         run = plan.dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, softmax_scale=attn["softmax_scale"],
                                   causal=attn["causal"], window_size=attn["window_size"], softcap=attn["softcap"],
-                                  return_lse=bool(return_attn_probs))
+                                  return_lse=bool(return_attn_probs)) or \
+            plan.dense_plan(q, k, v, batch=q.shape[0], attn=attn, varlen=False, return_lse=bool(return_attn_probs))
         if run is not None:
             plan.store(key, run)
             return run(q, k, v, q_descale, k_descale, v_descale, out, out_scale)
@@ -459,6 +460,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     -------
     out : (total_q, nheads_q, headdim_v); lse : (nheads_q, total_q) float32 (with return_attn_probs).
     """
+    key = None
+    tensors = (q, k, v, q_descale, k_descale, v_descale, out, out_scale, cu_seqlens_q, cu_seqlens_k, seqused_q,
+               seqused_k)
+    if _plannable(q, validate, causal, return_attn_probs, deterministic, window_size) and not attention_chunk \
+            and descale_block_size is None and qv is None:
+        key = ("varlen", tuple(plan.tensor_sig(t) for t in tensors), max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+               window_size, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out_dtype,
+               fp8_backward, plan.env_sig(), (type(max_seqlen_q), type(max_seqlen_k), type(softmax_scale),
+                                              type(softcap), type(num_splits), type(pack_gqa), type(sm_margin)))
+        run = plan.lookup(key)
+        if run is not None and plan.eager_ok(*tensors):
+            return run(*tensors)
     qd, kd, vd, attn = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                         seqused_k, softmax_scale, causal, qv, q_descale, k_descale, v_descale,
                                         window_size, attention_chunk, softcap, num_splits, pack_gqa, deterministic,
@@ -466,6 +479,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                         validate)
     _check_fp8_backward(fp8_backward)
     attn.update(fp8_backward=fp8_backward, deterministic=bool(deterministic))
+    if key is not None and plan.eager_ok(*tensors):
+        run = plan.dense_plan(q, k, v, batch=cu_seqlens_q.numel() - 1, attn=attn, varlen=True,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=bool(return_attn_probs))
+        if run is not None:
+            plan.store(key, run)
+            return run(*tensors)
     if attention_chunk:
         o, lse = _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                  attention_chunk, qd, kd, vd, **attn)
@@ -936,12 +955,35 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     out : q's shape with headdim_v, (batch, seqlen_q, nheads_q, headdim_v) or (total_q, nheads_q, headdim_v).
     lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
+    key = None
+    tensors = (q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, q_descale, k_descale, v_descale,
+               k_cache_scales, v_cache_scales, out, out_scale)
+    if _plannable(q, validate, causal, return_softmax_lse, rotary_interleaved, window_size) and k is None \
+            and v is None and qv is None and rotary_cos is None and rotary_sin is None and rotary_seqlens is None \
+            and cache_batch_idx is None and cache_leftpad is None and page_table is not None \
+            and cu_seqlens_k_new is None and not attention_chunk and scheduler_metadata is None \
+            and split_workspace is None:
+        key = ("paged", tuple(plan.tensor_sig(t) for t in tensors), max_seqlen_q, softmax_scale, causal, window_size,
+               softcap, num_splits, pack_gqa, sm_margin, return_softmax_lse, rotary_interleaved, out_dtype,
+               plan.env_sig(), (type(max_seqlen_q), type(softmax_scale), type(softcap), type(num_splits),
+                                type(pack_gqa), type(sm_margin)))
+        run = plan.lookup(key)
+        if run is not None and plan.eager_ok(*tensors):
+            return run(*tensors)
     c = _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                           cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
                           q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk,
                           softcap, rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin,
                           return_softmax_lse, out, out_dtype, out_scale, k_cache_scales, v_cache_scales,
                           split_workspace, validate)
+    if key is not None and c.pt is page_table and c.k_cache is k_cache and c.v_cache is v_cache \
+            and c.total_len is cache_seqlens and cache_seqlens.dtype == torch.int32 and plan.eager_ok(*tensors):
+        batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
+        run = plan.paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, batch=batch, attn=c.attn,
+                              num_splits=c.num_splits, return_lse=bool(return_softmax_lse))
+        if run is not None:
+            plan.store(key, run)
+            return run(*tensors)
     qd, kd, vd = c.descales
     kn = c.kn
     if c.rotary is not None:

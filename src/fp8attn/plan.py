@@ -128,3 +128,79 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
                    v_descale=expand_descale(v_descale, b, hk, dev), out_scale=out_scale)
         return (o, lse) if return_lse else o
     return run
+
+
+def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, num_splits, return_lse):
+    """The plan of a paged-cache call without an append (decode, chunked prefill over the cache), or None.
+
+    ``attn``: the validated attention keywords (softmax_scale, causal, window_size, softcap, out_dtype,
+    out_scale). The plan launches the paged kernel as the op would, with the call's tensors."""
+    if not q.is_cuda:
+        return None
+    from .capability import kernel_for, launch_device
+    from .launch_rules import attention_out_dtype
+    from .quant import expand_descale
+
+    launch = kernel_for(q, "paged")
+    if launch is None:
+        return None
+    varlen = cu_seqlens_q is not None
+    oshape = tuple(q.shape[:-1]) + (v_cache.shape[-1],)
+    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    msq = max_seqlen_q if max_seqlen_q is not None else (q.shape[0] if varlen else q.shape[1])
+    hk = k_cache.shape[2]
+    dev = q.device
+    window = (int(attn["window_size"][0]), int(attn["window_size"][1]))
+    kw = dict(max_seqlen_q=msq, softmax_scale=float(attn["softmax_scale"]), causal=bool(attn["causal"]),
+              window_size=window, softcap=float(attn["softcap"]), num_splits=int(num_splits))
+
+    def run(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, q_descale, k_descale, v_descale,
+            k_cache_scales, v_cache_scales, out, out_scale):
+        odt = attention_out_dtype(q.dtype, attn["out_dtype"], out_scale)
+        o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
+        with launch_device(q):
+            launch(q, k_cache, v_cache, page_table, cache_seqlens, o, lse, cu_seqlens_q=cu_seqlens_q,
+                   q_descale=expand_descale(q_descale, batch, hk, dev),
+                   k_descale=expand_descale(k_descale, batch, hk, dev),
+                   v_descale=expand_descale(v_descale, batch, hk, dev), k_cache_scales=k_cache_scales,
+                   v_cache_scales=v_cache_scales, out_scale=out_scale, out_partial=None, lse_partial=None, **kw)
+        return (o, lse) if return_lse else o
+    return run
+
+
+def dense_plan(q, k, v, *, batch, attn, varlen, max_seqlen_q=None, max_seqlen_k=None, return_lse):
+    """The plan of a dense or varlen call on the kernel path that ``dense_tma_plan`` does not take: the
+    kernel-level launcher (``kernels.dense.launch_dense_fwd``, which keeps its own choice of kernel and any
+    V transpose) called with the validated arguments, or None (the reference path)."""
+    if not q.is_cuda:
+        return None
+    from .capability import kernel_for, launch_device
+    from .launch_rules import attention_out_dtype
+    from .quant import expand_descale
+
+    launch = kernel_for(q, "dense")
+    if launch is None:
+        return None
+    oshape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    hk = k.shape[-2]
+    dev = q.device
+    kw = dict(softmax_scale=float(attn["softmax_scale"]), causal=bool(attn["causal"]),
+              window_size=(int(attn["window_size"][0]), int(attn["window_size"][1])), softcap=float(attn["softcap"]),
+              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, pack_gqa=bool(attn.get("pack_gqa")),
+              descale_block_q=None, descale_block_k=None)
+
+    def run(q, k, v, q_descale, k_descale, v_descale, out, out_scale, cu_seqlens_q=None, cu_seqlens_k=None,
+            seqused_q=None, seqused_k=None):
+        odt = attention_out_dtype(q.dtype, attn["out_dtype"], out_scale)
+        o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
+        with launch_device(q):
+            launch(q, k, v, o, lse, q_descale=expand_descale(q_descale, batch, hk, dev),
+                   k_descale=expand_descale(k_descale, batch, hk, dev),
+                   v_descale=expand_descale(v_descale, batch, hk, dev), out_scale=out_scale,
+                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                   **kw)
+        return (o, lse) if return_lse else o
+    return run

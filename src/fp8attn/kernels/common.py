@@ -103,6 +103,22 @@ def causal_window_mask(s, offs_m, offs_n, seqlen_q, seqlen_k,
 
 
 @triton.jit
+def seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q_static, seqlen_k_static, IS_VARLEN: tl.constexpr):
+    """(first query row, first key row, seqlen_q, seqlen_k) of sequence b."""
+    if IS_VARLEN:
+        q_start = tl.load(cu_seqlens_q + b).to(tl.int64)
+        k_start = tl.load(cu_seqlens_k + b).to(tl.int64)
+        seqlen_q = (tl.load(cu_seqlens_q + b + 1) - tl.load(cu_seqlens_q + b)).to(tl.int32)
+        seqlen_k = (tl.load(cu_seqlens_k + b + 1) - tl.load(cu_seqlens_k + b)).to(tl.int32)
+    else:
+        q_start = tl.zeros((), tl.int64)
+        k_start = tl.zeros((), tl.int64)
+        seqlen_q = seqlen_q_static
+        seqlen_k = seqlen_k_static
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@triton.jit
 def kv_range(tok_lo, tok_hi, seqlen_q, seqlen_k, window_left, window_right,
              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys [lo, hi) that query rows tok_lo..tok_hi can see (bottom-right aligned causal/window).

@@ -40,6 +40,7 @@ from .common import (
     online_softmax_step,
     output_epilogue,
     scale_logits,
+    seq_bounds,
 )
 
 __all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor", "varlen_v_kmajor", "tma_reason", "dense_backend",
@@ -197,16 +198,8 @@ def _dense_fwd_kernel(
     h_prog = tl.program_id(2)  # q head, or kv head with PACK_GQA
 
     # ---- sequence bounds -------------------------------------------------------------------
-    if IS_VARLEN:
-        q_start = tl.load(cu_seqlens_q + b).to(tl.int64)
-        k_start = tl.load(cu_seqlens_k + b).to(tl.int64)
-        seqlen_q = (tl.load(cu_seqlens_q + b + 1) - tl.load(cu_seqlens_q + b)).to(tl.int32)
-        seqlen_k = (tl.load(cu_seqlens_k + b + 1) - tl.load(cu_seqlens_k + b)).to(tl.int32)
-    else:
-        q_start = tl.zeros((), tl.int64)
-        k_start = tl.zeros((), tl.int64)
-        seqlen_q = seqlen_q_static
-        seqlen_k = seqlen_k_static
+    q_start, k_start, seqlen_q, seqlen_k = seq_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q_static,
+                                                      seqlen_k_static, IS_VARLEN)
     # seqused within [0, the sequence's length] (checked only on the CPU or with validate=True): clamped, as the
     # reference does, so an unchecked value never reaches rows of another sequence
     if HAS_SEQUSED_Q:

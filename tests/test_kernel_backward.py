@@ -1,0 +1,354 @@
+"""Attention backward kernels (kernels/backward.py) against float64 autograd on the dequantized inputs.
+
+CPU: the kernels run under TRITON_INTERPRET=1 at tiny shapes. The oracle is float64 torch autograd of
+attention on the dequantized inputs (random non-unit per-(batch, kv head) descales). Tolerance (DESIGN
+§5): max|kernel - oracle| <= 2 * max|lowprec - oracle| + floor, plus the same rule on the mean error,
+where ``lowprec`` is:
+
+* mode "dequantized": a float64 backward that rounds P and dS to bf16 before their products, as the
+  kernel does (its accumulators are fp32);
+* mode "fp8": a float64 emulation of the FP8-matmul backward that rounds dO, P * 2**8 and dS to e4m3
+  with ONE scale per (sequence, head) (448 / amax). The kernel scales per tile, which is finer (a
+  tile's amax is at most the head's), so its rounding error is no larger than this emulation's in
+  expectation; the rule's factor 2 covers the sampling noise between the two.
+
+The floor is 2e-3 of the oracle's largest magnitude (bf16 resolves 4e-3 relative).
+"""
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+from conftest import assert_close_fa3  # noqa: E402
+
+from fp8attn.kernels.backward import launch_attention_bwd  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU_DEV = "cuda"  # the gpu tests' device (their helpers also run on the CPU at toy shapes)
+
+
+# ------------------------------------------------------------------------------------------------
+# oracle
+# ------------------------------------------------------------------------------------------------
+def _visible(sq, sk, causal, wl, wr, device):
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    shift = sk - sq
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        keep &= j <= i + shift
+    if wl >= 0:
+        keep &= j >= i + shift - wl
+    if wr >= 0:
+        keep &= j <= i + shift + wr
+    return keep
+
+
+def _attn_seq(q, k, v, scale, causal, wl, wr, softcap):
+    """One sequence, head-first: q (Hq, Sq, D), k (Hk, Sk, D), v (Hk, Sk, Dv) -> (out, lse, t).
+    Rows that see no key get out = 0, lse = -inf (no NaN on the way, so autograd stays finite)."""
+    g = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(g, 0)
+    v = v.repeat_interleave(g, 0)
+    s = torch.einsum("hmd,hnd->hmn", q, k) * scale
+    t = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    keep = _visible(q.shape[1], k.shape[1], causal, wl, wr, q.device).expand_as(s)
+    any_key = keep.any(-1, keepdim=True)
+    s_safe = torch.where(keep, s, torch.full_like(s, -math.inf))
+    s_safe = torch.where(any_key, s_safe, torch.zeros_like(s))
+    lse = torch.logsumexp(s_safe, -1, keepdim=True)
+    p = torch.where(keep, torch.exp(s - lse), torch.zeros_like(s))
+    out = p @ v
+    return out, torch.where(any_key, lse, torch.full_like(lse, -math.inf))[..., 0], p, t
+
+
+def _fp8_round(x):
+    """e4m3 rounding with one scale per head (dim 0): 448 / amax, as the module docstring explains."""
+    if x.numel() == 0:
+        return x
+    inv = 448.0 / x.abs().amax(dim=(1, 2), keepdim=True).clamp_min(1e-30)
+    return (x * inv).clamp(-448, 448).to(E4M3).double() / inv
+
+
+def _round_bf16(x):
+    return x.to(torch.bfloat16).double()
+
+
+def _round_fp8_p(p):
+    return (p * 256).to(E4M3).double() / 256
+
+
+def _emul_seq(q, k, v, do, out_lp, scale, causal, wl, wr, softcap, mode):
+    """Float64 backward of one sequence with the kernel's low-precision steps: mode "dequantized" rounds P
+    and dS to bf16 (dO is bf16 already); mode "fp8" rounds dO, P * 2**8 and dS to e4m3 (per-head scales)."""
+    q, k, v, do, out_lp = (x.double() for x in (q, k, v, do, out_lp))
+    g = q.shape[0] // k.shape[0]
+    _, _, p, t = _attn_seq(q, k, v, scale, causal, wl, wr, softcap)
+    ke, ve = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    rd, rp, rs = (_fp8_round, _round_fp8_p, _fp8_round) if mode == "fp8" else (lambda x: x, _round_bf16, _round_bf16)
+    do_r = rd(do)
+    dv = rp(p).transpose(1, 2) @ do_r
+    dp = do_r @ ve.transpose(1, 2)
+    delta = (do * out_lp).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    if softcap:
+        ds = ds * (1 - t * t)
+    ds = rs(ds)
+    dq = scale * ds @ ke
+    dk = scale * ds.transpose(1, 2) @ q
+    hk = k.shape[0]
+    return dq, dk.view(hk, g, *dk.shape[1:]).sum(1), dv.view(hk, g, *dv.shape[1:]).sum(1)
+
+
+def _grads_seq(q, k, v, do, scale, causal, wl, wr, softcap, dtype):
+    """(out, lse, dq, dk, dv) by autograd in ``dtype`` of one head-first sequence."""
+    q, k, v = (x.to(dtype).detach().requires_grad_() for x in (q, k, v))
+    out, lse, _, _ = _attn_seq(q, k, v, scale, causal, wl, wr, softcap)
+    out.backward(do.to(dtype))
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------
+def _make(seqs_q, seqs_k, hq, hk, d, dv, *, fp8=True, varlen=False, v_seq_major=False, dtype=torch.bfloat16):
+    """Random inputs. Dense when ``varlen`` is False (all seqs equal). Returns a dict with the kernel's
+    tensors (rows past each sequence NaN-poisoned for varlen) and per-sequence dequantized float64 views."""
+    b = len(seqs_q)
+    pad_q, pad_k = (7, 5) if varlen else (0, 0)
+    tq, tk = sum(seqs_q) + pad_q, sum(seqs_k) + pad_k
+    cu_q = torch.tensor([0] + list(torch.tensor(seqs_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(seqs_k).cumsum(0)), dtype=torch.int32)
+    if fp8:
+        desc = [torch.rand(b, hk) + 0.5 for _ in range(3)]
+        raw = [torch.randn(tq, hq, d), torch.randn(tk, hk, d), torch.randn(tk, hk, dv) * 2]
+        x8 = [r.to(E4M3) for r in raw]
+        # dequantized float64 per token: sequence b's tokens use descale[b]
+        seq_of_q = torch.repeat_interleave(torch.arange(b), torch.tensor(seqs_q))
+        seq_of_k = torch.repeat_interleave(torch.arange(b), torch.tensor(seqs_k))
+        g = hq // hk
+        deq = [x8[0][:sum(seqs_q)].double() * desc[0].double().repeat_interleave(g, 1)[seq_of_q][:, :, None],
+               x8[1][:sum(seqs_k)].double() * desc[1].double()[seq_of_k][:, :, None],
+               x8[2][:sum(seqs_k)].double() * desc[2].double()[seq_of_k][:, :, None]]
+        q, k, v = x8
+    else:
+        desc = [None] * 3
+        q, k, v = (torch.randn(n, h, dd).to(dtype) for n, h, dd in ((tq, hq, d), (tk, hk, d), (tk, hk, dv)))
+        deq = [q[:sum(seqs_q)].double(), k[:sum(seqs_k)].double(), v[:sum(seqs_k)].double()]
+    do = torch.randn(tq, hq, dv).to(torch.bfloat16)
+    if varlen:
+        for x, n in ((q, sum(seqs_q)), (k, sum(seqs_k)), (v, sum(seqs_k)), (do, sum(seqs_q))):
+            x[n:] = float("nan")
+    if v_seq_major:  # memory order (heads, dv, tokens), logical (tokens, heads, dv)
+        v = v.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    return dict(q=q, k=k, v=v, do=do, desc=desc, deq=deq, cu_q=cu_q, cu_k=cu_k, seqs_q=seqs_q, seqs_k=seqs_k,
+                hq=hq, hk=hk, varlen=varlen)
+
+
+def _references(inp, scale, causal, wl, wr, softcap, mode):
+    """Per-sequence float64 oracle, the low-precision reference and the forward's out/lse, concatenated
+    in the varlen token layout: dict of (total, H, D) tensors and lse (Hq, total_q)."""
+    dq_q, dk_q, dv_q = [], [], []
+    res = {n: [] for n in ("out", "lse", "dq", "dk", "dv", "lq", "lk", "lv")}
+    oq = ok = 0
+    for sq, sk in zip(inp["seqs_q"], inp["seqs_k"]):
+        q, k, v = (x.transpose(0, 1) for x in (inp["deq"][0][oq:oq + sq], inp["deq"][1][ok:ok + sk],
+                                               inp["deq"][2][ok:ok + sk]))
+        do = inp["do"][oq:oq + sq].transpose(0, 1).double()
+        out, lse, dq, dk, dv = _grads_seq(q, k, v, do, scale, causal, wl, wr, softcap, torch.float64)
+        out_lp = out.to(torch.bfloat16).double()
+        lq, lk, lv = _emul_seq(q, k, v, do, out_lp, scale, causal, wl, wr, softcap, mode)
+        for n, x in (("out", out_lp), ("dq", dq), ("dk", dk), ("dv", dv), ("lq", lq), ("lk", lk), ("lv", lv)):
+            res[n].append(x.double().transpose(0, 1))
+        res["lse"].append(lse.float())
+        oq, ok = oq + sq, ok + sk
+    cat = {n: torch.cat(x, 0) for n, x in res.items() if n != "lse"}
+    cat["lse"] = torch.cat(res["lse"], 1)
+    return cat
+
+
+def _run_and_check(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized", grad_dtype=torch.float32,
+                   rerun=False):
+    d, dv_dim = inp["q"].shape[-1], inp["v"].shape[-1]
+    scale = d ** -0.5
+    ref = _references(inp, scale, causal, wl, wr, softcap, mode)
+    b, hq, hk = len(inp["seqs_q"]), inp["hq"], inp["hk"]
+    nq, nk = sum(inp["seqs_q"]), sum(inp["seqs_k"])
+    tq, tk = inp["q"].shape[0], inp["k"].shape[0]
+    out = torch.full((tq, hq, dv_dim), float("nan"), dtype=torch.bfloat16)
+    out[:nq] = ref["out"].to(torch.bfloat16)
+    lse = torch.full((hq, tq), float("nan"))
+    lse[:, :nq] = ref["lse"]
+    q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
+    kw = dict(q_descale=inp["desc"][0], k_descale=inp["desc"][1], v_descale=inp["desc"][2], softmax_scale=scale,
+              causal=causal, window_left=wl, window_right=wr, softcap=softcap, mode=mode)
+    if inp["varlen"]:
+        kw.update(cu_seqlens_q=inp["cu_q"], cu_seqlens_k=inp["cu_k"], max_seqlen_q=max(inp["seqs_q"]),
+                  max_seqlen_k=max(inp["seqs_k"]))
+        views = (do, q, k, v, out, lse)
+    else:
+        sq, sk = inp["seqs_q"][0], inp["seqs_k"][0]
+        views = (do.view(b, sq, hq, dv_dim), q.view(b, sq, hq, d), k.view(b, sk, hk, d),
+                 v.unflatten(0, (b, sk)), out.view(b, sq, hq, dv_dim), lse.view(hq, b, sq).transpose(0, 1))
+    views = tuple(x.to(DEV) for x in views)
+    kw = {n: (x.to(DEV) if torch.is_tensor(x) else x) for n, x in kw.items()}
+    grads = [torch.full(x.shape, float("nan"), dtype=grad_dtype, device=DEV) for x in views[1:4]]
+    launch_attention_bwd(*views, *grads, **kw)
+    dq, dk, dv = (g.reshape(-1, *g.shape[-2:]).cpu() for g in grads)
+    if inp["varlen"]:
+        for g, n in ((dq, nq), (dk, nk), (dv, nk)):
+            assert (g[n:] == 0).all(), "varlen rows after the last sequence must be zero"
+    for name, got, r, lo in (("dq", dq[:nq], ref["dq"], ref["lq"]), ("dk", dk[:nk], ref["dk"], ref["lk"]),
+                             ("dv", dv[:nk], ref["dv"], ref["lv"])):
+        floor = 2e-3 * r.abs().max().item() + 1e-6
+        # the reference takes the kernel's last rounding too: the store in the gradient dtype
+        assert_close_fa3(got.float(), r, lo.to(grad_dtype), floor=floor, name=name)
+    if rerun:
+        again = [torch.empty_like(g) for g in grads]
+        launch_attention_bwd(*views, *again, **kw)
+        for g, a in zip(grads, again):
+            assert torch.equal(g, a), "rerun not bit-identical"
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU (interpreter) tests
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["dequantized", "fp8"])
+def test_dense_gqa_noncausal(mode):
+    inp = _make([37], [37], 4, 2, 64, 64)
+    _run_and_check(inp, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["dequantized", "fp8"])
+def test_dense_mqa_causal_sq_ne_sk(mode):
+    inp = _make([21], [40], 3, 1, 64, 64)
+    _run_and_check(inp, causal=True, mode=mode, rerun=True)
+
+
+def test_causal_more_queries_than_keys_rows_without_keys():
+    # bottom-right alignment: the first 40 - 23 queries see no key (lse = -inf, zero gradient)
+    inp = _make([40], [23], 2, 2, 64, 64)
+    dq, _, _ = _run_and_check(inp, causal=True)
+    assert (dq[:17] == 0).all()
+
+
+@pytest.mark.parametrize("wl,wr", [(6, 3), (35, 25)])  # narrower than a tile; wide enough for unmasked tiles
+def test_window_softcap_bf16_grads(wl, wr):
+    inp = _make([45], [50], 2, 2, 64, 64)
+    _run_and_check(inp, wl=wl, wr=wr, softcap=8.0, grad_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["dequantized", "fp8"])
+def test_varlen_empty_seq_nan_poison_seqmajor_v(mode):
+    # lengths not multiples of the block, an empty query sequence and an empty key sequence
+    inp = _make([19, 0, 29, 5], [21, 9, 35, 0], 4, 2, 64, 64, varlen=True, v_seq_major=True)
+    _run_and_check(inp, causal=True, mode=mode)
+
+
+def test_headdim_192_128_causal_gqa():
+    inp = _make([18], [27], 2, 1, 192, 128)
+    _run_and_check(inp, causal=True)
+
+
+def test_16bit_inputs_seqmajor_v():
+    inp = _make([26, 26], [31, 31], 2, 1, 64, 64, fp8=False, v_seq_major=True)
+    _run_and_check(inp, causal=True, rerun=True)
+
+
+def test_bad_mode():
+    inp = _make([16], [16], 1, 1, 64, 64)
+    with pytest.raises(ValueError, match="mode"):
+        _run_and_check(inp, mode="e5m2")
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU tests (H200)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("s", [1024, 4096])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode", ["dequantized", "fp8"])
+def test_gpu_grid(d, s, causal, mode):
+    torch.manual_seed(0)
+    hq, hk = 4, 2
+    inp = _make_gpu(2 if s <= 1024 else 1, s, s, hq, hk, d, d)
+    _gpu_check(inp, causal=causal, mode=mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hk", [(8, 8), (8, 1), (6, 2)])
+def test_gpu_gqa_window_softcap_192(hq, hk):
+    torch.manual_seed(0)
+    inp = _make_gpu(1, 1000, 1500, hq, hk, 192, 128)
+    _gpu_check(inp, causal=True, wl=300, softcap=20.0)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic():
+    torch.manual_seed(0)
+    inp = _make_gpu(1, 2048, 2048, 8, 2, 128, 128)
+    for mode in ("dequantized", "fp8"):
+        a = _gpu_launch(inp, causal=True, mode=mode)
+        b = _gpu_launch(inp, causal=True, mode=mode)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _make_gpu(b, sq, sk, hq, hk, d, dv):
+    desc = [(torch.rand(b, hk, device=GPU_DEV) + 0.5) for _ in range(3)]
+    q = (torch.randn(b, sq, hq, d, device=GPU_DEV)).to(E4M3)
+    k = (torch.randn(b, sk, hk, d, device=GPU_DEV)).to(E4M3)
+    v = (torch.randn(b, hk, dv, sk, device=GPU_DEV) * 2).to(E4M3).permute(0, 3, 1, 2)  # sequence-major, as quantize_qkv
+    do = torch.randn(b, sq, hq, dv, device=GPU_DEV, dtype=torch.bfloat16)
+    return dict(q=q, k=k, v=v, do=do, desc=desc)
+
+
+def _gpu_ref(inp, causal, wl, wr, softcap, mode):
+    """float32 autograd oracle (float64 einsums of 4k x 4k per head are slow) and the low-precision
+    emulation of ``mode`` (``_emul_seq``), per batch element; (out, lse, dq, dk, dv, lq, lk, lv), token-major."""
+    q, k, v = inp["q"], inp["k"], inp["v"]
+    g = q.shape[2] // k.shape[2]
+    f = torch.float32
+    deq = [q.to(f) * inp["desc"][0].repeat_interleave(g, 1)[:, None, :, None],
+           k.to(f) * inp["desc"][1][:, None, :, None],
+           v.to(f) * inp["desc"][2][:, None, :, None]]
+    res = [[] for _ in range(8)]
+    scale = q.shape[-1] ** -0.5
+    for bi in range(q.shape[0]):
+        qh, kh, vh = (x[bi].transpose(0, 1) for x in deq)
+        do = inp["do"][bi].transpose(0, 1).to(f)
+        out, lse, dq, dk, dv = _grads_seq(qh, kh, vh, do, scale, causal, wl, wr, softcap, f)
+        low = _emul_seq(qh, kh, vh, do, out.to(torch.bfloat16).to(f), scale, causal, wl, wr, softcap, mode)
+        for lst, x in zip(res, (out, lse, dq, dk, dv, *low)):
+            lst.append(x)
+    return [torch.stack(x).transpose(1, 2) if i != 1 else torch.stack(x) for i, x in enumerate(res)]
+
+
+def _gpu_launch(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized", fwd=None):
+    if fwd is None:
+        fwd = _gpu_ref(inp, causal, wl, wr, softcap, mode)
+    out, lse = fwd[0].to(torch.bfloat16).contiguous(), fwd[1].float().contiguous()
+    grads = [torch.empty(x.shape, device=GPU_DEV, dtype=torch.float32) for x in (inp["q"], inp["k"], inp["v"])]
+    launch_attention_bwd(inp["do"], inp["q"], inp["k"], inp["v"], out, lse, *grads, q_descale=inp["desc"][0],
+                         k_descale=inp["desc"][1], v_descale=inp["desc"][2], softmax_scale=inp["q"].shape[-1] ** -0.5,
+                         causal=causal, window_left=wl, window_right=wr, softcap=softcap, mode=mode)
+    return grads
+
+
+def _gpu_check(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized"):
+    """The CPU tests' rule at real shapes: within 2x the emulated low-precision error of the mode + floor."""
+    ref = _gpu_ref(inp, causal, wl, wr, softcap, mode)
+    got = _gpu_launch(inp, causal=causal, wl=wl, wr=wr, softcap=softcap, mode=mode, fwd=ref)
+    for name, x, r, lo in zip(("dq", "dk", "dv"), got, ref[2:5], ref[5:8]):
+        err = (x.double() - r.double()).abs().max().item()
+        low = (lo.double() - r.double()).abs().max().item()
+        print(f"{name} mode={mode} err={err:.3e} emulated={low:.3e} max|ref|={r.abs().max().item():.3e}")
+        assert_close_fa3(x.float(), r, lo, floor=2e-3 * r.abs().max().item() + 1e-6, name=name)
