@@ -25,9 +25,11 @@ BENCH_ROUTINES = {
     "cp-simulate": ("fp8attn.bench.cp", "run_simulate"),
     "backward": ("fp8attn.bench.backward", "run"),
     "convergence": ("fp8attn.bench.convergence", "run"),
+    "transformers": ("fp8attn.bench.transformers_integration", "run_speed"),
+    "transformers-accuracy": ("fp8attn.bench.transformers_integration", "run_accuracy"),
 }
 # the routines that run without a GPU (the others time GPU kernels)
-CPU_ROUTINES = ("accuracy",)
+CPU_ROUTINES = ("accuracy", "transformers-accuracy")
 
 # command -> one-line description (``fp8attn --help``)
 COMMANDS = {
