@@ -365,13 +365,13 @@ class FP8CacheLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         c = self.cache
         b, hk, _, d = key_states.shape
-        if c.max_batch_size is not None and b > c.max_batch_size:
-            raise ValueError(f"FP8Cache: expected a batch of at most max_batch_size={c.max_batch_size}, got {b}. "
+        if c.batch_capacity is not None and b > c.batch_capacity:
+            raise ValueError(f"FP8Cache: expected a batch of at most max_batch_size={c.batch_capacity}, got {b}. "
                              "Create the cache with a larger max_batch_size.")
         self.device = key_states.device
         self.batch, self.nheads_k, self.head_dim, self.head_dim_v = b, hk, d, value_states.shape[-1]
         self.pages = 0
-        pages = _page_count(c.max_cache_len, c.page_size) if c.max_cache_len is not None else 0
+        pages = _page_count(c.length_capacity, c.page_size) if c.length_capacity is not None else 0
         self._alloc(pages)
         self.lens = torch.zeros(b, dtype=torch.int32, device=self.device)
         self._valid: list = []  # per update: (seqlen_new, (batch, seqlen_new) bool mask or None = all real)
@@ -416,8 +416,8 @@ class FP8CacheLayer(CacheLayerMixin):
     def _reserve(self, new_tokens: int) -> None:
         c = self.cache
         need = self.seen + new_tokens
-        if c.max_cache_len is not None and need > c.max_cache_len:
-            raise ValueError(f"FP8Cache: {need} tokens exceed max_cache_len={c.max_cache_len} "
+        if c.length_capacity is not None and need > c.length_capacity:
+            raise ValueError(f"FP8Cache: {need} tokens exceed max_cache_len={c.length_capacity} "
                              f"(cached {self.seen}, new {new_tokens}). Create the cache with a larger max_cache_len.")
         pages = _page_count(need, c.page_size)
         if pages > self.pages:  # grow geometrically: few reallocations over a generation
@@ -447,7 +447,7 @@ class FP8CacheLayer(CacheLayerMixin):
         return self.seen
 
     def get_max_length(self) -> int:
-        return -1 if self.cache.max_cache_len is None else self.cache.max_cache_len
+        return -1 if self.cache.length_capacity is None else self.cache.length_capacity
 
     def reset(self) -> None:
         if self.is_initialized:
@@ -659,7 +659,12 @@ class FP8Cache(Cache):
         if not (calib_margin >= 1.0 and math.isfinite(calib_margin)):
             raise ValueError(f"calib_margin: expected a finite float >= 1, got {calib_margin!r}.")
         self.config = config
-        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+        self.batch_capacity, self.length_capacity = max_batch_size, max_cache_len
+        for name, val in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
+            try:  # transformers' own attributes where they are plain ones (read-only properties in some versions)
+                setattr(self, name, val)
+            except AttributeError:
+                pass
         self.scale, self.page_size = scale, page_size
         self.k_descale, self.v_descale = k_descale, v_descale
         self.calib_margin = float(calib_margin)
