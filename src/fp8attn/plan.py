@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from .ops import _dense_shapes  # (the output and LSE shapes the ops give)
+
 __all__ = ["tensor_sig", "env_sig", "lookup", "store", "eager_ok", "clear", "dense_tma_plan", "ENV_SWITCHES",
            "MAX_PLANS"]
 
@@ -100,10 +102,10 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
     if backend == "triton" or kd_.wants_kmajor_copy(v, True, None, True):
         return None
     odt = attention_out_dtype(q.dtype, out.dtype if out is not None else None, out_scale)
-    oshape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    oshape, lse_shape = _dense_shapes(q, v, False)
     b, sq, hq, _ = q.shape
     probe_out = out if out is not None else torch.empty(oshape, dtype=odt, device=q.device)
-    probe_lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
+    probe_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
     why = kd_.tma_reason(q, k, v, probe_out, probe_lse, causal=causal, window_size=window_size, softcap=softcap,
                          q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, cu_seqlens_q=None,
                          cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None,
@@ -117,7 +119,6 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
     kernel_causal = window_flags(causal, window_size)[0]
     launch = dense_tma.launch_dense_fwd_tma
     dev = q.device
-    lse_shape = (b, hq, sq)
 
     def run(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
         o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
@@ -145,8 +146,7 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
     if launch is None:
         return None
     varlen = cu_seqlens_q is not None
-    oshape = tuple(q.shape[:-1]) + (v_cache.shape[-1],)
-    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    oshape, lse_shape = _dense_shapes(q, v_cache, varlen)
     msq = max_seqlen_q if max_seqlen_q is not None else (q.shape[0] if varlen else q.shape[1])
     hk = k_cache.shape[2]
     dev = q.device
@@ -182,8 +182,7 @@ def dense_plan(q, k, v, *, batch, attn, varlen, max_seqlen_q=None, max_seqlen_k=
     launch = kernel_for(q, "dense")
     if launch is None:
         return None
-    oshape = tuple(q.shape[:-1]) + (v.shape[-1],)
-    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    oshape, lse_shape = _dense_shapes(q, v, varlen)
     hk = k.shape[-2]
     dev = q.device
     kw = dict(softmax_scale=float(attn["softmax_scale"]), causal=bool(attn["causal"]),

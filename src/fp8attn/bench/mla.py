@@ -1,7 +1,7 @@
 """``fp8attn bench mla``: MLA FP8 prefill (``fp8attn.mla.prefill``) end to end against the same pipeline with
 torch SDPA (cuDNN backend, bf16) as its attention.
 
-Cases (DESIGN §6 format, results/<gpu>/mla_prefill.json): one sequence of 8192 new tokens, 128 heads, qk 192
+Cases (the results format of bench/common.py, results/<gpu>/mla_prefill.json): one sequence of 8192 new tokens, 128 heads, qk 192
 (NoPE 128 + RoPE 64) / v 128, kv_lora_rank 512, with no cached prefix and with a 32k cached prefix walked in
 4k chunks (paged bf16 latent cache, 64-token pages in a shuffled pool), each in both gather modes
 (``bf16_gather``, ``fp8_gather``).

@@ -184,7 +184,7 @@ def ws_config(head_dim, causal, consumers=None, head_dim_v=None):
     causal mask): three over 192-row blocks and 64-key tiles in a 4-stage ring (with 128-key tiles their 160
     registers spill the accumulator in the loop). Not the default: on the H200 it ran at 0.88-0.94x the two
     consumers' speed without an LSE (the tensor-core row sums lose their gain at 64-key tiles) and
-    1.007-1.017x with one from 4k queries (docs/perf-notes.md, dense round 16). ``head_dim_v``: V's head dim
+    1.007-1.017x with one from 4k queries (docs/perf-notes.md). ``head_dim_v``: V's head dim
     where it differs (qk 192 / v 128: two consumers, 128-key tiles, as head dim 128)."""
     if consumers in (None, 2):
         return 2, _tiles(head_dim, True, head_dim_v)[3], NUM_STAGES
