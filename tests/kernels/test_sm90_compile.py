@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 H200_SMEM_PER_BLOCK = 232448  # bytes of dynamic shared memory one block may use on sm90
 
 

@@ -20,14 +20,12 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+from helpers import assert_close_fa3
 
-from conftest import assert_close_fa3  # noqa: E402
+import triton
+import triton.language as tl
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from fp8attn.kernels.backward import _tile_inv_scale, _to_e4m3, launch_attention_bwd  # noqa: E402
+from fp8attn.kernels.backward import _tile_inv_scale, _to_e4m3, launch_attention_bwd
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,64 +8,20 @@ import math
 
 import pytest
 import torch
-from conftest import assert_close_fa3
-from test_reference import naive_attention, rand_descale
+from helpers import (check_vs_oracle, fp8_inputs, naive_attention, page_table_3x, poisoned_cache, rand_descale,
+                     scatter_dense)
 
 from fp8attn import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
-from fp8attn.paged import make_page_table, slot_mapping_for, to_v_seq_major
+from fp8attn.paged import slot_mapping_for, to_v_seq_major
 from fp8attn.quant import quantize, saturating_cast
 
 E4M3 = torch.float8_e4m3fn
-NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7F}
-
-
-def poisoned_cache(nblocks, ps, hk, d, dtype=E4M3):
-    if dtype in NAN_BYTE:
-        c = torch.full((nblocks, ps, hk, d), NAN_BYTE[dtype], dtype=torch.uint8).view(dtype)
-        assert torch.isnan(c.float()).all()
-        return c
-    return torch.full((nblocks, ps, hk, d), float("nan"), dtype=dtype)
-
-
-def page_table_3x(lens, ps):
-    """Random page table over a pool 3x the needed pages (at least 3); -1 in unused entries."""
-    need = sum((n + ps - 1) // ps for n in lens)
-    nblocks = max(3 * need, 3)
-    pt = make_page_table(lens, ps, nblocks, fill=-1)
-    assert pt.dtype == torch.int32
-    used = [(n + ps - 1) // ps for n in lens]
-    ids = torch.cat([pt[i, :u] for i, u in enumerate(used)]) if need else torch.zeros(0, dtype=torch.int32)
-    assert ids.unique().numel() == ids.numel() and (ids >= 0).all() and (ids < nblocks).all()
-    for i, u in enumerate(used):
-        assert (pt[i, u:] == -1).all()
-    return pt, nblocks
-
-
-def scatter_dense(cache, pt, x, lens):
-    """Write dense x (b, L, hk, d) tokens [0, len) into the paged cache, byte for byte (independent of the library)."""
-    ps = cache.shape[1]
-    raw, xr = cache.view(torch.uint8) if cache.element_size() == 1 else cache, \
-        x.view(torch.uint8) if x.element_size() == 1 else x
-    for b, n in enumerate(lens):
-        for t in range(n):
-            raw[int(pt[b, t // ps]), t % ps] = xr[b, t]
 
 
 def gather_dense(cache, pt, b, n):
     ps = cache.shape[1]
     rows = [cache[int(pt[b, t // ps]), t % ps] for t in range(n)]
     return torch.stack(rows)[None] if rows else cache[:0, 0][None]
-
-
-def check(out, lse, ref, ref_lse, lowp=None):
-    """FA3's rule against the oracle; the baseline is the oracle with P rounded as the kernel rounds it
-    (``lowp``; default: the exact oracle), rounded to the output dtype."""
-    assert not torch.isnan(out.float()).any()
-    assert_close_fa3(out.float(), ref, (ref if lowp is None else lowp).to(out.dtype).float())
-    if lse is not None:
-        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
-        fin = torch.isfinite(ref_lse)
-        torch.testing.assert_close(lse[fin].double(), ref_lse[fin], atol=1e-4, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------ paged == dense
@@ -96,7 +52,7 @@ def test_paged_equals_dense(ps, qkind):
         # over FA3's V layout, as here: 6 query rows per kv head)
         ref, ref_lse, lowp = naive_attention(q, k8, v8, seqlens_q=torch.full((b,), sq), seqlens_k=cs, causal=causal,
                                              q_descale=qd, k_descale=kd, v_descale=vd, p_round=torch.float16)
-        check(out, lse, ref, ref_lse, lowp)
+        check_vs_oracle(out, lse, ref, ref_lse, lowp)
         # cache_seqlens = 0: output 0 and lse -inf, no NaN from the poisoned pool
         assert (out[0].float() == 0).all() and torch.isneginf(lse[0]).all()
         # dense API on the same FP8 tensors, per sequence (q must be FP8 for flash_attn_func): the paged call
@@ -127,7 +83,7 @@ def test_paged_gqa_ratios_and_head_dims():
         out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, page_table=pt, k_descale=kd, v_descale=vd,
                                            causal=True, return_softmax_lse=True)
         assert out.shape == (b, 2, hq, dv)
-        check(out, lse, *naive_attention(q, k8, v8, seqlens_k=cs, causal=True, k_descale=kd, v_descale=vd))
+        check_vs_oracle(out, lse, *naive_attention(q, k8, v8, seqlens_k=cs, causal=True, k_descale=kd, v_descale=vd))
 
 
 def test_cache_seqlens_int_and_default_full():
@@ -144,7 +100,7 @@ def test_cache_seqlens_int_and_default_full():
     kdense = torch.stack([torch.cat([kc8[4], kc8[1]]), torch.cat([kc8[0], kc8[5]])])
     vdense = torch.stack([torch.cat([vc8[4], vc8[1]]), torch.cat([vc8[0], vc8[5]])])
     ref, _ = naive_attention(q, kdense, vdense, k_descale=kd, v_descale=vd)
-    check(full, None, ref, None)
+    check_vs_oracle(full, None, ref, None)
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 2, 3, 17, 64])
@@ -161,7 +117,7 @@ def test_num_splits_same_result(num_splits):
     cs = torch.tensor(lens, dtype=torch.int32)
     out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, page_table=pt, k_descale=kd, v_descale=vd,
                                        num_splits=num_splits, return_softmax_lse=True)
-    check(out, lse, *naive_attention(q, k8, v8, seqlens_k=cs, k_descale=kd, v_descale=vd))
+    check_vs_oracle(out, lse, *naive_attention(q, k8, v8, seqlens_k=cs, k_descale=kd, v_descale=vd))
 
 
 # ------------------------------------------------------------------------- appends: chunked prefill
@@ -184,11 +140,11 @@ def test_chunked_prefill_equals_single_shot(scales):
         kw = dict(k_descale=rand_descale(b, hk, 0.025, 0.05), v_descale=rand_descale(b, hk, 0.012, 0.03))
     elif scales == "per_tensor":  # |k| < ~9.5 and |v| < ~5 stay inside e4m3's range with these scales
         kw = dict(k_descale=torch.tensor([[0.03]]), v_descale=torch.tensor(0.015))
-    extra = lambda c: {}  # noqa: E731
+    extra = lambda c: {}
     if scales == "per_token_head":
         ks1, vs1 = torch.full(kc.shape[:3], float("nan")), torch.full(kc.shape[:3], float("nan"))
         ks2, vs2 = ks1.clone(), vs1.clone()
-        extra = lambda c: dict(k_cache_scales=c[0], v_cache_scales=c[1])  # noqa: E731
+        extra = lambda c: dict(k_cache_scales=c[0], v_cache_scales=c[1])
     kc2, vc2 = kc.clone(), vc.clone()
     outs, pos = [], 0
     for c in chunks:
@@ -214,7 +170,7 @@ def test_chunked_prefill_equals_single_shot(scales):
     vdense = torch.cat([gather_dense(vc, pt, i, L) for i in range(b)])
     ref, _ = naive_attention(q, kdense, vdense, causal=True, k_token_descale=kd_tok, v_token_descale=vd_tok,
                              **{n: t for n, t in kw.items()})
-    check(single, None, ref, None)
+    check_vs_oracle(single, None, ref, None)
     # the dequantized cache is the input within e4m3 rounding
     if cdt == E4M3:
         kdq = kdense.float()
@@ -257,7 +213,7 @@ def test_chunked_prefill_varlen_chunks_with_cu_seqlens_k_new():
         out_i = torch.cat(got[i])[None]
         kdn, vdn = gather_dense(kc, pt, i, lens[i]), gather_dense(vc, pt, i, lens[i])
         ref, _ = naive_attention(q[i:i + 1, :lens[i]], kdn, vdn, causal=True, k_descale=kd[i:i + 1], v_descale=vd[i:i + 1])
-        check(out_i, None, ref, None)
+        check_vs_oracle(out_i, None, ref, None)
 
 
 def test_mixed_batch_equals_separate_calls():
@@ -296,7 +252,7 @@ def test_mixed_batch_equals_separate_calls():
         kdn, vdn = gather_dense(kc, pt, i, total[i]), gather_dense(vc, pt, i, total[i])
         ref, ref_lse, lowp = naive_attention(q8[s][None], kdn, vdn, causal=True, q_descale=qd,
                                              k_descale=kd[i:i + 1], v_descale=vd[i:i + 1], p_round="e4m3")
-        check(out[s][None], lse[:, s][None], ref, ref_lse, lowp)
+        check_vs_oracle(out[s][None], lse[:, s][None], ref, ref_lse, lowp)
     assert torch.equal(kc.view(torch.uint8), kc_sep.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), vc_sep.view(torch.uint8))
 
@@ -329,7 +285,7 @@ def test_mixed_batch_fp8q_equals_separate_calls_per_precision():
         ref, ref_lse, lowp = naive_attention(q8[s][None], k8[i:i + 1, :lens[i]], v8[i:i + 1, :lens[i]], causal=True,
                                              q_descale=qd, k_descale=kd[i:i + 1], v_descale=vd[i:i + 1],
                                              p_round="e4m3" if qlens[i] == 40 else torch.float16)
-        check(out[s][None], lse[:, s][None], ref, ref_lse, lowp)
+        check_vs_oracle(out[s][None], lse[:, s][None], ref, ref_lse, lowp)
 
 
 def test_mixed_batch_without_append():
@@ -352,7 +308,7 @@ def test_mixed_batch_without_append():
         s = slice(int(cu[i]), int(cu[i + 1]))
         ref, ref_lse = naive_attention(q[s][None], k8[i:i + 1, :lens[i]], v8[i:i + 1, :lens[i]], causal=True,
                                        k_descale=kd[i:i + 1], v_descale=vd[i:i + 1])
-        check(out[s][None], lse[:, s][None], ref, ref_lse)
+        check_vs_oracle(out[s][None], lse[:, s][None], ref, ref_lse)
 
 
 # ------------------------------------------------------------------------------- per-token-head scales
@@ -378,7 +334,7 @@ def test_per_token_head_scales_with_fp8_q():
                                        v_cache_scales=vcs, causal=True, return_softmax_lse=True)
     ref, ref_lse = naive_attention(q8, k8, v8, seqlens_q=torch.full((b,), 2), seqlens_k=cs, causal=True, q_descale=qd,
                                    k_token_descale=ks, v_token_descale=vs)
-    check(out, lse, ref, ref_lse)
+    check_vs_oracle(out, lse, ref, ref_lse)
     # the per-token scales matter: a uniform scale gives a different answer
     wrong = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, q_descale=qd,
                                     k_cache_scales=torch.ones_like(kcs), v_cache_scales=vcs, causal=True)
@@ -465,7 +421,6 @@ def _splits_of(q, k, v, bounds, ds):
 
 @pytest.mark.parametrize("bounds", [[0, 40], [0, 13, 40], [0, 1, 2, 39, 40], [0, 0, 20, 20, 40]], ids=str)
 def test_combine_of_splits_equals_unsplit(bounds):
-    from test_reference import fp8_inputs
 
     q8, k8, v8, qd, kd, vd = fp8_inputs(2, 3, 40, 4, 2, 64)
     # float32 (dequantized) inputs: the splits multiply P exactly, so the merge alone is measured

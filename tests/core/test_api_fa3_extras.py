@@ -5,6 +5,8 @@ import re
 import pytest
 import torch
 
+from helpers import assert_close_fa3
+
 import fp8attn
 
 E4M3 = torch.float8_e4m3fn
@@ -176,7 +178,6 @@ def _chunk_lowprec(q, k, v, chunk, causal, window, descales):
 ])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_attention_chunk_matches_the_masked_oracle(sq, sk, chunk, causal, window, fp8):
-    from conftest import assert_close_fa3
 
     g = torch.Generator().manual_seed(9)
     q, k, v = torch.randn(2, sq, 4, 32, generator=g), torch.randn(2, sk, 2, 32, generator=g), \
@@ -228,7 +229,6 @@ def test_attention_chunk_bad_values_and_unsupported_calls():
 def test_attention_chunk_varlen_equals_each_sequence_alone(fp8):
     """Varlen chunking (lengths on the device) gives each sequence what the masked oracle gives it alone,
     with empty sequences and sequences of more queries than keys in the batch."""
-    from conftest import assert_close_fa3
 
     g = torch.Generator().manual_seed(13)
     lens = [(10, 37), (0, 5), (25, 25), (7, 3), (1, 70)]
@@ -261,7 +261,6 @@ def test_attention_chunk_varlen_equals_each_sequence_alone(fp8):
 
 @pytest.mark.gpu
 def test_gpu_attention_chunk_matches_the_masked_oracle():
-    from conftest import assert_close_fa3
 
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, 1536, 8, 128, generator=g).to(E4M3) for _ in range(3))
@@ -284,7 +283,6 @@ def _gather_keys(cache, pt, length, page_size):
 def test_attention_chunk_over_a_cache(layout, sq, device="cpu"):
     """Decode rows and prefill chunks (appended) see only their chunk's keys: against the float64 masked oracle.
     The 20-query chunks cross chunk boundaries (positions 4..23, 39..58 and 76..95 with chunks of 32)."""
-    from conftest import assert_close_fa3
     from fp8attn.paged import to_v_seq_major
 
     g = torch.Generator().manual_seed(12)

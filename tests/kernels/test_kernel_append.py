@@ -4,20 +4,16 @@ The one-launch append derives each new token's slot in the kernel; it must leave
 that the explicit-slot path leaves (torch slot arithmetic + ``launch_write_kv_cache``), and the op's CPU
 reference the same bytes again, for every scale kind, fixed and varlen new tokens, sequence-major V,
 NaN-poisoned caches, page sizes 1 and 16 and empty sequences; out-of-range positions and page ids are
-skipped (opcheck: tests/test_ops.py). GPU tests count the launches of a decode step with an append and
+skipped (opcheck: tests/core/test_ops.py). GPU tests count the launches of a decode step with an append and
 run it under the sync debug mode.
 """
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from fp8attn import ops  # noqa: E402
-from fp8attn.kernels.cache import launch_append_kv_cache, launch_write_kv_cache  # noqa: E402
-from fp8attn.paged import slot_mapping_for, to_v_seq_major, token_rows  # noqa: E402
+from fp8attn import ops
+from fp8attn.kernels.cache import launch_append_kv_cache, launch_write_kv_cache
+from fp8attn.paged import slot_mapping_for, to_v_seq_major, token_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

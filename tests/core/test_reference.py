@@ -1,6 +1,6 @@
 """The reference attention (fp8attn.reference) against an independent float64 oracle and hand-computed cases.
 
-``naive_attention`` below is the oracle used by the CPU API tests too: a per-row loop in float64 that
+``helpers.naive_attention`` is the oracle, used by the CPU API tests too: a per-row loop in float64 that
 shares no code with the library (it dequantizes, masks and normalizes one query row at a time).
 """
 import math
@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from fp8attn.quant import quantize, saturating_cast
+from helpers import fp8_inputs, naive_attention
+
+from fp8attn.quant import quantize
 from fp8attn.reference import (attention_ref, combine_ref, paged_attention_ref, varlen_attention_ref)
 
 F64 = torch.float64
@@ -18,104 +20,6 @@ E4M3 = torch.float8_e4m3fn
 # ----------------------------------------------------------------------------------------------------
 # The oracle
 # ----------------------------------------------------------------------------------------------------
-def _as64(x):
-    return x.to(torch.float32).to(F64)
-
-
-def _bh(d, b, hk):
-    """A (batch, nheads_k) float64 view of None / per-tensor / per-sequence / per-head descales."""
-    if d is None:
-        return torch.ones(b, hk, dtype=F64)
-    d = d.to(F64)
-    if d.numel() == 1:
-        return d.reshape(1, 1).expand(b, hk)
-    return d.reshape(d.shape[0], -1).expand(b, hk)
-
-
-def _round_p(p, p_round):
-    """P as a kernel multiplies it: e4m3 after scaling by 2**8 (then scaled back), or a 16-bit dtype."""
-    if p_round == "e4m3":
-        return saturating_cast((p * 256.0).float()).to(F64) / 256.0
-    return p.to(p_round).to(F64)
-
-
-def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    q_descale=None, k_descale=None, v_descale=None, k_token_descale=None,
-                    v_token_descale=None, seqlens_q=None, seqlens_k=None, p_round=None):
-    """Float64 oracle, one query row at a time.
-
-    q : (b, sq, hq, d); k : (b, sk, hk, d); v : (b, sk, hk, dv) -- any float / fp8 dtype.
-    Descales: None / per-tensor / (b, 1) / (b, hk); token descales (b, sk, hk).
-    Returns out (b, sq, hq, dv) float64 (rows past seqlens_q are 0) and lse (b, hq, sq) float64.
-    p_round ("e4m3", torch.bfloat16 or torch.float16): also return, third, the output with P rounded
-    that way before P @ V (the row sum unrounded), the low-precision baseline of FA3's rule.
-    """
-    b, sq, hq, d = q.shape
-    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
-    g = hq // hk
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    qd, kd, vd = _bh(q_descale, b, hk), _bh(k_descale, b, hk), _bh(v_descale, b, hk)
-    Q, K, V = _as64(q), _as64(k), _as64(v)
-    if k_token_descale is not None:
-        K = K * k_token_descale.to(F64)[..., None]
-    if v_token_descale is not None:
-        V = V * v_token_descale.to(F64)[..., None]
-    out = torch.zeros(b, sq, hq, dv, dtype=F64)
-    out_lowp = torch.zeros(b, sq, hq, dv, dtype=F64)
-    lse = torch.full((b, hq, sq), float("-inf"), dtype=F64)
-    left, right = window_size
-    for bi in range(b):
-        lq = sq if seqlens_q is None else int(seqlens_q[bi])
-        lk = sk if seqlens_k is None else int(seqlens_k[bi])
-        shift = lk - lq
-        for h in range(hq):
-            kh = h // g
-            for i in range(lq):
-                hi = lk - 1
-                lo = 0
-                if causal:
-                    hi = min(hi, i + shift)
-                if right >= 0:
-                    hi = min(hi, i + shift + right)
-                if left >= 0:
-                    lo = max(lo, i + shift - left)
-                if hi < lo:
-                    continue  # no visible key: out 0, lse -inf
-                qrow = Q[bi, i, h] * qd[bi, kh]
-                keys = K[bi, lo:hi + 1, kh] * kd[bi, kh]
-                s = (keys @ qrow) * scale
-                if softcap > 0:
-                    s = softcap * torch.tanh(s / softcap)
-                mx = s.max()
-                p = torch.exp(s - mx)
-                denom = p.sum()
-                out[bi, i, h] = (p @ V[bi, lo:hi + 1, kh]) / denom * vd[bi, kh]
-                if p_round is not None:
-                    out_lowp[bi, i, h] = (_round_p(p, p_round) @ V[bi, lo:hi + 1, kh]) / denom * vd[bi, kh]
-                lse[bi, h, i] = mx + torch.log(denom)
-    return (out, lse) if p_round is None else (out, lse, out_lowp)
-
-
-def rand_descale(b, hk, lo=0.3, hi=2.0):
-    return (lo + (hi - lo) * torch.rand(b, hk)).float()
-
-
-def fp8_inputs(b, sq, sk, hq, hk, d, dv=None, fmt=E4M3, granularity="per_head"):
-    """Random FP8 q/k/v with non-unit (batch, nheads_k) descales; returns (q8, k8, v8, qd, kd, vd)."""
-    dv = dv or d
-    q = torch.randn(b, sq, hq, d) * 3
-    k = torch.randn(b, sk, hk, d) * 0.5
-    v = torch.randn(b, sk, hk, dv) * 2
-    k8, kd = quantize(k, granularity, fmt)
-    v8, vd = quantize(v, granularity, fmt)
-    # q is quantized per (batch, kv head) too (FA3's q_descale is (batch, nheads_k)).
-    g = hq // hk
-    qa = q.abs().view(b, sq, hk, g, d).amax(dim=(1, 3, 4))
-    qd = (qa / 448.0 * rand_descale(b, hk, 1.0, 1.5)).float()  # also exercises a non-tight scale
-    q8 = saturating_cast(q / qd.repeat_interleave(g, dim=1)[:, None, :, None], fmt)
-    return q8, k8, v8, qd, kd, vd
-
-
 # ----------------------------------------------------------------------------------------------------
 # Oracle self-check: against an explicit softmax formula on a tiny case
 # ----------------------------------------------------------------------------------------------------
@@ -211,7 +115,7 @@ def test_hand_one_query_two_keys_fp8():
     q8 = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2).to(E4M3)
     k8 = torch.tensor([[2.0, 0.0], [0.0, 0.0]]).view(1, 2, 1, 2).to(E4M3)
     v8 = torch.tensor([[3.0, 1.0], [-1.0, 1.0]]).view(1, 2, 1, 2).to(E4M3)
-    one = lambda x: torch.tensor([[x]], dtype=torch.float32)  # noqa: E731
+    one = lambda x: torch.tensor([[x]], dtype=torch.float32)
     o, lse = attention_ref(q8, k8, v8, softmax_scale=4.0, q_descale=one(0.5), k_descale=one(0.25), v_descale=one(2.0),
                            out_dtype=torch.float32, return_lse=True)
     e = math.e

@@ -326,7 +326,7 @@ def _bf16(args):
 
 
 def test_opcheck_16bit_inputs_and_autograd():
-    """16-bit q/k/v; autograd: registered on dense_fwd (tests/test_backward.py checks its gradients), a C++
+    """16-bit q/k/v; autograd: registered on dense_fwd (tests/core/test_backward.py checks its gradients), a C++
     fallthrough at the Autograd key of paged_fwd, whose Python entry point makes a backward raise instead of
     silently dropping gradients."""
     for name, args in (("dense_fwd", _bf16(_dense_case(True))), ("paged_fwd", _bf16(_paged_case(False, OSCALE)))):

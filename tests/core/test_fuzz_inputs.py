@@ -2,7 +2,7 @@
 time made wrong: the call runs, or raises a ValueError /
 TypeError in the "<arg>: expected ..., got ..." form, or a NotImplementedError; never an IndexError,
 a RuntimeError from deep inside, a hang or NaN from finite inputs (CPU path, value checks on); and a
-refused call leaves every byte of its tensor arguments as it was (tests/test_nothing_lost.py holds a
+refused call leaves every byte of its tensor arguments as it was (tests/core/test_nothing_lost.py holds a
 grid per writing entry point).
 
 Mutations per tensor argument: other dtypes, a dimension dropped or added, zero rows, a non-contiguous

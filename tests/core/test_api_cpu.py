@@ -1,6 +1,6 @@
 """The public API on CPU tensors (the reference path) over the edge grid of DESIGN.md §5.
 
-Every result is compared with the independent float64 oracle (tests/test_reference.py::naive_attention)
+Every result is compared with the independent float64 oracle (tests/helpers.py::naive_attention)
 computed from the dequantized inputs, with FA3's tolerance rule where the low-precision step is the
 output cast (bf16 for FP8 inputs).
 """
@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_close_fa3
-from test_reference import fp8_inputs, naive_attention, rand_descale
+from helpers import assert_close_fa3, fp8_inputs, naive_attention, rand_descale
 
 from fp8attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from fp8attn.quant import quantize

@@ -4,66 +4,17 @@ CPU: the Triton kernel under TRITON_INTERPRET=1 at small shapes. GPU (`gpu` mark
 of DESIGN §5, LSE, determinism, and a varlen batch whose K/V pass 2**31 elements.
 """
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from helpers import assert_close_fa3, check_dense, dense_descales, fp8_randn, run_dense
 
-from conftest import assert_close_fa3  # noqa: E402
-
-from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor  # noqa: E402
-from fp8attn.reference import attention_ref, varlen_attention_ref  # noqa: E402
+from fp8attn.kernels.dense import transpose_v_kmajor
+from fp8attn.reference import attention_ref, varlen_attention_ref
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _fp8(shape, scale=3.0, device=DEV):
-    return (torch.randn(shape, device=device) * scale).clamp(-448, 448).to(E4M3)
-
-
-def _descales(b, hk, device=DEV):
-    # never all ones: random per-(batch, head) values in [0.02, 0.3] (q, k) and [0.5, 2] (v)
-    qd = torch.rand(b, hk, device=device) * 0.28 + 0.02
-    kd = torch.rand(b, hk, device=device) * 0.28 + 0.02
-    vd = torch.rand(b, hk, device=device) * 1.5 + 0.5
-    return qd, kd, vd
-
-
-def _run(q, k, v, *, out_dtype=torch.float32, lse=True, **kw):
-    varlen = kw.get("cu_seqlens_q") is not None
-    if varlen:
-        out = torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"), device=q.device, dtype=torch.float32)
-        l = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device) if lse else None
-    else:
-        out = torch.full(q.shape[:3] + (v.shape[-1],), float("nan"), device=q.device, dtype=torch.float32)
-        l = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device) if lse else None
-    out = out.to(out_dtype) if out_dtype != E4M3 else torch.zeros_like(out, dtype=E4M3)
-    args = dict(softmax_scale=kw.pop("softmax_scale", 1.0 / math.sqrt(q.shape[-1])),
-                causal=kw.pop("causal", False), window_size=kw.pop("window_size", (-1, -1)),
-                softcap=kw.pop("softcap", 0.0), q_descale=kw.pop("q_descale", None),
-                k_descale=kw.pop("k_descale", None), v_descale=kw.pop("v_descale", None))
-    launch_dense_fwd(q, k, v, out, l, **args, **kw)
-    return out, l, args
-
-
-def _check_dense(q, k, v, out, lse, args, floor_rel=2e-3, **refkw):
-    kw = dict(softmax_scale=args["softmax_scale"], causal=args["causal"], window_size=args["window_size"],
-              softcap=args["softcap"], q_descale=args["q_descale"], k_descale=args["k_descale"],
-              v_descale=args["v_descale"], out_dtype=torch.float32, **refkw)
-    ref, ref_lse = attention_ref(q, k, v, return_lse=True, **kw)
-    lowp = attention_ref(q, k, v, quantize_p=q.dtype == E4M3, **kw)
-    floor = floor_rel * max(ref.abs().max().item(), 1e-3)
-    assert_close_fa3(out.float(), ref, lowp, floor=floor)
-    if lse is not None:
-        fin = torch.isfinite(ref_lse)
-        assert torch.equal(fin, torch.isfinite(lse)), "lse: -inf pattern differs"
-        assert (lse[~fin] == float("-inf")).all()
-        torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-3, rtol=1e-4)
-    return ref
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,10 +24,10 @@ def _check_dense(q, k, v, out, lse, args, floor_rel=2e-3, **refkw):
 @pytest.mark.parametrize("causal", [False, True])
 def test_seqlens_causal(sq, sk, causal):
     b, hq, hk, d = 2, 2, 1, 64
-    q, k, v = _fp8((b, sq, hq, d)), _fp8((b, sk, hk, d)), _fp8((b, sk, hk, d))
-    qd, kd, vd = _descales(b, hk)
-    out, lse, args = _run(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
-    _check_dense(q, k, v, out, lse, args)
+    q, k, v = fp8_randn((b, sq, hq, d)), fp8_randn((b, sk, hk, d)), fp8_randn((b, sk, hk, d))
+    qd, kd, vd = dense_descales(b, hk)
+    out, lse, args = run_dense(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    check_dense(q, k, v, out, lse, args)
     if causal and sq > sk:  # rows that see no key: 0 and -inf
         assert (out[:, : sq - sk] == 0).all()
         assert (lse[:, :, : sq - sk] == float("-inf")).all()
@@ -86,74 +37,74 @@ def test_seqlens_causal(sq, sk, causal):
                                         (8, 1, False), (8, 1, True)])
 def test_gqa_mqa_pack(hq, hk, pack):
     b, sq, sk, d = 2, 19, 37, 64
-    q, k, v = _fp8((b, sq, hq, d)), _fp8((b, sk, hk, d)), _fp8((b, sk, hk, d))
-    qd, kd, vd = _descales(b, hk)
-    out, lse, args = _run(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, pack_gqa=pack)
-    _check_dense(q, k, v, out, lse, args)
+    q, k, v = fp8_randn((b, sq, hq, d)), fp8_randn((b, sk, hk, d)), fp8_randn((b, sk, hk, d))
+    qd, kd, vd = dense_descales(b, hk)
+    out, lse, args = run_dense(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, pack_gqa=pack)
+    check_dense(q, k, v, out, lse, args)
 
 
 @pytest.mark.parametrize("d,dv", [(128, 128), (192, 128), (256, 256)])
 def test_head_dims(d, dv):
     b, sq, sk, h = 1, 20, 36, 1
-    q, k, v = _fp8((b, sq, h, d)), _fp8((b, sk, h, d)), _fp8((b, sk, h, dv))
-    qd, kd, vd = _descales(b, h)
-    out, lse, args = _run(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
-    _check_dense(q, k, v, out, lse, args)
+    q, k, v = fp8_randn((b, sq, h, d)), fp8_randn((b, sk, h, d)), fp8_randn((b, sk, h, dv))
+    qd, kd, vd = dense_descales(b, h)
+    out, lse, args = run_dense(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    check_dense(q, k, v, out, lse, args)
 
 
 @pytest.mark.parametrize("window,causal", [((8, 0), True), ((5, 3), False), ((-1, 4), False), ((0, 0), False)])
 def test_window(window, causal):
     b, sq, sk, h, d = 1, 33, 47, 2, 64
-    q, k, v = _fp8((b, sq, h, d)), _fp8((b, sk, h, d)), _fp8((b, sk, h, d))
-    qd, kd, vd = _descales(b, h)
-    out, lse, args = _run(q, k, v, causal=causal, window_size=window, q_descale=qd, k_descale=kd, v_descale=vd)
-    _check_dense(q, k, v, out, lse, args)
+    q, k, v = fp8_randn((b, sq, h, d)), fp8_randn((b, sk, h, d)), fp8_randn((b, sk, h, d))
+    qd, kd, vd = dense_descales(b, h)
+    out, lse, args = run_dense(q, k, v, causal=causal, window_size=window, q_descale=qd, k_descale=kd, v_descale=vd)
+    check_dense(q, k, v, out, lse, args)
 
 
 def test_softcap_and_per_tensor_broadcast_descale():
     b, sq, sk, h, d = 2, 18, 29, 2, 64
-    q, k, v = _fp8((b, sq, h, d), 8.0), _fp8((b, sk, h, d), 8.0), _fp8((b, sk, h, d))
+    q, k, v = fp8_randn((b, sq, h, d), 8.0), fp8_randn((b, sk, h, d), 8.0), fp8_randn((b, sk, h, d))
     qd = torch.tensor(0.3, device=DEV).reshape(1, 1).expand(b, h)  # stride-0 views
     kd = torch.tensor(0.25, device=DEV).reshape(1, 1).expand(b, h)
     vd = torch.tensor(1.7, device=DEV).reshape(1, 1).expand(b, h)
     assert qd.stride() == (0, 0)
-    out, lse, args = _run(q, k, v, softcap=5.0, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
-    _check_dense(q, k, v, out, lse, args)
+    out, lse, args = run_dense(q, k, v, softcap=5.0, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    check_dense(q, k, v, out, lse, args)
 
 
 def test_strided_inputs_and_fp16_out():
     b, sq, sk, h, d = 2, 21, 26, 2, 64
-    big_q = _fp8((b, sq, h + 1, d + 32))
-    big_kv = _fp8((b, sk, 2 * h, 2 * d))
+    big_q = fp8_randn((b, sq, h + 1, d + 32))
+    big_kv = fp8_randn((b, sk, 2 * h, 2 * d))
     q = big_q[:, :, 1:, :d]
     k = big_kv[:, :, :h, d:]
     v = big_kv[:, :, h:, :d]
     assert not q.is_contiguous() and k.stride(-1) == 1
-    qd, kd, vd = _descales(b, h)
-    out, lse, args = _run(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float16)
+    qd, kd, vd = dense_descales(b, h)
+    out, lse, args = run_dense(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float16)
     assert out.dtype == torch.float16
-    _check_dense(q, k, v, out, lse, args)
+    check_dense(q, k, v, out, lse, args)
 
 
 def test_v_seq_contiguous_layout_matches():
     b, sq, sk, h, d = 1, 16, 40, 2, 64
-    q, k, v = _fp8((b, sq, h, d)), _fp8((b, sk, h, d)), _fp8((b, sk, h, d))
-    qd, kd, vd = _descales(b, h)
-    o1, l1, _ = _run(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, v_kmajor=False)
+    q, k, v = fp8_randn((b, sq, h, d)), fp8_randn((b, sk, h, d)), fp8_randn((b, sk, h, d))
+    qd, kd, vd = dense_descales(b, h)
+    o1, l1, _ = run_dense(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, v_kmajor=False)
     vt = transpose_v_kmajor(v)
     assert vt.stride(1) == 1 and torch.equal(vt.view(torch.uint8), v.view(torch.uint8))
-    o2, l2, _ = _run(q, k, vt, q_descale=qd, k_descale=kd, v_descale=vd, v_kmajor=False)
+    o2, l2, _ = run_dense(q, k, vt, q_descale=qd, k_descale=kd, v_descale=vd, v_kmajor=False)
     torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
 
 
 def test_fused_fp8_output():
     b, sq, sk, h, d = 1, 24, 30, 2, 64
-    q, k, v = _fp8((b, sq, h, d)), _fp8((b, sk, h, d)), _fp8((b, sk, h, d))
-    qd, kd, vd = _descales(b, h)
+    q, k, v = fp8_randn((b, sq, h, d)), fp8_randn((b, sk, h, d)), fp8_randn((b, sk, h, d))
+    qd, kd, vd = dense_descales(b, h)
     out_scale = torch.tensor([0.01], device=DEV)
-    out8, lse, args = _run(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=E4M3, out_scale=out_scale)
+    out8, lse, args = run_dense(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=E4M3, out_scale=out_scale)
     assert out8.dtype == E4M3
-    o32, _, _ = _run(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    o32, _, _ = run_dense(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
     want = (o32 / out_scale).clamp(-448, 448).to(E4M3).float()
     got = out8.float()
     # equality within one e4m3 ulp (3 mantissa bits)
@@ -168,7 +119,7 @@ def test_16bit_inputs(dtype):
     q = torch.randn(b, sq, h, d, device=DEV).to(dtype)
     k = torch.randn(b, sk, h, d, device=DEV).to(dtype)
     v = torch.randn(b, sk, h, d, device=DEV).to(dtype)
-    out, lse, args = _run(q, k, v, causal=True)
+    out, lse, args = run_dense(q, k, v, causal=True)
     ref, ref_lse = attention_ref(q, k, v, causal=True, out_dtype=torch.float32, return_lse=True)
     tol = 2e-3 if dtype == torch.float16 else 1.6e-2
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
@@ -177,11 +128,11 @@ def test_16bit_inputs(dtype):
 
 def test_per_block_descales():
     b, sq, sk, hq, hk, d, blk = 2, 40, 50, 4, 2, 64, 16
-    q, k, v = _fp8((b, sq, hq, d)), _fp8((b, sk, hk, d)), _fp8((b, sk, hk, d))
+    q, k, v = fp8_randn((b, sq, hq, d)), fp8_randn((b, sk, hk, d)), fp8_randn((b, sk, hk, d))
     qd = torch.rand(b, hq, math.ceil(sq / blk), device=DEV) * 0.3 + 0.02
     kd = torch.rand(b, hk, math.ceil(sk / blk), device=DEV) * 0.3 + 0.02
     vd = torch.rand(b, hk, device=DEV) + 0.5
-    out, lse, args = _run(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+    out, lse, args = run_dense(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
                           descale_block_q=blk, descale_block_k=blk)
     # reference from the dequantized inputs (exact in fp32)
     qf = q.float() * qd[:, :, torch.arange(sq, device=DEV) // blk].transpose(1, 2)[..., None]
@@ -200,14 +151,14 @@ def test_varlen_seqused_nan_poison(causal):
     hq, hk, d = 4, 2, 64
     cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=DEV)
     cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=DEV)
-    q, k, v = _fp8((sum(lens_q), hq, d)), _fp8((sum(lens_k), hk, d)), _fp8((sum(lens_k), hk, d))
+    q, k, v = fp8_randn((sum(lens_q), hq, d)), fp8_randn((sum(lens_k), hk, d)), fp8_randn((sum(lens_k), hk, d))
     used_k = torch.tensor([9, 3, 11, 50], dtype=torch.int32, device=DEV)
     # poison the unused key slots with NaN: the kernel must never read them
     for bi, (s, u, n) in enumerate(zip(cu_k[:-1].tolist(), used_k.tolist(), lens_k)):
         k[s + u: s + n] = float("nan")
         v[s + u: s + n] = float("nan")
-    qd, kd, vd = _descales(len(lens_q), hk)
-    out, lse, args = _run(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+    qd, kd, vd = dense_descales(len(lens_q), hk)
+    out, lse, args = run_dense(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
                           cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k,
                           max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), pack_gqa=causal)
     kw = dict(softmax_scale=args["softmax_scale"], causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
@@ -222,9 +173,9 @@ def test_varlen_seqused_nan_poison(causal):
 
 def test_no_lse_and_bf16_default_out():
     b, sq, sk, h, d = 1, 16, 16, 1, 64
-    q, k, v = _fp8((b, sq, h, d)), _fp8((b, sk, h, d)), _fp8((b, sk, h, d))
-    qd, kd, vd = _descales(b, h)
-    out, lse, args = _run(q, k, v, lse=False, out_dtype=torch.bfloat16, q_descale=qd, k_descale=kd, v_descale=vd)
+    q, k, v = fp8_randn((b, sq, h, d)), fp8_randn((b, sk, h, d)), fp8_randn((b, sk, h, d))
+    qd, kd, vd = dense_descales(b, h)
+    out, lse, args = run_dense(q, k, v, lse=False, out_dtype=torch.bfloat16, q_descale=qd, k_descale=kd, v_descale=vd)
     assert lse is None and out.dtype == torch.bfloat16
     ref = attention_ref(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32)
     torch.testing.assert_close(out.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.05)
@@ -244,10 +195,10 @@ HDIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_grid(sq, sk, d, dv, causal):
     b, hq, hk = 2, 6, 2
-    q, k, v = _fp8((b, sq, hq, d)), _fp8((b, sk, hk, d)), _fp8((b, sk, hk, dv))
-    qd, kd, vd = _descales(b, hk)
-    out, lse, args = _run(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
-    _check_dense(q, k, v, out, lse, args)
+    q, k, v = fp8_randn((b, sq, hq, d)), fp8_randn((b, sk, hk, d)), fp8_randn((b, sk, hk, dv))
+    qd, kd, vd = dense_descales(b, hk)
+    out, lse, args = run_dense(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    check_dense(q, k, v, out, lse, args)
 
 
 @pytest.mark.gpu
@@ -256,11 +207,11 @@ def test_gpu_grid(sq, sk, d, dv, causal):
 @pytest.mark.parametrize("window,softcap", [((-1, -1), 0.0), ((100, 0), 0.0), ((-1, -1), 20.0)])
 def test_gpu_gqa_features(hq, hk, pack, window, softcap):
     b, sq, sk, d = 2, 300, 517, 128
-    q, k, v = _fp8((b, sq, hq, d)), _fp8((b, sk, hk, d)), _fp8((b, sk, hk, d))
-    qd, kd, vd = _descales(b, hk)
-    out, lse, args = _run(q, k, v, causal=True, window_size=window, softcap=softcap,
+    q, k, v = fp8_randn((b, sq, hq, d)), fp8_randn((b, sk, hk, d)), fp8_randn((b, sk, hk, d))
+    qd, kd, vd = dense_descales(b, hk)
+    out, lse, args = run_dense(q, k, v, causal=True, window_size=window, softcap=softcap,
                           q_descale=qd, k_descale=kd, v_descale=vd, pack_gqa=pack)
-    _check_dense(q, k, v, out, lse, args)
+    check_dense(q, k, v, out, lse, args)
 
 
 @pytest.mark.gpu
@@ -268,28 +219,28 @@ def test_gpu_gqa_features(hq, hk, pack, window, softcap):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_gpu_vlayout_outdtype(v_kmajor, out_dtype):
     b, s, h, d = 2, 1000, 4, 128
-    q, k, v = _fp8((b, s, h, d)), _fp8((b, s, h, d)), _fp8((b, s, h, d))
+    q, k, v = fp8_randn((b, s, h, d)), fp8_randn((b, s, h, d)), fp8_randn((b, s, h, d))
     vt = transpose_v_kmajor(v)
     assert vt.stride(1) == 1 and torch.equal(vt.float(), v.float())
     vt3 = transpose_v_kmajor(v[0])
     assert vt3.stride(0) == 1 and torch.equal(vt3.float(), v[0].float())
-    qd, kd, vd = _descales(b, h)
-    out, lse, args = _run(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, v_kmajor=v_kmajor,
+    qd, kd, vd = dense_descales(b, h)
+    out, lse, args = run_dense(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, v_kmajor=v_kmajor,
                           out_dtype=out_dtype)
-    _check_dense(q, k, v, out, lse, args, floor_rel=8e-3)
+    check_dense(q, k, v, out, lse, args, floor_rel=8e-3)
 
 
 @pytest.mark.gpu
 def test_gpu_16bit_and_determinism():
     b, s, h, d = 2, 2048, 8, 128
-    q, k, v = _fp8((b, s, h, d)), _fp8((b, s, h, d)), _fp8((b, s, h, d))
-    qd, kd, vd = _descales(b, h)
-    o1, l1, _ = _run(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.bfloat16)
+    q, k, v = fp8_randn((b, s, h, d)), fp8_randn((b, s, h, d)), fp8_randn((b, s, h, d))
+    qd, kd, vd = dense_descales(b, h)
+    o1, l1, _ = run_dense(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.bfloat16)
     for _ in range(3):
-        o2, l2, _ = _run(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.bfloat16)
+        o2, l2, _ = run_dense(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.bfloat16)
         assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)) and torch.equal(l1, l2)
     qb, kb, vb = (torch.randn(b, s, h, d, device=DEV, dtype=torch.bfloat16) for _ in range(3))
-    ob, lb, _ = _run(qb, kb, vb, causal=True)
+    ob, lb, _ = run_dense(qb, kb, vb, causal=True)
     ref, ref_lse = attention_ref(qb, kb, vb, causal=True, out_dtype=torch.float32, return_lse=True)
     torch.testing.assert_close(ob, ref, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lb, ref_lse, atol=1e-3, rtol=1e-4)
@@ -303,14 +254,14 @@ def test_gpu_varlen_over_2pow31_elements():
     assert sum(lens_k) * hk * d > 2 ** 31
     cu_q = torch.tensor([0, 64, 128], dtype=torch.int32, device=DEV)
     cu_k = torch.tensor([0, lens_k[0], sum(lens_k)], dtype=torch.int32, device=DEV)
-    q = _fp8((128, hq, d))
+    q = fp8_randn((128, hq, d))
     k = torch.empty(sum(lens_k), hk, d, device=DEV, dtype=E4M3)
     v = torch.empty(sum(lens_k), hk, d, device=DEV, dtype=E4M3)
     for t in (k, v):
         for s in range(0, t.shape[0], 1 << 18):
-            t[s: s + (1 << 18)] = _fp8(t[s: s + (1 << 18)].shape)
-    qd, kd, vd = _descales(2, hk)
-    out, lse, args = _run(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+            t[s: s + (1 << 18)] = fp8_randn(t[s: s + (1 << 18)].shape)
+    qd, kd, vd = dense_descales(2, hk)
+    out, lse, args = run_dense(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
                           cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=64, max_seqlen_k=lens_k[0])
     s0 = lens_k[0]
     kw = dict(softmax_scale=args["softmax_scale"], causal=True, q_descale=qd[1:], k_descale=kd[1:],

@@ -14,20 +14,16 @@ GPU: CUDA-graph replay (mode="reduce-overhead") equals eager, also for a decode 
 FP8 cache and outputs FP8 (bit for bit); the fused epilogue is bit-exact against
 clamp(out_fp32 / s).to(e4m3) for power-of-two scales and within one ulp otherwise.
 """
-import os
 from collections import Counter
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # before anything imports triton (the inductor pass API does)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import fp8attn  # noqa: E402
-import fp8attn.compile as fcompile  # noqa: E402
-from fp8attn import ops  # noqa: E402
-from fp8attn.compile import output_quant as oq  # noqa: E402
-from fp8attn.quant import quantize  # noqa: E402
+import fp8attn
+import fp8attn.compile as fcompile
+from fp8attn import ops
+from fp8attn.compile import output_quant as oq
+from fp8attn.quant import quantize
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -309,7 +309,7 @@ def test_combine_bad_inputs():
 _T = torch.ones(1)
 
 
-# (attention_chunk is supported by flash_attn_func: tests/test_api_fa3_extras.py)
+# (attention_chunk is supported by flash_attn_func: tests/core/test_api_fa3_extras.py)
 @pytest.mark.parametrize("arg,value", [("qv", _T), ("num_splits", 2), ("sm_margin", 4)])
 def test_not_implemented_flash_attn_func(arg, value):
     q, k, v = qkv()
@@ -323,9 +323,9 @@ def test_not_implemented_varlen(arg, value):
     _raises(NotImplementedError, arg, flash_attn_varlen_func, q, k, v, cu, cu, 5, 5, **{arg: value})
 
 
-# rotary_cos / rotary_sin / rotary_seqlens are supported (tests/test_rotary.py checks their errors).
+# rotary_cos / rotary_sin / rotary_seqlens are supported (tests/core/test_rotary.py checks their errors).
 # (cache_leftpad with a page_table; scheduler_metadata and decode rows' attention_chunk are supported:
-# tests/test_api_fa3_extras.py)
+# tests/core/test_api_fa3_extras.py)
 @pytest.mark.parametrize("arg,value", [("qv", _T), ("cache_leftpad", _T), ("sm_margin", 2)])
 def test_not_implemented_kvcache(arg, value):
     kc, vc, pt = paged()

@@ -9,8 +9,7 @@ hyp = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from conftest import assert_close_fa3  # noqa: E402
-from test_reference import naive_attention  # noqa: E402
+from helpers import assert_close_fa3, naive_attention  # noqa: E402
 
 from fp8attn import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 from fp8attn.quant import dequantize, quantize, saturating_cast  # noqa: E402

@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from test_kernel_paged import (_v_seq_major, check, cu_from_lens, make_cache, poison_, rand_descale, refs,
-                               replay_at_lengths, run_paged)
+from helpers import (assert_row_scaled, check_paged, cu_from_lens, make_cache, paged_refs, poison_, rand_descale,
+                     replay_at_lengths, run_paged, v_seq_major_cache)
 from fp8attn.kernels import dense_tma, paged_tma
 from fp8attn.kernels.dense import transpose_v_kmajor
 from fp8attn.paged import empty_paged
@@ -31,11 +31,11 @@ E4M3 = torch.float8_e4m3fn
 def _inputs(seqlens, sq, page_size, hq, hk, d, device, v_rows=False):
     """``v_rows``: V in FA3's layout (rows of keys, transposed in the kernel), else sequence-major."""
     c = make_cache(seqlens, page_size, hk, d, device=device)
-    c = c if v_rows else _v_seq_major(c)
+    c = c if v_rows else v_seq_major_cache(c)
     b = len(seqlens)
     q = saturating_cast(torch.randn(b, sq, hq, d, device=device) * 2, E4M3)
-    dk = dict(q_descale=rand_descale(b, hk, device), k_descale=rand_descale(b, hk, device),
-              v_descale=rand_descale(b, hk, device))
+    dk = dict(q_descale=rand_descale(b, hk, 0.5, 2.0, device), k_descale=rand_descale(b, hk, 0.5, 2.0, device),
+              v_descale=rand_descale(b, hk, 0.5, 2.0, device))
     return q, c, dk
 
 
@@ -71,8 +71,8 @@ def test_unsupported_reasons_name_the_rule():
         assert why is not None and words in why, (kw, why)
     assert "float8_e4m3fn" in _reason(q.to(torch.bfloat16), c)
     assert "seqlen_q (200)" in _reason(q[:, :200], c)
-    assert "page_size (32)" in _reason(q, _v_seq_major(make_cache([300, 700], 32, 2, 64, device="cpu")))
-    assert _reason(q, _v_seq_major(make_cache([300, 700], 64, 2, 64, device="cpu"))) == "inputs must be CUDA tensors"
+    assert "page_size (32)" in _reason(q, v_seq_major_cache(make_cache([300, 700], 32, 2, 64, device="cpu")))
+    assert _reason(q, v_seq_major_cache(make_cache([300, 700], 64, 2, 64, device="cpu"))) == "inputs must be CUDA tensors"
     assert [paged_tma.block_n(p) for p in (64, 128, 192, 256)] == [64, 128, 64, 128]
     assert [paged_tma.box_rows(p, False) for p in (64, 128, 192, 256)] == [64, 128, 64, 128]
     # FA3's V layout: 128-key tiles in boxes of up to one page
@@ -149,10 +149,10 @@ def test_gpu_against_reference(d, causal, page_size, v_rows):
     seqlens = [sq, sq + 77, sq + 1000, 100, 0]
     q, c, dk = _inputs(seqlens, sq, page_size, 8, 2, d, "cuda", v_rows)
     out, lse = _run(q, c, dk, causal)
-    ref, ref_lse, lp = refs(q, c, quantize_p=True, causal=causal, **dk)
-    check(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=True, causal=causal, **dk)
+    check_paged(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
     tri, tri_lse = run_paged(q, c, causal=causal, **dk, config={"tma": False})
-    check(tri, tri_lse, ref, ref_lse, lp, lse_tol=2e-3)
+    check_paged(tri, tri_lse, ref, ref_lse, lp, lse_tol=2e-3)
     # determinism
     out2, lse2 = _run(q, c, dk, causal)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2)
@@ -186,14 +186,13 @@ def test_gpu_row_sums_without_lse(page_size, v_rows):
     is the LSE call's up to one factor per row (``assert_row_scaled``; an empty sequence's zero rows aside),
     with NaN past the sequences' ends, masked last tiles and fewer keys than queries; it passes the
     reference rule."""
-    from test_kernel_dense_tma import assert_row_scaled
     sq = 256
     q, c, dk = _inputs([sq, sq + 77, sq + 1000, 100, 0], sq, page_size, 8, 2, 128, "cuda", v_rows)
     out, _ = _run(q, c, dk, False)
     out_rs, _ = _run(q, c, dk, False, with_lse=False)
     assert_row_scaled(out_rs, out)
-    ref, _, lp = refs(q, c, quantize_p=True, causal=False, **dk)
-    check(out_rs, None, ref, None, lp)
+    ref, _, lp = paged_refs(q, c, quantize_p=True, causal=False, **dk)
+    check_paged(out_rs, None, ref, None, lp)
 
 
 def _repaged(c, page_size):
@@ -224,9 +223,9 @@ def test_gpu_v_rows_bits_equal_seq_major(page_size):
     seqlens, sq = [256, 333, 1256, 100, 0], 256
     c = make_cache(seqlens, page_size, 2, 128, device="cuda", extra_pages=0)
     q = saturating_cast(torch.randn(len(seqlens), sq, 8, 128, device="cuda") * 2, E4M3)
-    dk = dict(q_descale=rand_descale(len(seqlens), 2, "cuda"), k_descale=rand_descale(len(seqlens), 2, "cuda"),
-              v_descale=rand_descale(len(seqlens), 2, "cuda"))
-    ref = _v_seq_major(_repaged(c, 128))
+    dk = dict(q_descale=rand_descale(len(seqlens), 2, 0.5, 2.0, "cuda"), k_descale=rand_descale(len(seqlens), 2, 0.5, 2.0, "cuda"),
+              v_descale=rand_descale(len(seqlens), 2, 0.5, 2.0, "cuda"))
+    ref = v_seq_major_cache(_repaged(c, 128))
     for causal in (True, False):
         a, la = _run(q, c, dk, causal)
         b, lb = _run(q, ref, dk, causal)
@@ -234,10 +233,10 @@ def test_gpu_v_rows_bits_equal_seq_major(page_size):
     qv = saturating_cast(torch.randn(sum(_QLENS), 8, 128, device="cuda") * 2, E4M3)
     cv = make_cache(_SEQLENS, page_size, 2, 128, device="cuda", extra_pages=0)
     vk = dict(cu_seqlens_q=cu_from_lens(_QLENS, "cuda"), max_seqlen_q=max(_QLENS))
-    dv = dict(q_descale=rand_descale(len(_QLENS), 2, "cuda"), k_descale=rand_descale(len(_QLENS), 2, "cuda"),
-              v_descale=rand_descale(len(_QLENS), 2, "cuda"))
+    dv = dict(q_descale=rand_descale(len(_QLENS), 2, 0.5, 2.0, "cuda"), k_descale=rand_descale(len(_QLENS), 2, 0.5, 2.0, "cuda"),
+              v_descale=rand_descale(len(_QLENS), 2, 0.5, 2.0, "cuda"))
     a, la = _run(qv, cv, dv, True, **vk)
-    b, lb = _run(qv, _v_seq_major(_repaged(cv, 128)), dv, True, **vk)
+    b, lb = _run(qv, v_seq_major_cache(_repaged(cv, 128)), dv, True, **vk)
     rows = torch.cat([torch.full((n,), n >= paged_tma.VARLEN_MIN_Q) for n in _QLENS]).cuda()
     assert rows.sum() >= 4 * paged_tma.VARLEN_MIN_Q
     assert torch.equal(a[rows].view(torch.int16), b[rows].view(torch.int16)) and torch.equal(la[:, rows], lb[:, rows])
@@ -301,11 +300,11 @@ def test_gpu_cache_over_2_31_elements(v_rows):
     c = dict(k_cache=kc, v_cache=vc, page_table=pt, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32,
                                                                                 device="cuda"))
     q = saturating_cast(torch.randn(2, sq, hq, d, device="cuda"))
-    dk = dict(q_descale=rand_descale(2, hk, "cuda"), k_descale=rand_descale(2, hk, "cuda"),
-              v_descale=rand_descale(2, hk, "cuda"))
+    dk = dict(q_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"), k_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"),
+              v_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"))
     out, lse = _run(q, c, dk, True)
-    ref, ref_lse, lp = refs(q, c, quantize_p=True, causal=True, **dk)
-    check(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=True, causal=True, **dk)
+    check_paged(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
 
 
 # ---- varlen (mixed) batches: sequences of 128+ queries here, the others on the Triton kernel
@@ -313,11 +312,11 @@ def test_gpu_cache_over_2_31_elements(v_rows):
 
 def _varlen_inputs(seqlens, qlens, page_size, hq, hk, d, v_rows=False):
     c = make_cache(seqlens, page_size, hk, d, device="cuda")
-    c = c if v_rows else _v_seq_major(c)
+    c = c if v_rows else v_seq_major_cache(c)
     b = len(seqlens)
     q = saturating_cast(torch.randn(sum(qlens), hq, d, device="cuda") * 2, E4M3)
-    dk = dict(q_descale=rand_descale(b, hk, "cuda"), k_descale=rand_descale(b, hk, "cuda"),
-              v_descale=rand_descale(b, hk, "cuda"))
+    dk = dict(q_descale=rand_descale(b, hk, 0.5, 2.0, "cuda"), k_descale=rand_descale(b, hk, 0.5, 2.0, "cuda"),
+              v_descale=rand_descale(b, hk, 0.5, 2.0, "cuda"))
     return q, c, dk, dict(cu_seqlens_q=cu_from_lens(qlens, "cuda"), max_seqlen_q=max(qlens))
 
 
@@ -333,10 +332,10 @@ _QLENS = [1, 300, 1, 129, 1000, 1, 128, 127, 0, 260]
 def test_gpu_varlen_against_reference(d, causal, page_size, v_rows):
     q, c, dk, vk = _varlen_inputs(_SEQLENS, _QLENS, page_size, 8, 2, d, v_rows)
     out, lse = _run(q, c, dk, causal, **vk)
-    ref, ref_lse, lp = refs(q, c, quantize_p=True, causal=causal, **vk, **dk)
-    check(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=True, causal=causal, **vk, **dk)
+    check_paged(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
     tri, tri_lse = run_paged(q, c, causal=causal, **vk, **dk, config={"tma": False})
-    check(tri, tri_lse, ref, ref_lse, lp, lse_tol=2e-3)
+    check_paged(tri, tri_lse, ref, ref_lse, lp, lse_tol=2e-3)
     out2, lse2 = _run(q, c, dk, causal, **vk)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2)
 
@@ -358,8 +357,8 @@ def test_gpu_p_rounding_is_the_cpu_paths(qlens, varlen):
     c = make_cache([130, 140], 16, hk, d, device="cuda")
     q = saturating_cast(torch.randn(sum(qlens), hq, d, device="cuda") * 2, E4M3)
     q = q if varlen else q.view(2, qlens[0], hq, d)
-    dk = dict(q_descale=rand_descale(2, hk, "cuda"), k_descale=rand_descale(2, hk, "cuda"),
-              v_descale=rand_descale(2, hk, "cuda"))
+    dk = dict(q_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"), k_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"),
+              v_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"))
     vk = dict(cu_seqlens_q=cu_from_lens(qlens, "cuda"), max_seqlen_q=max(qlens)) if varlen else {}
     args = (q, c["k_cache"], c["v_cache"])
     kw = dict(cache_seqlens=c["cache_seqlens"], page_table=c["page_table"], causal=True, **dk, **vk)

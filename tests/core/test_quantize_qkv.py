@@ -1,16 +1,12 @@
 """quantize_qkv: Triton kernel (interpreter on CPU) vs the torch path vs fp8attn.quant; Hadamard."""
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from fp8attn import hadamard as had  # noqa: E402
-from fp8attn.qkv import quantize_qkv  # noqa: E402
-from fp8attn.quant import dequantize, quantize  # noqa: E402
+from fp8attn import hadamard as had
+from fp8attn.qkv import quantize_qkv
+from fp8attn.quant import dequantize, quantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -6,138 +6,20 @@ entries and NaN in every slot that is not a valid token (tails of last pages, un
 per-token scales). GPU tests (``gpu`` marker) repeat the checks at real sizes and add CUDA-graph
 capture/replay, a cache over 2**31 elements and bit-identical repeated runs.
 """
-import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from conftest import assert_close_fa3  # noqa: E402
-from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, paged_config, split_workspace  # noqa: E402
-from fp8attn.paged import is_v_seq_major, to_v_seq_major  # noqa: E402
-from fp8attn.quant import saturating_cast  # noqa: E402
-from fp8attn.reference import paged_attention_ref  # noqa: E402
+from helpers import (check_paged, cu_from_lens, make_cache, paged_refs, poison_, rand_descale, replay_at_lengths,
+                     run_paged, v_seq_major_cache)
+from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, paged_config, split_workspace
+from fp8attn.paged import to_v_seq_major
+from fp8attn.quant import saturating_cast
+from fp8attn.reference import paged_attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-
-
-def poison_(t):
-    if t.dtype in (E4M3, E5M2):
-        t.view(torch.uint8).fill_(0x7F)  # NaN in both formats
-    else:
-        t.fill_(float("nan"))
-    return t
-
-
-def make_cache(seqlens, page_size, hk, d, dv=None, dtype=E4M3, device=DEV, per_token_scales=False,
-               extra_pages=1, pool_factor=3):
-    """Random paged K/V over a randperm 3x pool; NaN outside valid tokens; -1 in unused entries."""
-    dv = d if dv is None else dv
-    batch = len(seqlens)
-    pages_per = [-(-int(L) // page_size) for L in seqlens]
-    max_pages = max(pages_per + [1]) + extra_pages
-    num_blocks = pool_factor * max(sum(pages_per), 1)
-    perm = torch.randperm(num_blocks).tolist()
-    pt = torch.full((batch, max_pages), -1, dtype=torch.int32)
-    i = 0
-    for b, n in enumerate(pages_per):
-        for p in range(n):
-            pt[b, p] = perm[i]
-            i += 1
-    kc = poison_(torch.empty((num_blocks, page_size, hk, d), dtype=dtype))
-    vc = poison_(torch.empty((num_blocks, page_size, hk, dv), dtype=dtype))
-    ks = torch.full((num_blocks, page_size, hk), float("nan")) if per_token_scales else None
-    vs = torch.full((num_blocks, page_size, hk), float("nan")) if per_token_scales else None
-    for b, L in enumerate(seqlens):
-        L = int(L)
-        if L == 0:
-            continue
-        pos = torch.arange(L)
-        blk = pt[b, pos // page_size].long()
-        off = pos % page_size
-        kk = torch.randn(L, hk, d)
-        vv = torch.randn(L, hk, dv)
-        if dtype in (E4M3, E5M2):
-            if per_token_scales:
-                ksc = torch.rand(L, hk) * 0.05 + 0.01
-                vsc = torch.rand(L, hk) * 0.05 + 0.01
-                ks[blk, off] = ksc
-                vs[blk, off] = vsc
-                kk, vv = kk / ksc[..., None], vv / vsc[..., None]
-            kc.view(torch.uint8)[blk, off] = saturating_cast(kk, dtype).view(torch.uint8)
-            vc.view(torch.uint8)[blk, off] = saturating_cast(vv, dtype).view(torch.uint8)
-        else:
-            kc[blk, off] = kk.to(dtype)
-            vc[blk, off] = vv.to(dtype)
-    c = dict(k_cache=kc.to(device), v_cache=vc.to(device), page_table=pt.to(device),
-             cache_seqlens=torch.tensor([int(L) for L in seqlens], dtype=torch.int32, device=device))
-    if per_token_scales:
-        c["k_cache_scales"], c["v_cache_scales"] = ks.to(device), vs.to(device)
-    return c
-
-
-def rand_descale(batch, hk, device=DEV):
-    return (torch.rand(batch, hk) * 1.5 + 0.5).to(device)
-
-
-def cu_from_lens(lens, device=DEV):
-    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
-
-
-def run_paged(q, cache, *, cu_seqlens_q=None, max_seqlen_q=None, causal=True, window_size=(-1, -1),
-              softcap=0.0, q_descale=None, k_descale=None, v_descale=None, num_splits=1, out_dtype=None,
-              out_scale=None, softmax_scale=None, config=None, with_lse=True, split_workspace=(None, None)):
-    """The paged launch into NaN-poisoned outputs: ``(out, lse)`` (``lse`` None without ``with_lse``)."""
-    hq, d = q.shape[-2], q.shape[-1]
-    dv = cache["v_cache"].shape[-1]
-    if out_dtype is None:
-        out_dtype = torch.bfloat16 if q.dtype in (E4M3, E5M2) else q.dtype
-    if out_scale is not None:
-        out_dtype = E4M3
-    out = poison_(torch.empty((*q.shape[:-1], dv), dtype=out_dtype, device=q.device))
-    if cu_seqlens_q is None:
-        b, sq = q.shape[:2]
-        lse = torch.full((b, hq, sq), float("nan"), device=q.device)
-        max_seqlen_q = sq
-    else:
-        lse = torch.full((hq, q.shape[0]), float("nan"), device=q.device)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    lse = lse if with_lse else None
-    launch_paged_fwd(q, cache["k_cache"], cache["v_cache"], cache["page_table"], cache["cache_seqlens"], out, lse,
-                     cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=scale, causal=causal,
-                     window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
-                     v_descale=v_descale, k_cache_scales=cache.get("k_cache_scales"),
-                     v_cache_scales=cache.get("v_cache_scales"), out_scale=out_scale, num_splits=num_splits,
-                     out_partial=split_workspace[0], lse_partial=split_workspace[1], config=config)
-    return out, lse
-
-
-def refs(q, cache, *, quantize_p, **kw):
-    """(fp32 reference with LSE, reference with the kernel's low-precision steps)."""
-    args = (q, cache["k_cache"], cache["v_cache"], cache["page_table"], cache["cache_seqlens"])
-    extra = dict(k_cache_scales=cache.get("k_cache_scales"), v_cache_scales=cache.get("v_cache_scales"))
-    ref, lse = paged_attention_ref(*args, **extra, out_dtype=torch.float32, return_lse=True, **kw)
-    out_dt = torch.bfloat16 if q.dtype in (E4M3, E5M2) else q.dtype
-    lp = paged_attention_ref(*args, **extra, out_dtype=out_dt, quantize_p=quantize_p, **kw)
-    return ref, lse, lp
-
-
-def check(out, lse, ref, ref_lse, ref_lp, floor=2e-3, lse_tol=1e-3):
-    if DEV == "cpu":  # the interpreter's fp32 -> bf16 cast truncates: allow one output ulp
-        floor = max(floor, 2.0 ** -7 * ref.abs().max().item())
-    assert_close_fa3(out, ref, ref_lp, floor=floor)
-    if lse is None:
-        return
-    assert not torch.isnan(lse).any(), "NaN in lse (unwritten or leaked)"
-    fin = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), fin), "lse -inf pattern differs"
-    if fin.any():  # relative: FP8 QK^T accumulates with reduced precision on Hopper
-        assert ((lse[fin] - ref_lse[fin]).abs() / ref_lse[fin].abs().clamp_min(1.0)).max().item() <= lse_tol
 
 
 # ------------------------------------------------------------------------------------------ CPU
@@ -149,10 +31,10 @@ def test_decode_bf16q_fp8kv(page_size, hq, hk):
     seqlens = [37, 0, 130, 1]
     c = make_cache(seqlens, page_size, hk, 32)
     q = torch.randn(len(seqlens), 1, hq, 32, device=DEV).to(torch.bfloat16)
-    kd, vd = rand_descale(4, hk), rand_descale(4, hk)
+    kd, vd = rand_descale(4, hk, 0.5, 2.0, DEV), rand_descale(4, hk, 0.5, 2.0, DEV)
     out, lse = run_paged(q, c, k_descale=kd, v_descale=vd)
-    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
-    check(out, lse, ref, ref_lse, lp)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
+    check_paged(out, lse, ref, ref_lse, lp)
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()  # cache_seqlens = 0
 
 
@@ -163,15 +45,15 @@ def test_fp8q_fp8kv_prefill_tiles(v_seq_major):
     seqlens = [70, 5, 129]
     hq, hk, d = 8, 1, 64
     c = make_cache(seqlens, 16, hk, d)
-    c = _v_seq_major(c) if v_seq_major else c
+    c = v_seq_major_cache(c) if v_seq_major else c
     q8 = saturating_cast(torch.randn(3, 9, hq, d, device=DEV) * 2, E4M3)
-    kw = dict(q_descale=rand_descale(3, hk), k_descale=rand_descale(3, hk), v_descale=rand_descale(3, hk))
+    kw = dict(q_descale=rand_descale(3, hk, 0.5, 2.0, DEV), k_descale=rand_descale(3, hk, 0.5, 2.0, DEV), v_descale=rand_descale(3, hk, 0.5, 2.0, DEV))
     out, lse = run_paged(q8, c, **kw)
-    ref, ref_lse, lp = refs(q8, c, quantize_p=v_seq_major, causal=True, **kw)
+    ref, ref_lse, lp = paged_refs(q8, c, quantize_p=v_seq_major, causal=True, **kw)
     if not v_seq_major:
         lp = paged_attention_ref(q8, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"],
                                  out_dtype=torch.bfloat16, p_dtype=torch.float16, causal=True, **kw)
-        check(out, lse, ref, ref_lse, lp)
+        check_paged(out, lse, ref, ref_lse, lp)
         # closer to P rounded to fp16 than to P rounded to e4m3
         args = (q8, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"])
         lp16 = paged_attention_ref(*args, out_dtype=torch.float32, p_dtype=torch.float16, causal=True, **kw)
@@ -181,7 +63,7 @@ def test_fp8q_fp8kv_prefill_tiles(v_seq_major):
     # the interpreter's fp32->e4m3 cast of P drops the carry on some values (DESIGN §5): on CPU the
     # bound is loosened to a few percent of |out|; GPU tests apply the strict bound.
     floor = 2e-3 if DEV == "cuda" else 0.06 * ref.abs().max().item()
-    check(out, lse, ref, ref_lse, lp, floor=floor, lse_tol=1e-3 if DEV == "cuda" else 0.05)
+    check_paged(out, lse, ref, ref_lse, lp, floor=floor, lse_tol=1e-3 if DEV == "cuda" else 0.05)
 
 
 @pytest.mark.parametrize("qlen,hq,hk,num_splits", [(1, 4, 2, 1), (1, 4, 2, 3), (8, 8, 2, 1)])
@@ -192,12 +74,12 @@ def test_fp8q_small_tiles_fa3_v_run_16bit(qlen, hq, hk, num_splits):
     seqlens, d = [70, 5, 129], 32
     c = make_cache(seqlens, 16, hk, d)
     q8 = saturating_cast(torch.randn(3, qlen, hq, d, device=DEV) * 2, E4M3)
-    kw = dict(q_descale=rand_descale(3, hk), k_descale=rand_descale(3, hk), v_descale=rand_descale(3, hk))
+    kw = dict(q_descale=rand_descale(3, hk, 0.5, 2.0, DEV), k_descale=rand_descale(3, hk, 0.5, 2.0, DEV), v_descale=rand_descale(3, hk, 0.5, 2.0, DEV))
     out, lse = run_paged(q8, c, num_splits=num_splits, **kw)
-    ref, ref_lse, _ = refs(q8, c, quantize_p=False, causal=True, **kw)
+    ref, ref_lse, _ = paged_refs(q8, c, quantize_p=False, causal=True, **kw)
     lp16 = paged_attention_ref(q8, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"],
                                out_dtype=torch.bfloat16, p_dtype=torch.float16, causal=True, **kw)
-    check(out, lse, ref, ref_lse, lp16)
+    check_paged(out, lse, ref, ref_lse, lp16)
     if DEV == "cpu":  # the interpreter runs the fp16 dots as the reference rounds them: one bf16 ulp, plus
         # P's fp16 roundings that flip with the exp2's last bit (small absolute changes)
         lp16 = paged_attention_ref(q8, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"],
@@ -205,9 +87,9 @@ def test_fp8q_small_tiles_fa3_v_run_16bit(qlen, hq, hk, num_splits):
         assert ((out.float() - lp16).abs() <= 2.0 ** -7 * lp16.abs() + 2.0 ** -9 * lp16.abs().max()).all()
     c16 = dict(c, k_cache=c["k_cache"], v_cache=to_v_seq_major(c["v_cache"]))
     out_s, lse_s = run_paged(q8, c16, num_splits=num_splits, **kw)
-    ref8, _, lp8 = refs(q8, c, quantize_p=True, causal=True, **kw)
+    ref8, _, lp8 = paged_refs(q8, c, quantize_p=True, causal=True, **kw)
     loose = DEV == "cpu"  # the interpreter's e4m3 cast of P drops carries (DESIGN §5)
-    check(out_s, lse_s, ref8, ref_lse, lp8, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
+    check_paged(out_s, lse_s, ref8, ref_lse, lp8, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
           lse_tol=0.05 if loose else 1e-3)
 
 
@@ -216,10 +98,10 @@ def test_other_cache_dtypes(dtype):
     seqlens = [45, 17]
     c = make_cache(seqlens, 16, 2, 32, dtype=dtype)
     q = torch.randn(2, 2, 4, 32, device=DEV).to(torch.float16 if dtype == E5M2 else torch.bfloat16)
-    kw = dict(k_descale=rand_descale(2, 2), v_descale=rand_descale(2, 2)) if dtype == E5M2 else {}
+    kw = dict(k_descale=rand_descale(2, 2, 0.5, 2.0, DEV), v_descale=rand_descale(2, 2, 0.5, 2.0, DEV)) if dtype == E5M2 else {}
     out, lse = run_paged(q, c, **kw)
-    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, **kw)
-    check(out, lse, ref, ref_lse, lp)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True, **kw)
+    check_paged(out, lse, ref, ref_lse, lp)
 
 
 def test_awkward_headdims():
@@ -227,18 +109,18 @@ def test_awkward_headdims():
     c = make_cache(seqlens, 16, 1, 48, dv=40)
     q = torch.randn(2, 3, 3, 48, device=DEV).to(torch.bfloat16)
     out, lse = run_paged(q, c, causal=False)
-    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=False)
-    check(out, lse, ref, ref_lse, lp)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=False)
+    check_paged(out, lse, ref, ref_lse, lp)
 
 
 def test_per_token_head_scales():
     seqlens = [50, 81, 3]
     c = make_cache(seqlens, 16, 2, 32, per_token_scales=True)
     q = torch.randn(3, 2, 4, 32, device=DEV).to(torch.bfloat16)
-    kd, vd = rand_descale(3, 2), rand_descale(3, 2)
+    kd, vd = rand_descale(3, 2, 0.5, 2.0, DEV), rand_descale(3, 2, 0.5, 2.0, DEV)
     out, lse = run_paged(q, c, k_descale=kd, v_descale=vd)
-    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
-    check(out, lse, ref, ref_lse, lp)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
+    check_paged(out, lse, ref, ref_lse, lp)
 
 
 def test_window_softcap_noncausal():
@@ -247,8 +129,8 @@ def test_window_softcap_noncausal():
     q = torch.randn(2, 5, 4, 32, device=DEV).to(torch.bfloat16)
     for causal, window, softcap in [(True, (20, 0), 0.0), (False, (17, 3), 5.0), (True, (-1, -1), 2.0)]:
         out, lse = run_paged(q, c, causal=causal, window_size=window, softcap=softcap)
-        ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=causal, window_size=window, softcap=softcap)
-        check(out, lse, ref, ref_lse, lp)
+        ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=causal, window_size=window, softcap=softcap)
+        check_paged(out, lse, ref, ref_lse, lp)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 17, 64])
@@ -256,11 +138,11 @@ def test_split_kv(num_splits):
     seqlens = [300, 0, 65, 1]
     c = make_cache(seqlens, 16, 2, 32)
     q = torch.randn(4, 1, 8, 32, device=DEV).to(torch.bfloat16)
-    kd, vd = rand_descale(4, 2), rand_descale(4, 2)
+    kd, vd = rand_descale(4, 2, 0.5, 2.0, DEV), rand_descale(4, 2, 0.5, 2.0, DEV)
     out1, lse1 = run_paged(q, c, k_descale=kd, v_descale=vd)
     out, lse = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=num_splits)
-    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
-    check(out, lse, ref, ref_lse, lp)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
+    check_paged(out, lse, ref, ref_lse, lp)
     assert (out.float() - out1.float()).abs().max().item() <= 2e-2
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
 
@@ -270,7 +152,7 @@ def test_split_kv_caller_workspace():
     bits as partials allocated by the launch; one with fewer splits is rejected naming the fix."""
     c = make_cache([300, 0, 65, 1], 16, 2, 32)
     q = torch.randn(4, 1, 8, 32, device=DEV).to(torch.bfloat16)
-    kd, vd = rand_descale(4, 2), rand_descale(4, 2)
+    kd, vd = rand_descale(4, 2, 0.5, 2.0, DEV), rand_descale(4, 2, 0.5, 2.0, DEV)
     ws = tuple(poison_(t) for t in split_workspace(q, 5, 32))
     out1, lse1 = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=3)
     out2, lse2 = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=3, split_workspace=ws)
@@ -284,7 +166,7 @@ def test_chunked_prefill_equals_single_shot():
     hq, hk, d, total = 4, 2, 32, 150
     c = make_cache([total], 16, hk, d)
     q_all = torch.randn(1, total, hq, d, device=DEV).to(torch.bfloat16)
-    kd = rand_descale(1, hk)
+    kd = rand_descale(1, hk, 0.5, 2.0, DEV)
     out_all, lse_all = run_paged(q_all, c, k_descale=kd, config={"block_m": 16, "block_n": 16})
     outs, lses = [], []
     for s, e in [(0, 61), (61, 100), (100, 150)]:
@@ -296,8 +178,8 @@ def test_chunked_prefill_equals_single_shot():
     lse_ch = torch.cat(lses, dim=2)
     assert torch.allclose(out_ch.float(), out_all.float(), atol=1e-2, rtol=0)
     assert torch.allclose(lse_ch, lse_all, atol=1e-5, rtol=0)
-    ref, ref_lse, lp = refs(q_all, c, quantize_p=False, causal=True, k_descale=kd)
-    check(out_all, lse_all, ref, ref_lse, lp)
+    ref, ref_lse, lp = paged_refs(q_all, c, quantize_p=False, causal=True, k_descale=kd)
+    check_paged(out_all, lse_all, ref, ref_lse, lp)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -313,12 +195,12 @@ def test_mixed_batch_equals_separate(num_splits, two_class, decode_first):
     c = make_cache(seqlens, 16, hk, d)
     cu = cu_from_lens(qlens)
     q = torch.randn(sum(qlens), hq, d, device=DEV).to(torch.bfloat16)
-    kd, vd = rand_descale(6, hk), rand_descale(6, hk)
+    kd, vd = rand_descale(6, hk, 0.5, 2.0, DEV), rand_descale(6, hk, 0.5, 2.0, DEV)
     out, lse = run_paged(q, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), k_descale=kd, v_descale=vd,
                          num_splits=num_splits, config={"two_class": two_class, "decode_first": decode_first})
-    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens),
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens),
                             k_descale=kd, v_descale=vd)
-    check(out, lse, ref, ref_lse, lp)
+    check_paged(out, lse, ref, ref_lse, lp)
     for b in range(6):
         if qlens[b] == 0:
             continue
@@ -340,14 +222,14 @@ def test_mixed_batch_fp8q_fa3_layout(two_class):
     c = make_cache(seqlens, 16, hk, d)
     cu = cu_from_lens(qlens)
     q = saturating_cast(torch.randn(sum(qlens), hq, d, device=DEV) * 2, E4M3)
-    kw = dict(q_descale=rand_descale(4, hk), k_descale=rand_descale(4, hk), v_descale=rand_descale(4, hk))
+    kw = dict(q_descale=rand_descale(4, hk, 0.5, 2.0, DEV), k_descale=rand_descale(4, hk, 0.5, 2.0, DEV), v_descale=rand_descale(4, hk, 0.5, 2.0, DEV))
     out, lse = run_paged(q, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), config={"two_class": two_class,
                                                                                  "tma": False}, **kw)
-    ref, ref_lse, _ = refs(q, c, quantize_p=False, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens), **kw)
+    ref, ref_lse, _ = paged_refs(q, c, quantize_p=False, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens), **kw)
     lp = paged_attention_ref(q, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"], cu_seqlens_q=cu,
                              max_seqlen_q=max(qlens), out_dtype=torch.bfloat16, p_dtype=torch.float16, causal=True,
                              **kw)
-    check(out, lse, ref, ref_lse, lp)
+    check_paged(out, lse, ref, ref_lse, lp)
     for b in (0, 3):  # the decode rows against decode calls of their own (the 16-bit path)
         s, e = cu[b].item(), cu[b + 1].item()
         cb = dict(c, page_table=c["page_table"][b:b + 1], cache_seqlens=c["cache_seqlens"][b:b + 1])
@@ -379,10 +261,10 @@ def test_tile_path_decode(page_size, num_splits):
     seqlens = [300, 0, 129, 64, 1, 257]
     c = _wide_page_table(make_cache(seqlens, page_size, hk, d, extra_pages=0), 1 << 30)
     q = torch.randn(len(seqlens), 1, hq, d, device=DEV).to(torch.bfloat16)
-    kd, vd = rand_descale(len(seqlens), hk), rand_descale(len(seqlens), hk)
+    kd, vd = rand_descale(len(seqlens), hk, 0.5, 2.0, DEV), rand_descale(len(seqlens), hk, 0.5, 2.0, DEV)
     out, lse = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=num_splits, config=cfg)
-    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
-    check(out, lse, ref, ref_lse, lp)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
+    check_paged(out, lse, ref, ref_lse, lp)
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
 
 
@@ -392,8 +274,8 @@ def test_tile_path_window_splits_page256():
     q = torch.randn(3, 3, 4, 32, device=DEV).to(torch.bfloat16)
     for window, splits in [((70, 0), 3), ((-1, -1), 5)]:
         out, lse = run_paged(q, c, window_size=window, num_splits=splits, config={"block_m": 16, "block_n": 32})
-        ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, window_size=window)
-        check(out, lse, ref, ref_lse, lp)
+        ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True, window_size=window)
+        check_paged(out, lse, ref, ref_lse, lp)
 
 
 @pytest.mark.parametrize("pv_fp16", [False, True])
@@ -405,28 +287,19 @@ def test_tile_path_chunked_prefill_fp8(pv_fp16):
     c = make_cache(seqlens, 64, hk, d)
     cu = cu_from_lens(qlens)
     q8 = saturating_cast(torch.randn(sum(qlens), hq, d, device=DEV) * 2, E4M3)
-    qd, kd, vd = rand_descale(2, hk), rand_descale(2, hk), rand_descale(2, hk)
+    qd, kd, vd = rand_descale(2, hk, 0.5, 2.0, DEV), rand_descale(2, hk, 0.5, 2.0, DEV), rand_descale(2, hk, 0.5, 2.0, DEV)
     cfg = {"block_m": 64, "block_n": 64, "pv_fp16": pv_fp16}
     out, lse = run_paged(q8, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), q_descale=qd, k_descale=kd,
                          v_descale=vd, config=cfg)
-    ref, ref_lse, lp = refs(q8, c, quantize_p=not pv_fp16, causal=True, cu_seqlens_q=cu,
+    ref, ref_lse, lp = paged_refs(q8, c, quantize_p=not pv_fp16, causal=True, cu_seqlens_q=cu,
                             max_seqlen_q=max(qlens), q_descale=qd, k_descale=kd, v_descale=vd)
     # as in test_fp8q_fp8kv_mma_path: the interpreter's e4m3 cast of P drops carries (DESIGN §5)
     loose = DEV == "cpu" and not pv_fp16
-    check(out, lse, ref, ref_lse, lp, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
+    check_paged(out, lse, ref, ref_lse, lp, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
           lse_tol=0.05 if loose else 1e-3)
 
 
 # ---- sequence-major V pages (memory order (num_blocks, nheads_k, headdim, page_size))
-
-
-def _v_seq_major(c):
-    """The same cache with V stored sequence-major inside each page (values, NaN poison included)."""
-    vc = c["v_cache"]
-    vs = to_v_seq_major(vc)
-    assert is_v_seq_major(vs) and not is_v_seq_major(vc)
-    assert torch.equal(vs.contiguous().view(torch.uint8), vc.view(torch.uint8))  # NaN poison included
-    return dict(c, v_cache=vs)
 
 
 @pytest.mark.parametrize("page_size", [16, 64, 128])
@@ -438,22 +311,22 @@ def test_v_seq_major_cache(page_size, fp8_q, num_splits):
     hq, hk, d = 4, 2, 32
     seqlens, qlens = [40, 197, 1, 130, 21], [1, 70, 1, 33, 5]
     c = make_cache(seqlens, page_size, hk, d)
-    cs = _v_seq_major(c)
+    cs = v_seq_major_cache(c)
     cu = cu_from_lens(qlens)
     q = torch.randn(sum(qlens), hq, d, device=DEV)
-    kw = dict(k_descale=rand_descale(5, hk), v_descale=rand_descale(5, hk))
+    kw = dict(k_descale=rand_descale(5, hk, 0.5, 2.0, DEV), v_descale=rand_descale(5, hk, 0.5, 2.0, DEV))
     if fp8_q:
         q = saturating_cast(q * 2, E4M3)
-        kw["q_descale"] = rand_descale(5, hk)
+        kw["q_descale"] = rand_descale(5, hk, 0.5, 2.0, DEV)
     else:
         q = q.to(torch.bfloat16)
     run = dict(cu_seqlens_q=cu, max_seqlen_q=max(qlens), num_splits=num_splits, **kw)
     out_s, lse_s = run_paged(q, cs, **run)
     out, lse = run_paged(q, c, **run)
-    ref, ref_lse, lp = refs(q, c, quantize_p=fp8_q, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens), **kw)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=fp8_q, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens), **kw)
     loose = DEV == "cpu" and fp8_q  # the interpreter's e4m3 cast of P drops carries (DESIGN §5)
     floor = 0.06 * ref.abs().max().item() if loose else 2e-3
-    check(out_s, lse_s, ref, ref_lse, lp, floor=floor, lse_tol=0.05 if loose else 1e-3)
+    check_paged(out_s, lse_s, ref, ref_lse, lp, floor=floor, lse_tol=0.05 if loose else 1e-3)
     assert (out_s.float() - out.float()).abs().max().item() <= 2 * floor + 2.0 ** -6 * ref.abs().max().item()
 
 
@@ -528,7 +401,7 @@ def test_prefill_split_rule():
 def _gpu_case(seqlens, qlens, page_size, q_dtype, hq=32, hk=8, d=128, num_splits=1, varlen=True):
     c = make_cache(seqlens, page_size, hk, d, device="cuda")
     b = len(seqlens)
-    qd, kd, vd = rand_descale(b, hk, "cuda"), rand_descale(b, hk, "cuda"), rand_descale(b, hk, "cuda")
+    qd, kd, vd = rand_descale(b, hk, 0.5, 2.0, "cuda"), rand_descale(b, hk, 0.5, 2.0, "cuda"), rand_descale(b, hk, 0.5, 2.0, "cuda")
     if varlen:
         cu = cu_from_lens(qlens, "cuda")
         q = torch.randn(sum(qlens), hq, d, device="cuda")
@@ -543,7 +416,7 @@ def _gpu_case(seqlens, qlens, page_size, q_dtype, hq=32, hk=8, d=128, num_splits
         q = q.to(q_dtype)
         dk = dict(k_descale=kd, v_descale=vd)
     out, lse = run_paged(q, c, num_splits=num_splits, **kw, **dk)
-    ref, ref_lse, lp = refs(q, c, quantize_p=q_dtype == E4M3, causal=True, **kw, **dk)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=q_dtype == E4M3, causal=True, **kw, **dk)
     return out, lse, ref, ref_lse, lp, (q, c, kw, dk)
 
 
@@ -555,7 +428,7 @@ def test_gpu_decode(page_size, q_dtype, num_splits):
     seqlens = [4096, 1, 0, 1777, 300, 2049, 64, 3000]
     out, lse, ref, ref_lse, lp, _ = _gpu_case(seqlens, [1] * 8, page_size, q_dtype, num_splits=num_splits,
                                               varlen=False)
-    check(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
+    check_paged(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
 
 
 @pytest.mark.gpu
@@ -565,7 +438,7 @@ def test_gpu_mixed_chunked(q_dtype, num_splits):
     seqlens = [1500, 2300, 7, 900, 4000, 513]
     qlens = [1, 300, 1, 129, 1000, 1]
     out, lse, ref, ref_lse, lp, _ = _gpu_case(seqlens, qlens, 16, q_dtype, num_splits=num_splits)
-    check(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
+    check_paged(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
 
 
 @pytest.mark.gpu
@@ -582,26 +455,13 @@ def test_gpu_fused_fp8_output_and_determinism():
         assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2 ** -9).all()  # one e4m3 ulp
 
 
-def replay_at_lengths(launch, seq_buf, lengths):
-    """Capture ``launch`` in a CUDA graph at the lengths now in ``seq_buf`` (after a compiling call), then
-    replay it with ``lengths`` copied into ``seq_buf``."""
-    launch()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        launch()
-    seq_buf.copy_(lengths)
-    g.replay()
-    torch.cuda.synchronize()
-
-
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture_short_replay_long():
     hq, hk, d, ps, b = 32, 8, 128, 16, 4
     seqlens = [3000, 2000, 4000, 1]
     c = make_cache(seqlens, ps, hk, d, device="cuda")
     q = torch.randn(b, 1, hq, d, device="cuda").to(torch.bfloat16)
-    kd, vd = rand_descale(b, hk, "cuda"), rand_descale(b, hk, "cuda")
+    kd, vd = rand_descale(b, hk, 0.5, 2.0, "cuda"), rand_descale(b, hk, 0.5, 2.0, "cuda")
     splits = 4
     op, lp = split_workspace(q, splits, d)
     out = torch.empty(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -616,8 +476,8 @@ def test_gpu_cuda_graph_capture_short_replay_long():
     replay_at_lengths(launch, seq_buf, c["cache_seqlens"])
     eo, el = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=splits)
     assert torch.equal(out, eo) and torch.equal(lse, el)
-    ref, ref_lse, lpref = refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
-    check(out, lse, ref, ref_lse, lpref)
+    ref, ref_lse, lpref = paged_refs(q, c, quantize_p=False, causal=True, k_descale=kd, v_descale=vd)
+    check_paged(out, lse, ref, ref_lse, lpref)
 
 
 @pytest.mark.gpu
@@ -632,7 +492,7 @@ def test_gpu_public_call_with_append_and_split_workspace_in_a_graph():
     kc, vc, pt = c["k_cache"], c["v_cache"], c["page_table"]
     q = torch.randn(b, 1, hq, d, device="cuda").to(torch.bfloat16)
     kn, vn = (torch.randn(b, 1, hk, d, device="cuda").to(torch.bfloat16) for _ in range(2))
-    kd, vd = rand_descale(b, hk, "cuda"), rand_descale(b, hk, "cuda")
+    kd, vd = rand_descale(b, hk, 0.5, 2.0, "cuda"), rand_descale(b, hk, 0.5, 2.0, "cuda")
     ws = tuple(poison_(t) for t in split_workspace(q, splits, d))
     out = torch.empty(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
     seq_buf = torch.tensor([10, 5, 17, 0], dtype=torch.int32, device="cuda")
@@ -680,8 +540,8 @@ def test_gpu_cache_over_2_31_elements():
     c = dict(k_cache=kc, v_cache=vc, page_table=pt, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
     q = torch.randn(2, 1, hq, d, device="cuda").to(torch.bfloat16)
     out, lse = run_paged(q, c)
-    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True)
-    check(out, lse, ref, ref_lse, lp)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True)
+    check_paged(out, lse, ref, ref_lse, lp)
 
 
 def test_mixed_batch_launch_fills_the_tma_block_list():
@@ -718,10 +578,10 @@ def test_mixed_batch_split_leaves_long_sequences(split_at):
     c = make_cache(seqlens, 64, hk, d)
     cu = cu_from_lens(qlens)
     q = torch.randn(sum(qlens), hq, d, device=DEV).to(torch.bfloat16)
-    kw = dict(cu_seqlens_q=cu, max_seqlen_q=max(qlens), k_descale=rand_descale(6, hk),
-              v_descale=rand_descale(6, hk))
+    kw = dict(cu_seqlens_q=cu, max_seqlen_q=max(qlens), k_descale=rand_descale(6, hk, 0.5, 2.0, DEV),
+              v_descale=rand_descale(6, hk, 0.5, 2.0, DEV))
     part, part_lse = run_paged(q, c, **kw, config={"split_at": split_at})
-    ref, ref_lse, lp = refs(q, c, quantize_p=False, causal=True, **kw)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True, **kw)
     rows = torch.zeros(sum(qlens), dtype=torch.bool)
     for b, n in enumerate(qlens):
         s, e = cu[b].item(), cu[b + 1].item()
@@ -730,4 +590,4 @@ def test_mixed_batch_split_leaves_long_sequences(split_at):
         else:
             rows[s:e] = True
     rows = rows.to(part.device)
-    check(part[rows], part_lse[:, rows], ref[rows], ref_lse[:, rows], lp[rows])
+    check_paged(part[rows], part_lse[:, rows], ref[rows], ref_lse[:, rows], lp[rows])

@@ -6,18 +6,13 @@ of this generator passed on the CPU when it was written). Query counts start at 
 the mean error is a coin toss over a single row, and the interpreter truncates fp32 -> bf16 (16-bit inputs are
 covered by the grid tests with their own tolerance).
 """
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from conftest import assert_close_fa3  # noqa: E402
-from test_kernel_dense import DEV, _check_dense, _descales, _fp8, _run  # noqa: E402
-from fp8attn.reference import varlen_attention_ref  # noqa: E402
+from helpers import DEV, assert_close_fa3, check_dense, dense_descales, fp8_randn, run_dense
+from fp8attn.reference import varlen_attention_ref
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -42,14 +37,14 @@ def test_random_feature_combinations(seed):
     else:
         sq, sk = rnd.choice([17, 40, 64]), rnd.choice([1, 23, 45, 64, 100])
         shapes = (b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, dv)
-    q, k, v = (_fp8(s) for s in shapes)
-    qd, kd, vd = _descales(b, hk)
+    q, k, v = (fp8_randn(s) for s in shapes)
+    qd, kd, vd = dense_descales(b, hk)
     ds = dict(q_descale=qd, k_descale=kd, v_descale=vd)
     if not varlen:
-        out, lse, args = _run(q, k, v, **kw, **ds)
-        _check_dense(q, k, v, out, lse, args)
+        out, lse, args = run_dense(q, k, v, **kw, **ds)
+        check_dense(q, k, v, out, lse, args)
         return
-    out, lse, args = _run(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(lq), max_seqlen_k=max(lk),
+    out, lse, args = run_dense(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(lq), max_seqlen_k=max(lk),
                           **kw, **ds)
     rkw = dict(softmax_scale=args["softmax_scale"], out_dtype=torch.float32, **kw, **ds)
     ref, ref_lse = varlen_attention_ref(q, k, v, cq, ck, max(lq), max(lk), return_lse=True, **rkw)

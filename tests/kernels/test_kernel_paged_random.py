@@ -7,18 +7,14 @@ randomly permuted page tables. The grid tests in test_kernel_paged.py vary one f
 seed draws all of them (470 seeds of this generator passed on the CPU when it was written).
 """
 import math
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from test_kernel_paged import (DEV, E4M3, E5M2, _v_seq_major, check, cu_from_lens, make_cache, rand_descale,  # noqa: E402
-                               refs, run_paged)
-from fp8attn.quant import saturating_cast  # noqa: E402
+from helpers import (DEV, E4M3, E5M2, check_paged, cu_from_lens, make_cache, paged_refs, rand_descale, run_paged,
+                     v_seq_major_cache)
+from fp8attn.quant import saturating_cast
 
 
 def _draw(seed, large):
@@ -41,7 +37,7 @@ def _draw(seed, large):
     seq_major = kv_dtype != torch.bfloat16 and not token_scales and page >= 16 and rnd.random() < 0.3
     c = make_cache(seqlens, page, hk, d, dtype=kv_dtype, device=DEV, per_token_scales=token_scales)
     if seq_major:
-        c = _v_seq_major(c)
+        c = v_seq_major_cache(c)
     if varlen:
         most = 140 if large else 40
         qlens = [max(1, rnd.randint(0, min(s, most))) if s else 0 for s in seqlens]
@@ -54,9 +50,9 @@ def _draw(seed, large):
     fp8_q = q_dtype in (E4M3, E5M2)
     q = saturating_cast(qf, q_dtype) if fp8_q else qf.to(q_dtype)
     if kv_dtype != torch.bfloat16 and not token_scales:
-        kw.update(k_descale=rand_descale(batch, hk, DEV), v_descale=rand_descale(batch, hk, DEV))
+        kw.update(k_descale=rand_descale(batch, hk, 0.5, 2.0, DEV), v_descale=rand_descale(batch, hk, 0.5, 2.0, DEV))
     if fp8_q:
-        kw["q_descale"] = rand_descale(batch, hk, DEV)
+        kw["q_descale"] = rand_descale(batch, hk, 0.5, 2.0, DEV)
     return q, c, kw, fp8_q
 
 
@@ -68,8 +64,8 @@ def test_random_feature_combinations(seed):
     q, c, kw, fp8_q = drawn
     splits = kw.pop("num_splits")
     out, lse = run_paged(q, c, num_splits=splits, **kw)
-    ref, ref_lse, lp = refs(q, c, quantize_p=fp8_q, **kw)
-    check(out, lse, ref, ref_lse, lp, floor=4e-3, lse_tol=2e-3)
+    ref, ref_lse, lp = paged_refs(q, c, quantize_p=fp8_q, **kw)
+    check_paged(out, lse, ref, ref_lse, lp, floor=4e-3, lse_tol=2e-3)
     assert math.isfinite(float(out.float().abs().sum())), "non-finite output"
     if seed % 3 == 0:  # the fused e4m3 output: within one e4m3 step of the 16-bit output quantized after
         osc = torch.tensor(0.02, device=DEV)

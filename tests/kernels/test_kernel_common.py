@@ -6,19 +6,15 @@ loop range that need no mask at all. A key tile wrongly called "full" would let 
 NaN-poisoned slots past the length) into the softmax, so every full tile is checked against the
 visibility rule key by key, and the choice is checked to be tight (the tiles next to it do need masks).
 """
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton
+import triton.language as tl
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from fp8attn.kernels.common import cdiv, find_seq, full_tile_range, kv_range, next_pow2  # noqa: E402
+from fp8attn.kernels.common import cdiv, find_seq, full_tile_range, kv_range, next_pow2
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NPARAM = 9  # tok_lo, tok_hi, seqlen_q, seqlen_k, window_left, window_right, split, num_splits, unused

@@ -17,21 +17,19 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
 
-from conftest import assert_close_fa3  # noqa: E402
+from helpers import assert_close_fa3, assert_row_scaled
 
-from fp8attn.kernels import dense_tma  # noqa: E402
-from fp8attn.kernels import dense as dense_mod  # noqa: E402
-from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor, varlen_v_kmajor  # noqa: E402
-from fp8attn.reference import attention_ref  # noqa: E402
+from fp8attn.kernels import dense_tma
+from fp8attn.kernels import dense as dense_mod
+from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor, varlen_v_kmajor
+from fp8attn.reference import attention_ref
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 
 
 def _fp8(shape, device, scale=3.0):
@@ -348,7 +346,7 @@ def _run_sm90_snippet(snippet):
     if not dense_tma.HAS_GLUON:
         pytest.skip("triton without gluon")
     try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+        from triton.backends.nvidia.compiler import CUDABackend
     except Exception as e:  # pragma: no cover
         pytest.skip(f"no NVIDIA compiler backend: {e}")
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -443,26 +441,6 @@ def _reference_check(q, k, v, qd, kd, vd, out, lse, causal, scale, out_scale=Non
     if lse is not None:
         assert torch.isfinite(lse).all()
         torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
-
-
-def assert_row_scaled(o_rs, o_exact, out_fp8=False):
-    """``o_rs`` (a non-causal call without an LSE: row sums of the e4m3 P on the tensor core) against
-    ``o_exact`` (the same call with an LSE: the fp32 sum of the unrounded P). Both normalize the same P V
-    accumulator, so each row of one is the other's times one factor l / l~, with |log| <= log(1 + 2^-4)
-    (e4m3 moves each term by at most 2^-4 of itself), up to the output's rounding; and the factor is not
-    1 everywhere, or the tensor-core sum is not in use."""
-    a = o_rs.float().flatten(0, -2)
-    b = o_exact.float().flatten(0, -2)
-    live = (b * b).sum(-1) > 0
-    assert live.any() and not torch.isnan(a).any()
-    a, b = a[live], b[live]
-    r = (a * b).sum(-1) / (b * b).sum(-1)  # each row's factor, least squares
-    lr = r.log().abs()
-    assert lr.max().item() <= math.log1p(2 ** -4) + 2e-3, lr.max().item()
-    assert lr.max().item() > 0, "the same rows: the row sums are the fp32 ones"
-    tol = 2 ** -3 if out_fp8 else 2 ** -7  # one e4m3 (half ulp <= 2^-4) / bf16 rounding on each side
-    err = (a - r[:, None] * b).abs() - tol * b.abs()
-    assert err.max().item() <= 1e-3 * b.abs().max().item(), err.max().item()
 
 
 @pytest.mark.gpu

@@ -10,8 +10,7 @@ import datetime
 
 import pytest
 import torch
-from test_paged_ref import check, page_table_3x, poisoned_cache, scatter_dense
-from test_reference import naive_attention, rand_descale
+from helpers import check_vs_oracle, naive_attention, page_table_3x, poisoned_cache, rand_descale, scatter_dense
 
 import fp8attn.distributed as D
 from fp8attn import flash_attn_combine, flash_attn_with_kvcache, write_kv_cache
@@ -59,7 +58,7 @@ def _oracle(p, causal=False):
 def _assert_matches(out, lse, p, single=None, causal=False):
     """FA3's rule against the oracle (the paged tests' check), and close to the single-process decode."""
     ref, ref_lse, lowp = _oracle(p, causal)
-    check(out, lse, ref, ref_lse, lowp)
+    check_vs_oracle(out, lse, ref, ref_lse, lowp)
     if single is not None:
         torch.testing.assert_close(out.float(), single[0].float(), atol=2e-2, rtol=2e-2)
         fin = torch.isfinite(single[1])
@@ -77,7 +76,7 @@ def _dense_tokens(cache, pt, n, b):
 def _with_dense(p, cs):
     """``p`` at lengths ``cs``, with the dense K/V (for the oracle) read back from its paged cache."""
     L, (hk, d) = int(cs.max()), p["kc"].shape[2:]
-    dense = lambda c: torch.stack([torch.cat([_dense_tokens(c, p["pt"], n, b).view(E4M3),  # noqa: E731
+    dense = lambda c: torch.stack([torch.cat([_dense_tokens(c, p["pt"], n, b).view(E4M3),
                                               torch.zeros(L - n, hk, d, dtype=E4M3)])
                                    for b, n in enumerate(cs.tolist())])
     return dict(p, cs=cs, k8=dense(p["kc"]), v8=dense(p["vc"]))
@@ -292,19 +291,19 @@ def _two_rank_worker(rank, world, probs):
             try:
                 D.cp_decode(*bad, **kw)
                 res["bad_pt"] = None
-            except Exception as e:  # noqa: BLE001 -- the parent checks the type and message
+            except Exception as e:
                 res["bad_pt"] = (type(e).__name__, str(e))
             # arguments that must agree across ranks but do not (the softmax scale)
             try:
                 D.cp_decode(*args, softmax_scale=0.125 if rank == 0 else 0.25, **kw)
                 res["bad_scale"] = None
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 res["bad_scale"] = (type(e).__name__, str(e))
             # a query that differs across ranks (its values: the shapes agree)
             try:
                 D.cp_decode(p["q"] * (1 + rank), *args[1:], **kw)
                 res["bad_q"] = None
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 res["bad_q"] = (type(e).__name__, str(e))
             res["after_errors"] = D.cp_decode(*args, **kw)  # the group is still in step
         if name == "append":  # decode steps with new tokens routed to their owner
@@ -438,7 +437,7 @@ def test_gpu_simulated_shards_equal_the_single_decode(layout):
     out = torch.empty_like(single[0])
     got, lse = D.simulate_cp_decode(p["q"], shards, out=out, workspace=ws, return_softmax_lse=True, **kw)
     ref = paged_attention_ref(p["q"], p["kc"], p["vc"], p["pt"], p["cs"], out_dtype=torch.float32, **kw)
-    err = lambda o: ((o.float() - ref).norm() / ref.norm()).item()  # noqa: E731
+    err = lambda o: ((o.float() - ref).norm() / ref.norm()).item()
     assert err(got) <= 2 * err(single[0]) + 1e-3, (err(got), err(single[0]))
     torch.testing.assert_close(got.float(), single[0].float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, single[1], atol=1e-3, rtol=1e-4)
