@@ -1,8 +1,11 @@
-"""Test configuration: seeds, markers, the tolerance rule (DESIGN §5), hypothesis profiles."""
+"""Test configuration: the interpreter without a GPU, seeds, markers, hypothesis profiles (shared helpers: helpers.py)."""
 import os
 
 import pytest
 import torch
+
+# helpers.py holds the shared checks: rewrite its asserts as pytest rewrites a test module's.
+pytest.register_assert_rewrite("helpers")
 
 # Without a GPU the Triton kernels run in the interpreter; set before any kernel module is imported.
 if not torch.cuda.is_available():

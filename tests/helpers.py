@@ -5,7 +5,9 @@ Test modules import from here (``from helpers import ...``; pytest puts tests/ o
 is collected.
 """
 import math
+import re
 
+import pytest
 import torch
 
 from fp8attn.kernels.dense import launch_dense_fwd
@@ -21,7 +23,7 @@ E5M2 = torch.float8_e5m2
 
 
 # ----------------------------------------------------------------------------------------------------
-# Tolerance
+# Tolerances and error checks
 # ----------------------------------------------------------------------------------------------------
 def assert_close_fa3(out, ref, ref_lowprec, floor=1e-3, name="out"):
     """FA3's rule: max|out - ref| <= 2 * max|ref_lowprec - ref| + floor, plus a bias check on the mean error.
@@ -37,6 +39,23 @@ def assert_close_fa3(out, ref, ref_lowprec, floor=1e-3, name="out"):
     bias = (o - r).mean().abs().item()
     bias_bound = 2 * (rl - r).mean().abs().item() + floor / 10
     assert bias <= bias_bound, f"{name}: mean error {bias:.3e} > {bias_bound:.3e}"
+
+
+def rel_err(out, ref):
+    """Relative Frobenius-norm error of ``out`` against ``ref``, in float64."""
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def raises_naming(exc, arg, fn, *args, got=None, **kw):
+    """``fn(*args, **kw)`` raises ``exc`` whose message names ``arg`` (and contains ``got``, what arrived, when
+    given); returns the message."""
+    with pytest.raises(exc) as ei:
+        fn(*args, **kw)
+    msg = str(ei.value)
+    assert re.search(rf"(^|\W){re.escape(arg)}(\W|$)", msg), f"message does not name {arg!r}: {msg}"
+    if got is not None:
+        assert got in msg, f"message does not say what arrived ({got!r}): {msg}"
+    return msg
 
 
 def check_vs_oracle(out, lse, ref, ref_lse, lowp=None):

@@ -1,21 +1,13 @@
 """FA3's flash_attn_qkvpacked_func and get_scheduler_metadata: packed Q/K/V runs flash_attn_func on views of
 the packed tensor; the metadata's split count reaches flash_attn_with_kvcache."""
-import re
-
 import pytest
 import torch
 
-from helpers import assert_close_fa3
+from helpers import assert_close_fa3, raises_naming
 
 import fp8attn
 
 E4M3 = torch.float8_e4m3fn
-
-
-def _raises(exc, arg, fn, *args, **kw):
-    with pytest.raises(exc) as ei:
-        fn(*args, **kw)
-    assert re.search(rf"(^|\W){re.escape(arg)}(\W|$)", str(ei.value)), str(ei.value)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -57,12 +49,12 @@ def test_gpu_qkvpacked_equals_contiguous_inputs(causal):
 
 
 def test_qkvpacked_bad_inputs_name_the_argument():
-    _raises(ValueError, "qkv", fp8attn.flash_attn_qkvpacked_func, torch.zeros(1, 4, 2, 2, 64))  # 2 not 3
-    _raises(ValueError, "qkv", fp8attn.flash_attn_qkvpacked_func, torch.zeros(1, 4, 3, 2, 64), num_heads_q=2)
-    _raises(ValueError, "num_heads_q", fp8attn.flash_attn_qkvpacked_func, torch.zeros(1, 4, 7, 64))
-    _raises(ValueError, "num_heads_q", fp8attn.flash_attn_qkvpacked_func, torch.zeros(1, 4, 7, 64), num_heads_q=2)
-    _raises(ValueError, "num_heads_q", fp8attn.flash_attn_qkvpacked_func, torch.zeros(1, 4, 6, 64), num_heads_q=6)
-    _raises(ValueError, "qkv", fp8attn.flash_attn_qkvpacked_func, torch.zeros(4, 64))
+    raises_naming(ValueError, "qkv", fp8attn.flash_attn_qkvpacked_func, torch.zeros(1, 4, 2, 2, 64))  # 2 not 3
+    raises_naming(ValueError, "qkv", fp8attn.flash_attn_qkvpacked_func, torch.zeros(1, 4, 3, 2, 64), num_heads_q=2)
+    raises_naming(ValueError, "num_heads_q", fp8attn.flash_attn_qkvpacked_func, torch.zeros(1, 4, 7, 64))
+    raises_naming(ValueError, "num_heads_q", fp8attn.flash_attn_qkvpacked_func, torch.zeros(1, 4, 7, 64), num_heads_q=2)
+    raises_naming(ValueError, "num_heads_q", fp8attn.flash_attn_qkvpacked_func, torch.zeros(1, 4, 6, 64), num_heads_q=6)
+    raises_naming(ValueError, "qkv", fp8attn.flash_attn_qkvpacked_func, torch.zeros(4, 64))
 
 
 def _paged_call(g):
@@ -102,22 +94,22 @@ def test_scheduler_metadata_bad_inputs_name_the_argument():
     q, kc, vc, pt, lens = _paged_call(g)
     meta = fp8attn.get_scheduler_metadata(2, 1, 64, 4, 2, 64, lens, num_splits=3)
     call = dict(cache_seqlens=lens, page_table=pt, causal=True)
-    _raises(ValueError, "num_splits", fp8attn.flash_attn_with_kvcache, q, kc, vc, scheduler_metadata=meta, num_splits=2,
+    raises_naming(ValueError, "num_splits", fp8attn.flash_attn_with_kvcache, q, kc, vc, scheduler_metadata=meta, num_splits=2,
             **call)
-    _raises(ValueError, "scheduler_metadata", fp8attn.flash_attn_with_kvcache, q, kc, vc,
+    raises_naming(ValueError, "scheduler_metadata", fp8attn.flash_attn_with_kvcache, q, kc, vc,
             scheduler_metadata=torch.zeros(3, dtype=torch.int64), **call)
-    _raises(ValueError, "scheduler_metadata", fp8attn.flash_attn_with_kvcache, q, kc, vc, scheduler_metadata=[0, 0],
+    raises_naming(ValueError, "scheduler_metadata", fp8attn.flash_attn_with_kvcache, q, kc, vc, scheduler_metadata=[0, 0],
             **call)
-    _raises(ValueError, "num_splits", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens, num_splits=-1)
-    _raises(ValueError, "max_seqlen_k", fp8attn.get_scheduler_metadata, 2, 1, "64", 4, 2, 64, lens)
-    _raises(ValueError, "batch_size", fp8attn.get_scheduler_metadata, 2.0, 1, 64, 4, 2, 64, lens)
+    raises_naming(ValueError, "num_splits", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens, num_splits=-1)
+    raises_naming(ValueError, "max_seqlen_k", fp8attn.get_scheduler_metadata, 2, 1, "64", 4, 2, 64, lens)
+    raises_naming(ValueError, "batch_size", fp8attn.get_scheduler_metadata, 2.0, 1, 64, 4, 2, 64, lens)
     assert fp8attn.get_scheduler_metadata(torch.tensor(2), 1, 64, 4, 2, 64, lens, num_splits=2).shape == (2,)
-    _raises(TypeError, "cache_seqlens", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, [50, 61])
+    raises_naming(TypeError, "cache_seqlens", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, [50, 61])
     # attention_chunk: checked and accepted (FA3 code passes the call's value); the split count is num_splits's
     assert torch.equal(fp8attn.get_scheduler_metadata(2, 1, 64, 4, 2, 64, lens, attention_chunk=32, num_splits=3),
                        torch.zeros(3, dtype=torch.int32))
     for bad in (-1, 2.5, True):
-        _raises(ValueError, "attention_chunk", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens,
+        raises_naming(ValueError, "attention_chunk", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens,
                 attention_chunk=bad)
 
 
@@ -218,10 +210,10 @@ def test_attention_chunk_writes_out_and_runs_packed():
 
 def test_attention_chunk_bad_values_and_unsupported_calls():
     q = torch.zeros(1, 8, 2, 32, dtype=torch.bfloat16)
-    _raises(ValueError, "attention_chunk", fp8attn.flash_attn_func, q, q, q, attention_chunk=-1)
-    _raises(ValueError, "attention_chunk", fp8attn.flash_attn_func, q, q, q, attention_chunk=2.5)
+    raises_naming(ValueError, "attention_chunk", fp8attn.flash_attn_func, q, q, q, attention_chunk=-1)
+    raises_naming(ValueError, "attention_chunk", fp8attn.flash_attn_func, q, q, q, attention_chunk=2.5)
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    _raises(NotImplementedError, "seqused_k", fp8attn.flash_attn_varlen_func, q[0], q[0], q[0], cu, cu, 8, 8,
+    raises_naming(NotImplementedError, "seqused_k", fp8attn.flash_attn_varlen_func, q[0], q[0], q[0], cu, cu, 8, 8,
             seqused_k=torch.tensor([6], dtype=torch.int32), attention_chunk=4)
 
 
@@ -357,15 +349,15 @@ def test_attention_chunk_in_kvcache_rejects_what_it_cannot_run():
     pt = torch.arange(8, dtype=torch.int32).view(2, 4)
     lens = torch.tensor([20, 30], dtype=torch.int32)
     q2 = torch.zeros(2, 2, 4, 32, dtype=torch.bfloat16)  # two queries per sequence, not causal
-    _raises(NotImplementedError, "causal", fp8attn.flash_attn_with_kvcache, q2, kc, kc.clone(),
+    raises_naming(NotImplementedError, "causal", fp8attn.flash_attn_with_kvcache, q2, kc, kc.clone(),
             cache_seqlens=lens, page_table=pt, causal=False, attention_chunk=32)
     q1 = q2[:, :1]
-    _raises(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, kc, kc.clone(),
+    raises_naming(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, kc, kc.clone(),
             cache_seqlens=lens, page_table=pt, causal=True, attention_chunk=24)  # not a multiple of the page
-    _raises(ValueError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, kc, kc.clone(),
+    raises_naming(ValueError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, kc, kc.clone(),
             cache_seqlens=lens, page_table=pt, attention_chunk=-4)
     contiguous = torch.zeros(2, 48, 2, 32, dtype=torch.bfloat16)
-    _raises(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, contiguous,
+    raises_naming(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, contiguous,
             contiguous.clone(), cache_seqlens=lens, cache_leftpad=torch.tensor([1, 2], dtype=torch.int32),
             attention_chunk=16)
 

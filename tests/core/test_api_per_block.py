@@ -1,15 +1,12 @@
 """Per-block Q/K descales through the public API (quantize_qkv(granularity="per_block") -> flash_attn_*)."""
 import pytest
 import torch
+from helpers import rel_err
 
 import fp8attn
 from fp8attn.reference import attention_ref, varlen_attention_ref
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def _rel(o, r):
-    return ((o.double() - r).norm() / r.norm()).item()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -43,7 +40,7 @@ def test_per_block_with_outlier_blocks_beats_per_tensor(device):
         kw = {"descale_block_size": 64} if gran == "per_block" else {}
         o = fp8attn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **kw)
         assert not torch.isnan(o).any()
-        errs[gran] = _rel(o, ref)
+        errs[gran] = rel_err(o, ref)
     assert errs["per_block"] <= errs["per_tensor"] * 1.05, errs
 
 
@@ -59,7 +56,7 @@ def test_varlen_per_block_matches_reference(device):
     ref = varlen_attention_ref(q.double(), k.double(), v.double(), cu_q, cu_k, 80, 130, causal=True,
                                compute_dtype=torch.float64)
     assert not torch.isnan(o).any()
-    assert _rel(o, ref) < 0.08
+    assert rel_err(o, ref) < 0.08
 
 
 def test_bad_block_descales_name_the_argument():

@@ -11,6 +11,7 @@ GPU (``gpu`` marker): the same against the Triton backward kernel, determinism, 
 """
 import pytest
 import torch
+from helpers import rel_err
 
 import fp8attn
 from fp8attn import ops
@@ -31,10 +32,6 @@ def _fp8_allclose(monkeypatch):
         return orig(a, b, *args, **kw)
 
     monkeypatch.setattr(torch, "allclose", allclose)
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _fp8_inputs(b, sq, sk, hq, hk, d, dv, device="cpu"):
@@ -83,7 +80,7 @@ def test_reference_backward_vs_float64_autograd(name):
                               causal=causal, window_left=win[0], window_right=win[1], softcap=softcap)
     for g, w, what in zip(got, want, "qkv"):
         assert g.dtype == torch.float32 and g.shape == w.shape and g.is_contiguous()
-        assert _rel(g, w) < 2e-5, f"d{what}: relative error {_rel(g, w):.2e}"
+        assert rel_err(g, w) < 2e-5, f"d{what}: relative error {rel_err(g, w):.2e}"
     if sq > sk and causal:  # the first sq - sk query rows see no key: lse = -inf, no gradient
         assert torch.isneginf(lse[:, :, : sq - sk]).all()
         assert not got[0][:, : sq - sk].any()
@@ -110,7 +107,7 @@ def test_reference_backward_varlen_empty_sequences():
                               causal=True, window_right=0, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=4,
                               max_seqlen_k=5)
     for g, w in zip(got, want):
-        assert g.shape == w.shape and _rel(g, w) < 2e-5
+        assert g.shape == w.shape and rel_err(g, w) < 2e-5
     assert torch.isneginf(lse[:, 3:7]).all() and not got[0][3:7].any()  # sequence 2: queries, no keys
 
 
@@ -123,7 +120,7 @@ def test_fp8_mode_error_next_to_dequantized():
     for mode in ("dequantized", "fp8"):
         got = R.attention_bwd_ref(do, *fp8, o.float(), lse, q_descale=qd, k_descale=kd, v_descale=vd, causal=True,
                                   window_right=0, mode=mode)
-        errs[mode] = [_rel(g, w) for g, w in zip(got, want)]
+        errs[mode] = [rel_err(g, w) for g, w in zip(got, want)]
     print("relative gradient error (dq, dk, dv):", errs)
     for deq, f8 in zip(errs["dequantized"], errs["fp8"]):
         assert deq < 1e-5 and 1e-3 < f8 < 0.1
@@ -146,7 +143,7 @@ def test_flash_attn_func_bf16_grads_within_2x_sdpa():
                                             for g in g_sdpa[1:]]
     for o_, s_, w in zip(ours, g_sdpa, want):
         assert o_.dtype == torch.bfloat16
-        assert _rel(o_, w) <= 2 * _rel(s_, w) + 1e-4, (_rel(o_, w), _rel(s_, w))
+        assert rel_err(o_, w) <= 2 * rel_err(s_, w) + 1e-4, (rel_err(o_, w), rel_err(s_, w))
 
 
 def test_varlen_and_qkvpacked_autograd():
@@ -164,7 +161,7 @@ def test_varlen_and_qkvpacked_autograd():
         od = R.attention_ref(*leaves, causal=True, compute_dtype=torch.float64)
         want = torch.autograd.grad(od, leaves, do[sl][None].double())
         for g, w in zip(got, want):
-            assert _rel(g[sl], w[0]) < 1e-5
+            assert rel_err(g[sl], w[0]) < 1e-5
     qkv = torch.randn(2, 6, 3, 2, 16, dtype=torch.bfloat16, requires_grad=True)
     o = fp8attn.flash_attn_qkvpacked_func(qkv, causal=True)
     do = torch.randn_like(o)
@@ -199,7 +196,7 @@ def test_lse_computed_for_backward_and_grad_options():
     do = torch.randn_like(o)
     g_deq = torch.autograd.grad(o, (q, k, v), do)
     g_f8 = torch.autograd.grad(fp8attn.flash_attn_func(q, k, v, fp8_backward="fp8"), (q, k, v), do)
-    assert not torch.equal(g_deq[0], g_f8[0]) and _rel(g_f8[0], g_deq[0]) < 0.1
+    assert not torch.equal(g_deq[0], g_f8[0]) and rel_err(g_f8[0], g_deq[0]) < 0.1
     try:
         fp8attn.set_fp8_backward("fp8")
         assert fp8attn.get_fp8_backward() == "fp8"
@@ -266,7 +263,7 @@ def _attention_errors(leaves, do, **kw):
     out = fp8attn.attention(*leaves, causal=True, **kw)
     grads = torch.autograd.grad(out, leaves, do)
     o64, _, want = _oracle([x.detach().double().cpu() for x in leaves], do.double().cpu(), causal=True)
-    return _rel(out.cpu(), o64), [_rel(g.cpu(), w) for g, w in zip(grads, want)], grads
+    return rel_err(out.cpu(), o64), [rel_err(g.cpu(), w) for g, w in zip(grads, want)], grads
 
 
 @pytest.mark.parametrize("granularity,hadamard", [("per_head", False), ("per_block", True)])
@@ -295,9 +292,9 @@ def test_attention_varlen_gqa_empty_sequence():
             continue
         sl = slice(int(cu[i]), int(cu[i]) + n)
         o64, _, want = _oracle([x[sl][None].detach().double() for x in leaves], do[sl][None], causal=True)
-        fwd = _rel(out[sl][None], o64)
+        fwd = rel_err(out[sl][None], o64)
         for g, w in zip(grads, want):
-            assert _rel(g[sl][None], w) <= 2 * fwd + 1e-3
+            assert rel_err(g[sl][None], w) <= 2 * fwd + 1e-3
 
 
 def test_attention_validation_and_lse():
@@ -361,7 +358,7 @@ def test_gpu_kernel_backward_vs_reference(case, mode):
     for g, w, w64 in zip(got, want, want64):
         # FA3's rule: kernel error <= 2x the same-precision reference's error + a floor (the kernel rounds P and
         # dS to bf16 in the dequantized mode, which the fp32 reference does not)
-        assert _rel(g, w64) <= 2 * _rel(w, w64) + 5e-3, (_rel(g, w64), _rel(w, w64))
+        assert rel_err(g, w64) <= 2 * rel_err(w, w64) + 5e-3, (rel_err(g, w64), rel_err(w, w64))
 
 
 @pytest.mark.gpu
@@ -398,4 +395,4 @@ def test_gpu_compiled_forward_backward():
     torch._dynamo.reset()
     compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(*leaves), leaves)
     for a, b in zip(eager, compiled):
-        assert _rel(b, a) < 1e-2
+        assert rel_err(b, a) < 1e-2

@@ -1,9 +1,8 @@
 """cache_leftpad (FA3 semantics) in flash_attn_with_kvcache: a left-padded contiguous cache row is the same
 sequence as that row shifted left by its pad, with rotary positions kept absolute."""
-import re
-
 import pytest
 import torch
+from helpers import raises_naming
 
 import fp8attn
 
@@ -98,21 +97,14 @@ def _call(**kw):
     return fp8attn.flash_attn_with_kvcache(q, args.pop("k_cache", kc), args.pop("v_cache", kc.clone()), **args)
 
 
-def _raises(exc, arg, **kw):
-    with pytest.raises(exc) as ei:
-        _call(**kw)
-    assert re.search(rf"(^|\W){re.escape(arg)}(\W|$)", str(ei.value)), str(ei.value)
-
-
 def test_leftpad_bad_inputs_name_the_argument():
-    _raises(ValueError, "cache_leftpad", cache_leftpad=torch.tensor([0, 26, 0], dtype=torch.int32))  # > cache_seqlens
-    _raises(ValueError, "cache_leftpad", cache_leftpad=torch.tensor([-1, 0, 0], dtype=torch.int32))
-    _raises(ValueError, "cache_leftpad", cache_leftpad=torch.tensor([0, 0], dtype=torch.int32))
-    _raises(TypeError, "cache_leftpad", cache_leftpad=torch.tensor([0, 0, 0], dtype=torch.int64))
+    raises_naming(ValueError, "cache_leftpad", _call, cache_leftpad=torch.tensor([0, 26, 0], dtype=torch.int32))  # > cache_seqlens
+    raises_naming(ValueError, "cache_leftpad", _call, cache_leftpad=torch.tensor([-1, 0, 0], dtype=torch.int32))
+    raises_naming(ValueError, "cache_leftpad", _call, cache_leftpad=torch.tensor([0, 0], dtype=torch.int32))
+    raises_naming(TypeError, "cache_leftpad", _call, cache_leftpad=torch.tensor([0, 0, 0], dtype=torch.int64))
     rows_apart = torch.zeros(B, 2 * S, HK, D, dtype=torch.bfloat16)[:, :S]  # rows not one token run
-    _raises(ValueError, "k_cache", k_cache=rows_apart, v_cache=rows_apart.clone())
-    _raises(ValueError, "cache_seqlens", k=torch.zeros(B, 30, HK, D, dtype=torch.bfloat16),
-            v=torch.zeros(B, 30, HK, D, dtype=torch.bfloat16), q=torch.zeros(B, 30, H, D, dtype=torch.bfloat16))
+    raises_naming(ValueError, "k_cache", _call, k_cache=rows_apart, v_cache=rows_apart.clone())
+    raises_naming(ValueError, "cache_seqlens", _call, k=torch.zeros(B, 30, HK, D, dtype=torch.bfloat16), v=torch.zeros(B, 30, HK, D, dtype=torch.bfloat16), q=torch.zeros(B, 30, H, D, dtype=torch.bfloat16))
     pt = torch.zeros(B, 1, dtype=torch.int32)
     pages = torch.zeros(4, S, HK, D, dtype=torch.bfloat16)
-    _raises(NotImplementedError, "cache_leftpad", page_table=pt, k_cache=pages, v_cache=pages.clone())
+    raises_naming(NotImplementedError, "cache_leftpad", _call, page_table=pt, k_cache=pages, v_cache=pages.clone())

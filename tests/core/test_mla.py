@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import rel_err
 
 from fp8attn import capability, mla
 
@@ -132,10 +133,6 @@ def _problem(B=2, H=16, rank=64, dn=128, dr=64, dv=128, new=(13, 21), ctx=(70, 0
     return args, kw
 
 
-def _rel(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 def _ref(args, kw):
     kw = {k: v for k, v in kw.items() if k not in ("max_seqlen_q", "max_context_len")}
     return mla.prefill_ref(*args, **kw)
@@ -153,7 +150,7 @@ def test_prefill_matches_float64_reference(mode, cache_dtype, latent_mean):
     out = mla.prefill(*args, **kw, chunk_size=32, mode=mode)
     assert out.shape == (34, 16, 128) and out.dtype == BF16
     assert not torch.isnan(out).any()
-    err = _rel(out, _ref(args, kw))
+    err = rel_err(out, _ref(args, kw))
     bound = 5e-3 if mode == "off" else 3e-2 if latent_mean else 8e-2
     assert err <= bound, err
 
@@ -163,7 +160,7 @@ def test_no_prefix_and_an_empty_context():
     kw.update(max_context_len=0, latent_cache=None, page_table=None, context_lens=None)
     out = mla.prefill(*args, **kw, mode="fp8_gather")
     # 13 and 21 keys per query at most: little averaging of the e4m3 rounding (measured 3.2%)
-    assert _rel(out, _ref(args, kw)) <= 5e-2
+    assert rel_err(out, _ref(args, kw)) <= 5e-2
 
 
 @pytest.mark.parametrize("mode", ["fp8_gather", "bf16_gather", "off"])
@@ -175,10 +172,10 @@ def test_chunked_equals_unchunked(mode):
     args, kw = _problem(ctx=(70, 45), latent_mean=0.0 if mode == "off" else 1.0)
     one = mla.prefill(*args, **kw, chunk_size=128, mode=mode)
     many = mla.prefill(*args, **kw, chunk_size=24, mode=mode)
-    assert _rel(many, one) <= {"fp8_gather": 1.5e-2, "bf16_gather": 3e-2, "off": 4e-3}[mode]
+    assert rel_err(many, one) <= {"fp8_gather": 1.5e-2, "bf16_gather": 3e-2, "off": 4e-3}[mode]
     if mode != "off":
         ref = _ref(args, kw)
-        assert _rel(many, ref) <= 3e-2 and _rel(one, ref) <= 3e-2
+        assert rel_err(many, ref) <= 3e-2 and rel_err(one, ref) <= 3e-2
 
 
 @pytest.mark.parametrize("mode", ["fp8_gather", "bf16_gather"])
@@ -248,7 +245,7 @@ def test_fp16_takes_the_16bit_path_without_a_report(monkeypatch, fresh_plans):
     _forbid_fp8(monkeypatch)
     monkeypatch.setenv("FP8ATTN_FALLBACK", "error")
     out = mla.prefill(*args, **kw, chunk_size=32, mode="fp8_gather")
-    assert out.dtype == torch.float16 and _rel(out, _ref(args, kw)) <= 1e-2
+    assert out.dtype == torch.float16 and rel_err(out, _ref(args, kw)) <= 1e-2
 
 
 def test_fp8_gather_unsupported_keeps_fp8_attention(monkeypatch, fresh_plans):
@@ -263,7 +260,7 @@ def test_fp8_gather_unsupported_keeps_fp8_attention(monkeypatch, fresh_plans):
     monkeypatch.setattr(mla, "_quant", lambda *a, **k: calls.append(k.get("ds") is None) or real(*a, **k))
     out = mla.prefill(*args, **kw, chunk_size=32, mode="fp8_gather", stats=stats)
     assert calls == [True] * 4 and stats.total == 0  # Q/K/V once, 3 chunks dynamically
-    assert _rel(out, _ref(args, kw)) <= 3e-2
+    assert rel_err(out, _ref(args, kw)) <= 3e-2
 
 
 def test_one_warning_per_process():
@@ -351,7 +348,7 @@ def test_gpu_real_shapes(mode):
     ref = mla.prefill_ref(args[0][:, hs], args[1][:, hs], args[2], args[3], args[4][:, hs], args[5][:, hs],
                           cu_seqlens_q=kw["cu_seqlens_q"], softmax_scale=kw["softmax_scale"],
                           latent_cache=kw["latent_cache"], page_table=kw["page_table"], context_lens=kw["context_lens"])
-    assert _rel(out[:, hs], ref) <= 3e-2
+    assert rel_err(out[:, hs], ref) <= 3e-2
     if mode == "fp8_gather":
         assert stats.total == ctx * H * 320 and stats.rate() < 1e-3
 

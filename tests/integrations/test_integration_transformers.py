@@ -3,6 +3,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import rel_err
 
 transformers = pytest.importorskip("transformers")
 fx = pytest.importorskip("fp8attn.integrations.transformers")
@@ -35,10 +36,6 @@ def _pair(cfg_fn, impl="fp8attn", ref="sdpa"):
     b = transformers.AutoModelForCausalLM.from_config(cfg_fn(), attn_implementation=ref).eval()
     b.load_state_dict(a.state_dict())
     return a, b
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _left_padded(batch=3, seqlen=14, pads=(0, 5, 9)):
@@ -85,9 +82,9 @@ def test_left_padding_gqa_close_to_sdpa(llama):
         exp = ref(ids, attention_mask=mask).logits
         unmasked = ref(ids).logits  # what ignoring the padding would give
     real = mask.bool()
-    err = _rel(out[real], exp[real])
+    err = rel_err(out[real], exp[real])
     assert err < 0.03, err
-    assert _rel(unmasked[real], exp[real]) > 5 * err  # the check can tell padding handled from not
+    assert rel_err(unmasked[real], exp[real]) > 5 * err  # the check can tell padding handled from not
     assert torch.isfinite(out).all()
 
 
@@ -99,7 +96,7 @@ def test_right_padding_close_to_sdpa(llama):
     with torch.no_grad():
         out, exp = fp8(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
     real = mask.bool()
-    assert _rel(out[real], exp[real]) < 0.03
+    assert rel_err(out[real], exp[real]) < 0.03
 
 
 def test_packed_sequences_from_position_ids(llama):
@@ -110,9 +107,9 @@ def test_packed_sequences_from_position_ids(llama):
         out = fp8(ids, position_ids=pos, use_cache=False).logits
         exp = ref(ids, position_ids=pos, use_cache=False).logits
         one_seq = ref(ids, use_cache=False).logits
-    err = _rel(out, exp)
+    err = rel_err(out, exp)
     assert err < 0.03, err
-    assert _rel(one_seq, exp) > 5 * err
+    assert rel_err(one_seq, exp) > 5 * err
 
 
 def test_sliding_window_per_layer_close_to_sdpa():
@@ -122,12 +119,12 @@ def test_sliding_window_per_layer_close_to_sdpa():
     with torch.no_grad():
         out, exp = fp8(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
     real = mask.bool()
-    err = _rel(out[real], exp[real])
+    err = rel_err(out[real], exp[real])
     assert err < 0.03, err
     _, full = _pair(lambda: _qwen2_sliding_cfg(window=False))
     with torch.no_grad():
         no_window = full(ids, attention_mask=mask).logits
-    assert _rel(no_window[real], exp[real]) > 5 * err  # the window changes the result beyond FP8 error
+    assert rel_err(no_window[real], exp[real]) > 5 * err  # the window changes the result beyond FP8 error
 
 
 def test_softcap_and_scale_match_the_reference():
@@ -148,9 +145,9 @@ def test_softcap_and_scale_match_the_reference():
                         compute_dtype=torch.float64)
     no_cap = attention_ref(qt.double(), kt.double(), vt.double(), causal=True, softmax_scale=1.0,
                            compute_dtype=torch.float64)
-    err = _rel(out, ref)
+    err = rel_err(out, ref)
     assert err < 0.05, err
-    assert _rel(no_cap, ref) > 3 * err
+    assert rel_err(no_cap, ref) > 3 * err
 
 
 def test_options_context_and_config(llama):
@@ -199,7 +196,7 @@ def test_generate_fp8_cache_matches_default_cache(llama, default_cache_run, scal
     a, b = got.sequences[:, ids.shape[1]:], ref.sequences[:, ids.shape[1]:]
     assert (a == b).float().mean() >= 0.75, (a, b)
     # the first step's logits (prefill over the FP8 cache) are close to the 16-bit-cache ones
-    assert _rel(got.scores[0], ref.scores[0]) < 0.05
+    assert rel_err(got.scores[0], ref.scores[0]) < 0.05
     assert cache.get_seq_length() == ids.shape[1] + 5  # the last token is never fed back
     assert cache.layers[0].lens.tolist() == (mask.sum(1) + 5).tolist()  # padding never written
     lay = cache.layers[0]
@@ -221,8 +218,8 @@ def test_prefill_over_cache_prefix_is_causal(llama):
         fp8(ids[:, :7], cache=parts)
         got = fp8(ids[:, 7:], cache=parts).logits
         fresh = fp8(ids[:, 7:]).logits  # no prefix: differs
-    assert _rel(got, ref[:, 7:]) < 0.03
-    assert _rel(fresh, ref[:, 7:]) > 0.1
+    assert rel_err(got, ref[:, 7:]) < 0.03
+    assert rel_err(fresh, ref[:, 7:]) > 0.1
 
 
 def test_crop_then_continue(llama):

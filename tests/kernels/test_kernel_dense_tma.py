@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers import assert_close_fa3, assert_row_scaled
+from helpers import assert_close_fa3, assert_row_scaled, dense_descales, fp8_randn
 
 from fp8attn.kernels import dense_tma
 from fp8attn.kernels import dense as dense_mod
@@ -32,15 +32,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 
 
-def _fp8(shape, device, scale=3.0):
-    return (torch.randn(shape, device=device) * scale).clamp(-448, 448).to(E4M3)
-
-
 def _case(b=2, sq=256, sk=256, hq=8, hk=2, d=128, device="cpu"):
-    q, k, v = _fp8((b, sq, hq, d), device), _fp8((b, sk, hk, d), device), _fp8((b, sk, hk, d), device)
-    qd = torch.rand(b, hk, device=device) * 0.28 + 0.02
-    kd = torch.rand(b, hk, device=device) * 0.28 + 0.02
-    vd = torch.rand(b, hk, device=device) * 1.5 + 0.5
+    q, k, v = fp8_randn((b, sq, hq, d), device=device), fp8_randn((b, sk, hk, d), device=device), fp8_randn((b, sk, hk, d), device=device)
+    qd, kd, vd = dense_descales(b, hk, device)
     out = torch.empty(b, sq, hq, d, device=device, dtype=torch.bfloat16)
     lse = torch.empty(b, hq, sq, device=device)
     return q, k, v, qd, kd, vd, out, lse
@@ -108,7 +102,7 @@ def test_varlen_v_kmajor_layout(path, token_major):
     (interpreted on the CPU) from V with the head dim or the tokens contiguous, and the torch path."""
     lens = [300, 0, 7, 1, 517, 16]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    v = _fp8((int(cu[-1]), 2, 64), "cpu")
+    v = fp8_randn((int(cu[-1]), 2, 64), device="cpu")
     if path == "torch":
         vt = dense_mod._varlen_v_kmajor_torch(v, cu)
     elif dense_mod.INTERPRET or torch.cuda.is_available():
@@ -140,8 +134,8 @@ def test_varlen_rules():
     """Varlen inputs the bounded kernel takes pass every shape rule (only the device check is left on
     the CPU); the others are named."""
     total_q, total_k, hq, hk, d = 818, 832, 8, 2, 128
-    q, k = _fp8((total_q, hq, d), "cpu"), _fp8((total_k, hk, d), "cpu")
-    vt = _fp8((total_k, hk, d), "cpu").permute(1, 2, 0).contiguous().permute(2, 0, 1)  # sequence-contiguous
+    q, k = fp8_randn((total_q, hq, d), device="cpu"), fp8_randn((total_k, hk, d), device="cpu")
+    vt = fp8_randn((total_k, hk, d), device="cpu").permute(1, 2, 0).contiguous().permute(2, 0, 1)  # sequence-contiguous
     out = torch.empty(total_q, hq, d, dtype=torch.bfloat16)
     cu_q = torch.tensor([0, 300, 301, 818], dtype=torch.int32)
     cu_k = torch.tensor([0, 300, 310, 832], dtype=torch.int32)
@@ -160,7 +154,7 @@ def test_varlen_rules():
     for args, over, words in cases:
         why = dense_tma.unsupported_reason(*args, **dict(kw, **over))
         assert why is not None and words in why, (words, why)
-    q256, k256 = _fp8((total_q, hq, 256), "cpu"), _fp8((total_k, hk, 256), "cpu")
+    q256, k256 = fp8_randn((total_q, hq, 256), device="cpu"), fp8_randn((total_k, hk, 256), device="cpu")
     out256 = torch.empty(total_q, hq, 256, dtype=torch.bfloat16)
     assert "head dim" in dense_tma.unsupported_reason(q256, k256, k256, out256, **kw)
 
@@ -201,7 +195,7 @@ def test_supported_rejects_outside_contract():
     # shape / dtype cases are rejected before the device check as well
     q96, k96, v96, qd96, kd96, vd96, out96, lse96 = _case(d=96)
     assert "head dim" in dense_tma.unsupported_reason(q96, k96, v96, out96, **_kw(qd96, kd96, vd96, lse96))
-    v64 = _fp8((2, 256, 2, 64), "cpu")  # head dim of v != head dim of q/k
+    v64 = fp8_randn((2, 256, 2, 64), device="cpu")  # head dim of v != head dim of q/k
     out64 = torch.empty(2, 256, 8, 64, dtype=torch.bfloat16)
     assert "head dim" in dense_tma.unsupported_reason(q, k, v64, out64, **kw)
     q2, k2, v2, qd2, kd2, vd2, out2, lse2 = _case(sq=200, sk=200)
@@ -597,7 +591,7 @@ def test_gpu_fp8_out_bits_equal_the_epilogue_formula(d, backend, varlen, with_ls
     monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", backend)  # tma: raises if the TMA kernel were not taken
     b, sq, sk, hq, hk = 2, 256 if backend == "tma" else 200, 256, 4, 2
     g = torch.Generator(device="cuda").manual_seed(d)
-    q = _fp8((b, sq, hq, d), "cuda")
+    q = fp8_randn((b, sq, hq, d), device="cuda")
     k = torch.zeros(b, sk, hk, d, device="cuda").to(E4M3)
     # magnitudes in [1/2, 4): within one wgmma's 32-key sum the terms stay within 11 bits of each other (its
     # internal alignment keeps more), and the fp32 sums over 256 keys are exact
@@ -979,7 +973,7 @@ def _varlen_case(lens_q, lens_k, hq=8, hk=2, d=128, dv=None):
     cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     b = len(lens_q)
-    q, k, v = (_fp8((int(cu[-1]), h, w), "cuda") for cu, h, w in ((cu_q, hq, d), (cu_k, hk, d), (cu_k, hk, dv or d)))
+    q, k, v = (fp8_randn((int(cu[-1]), h, w), device="cuda") for cu, h, w in ((cu_q, hq, d), (cu_k, hk, d), (cu_k, hk, dv or d)))
     qd = torch.rand(b, hk, device="cuda") * 0.28 + 0.02
     kd = torch.rand(b, hk, device="cuda") * 0.28 + 0.02
     vd = torch.rand(b, hk, device="cuda") * 1.5 + 0.5
@@ -1062,7 +1056,7 @@ def test_gpu_varlen_v_kmajor_matches_cpu():
     the compiled block-list kernel the list of the CPU test."""
     lens = [300, 0, 7, 1, 517, 16, 1000]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    v = _fp8((int(cu[-1]), 2, 128), "cpu")
+    v = fp8_randn((int(cu[-1]), 2, 128), device="cpu")
     ref = dense_mod._varlen_v_kmajor_torch(v, cu)
     got = varlen_v_kmajor(v.cuda(), cu.cuda())
     got_t = varlen_v_kmajor(transpose_v_kmajor(v.cuda()), cu.cuda())  # from token-contiguous V
@@ -1078,7 +1072,7 @@ def test_gpu_varlen_v_kmajor_matches_cpu():
 # ---------------------------------------------------------------------------------------------
 def _case_qk192(b=2, sq=256, sk=256, hq=8, hk=2, device="cpu"):
     """``_case`` with q/k head dim 192, v/out head dim 128, V sequence-contiguous (``vt``) as well."""
-    q, k, v = _fp8((b, sq, hq, 192), device), _fp8((b, sk, hk, 192), device), _fp8((b, sk, hk, 128), device)
+    q, k, v = fp8_randn((b, sq, hq, 192), device=device), fp8_randn((b, sk, hk, 192), device=device), fp8_randn((b, sk, hk, 128), device=device)
     qd = torch.rand(b, hk, device=device) * 0.28 + 0.02
     kd = torch.rand(b, hk, device=device) * 0.28 + 0.02
     vd = torch.rand(b, hk, device=device) * 1.5 + 0.5
@@ -1121,7 +1115,7 @@ def test_qk192_rules(monkeypatch):
     out192 = torch.empty(2, 256, 8, 192, dtype=torch.bfloat16)
     assert "shape mismatch" in dense_tma.unsupported_reason(q, k, vt, out192, **kw)
     for dq, dk, dv in ((192, 192, 192), (192, 192, 64), (128, 128, 192), (192, 128, 128), (256, 256, 128)):
-        qx, kx, vx = _fp8((2, 256, 8, dq), "cpu"), _fp8((2, 256, 2, dk), "cpu"), _fp8((2, 256, 2, dv), "cpu")
+        qx, kx, vx = fp8_randn((2, 256, 8, dq), device="cpu"), fp8_randn((2, 256, 2, dk), device="cpu"), fp8_randn((2, 256, 2, dv), device="cpu")
         ox = torch.empty(2, 256, 8, dv, dtype=torch.bfloat16)
         assert "head dim" in dense_tma.unsupported_reason(qx, kx, vx, ox, **kw), (dq, dk, dv)
     # varlen: the bounded kernel (by default from 1024 queries, as head dim 128), also behind the switch
