@@ -1,9 +1,10 @@
 """Engine decode throughput: bf16 vs FP8 paged KV cache on a RANDOM-weight model of real shape.
 
-``python -m fp8attn.engine.bench --batch 64 --context 4096`` fills each sequence's cache with random
-K/V of ``context`` tokens (no prefill: weights are random, so only speed is meaningful), then times
-engine decode steps (scheduling + CUDA-graph forward + sampling), and the graph replay alone.
-Results follow DESIGN §6: routine "engine", params batch/context, ours.tokens_per_s, peer bf16_cache.
+``fp8attn bench engine`` (or ``python -m fp8attn.bench.engine --batch 64 --context 4096``) fills each
+sequence's cache with random K/V of ``context`` tokens (no prefill: weights are random, so only speed is
+meaningful), then times engine decode steps (scheduling + CUDA-graph forward + sampling), and the graph
+replay alone. Results use the common results format (docs/benchmarks.md): routine "engine", params
+batch/context, ours.tokens_per_s, peer bf16_cache.
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import time
 
 import torch
 
-from .engine import EngineConfig, LLMEngine
-from .scheduler import SamplingParams, Sequence, SeqStatus
+from ..serving.engine.engine import EngineConfig, LLMEngine
+from ..serving.engine.scheduler import SamplingParams, Sequence, SeqStatus
+from .common import results_header, write_results
 
-__all__ = ["fill_decode_state", "time_decode", "main"]
+__all__ = ["fill_decode_state", "time_decode", "check_gpu_paths", "main", "run"]
 
 
 def fill_decode_state(eng: LLMEngine, batch: int, context: int, max_new: int, seed: int = 0) -> list[Sequence]:
@@ -93,7 +95,7 @@ def time_decode(model, kv: str, scale: str, batch: int, context: int, steps: int
 def check_gpu_paths(dev: str = "cuda") -> list[str]:
     """Correctness checks of the engine on the GPU (tiny random model, fp32 weights): CUDA-graph decode
     equals eager decode, and the Triton paged path matches the reference path. Returns report lines."""
-    from ..models import LlamaConfig, LlamaModel
+    from ..serving.models import LlamaConfig, LlamaModel
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=64)
@@ -127,10 +129,9 @@ def check_gpu_paths(dev: str = "cuda") -> list[str]:
 
 
 def main(argv=None) -> int:
-    from ..bench.common import results_header, write_results
-    from ..models import LLAMA3_8B, LlamaConfig, LlamaModel
+    from ..serving.models import LLAMA3_8B, LlamaConfig, LlamaModel
 
-    p = argparse.ArgumentParser(prog="python -m fp8attn.engine.bench")
+    p = argparse.ArgumentParser(prog="python -m fp8attn.bench.engine")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=20)
