@@ -60,7 +60,7 @@ from . import reference as ref
 from ._checks import check_same_device
 from .capability import kernel_for, launch_device, report_fallback
 from .launch_rules import TMA_QUERY_BLOCK, attention_out_dtype, paged_tma_call_reason
-from .paged import is_v_seq_major, packed_token_seqs, paged_precisions, slot_mapping_for, token_rows
+from .paged_cache import is_v_seq_major, packed_token_seqs, paged_precisions, slot_mapping_for, token_rows
 from .paged_plan import CPU_NUM_SMS, paged_grid
 from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import quant
-from ...paged import alloc_paged_cache
+from ...paged_cache import alloc_paged_cache
 
 __all__ = ["PagedKVCache", "StepInputs", "KV_DTYPES", "SCALE_MODES"]
 
