@@ -65,6 +65,7 @@ from .paged_plan import CPU_NUM_SMS, paged_grid
 from .quant import (descale_for_tokens, descale_from_amax, descale_shape, empty_seq_major, fp8_max,
                     launch_quant_fp8_static, quant_fp8_static_torch, quantize_one, round_descale_for_storage,
                     saturating_cast)
+from .scaled_bmm import scaled_bmm_impl
 
 __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "append_kv_cache", "quantize_fp8", "quant_fp8_static",
            "scaled_bmm", "QuantizedAttention", "set_fp8_backward", "fp8_backward_mode", "check_bwd_mode", "BWD_MODES",
@@ -411,8 +412,6 @@ def _quant_impl(x, scale):
 
 
 def _scaled_bmm_impl(a, b, scale_a, scale_b, out_dtype):
-    from .scaled_bmm import scaled_bmm_impl
-
     return scaled_bmm_impl(a, b, scale_a, scale_b, out_dtype)
 
 
