@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from conftest import assert_close_fa3  # noqa: E402
 from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, paged_config, split_workspace  # noqa: E402
-from fp8attn.paged import is_v_seq_major, to_v_seq_major  # noqa: E402
+from fp8attn.paged_cache import is_v_seq_major, to_v_seq_major  # noqa: E402
 from fp8attn.quant import saturating_cast  # noqa: E402
 from fp8attn.reference import paged_attention_ref  # noqa: E402
 

@@ -19,7 +19,7 @@ BENCH_ROUTINES = {
     "mixed": ("fp8attn.bench.paged", "run_mixed"),
     "output-quant": ("fp8attn.bench.output_quant", "run"),
     "mla": ("fp8attn.bench.mla", "run"),
-    "engine": ("fp8attn.engine.bench", "run"),
+    "engine": ("fp8attn.bench.engine", "run"),
     "host": ("fp8attn.bench.host", "run"),
     "cp": ("fp8attn.bench.cp", "run"),
     "cp-simulate": ("fp8attn.bench.cp", "run_simulate"),
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8attn", description="FP8 attention for Hopper GPUs, with a CPU reference path.")
     sub = p.add_subparsers(dest="command", metavar="<command>", title="commands")
     sub.add_parser("info", help=COMMANDS["info"], description=COMMANDS["info"])
-    for name in _PASSTHROUGH:  # (their options: ``fp8attn <name> --help``, parsed by fp8attn.demo)
+    for name in _PASSTHROUGH:  # (their options: ``fp8attn <name> --help``, parsed by fp8attn.serving.demo)
         sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name], add_help=False)
     bp = sub.add_parser("bench", help=COMMANDS["bench"], description=COMMANDS["bench"], epilog=_bench_epilog(),
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     if a.command == "accuracy-demo":
         return _accuracy_guarded(a)
     if a.command in _PASSTHROUGH:
-        fn = _load("fp8attn.demo", f"{a.command}_main")
+        fn = _load("fp8attn.serving.demo", f"{a.command}_main")
         return 2 if fn is None else int(fn(rest) or 0)
     if a.command == "bench":
         if not torch.cuda.is_available() and a.routine not in CPU_ROUTINES:

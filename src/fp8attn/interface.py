@@ -24,8 +24,8 @@ import torch
 from . import _checks as C
 from . import ops, plan
 from .capability import kernel_for
-from .paged import slot_mapping_for
-from .paged import token_rows as _token_rows
+from .paged_cache import slot_mapping_for
+from .paged_cache import token_rows as _token_rows
 from .quant import expand_descale, is_fp8
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",

@@ -213,7 +213,7 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None)
     """Decode over an FP8 paged cache; returns the results path. ``q_fp8``: e4m3 Q (``run_decode_fp8q``).
     ``cells``: only these (batch, context) pairs (``run_decode_large``), peers that fit in memory."""
     from ..kernels.paged import choose_num_splits, launch_paged_fwd, split_workspace
-    from ..paged import to_v_seq_major
+    from ..paged_cache import to_v_seq_major
     from ..reference import paged_attention_ref
 
     doc = results_header("decode_large" if cells else "decode_fp8q" if q_fp8 else "decode")
@@ -352,7 +352,7 @@ def _sweep(launch, configs):
 def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, configs=None):
     """A 2k chunk over an 8k cached prefix vs the dense FP8 forward on the same pairs."""
     from ..kernels.paged import launch_paged_fwd
-    from ..paged import to_v_seq_major
+    from ..paged_cache import to_v_seq_major
     from ..reference import paged_attention_ref
 
     doc = results_header("prefill_chunked")
@@ -479,7 +479,7 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
 def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=2048, prefix=8192, configs=None):
     """32 decodes + one 2k chunk in one varlen launch vs the two launched separately."""
     from ..kernels.paged import launch_paged_fwd
-    from ..paged import to_v_seq_major
+    from ..paged_cache import to_v_seq_major
 
     doc = results_header("mixed")
     scale = D ** -0.5

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import quant
-from ..paged import alloc_paged_cache
+from ... import quant
+from ...paged_cache import alloc_paged_cache
 
 __all__ = ["PagedKVCache", "StepInputs", "KV_DTYPES", "SCALE_MODES"]
 

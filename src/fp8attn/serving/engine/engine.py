@@ -32,9 +32,9 @@ class EngineConfig:
     kv_scale : FP8 scale granularity, "per_tensor" | "per_seq_head" | "per_token_head".
     kv_scale_dtype : storage of per-token-head scales, "float32" | "bfloat16" (half the scale bytes).
     v_seq_major : store V sequence-major inside each page (same results; K-major FP8 P@V for prefill,
-        one-page decode tiles). None (default): on for FP8 caches, off for 16/32-bit caches. H200, B64
-        decode at 4k context, Llama-3-8B shape: 5045 tokens/s with page 64 + sequence-major V vs 4722
-        with FA3's layout at page 64 and 3886 at page 16 (benchmarks/results/h200/engine.json).
+        one-page decode tiles). None (default): on for FP8 caches, off for 16/32-bit caches; FP8
+        decode at page 64 runs faster with it than with FA3's layout (``fp8attn bench engine``,
+        benchmarks/results/h200/engine.json).
     static_k_descale / static_v_descale : per-tensor descales (float or one per layer); None = calibrate
         from the first prefill step ("per_tensor") or from each sequence's first prefill chunk
         ("per_seq_head"), with ``calib_margin`` headroom.
