@@ -9,7 +9,7 @@ passes (``fp8attn.compile``) can match them by name.
 
 Why ``Library.define`` + one impl and not ``torch.library.custom_op``: the same opaque op with the
 same fake, but dispatch stays in C++ up to the Python implementation (no Python autograd wrapper, no
-run-time aliasing check), a fraction of custom_op's per-call overhead (docs/compile.md has the numbers).
+run-time aliasing check), a fraction of custom_op's per-call overhead (docs/compile.md).
 
 Autograd: ``dense_fwd`` is differentiable (``torch.library.register_autograd``; its backward is the
 opaque op ``dense_bwd``, so a compiled forward + backward holds both ops and no graph break). The
