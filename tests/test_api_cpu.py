@@ -1,4 +1,4 @@
-"""The public API on CPU tensors (the reference path) over the edge grid of DESIGN.md §5.
+"""The public API on CPU tensors (the reference path) over the edge grid of docs/design.md, Testing.
 
 Every result is compared with the independent float64 oracle (tests/test_reference.py::naive_attention)
 computed from the dequantized inputs, with FA3's tolerance rule where the low-precision step is the

@@ -7,8 +7,8 @@ compiles the launches of ``benchmarks/aot_paged_sm90.py`` (decode and prefill, F
 both V layouts) ahead of time for sm90 on the CPU, in a subprocess (the compile needs the JIT, not the
 interpreter), and checks each kernel's static shared memory, and that a 16-bit P@V over an FP8 cache in
 FA3's layout (bf16 Q; FP8 Q, whose P@V runs in fp16 there) reads its V operand from shared memory as 16-bit
-values, not byte by byte (LDS.U8: the cast moved after the operand read, ~8% of decode time at page 16;
-docs/perf-notes.md, paged round 10).
+values, not byte by byte (LDS.U8: the cast moved after the operand read; docs/decisions.md, Paged
+decode).
 """
 import os
 import re

@@ -9,7 +9,7 @@ passes (``fp8attn.compile``) can match them by name.
 
 Why ``Library.define`` + one impl and not ``torch.library.custom_op``: the same opaque op with the
 same fake, but dispatch stays in C++ up to the Python implementation (no Python autograd wrapper, no
-run-time aliasing check), a fraction of custom_op's per-call overhead (docs/compile.md has the numbers).
+run-time aliasing check), a fraction of custom_op's per-call overhead (docs/compile.md).
 
 Autograd: ``dense_fwd`` is differentiable (``torch.library.register_autograd``; its backward is the
 opaque op ``dense_bwd``, so a compiled forward + backward holds both ops and no graph break). The
@@ -25,8 +25,9 @@ Eager calls of the attention entry points (``dense_fwd``, ``paged_fwd``, ``combi
 and of ``quantize_fp8`` skip the dispatcher hop and call the op's implementation directly when nothing could
 observe the difference
 (``_eager_direct``: not traced by torch.compile / jit, no torch-function or dispatch mode, no functorch
-transform, plain tensors, and no input that requires grad with grad mode on). That hop costs 5-12 us per call on an H200 host (docs/perf-notes.md); under
-tracing, FakeTensor, export or any mode the op is called as before, so graphs still hold
+transform, plain tensors, and no input that requires grad with grad mode on). That hop costs microseconds per call
+(``noop_op_hop_us`` in benchmarks/results/h200/output_quant.json); under
+tracing, FakeTensor, export or any mode the op is called, so graphs still hold
 ``fp8attn::*`` ops and their fakes.
 
 Ops (``torch.ops.fp8attn.<name>.default``):
