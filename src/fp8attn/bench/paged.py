@@ -29,6 +29,7 @@ copies (>= 256 MiB in all) so that timings measure HBM, not L2.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -209,19 +210,30 @@ def run_decode_large(out_dir=None, quick=False):
     return run_decode(out_dir, quick, cells=((256, 131072),))
 
 
-def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None):
+def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None, shapes=None, splits=None,
+               page_sizes=None, read_ceiling=False):
     """Decode over an FP8 paged cache; returns the results path. ``q_fp8``: e4m3 Q (``run_decode_fp8q``).
-    ``cells``: only these (batch, context) pairs (``run_decode_large``), peers that fit in memory."""
+    ``cells``: only these (batch, context) pairs (``run_decode_large``), peers that fit in memory.
+
+    Options (``fp8attn bench decode --help``): ``shapes`` ((batch, context), ...) replaces the grid (as
+    ``cells``); ``splits`` (split counts, 0 = ``choose_num_splits``) and ``configs`` (``launch_paged_fwd``
+    ``config=`` overrides) are timed beside the default in every case (``split_sweep`` / ``config_sweep_ms``:
+    one-call CUDA-graph replays and per call in an 8-call step, on the FA3-layout cache and, where the
+    ``paged_v_seq_major`` peer runs, on it too); ``page_sizes`` replaces (16, 64); ``read_ceiling`` adds the
+    peer ``read_ceiling``: a kernel that only reads the same K/V bytes, timed the same ways."""
     from ..kernels.paged import choose_num_splits, launch_paged_fwd, split_workspace
     from ..paged import to_v_seq_major
     from ..reference import paged_attention_ref
 
-    doc = results_header("decode_large" if cells else "decode_fp8q" if q_fp8 else "decode")
+    cells = cells or shapes
+    doc = results_header("decode_large" if cells and not shapes else "decode_fp8q" if q_fp8 else "decode")
     batches = [1, 8, 16, 64, 256] if not quick else [1, 64]
     ctxs = [1024, 4096, 32768, 131072] if not quick else [4096, 32768]
     if cells:
+        cells = tuple(tuple(c) for c in cells)
         batches, ctxs = sorted({c[0] for c in cells}), sorted({c[1] for c in cells})
-    page_sizes = [16, 64]
+    page_sizes = list(page_sizes or (16, 64))
+    splits_opt = tuple(splits or ())
     nsm = _num_sms()
     scale = D ** -0.5
     for page_size in page_sizes:
@@ -246,16 +258,21 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None)
                 q8 = (q.float() / 2).to(E4M3)  # e4m3 Q with its descale: q8 * qd
                 qd = torch.full((b, HK), 2.0, device="cuda")
 
-                def mk(r, cfg=None, v_cache=None, fp8=q_fp8):
+                def mk(r, cfg=None, v_cache=None, fp8=q_fp8, ns=None):
                     v_cache = vc if v_cache is None else v_cache
                     if cfg and "q_fp8" in cfg:  # sweep entries pick the Q dtype
                         fp8 = cfg["q_fp8"]
                         cfg = {k_: v_ for k_, v_ in cfg.items() if k_ != "q_fp8"}
+                    n, o_p, l_p = (splits, op, lp) if ns is None else (ns, *sweep_ws(ns))
                     return lambda: launch_paged_fwd(q8 if fp8 else q, kc, v_cache, pts[r], seqlens, out, lse,
                                                     max_seqlen_q=1, softmax_scale=scale, causal=True,
                                                     q_descale=qd if fp8 else None, k_descale=kd, v_descale=vd,
-                                                    num_splits=splits, out_partial=op, lse_partial=lp,
+                                                    num_splits=n, out_partial=o_p, lse_partial=l_p,
                                                     config=cfg or None)
+
+                def sweep_ws(ns):  # the split workspace of a swept count (0: the heuristic's)
+                    ns = ns or splits
+                    return split_workspace(q, ns, D) if ns > 1 else (None, None)
                 fns = [mk(r) for r in range(n_rot)]
                 fns[0]()
                 torch.cuda.synchronize()
@@ -276,17 +293,21 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None)
                                  "cuda_graph": graphed, "ms_step": ms_step,
                                  "gbps_step": kv_bytes / ms_step / 1e6 if ms_step else None},
                         "peers": {}}
-                if configs and (b, L) in ((64, 4096), (1, 131072), (8, 32768), (16, 32768)):
-                    sweep = {}
-                    for cfg in configs:
-                        fns_c = [mk(r, cfg) for r in range(n_rot)]
-                        try:
-                            fns_c[0]()
-                            torch.cuda.synchronize()
-                            sweep[str(cfg)] = time_ms(graph_replay(fns_c)[0])
-                        except Exception as e:
-                            sweep[str(cfg)] = f"{type(e).__name__}: {str(e)[:100]}"
-                    case["config_sweep_ms"] = sweep
+                sweep_v = {"fa3": vc}
+                if page_size >= 64 and b * L >= (1 << 17) and (splits_opt or configs):
+                    sweep_v["v_seq_major"] = to_v_seq_major(vc)
+                if configs and (cells or (b, L) in ((64, 4096), (1, 131072), (8, 32768), (16, 32768))):
+                    case["config_sweep_ms"] = {
+                        lay: {str(cfg): _sweep_timing([mk(r, cfg, v_cache=v_) for r in range(n_rot)])
+                              for cfg in configs} for lay, v_ in sweep_v.items()}
+                if splits_opt:
+                    case["split_sweep"] = {
+                        lay: {str(ns or splits): _sweep_timing([mk(r, v_cache=v_, ns=ns) for r in range(n_rot)],
+                                                               kv_bytes) for ns in splits_opt}
+                        for lay, v_ in sweep_v.items()}
+                del sweep_v
+                if read_ceiling:
+                    case["peers"]["read_ceiling"] = _read_ceiling_peer(kc, vc, kv_bytes)
                 def ref_fn(ks, vs):  # per-tensor descales, as FlashInfer takes them
                     one = torch.ones(b, HK, device="cuda")
                     return paged_attention_ref(q, kc, vc, pts[0], seqlens, softmax_scale=scale, causal=True,
@@ -327,6 +348,64 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None)
     return write_results(doc, out_dir)
 
 
+def _sweep_timing(fns, kv_bytes=None):
+    """``{"ms": one-call CUDA-graph replay, "ms_step": per call of an 8-call captured step}`` of rotating
+    ``fns`` (GB/s of ``kv_bytes`` where given), or the error of a refused override."""
+    try:
+        fns[0]()
+        torch.cuda.synchronize()
+        ms = time_ms(graph_replay(fns)[0])
+        res = {"ms": ms, "ms_step": graph_step_ms(fns)}
+        if kv_bytes:
+            res["gbps"] = kv_bytes / ms / 1e6
+        return res
+    except Exception as e:  # an override the launcher refuses: recorded, the sweep goes on
+        torch.cuda.synchronize()
+        return {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+
+
+def _best_replay(fn, repeats=2):
+    """``{"ms": best of ``repeats`` medians of a one-call CUDA-graph replay of fn}``, or the error of a refused
+    override (the sweep goes on)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        call, graphed = graph_replay([fn])
+        return {"ms": min(time_ms(call) for _ in range(repeats)), "cuda_graph": graphed}
+    except Exception as e:
+        torch.cuda.synchronize()
+        return {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+
+
+def _read_ceiling_peer(kc, vc, kv_bytes):
+    """A kernel that only reads the bytes of ``kc`` and ``vc`` (16-byte vectors, summed so the loads stay),
+    the fastest of a few grid shapes, timed as one-call replays and per call of an 8-call step: what
+    decode's bandwidth is held against."""
+    from ._floor_kernels import read_fn
+
+    if kv_bytes < ROTATE_BYTES:  # the case's bytes would be re-read from L2: no ceiling of HBM reads
+        return {"ms": None, "skipped": f"K/V of {kv_bytes >> 20} MiB: below {ROTATE_BYTES >> 20} MiB, read from L2"}
+    # each cache's first kv_bytes / 2 bytes (the pool is one allocation; a case with rotating page tables
+    # holds more): the same byte count as the case reads, in address order
+    flat = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())[:kv_bytes // 2]
+            .view(torch.int32) for t in (kc, vc)]
+    best = None
+    for chunk, block, warps in ((1 << 15, 2048, 4), (1 << 16, 2048, 4), (1 << 16, 4096, 8), (1 << 17, 4096, 8),
+                                (1 << 18, 4096, 8)):
+        fns = [read_fn(f, chunk, block, warps) for f in flat]
+
+        def call(fns=fns):
+            for f in fns:
+                f()
+        ms = min(time_ms(graph_replay([call])[0]) for _ in range(2))
+        if best is None or ms < best[0]:
+            best = (ms, {"chunk_words": chunk, "block": block, "warps": warps}, call)
+    ms, cfg, call = best
+    step = graph_step_ms([call])
+    return {"ms": ms, "gbps": kv_bytes / ms / 1e6, "ms_step": step, "gbps_step": kv_bytes / step / 1e6 if step else None,
+            "config": cfg}
+
+
 def _chunk_inputs(batch, prefix, chunk, page_size, q_dtype):
     L = prefix + chunk
     kc, vc, pts = _paged_pool(batch, L, page_size, 1)
@@ -349,17 +428,30 @@ def _sweep(launch, configs):
     return res
 
 
-def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, configs=None):
-    """A 2k chunk over an 8k cached prefix vs the dense FP8 forward on the same pairs."""
+def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, configs=None, shapes=None, splits=None,
+                        page_sizes=None):
+    """A 2k chunk over an 8k cached prefix vs the dense FP8 forward on the same pairs.
+
+    Options (``fp8attn bench prefill-chunked --help``): ``shapes`` ((batch, keys, queries), ...: the queries
+    the last of the keys) replace the (1 and 4) x 2048-over-8192 cases; ``page_sizes`` replace
+    (16, 32, 64, 128); ``splits`` (split counts, 0 = the heuristic) x ``configs`` (``launch_paged_fwd``
+    ``config=`` overrides, e.g. ``{"tma": false, "num_warps": 8}``) are timed beside the default for e4m3
+    and bf16 Q (``split_config_sweep``: CUDA-graph replays, best of two medians)."""
     from ..kernels.paged import launch_paged_fwd
     from ..paged import to_v_seq_major
     from ..reference import paged_attention_ref
 
     doc = results_header("prefill_chunked")
     scale = D ** -0.5
-    L = prefix + chunk
-    for page_size in ([16, 32, 64, 128] if not quick else [64]):
-        for batch in ([1, 4] if not quick else [1]):
+    cases = [(b, prefix + chunk, chunk) for b in ([1, 4] if not quick else [1])]
+    if shapes:
+        cases = [tuple(s) for s in shapes]
+    for page_size in (page_sizes or ([16, 32, 64, 128] if not quick else [64])):
+        for batch, L, chunk in cases:
+            prefix = L - chunk
+            if prefix < 0:
+                raise ValueError(f"shapes: queries ({chunk}) must not exceed keys ({L}) in {batch}x{L}x{chunk}; "
+                                 "give batch x keys x queries with queries <= keys.")
             kc, vc, pt, q8, seqlens = _chunk_inputs(batch, prefix, chunk, page_size, E4M3)
             qd = torch.rand(batch, HK, device="cuda") + 0.5
             kd = torch.rand(batch, HK, device="cuda") + 0.5
@@ -459,7 +551,20 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
                         v_["tflops"] = attn_flops(batch, HQ, chunk, L, D) / v_["ms"] / 1e9
                         v_["note"] = "non-causal over all keys (full pairs)"
                 peers.update(sp)
-            sweep = _sweep(ours, configs) if batch == 1 else {}
+            sweep = _sweep(ours, configs) if batch == 1 and configs and not (splits or shapes) else {}
+            split_sweep = {}
+            if splits or (configs and shapes):
+                for q_name, q_ in (("e4m3", q8), ("bf16", qb)):
+                    o_sw = torch.empty_like(out)
+                    for ns in splits or (0,):
+                        for cfg in configs or (None,):
+                            def swept(q_=q_, ns=ns, cfg=cfg):
+                                launch_paged_fwd(q_, kc, vc, pt, seqlens, o_sw, None, max_seqlen_q=chunk,
+                                                 softmax_scale=scale, causal=True,
+                                                 q_descale=qd if q_.dtype == E4M3 else None, k_descale=kd,
+                                                 v_descale=vd, num_splits=ns, config=cfg)
+                            split_sweep[f"{q_name} splits={ns} config={json.dumps(cfg)}"] = _best_replay(swept)
+                    del o_sw
             case = {"case": f"d128 B{batch} chunk{chunk} prefix{prefix} page{page_size}",
                     "params": {"batch": batch, "seqlen_q": chunk, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
                                "headdim": D, "page_size": page_size, "causal": True, "q_dtype": "e4m3",
@@ -468,6 +573,8 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
                     "peers": peers}
             if sweep:
                 case["config_sweep_ms"] = sweep
+            if split_sweep:
+                case["split_config_sweep"] = split_sweep
             doc["cases"].append(case)
             print(f"prefill {case['case']:40s} ours {ms:.3f} ms {flops / ms / 1e9:6.0f} TF/s | "
                   + " ".join(f"{k}={v['ms']:.3f}ms" for k, v in peers.items() if v and v.get("ms")), flush=True)
