@@ -24,6 +24,7 @@ BENCH_ROUTINES = {
     "decode-large": ("fp8attn.bench.paged", "run_decode_large"),
     "prefill-chunked": ("fp8attn.bench.paged", "run_prefill_chunked"),
     "mixed": ("fp8attn.bench.paged", "run_mixed"),
+    "leftpad": ("fp8attn.bench.paged", "run_leftpad"),
     "output-quant": ("fp8attn.bench.output_quant", "run"),
     "mla": ("fp8attn.bench.mla", "run"),
     "engine": ("fp8attn.bench.engine", "run"),

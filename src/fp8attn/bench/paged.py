@@ -1,4 +1,5 @@
-"""Paged-KV benchmarks: ``decode``, ``prefill_chunked`` and ``mixed`` (results format: DESIGN §6).
+"""Paged-KV benchmarks: ``decode``, ``prefill_chunked``, ``mixed`` and ``leftpad`` (one results format,
+docs/benchmarks.md).
 
 * decode: B in {1, 8, 64, 256} x context {1k, 4k, 32k, 128k} (cases with more than 2**23 cached
   tokens are skipped: 16 GiB of FP8 KV plus 32 GiB for the bf16 peers), 32 q / 8 kv heads, d128,
@@ -24,6 +25,9 @@
   kernel and the decode rows on the Triton kernel (peer ``one_launch_triton``: everything in one Triton
   launch, the call's path before the TMA kernel took varlen chunks).
 
+* leftpad: ``flash_attn_with_kvcache`` with ``cache_leftpad`` against the same call without a pad
+  (peer ``no_pad``), decode and a 128-query chunk over a contiguous e4m3 cache.
+
 Inputs larger than L2 are used as is; small working sets rotate over several page tables / cache
 copies (>= 256 MiB in all) so that timings measure HBM, not L2.
 """
@@ -36,7 +40,7 @@ import torch
 
 from .common import attn_flops, graph_replay, graph_step_ms, results_header, rotating, time_ms, write_results
 
-__all__ = ["run_decode", "run_decode_fp8q", "run_prefill_chunked", "run_mixed"]
+__all__ = ["run_decode", "run_decode_fp8q", "run_decode_large", "run_prefill_chunked", "run_mixed", "run_leftpad"]
 
 HQ, HK, D = 32, 8, 128
 E4M3 = torch.float8_e4m3fn
@@ -197,10 +201,52 @@ def _rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def run_decode_fp8q(out_dir=None, quick=False):
+def run_decode_fp8q(out_dir=None, quick=False, shapes=None, splits=None, configs=None, page_sizes=None):
     """``run_decode`` with e4m3 Q (``decode_fp8q.json``): ours = e4m3 Q over the FA3-layout cache, peers the
-    same call with bf16 Q (``bf16_q``), e4m3 Q over sequence-major V and torch SDPA bf16."""
-    return run_decode(out_dir, quick, q_fp8=True)
+    same call with bf16 Q (``bf16_q``), e4m3 Q over sequence-major V and torch SDPA bf16. Options as
+    ``run_decode``'s (e.g. ``configs`` ``[{"pv_fp16": false}]``: the FP8 P@V path beside the default fp16 one)."""
+    return run_decode(out_dir, quick, q_fp8=True, shapes=shapes, splits=splits, configs=configs,
+                      page_sizes=page_sizes)
+
+
+def run_leftpad(out_dir=None, quick=False):
+    """``fp8attn bench leftpad`` (``leftpad.json``): what ``cache_leftpad`` costs. ``flash_attn_with_kvcache``
+    over a contiguous e4m3 cache (rows of context + 256 tokens; 32 q / 8 kv heads, d128, bf16 Q,
+    per-(sequence, head) descales, causal) with a left pad of 0-255 rows per sequence (ours: the call reads the
+    cache through one-token pages) against the same call without a pad (peer ``no_pad``), decode B64 x 4k,
+    B8 x 32k and a 128-query chunk B4 x 4k; CUDA-graph replays of one call, best of two medians."""
+    import fp8attn
+
+    doc = results_header("leftpad")
+    torch.manual_seed(0)
+    cases = ((64, 4096, 1), (8, 32768, 1), (4, 4096, 128)) if not quick else ((64, 4096, 1),)
+    for batch, ctx, sq in cases:
+        rows = ctx + 256
+        kc, vc = (torch.randn(batch, rows, HK, D, device="cuda").to(E4M3) for _ in range(2))
+        q = torch.randn(batch, sq, HQ, D, device="cuda", dtype=torch.bfloat16)
+        dd = torch.rand(batch, HK, device="cuda") + 0.5
+        pad = torch.randint(0, 256, (batch,), device="cuda", dtype=torch.int32)
+        out = torch.empty(batch, sq, HQ, D, device="cuda", dtype=torch.bfloat16)
+        kw = dict(k_descale=dd, v_descale=dd, causal=True, out=out)
+        full = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        timed = {}
+        for name, fn in (("leftpad", lambda: fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=pad + ctx,
+                                                                              cache_leftpad=pad, **kw)),
+                         ("no_pad", lambda: fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=full, **kw))):
+            call, graphed = graph_replay([fn])
+            timed[name] = (min(time_ms(call) for _ in range(2)), graphed)
+        kv_bytes = 2 * batch * ctx * HK * D
+        (ms, g), (ms_n, g_n) = timed["leftpad"], timed["no_pad"]
+        doc["cases"].append({
+            "case": f"d128 B{batch} L{ctx} q{sq}",
+            "params": {"batch": batch, "seqlen_q": sq, "seqlen_k": ctx, "nheads_q": HQ, "nheads_k": HK, "headdim": D,
+                       "causal": True, "q_dtype": "bf16", "kv_dtype": "e4m3", "max_leftpad": 255},
+            "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": None, "cuda_graph": g},
+            "peers": {"no_pad": {"ms": ms_n, "gbps": kv_bytes / ms_n / 1e6, "cuda_graph": g_n}}})
+        print(f"leftpad B{batch} L{ctx} q{sq}: {ms * 1e3:.1f} us, without a pad {ms_n * 1e3:.1f} us", flush=True)
+        del kc, vc
+        torch.cuda.empty_cache()
+    return write_results(doc, out_dir)
 
 
 def run_decode_large(out_dir=None, quick=False):
