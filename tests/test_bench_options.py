@@ -30,7 +30,7 @@ def test_bad_option_values_are_usage_errors(capsys, argv, words):
 def test_an_option_the_routine_does_not_take_names_the_routines_that_do(capsys):
     assert cli.main(["bench", "host", "--splits", "0,2", "--name", "n"]) == 2
     err = _err(capsys)
-    assert "host takes no --splits" in err and "decode, prefill-chunked" in err
+    assert "host takes no --splits" in err and "decode, decode-fp8q, prefill-chunked" in err
 
 
 def test_an_option_needs_a_name_so_the_committed_file_stays(capsys):
