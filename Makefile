@@ -106,7 +106,7 @@ bench-engine: gpu-info
 	$(BENCH) engine --cases bf16_p64,fp8_p64_vseq,fp8_2x_p64_vseq --name engine_defaults $(BENCH_OUT) $(BENCH_ARGS)
 bench-mla: gpu-info
 	$(BENCH) mla $(BENCH_OUT) $(BENCH_ARGS)
-	$(BENCH) mla --attention --name mla_attention $(BENCH_OUT) $(BENCH_ARGS)
+	$(BENCH) mla --attention --dense-rules "stages=3;persistent=0" --name mla_attention $(BENCH_OUT) $(BENCH_ARGS)
 bench-backward: gpu-info
 	$(BENCH) backward $(BENCH_OUT) $(BENCH_ARGS)
 bench-host: gpu-info

@@ -100,7 +100,8 @@ def test_a_plain_run_stamps_its_command_in_place(monkeypatch, tmp_path):
 def test_dense_rules_parse_and_refuse_unknown_values():
     assert dense_tma.dense_rules(None) == {} and dense_tma.dense_rules("") == {}
     assert dense_tma.dense_rules(" kperm=0, consumers=3,persistent=1 ") == {"kperm": 0, "consumers": 3, "persistent": 1}
-    for bad in ("kperm=2", "stages=3", "ws", "consumers=x"):
+    assert dense_tma.dense_rules("stages=3") == {"stages": 3}
+    for bad in ("kperm=2", "stages=5", "rings=3", "ws", "consumers=x"):
         with pytest.raises(ValueError, match="FP8ATTN_DENSE_RULES"):
             dense_tma.dense_rules(bad)
 

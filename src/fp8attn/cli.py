@@ -105,8 +105,8 @@ BENCH_OPTIONS = {
     "cases": (str, "engine: comma-separated engine cases (python -m fp8attn.engine.bench --help names them)"),
     "read-ceiling": (bool, "decode: add peer read_ceiling, a kernel that only reads the same KV bytes"),
     "varlen": (bool, "dense: varlen batches on both kernels (FP8ATTN_DENSE_BACKEND=tma / triton) instead of the grid"),
-    "dense-rules": (str, "dense: FP8ATTN_DENSE_RULES values to A/B, separated by ';' (an empty entry = the "
-                         "committed rules), e.g. ';kperm=0;consumers=3'"),
+    "dense-rules": (str, "dense, mla --attention: FP8ATTN_DENSE_RULES values to A/B, separated by ';' (an empty "
+                         "entry = the committed rules), e.g. ';kperm=0;consumers=3'"),
     "attention": (bool, "mla: the attention alone at qk 192 / v 128 (B1 x --seqlen, heads 128 and 16) on both "
                         "kernels against torch SDPA cuDNN bf16, instead of the prefill pipeline"),
     "seqlen": (_positive_int, "mla --attention: tokens of the one sequence (default 8192)"),

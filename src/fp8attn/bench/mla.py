@@ -161,16 +161,17 @@ def _case(ctx, chunk, mode):
             "ours": {"ms": ms, "tflops": flops / attn_ms * 1e-9, "gbps": None, "err": err}, "peers": peers}
 
 
-def run(out_dir=None, quick=False, attention=False, seqlen=None):
+def run(out_dir=None, quick=False, attention=False, seqlen=None, dense_rules=None):
     """Run the cases, print a table, write results/<gpu>/mla_prefill.json; returns the path.
 
-    ``attention`` (``fp8attn bench mla --attention [--seqlen N]``): the attention alone instead
-    (``run_attention``, results ``mla_attention``)."""
+    ``attention`` (``fp8attn bench mla --attention [--seqlen N] [--dense-rules ...]``): the attention alone
+    instead (``run_attention``, results ``mla_attention``)."""
     if attention:
-        return write_results(run_attention(seqlen or T, (16,) if quick else (H, 16)), out_dir)
-    if seqlen is not None:
-        raise ValueError(f"seqlen: the prefill pipeline runs {T} new tokens; --seqlen={seqlen} applies to --attention "
-                         "only. Add --attention or drop --seqlen.")
+        variants = [v.strip() for v in dense_rules.split(";") if v.strip()] if dense_rules else []
+        return write_results(run_attention(seqlen or T, (16,) if quick else (H, 16), variants), out_dir)
+    if seqlen is not None or dense_rules is not None:
+        raise ValueError("seqlen / dense_rules: the prefill pipeline runs 8192 new tokens on the committed rules; "
+                         "--seqlen and --dense-rules apply to --attention only. Add --attention or drop them.")
     doc = results_header("mla_prefill")
     plan = [(0, 4096), (32768, 4096)] if not quick else [(0, 4096)]
     for ctx, chunk in plan:
@@ -193,14 +194,16 @@ def _quantize_per_head(x):
     return (x.float() / ds[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn), ds.contiguous()
 
 
-def run_attention(seqlen, heads):
+def run_attention(seqlen, heads, rule_variants=()):
     """The attention of MLA prefill alone (routine ``mla_attention``): one sequence of ``seqlen`` tokens, e4m3
     Q/K (head dim 192 = NoPE 128 + RoPE 64) and V (128) with per-head descales, causal and not, per head count.
     ``ours``: the dense launcher on its default kernel for these head dims, the warp-specialized TMA kernel
     (``ms_lse``: writing the LSE too; ``kernel``: the kernels its call ran, from the profiler); peers
     ``triton`` (the same call with ``FP8ATTN_DENSE_BACKEND=triton``) and ``sdpa_cudnn_bf16`` (torch SDPA's cuDNN
     backend on the dequantized bf16 inputs). TF/s: 2 x visible pairs x (192 + 128) per head. ``err``:
-    max |out - ref| / max |ref| on the first 2 heads against the float reference of the e4m3 inputs."""
+    max |out - ref| / max |ref| on the first 2 heads against the float reference of the e4m3 inputs.
+    ``rule_variants``: ``FP8ATTN_DENSE_RULES`` values (e.g. ``stages=3``, ``persistent=0``), each an extra peer
+    ``rules:<value>`` (the same call under that value)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
@@ -249,6 +252,16 @@ def run_attention(seqlen, heads):
                 return time_ms(ours), err(out), sorted(kernel_times_us(ours, reps=2))
             ms_t, err_t, k_t = _with_env("FP8ATTN_DENSE_BACKEND", "triton", triton_ms)
             peers = {"triton": {"ms": ms_t, "tflops": flops / ms_t / 1e9, "err": err_t, "kernel": k_t}}
+            for var in rule_variants:
+                def rules_ms():
+                    ours()
+                    torch.cuda.synchronize()
+                    return time_ms(ours), err(out)
+                try:
+                    ms_v, err_v = _with_env("FP8ATTN_DENSE_RULES", var, rules_ms)
+                    peers[f"rules:{var}"] = {"ms": ms_v, "tflops": flops / ms_v / 1e9, "err": err_v}
+                except Exception as e:  # a value this call cannot take: recorded, the others go on
+                    peers[f"rules:{var}"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
 
             def cudnn(causal=causal):
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

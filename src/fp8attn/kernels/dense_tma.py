@@ -151,10 +151,12 @@ _D256_LSE_SCRATCH = True
 
 # ``FP8ATTN_DENSE_RULES``: overrides of the dense launcher's rules, for A/B timings in one process (``fp8attn
 # bench dense --dense-rules``): comma-separated ``rule=value`` with ws (warp-specialized kernel, 0/1),
-# persistent (the warp-specialized grid, 0/1), consumers (2/3), kperm (0/1), d256_scratch (0/1). Unset or
-# empty: the rules as committed. Read on every launch (a lookup cached per value).
+# persistent (the warp-specialized grid, 0/1), consumers (2/3), stages (K/V ring stages of the warp-specialized
+# kernel, 2-4), kperm (0/1), d256_scratch (0/1). Unset or empty: the rules as committed. Fixed-length launches
+# only (varlen keeps its rules). Read on every launch (a lookup cached per value).
 DENSE_RULES_ENV = "FP8ATTN_DENSE_RULES"
-_RULE_NAMES = {"ws": (0, 1), "persistent": (0, 1), "consumers": (2, 3), "kperm": (0, 1), "d256_scratch": (0, 1)}
+_RULE_NAMES = {"ws": (0, 1), "persistent": (0, 1), "consumers": (2, 3), "stages": (2, 3, 4), "kperm": (0, 1),
+               "d256_scratch": (0, 1)}
 
 
 @functools.lru_cache(maxsize=16)
@@ -545,6 +547,7 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     nc, stages = 2, NUM_STAGES
     if ws:
         nc, bn, stages = ws_config(d, causal, rules.get("consumers"), None if d_v == d else d_v)
+        stages = rules.get("stages", stages)
     kperm = ws and bool(rules.get("kperm", kperm_on(d, nc, causal, lse is not None)))
     if kperm and not (d == 64 and nc == 2):
         raise ValueError(f"{DENSE_RULES_ENV}: kperm=1 needs head dim 64 and two consumers, got head dim {d} and "
