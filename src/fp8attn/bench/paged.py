@@ -348,7 +348,7 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None,
                               for cfg in configs} for lay, v_ in sweep_v.items()}
                 if splits_opt:
                     case["split_sweep"] = {
-                        lay: {str(ns or splits): _sweep_timing([mk(r, v_cache=v_, ns=ns) for r in range(n_rot)],
+                        lay: {(str(ns) if ns else f"0 (heuristic: {splits})"): _sweep_timing([mk(r, v_cache=v_, ns=ns) for r in range(n_rot)],
                                                                kv_bytes) for ns in splits_opt}
                         for lay, v_ in sweep_v.items()}
                 del sweep_v
