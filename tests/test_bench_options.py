@@ -1,6 +1,7 @@
 """`fp8attn bench <routine>` options: parsing, which routine takes which, where option runs write, the
 command stamped into the results, and the dense launcher's rule overrides (FP8ATTN_DENSE_RULES)."""
 import json
+import os
 import sys
 import types
 
@@ -111,3 +112,50 @@ def test_ws_grid_override_beats_the_length_rule(monkeypatch):
     assert dense_tma.ws_grid(1000, True, 16384, 0, head_dim=128) == (1000, 1)  # per block beyond 8k queries
     assert dense_tma.ws_grid(1000, True, 16384, 0, head_dim=128, persistent=True) == (132, 1)
     assert dense_tma.ws_grid(1000, False, 1024, 0, head_dim=128, persistent=False) == (1000, 1)
+
+
+def test_mla_pipeline_refuses_the_attention_only_options_before_any_gpu_work():
+    from fp8attn.bench import mla
+
+    for kw in ({"seqlen": 4096}, {"dense_rules": "stages=3"}):
+        with pytest.raises(ValueError, match="--attention"):
+            mla.run(**kw)
+
+
+def test_with_env_restores_the_variable(monkeypatch):
+    from fp8attn.bench.dense import _with_env
+
+    monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "triton")
+    assert _with_env("FP8ATTN_DENSE_BACKEND", "tma", lambda: os.environ["FP8ATTN_DENSE_BACKEND"]) == "tma"
+    assert os.environ["FP8ATTN_DENSE_BACKEND"] == "triton"
+    monkeypatch.delenv("FP8ATTN_DENSE_RULES", raising=False)
+    with pytest.raises(RuntimeError):
+        _with_env("FP8ATTN_DENSE_RULES", "kperm=0", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert "FP8ATTN_DENSE_RULES" not in os.environ
+
+
+def test_read_ceiling_is_skipped_where_the_bytes_fit_in_l2():
+    import torch
+
+    from fp8attn.bench.paged import _read_ceiling_peer
+
+    kc = vc = torch.empty(4, 16, 8, 128, dtype=torch.float8_e4m3fn)
+    peer = _read_ceiling_peer(kc, vc, 2 * kc.numel())
+    assert peer["ms"] is None and "L2" in peer["skipped"]
+
+
+def test_every_results_file_names_a_command_that_parses():
+    """Each committed results file records the `fp8attn bench` command that reproduces it: the routine exists
+    and takes the options given."""
+    import shlex
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").rglob("*.json"))
+    assert files
+    for f in files:
+        cmd = json.loads(f.read_text()).get("command")
+        assert cmd, f"{f.name}: no command"
+        argv = shlex.split(cmd)
+        assert argv[:2] == ["fp8attn", "bench"], f"{f.name}: {cmd}"
+        a = cli.build_parser().parse_args(argv[1:])
+        cli._bench_options(a)  # raises for an option the routine does not take

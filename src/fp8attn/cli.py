@@ -6,6 +6,7 @@ import importlib
 import inspect
 import json
 import platform
+import shlex
 import shutil
 import sys
 import tempfile
@@ -267,7 +268,7 @@ def _bench(a, argv) -> int:
         path = Path(path)
         doc = json.loads(path.read_text())
         # the command that reproduces the file (the results folder is where it went, not what it holds)
-        doc["command"] = " ".join(["fp8attn"] + _without_out_dir(argv))
+        doc["command"] = shlex.join(["fp8attn"] + _without_out_dir(argv))
         path.write_text(json.dumps(doc, indent=1) + "\n")
         if a.name:
             dest = Path(a.out_dir) if a.out_dir else Path("benchmarks") / "results" / gpu_dirname()
