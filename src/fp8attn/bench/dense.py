@@ -409,7 +409,3 @@ def _print_table(doc):
               f"{f(p.get('cudnn_fp8', {}).get('tflops'))} {f(p.get('sdpa_cudnn_bf16', {}).get('tflops'))} "
               f"{f(p.get('sdpa_flash_bf16', {}).get('tflops'))} {f(p.get('flex_bf16', {}).get('tflops'))} "
               f"{o['err']:8.2e}")
-
-
-if __name__ == "__main__":
-    run(os.environ.get("OUT"), quick=os.environ.get("QUICK") == "1")
