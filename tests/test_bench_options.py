@@ -159,3 +159,11 @@ def test_every_results_file_names_a_command_that_parses():
         assert argv[:2] == ["fp8attn", "bench"], f"{f.name}: {cmd}"
         a = cli.build_parser().parse_args(argv[1:])
         cli._bench_options(a)  # raises for an option the routine does not take
+
+
+@pytest.mark.parametrize("shape", [(1, 4096), (1, 100, 200)])
+def test_prefill_chunked_refuses_bad_shapes_before_any_case(shape):
+    from fp8attn.bench.paged import run_prefill_chunked
+
+    with pytest.raises(ValueError, match="batch x keys x queries"):
+        run_prefill_chunked(shapes=(shape,))

@@ -51,12 +51,12 @@ def _num_sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def _paged_pool(batch, ctx, page_size, n_rot, device="cuda"):
+def _paged_pool(batch, ctx, page_size, n_rot, device="cuda", d=D):
     """K/V pool with n_rot disjoint randomly permuted page tables of shape (batch, ctx/page_size)."""
     pages = math.ceil(ctx / page_size)
     nb = batch * pages * n_rot
-    kc = torch.empty(nb, page_size, HK, D, dtype=E4M3, device=device)
-    vc = torch.empty(nb, page_size, HK, D, dtype=E4M3, device=device)
+    kc = torch.empty(nb, page_size, HK, d, dtype=E4M3, device=device)
+    vc = torch.empty(nb, page_size, HK, d, dtype=E4M3, device=device)
     for t in (kc, vc):  # random e4m3 values (never time on zeros), in chunks to bound memory
         flat = t.view(torch.uint8).view(-1)
         step = 1 << 28
@@ -68,7 +68,7 @@ def _paged_pool(batch, ctx, page_size, n_rot, device="cuda"):
     return kc, vc, pts
 
 
-def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=False):
+def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=False, d=D):
     """Time torch SDPA (cuDNN / flash) bf16 with GQA on contiguous (B, HK, L, D) K/V."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
@@ -76,11 +76,11 @@ def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=Fals
     L = ctx if kv_len is None else kv_len
     peers = {}
     try:
-        ks = [torch.randn(batch, HK, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(n_rot)]
-        vs = [torch.randn(batch, HK, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(n_rot)]
+        ks = [torch.randn(batch, HK, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(n_rot)]
+        vs = [torch.randn(batch, HK, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(n_rot)]
     except torch.OutOfMemoryError:
         return {"sdpa_cudnn_bf16": None, "sdpa_flash_bf16": None}
-    kv_bytes = 2 * batch * HK * L * D * 2
+    kv_bytes = 2 * batch * HK * L * d * 2
     for name, be in (("sdpa_cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash_bf16", SDPBackend.FLASH_ATTENTION)):
         try:
             def mk(r):
@@ -179,10 +179,11 @@ def _flashinfer_prefill_peers(q8, qb, kc, vc, pt, seqlens, flops, ref=None):
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
                                                                kv_layout="NHD")
             qo_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * chunk
-            w.plan(qo_indptr, kv_indptr, kv_indices, last, HQ, HK, D, ps, causal=True,
-                   sm_scale=D ** -0.5, q_data_type=q.dtype, kv_data_type=E4M3, o_data_type=torch.bfloat16)
-            qf = q.reshape(b * chunk, HQ, D)
-            o = torch.empty(b * chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
+            d = q.shape[-1]
+            w.plan(qo_indptr, kv_indptr, kv_indices, last, HQ, HK, d, ps, causal=True,
+                   sm_scale=d ** -0.5, q_data_type=q.dtype, kv_data_type=E4M3, o_data_type=torch.bfloat16)
+            qf = q.reshape(b * chunk, HQ, d)
+            o = torch.empty(b * chunk, HQ, d, device="cuda", dtype=torch.bfloat16)
             fp8_q = q.dtype == E4M3
             fn = (lambda: w.run(qf, (kc, vc), q_scale=1.0, k_scale=1.0, v_scale=1.0, out=o)) if fp8_q else \
                 (lambda: w.run(qf, (kc, vc), k_scale=1.0, v_scale=1.0, out=o))
@@ -452,10 +453,10 @@ def _read_ceiling_peer(kc, vc, kv_bytes):
             "config": cfg}
 
 
-def _chunk_inputs(batch, prefix, chunk, page_size, q_dtype):
+def _chunk_inputs(batch, prefix, chunk, page_size, q_dtype, d=D):
     L = prefix + chunk
-    kc, vc, pts = _paged_pool(batch, L, page_size, 1)
-    q = torch.randn(batch, chunk, HQ, D, device="cuda")
+    kc, vc, pts = _paged_pool(batch, L, page_size, 1, d=d)
+    q = torch.randn(batch, chunk, HQ, d, device="cuda")
     q = q.to(E4M3) if q_dtype == E4M3 else q.to(q_dtype)
     seqlens = torch.full((batch,), L, dtype=torch.int32, device="cuda")
     return kc, vc, pts[0], q, seqlens
@@ -475,157 +476,159 @@ def _sweep(launch, configs):
 
 
 def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, configs=None, shapes=None, splits=None,
-                        page_sizes=None):
+                        page_sizes=None, headdims=None):
     """A 2k chunk over an 8k cached prefix vs the dense FP8 forward on the same pairs.
 
     Options (``fp8attn bench prefill-chunked --help``): ``shapes`` ((batch, keys, queries), ...: the queries
     the last of the keys) replace the (1 and 4) x 2048-over-8192 cases; ``page_sizes`` replace
     (16, 32, 64, 128); ``splits`` (split counts, 0 = the heuristic) x ``configs`` (``launch_paged_fwd``
     ``config=`` overrides, e.g. ``{"tma": false, "num_warps": 8}``) are timed beside the default for e4m3
-    and bf16 Q (``split_config_sweep``: CUDA-graph replays, best of two medians)."""
+    and bf16 Q (``split_config_sweep``: CUDA-graph replays, best of two medians); ``headdims`` replace (128,)."""
     from ..kernels.paged import launch_paged_fwd
     from ..paged import to_v_seq_major
     from ..reference import paged_attention_ref
 
     doc = results_header("prefill_chunked")
-    scale = D ** -0.5
     cases = [(b, prefix + chunk, chunk) for b in ([1, 4] if not quick else [1])]
     if shapes:
         cases = [tuple(s) for s in shapes]
-    for page_size in (page_sizes or ([16, 32, 64, 128] if not quick else [64])):
-        for batch, L, chunk in cases:
-            prefix = L - chunk
-            if prefix < 0:
-                raise ValueError(f"shapes: queries ({chunk}) must not exceed keys ({L}) in {batch}x{L}x{chunk}; "
-                                 "give batch x keys x queries with queries <= keys.")
-            kc, vc, pt, q8, seqlens = _chunk_inputs(batch, prefix, chunk, page_size, E4M3)
-            qd = torch.rand(batch, HK, device="cuda") + 0.5
-            kd = torch.rand(batch, HK, device="cuda") + 0.5
-            vd = torch.rand(batch, HK, device="cuda") + 0.5
-            out = torch.empty(batch, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
-            lse = torch.empty(batch, HQ, chunk, device="cuda")
-            pairs = chunk * prefix + chunk * (chunk + 1) / 2
-            flops = attn_flops(batch, HQ, chunk, L, D, visible_pairs=pairs)
+    for c in cases:  # (before any case runs)
+        if len(c) != 3 or c[2] > c[1]:
+            raise ValueError(f"shapes: expected batch x keys x queries with queries <= keys, got "
+                             f"{'x'.join(map(str, c))}. Give e.g. 1x10240x2048 (2048 queries, the last of 10240 keys).")
+    grid = [(d, ps, c) for d in (headdims or (D,)) for ps in (page_sizes or ([16, 32, 64, 128] if not quick else [64]))
+            for c in cases]
+    for d, page_size, (batch, L, chunk) in grid:
+        scale = d ** -0.5
+        prefix = L - chunk
+        kc, vc, pt, q8, seqlens = _chunk_inputs(batch, prefix, chunk, page_size, E4M3, d)
+        qd = torch.rand(batch, HK, device="cuda") + 0.5
+        kd = torch.rand(batch, HK, device="cuda") + 0.5
+        vd = torch.rand(batch, HK, device="cuda") + 0.5
+        out = torch.empty(batch, chunk, HQ, d, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(batch, HQ, chunk, device="cuda")
+        pairs = chunk * prefix + chunk * (chunk + 1) / 2
+        flops = attn_flops(batch, HQ, chunk, L, d, visible_pairs=pairs)
 
-            # Every timed path writes the output alone (no LSE), as the dense and peer kernels do; the LSE's
-            # cost is recorded separately (params.ms_with_lse).
-            def ours(cfg=None, q_=q8, v_cache=vc, o=out, lse_=None):
-                launch_paged_fwd(q_, kc, v_cache, pt, seqlens, o, lse_, max_seqlen_q=chunk, softmax_scale=scale,
-                                 causal=True, q_descale=qd if q_.dtype == E4M3 else None, k_descale=kd,
-                                 v_descale=vd, config=cfg)
-            ours()
+        # Every timed path writes the output alone (no LSE), as the dense and peer kernels do; the LSE's
+        # cost is recorded separately (params.ms_with_lse).
+        def ours(cfg=None, q_=q8, v_cache=vc, o=out, lse_=None):
+            launch_paged_fwd(q_, kc, v_cache, pt, seqlens, o, lse_, max_seqlen_q=chunk, softmax_scale=scale,
+                             causal=True, q_descale=qd if q_.dtype == E4M3 else None, k_descale=kd,
+                             v_descale=vd, config=cfg)
+        ours()
+        torch.cuda.synchronize()
+        err = None
+        if batch == 1:
+            ref = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=qd,
+                                      k_descale=kd, v_descale=vd, out_dtype=torch.float32)
+            err = _rel_err(out, ref)
+            del ref
+        ms = time_ms(ours)
+        ms_lse = time_ms(lambda: ours(lse_=lse))
+        peers = {}
+        qb = q8.float().to(torch.bfloat16)
+        out_b = torch.empty_like(out)
+
+        def ours_bf16():
+            ours(q_=qb, o=out_b, lse_=None)
+        ours_bf16()
+        ms_b = time_ms(ours_bf16)
+        peers["paged_bf16q"] = {"ms": ms_b, "tflops": flops / ms_b / 1e9}
+        out_t = torch.empty_like(out)
+
+        def ours_triton():  # the same FA3-layout cache on the Triton kernel (ours runs on paged_tma)
+            ours({"tma": False}, o=out_t, lse_=None)
+        ours_triton()
+        torch.cuda.synchronize()
+        ms_t = time_ms(ours_triton)
+        peers["paged_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9,
+                                 "max_abs_diff_vs_paged": (out_t.float() - out.float()).abs().max().item()}
+        del out_t
+        try:
+            from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
+            from ..reference import gather_paged
+            kg, _ = gather_paged(kc, pt, seqlens, L)
+            vg, _ = gather_paged(vc, pt, seqlens, L)
+            vg = transpose_v_kmajor(vg)
+            out_d = torch.empty_like(out)
+
+            def dense():
+                launch_dense_fwd(q8, kg, vg, out_d, None, softmax_scale=scale, causal=True, window_size=(-1, -1),
+                                 softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd)
+            dense()
             torch.cuda.synchronize()
-            err = None
-            if batch == 1:
-                ref = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=qd,
-                                          k_descale=kd, v_descale=vd, out_dtype=torch.float32)
-                err = _rel_err(out, ref)
-                del ref
-            ms = time_ms(ours)
-            ms_lse = time_ms(lambda: ours(lse_=lse))
-            peers = {}
-            qb = q8.float().to(torch.bfloat16)
-            out_b = torch.empty_like(out)
+            ms_d = time_ms(dense)
+            peers["dense_fp8"] = {"ms": ms_d, "tflops": flops / ms_d / 1e9,
+                                  "max_abs_diff_vs_paged": (out_d.float() - out.float()).abs().max().item()}
+            del kg, vg
+        except Exception as e:
+            peers["dense_fp8"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+        if page_size >= 64:  # the same cache with V sequence-major inside each page (K-major FP8 P@V)
+            vs = to_v_seq_major(vc)
+            out_s = torch.empty_like(out)
 
-            def ours_bf16():
-                ours(q_=qb, o=out_b, lse_=None)
-            ours_bf16()
-            ms_b = time_ms(ours_bf16)
-            peers["paged_bf16q"] = {"ms": ms_b, "tflops": flops / ms_b / 1e9}
-            out_t = torch.empty_like(out)
-
-            def ours_triton():  # the same FA3-layout cache on the Triton kernel (ours runs on paged_tma)
-                ours({"tma": False}, o=out_t, lse_=None)
-            ours_triton()
+            def ours_v_seq_major():
+                ours(v_cache=vs, o=out_s, lse_=None)
+            ours_v_seq_major()
             torch.cuda.synchronize()
-            ms_t = time_ms(ours_triton)
-            peers["paged_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9,
-                                     "max_abs_diff_vs_paged": (out_t.float() - out.float()).abs().max().item()}
-            del out_t
-            try:
-                from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
-                from ..reference import gather_paged
-                kg, _ = gather_paged(kc, pt, seqlens, L)
-                vg, _ = gather_paged(vc, pt, seqlens, L)
-                vg = transpose_v_kmajor(vg)
-                out_d = torch.empty_like(out)
-
-                def dense():
-                    launch_dense_fwd(q8, kg, vg, out_d, None, softmax_scale=scale, causal=True, window_size=(-1, -1),
-                                     softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd)
-                dense()
+            ms_s = time_ms(ours_v_seq_major)
+            peers["paged_v_seq_major"] = {"ms": ms_s, "tflops": flops / ms_s / 1e9,
+                                          "max_abs_diff_vs_paged": (out_s.float() - out.float()).abs().max().item()}
+            if page_size % 64 == 0:  # the row above ran on the TMA kernel (paged_tma): the Triton one too
+                def triton_v_seq_major():
+                    ours({"tma": False}, v_cache=vs, o=out_s, lse_=None)
+                triton_v_seq_major()
                 torch.cuda.synchronize()
-                ms_d = time_ms(dense)
-                peers["dense_fp8"] = {"ms": ms_d, "tflops": flops / ms_d / 1e9,
-                                      "max_abs_diff_vs_paged": (out_d.float() - out.float()).abs().max().item()}
-                del kg, vg
-            except Exception as e:
-                peers["dense_fp8"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
-            if page_size >= 64:  # the same cache with V sequence-major inside each page (K-major FP8 P@V)
-                vs = to_v_seq_major(vc)
-                out_s = torch.empty_like(out)
-
-                def ours_v_seq_major():
-                    ours(v_cache=vs, o=out_s, lse_=None)
-                ours_v_seq_major()
-                torch.cuda.synchronize()
-                ms_s = time_ms(ours_v_seq_major)
-                peers["paged_v_seq_major"] = {"ms": ms_s, "tflops": flops / ms_s / 1e9,
-                                              "max_abs_diff_vs_paged": (out_s.float() - out.float()).abs().max().item()}
-                if page_size % 64 == 0:  # the row above ran on the TMA kernel (paged_tma): the Triton one too
-                    def triton_v_seq_major():
-                        ours({"tma": False}, v_cache=vs, o=out_s, lse_=None)
-                    triton_v_seq_major()
-                    torch.cuda.synchronize()
-                    ms_t = time_ms(triton_v_seq_major)
-                    peers["paged_v_seq_major"]["kernel"] = "paged_tma (warp-specialized, TMA)"
-                    peers["paged_v_seq_major_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9}
-                del vs, out_s
-            ref1 = None
-            if batch == 1:  # unit descales, as FlashInfer gets them
-                one = torch.ones(batch, HK, device="cuda")
-                ref1 = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=one,
-                                           k_descale=one, v_descale=one, out_dtype=torch.float32)
-            peers.update(_flashinfer_prefill_peers(q8, qb, kc, vc, pt, seqlens, flops, ref1))
-            del ref1
-            if page_size == 64:
-                sp = _sdpa_peers(qb.transpose(1, 2), batch, L, 1, causal=False, kv_len=L)
-                # SDPA's causal is top-left aligned; a chunk over a prefix needs bottom-right, so the
-                # peers run non-causal over all L keys: their tflops use the full Sq*L pairs.
-                for k_, v_ in sp.items():
-                    if v_ and v_.get("ms"):
-                        v_["tflops"] = attn_flops(batch, HQ, chunk, L, D) / v_["ms"] / 1e9
-                        v_["note"] = "non-causal over all keys (full pairs)"
-                peers.update(sp)
-            sweep = _sweep(ours, configs) if batch == 1 and configs and not (splits or shapes) else {}
-            split_sweep = {}
-            if splits or (configs and shapes):
-                for q_name, q_ in (("e4m3", q8), ("bf16", qb)):
-                    o_sw = torch.empty_like(out)
-                    for ns in splits or (0,):
-                        for cfg in configs or (None,):
-                            def swept(q_=q_, ns=ns, cfg=cfg):
-                                launch_paged_fwd(q_, kc, vc, pt, seqlens, o_sw, None, max_seqlen_q=chunk,
-                                                 softmax_scale=scale, causal=True,
-                                                 q_descale=qd if q_.dtype == E4M3 else None, k_descale=kd,
-                                                 v_descale=vd, num_splits=ns, config=cfg)
-                            split_sweep[f"{q_name} splits={ns} config={json.dumps(cfg)}"] = _best_replay(swept)
-                    del o_sw
-            case = {"case": f"d128 B{batch} chunk{chunk} prefix{prefix} page{page_size}",
-                    "params": {"batch": batch, "seqlen_q": chunk, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
-                               "headdim": D, "page_size": page_size, "causal": True, "q_dtype": "e4m3",
-                               "kv_dtype": "e4m3", "ms_with_lse": ms_lse},
-                    "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None, "err": err},
-                    "peers": peers}
-            if sweep:
-                case["config_sweep_ms"] = sweep
-            if split_sweep:
-                case["split_config_sweep"] = split_sweep
-            doc["cases"].append(case)
-            print(f"prefill {case['case']:40s} ours {ms:.3f} ms {flops / ms / 1e9:6.0f} TF/s | "
-                  + " ".join(f"{k}={v['ms']:.3f}ms" for k, v in peers.items() if v and v.get("ms")), flush=True)
-            del kc, vc
-            torch.cuda.empty_cache()
+                ms_t = time_ms(triton_v_seq_major)
+                peers["paged_v_seq_major"]["kernel"] = "paged_tma (warp-specialized, TMA)"
+                peers["paged_v_seq_major_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9}
+            del vs, out_s
+        ref1 = None
+        if batch == 1:  # unit descales, as FlashInfer gets them
+            one = torch.ones(batch, HK, device="cuda")
+            ref1 = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=one,
+                                       k_descale=one, v_descale=one, out_dtype=torch.float32)
+        peers.update(_flashinfer_prefill_peers(q8, qb, kc, vc, pt, seqlens, flops, ref1))
+        del ref1
+        if page_size == 64:
+            sp = _sdpa_peers(qb.transpose(1, 2), batch, L, 1, causal=False, kv_len=L, d=d)
+            # SDPA's causal is top-left aligned; a chunk over a prefix needs bottom-right, so the
+            # peers run non-causal over all L keys: their tflops use the full Sq*L pairs.
+            for k_, v_ in sp.items():
+                if v_ and v_.get("ms"):
+                    v_["tflops"] = attn_flops(batch, HQ, chunk, L, d) / v_["ms"] / 1e9
+                    v_["note"] = "non-causal over all keys (full pairs)"
+            peers.update(sp)
+        sweep = _sweep(ours, configs) if batch == 1 and configs and not (splits or shapes) else {}
+        split_sweep = {}
+        if splits or (configs and shapes):
+            for q_name, q_ in (("e4m3", q8), ("bf16", qb)):
+                o_sw = torch.empty_like(out)
+                for ns in splits or (0,):
+                    for cfg in configs or (None,):
+                        def swept(q_=q_, ns=ns, cfg=cfg):
+                            launch_paged_fwd(q_, kc, vc, pt, seqlens, o_sw, None, max_seqlen_q=chunk,
+                                             softmax_scale=scale, causal=True,
+                                             q_descale=qd if q_.dtype == E4M3 else None, k_descale=kd,
+                                             v_descale=vd, num_splits=ns, config=cfg)
+                        split_sweep[f"{q_name} splits={ns} config={json.dumps(cfg)}"] = _best_replay(swept)
+                del o_sw
+        case = {"case": f"d{d} B{batch} chunk{chunk} prefix{prefix} page{page_size}",
+                "params": {"batch": batch, "seqlen_q": chunk, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
+                           "headdim": d, "page_size": page_size, "causal": True, "q_dtype": "e4m3",
+                           "kv_dtype": "e4m3", "ms_with_lse": ms_lse},
+                "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None, "err": err},
+                "peers": peers}
+        if sweep:
+            case["config_sweep_ms"] = sweep
+        if split_sweep:
+            case["split_config_sweep"] = split_sweep
+        doc["cases"].append(case)
+        print(f"prefill {case['case']:40s} ours {ms:.3f} ms {flops / ms / 1e9:6.0f} TF/s | "
+              + " ".join(f"{k}={v['ms']:.3f}ms" for k, v in peers.items() if v and v.get("ms")), flush=True)
+        del kc, vc
+        torch.cuda.empty_cache()
     return write_results(doc, out_dir)
 
 
