@@ -281,7 +281,5 @@ def run_attention(seqlen, heads, rule_variants=()):
                 "ours": res, "peers": peers})
             print(f"mla attention H{h} causal={int(causal)}: ours {res['ms']:.3f} ms {res['tflops']:.0f} TF/s | "
                   + " ".join(f"{k_}={p['ms']:.3f}ms" for k_, p in peers.items() if p.get("ms")), flush=True)
-            del out, lse, ref
-        del q8, k8, v8, vt, qb, kb, vb
         torch.cuda.empty_cache()
     return doc

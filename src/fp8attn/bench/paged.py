@@ -245,7 +245,6 @@ def run_leftpad(out_dir=None, quick=False):
             "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": None, "cuda_graph": g},
             "peers": {"no_pad": {"ms": ms_n, "gbps": kv_bytes / ms_n / 1e6, "cuda_graph": g_n}}})
         print(f"leftpad B{batch} L{ctx} q{sq}: {ms * 1e3:.1f} us, without a pad {ms_n * 1e3:.1f} us", flush=True)
-        del kc, vc
         torch.cuda.empty_cache()
     return write_results(doc, out_dir)
 
