@@ -167,3 +167,28 @@ def test_prefill_chunked_refuses_bad_shapes_before_any_case(shape):
 
     with pytest.raises(ValueError, match="batch x keys x queries"):
         run_prefill_chunked(shapes=(shape,))
+
+
+def test_set_dense_rules_round_trips_and_refuses_bad_values_without_changing_them():
+    from fp8attn.bench.dense import _with_rules
+
+    before = dense_tma.set_dense_rules("kperm=0,stages=3")
+    try:
+        assert dense_tma._DENSE_RULES == {"kperm": 0, "stages": 3}
+        with pytest.raises(ValueError, match="FP8ATTN_DENSE_RULES"):
+            dense_tma.set_dense_rules("kperm=7")
+        assert dense_tma._DENSE_RULES == {"kperm": 0, "stages": 3}
+        assert _with_rules("", lambda: dict(dense_tma._DENSE_RULES)) == {}
+        assert dense_tma._DENSE_RULES == {"kperm": 0, "stages": 3}
+    finally:
+        assert dense_tma.set_dense_rules(before) == "kperm=0,stages=3"
+
+
+def test_dense_rules_come_from_the_environment_on_first_use(monkeypatch):
+    monkeypatch.setattr(dense_tma, "_DENSE_RULES", None)
+    monkeypatch.setenv("FP8ATTN_DENSE_RULES", "persistent=0")
+    assert dense_tma._dense_rules_now() == {"persistent": 0}
+    monkeypatch.setattr(dense_tma, "_DENSE_RULES", None)
+    monkeypatch.setenv("FP8ATTN_DENSE_RULES", "persistent=9")
+    with pytest.raises(ValueError, match="FP8ATTN_DENSE_RULES"):
+        dense_tma._dense_rules_now()

@@ -111,8 +111,8 @@ def run(out_dir=None, quick=False, shapes=None, headdims=None, varlen=False, den
 
     Options (``fp8attn bench dense --help``): ``shapes`` ((batch, seqlen), ...) replace the grid's
     batch * seqlen = 16k; ``headdims`` replace (64, 128, 256); ``varlen``: varlen batches instead
-    (``_run_varlen``); ``dense_rules``: ';'-separated ``FP8ATTN_DENSE_RULES`` values timed against each other
-    instead of against the peers (``_run_rules``)."""
+    (``_run_varlen``); ``dense_rules``: ';'-separated rule overrides (``FP8ATTN_DENSE_RULES``'s syntax) timed
+    against each other instead of against the peers (``_run_rules``)."""
     from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
 
     torch.manual_seed(0)
@@ -229,6 +229,18 @@ def _with_env(name, value, fn):
             os.environ[name] = old
 
 
+def _with_rules(text, fn):
+    """``fn()`` under the dense launcher's rule overrides ``text`` (``kernels.dense_tma.set_dense_rules``; ""
+    is the committed rules), restored after."""
+    from ..kernels.dense_tma import set_dense_rules
+
+    old = set_dense_rules(text)
+    try:
+        return fn()
+    finally:
+        set_dense_rules(old)
+
+
 def _run_varlen(hdims):
     """``bench dense --varlen`` (routine ``dense_varlen``): FP8 varlen forwards (``launch_dense_fwd`` with
     cu_seqlens, ``flash_attn_varlen_func``'s kernel entry), 16 q/kv heads, e4m3, bf16 out, eager calls (their
@@ -301,12 +313,13 @@ def _run_varlen(hdims):
 
 
 def _run_rules(grid, hdims, variants, rounds=3):
-    """``bench dense --dense-rules`` (routine ``dense_rules``): the dense TMA kernel under each
-    ``FP8ATTN_DENSE_RULES`` value (``""``: the committed rules, the baseline), V sequence-major, calls without
-    and with an LSE, each a CUDA-graph replay captured under its value; the variants alternate over
-    ``rounds`` rounds and the best median is kept (one process, so clocks and the L2 treat them alike).
-    ``ours``: the committed rules; ``variants``: per value its times, TF/s and the relative L2 difference
-    of its output from the committed rules' (or the error of a value the launcher refuses)."""
+    """``bench dense --dense-rules`` (routine ``dense_rules``): the dense TMA kernel under each rule override
+    (``FP8ATTN_DENSE_RULES``'s syntax, set through ``set_dense_rules``; ``""``: the committed rules, the
+    baseline), V sequence-major, calls without and with an LSE, each a CUDA-graph replay captured under its
+    overrides; the variants alternate over ``rounds`` rounds and the best median is kept (one process, so clocks
+    and the L2 treat them alike). ``ours``: the committed rules; ``variants``: per value its times, TF/s and the
+    relative L2 difference of its output from the committed rules' (or the error of a value the launcher
+    refuses)."""
     from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
 
     doc = results_header("dense_rules")
@@ -331,10 +344,10 @@ def _run_rules(grid, hdims, variants, rounds=3):
                         def fn(o=o, lse=lse):
                             launch_dense_fwd(q8, k8, vt, o, lse, **kw)
                         try:
-                            _with_env("FP8ATTN_DENSE_RULES", var, fn)
+                            _with_rules(var, fn)
                             torch.cuda.synchronize()
-                            call, graphed = _with_env("FP8ATTN_DENSE_RULES", var, lambda fn=fn: graph_replay([fn]))
-                            if not graphed:  # an eager call would read whichever value is set when it runs
+                            call, graphed = _with_rules(var, lambda fn=fn: graph_replay([fn]))
+                            if not graphed:  # an eager call would run under whichever rules are set then
                                 raise RuntimeError("CUDA-graph capture failed")
                         except Exception as e:
                             res[var] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}

@@ -202,14 +202,14 @@ def run_attention(seqlen, heads, rule_variants=()):
     ``triton`` (the same call with ``FP8ATTN_DENSE_BACKEND=triton``) and ``sdpa_cudnn_bf16`` (torch SDPA's cuDNN
     backend on the dequantized bf16 inputs). TF/s: 2 x visible pairs x (192 + 128) per head. ``err``:
     max |out - ref| / max |ref| on the first 2 heads against the float reference of the e4m3 inputs.
-    ``rule_variants``: ``FP8ATTN_DENSE_RULES`` values (e.g. ``stages=3``, ``persistent=0``), each an extra peer
-    ``rules:<value>`` (the same call under that value)."""
+    ``rule_variants``: dense rule overrides (``FP8ATTN_DENSE_RULES``'s syntax, e.g. ``stages=3``,
+    ``persistent=0``), each an extra peer ``rules:<value>`` (the same call under them, ``set_dense_rules``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
     from ..reference import attention_ref
     from .common import kernel_times_us
-    from .dense import _with_env
+    from .dense import _with_env, _with_rules
 
     dqk, ref_heads = DN + DR, 2
     doc = results_header("mla_attention")
@@ -258,7 +258,7 @@ def run_attention(seqlen, heads, rule_variants=()):
                     torch.cuda.synchronize()
                     return time_ms(ours), err(out)
                 try:
-                    ms_v, err_v = _with_env("FP8ATTN_DENSE_RULES", var, rules_ms)
+                    ms_v, err_v = _with_rules(var, rules_ms)
                     peers[f"rules:{var}"] = {"ms": ms_v, "tflops": flops / ms_v / 1e9, "err": err_v}
                 except Exception as e:  # a value this call cannot take: recorded, the others go on
                     peers[f"rules:{var}"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}

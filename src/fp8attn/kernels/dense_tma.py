@@ -82,7 +82,7 @@ if HAS_GLUON:
     from .tma_parts import box_keys, kperm_box_on
 
 __all__ = ["supported", "unsupported_reason", "capability_reason", "device_reason", "launch_dense_fwd_tma",
-           "HAS_GLUON", "QK192_V128", "qk192_enabled"]
+           "HAS_GLUON", "QK192_V128", "qk192_enabled", "dense_rules", "set_dense_rules"]
 
 _LOG2E = 1.4426950408889634
 
@@ -153,7 +153,9 @@ _D256_LSE_SCRATCH = True
 # bench dense --dense-rules``): comma-separated ``rule=value`` with ws (warp-specialized kernel, 0/1),
 # persistent (the warp-specialized grid, 0/1), consumers (2/3), stages (K/V ring stages of the warp-specialized
 # kernel, 2-4), kperm (0/1), d256_scratch (0/1). Unset or empty: the rules as committed. Fixed-length launches
-# only (varlen keeps its rules). Read on every launch (a lookup cached per value).
+# only (varlen keeps its rules). Read once, at the first launch (a bad value then raises there, not at import);
+# ``set_dense_rules`` changes them in a running process (a per-launch read of the environment would cost
+# microseconds on every eager call).
 DENSE_RULES_ENV = "FP8ATTN_DENSE_RULES"
 _RULE_NAMES = {"ws": (0, 1), "persistent": (0, 1), "consumers": (2, 3), "stages": (2, 3, 4), "kperm": (0, 1),
                "d256_scratch": (0, 1)}
@@ -175,6 +177,27 @@ def dense_rules(text):
                              + f"; got {item.strip()!r}. Unset it for the committed rules.")
         rules[name] = int(val)
     return rules
+
+
+_DENSE_RULES = None  # {rule: int} once read
+
+
+def _dense_rules_now():
+    global _DENSE_RULES
+    if _DENSE_RULES is None:
+        _DENSE_RULES = dense_rules(os.environ.get(DENSE_RULES_ENV))
+    return _DENSE_RULES
+
+
+def set_dense_rules(text):
+    """Replace the dense launcher's rule overrides (``FP8ATTN_DENSE_RULES``'s syntax; None or "": the
+    committed rules) for the launches that follow; returns the previous overrides' text form. ValueError for
+    a value ``dense_rules`` refuses (nothing changes then)."""
+    global _DENSE_RULES
+    new = dense_rules(text or None)
+    old = ",".join(f"{k}={v}" for k, v in _dense_rules_now().items())
+    _DENSE_RULES = new
+    return old
 
 
 def varlen_preferred(head_dim, max_seqlen_q):
@@ -540,7 +563,7 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     batch, sq, hq, d = q.shape
     sk, hk, d_v = k.shape[1], k.shape[2], v_kmajor.shape[-1]
     out_fp8 = out_scale is not None
-    rules = dense_rules(os.environ.get(DENSE_RULES_ENV))
+    rules = _DENSE_RULES if _DENSE_RULES is not None else _dense_rules_now()
     # (qk 192 / v 128 has only the warp-specialized kernel)
     ws = d_v != d or bool(rules.get("ws", _use_ws(d, causal, sq)))
     rows, dh, dv, bn = _tiles(d, ws, d_v)
