@@ -12,14 +12,15 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
 from ..serving.engine.engine import EngineConfig, LLMEngine
 from ..serving.engine.scheduler import SamplingParams, Sequence, SeqStatus
-from .common import results_header, write_results
+from .common import gpu_dirname, results_header, write_results
 
-__all__ = ["fill_decode_state", "time_decode", "check_gpu_paths", "main", "run"]
+__all__ = ["fill_decode_state", "time_decode", "check_gpu_paths", "main", "run", "DEFAULT_CASES"]
 
 
 def fill_decode_state(eng: LLMEngine, batch: int, context: int, max_new: int, seed: int = 0) -> list[Sequence]:
@@ -204,14 +205,23 @@ def main(argv=None) -> int:
     return 0
 
 
-def run(out_dir=None, quick=False):
-    """`fp8attn bench engine`: B64 / 4k context decode, bf16 vs FP8 caches (quick: fewer steps, no checks)."""
-    argv = ["--steps", "5" if quick else "20"] + ([] if quick else ["--check"])
-    if out_dir:
-        argv += ["--out", str(out_dir)]
-    rc = main(argv)
+DEFAULT_CASES = "bf16,fp8,fp8_seq_head,fp8_2x,fp8_p64,fp8_p64_vseq"
+
+
+def run(out_dir=None, quick=False, cases=None):
+    """`fp8attn bench engine`: B64 / 4k context decode, bf16 vs FP8 caches (quick: fewer steps, no checks).
+
+    ``cases``: comma-separated engine cases (default ``DEFAULT_CASES``: the page-16 comparison and page 64 in
+    both V layouts; ``bf16_p64,fp8_p64_vseq,fp8_2x_p64_vseq`` compares the engine's defaults). Returns the
+    results path (``<out_dir>/engine.json``)."""
+    argv = ["--steps", "5" if quick else "20", "--batch", "64", "--context", "4096", "--cases", cases or DEFAULT_CASES]
+    if not quick:
+        argv.append("--check")
+    out = Path(out_dir) if out_dir else Path("benchmarks") / "results" / gpu_dirname()
+    rc = main(argv + ["--out", str(out)])
     if rc:
         raise SystemExit(rc)
+    return out / "engine.json"
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 without Q, with the saturation count) for sm_90a without a GPU and print one line per launch: its passes,
 cuobjdump's resource usage (registers, stack, local memory: spills) and the PTX's floating-point divisions
 (there should be none: the kernel multiplies by reciprocals taken outside it, which keeps its bits equal to
-the torch form's). Usage (repo root): ``python benchmarks/aot_mla_sm90.py``.
+the torch form's). Usage (repo root): ``python tools/aot_mla_sm90.py``.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ become constants), compiles for sm90 with the bundled ptxas and prints, per case
 ``async_copy_global_to_local`` ops in the TTGIR (pipelined cp.async loads), ``cp.async`` in the PTX,
 registers, spill stores/loads and local memory (cuobjdump's resource usage). Usage:
 
-    TRITON_INTERPRET=0 python benchmarks/aot_paged_sm90.py [--dump DIR]
+    TRITON_INTERPRET=0 python tools/aot_paged_sm90.py [--dump DIR]
 """
 from __future__ import annotations
 

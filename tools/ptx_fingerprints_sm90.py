@@ -8,7 +8,7 @@ Triton paged kernel (decode, prefill, windows, mixed varlen batches) and the Glu
 paged, varlen, V transposed in shared memory; with and without an LSE; head dims 64, 128, 256; the dense
 kernel's three-consumer variant; at head dim 64 both K boxes, plain and key-permuted; qk 192 / v 128).
 
-Usage (repo root): ``python benchmarks/ptx_fingerprints_sm90.py > before.txt``; change; again into
+Usage (repo root): ``python tools/ptx_fingerprints_sm90.py > before.txt``; change; again into
 ``after.txt``; ``diff before.txt after.txt``.
 """
 from __future__ import annotations

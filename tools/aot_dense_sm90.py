@@ -3,11 +3,11 @@
 Captures the arguments ``launch_dense_fwd`` would pass (default config, as with FP8ATTN_NO_AUTOTUNE=1),
 specializes them like Triton's launcher (helpers from aot_paged_sm90.py), compiles for sm90 with the
 bundled ptxas and prints async copies in the TTGIR, QGMMA count in the SASS, and cuobjdump's resource
-usage (registers, stack = spills). Usage: ``python benchmarks/aot_dense_sm90.py`` from the repo root.
+usage (registers, stack = spills). Usage: ``python tools/aot_dense_sm90.py`` from the repo root.
 """
 import os, sys
 os.environ["TRITON_INTERPRET"] = "0"; os.environ["FP8ATTN_NO_AUTOTUNE"] = "1"
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, "tools")
 import torch, triton
 from triton.backends.compiler import GPUTarget
 import aot_paged_sm90 as A

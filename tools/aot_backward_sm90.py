@@ -5,7 +5,7 @@ class, as with FP8ATTN_NO_AUTOTUNE=1 for the first, or all with ``--all``), spec
 launcher (helpers of aot_paged_sm90.py), compiles for sm90 with the bundled ptxas and prints per case:
 wgmma ops in the TTGIR, QGMMA (FP8) / HGMMA (16-bit) in the SASS, pipelined async copies, shared memory,
 and cuobjdump's resource usage (registers; LDL/STL = spills). A compile error prints `` FAILED ``.
-Usage: ``python benchmarks/aot_backward_sm90.py [--all] [--quick]`` from the repo root (``--quick``: the
+Usage: ``python tools/aot_backward_sm90.py [--all] [--quick]`` from the repo root (``--quick``: the
 cases the CPU test compiles).
 """
 import os
