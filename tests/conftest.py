@@ -1,4 +1,5 @@
-"""Test configuration: the interpreter without a GPU, seeds, markers, hypothesis profiles (shared helpers: helpers.py)."""
+"""Test configuration: the interpreter without a GPU, seeds, markers, hypothesis profiles. The shared checks
+(the tolerance rule of docs/design.md, Testing) live in helpers.py."""
 import os
 
 import pytest

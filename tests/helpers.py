@@ -12,7 +12,7 @@ import torch
 
 from fp8attn.kernels.dense import launch_dense_fwd
 from fp8attn.kernels.paged import launch_paged_fwd
-from fp8attn.paged import is_v_seq_major, make_page_table, to_v_seq_major
+from fp8attn.paged_cache import is_v_seq_major, make_page_table, to_v_seq_major
 from fp8attn.quant import quantize, saturating_cast
 from fp8attn.reference import attention_ref, paged_attention_ref
 

@@ -1,4 +1,5 @@
-"""Bad input (issue 2 §6): each error has the right type and its message names the argument.
+"""Bad input (docs/design.md, Validation and nothing lost): each error has the right type and its message
+names the argument.
 
 Messages follow "<arg>: expected <what>, got <what>. <fix>"; ``helpers.raises_naming`` checks the argument name and,
 where given, a fragment of what arrived.
@@ -290,7 +291,7 @@ def test_out_dtype_and_out_scale_bad():
 def test_combine_bad_inputs():
     op, lp = torch.randn(3, B, 1, H, D), torch.randn(3, B, 1, H)
     raises_naming(ValueError, "lse_partial", flash_attn_combine, op, lp[:, :, :, :1])
-    raises_naming(TypeError, "out_partial", flash_attn_combine, op.bfloat16(), lp)
+    raises_naming(TypeError, "out_partial", flash_attn_combine, op.half(), lp)
     raises_naming(TypeError, "lse_partial", flash_attn_combine, op, lp.double())
 
 

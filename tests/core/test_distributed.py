@@ -14,7 +14,7 @@ from helpers import check_vs_oracle, naive_attention, page_table_3x, poisoned_ca
 
 import fp8attn.distributed as D
 from fp8attn import flash_attn_combine, flash_attn_with_kvcache, write_kv_cache
-from fp8attn.paged import packed_token_seqs, slot_mapping_for, to_v_seq_major
+from fp8attn.paged_cache import packed_token_seqs, slot_mapping_for, to_v_seq_major
 from fp8attn.quant import quantize
 
 E4M3 = torch.float8_e4m3fn

@@ -13,7 +13,7 @@ import torch
 
 from fp8attn import ops
 from fp8attn.kernels.cache import launch_append_kv_cache, launch_write_kv_cache
-from fp8attn.paged import slot_mapping_for, to_v_seq_major, token_rows
+from fp8attn.paged_cache import slot_mapping_for, to_v_seq_major, token_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fp8attn.kernels.cache import launch_write_kv_cache
-from fp8attn.paged import to_v_seq_major
+from fp8attn.paged_cache import to_v_seq_major
 from fp8attn.quant import compute_descale, saturating_cast
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -20,7 +20,6 @@ exact attention on the same bf16 inputs, next to ``err_out`` (the forward output
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -160,6 +159,9 @@ def run(out_dir=None, quick=False):
                     ours_b["tflops_op"] = flops["bwd"] / ours_b["ms_op"] / 1e9
                     del o
                     doc["cases"].append(_case(d, s, causal, "bwd", mode, b, nheads, ours_b, peers["bwd"], errors))
+                    print(f"  d{d} S{s} causal={int(causal)} {mode}: fwd_bwd {doc['cases'][-2]['ours']['tflops']:.0f} "
+                          f"TF/s", flush=True)
+                write_results(doc, out_dir)  # after every case, so a cut-short sweep keeps what it measured
                 del leaves, do, bl, dot
                 torch.cuda.empty_cache()
     path = write_results(doc, out_dir)
@@ -190,7 +192,3 @@ def _print_table(doc):
         err = o.get("err")
         print(f"{c['case']:40s} {f(o['tflops'])} {f(cu.get('tflops'))} {f(p.get('sdpa_flash_bf16', {}).get('tflops'))} "
               f"{f(o.get('peak_mb'))} {f(cu.get('peak_mb'))} {err if err is None else f'{err:8.2e}'}")
-
-
-if __name__ == "__main__":
-    run(os.environ.get("OUT"), quick=os.environ.get("QUICK") == "1")
