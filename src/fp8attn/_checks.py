@@ -16,7 +16,7 @@ from .paged import is_v_seq_major
 __all__ = ["SUPPORTED_OUT_DTYPES", "MAX_HEADDIM", "UnsupportedOutputQuant", "want_value_checks", "check_tensor",
            "check_qkv_dtypes", "check_heads", "check_same_device", "check_descale", "check_descale_values",
            "check_leading_dims", "check_cu_seqlens", "check_max_seqlen", "check_cache_scales", "check_int32",
-           "check_out", "check_out_dtype", "check_out_scale", "check_out_kind", "check_num_splits",
+           "check_out", "check_out_dtype", "check_out_scale", "check_num_splits",
            "check_new_tokens", "check_scales_cache", "check_window", "unsupported", "describe", "check_flag",
            "check_softmax_scale", "check_softcap", "check_descale_kind", "check_out_scale_values", "check_seqused",
            "check_slots", "check_index_values", "check_lse_values", "check_finite"]
@@ -218,7 +218,9 @@ def check_out_dtype(out_dtype):
               "For FP8 output pass out_scale= (static per-tensor scale) instead.")
 
 
-def check_out_scale(out_scale, device):
+def check_out_scale(out_scale, device, out_dtype=None):
+    """A static per-tensor FP8 output scale: float32, one element, on ``device``; ``out_dtype`` must then be
+    None (the output is float8_e4m3fn)."""
     if out_scale is None:
         return
     check_tensor("out_scale", out_scale)
@@ -233,11 +235,7 @@ def check_out_scale(out_scale, device):
               "Only static per-tensor output scales fuse; quantize the output separately for other kinds.")
     if out_scale.device != device:
         _fail(ValueError, "out_scale", f"device {device}", str(out_scale.device), f"Move out_scale to {device}.")
-
-
-def check_out_kind(out_dtype, out_scale):
-    """``out_dtype`` and ``out_scale`` exclude each other (``out_scale`` makes the output float8_e4m3fn)."""
-    if out_scale is not None and out_dtype is not None:
+    if out_dtype is not None:
         raise ValueError(f"out_dtype: expected None when out_scale is given (the output is float8_e4m3fn), "
                          f"got {out_dtype}. Drop out_dtype or out_scale.")
 
@@ -263,6 +261,10 @@ def check_scales_cache(name, k_cache):
 
 
 def check_window(window_size):
+    if type(window_size) is tuple and len(window_size) == 2:  # (the usual form, without a generator)
+        left, right = window_size
+        if type(left) is int and type(right) is int and left >= -1 and right >= -1:
+            return
     ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
           and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size))
     if not ok:
@@ -314,6 +316,8 @@ def check_softmax_scale(softmax_scale, headdim):
     """The logit scale: None (1/sqrt(headdim)) or a finite float >= 0. Returns the float."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
+    if type(softmax_scale) is float and 0.0 <= softmax_scale < math.inf:  # (the usual form: no parse)
+        return softmax_scale
     # the kernels take the row max of the raw logits and scale it after (max(s) * c == max(s * c) needs c >= 0)
     s = _finite_nonneg(softmax_scale)
     if s is None:
@@ -324,6 +328,8 @@ def check_softmax_scale(softmax_scale, headdim):
 
 def check_softcap(softcap):
     """FA3's softcap: 0 (off) or a finite float > 0. Returns the float."""
+    if type(softcap) is float and 0.0 <= softcap < math.inf:  # (the usual form: no parse)
+        return softcap
     c = _finite_nonneg(softcap)
     if c is None:
         _fail(ValueError, "softcap", "a finite float >= 0 (0 = no capping)", describe(softcap),

@@ -47,8 +47,7 @@ def _unsupported_qv(qv):
 
 def _check_out_args(out, out_dtype, out_scale, oshape, q):
     C.check_out_dtype(out_dtype)
-    C.check_out_scale(out_scale, q.device)
-    C.check_out_kind(out_dtype, out_scale)
+    C.check_out_scale(out_scale, q.device, out_dtype)
     dt = ops._out_dtype(q, out_dtype, out_scale)
     C.check_out(out, oshape, dt, q.device)
 
@@ -92,7 +91,8 @@ def _descales(q_descale, k_descale, v_descale, batch, nheads_k, device, validate
         C.check_descale_kind(name, d, what, dt)
         C.check_descale(name, d, batch, nheads_k, device)
         C.check_descale_values(name, d, validate)
-    return tuple(expand_descale(d, batch, nheads_k, device) for d in (q_descale, k_descale, v_descale))
+    return (expand_descale(q_descale, batch, nheads_k, device), expand_descale(k_descale, batch, nheads_k, device),
+            expand_descale(v_descale, batch, nheads_k, device))
 
 
 def _block_descales(q_descale, k_descale, v_descale, block, batch, nheads_q, nheads_k, seqlen_q, seqlen_k,
@@ -145,12 +145,9 @@ def _validate_options(q, oshape, softmax_scale, causal, window_size, softcap, ou
                 out_scale=out_scale, out_dtype=out_dtype, out=out)
 
 
-def _eager_plan(kind, eligible, tensors, args, q, validate, causal, return_lse, flag, window_size):
-    """The eager-plan key of a call and the stored plan it may take (``fp8attn.plan``): ``(None, None)`` when
-    the call is not ``eligible`` (a feature no plan serves) or its signature may not select a plan
-    (``plan.plannable``); ``(key, None)`` when no plan serves the key yet."""
-    if not (eligible and plan.plannable(q, validate, causal, return_lse, flag, window_size)):
-        return None, None
+def _eager_plan(kind, tensors, args):
+    """The eager-plan key of a call whose signature may select a plan (``plan.plannable``) and the stored
+    plan it may take, or None (``fp8attn.plan``)."""
     key = plan.call_key(kind, tensors, args)
     return key, plan.cached(key, tensors)
 
@@ -231,7 +228,7 @@ def _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_
     hk, sk = k.shape[2], k.shape[1]
     attn = _dense_options(q, (b, sq, hq, v.shape[-1]), softmax_scale, causal, window_size, softcap, pack_gqa,
                           deterministic, return_attn_probs, out, out_dtype, out_scale, validate)
-    chunked = local_attention.splits_into_chunks(chunk, sq, sk)
+    chunked = chunk > 0 and local_attention.splits_into_chunks(chunk, sq, sk)
     if descale_block_size is None:
         descales = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate, q.dtype, k.dtype)
     else:
@@ -296,12 +293,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
         no key give out = 0 and lse = -inf.
     """
     tensors = (q, k, v, q_descale, k_descale, v_descale, out, out_scale)
-    eligible = type(attention_chunk) is int and attention_chunk == 0 and descale_block_size is None and qv is None
-    key, run = _eager_plan("dense", eligible, tensors, (softmax_scale, causal, window_size, softcap, num_splits,
-                           pack_gqa, deterministic, sm_margin, return_attn_probs, out_dtype, fp8_backward), q,
-                           validate, causal, return_attn_probs, deterministic, window_size)
-    if run is not None:
-        return run(*tensors)
+    key = run = None
+    if type(attention_chunk) is int and attention_chunk == 0 and descale_block_size is None and qv is None \
+            and plan.plannable(q, validate, causal, return_attn_probs, deterministic, window_size):
+        key, run = _eager_plan("dense", tensors, (softmax_scale, causal, window_size, softcap, num_splits, pack_gqa,
+                                                  deterministic, sm_margin, return_attn_probs, out_dtype, fp8_backward))
+        if run is not None:
+            return run(*tensors)
     c = _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
                         attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs,
                         out, out_dtype, out_scale, descale_block_size, validate, fp8_backward)
@@ -431,12 +429,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     tensors = (q, k, v, q_descale, k_descale, v_descale, out, out_scale, cu_seqlens_q, cu_seqlens_k, seqused_q,
                seqused_k)
-    eligible = type(attention_chunk) is int and attention_chunk == 0 and descale_block_size is None and qv is None
-    key, run = _eager_plan("varlen", eligible, tensors, (max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                           window_size, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs,
-                           out_dtype, fp8_backward), q, validate, causal, return_attn_probs, deterministic, window_size)
-    if run is not None:
-        return run(*tensors)
+    key = run = None
+    if type(attention_chunk) is int and attention_chunk == 0 and descale_block_size is None and qv is None \
+            and plan.plannable(q, validate, causal, return_attn_probs, deterministic, window_size):
+        key, run = _eager_plan("varlen", tensors, (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+                                                   softcap, num_splits, pack_gqa, deterministic, sm_margin,
+                                                   return_attn_probs, out_dtype, fp8_backward))
+        if run is not None:
+            return run(*tensors)
     c = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                          softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk,
                          softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out, out_dtype,
@@ -913,16 +913,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     """
     tensors = (q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, q_descale, k_descale, v_descale,
                k_cache_scales, v_cache_scales, out, out_scale)
+    key = run = None
     # plans serve a paged cache read as it is: no append, rotary, left pad, row index, chunks or given schedule
-    eligible = (k is None and v is None and qv is None and rotary_cos is None and rotary_sin is None
-                and rotary_seqlens is None and cache_batch_idx is None and cache_leftpad is None
-                and page_table is not None and cu_seqlens_k_new is None and type(attention_chunk) is int
-                and attention_chunk == 0 and scheduler_metadata is None and split_workspace is None)
-    key, run = _eager_plan("paged", eligible, tensors, (max_seqlen_q, softmax_scale, causal, window_size, softcap,
-                           num_splits, pack_gqa, sm_margin, return_softmax_lse, rotary_interleaved, out_dtype), q,
-                           validate, causal, return_softmax_lse, rotary_interleaved, window_size)
-    if run is not None:
-        return run(*tensors)
+    if k is None and v is None and qv is None and rotary_cos is None and rotary_sin is None \
+            and rotary_seqlens is None and cache_batch_idx is None and cache_leftpad is None \
+            and page_table is not None and cu_seqlens_k_new is None and type(attention_chunk) is int \
+            and attention_chunk == 0 and scheduler_metadata is None and split_workspace is None \
+            and plan.plannable(q, validate, causal, return_softmax_lse, rotary_interleaved, window_size):
+        key, run = _eager_plan("paged", tensors, (max_seqlen_q, softmax_scale, causal, window_size, softcap,
+                                                  num_splits, pack_gqa, sm_margin, return_softmax_lse,
+                                                  rotary_interleaved, out_dtype))
+        if run is not None:
+            return run(*tensors)
     c = _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                           cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
                           q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk,
@@ -1010,8 +1012,7 @@ def _validate_combine(out_partial, lse_partial, out, out_dtype, out_scale, valid
                          f"{tuple(out_partial.shape)}. Pass the partials of a split-KV call.")
     C.check_same_device(out_partial=out_partial, lse_partial=lse_partial, out=out, out_scale=out_scale)
     C.check_out_dtype(out_dtype)
-    C.check_out_scale(out_scale, out_partial.device)
-    C.check_out_kind(out_dtype, out_scale)
+    C.check_out_scale(out_scale, out_partial.device, out_dtype)
     dt = torch.float8_e4m3fn if out_scale is not None else (out_dtype or out_partial.dtype)
     C.check_out(out, out_partial.shape[1:], dt, out_partial.device)
     C.check_out_scale_values(out_scale, validate)
