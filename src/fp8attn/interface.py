@@ -13,6 +13,12 @@ after FA3's parameters:
 
 Every function runs on CPU tensors through the reference path with the same semantics.
 Unsupported FA3 arguments raise NotImplementedError naming them; none is silently ignored.
+
+Each entry point has one shape: a named ``_validate_*`` helper runs every check before anything is
+written and returns what the body needs (``_DenseCall``, ``_CachePlan``), then a short body dispatches
+to ``fp8attn.ops`` (``fp8attn.local_attention`` for ``attention_chunk``). Eager CUDA calls first look
+up a plan cached per call signature (``fp8attn.plan``): a repeated call skips the Python checks its
+signature already passed.
 """
 from __future__ import annotations
 
@@ -312,6 +318,24 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
         o, lse = ops.dense_fwd(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd,
                                descale_block=descale_block_size or 0, **c.attn)
     return (o, lse) if return_attn_probs else o
+
+
+def _validate_qkvpacked(qkv, num_heads_q):
+    """The checks of :func:`flash_attn_qkvpacked_func`'s packing (the rest are :func:`flash_attn_func`'s).
+    Returns the ``(q, k, v)`` views of ``qkv``."""
+    C.check_tensor("qkv", qkv, ndim=(4, 5))
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3 or num_heads_q is not None:
+            raise ValueError(f"qkv: expected (batch, seqlen, 3, nheads, headdim) without num_heads_q, got shape "
+                             f"{tuple(qkv.shape)} and num_heads_q={C.describe(num_heads_q)}. Stack q, k, v on dim 2, "
+                             "or pass the 4-D form with num_heads_q.")
+        return qkv.unbind(dim=2)
+    total = qkv.shape[2]
+    if not isinstance(num_heads_q, int) or not 0 < num_heads_q < total or (total - num_heads_q) % 2:
+        raise ValueError(f"num_heads_q: expected an int with qkv's {total} heads = num_heads_q + 2 * nheads_k, got "
+                         f"{C.describe(num_heads_q)}. Pass the number of query heads packed first.")
+    hk = (total - num_heads_q) // 2
+    return qkv.split([num_heads_q, hk, hk], dim=2)
 
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
@@ -952,6 +976,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     return (o, lse) if return_softmax_lse else o
 
 
+def _validate_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                                 cache_seqlens, attention_chunk, num_splits, sm_margin):
+    """Every check of :func:`get_scheduler_metadata`."""
+    C.check_num_splits(num_splits)
+    for name, val in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
+                      ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim)):
+        try:  # any integer type (Python, NumPy, a 0-d integer tensor)
+            ok = not isinstance(val, bool) and operator.index(val) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name}: expected an int >= 0, got {C.describe(val)}. Pass the call's shape.")
+    _check_attention_chunk(attention_chunk)
+    C.unsupported("sm_margin", sm_margin, 0)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected a tensor (its device is the metadata's), got "
+                        f"{type(cache_seqlens).__name__}. Pass the call's cache_seqlens.")
+
+
 def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
                            cache_seqlens, qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
                            cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0, causal=False,
@@ -979,20 +1022,8 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     -------
     torch.Tensor : int32, shape (num_splits,), zeros.
     """
-    C.check_num_splits(num_splits)
-    for name, val in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
-                      ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim)):
-        try:  # any integer type (Python, NumPy, a 0-d integer tensor)
-            ok = not isinstance(val, bool) and operator.index(val) >= 0
-        except TypeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"{name}: expected an int >= 0, got {C.describe(val)}. Pass the call's shape.")
-    _check_attention_chunk(attention_chunk)
-    C.unsupported("sm_margin", sm_margin, 0)
-    if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(f"cache_seqlens: expected a tensor (its device is the metadata's), got "
-                        f"{type(cache_seqlens).__name__}. Pass the call's cache_seqlens.")
+    _validate_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                                 cache_seqlens, attention_chunk, num_splits, sm_margin)
     return torch.zeros(num_splits, dtype=torch.int32, device=cache_seqlens.device)
 
 
@@ -1140,6 +1171,10 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
         per-token-head scales, computed (amax / fp8_max, floored; for bf16 padded up by 2**-7 so rounding
         never clips) and stored here; tokens are quantized with exactly the stored value.
     validate : also check slot ids and descale values on GPU tensors (syncs the device).
+
+    Returns
+    -------
+    None : ``k_cache`` / ``v_cache`` (and the scales) are written in place.
     """
     _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
                              k_cache_scales, v_cache_scales, validate)

@@ -30,7 +30,18 @@ def chunk_cu_seqlens(cu_q, cu_k, max_q, max_k, chunk):
     chunk's keys: runs of consecutive rows in which the queries are the last positions of the keys, so the
     varlen call's bottom-right causal / window masks are the full call's inside each chunk. The chunk range is a
     capacity from ``max_q`` / ``max_k`` (the lengths stay on the device: no sync, CUDA-graph safe); chunks a
-    sequence does not reach are empty pieces. Returns ``(cu_q, cu_k, pieces per sequence)``."""
+    sequence does not reach are empty pieces.
+
+    Parameters
+    ----------
+    cu_q, cu_k : (batch + 1,) int32 varlen offsets of the queries and keys.
+    max_q, max_k : int bounds of the per-sequence query and key lengths.
+    chunk : int > 0, the chunk length in key positions.
+
+    Returns
+    -------
+    (cu_q, cu_k, pieces) : (batch * pieces + 1,) int32 offsets of the pieces, and the int pieces per sequence.
+    """
     lq = (cu_q[1:] - cu_q[:-1]).long()[:, None]
     lk = (cu_k[1:] - cu_k[:-1]).long()[:, None]
     first = -(max_q // chunk + 1)  # at or before the chunk of every sequence's first query and of key 0
@@ -53,7 +64,19 @@ def _per_piece(descales, pieces):
 
 
 def chunked_varlen(q, k, v, cu_q, cu_k, max_q, max_k, chunk, qd, kd, vd, **kw):
-    """A varlen call with ``attention_chunk`` as one varlen call over its chunk pieces (``chunk_cu_seqlens``)."""
+    """A varlen call with ``attention_chunk`` as one varlen call over its chunk pieces (``chunk_cu_seqlens``).
+
+    Parameters
+    ----------
+    q : (total_q, nheads_q, headdim); k, v : (total_k, nheads_k, headdim[_v]), as ``ops.dense_fwd`` takes them.
+    cu_q, cu_k : (batch + 1,) int32 offsets; max_q, max_k : int bounds of the lengths; chunk : int > 0.
+    qd, kd, vd : expanded (batch, nheads_k) float32 descales, or None.
+    **kw : the other keywords of ``ops.dense_fwd``.
+
+    Returns
+    -------
+    (out, lse) : as ``ops.dense_fwd``: (total_q, nheads_q, headdim_v) and (nheads_q, total_q) float32.
+    """
     cq, ck, pieces = chunk_cu_seqlens(cu_q, cu_k, max_q, max_k, chunk)
     qd, kd, vd = _per_piece((qd, kd, vd), pieces)
     return ops.dense_fwd(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=min(chunk, max_q),
@@ -80,15 +103,28 @@ def _fill_out(out, packed, o):
 
 def chunked_dense(q, k, v, chunk, qd, kd, vd, **kw):
     """``flash_attn_func`` with ``attention_chunk``: the batch as varlen sequences of equal lengths, chunked
-    (``chunked_varlen``). Returns ``(out, lse)`` shaped as the dense call's."""
+    (``chunked_varlen``).
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads_q, headdim); k, v : (batch, seqlen_k, nheads_k, headdim[_v]).
+    chunk : int > 0; qd, kd, vd : expanded (batch, nheads_k) float32 descales, or None.
+    **kw : the other keywords of ``ops.dense_fwd``, ``out`` included (None, or the caller's
+        (batch, seqlen_q, nheads_q, headdim_v) output, written in place).
+
+    Returns
+    -------
+    (out, lse) : (batch, seqlen_q, nheads_q, headdim_v) and (batch, nheads_q, seqlen_q) float32 (empty without
+        ``return_lse``).
+    """
     b, sq, hq, _ = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
     rows = torch.arange(b + 1, device=q.device, dtype=torch.int32)
     out = kw.pop("out")
     packed = _packed_out(out, b * sq)
     o, lse = chunked_varlen(q.reshape(b * sq, hq, q.shape[-1]), k.reshape(b * sk, hk, k.shape[-1]),
-                             v.reshape(b * sk, hk, dv), rows * sq, rows * sk, sq, sk, chunk, qd, kd, vd, out=packed,
-                             **kw)
+                            v.reshape(b * sk, hk, dv), rows * sq, rows * sk, sq, sk, chunk, qd, kd, vd, out=packed,
+                            **kw)
     o = _fill_out(out, packed, o.view(b, sq, hq, dv))
     if lse.numel():
         lse = lse.view(hq, b, sq).transpose(0, 1).contiguous()
@@ -117,7 +153,21 @@ def chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, cu_seqlens_q, 
     ``c * chunk`` keys in whole pages), so its queries are the last positions of its keys and the bottom-right
     causal / window masks hold inside the chunk. ``k_cache`` / ``v_cache`` / ``pt`` are a paged cache (the caller
     sees a contiguous one as one-token pages, as with ``cache_leftpad``). Everything is built on the device from
-    capacities (no sync). Returns ``(out, lse)`` in the call's shapes."""
+    capacities (no sync).
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads_q, headdim), or (total_q, nheads_q, headdim) with ``cu_seqlens_q``.
+    k_cache, v_cache : (num_blocks, page_size, nheads_k, headdim[_v]); pt : (batch, max_pages) int32.
+    total_len : (batch,) int32 / int64 lengths of the cache after any append.
+    chunk : int > 0, a multiple of page_size; cu_seqlens_q : (batch + 1,) int32 or None; max_seqlen_q : int.
+    descales : the expanded ``(q, k, v)`` (batch, nheads_k) float32 descales (entries may be None).
+    **kw : the other keywords of ``ops.paged_fwd``, ``out`` included.
+
+    Returns
+    -------
+    (out, lse) : q's shape with headdim_v, and (batch, nheads_q, seqlen_q) / varlen (nheads_q, total_q) float32.
+    """
     varlen = cu_seqlens_q is not None
     if varlen:
         batch = cu_seqlens_q.numel() - 1
