@@ -1083,10 +1083,9 @@ def _per_sequence_rows(k_descale, v_descale):
     return min(rows) if rows else None
 
 
-def _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
-                             k_cache_scales, v_cache_scales, validate):
-    """Every check of :func:`write_kv_cache` (before the caches are written)."""
-    C.check_flag("validate", validate)
+def _check_write_tensors(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales,
+                         v_cache_scales):
+    """The tensors of :func:`write_kv_cache`: kinds, one device, the cache dtypes, and shapes that agree."""
     for name, t in (("k", k), ("v", v)):
         C.check_tensor(name, t, ndim=3)
         C.check_new_tokens(name, t, "Pass the unquantized values.")
@@ -1117,6 +1116,11 @@ def _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_
         raise ValueError(f"slot_mapping: expected {k.shape[0]} entries (one per token), got {slot_mapping.numel()}.")
     if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:]:
         raise ValueError(f"k: expected (num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}) matching k_cache, got {tuple(k.shape)}.")
+
+
+def _check_write_scales(k_cache, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales, validate):
+    """How :func:`write_kv_cache` scales: per-token-head cache scales (both, FP8 cache, no static descale), or
+    static descales per tensor or per (sequence, head) with ``token_seq_idx``."""
     hk = k_cache.shape[2]
     if (k_cache_scales is None) != (v_cache_scales is None):
         raise ValueError("k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither, got one. "
@@ -1144,6 +1148,15 @@ def _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_
             raise ValueError(f"token_seq_idx: expected an int32 (num_tokens,) tensor with a per-(sequence, head) "
                              f"{name} of shape {tuple(d.shape)}, got None. Pass each token's batch row.")
         C.check_descale_values(name, d, validate)
+
+
+def _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
+                             k_cache_scales, v_cache_scales, validate):
+    """Every check of :func:`write_kv_cache` (before the caches are written)."""
+    C.check_flag("validate", validate)
+    _check_write_tensors(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales,
+                         v_cache_scales)
+    _check_write_scales(k_cache, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales, validate)
     C.check_int32("token_seq_idx", token_seq_idx, ndim=1)
     if token_seq_idx is not None and token_seq_idx.numel() != k.shape[0]:
         raise ValueError(f"token_seq_idx: expected {k.shape[0]} entries (one per token), got {token_seq_idx.numel()}. "
