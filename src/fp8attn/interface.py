@@ -1094,7 +1094,8 @@ def _check_write_tensors(k, v, k_cache, v_cache, slot_mapping, k_descale, v_desc
     C.check_tensor("slot_mapping", slot_mapping, ndim=1)
     for name, d in (("k_descale", k_descale), ("v_descale", v_descale), ("token_seq_idx", token_seq_idx),
                     ("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
-        C.check_tensor(name, d, allow_none=True)
+        if d is not None:
+            C.check_tensor(name, d)
     C.check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, k_descale=k_descale,
                         v_descale=v_descale, token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales,
                         v_cache_scales=v_cache_scales)
