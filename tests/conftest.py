@@ -1,4 +1,4 @@
-"""Test configuration: seeds, markers, the tolerance rule (DESIGN §5), hypothesis profiles."""
+"""Test configuration: seeds, markers, the tolerance rule (docs/design.md, Testing), hypothesis profiles."""
 import os
 
 import pytest

@@ -1,4 +1,4 @@
-"""The public API on CPU tensors (the reference path) over the edge grid of DESIGN.md §5.
+"""The public API on CPU tensors (the reference path) over the edge grid of docs/design.md, Testing.
 
 Every result is compared with the independent float64 oracle (tests/test_reference.py::naive_attention)
 computed from the dequantized inputs, with FA3's tolerance rule where the low-precision step is the
@@ -312,7 +312,7 @@ def test_kvcache_contiguous_with_cache_batch_idx():
 def test_kvcache_v_seq_major_append_and_attend():
     """A sequence-major V cache through the public API: appends (k=, v=) and attention give the standard
     layout's result; a V cache with any other non-contiguous last dim is rejected with the fix."""
-    from fp8attn.paged import alloc_paged_cache, is_v_seq_major
+    from fp8attn.paged_cache import alloc_paged_cache, is_v_seq_major
 
     b, hq, hk, d, ps, nb = 2, 4, 2, 32, 16, 8
     g = torch.Generator().manual_seed(0)
@@ -347,7 +347,7 @@ def test_kvcache_split_workspace():
     """``split_workspace=``: a preallocated (out_partial, lse_partial) gives the same result as partials
     allocated per call (varlen too); wrong workspaces are rejected naming the argument and the fix."""
     from fp8attn import split_workspace
-    from fp8attn.paged import alloc_paged_cache
+    from fp8attn.paged_cache import alloc_paged_cache
 
     b, hq, hk, d, ps, nb = 3, 4, 2, 32, 16, 12
     kc, vc = alloc_paged_cache(nb, ps, hk, d, poison_nan=True)
@@ -388,7 +388,7 @@ def test_cpu_path_rounds_p_like_the_kernels():
     """e4m3 inputs: P in e4m3 (FP8 P@V); bf16 inputs: P in bf16; bf16 Q over an e4m3 paged cache: P in
     fp16 (the paged kernel's fp16 dots). Each equals the reference with that switch and differs from
     the exact-P reference."""
-    from fp8attn.paged import make_page_table, to_v_seq_major
+    from fp8attn.paged_cache import make_page_table, to_v_seq_major
     from fp8attn.reference import attention_ref, paged_attention_ref
 
     for kind, model in (("fp8", dict(quantize_p=True)), ("bf16", dict(p_dtype=torch.bfloat16))):
@@ -438,7 +438,7 @@ def test_cpu_path_rounds_p_like_the_paged_tma_kernel():
     128 queries; in a varlen call, each sequence of 128 queries or more) round P to e4m3 as that kernel
     does; the rest of the call, and calls it does not take (a window, splits, a float32 output), round P to
     fp16 as the Triton kernel does."""
-    from fp8attn.paged import make_page_table
+    from fp8attn.paged_cache import make_page_table
     from fp8attn.reference import paged_attention_ref
 
     lens, ps, hk, hq, d = [300, 140], 16, 2, 4, 64

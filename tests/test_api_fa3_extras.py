@@ -285,7 +285,7 @@ def test_attention_chunk_over_a_cache(layout, sq, device="cpu"):
     """Decode rows and prefill chunks (appended) see only their chunk's keys: against the float64 masked oracle.
     The 20-query chunks cross chunk boundaries (positions 4..23, 39..58 and 76..95 with chunks of 32)."""
     from conftest import assert_close_fa3
-    from fp8attn.paged import to_v_seq_major
+    from fp8attn.paged_cache import to_v_seq_major
 
     g = torch.Generator().manual_seed(12)
     B, HQ, HK, D, PS, CH = 3, 4, 2, 32, 16, 32

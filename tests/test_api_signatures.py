@@ -1,4 +1,4 @@
-"""Signature parity with FlashAttention-3's flash_attn_interface (DESIGN.md §2).
+"""Signature parity with FlashAttention-3's flash_attn_interface (docs/design.md, API conventions).
 
 FA3's parameters must come first, with the same names, order, kinds and defaults; every extension is
 keyword-only and comes after them.
@@ -51,7 +51,7 @@ FA3 = {
     ],
 }
 
-# Extensions the API promises (issue 2 §5 / DESIGN §2); each must be keyword-only.
+# Extensions the API promises (docs/design.md, API conventions); each must be keyword-only.
 EXTENSIONS = {
     "flash_attn_func": {"out", "out_dtype", "out_scale", "fp8_backward"},
     "flash_attn_varlen_func": {"out", "out_dtype", "out_scale", "fp8_backward"},

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import fp8attn
-from fp8attn.paged import alloc_paged_cache, make_page_table
+from fp8attn.paged_cache import alloc_paged_cache, make_page_table
 from fp8attn.quant import round_descale_for_storage, scale_storage_pad
 from fp8attn.reference import paged_attention_ref
 

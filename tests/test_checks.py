@@ -1,4 +1,5 @@
-"""Bad input (issue 2 §6): each error has the right type and its message names the argument.
+"""Bad input (docs/design.md, Validation and nothing lost): each error has the right type and its message
+names the argument.
 
 Messages follow "<arg>: expected <what>, got <what>. <fix>"; ``_raises`` checks the argument name and,
 where given, a fragment of what arrived.

@@ -120,7 +120,7 @@ def test_bench_help_says_which_routines_need_a_gpu(capsys):
 def test_every_drive_option_has_help_and_shows_its_default():
     import argparse
 
-    from fp8attn.demo import _drive_parser
+    from fp8attn.serving.demo import _drive_parser
 
     p = _drive_parser()
     text = " ".join(p.format_help().split())

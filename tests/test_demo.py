@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from fp8attn.demo import demo_main, drive_main
+from fp8attn.serving.demo import demo_main, drive_main
 
 
 def _sharegpt(path, n=12, cut=False):
@@ -67,7 +67,7 @@ def test_drive_bad_inputs(tmp_path, capsys, monkeypatch):
 
 
 def test_truncated_dataset_file_uses_complete_conversations(tmp_path):
-    from fp8attn.data import load_first_turns
+    from fp8attn.serving.data import load_first_turns
 
     with pytest.warns(UserWarning, match="complete ones"):
         turns = load_first_turns(_sharegpt(tmp_path / "cut.json", n=30, cut=True))
@@ -75,7 +75,7 @@ def test_truncated_dataset_file_uses_complete_conversations(tmp_path):
 
 
 def test_drive_ctrl_c_keeps_finished(tmp_path, capsys, monkeypatch):
-    from fp8attn.engine import LLMEngine
+    from fp8attn.serving.engine import LLMEngine
 
     data = _sharegpt(tmp_path / "sg.json")
     real, n = LLMEngine.step, {"k": 0}

@@ -15,7 +15,7 @@ from test_reference import naive_attention, rand_descale
 
 import fp8attn.distributed as D
 from fp8attn import flash_attn_combine, flash_attn_with_kvcache, write_kv_cache
-from fp8attn.paged import packed_token_seqs, slot_mapping_for, to_v_seq_major
+from fp8attn.paged_cache import packed_token_seqs, slot_mapping_for, to_v_seq_major
 from fp8attn.quant import quantize
 
 E4M3 = torch.float8_e4m3fn

@@ -4,9 +4,9 @@ import random
 import pytest
 import torch
 
-from fp8attn.engine import (BlockAllocator, EngineConfig, LLMEngine, OutOfBlocks, PromptTooLong, SamplingParams,
+from fp8attn.serving.engine import (BlockAllocator, EngineConfig, LLMEngine, OutOfBlocks, PromptTooLong, SamplingParams,
                             Scheduler, Sequence, SeqStatus, blocks_needed)
-from fp8attn.models import LlamaConfig, LlamaModel
+from fp8attn.serving.models import LlamaConfig, LlamaModel
 
 TINY = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
                    num_key_value_heads=2, head_dim=8, rope_theta=10000.0)

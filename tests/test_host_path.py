@@ -107,7 +107,7 @@ def test_eager_plan_paged_decode_equals_checked_path(q_fp8):
     checked path, NaN-poisoned unused slots and non-unit scales included."""
     import fp8attn
     from fp8attn import plan
-    from fp8attn.paged import alloc_paged_cache, make_page_table
+    from fp8attn.paged_cache import alloc_paged_cache, make_page_table
 
     plan.clear()
     b, hq, hk, d, ps, L = 4, 8, 2, 128, 16, 300

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from fp8attn import ops  # noqa: E402
 from fp8attn.kernels.cache import launch_append_kv_cache, launch_write_kv_cache  # noqa: E402
-from fp8attn.paged import slot_mapping_for, to_v_seq_major, token_rows  # noqa: E402
+from fp8attn.paged_cache import slot_mapping_for, to_v_seq_major, token_rows  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

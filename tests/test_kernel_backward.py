@@ -1,8 +1,8 @@
 """Attention backward kernels (kernels/backward.py) against float64 autograd on the dequantized inputs.
 
 CPU: the kernels run under TRITON_INTERPRET=1 at tiny shapes. The oracle is float64 torch autograd of
-attention on the dequantized inputs (random non-unit per-(batch, kv head) descales). Tolerance (DESIGN
-§5): max|kernel - oracle| <= 2 * max|lowprec - oracle| + floor, plus the same rule on the mean error,
+attention on the dequantized inputs (random non-unit per-(batch, kv head) descales). Tolerance (docs/design.md,
+Testing): max|kernel - oracle| <= 2 * max|lowprec - oracle| + floor, plus the same rule on the mean error,
 where ``lowprec`` is:
 
 * mode "dequantized": a float64 backward that rounds P and dS to bf16 before their products, as the
@@ -297,7 +297,7 @@ def _e4m3_probe(X, Y, S, SCALE: tl.constexpr, AMAX: tl.constexpr):
 @pytest.fixture
 def strict_e4m3_cast(monkeypatch):
     """The interpreter's float -> e4m3 conversion made non-saturating: a value past 448 becomes NaN. The
-    kernels must clamp every e4m3 operand themselves (DESIGN's saturating-casts rule); with the
+    kernels must clamp every e4m3 operand themselves (docs/design.md, Formats and saturating casts); with the
     interpreter's default (saturating) conversion a cast that skips the clamp cannot be told apart."""
     import numpy as np
     from triton.runtime import interpreter as ti

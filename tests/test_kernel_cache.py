@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fp8attn.kernels.cache import launch_write_kv_cache  # noqa: E402
-from fp8attn.paged import to_v_seq_major  # noqa: E402
+from fp8attn.paged_cache import to_v_seq_major  # noqa: E402
 from fp8attn.quant import compute_descale, saturating_cast  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

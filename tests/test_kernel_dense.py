@@ -1,7 +1,7 @@
-"""Dense + varlen forward kernel vs the reference (DESIGN §5 tolerance rule).
+"""Dense + varlen forward kernel vs the reference (the tolerance rule of docs/design.md, Testing).
 
 CPU: the Triton kernel under TRITON_INTERPRET=1 at small shapes. GPU (`gpu` marker): the full grid
-of DESIGN §5, LSE, determinism, and a varlen batch whose K/V pass 2**31 elements.
+of docs/design.md (Testing), LSE, determinism, and a varlen batch whose K/V pass 2**31 elements.
 """
 import math
 import os

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from conftest import assert_close_fa3  # noqa: E402
 from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, paged_config, split_workspace  # noqa: E402
-from fp8attn.paged import is_v_seq_major, to_v_seq_major  # noqa: E402
+from fp8attn.paged_cache import is_v_seq_major, to_v_seq_major  # noqa: E402
 from fp8attn.quant import saturating_cast  # noqa: E402
 from fp8attn.reference import paged_attention_ref  # noqa: E402
 
@@ -178,7 +178,7 @@ def test_fp8q_fp8kv_prefill_tiles(v_seq_major):
         lp8 = paged_attention_ref(*args, out_dtype=torch.float32, quantize_p=True, causal=True, **kw)
         assert (out.float() - lp16).abs().max() < (out.float() - lp8).abs().max()
         return
-    # the interpreter's fp32->e4m3 cast of P drops the carry on some values (DESIGN §5): on CPU the
+    # the interpreter's fp32->e4m3 cast of P drops the carry on some values (docs/design.md, Testing): on CPU the
     # bound is loosened to a few percent of |out|; GPU tests apply the strict bound.
     floor = 2e-3 if DEV == "cuda" else 0.06 * ref.abs().max().item()
     check(out, lse, ref, ref_lse, lp, floor=floor, lse_tol=1e-3 if DEV == "cuda" else 0.05)
@@ -206,7 +206,7 @@ def test_fp8q_small_tiles_fa3_v_run_16bit(qlen, hq, hk, num_splits):
     c16 = dict(c, k_cache=c["k_cache"], v_cache=to_v_seq_major(c["v_cache"]))
     out_s, lse_s = run_paged(q8, c16, num_splits=num_splits, **kw)
     ref8, _, lp8 = refs(q8, c, quantize_p=True, causal=True, **kw)
-    loose = DEV == "cpu"  # the interpreter's e4m3 cast of P drops carries (DESIGN §5)
+    loose = DEV == "cpu"  # the interpreter's e4m3 cast of P drops carries (docs/design.md, Testing)
     check(out_s, lse_s, ref8, ref_lse, lp8, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
           lse_tol=0.05 if loose else 1e-3)
 
@@ -411,7 +411,7 @@ def test_tile_path_chunked_prefill_fp8(pv_fp16):
                          v_descale=vd, config=cfg)
     ref, ref_lse, lp = refs(q8, c, quantize_p=not pv_fp16, causal=True, cu_seqlens_q=cu,
                             max_seqlen_q=max(qlens), q_descale=qd, k_descale=kd, v_descale=vd)
-    # as in test_fp8q_fp8kv_mma_path: the interpreter's e4m3 cast of P drops carries (DESIGN §5)
+    # as in test_fp8q_fp8kv_mma_path: the interpreter's e4m3 cast of P drops carries (docs/design.md, Testing)
     loose = DEV == "cpu" and not pv_fp16
     check(out, lse, ref, ref_lse, lp, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
           lse_tol=0.05 if loose else 1e-3)
@@ -451,7 +451,7 @@ def test_v_seq_major_cache(page_size, fp8_q, num_splits):
     out_s, lse_s = run_paged(q, cs, **run)
     out, lse = run_paged(q, c, **run)
     ref, ref_lse, lp = refs(q, c, quantize_p=fp8_q, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens), **kw)
-    loose = DEV == "cpu" and fp8_q  # the interpreter's e4m3 cast of P drops carries (DESIGN §5)
+    loose = DEV == "cpu" and fp8_q  # the interpreter's e4m3 cast of P drops carries (docs/design.md, Testing)
     floor = 0.06 * ref.abs().max().item() if loose else 2e-3
     check(out_s, lse_s, ref, ref_lse, lp, floor=floor, lse_tol=0.05 if loose else 1e-3)
     assert (out_s.float() - out.float()).abs().max().item() <= 2 * floor + 2.0 ** -6 * ref.abs().max().item()

@@ -21,7 +21,7 @@ from test_kernel_paged import (_v_seq_major, check, cu_from_lens, make_cache, po
                                replay_at_lengths, run_paged)
 from fp8attn.kernels import dense_tma, paged_tma
 from fp8attn.kernels.dense import transpose_v_kmajor
-from fp8attn.paged import empty_paged
+from fp8attn.paged_cache import empty_paged
 from fp8attn.quant import saturating_cast
 from fp8attn.reference import gather_paged
 

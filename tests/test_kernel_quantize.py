@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fp8attn import ops, qkv  # noqa: E402
+from fp8attn import ops, quant  # noqa: E402
 from fp8attn.quant import descale_from_amax  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,7 +32,7 @@ def _x(b=2, s=21, h=4, d=16, varlen=False):
 
 
 def _run(x, gran, single, rotate=False, seq_major=False, bt=16, hk=2):
-    return qkv._triton_path(x, gran, hk, rotate, 7, bt, seq_major=seq_major, single=single)
+    return quant._triton_path(x, gran, hk, rotate, 7, bt, seq_major=seq_major, single=single)
 
 
 @pytest.mark.parametrize("gran,varlen", [("per_tensor", True), ("per_head", False), ("per_block", True)])
@@ -40,12 +40,12 @@ def test_fused_equals_exact_torch_path(gran, varlen):
     """Bytes and descales equal the torch path (no rotation: the result is exactly defined), for the one- and
     two-launch forms and both V layouts; shapes and strides as the op's fake promises."""
     x = _x(varlen=varlen)
-    want_y, want_d = qkv._torch_path(x, gran, 2, False, 7, 16)
+    want_y, want_d = quant._torch_path(x, gran, 2, False, 7, 16)
     forms = ((None, True),) if gran == "per_block" else ((True, False), (False, True))
     for single, seq_major in forms:
         y, d = _run(x, gran, single, seq_major=seq_major)
         assert torch.equal(_bits(y), _bits(want_y)) and torch.equal(d, want_d.contiguous())
-        assert d.is_contiguous() and d.shape == qkv.descale_shape(x, gran, 2, 16)
+        assert d.is_contiguous() and d.shape == quant.descale_shape(x, gran, 2, 16)
         assert (y.stride(-3) == 1) == seq_major
 
 
@@ -56,7 +56,7 @@ def test_hadamard_one_and_two_launch_forms_agree(gran):
     y1, d1 = _run(x, gran, True, rotate=True, hk=1)
     y2, d2 = _run(x, gran, False, rotate=True, seq_major=True, hk=1)
     assert torch.equal(_bits(y1), _bits(y2)) and torch.equal(d1, d2)
-    yt, dt = qkv._torch_path(x, gran, 1, True, 7, 16)
+    yt, dt = quant._torch_path(x, gran, 1, True, 7, 16)
     torch.testing.assert_close(d1, dt, rtol=1e-5, atol=0)
     ulp = torch.exp2(torch.floor(torch.log2(yt.float().abs().clamp_min(2.0 ** -6))) - 3)
     assert ((y1.float() - yt.float()).abs() <= ulp).all()
@@ -102,7 +102,7 @@ def test_many_tiles_per_group_reduce_in_kernel():
     import fp8attn.kernels.quantize as kq
 
     x = _x(b=1, s=100, h=2, d=16)
-    want_y, want_d = qkv._torch_path(x, "per_tensor", 1, False, 7, 16)
+    want_y, want_d = quant._torch_path(x, "per_tensor", 1, False, 7, 16)
     old = kq._PARTIALS_PER_TILE
     kq._PARTIALS_PER_TILE = 4  # 14 tiles in the group: 4 tiles per program
     try:
@@ -160,5 +160,5 @@ def test_gpu_quantize_qkv_launches_and_no_sync(gran, hadamard, s):
         y2, d2 = _run(q, gran, False, rotate=hadamard, bt=64, hk=2)
         assert torch.equal(_bits(y1), _bits(y2)) and torch.equal(d1, d2)
     if not hadamard:  # the descale is quant.descale_from_amax of the exact group amax
-        want_d = qkv._torch_path(q, gran, 2, False, 7, 128 if gran == "per_block" else 64)[1]
+        want_d = quant._torch_path(q, gran, 2, False, 7, 128 if gran == "per_block" else 64)[1]
         assert torch.equal(got[3], want_d.expand(got[3].shape) if gran == "per_tensor" else want_d)

@@ -188,7 +188,7 @@ def test_mixed_batch_decode_class_matches_the_cpu_rule(monkeypatch, hq, hk, d, v
     tile class is the sequences of at most ``decode_row_queries(qg)`` queries; both classes round P as the
     CPU path does (``paged.paged_precisions``: e4m3 over sequence-major V, fp16 over FA3's layout), and the
     small class over FA3's layout runs QK^T in fp16 too where it holds decode tiles."""
-    from fp8attn.paged import decode_row_queries, decode_shaped, paged_precisions
+    from fp8attn.paged_cache import decode_row_queries, decode_shaped, paged_precisions
     launches = []
 
     class _All(_Capture):
@@ -223,7 +223,7 @@ def test_paged_varlen_tma_rows_match_the_cpu_rule(monkeypatch, pages):
     (a small batch over a long page table: 64 pages). The launcher decides as the CPU path models it
     (``ops._paged_tma_tokens``: those rows' P in e4m3, the others' in fp16)."""
     import fp8attn.ops as O
-    from fp8attn.paged import paged_precisions
+    from fp8attn.paged_cache import paged_precisions
 
     kern, tma_calls = _Launches(), []
     monkeypatch.setattr(KP, "_paged_fwd_kernel", kern)

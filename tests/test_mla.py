@@ -412,12 +412,12 @@ def test_gpu_no_host_sync(mode):
 
 @pytest.mark.slow
 def test_quant_kernel_compiles_for_sm90_without_spills_or_divisions():
-    """``benchmarks/aot_mla_sm90.py`` (sm_90a, no GPU needed): every launch of the quantization kernel without
+    """``tools/aot_mla_sm90.py`` (sm_90a, no GPU needed): every launch of the quantization kernel without
     stack or local memory (spills), and without an fp32 division (the approximate one would break the
     kernel's bit equality with the torch form)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, str(SRC.parent / "benchmarks" / "aot_mla_sm90.py")], cwd=SRC.parent, env=env,
+    r = subprocess.run([sys.executable, str(SRC.parent / "tools" / "aot_mla_sm90.py")], cwd=SRC.parent, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("mla_quant ")]

@@ -4,8 +4,8 @@ import importlib.util
 import pytest
 import torch
 
-from fp8attn.engine import EngineConfig, LLMEngine, SamplingParams
-from fp8attn.models import LLAMA3_8B, LlamaConfig, LlamaModel, MissingDependency, require
+from fp8attn.serving.engine import EngineConfig, LLMEngine, SamplingParams
+from fp8attn.serving.models import LLAMA3_8B, LlamaConfig, LlamaModel, MissingDependency, require
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,7 +63,7 @@ def test_random_preset_shapes():
 
 
 def test_checkpoint_dir_loads(tmp_path):
-    from fp8attn.models import load_pretrained
+    from fp8attn.serving.models import load_pretrained
 
     hf = _hf_tiny(rope_theta=10000.0)
     hf.save_pretrained(tmp_path)
@@ -87,7 +87,7 @@ _HAVE_GGUF = all(importlib.util.find_spec(m) for m in ("gguf", "accelerate", "ll
 def test_smollm2_gguf_forward_matches_transformers():
     """The real model: same logits as transformers with an fp32 cache (1e-4 relative); a bf16 cache and
     an FP8 cache stay close."""
-    from fp8attn.models import load_pretrained
+    from fp8attn.serving.models import load_pretrained
 
     model, tok, hf = load_pretrained(with_hf=True)
     assert (model.cfg.num_hidden_layers, model.cfg.num_attention_heads, model.cfg.num_key_value_heads,

@@ -15,7 +15,7 @@ import torch
 
 from fp8attn import (flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                      quantize_qkv, split_workspace, write_kv_cache)
-from fp8attn.paged import alloc_paged_cache
+from fp8attn.paged_cache import alloc_paged_cache
 
 E4M3 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -504,7 +504,7 @@ def test_unchecked_bad_slots_are_skipped_by_the_kernel_and_the_torch_path():
 def test_unchecked_appends_past_the_capacity_get_no_slot():
     """slot_mapping_for (the append path's slots, computed on the device): positions outside a row's capacity,
     negative ones and padding rows give slot -1, which every writer skips."""
-    from fp8attn.paged import slot_mapping_for
+    from fp8attn.paged_cache import slot_mapping_for
 
     pt = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
     slots = slot_mapping_for(pt, 4, torch.tensor([0, 0, 1, 1, 2]), torch.tensor([5, 8, -1, 7, 0]))

@@ -12,7 +12,7 @@ from conftest import assert_close_fa3
 from test_reference import naive_attention, rand_descale
 
 from fp8attn import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
-from fp8attn.paged import make_page_table, slot_mapping_for, to_v_seq_major
+from fp8attn.paged_cache import make_page_table, slot_mapping_for, to_v_seq_major
 from fp8attn.quant import quantize, saturating_cast
 
 E4M3 = torch.float8_e4m3fn

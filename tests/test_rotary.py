@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import fp8attn
-from fp8attn.paged import alloc_paged_cache, make_page_table
+from fp8attn.paged_cache import alloc_paged_cache, make_page_table
 
 
 def _tables(n, rd, base=10000.0):

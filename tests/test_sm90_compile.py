@@ -3,12 +3,12 @@ H200's shared memory.
 
 Shared memory is only checked by the driver when a kernel loads, so a configuration whose pipelined
 rings outgrow the 227 KB per block passes every interpreter test and fails on the GPU. This test
-compiles the launches of ``benchmarks/aot_paged_sm90.py`` (decode and prefill, FP8 and bf16 caches,
+compiles the launches of ``tools/aot_paged_sm90.py`` (decode and prefill, FP8 and bf16 caches,
 both V layouts) ahead of time for sm90 on the CPU, in a subprocess (the compile needs the JIT, not the
 interpreter), and checks each kernel's static shared memory, and that a 16-bit P@V over an FP8 cache in
 FA3's layout (bf16 Q; FP8 Q, whose P@V runs in fp16 there) reads its V operand from shared memory as 16-bit
-values, not byte by byte (LDS.U8: the cast moved after the operand read, ~8% of decode time at page 16;
-docs/perf-notes.md, paged round 10).
+values, not byte by byte (LDS.U8: the cast moved after the operand read; docs/decisions.md, Paged
+decode).
 """
 import os
 import re
@@ -33,7 +33,7 @@ def _ptxas_available() -> bool:
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is needed for the sm90 compile")
 def test_paged_launches_fit_shared_memory():
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "src"))
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_paged_sm90.py")], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "aot_paged_sm90.py")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     lines = [ln for ln in r.stdout.splitlines() if " cfg=" in ln or " FAILED " in ln]
     assert r.returncode == 0, r.stderr[-2000:]
@@ -57,7 +57,7 @@ def test_backward_default_configs_compile():
     mode), run their products on wgmma (QGMMA in the SASS: the e4m3 operand layouts were accepted), fit
     the H200's shared memory and barely spill (register-file overflow, which the interpreter cannot show)."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "src"))
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_backward_sm90.py"), "--quick"], cwd=ROOT,
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "aot_backward_sm90.py"), "--quick"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in r.stdout.splitlines() if " cfg=" in ln]
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

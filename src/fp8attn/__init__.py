@@ -2,7 +2,7 @@
 from .interface import (flash_attn_combine, flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
                         flash_attn_with_kvcache, get_scheduler_metadata, write_kv_cache)
 from . import mla, quant, reference
-from .paged import split_workspace
+from .paged_cache import split_workspace
 from .qkv import quantize_qkv
 from .training import attention, get_fp8_backward, set_fp8_backward
 from .compile import fused_output_quant_supported

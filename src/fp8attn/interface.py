@@ -30,8 +30,8 @@ import torch
 from . import _checks as C
 from . import local_attention, ops, plan
 from .capability import kernel_for
-from .paged import slot_mapping_for
-from .paged import token_rows as _token_rows
+from .paged_cache import slot_mapping_for
+from .paged_cache import token_rows as _token_rows
 from .quant import expand_descale, is_fp8
 from .rotary import apply_rotary
 

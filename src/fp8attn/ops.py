@@ -9,7 +9,7 @@ passes (``fp8attn.compile``) can match them by name.
 
 Why ``Library.define`` + one impl and not ``torch.library.custom_op``: the same opaque op with the
 same fake, but dispatch stays in C++ up to the Python implementation (no Python autograd wrapper, no
-run-time aliasing check), a fraction of custom_op's per-call overhead (docs/compile.md has the numbers).
+run-time aliasing check), a fraction of custom_op's per-call overhead (docs/compile.md).
 
 Autograd: ``dense_fwd`` is differentiable (``torch.library.register_autograd``; its backward is the
 opaque op ``dense_bwd``, so a compiled forward + backward holds both ops and no graph break). The
@@ -25,8 +25,9 @@ Eager calls of the attention entry points (``dense_fwd``, ``paged_fwd``, ``combi
 and of ``quantize_fp8`` skip the dispatcher hop and call the op's implementation directly when nothing could
 observe the difference
 (``_eager_direct``: not traced by torch.compile / jit, no torch-function or dispatch mode, no functorch
-transform, plain tensors, and no input that requires grad with grad mode on). That hop costs 5-12 us per call on an H200 host (docs/perf-notes.md); under
-tracing, FakeTensor, export or any mode the op is called as before, so graphs still hold
+transform, plain tensors, and no input that requires grad with grad mode on). That hop costs microseconds per call
+(``noop_op_hop_us`` in benchmarks/results/h200/output_quant.json); under
+tracing, FakeTensor, export or any mode the op is called, so graphs still hold
 ``fp8attn::*`` ops and their fakes.
 
 Ops (``torch.ops.fp8attn.<name>.default``):
@@ -60,9 +61,12 @@ from . import reference as ref
 from ._checks import check_same_device
 from .capability import kernel_for, launch_device, report_fallback
 from .launch_rules import TMA_QUERY_BLOCK, attention_out_dtype, paged_tma_call_reason
-from .paged import is_v_seq_major, packed_token_seqs, paged_precisions, slot_mapping_for, token_rows
+from .paged_cache import is_v_seq_major, packed_token_seqs, paged_precisions, slot_mapping_for, token_rows
 from .paged_plan import CPU_NUM_SMS, paged_grid
-from .quant import descale_for_tokens, descale_from_amax, fp8_max, round_descale_for_storage, saturating_cast
+from .quant import (descale_for_tokens, descale_from_amax, descale_shape, empty_seq_major, fp8_max,
+                    launch_quant_fp8_static, quant_fp8_static_torch, quantize_one, round_descale_for_storage,
+                    saturating_cast)
+from .scaled_bmm import scaled_bmm_impl
 
 __all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "append_kv_cache", "quantize_fp8", "quant_fp8_static",
            "scaled_bmm", "QuantizedAttention", "set_fp8_backward", "fp8_backward_mode", "check_bwd_mode", "BWD_MODES",
@@ -393,34 +397,22 @@ def _append_kv_cache_impl(k, v, k_cache, v_cache, page_table, cache_seqlens, cu_
 
 
 def _quantize_fp8_impl(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
-    from .qkv import quantize_one
-
     with launch_device(x):  # (a no-op on the CPU)
         y, d = quantize_one(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton)
     return y, (d if d.is_contiguous() else _fresh(d))  # (the torch path's per-block descales are a transposed view)
 
 
-def _load_quant_static():
-    from .quant_ops import launch_quant_fp8_static
-
-    return launch_quant_fp8_static()
-
-
 def _quant_impl(x, scale):
-    launch = kernel_for(x, "quant_fp8_static", _load_quant_static)
+    launch = kernel_for(x, "quant_fp8_static", launch_quant_fp8_static)
     if launch is not None:
         y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         with launch_device(x):
             launch(x, scale, y)
         return y
-    from .quant_ops import quant_fp8_static_torch
-
     return quant_fp8_static_torch(x, scale)
 
 
 def _scaled_bmm_impl(a, b, scale_a, scale_b, out_dtype):
-    from .scaled_bmm import scaled_bmm_impl
-
     return scaled_bmm_impl(a, b, scale_a, scale_b, out_dtype)
 
 
@@ -489,8 +481,6 @@ def _append_kv_cache_fake(k, v, k_cache, v_cache, page_table, cache_seqlens, *ar
 
 
 def _quantize_fp8_fake(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
-    from .qkv import descale_shape, empty_seq_major
-
     y = empty_seq_major(tuple(x.shape), torch.float8_e4m3fn, x.device) if seq_major else \
         x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
     return y, x.new_empty(descale_shape(x, granularity, nheads_k, block_t), dtype=torch.float32)
@@ -903,7 +893,7 @@ def append_kv_cache(k, v, k_cache, v_cache, page_table, cache_seqlens, *, cu_seq
 
 def quantize_fp8(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
     """Dynamic FP8 quantization of one of ``quantize_qkv``'s inputs (``fp8attn::quantize_fp8``; see
-    ``qkv.quantize_one`` for the arguments). Returns ``(x8, descale)``."""
+    ``quant.quantize_one`` for the arguments). Returns ``(x8, descale)``."""
     args = (x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton)
     if not _needs_grad(x) and _eager_direct(x):
         return _quantize_fp8_impl(*args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from .launch_rules import cdiv, next_pow2
-from .paged import decode_shaped, small_shaped
+from .paged_cache import decode_shaped, small_shaped
 
 __all__ = ["choose_num_splits", "choose_prefill_splits", "paged_config", "paged_grid", "DECODE_BLOCKS_PER_SM",
            "PREFILL_BLOCKS_PER_SM", "CPU_NUM_SMS"]

@@ -14,22 +14,18 @@ attention output that reads the group is NaN (no host sync on the way).
 """
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 
 from . import hadamard as _had
 from . import ops
 from ._checks import check_finite, check_flag, check_same_device, describe
 from .capability import has_triton, kernel_for
-from .quant import descale_from_amax
+from .quant import descale_shape, empty_seq_major, quantize_one  # (re-exported: their home is fp8attn.quant)
 
 __all__ = ["quantize_qkv", "GRANULARITIES", "V_LAYOUTS", "empty_seq_major", "quantize_one", "descale_shape"]
 
 GRANULARITIES = ("per_tensor", "per_head", "per_block")
 V_LAYOUTS = ("seq_major", "contiguous")
-E4M3_MAX = 448.0
 
 
 def _validate(q, k, v, granularity, hadamard, block_size, seed, backend, v_layout, validate):
@@ -73,107 +69,6 @@ def _validate(q, k, v, granularity, hadamard, block_size, seed, backend, v_layou
     return block_size if granularity == "per_block" else 64
 
 
-def _as4d(x):
-    """(batch, seqlen, heads, dim) view; varlen (total, heads, dim) becomes batch 1."""
-    return x.unsqueeze(0) if x.dim() == 3 else x
-
-
-def empty_seq_major(shape, dtype, device):
-    """An uninitialized (batch, seqlen, heads, dim) / varlen (total, heads, dim) tensor whose sequence
-    dimension is contiguous: memory order (batch, heads, dim, seqlen) / (heads, dim, total). This is the
-    K-major layout Hopper's FP8 P @ V reads V in; attention given such a V runs no transpose pass."""
-    *lead, s, h, d = (1, *shape) if len(shape) == 3 else shape
-    y = torch.empty(*lead, h, d, s, dtype=dtype, device=device).permute(0, 3, 1, 2)
-    return y.squeeze(0) if len(shape) == 3 else y
-
-
-def _reduce(amax_blocks, granularity, nheads_k):
-    """(batch, heads, nblocks) block amaxes -> ``(descale, full)``: the descale in ``descale_shape`` (per-tensor
-    (1, 1), per-head (b, h_k), per-block (b, h, blk)) and, as a view, the one the tile kernel reads at
-    [b, h, blk]."""
-    b, h, nb = amax_blocks.shape
-    if granularity == "per_tensor":
-        d = descale_from_amax(amax_blocks.amax(), E4M3_MAX).reshape(1, 1)
-        return d, d.reshape(1, 1, 1).expand(b, h, nb)
-    if granularity == "per_head":
-        g = h // nheads_k
-        a = amax_blocks.amax(dim=2).view(b, nheads_k, g).amax(dim=2)  # (b, h_k)
-        d = descale_from_amax(a, E4M3_MAX)
-        full = d.repeat_interleave(g, dim=1)[:, :, None].expand(b, h, nb)
-        return d, full
-    d = descale_from_amax(amax_blocks, E4M3_MAX)
-    return d, d
-
-
-def _torch_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=False):
-    x4 = _as4d(x)
-    b, s, h, d = x4.shape
-    xf = _had.rotate(x4, seed) if rotate else x4.float()
-    nb = max(1, math.ceil(s / block_t))
-    # a NaN or Inf makes its group's amax, hence its descale, NaN (visible damage; see the module docstring)
-    a = xf.abs()
-    a = torch.where(torch.isfinite(a), a, float("nan"))
-    a = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, nb * block_t - s))
-    amax_blocks = a.view(b, nb, block_t, h, d).amax(dim=(2, 4)).transpose(1, 2)  # (b, h, nb)
-    ret, full = _reduce(amax_blocks, granularity, nheads_k)
-    idx = torch.arange(s, device=x.device) // block_t
-    dtok = full[:, :, idx].transpose(1, 2).unsqueeze(-1)  # (b, s, h, 1)
-    y = (xf / dtok).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    y = y.squeeze(0) if x.dim() == 3 else y
-    if seq_major:
-        y = empty_seq_major(tuple(y.shape), y.dtype, y.device).copy_(y)
-    return y, ret
-
-
-@functools.lru_cache(maxsize=32)
-def _padded_rotation(d, block_d, seed, device, dtype):
-    """The +-1 rotation zero-padded to (block_d, block_d), built once per (d, seed, device, dtype): a call
-    then launches nothing but the quantize kernels (and copies nothing from the host)."""
-    r = torch.zeros(block_d, block_d, device=device, dtype=dtype)  # ±1: exact in any dtype
-    r[:d, :d] = _had.rotation_matrix(d, seed, device=device, dtype=dtype, normalized=False)
-    return r
-
-
-def _triton_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=False, single=None):
-    from .kernels.quantize import launch_quantize
-
-    x4 = _as4d(x)
-    b, s, h, d = x4.shape
-    block_d = max(16, 1 << (d - 1).bit_length())
-    if seq_major:  # the kernel stores through y's strides: written sequence-major in the same pass
-        y = empty_seq_major((b, s, h, d), torch.float8_e4m3fn, x.device)
-    else:
-        y = torch.empty(b, s, h, d, device=x.device, dtype=torch.float8_e4m3fn)
-    if rotate:
-        r = _padded_rotation(d, block_d, int(seed), x.device, x.dtype)
-        r_scale = 1.0 / math.sqrt(_had.hadamard_block_size(d))
-    else:
-        r, r_scale = y, 1.0
-    ds = torch.empty(descale_shape(x4, granularity, nheads_k, block_t), device=x.device, dtype=torch.float32)
-    launch_quantize(x4, y, r, r_scale, ds, granularity=granularity, nheads_k=nheads_k, rotate=rotate,
-                    block_t=block_t, block_d=block_d, single=single)
-    return (y.squeeze(0) if x.dim() == 3 else y), ds
-
-
-def quantize_one(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
-    """One input of ``quantize_qkv`` (the body of the ``fp8attn::quantize_fp8`` op): ``(x8, descale)`` with
-    the descale in ``descale_shape`` (per_tensor: (1, 1); the caller broadcasts it)."""
-    fn = _triton_path if use_triton else _torch_path
-    return fn(x, granularity, nheads_k, rotate, seed, block_t, seq_major=seq_major)
-
-
-def descale_shape(x, granularity, nheads_k, block_t):
-    """The descale shape ``quantize_one`` returns for x (batch, seqlen, heads, dim) / varlen (total, heads,
-    dim): per_tensor (1, 1), per_head (batch, nheads_k), per_block (batch, heads, cdiv(seqlen, block_t)) (at
-    least one block); varlen counts as batch 1."""
-    b, s = (x.shape[0], x.shape[1]) if x.dim() == 4 else (1, x.shape[0])
-    if granularity == "per_tensor":
-        return (1, 1)
-    if granularity == "per_head":
-        return (b, nheads_k)
-    return (b, x.shape[-2], torch.sym_max(1, (s + block_t - 1) // block_t))
-
-
 def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128, *,
                  seed=_had.DEFAULT_SEED, backend="auto", v_layout="seq_major", validate=False):
     """Quantize 16-bit Q, K, V to FP8 e4m3 with dynamic descales; optionally Hadamard-rotate Q and K.
@@ -207,7 +102,7 @@ def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128
         dimension is contiguous, memory order (batch, nheads_k, headdim_v, seqlen_k) / varlen
         (nheads_k, headdim_v, total_k) -- the K-major operand Hopper's FP8 P @ V needs, written in the
         same pass, so flash_attn_func / flash_attn_varlen_func skip their V transpose pass (a full read
-        and write of V; H200, 16k tokens x 16 heads x d128: 23.6 us, 14% of an S512 forward). Use
+        and write of V). Use
         ``.reshape`` rather than ``.view`` on it. contiguous: row-major like the input.
     validate : bool
         Also check GPU inputs for NaN / Inf (a host sync). CPU inputs are always checked. A non-finite value

@@ -1,4 +1,9 @@
-"""FP8 formats, saturating casts, scales, quantize / dequantize (torch only).
+"""FP8 formats, saturating casts, scales, quantize / dequantize, and the bodies of the quantization ops.
+
+Every quantization rule of the host side lives here; ``fp8attn.ops`` registers the ops that run them
+(``fp8attn::quantize_fp8``, ``fp8attn::quant_fp8_static``) and ``fp8attn.qkv`` holds the public
+``quantize_qkv`` (validation, then one op per input). ``quantize_fp8``'s Triton kernel is
+``fp8attn.kernels.quantize``; the one-line static-quantization kernel is built here on first use.
 
 Convention: ``x ~= dequantize(x8, descale) = x8.float() * descale`` with
 ``descale = max(amax, DESCALE_FLOOR * fp8_max) / fp8_max``.  The floor keeps a zero amax (an all-zero
@@ -19,14 +24,18 @@ per_block          (batch, heads, nblocks)        ``block_size`` consecutive tok
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+
+from . import hadamard as _had
 
 __all__ = [
     "FP8_FORMATS", "GRANULARITIES", "DESCALE_FLOOR", "fp8_max", "is_fp8", "saturating_cast",
     "compute_descale", "quantize", "dequantize", "expand_descale", "descale_for_tokens",
     "SCALE_STORAGE_DTYPES", "scale_storage_pad", "round_descale_for_storage", "descale_from_amax",
+    "empty_seq_major", "descale_shape", "quantize_one", "quant_fp8_static_torch", "launch_quant_fp8_static",
 ]
 
 FP8_FORMATS = {
@@ -241,3 +250,167 @@ def descale_for_tokens(descale: torch.Tensor, token_seq_idx: torch.Tensor | None
                          f"{tuple(d.shape)}; pass the batch row of each token as an int32 tensor")
     d = d.reshape(d.shape[0], -1).expand(d.shape[0], nheads_k)
     return d[token_seq_idx.long()]
+
+
+# --------------------------------------------------------------------------------------------
+# The bodies of the quantization ops (registered in fp8attn.ops): ``fp8attn::quantize_fp8`` quantizes one
+# input of ``fp8attn.quantize_qkv`` to e4m3 with descales per scale group, ``fp8attn::quant_fp8_static``
+# is the static per-tensor output quantization. Each has a Triton launch and a torch form that compute
+# the same values (the torch form runs wherever the kernel cannot).
+# --------------------------------------------------------------------------------------------
+
+E4M3_MAX = 448.0
+
+
+def _as4d(x):
+    """(batch, seqlen, heads, dim) view; varlen (total, heads, dim) becomes batch 1."""
+    return x.unsqueeze(0) if x.dim() == 3 else x
+
+
+def empty_seq_major(shape, dtype, device):
+    """An uninitialized (batch, seqlen, heads, dim) / varlen (total, heads, dim) tensor whose sequence
+    dimension is contiguous: memory order (batch, heads, dim, seqlen) / (heads, dim, total). This is the
+    K-major layout Hopper's FP8 P @ V reads V in; attention given such a V runs no transpose pass."""
+    *lead, s, h, d = (1, *shape) if len(shape) == 3 else shape
+    y = torch.empty(*lead, h, d, s, dtype=dtype, device=device).permute(0, 3, 1, 2)
+    return y.squeeze(0) if len(shape) == 3 else y
+
+
+def _reduce(amax_blocks, granularity, nheads_k):
+    """(batch, heads, nblocks) block amaxes -> ``(descale, full)``: the descale in ``descale_shape`` (per-tensor
+    (1, 1), per-head (b, h_k), per-block (b, h, blk)) and, as a view, the one the tile kernel reads at
+    [b, h, blk]."""
+    b, h, nb = amax_blocks.shape
+    if granularity == "per_tensor":
+        d = descale_from_amax(amax_blocks.amax(), E4M3_MAX).reshape(1, 1)
+        return d, d.reshape(1, 1, 1).expand(b, h, nb)
+    if granularity == "per_head":
+        g = h // nheads_k
+        a = amax_blocks.amax(dim=2).view(b, nheads_k, g).amax(dim=2)  # (b, h_k)
+        d = descale_from_amax(a, E4M3_MAX)
+        full = d.repeat_interleave(g, dim=1)[:, :, None].expand(b, h, nb)
+        return d, full
+    d = descale_from_amax(amax_blocks, E4M3_MAX)
+    return d, d
+
+
+def _torch_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=False):
+    x4 = _as4d(x)
+    b, s, h, d = x4.shape
+    xf = _had.rotate(x4, seed) if rotate else x4.float()
+    nb = max(1, math.ceil(s / block_t))
+    # a NaN or Inf makes its group's amax, hence its descale, NaN (visible damage; see the module docstring)
+    a = xf.abs()
+    a = torch.where(torch.isfinite(a), a, float("nan"))
+    a = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, nb * block_t - s))
+    amax_blocks = a.view(b, nb, block_t, h, d).amax(dim=(2, 4)).transpose(1, 2)  # (b, h, nb)
+    ret, full = _reduce(amax_blocks, granularity, nheads_k)
+    idx = torch.arange(s, device=x.device) // block_t
+    dtok = full[:, :, idx].transpose(1, 2).unsqueeze(-1)  # (b, s, h, 1)
+    y = (xf / dtok).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    y = y.squeeze(0) if x.dim() == 3 else y
+    if seq_major:
+        y = empty_seq_major(tuple(y.shape), y.dtype, y.device).copy_(y)
+    return y, ret
+
+
+@functools.lru_cache(maxsize=32)
+def _padded_rotation(d, block_d, seed, device, dtype):
+    """The +-1 rotation zero-padded to (block_d, block_d), built once per (d, seed, device, dtype): a call
+    then launches nothing but the quantize kernels (and copies nothing from the host)."""
+    r = torch.zeros(block_d, block_d, device=device, dtype=dtype)  # ±1: exact in any dtype
+    r[:d, :d] = _had.rotation_matrix(d, seed, device=device, dtype=dtype, normalized=False)
+    return r
+
+
+def _triton_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=False, single=None):
+    from .kernels.quantize import launch_quantize
+
+    x4 = _as4d(x)
+    b, s, h, d = x4.shape
+    block_d = max(16, 1 << (d - 1).bit_length())
+    if seq_major:  # the kernel stores through y's strides: written sequence-major in the same pass
+        y = empty_seq_major((b, s, h, d), torch.float8_e4m3fn, x.device)
+    else:
+        y = torch.empty(b, s, h, d, device=x.device, dtype=torch.float8_e4m3fn)
+    if rotate:
+        r = _padded_rotation(d, block_d, int(seed), x.device, x.dtype)
+        r_scale = 1.0 / math.sqrt(_had.hadamard_block_size(d))
+    else:
+        r, r_scale = y, 1.0
+    ds = torch.empty(descale_shape(x4, granularity, nheads_k, block_t), device=x.device, dtype=torch.float32)
+    launch_quantize(x4, y, r, r_scale, ds, granularity=granularity, nheads_k=nheads_k, rotate=rotate,
+                    block_t=block_t, block_d=block_d, single=single)
+    return (y.squeeze(0) if x.dim() == 3 else y), ds
+
+
+def quantize_one(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
+    """One input of ``quantize_qkv`` (the body of the ``fp8attn::quantize_fp8`` op): ``(x8, descale)`` with
+    the descale in ``descale_shape`` (per_tensor: (1, 1); the caller broadcasts it)."""
+    fn = _triton_path if use_triton else _torch_path
+    return fn(x, granularity, nheads_k, rotate, seed, block_t, seq_major=seq_major)
+
+
+def descale_shape(x, granularity, nheads_k, block_t):
+    """The descale shape ``quantize_one`` returns for x (batch, seqlen, heads, dim) / varlen (total, heads,
+    dim): per_tensor (1, 1), per_head (batch, nheads_k), per_block (batch, heads, cdiv(seqlen, block_t)) (at
+    least one block); varlen counts as batch 1."""
+    b, s = (x.shape[0], x.shape[1]) if x.dim() == 4 else (1, x.shape[0])
+    if granularity == "per_tensor":
+        return (1, 1)
+    if granularity == "per_head":
+        return (b, nheads_k)
+    return (b, x.shape[-2], torch.sym_max(1, (s + block_t - 1) // block_t))
+
+
+
+def quant_fp8_static_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Torch form: ``clamp(x.float() * (1 / scale), -448, 448).to(e4m3fn)``.
+
+    Parameters
+    ----------
+    x : any shape, bf16 / fp16 / fp32. scale : float32, one element.
+
+    Returns
+    -------
+    float8_e4m3fn, x's shape, contiguous.
+    """
+    inv = 1.0 / scale.float().reshape(())
+    y = (x.float() * inv).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device).copy_(y)
+
+
+@functools.lru_cache(None)
+def launch_quant_fp8_static():
+    """Return the CUDA launch function ``launch(x, scale, y)`` of the standalone static quantization (None
+    without triton). One read of ``x``, one FP8 write, through ``kernels.common.output_epilogue``, the
+    epilogue the attention kernels fuse with ``out_scale=``, so the fused and unfused paths round the same
+    way; it is the unfused peer the ``fp8attn.compile`` fusion pass removes."""
+    try:
+        import triton
+        import triton.language as tl
+
+        from .kernels.common import cdiv, output_epilogue
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _quant_kernel(X, Y, S, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.load(S)
+        tl.store(Y + offs, output_epilogue(x, inv, True, tl.float8e4nv), mask=m)
+
+    def launch(x: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> None:
+        """x: any shape 16/32-bit; scale: float32 one element; y: e4m3fn contiguous, x's shape."""
+        xc = x if x.is_contiguous() else x.contiguous()
+        n = xc.numel()
+        if n == 0:
+            return
+        block = 2048
+        _quant_kernel[(cdiv(n, block),)](xc, y, scale, n, BLOCK=block, num_warps=8)
+
+    return launch
+

@@ -16,7 +16,6 @@ the two differ by rounding order and by the random draw (the generators differ b
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -157,7 +156,3 @@ def run(out_dir=None, quick=False, seqlen=4096, growth_lens=None, progress=_prog
     print("growth ratio (max keys / 4k):", {n: round(r, 3) for n, r in doc["growth_ratio"].items()})
     print("error budget,", doc["error_budget"]["case"], {n: f"{r:.2e}" for n, r in doc["error_budget"]["rmse"].items()})
     return path
-
-
-if __name__ == "__main__":
-    run(os.environ.get("OUT"), quick=os.environ.get("QUICK") == "1")

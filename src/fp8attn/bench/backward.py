@@ -20,7 +20,6 @@ exact attention on the same bf16 inputs, next to ``err_out`` (the forward output
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -193,7 +192,3 @@ def _print_table(doc):
         err = o.get("err")
         print(f"{c['case']:40s} {f(o['tflops'])} {f(cu.get('tflops'))} {f(p.get('sdpa_flash_bf16', {}).get('tflops'))} "
               f"{f(o.get('peak_mb'))} {f(cu.get('peak_mb'))} {err if err is None else f'{err:8.2e}'}")
-
-
-if __name__ == "__main__":
-    run(os.environ.get("OUT"), quick=os.environ.get("QUICK") == "1")

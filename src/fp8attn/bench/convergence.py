@@ -66,8 +66,8 @@ def make_shard(path=DEFAULT_SHARD, max_tokens: int = 6_000_000, dataset_path=Non
     """Tokenize ShareGPT conversations (every turn, in file order, EOS between conversations) into
     ``path``: ``{"tokens": uint16 (n,), "vocab_size", "eos", "source"}`` of at most ``max_tokens``
     tokens (2 bytes each)."""
-    from ..data import _parse_conversations, sharegpt_path
-    from ..models.loading import load_tokenizer
+    from ..serving.data import _parse_conversations, sharegpt_path
+    from ..serving.models.loading import load_tokenizer
 
     tok = load_tokenizer(tokenizer_path)
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
@@ -105,7 +105,7 @@ class _Model(torch.nn.Module):
     ``attn(q, k, v)`` on (batch, seqlen, heads, headdim) tensors."""
 
     def __init__(self, cfg: TrainConfig, device, seed):
-        from ..models.llama import LlamaConfig, LlamaModel
+        from ..serving.models.llama import LlamaConfig, LlamaModel
 
         super().__init__()
         lc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.width, intermediate_size=cfg.width * 8 // 3 // 64 * 64

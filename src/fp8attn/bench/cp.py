@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..distributed import (CPShardPlan, CPWorkspace, _all_gather, cp_decode, launch_local, shard_paged_cache,
                            simulate_cp_decode)
 from ..interface import flash_attn_combine, flash_attn_with_kvcache
-from ..paged import empty_paged
+from ..paged_cache import empty_paged
 from .common import graph_replay, gpu_dirname, results_header, time_ms, write_results
 
 __all__ = ["run", "run_simulate", "main"]

@@ -105,16 +105,26 @@ def _rel_err(out, q8, k8, v8, qd, kd, vd, causal):
     return float((o - ref).norm() / ref.norm())
 
 
-def run(out_dir=None, quick=False):
+def run(out_dir=None, quick=False, shapes=None, headdims=None, varlen=False, dense_rules=None):
     """Run the sweep; write dense_fwd.json (+ dense_fwd.png) into ``out_dir``
-    (default benchmarks/results/<gpu>/). Returns the results dict."""
+    (default benchmarks/results/<gpu>/). Returns the results path.
+
+    Options (``fp8attn bench dense --help``): ``shapes`` ((batch, seqlen), ...) replace the grid's
+    batch * seqlen = 16k; ``headdims`` replace (64, 128, 256); ``varlen``: varlen batches instead
+    (``_run_varlen``); ``dense_rules``: ';'-separated rule overrides (``FP8ATTN_DENSE_RULES``'s syntax) timed
+    against each other instead of against the peers (``_run_rules``)."""
     from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
 
     torch.manual_seed(0)
-    doc = results_header("dense_fwd")
     nheads, tokens = 16, 16384
     seqlens = [4096, 16384] if quick else [512, 1024, 2048, 4096, 8192, 16384]
-    hdims = [128] if quick else [64, 128, 256]
+    hdims = list(headdims or ([128] if quick else [64, 128, 256]))
+    grid = [(b, s) for b, s in shapes] if shapes else [(tokens // s, s) for s in seqlens]
+    if varlen:
+        return write_results(_run_varlen(hdims if headdims else [128, 64]), out_dir)
+    if dense_rules is not None:
+        return write_results(_run_rules(grid, hdims, dense_rules.split(";")), out_dir)
+    doc = results_header("dense_fwd")
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except Exception:  # pragma: no cover
@@ -127,8 +137,7 @@ def run(out_dir=None, quick=False):
         pass
     for d in hdims:
         for causal in (False, True):
-            for s in seqlens:
-                b = tokens // s
+            for b, s in grid:
                 q8, k8, v8, qd, kd, vd = dense_inputs(b, s, nheads, d)
                 out = torch.empty(b, s, nheads, d, device="cuda", dtype=torch.bfloat16)
                 lse = torch.empty(b, nheads, s, device="cuda", dtype=torch.float32)
@@ -199,6 +208,180 @@ def run(out_dir=None, quick=False):
     except Exception as e:  # plotting is optional
         print(f"plot skipped: {e}")
     _print_table(doc)
+    return path
+
+
+# the varlen batches: (name, sequence lengths)
+VARLEN_CASES = (("8 random 512..4k", (3001, 517, 4096, 1200, 2222, 640, 3333, 1000)), ("4 x 4096", (4096,) * 4),
+                ("16 x 1024", (1024,) * 16))
+
+
+def _with_env(name, value, fn):
+    """``fn()`` with the environment variable ``name`` set to ``value`` (restored after)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = old
+
+
+def _with_rules(text, fn):
+    """``fn()`` under the dense launcher's rule overrides ``text`` (``kernels.dense_tma.set_dense_rules``; ""
+    is the committed rules), restored after."""
+    from ..kernels.dense_tma import set_dense_rules
+
+    old = set_dense_rules(text)
+    try:
+        return fn()
+    finally:
+        set_dense_rules(old)
+
+
+def _run_varlen(hdims):
+    """``bench dense --varlen`` (routine ``dense_varlen``): FP8 varlen forwards (``launch_dense_fwd`` with
+    cu_seqlens, ``flash_attn_varlen_func``'s kernel entry), 16 q/kv heads, e4m3, bf16 out, eager calls (their
+    host work counted), V sequence-contiguous. ``ours``: the warp-specialized TMA kernel
+    (``FP8ATTN_DENSE_BACKEND=tma``; ``ms_graph`` its CUDA-graph replay); peers ``triton`` (the Triton kernel,
+    ``FP8ATTN_DENSE_BACKEND=triton``) and, where the lengths are equal, ``dense_tma`` (the fixed-length kernel
+    on the same pairs). ``err``: batch 0's first head against the float reference."""
+    from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
+    from ..reference import attention_ref
+
+    doc = results_header("dense_varlen")
+    h = 16
+    for d in hdims:
+        for name, lens in VARLEN_CASES:
+            for causal in (False, True):
+                cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                total, b = int(cu[-1]), len(lens)
+                q, k, v_c = (torch.randn(total, h, d, device="cuda").to(E4M3) for _ in range(3))
+                v = transpose_v_kmajor(v_c)
+                ds = torch.rand(b, h, device="cuda") + 0.5
+                out = torch.empty(total, h, d, device="cuda", dtype=torch.bfloat16)
+                pairs = sum(n * (n + 1) / 2 if causal else n * n for n in lens)
+                flops = attn_flops(1, h, 1, 1, d, visible_pairs=pairs)
+                kw = dict(softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=ds,
+                          k_descale=ds, v_descale=ds, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                          max_seqlen_k=max(lens))
+
+                def call():
+                    launch_dense_fwd(q, k, v, out, None, **kw)
+
+                def timed(backend):
+                    def go():
+                        call()
+                        torch.cuda.synchronize()
+                        return time_ms(call)
+                    return _with_env("FP8ATTN_DENSE_BACKEND", backend, go)
+                ms = timed("tma")
+                n0 = lens[0]
+                ref = attention_ref(q[None, :n0, :1], k[None, :n0, :1], v_c[None, :n0, :1], causal=causal,
+                                    q_descale=ds[:1, :1], k_descale=ds[:1, :1], v_descale=ds[:1, :1],
+                                    out_dtype=torch.float32)[0]
+                err = float((out[:n0, :1].float() - ref).norm() / ref.norm())
+                g, graphed = _with_env("FP8ATTN_DENSE_BACKEND", "tma", lambda: graph_replay([call]))
+                ms_graph = time_ms(g) if graphed else None
+                ours = {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None, "err": err, "ms_graph": ms_graph}
+                ms_t = timed("triton")
+                peers = {"triton": {"ms": ms_t, "tflops": flops / ms_t / 1e9}}
+                if len(set(lens)) == 1:
+                    od = torch.empty(b, n0, h, d, device="cuda", dtype=torch.bfloat16)
+                    vv = transpose_v_kmajor(v_c.view(b, n0, h, d))
+
+                    def dense():
+                        launch_dense_fwd(q.view(b, n0, h, d), k.view(b, n0, h, d), vv, od, None,
+                                         softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0,
+                                         q_descale=ds, k_descale=ds, v_descale=ds, v_kmajor=False)
+                    dense()
+                    torch.cuda.synchronize()
+                    ms_d = time_ms(dense)
+                    peers["dense_tma"] = {"ms": ms_d, "tflops": flops / ms_d / 1e9}
+                doc["cases"].append({
+                    "case": f"d{d} varlen {name} causal={int(causal)}",
+                    "params": {"batch": b, "seqlens": list(lens), "nheads_q": h, "nheads_k": h, "headdim": d,
+                               "causal": causal, "dtype": "float8_e4m3fn", "out_dtype": "bfloat16"},
+                    "ours": ours, "peers": peers})
+                print(f"varlen d{d} {name:18s} causal={int(causal)} tma {ms:.3f} ms triton {ms_t:.3f} ms "
+                      f"({ms_t / ms:.2f}x)" + (f" dense {peers['dense_tma']['ms']:.3f} ms" if "dense_tma" in peers
+                                              else ""), flush=True)
+                torch.cuda.empty_cache()
+    return doc
+
+
+def _run_rules(grid, hdims, variants, rounds=3):
+    """``bench dense --dense-rules`` (routine ``dense_rules``): the dense TMA kernel under each rule override
+    (``FP8ATTN_DENSE_RULES``'s syntax, set through ``set_dense_rules``; ``""``: the committed rules, the
+    baseline), V sequence-major, calls without and with an LSE, each a CUDA-graph replay captured under its
+    overrides; the variants alternate over ``rounds`` rounds and the best median is kept (one process, so clocks
+    and the L2 treat them alike). ``ours``: the committed rules; ``variants``: per value its times, TF/s and the
+    relative L2 difference of its output from the committed rules' (or the error of a value the launcher
+    refuses)."""
+    from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
+
+    doc = results_header("dense_rules")
+    variants = [v.strip() for v in variants]
+    if "" not in variants:
+        variants.insert(0, "")
+    h = 16
+    for d in hdims:
+        for causal in (False, True):
+            for b, s in grid:
+                q8, k8, v8, qd, kd, vd = dense_inputs(b, s, h, d)
+                vt = transpose_v_kmajor(v8)
+                flops = attn_flops(b, h, s, s, d, causal=causal)
+                kw = dict(softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0,
+                          q_descale=qd, k_descale=kd, v_descale=vd, v_kmajor=False)
+                calls, outs, res = {}, {}, {}
+                for var in variants:
+                    for lse_on in (False, True):
+                        o = torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                        lse = torch.empty(b, h, s, device="cuda") if lse_on else None
+
+                        def fn(o=o, lse=lse):
+                            launch_dense_fwd(q8, k8, vt, o, lse, **kw)
+                        try:
+                            _with_rules(var, fn)
+                            torch.cuda.synchronize()
+                            call, graphed = _with_rules(var, lambda fn=fn: graph_replay([fn]))
+                            if not graphed:  # an eager call would run under whichever rules are set then
+                                raise RuntimeError("CUDA-graph capture failed")
+                        except Exception as e:
+                            res[var] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                            break
+                        calls[(var, lse_on)] = call
+                        outs[(var, lse_on)] = o
+                best = {}
+                for _ in range(rounds):
+                    for key, call in calls.items():
+                        best[key] = min(best.get(key, float("inf")), time_ms(call))
+                base = outs.get(("", True))
+                for var in variants:
+                    if var in res:
+                        continue
+                    ms, ms_lse = best[(var, False)], best[(var, True)]
+                    diff = None
+                    if base is not None:
+                        diff = float((outs[(var, True)].float() - base.float()).norm() / base.float().norm())
+                    res[var] = {"ms": ms, "tflops": flops / ms / 1e9, "ms_lse": ms_lse, "tflops_lse": flops / ms_lse / 1e9,
+                                "rel_diff_vs_committed": diff}
+                committed = res.get("", {})
+                doc["cases"].append({
+                    "case": f"d{d} B{b} S{s} causal={int(causal)}",
+                    "params": {"batch": b, "seqlen_q": s, "seqlen_k": s, "nheads_q": h, "nheads_k": h, "headdim": d,
+                               "causal": causal, "dtype": "float8_e4m3fn", "out_dtype": "bfloat16",
+                               "v_layout": "seq_major", "rounds": rounds},
+                    "ours": {"ms": committed.get("ms"), "tflops": committed.get("tflops"), "gbps": None, "err": None},
+                    "peers": {}, "variants": res})
+                print(f"rules d{d} B{b} S{s} causal={int(causal)} " + " | ".join(
+                    f"{v or 'committed'}: " + (f"{r['tflops']:.0f} / {r['tflops_lse']:.0f} TF/s" if r.get("ms")
+                                               else r.get("error", "")[:60]) for v, r in res.items()), flush=True)
+                calls.clear()
+                outs.clear()
+                torch.cuda.empty_cache()
     return doc
 
 
@@ -239,7 +422,3 @@ def _print_table(doc):
               f"{f(p.get('cudnn_fp8', {}).get('tflops'))} {f(p.get('sdpa_cudnn_bf16', {}).get('tflops'))} "
               f"{f(p.get('sdpa_flash_bf16', {}).get('tflops'))} {f(p.get('flex_bf16', {}).get('tflops'))} "
               f"{o['err']:8.2e}")
-
-
-if __name__ == "__main__":
-    run(os.environ.get("OUT"), quick=os.environ.get("QUICK") == "1")

@@ -85,7 +85,7 @@ def _entries(shape: str, d: int):
 
     import fp8attn
     from fp8attn import ops
-    from fp8attn.paged import alloc_paged_cache, make_page_table
+    from fp8attn.paged_cache import alloc_paged_cache, make_page_table
 
     dev = "cuda"
     g = torch.Generator().manual_seed(0)

@@ -162,8 +162,17 @@ def _case(ctx, chunk, mode):
             "ours": {"ms": ms, "tflops": flops / attn_ms * 1e-9, "gbps": None, "err": err}, "peers": peers}
 
 
-def run(out_dir=None, quick=False):
-    """Run the cases, print a table, write results/<gpu>/mla_prefill.json; returns the path."""
+def run(out_dir=None, quick=False, attention=False, seqlen=None, dense_rules=None):
+    """Run the cases, print a table, write results/<gpu>/mla_prefill.json; returns the path.
+
+    ``attention`` (``fp8attn bench mla --attention [--seqlen N] [--dense-rules ...]``): the attention alone
+    instead (``run_attention``, results ``mla_attention``)."""
+    if attention:
+        variants = [v.strip() for v in dense_rules.split(";") if v.strip()] if dense_rules else []
+        return write_results(run_attention(seqlen or T, (16,) if quick else (H, 16), variants), out_dir)
+    if seqlen is not None or dense_rules is not None:
+        raise ValueError("seqlen / dense_rules: the prefill pipeline runs 8192 new tokens on the committed rules; "
+                         "--seqlen and --dense-rules apply to --attention only. Add --attention or drop them.")
     doc = results_header("mla_prefill")
     plan = [(0, 4096), (32768, 4096)] if not quick else [(0, 4096)]
     for ctx, chunk in plan:
@@ -178,3 +187,100 @@ def run(out_dir=None, quick=False):
               f"{c['ours']['tflops']:>11.0f}{(p.get('tflops') or float('nan')):>8.0f}{c['ours']['err']:>10.2e}"
               f"{(c['params']['saturation_rate'] or 0):>10.2e}")
     return write_results(doc, out_dir)
+
+
+def _quantize_per_head(x):
+    """bf16 (b, s, h, d) -> e4m3 with per-(batch, head) descales ``amax / 448``: ``(x8, descale (b, h))``."""
+    ds = x.float().abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    return (x.float() / ds[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn), ds.contiguous()
+
+
+def run_attention(seqlen, heads, rule_variants=()):
+    """The attention of MLA prefill alone (routine ``mla_attention``): one sequence of ``seqlen`` tokens, e4m3
+    Q/K (head dim 192 = NoPE 128 + RoPE 64) and V (128) with per-head descales, causal and not, per head count.
+    ``ours``: the dense launcher on its default kernel for these head dims, the warp-specialized TMA kernel
+    (``ms_lse``: writing the LSE too; ``kernel``: the kernels its call ran, from the profiler); peers
+    ``triton`` (the same call with ``FP8ATTN_DENSE_BACKEND=triton``) and ``sdpa_cudnn_bf16`` (torch SDPA's cuDNN
+    backend on the dequantized bf16 inputs). TF/s: 2 x visible pairs x (192 + 128) per head. ``err``:
+    max |out - ref| / max |ref| on the first 2 heads against the float reference of the e4m3 inputs.
+    ``rule_variants``: dense rule overrides (``FP8ATTN_DENSE_RULES``'s syntax, e.g. ``stages=3``,
+    ``persistent=0``), each an extra peer ``rules:<value>`` (the same call under them, ``set_dense_rules``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
+    from ..reference import attention_ref
+    from .common import kernel_times_us
+    from .dense import _with_env, _with_rules
+
+    dqk, ref_heads = DN + DR, 2
+    doc = results_header("mla_attention")
+    scale = dqk ** -0.5
+    for h in heads:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k = (torch.randn(1, seqlen, h, dqk, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(1, seqlen, h, DV, device="cuda", generator=g, dtype=torch.bfloat16)
+        (q8, qd), (k8, kd), (v8, vd) = (_quantize_per_head(x) for x in (q, k, v))
+        del q, k, v
+        vt = transpose_v_kmajor(v8)
+        qb, kb, vb = (x.float().mul(d[:, None, :, None]).to(torch.bfloat16).transpose(1, 2).contiguous()
+                      for x, d in ((q8, qd), (k8, kd), (v8, vd)))
+        for causal in (True, False):
+            pairs = seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
+            flops = attn_flops(1, h, 1, 1, dqk, DV, visible_pairs=pairs)
+            ref = attention_ref(q8[:, :, :ref_heads], k8[:, :, :ref_heads], v8[:, :, :ref_heads], softmax_scale=scale,
+                                causal=causal, q_descale=qd[:, :ref_heads], k_descale=kd[:, :ref_heads],
+                                v_descale=vd[:, :ref_heads], out_dtype=torch.float32)
+
+            def err(o):
+                return float((o[:, :, :ref_heads].float() - ref).abs().max() / ref.abs().max())
+            out = torch.empty(1, seqlen, h, DV, device="cuda", dtype=torch.bfloat16)
+            lse = torch.empty(1, h, seqlen, device="cuda", dtype=torch.float32)
+            kw = dict(softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd,
+                      k_descale=kd, v_descale=vd, v_kmajor=False)
+
+            def ours(lse_=None):
+                launch_dense_fwd(q8, k8, vt, out, lse_, **kw)
+            ours()
+            torch.cuda.synchronize()
+            res = {"ms": time_ms(ours), "ms_lse": time_ms(lambda: ours(lse)), "err": err(out),
+                   "kernel": sorted(kernel_times_us(ours, reps=2)), "gbps": None}
+            res["tflops"] = flops / res["ms"] / 1e9
+            out.fill_(float("nan"))
+
+            def triton_ms():
+                ours()
+                torch.cuda.synchronize()
+                return time_ms(ours), err(out), sorted(kernel_times_us(ours, reps=2))
+            ms_t, err_t, k_t = _with_env("FP8ATTN_DENSE_BACKEND", "triton", triton_ms)
+            peers = {"triton": {"ms": ms_t, "tflops": flops / ms_t / 1e9, "err": err_t, "kernel": k_t}}
+            for var in rule_variants:
+                def rules_ms():
+                    ours()
+                    torch.cuda.synchronize()
+                    return time_ms(ours), err(out)
+                try:
+                    ms_v, err_v = _with_rules(var, rules_ms)
+                    peers[f"rules:{var}"] = {"ms": ms_v, "tflops": flops / ms_v / 1e9, "err": err_v}
+                except Exception as e:  # a value this call cannot take: recorded, the others go on
+                    peers[f"rules:{var}"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+            def cudnn(causal=causal):
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale)
+            try:
+                oc = cudnn()
+                ms_c = time_ms(cudnn)
+                peers["sdpa_cudnn_bf16"] = {"ms": ms_c, "tflops": flops / ms_c / 1e9, "err": err(oc.transpose(1, 2))}
+                del oc
+            except Exception as e:  # backend unavailable here: say why in the results
+                peers["sdpa_cudnn_bf16"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            doc["cases"].append({
+                "case": f"qk{dqk} v{DV} B1 S{seqlen} H{h} causal={int(causal)}",
+                "params": {"batch": 1, "seqlen_q": seqlen, "seqlen_k": seqlen, "nheads_q": h, "nheads_k": h,
+                           "headdim": dqk, "headdim_v": DV, "causal": causal, "dtype": "float8_e4m3fn",
+                           "out_dtype": "bfloat16"},
+                "ours": res, "peers": peers})
+            print(f"mla attention H{h} causal={int(causal)}: ours {res['ms']:.3f} ms {res['tflops']:.0f} TF/s | "
+                  + " ".join(f"{k_}={p['ms']:.3f}ms" for k_, p in peers.items() if p.get("ms")), flush=True)
+        torch.cuda.empty_cache()
+    return doc

@@ -1,4 +1,5 @@
-"""Paged-KV benchmarks: ``decode``, ``prefill_chunked`` and ``mixed`` (results format: DESIGN §6).
+"""Paged-KV benchmarks: ``decode``, ``prefill_chunked``, ``mixed`` and ``leftpad`` (one results format,
+docs/benchmarks.md).
 
 * decode: B in {1, 8, 64, 256} x context {1k, 4k, 32k, 128k} (cases with more than 2**23 cached
   tokens are skipped: 16 GiB of FP8 KV plus 32 GiB for the bf16 peers), 32 q / 8 kv heads, d128,
@@ -24,18 +25,22 @@
   kernel and the decode rows on the Triton kernel (peer ``one_launch_triton``: everything in one Triton
   launch, the call's path before the TMA kernel took varlen chunks).
 
+* leftpad: ``flash_attn_with_kvcache`` with ``cache_leftpad`` against the same call without a pad
+  (peer ``no_pad``), decode and a 128-query chunk over a contiguous e4m3 cache.
+
 Inputs larger than L2 are used as is; small working sets rotate over several page tables / cache
 copies (>= 256 MiB in all) so that timings measure HBM, not L2.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import torch
 
 from .common import attn_flops, graph_replay, graph_step_ms, results_header, rotating, time_ms, write_results
 
-__all__ = ["run_decode", "run_decode_fp8q", "run_prefill_chunked", "run_mixed"]
+__all__ = ["run_decode", "run_decode_fp8q", "run_decode_large", "run_prefill_chunked", "run_mixed", "run_leftpad"]
 
 HQ, HK, D = 32, 8, 128
 E4M3 = torch.float8_e4m3fn
@@ -46,12 +51,12 @@ def _num_sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def _paged_pool(batch, ctx, page_size, n_rot, device="cuda"):
+def _paged_pool(batch, ctx, page_size, n_rot, device="cuda", d=D):
     """K/V pool with n_rot disjoint randomly permuted page tables of shape (batch, ctx/page_size)."""
     pages = math.ceil(ctx / page_size)
     nb = batch * pages * n_rot
-    kc = torch.empty(nb, page_size, HK, D, dtype=E4M3, device=device)
-    vc = torch.empty(nb, page_size, HK, D, dtype=E4M3, device=device)
+    kc = torch.empty(nb, page_size, HK, d, dtype=E4M3, device=device)
+    vc = torch.empty(nb, page_size, HK, d, dtype=E4M3, device=device)
     for t in (kc, vc):  # random e4m3 values (never time on zeros), in chunks to bound memory
         flat = t.view(torch.uint8).view(-1)
         step = 1 << 28
@@ -63,7 +68,7 @@ def _paged_pool(batch, ctx, page_size, n_rot, device="cuda"):
     return kc, vc, pts
 
 
-def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=False):
+def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=False, d=D):
     """Time torch SDPA (cuDNN / flash) bf16 with GQA on contiguous (B, HK, L, D) K/V."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
@@ -71,11 +76,11 @@ def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=Fals
     L = ctx if kv_len is None else kv_len
     peers = {}
     try:
-        ks = [torch.randn(batch, HK, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(n_rot)]
-        vs = [torch.randn(batch, HK, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(n_rot)]
+        ks = [torch.randn(batch, HK, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(n_rot)]
+        vs = [torch.randn(batch, HK, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(n_rot)]
     except torch.OutOfMemoryError:
         return {"sdpa_cudnn_bf16": None, "sdpa_flash_bf16": None}
-    kv_bytes = 2 * batch * HK * L * D * 2
+    kv_bytes = 2 * batch * HK * L * d * 2
     for name, be in (("sdpa_cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash_bf16", SDPBackend.FLASH_ATTENTION)):
         try:
             def mk(r):
@@ -174,10 +179,11 @@ def _flashinfer_prefill_peers(q8, qb, kc, vc, pt, seqlens, flops, ref=None):
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
                                                                kv_layout="NHD")
             qo_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * chunk
-            w.plan(qo_indptr, kv_indptr, kv_indices, last, HQ, HK, D, ps, causal=True,
-                   sm_scale=D ** -0.5, q_data_type=q.dtype, kv_data_type=E4M3, o_data_type=torch.bfloat16)
-            qf = q.reshape(b * chunk, HQ, D)
-            o = torch.empty(b * chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
+            d = q.shape[-1]
+            w.plan(qo_indptr, kv_indptr, kv_indices, last, HQ, HK, d, ps, causal=True,
+                   sm_scale=d ** -0.5, q_data_type=q.dtype, kv_data_type=E4M3, o_data_type=torch.bfloat16)
+            qf = q.reshape(b * chunk, HQ, d)
+            o = torch.empty(b * chunk, HQ, d, device="cuda", dtype=torch.bfloat16)
             fp8_q = q.dtype == E4M3
             fn = (lambda: w.run(qf, (kc, vc), q_scale=1.0, k_scale=1.0, v_scale=1.0, out=o)) if fp8_q else \
                 (lambda: w.run(qf, (kc, vc), k_scale=1.0, v_scale=1.0, out=o))
@@ -196,10 +202,51 @@ def _rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def run_decode_fp8q(out_dir=None, quick=False):
+def run_decode_fp8q(out_dir=None, quick=False, shapes=None, splits=None, configs=None, page_sizes=None):
     """``run_decode`` with e4m3 Q (``decode_fp8q.json``): ours = e4m3 Q over the FA3-layout cache, peers the
-    same call with bf16 Q (``bf16_q``), e4m3 Q over sequence-major V and torch SDPA bf16."""
-    return run_decode(out_dir, quick, q_fp8=True)
+    same call with bf16 Q (``bf16_q``), e4m3 Q over sequence-major V and torch SDPA bf16. Options as
+    ``run_decode``'s (e.g. ``configs`` ``[{"pv_fp16": false}]``: the FP8 P@V path beside the default fp16 one)."""
+    return run_decode(out_dir, quick, q_fp8=True, shapes=shapes, splits=splits, configs=configs,
+                      page_sizes=page_sizes)
+
+
+def run_leftpad(out_dir=None, quick=False):
+    """``fp8attn bench leftpad`` (``leftpad.json``): what ``cache_leftpad`` costs. ``flash_attn_with_kvcache``
+    over a contiguous e4m3 cache (rows of context + 256 tokens; 32 q / 8 kv heads, d128, bf16 Q,
+    per-(sequence, head) descales, causal) with a left pad of 0-255 rows per sequence (ours: the call reads the
+    cache through one-token pages) against the same call without a pad (peer ``no_pad``), decode B64 x 4k,
+    B8 x 32k and a 128-query chunk B4 x 4k; CUDA-graph replays of one call, best of two medians."""
+    import fp8attn
+
+    doc = results_header("leftpad")
+    torch.manual_seed(0)
+    cases = ((64, 4096, 1), (8, 32768, 1), (4, 4096, 128)) if not quick else ((64, 4096, 1),)
+    for batch, ctx, sq in cases:
+        rows = ctx + 256
+        kc, vc = (torch.randn(batch, rows, HK, D, device="cuda").to(E4M3) for _ in range(2))
+        q = torch.randn(batch, sq, HQ, D, device="cuda", dtype=torch.bfloat16)
+        dd = torch.rand(batch, HK, device="cuda") + 0.5
+        pad = torch.randint(0, 256, (batch,), device="cuda", dtype=torch.int32)
+        out = torch.empty(batch, sq, HQ, D, device="cuda", dtype=torch.bfloat16)
+        kw = dict(k_descale=dd, v_descale=dd, causal=True, out=out)
+        full = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        timed = {}
+        for name, fn in (("leftpad", lambda: fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=pad + ctx,
+                                                                              cache_leftpad=pad, **kw)),
+                         ("no_pad", lambda: fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=full, **kw))):
+            call, graphed = graph_replay([fn])
+            timed[name] = (min(time_ms(call) for _ in range(2)), graphed)
+        kv_bytes = 2 * batch * ctx * HK * D
+        (ms, g), (ms_n, g_n) = timed["leftpad"], timed["no_pad"]
+        doc["cases"].append({
+            "case": f"d128 B{batch} L{ctx} q{sq}",
+            "params": {"batch": batch, "seqlen_q": sq, "seqlen_k": ctx, "nheads_q": HQ, "nheads_k": HK, "headdim": D,
+                       "causal": True, "q_dtype": "bf16", "kv_dtype": "e4m3", "max_leftpad": 255},
+            "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": None, "cuda_graph": g},
+            "peers": {"no_pad": {"ms": ms_n, "gbps": kv_bytes / ms_n / 1e6, "cuda_graph": g_n}}})
+        print(f"leftpad B{batch} L{ctx} q{sq}: {ms * 1e3:.1f} us, without a pad {ms_n * 1e3:.1f} us", flush=True)
+        torch.cuda.empty_cache()
+    return write_results(doc, out_dir)
 
 
 def run_decode_large(out_dir=None, quick=False):
@@ -209,19 +256,30 @@ def run_decode_large(out_dir=None, quick=False):
     return run_decode(out_dir, quick, cells=((256, 131072),))
 
 
-def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None):
+def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None, shapes=None, splits=None,
+               page_sizes=None, read_ceiling=False):
     """Decode over an FP8 paged cache; returns the results path. ``q_fp8``: e4m3 Q (``run_decode_fp8q``).
-    ``cells``: only these (batch, context) pairs (``run_decode_large``), peers that fit in memory."""
+    ``cells``: only these (batch, context) pairs (``run_decode_large``), peers that fit in memory.
+
+    Options (``fp8attn bench decode --help``): ``shapes`` ((batch, context), ...) replaces the grid (as
+    ``cells``); ``splits`` (split counts, 0 = ``choose_num_splits``) and ``configs`` (``launch_paged_fwd``
+    ``config=`` overrides) are timed beside the default in every case (``split_sweep`` / ``config_sweep_ms``:
+    one-call CUDA-graph replays and per call in an 8-call step, on the FA3-layout cache and, where the
+    ``paged_v_seq_major`` peer runs, on it too); ``page_sizes`` replaces (16, 64); ``read_ceiling`` adds the
+    peer ``read_ceiling``: a kernel that only reads the same K/V bytes, timed the same ways."""
     from ..kernels.paged import choose_num_splits, launch_paged_fwd, split_workspace
-    from ..paged import to_v_seq_major
+    from ..paged_cache import to_v_seq_major
     from ..reference import paged_attention_ref
 
-    doc = results_header("decode_large" if cells else "decode_fp8q" if q_fp8 else "decode")
+    cells = cells or shapes
+    doc = results_header("decode_large" if cells and not shapes else "decode_fp8q" if q_fp8 else "decode")
     batches = [1, 8, 16, 64, 256] if not quick else [1, 64]
     ctxs = [1024, 4096, 32768, 131072] if not quick else [4096, 32768]
     if cells:
+        cells = tuple(tuple(c) for c in cells)
         batches, ctxs = sorted({c[0] for c in cells}), sorted({c[1] for c in cells})
-    page_sizes = [16, 64]
+    page_sizes = list(page_sizes or (16, 64))
+    splits_opt = tuple(splits or ())
     nsm = _num_sms()
     scale = D ** -0.5
     for page_size in page_sizes:
@@ -246,16 +304,21 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None)
                 q8 = (q.float() / 2).to(E4M3)  # e4m3 Q with its descale: q8 * qd
                 qd = torch.full((b, HK), 2.0, device="cuda")
 
-                def mk(r, cfg=None, v_cache=None, fp8=q_fp8):
+                def mk(r, cfg=None, v_cache=None, fp8=q_fp8, ns=None):
                     v_cache = vc if v_cache is None else v_cache
                     if cfg and "q_fp8" in cfg:  # sweep entries pick the Q dtype
                         fp8 = cfg["q_fp8"]
                         cfg = {k_: v_ for k_, v_ in cfg.items() if k_ != "q_fp8"}
+                    n, o_p, l_p = (splits, op, lp) if ns is None else (ns, *sweep_ws(ns))
                     return lambda: launch_paged_fwd(q8 if fp8 else q, kc, v_cache, pts[r], seqlens, out, lse,
                                                     max_seqlen_q=1, softmax_scale=scale, causal=True,
                                                     q_descale=qd if fp8 else None, k_descale=kd, v_descale=vd,
-                                                    num_splits=splits, out_partial=op, lse_partial=lp,
+                                                    num_splits=n, out_partial=o_p, lse_partial=l_p,
                                                     config=cfg or None)
+
+                def sweep_ws(ns):  # the split workspace of a swept count (0: the heuristic's)
+                    ns = ns or splits
+                    return split_workspace(q, ns, D) if ns > 1 else (None, None)
                 fns = [mk(r) for r in range(n_rot)]
                 fns[0]()
                 torch.cuda.synchronize()
@@ -276,17 +339,21 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None)
                                  "cuda_graph": graphed, "ms_step": ms_step,
                                  "gbps_step": kv_bytes / ms_step / 1e6 if ms_step else None},
                         "peers": {}}
-                if configs and (b, L) in ((64, 4096), (1, 131072), (8, 32768), (16, 32768)):
-                    sweep = {}
-                    for cfg in configs:
-                        fns_c = [mk(r, cfg) for r in range(n_rot)]
-                        try:
-                            fns_c[0]()
-                            torch.cuda.synchronize()
-                            sweep[str(cfg)] = time_ms(graph_replay(fns_c)[0])
-                        except Exception as e:
-                            sweep[str(cfg)] = f"{type(e).__name__}: {str(e)[:100]}"
-                    case["config_sweep_ms"] = sweep
+                sweep_v = {"fa3": vc}
+                if page_size >= 64 and b * L >= (1 << 17) and (splits_opt or configs):
+                    sweep_v["v_seq_major"] = to_v_seq_major(vc)
+                if configs and (cells or (b, L) in ((64, 4096), (1, 131072), (8, 32768), (16, 32768))):
+                    case["config_sweep_ms"] = {
+                        lay: {str(cfg): _sweep_timing([mk(r, cfg, v_cache=v_) for r in range(n_rot)])
+                              for cfg in configs} for lay, v_ in sweep_v.items()}
+                if splits_opt:
+                    case["split_sweep"] = {
+                        lay: {(str(ns) if ns else f"0 (heuristic: {splits})"): _sweep_timing([mk(r, v_cache=v_, ns=ns) for r in range(n_rot)],
+                                                               kv_bytes) for ns in splits_opt}
+                        for lay, v_ in sweep_v.items()}
+                del sweep_v
+                if read_ceiling:
+                    case["peers"]["read_ceiling"] = _read_ceiling_peer(kc, vc, kv_bytes)
                 def ref_fn(ks, vs):  # per-tensor descales, as FlashInfer takes them
                     one = torch.ones(b, HK, device="cuda")
                     return paged_attention_ref(q, kc, vc, pts[0], seqlens, softmax_scale=scale, causal=True,
@@ -327,10 +394,68 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None)
     return write_results(doc, out_dir)
 
 
-def _chunk_inputs(batch, prefix, chunk, page_size, q_dtype):
+def _sweep_timing(fns, kv_bytes=None):
+    """``{"ms": one-call CUDA-graph replay, "ms_step": per call of an 8-call captured step}`` of rotating
+    ``fns`` (GB/s of ``kv_bytes`` where given), or the error of a refused override."""
+    try:
+        fns[0]()
+        torch.cuda.synchronize()
+        ms = time_ms(graph_replay(fns)[0])
+        res = {"ms": ms, "ms_step": graph_step_ms(fns)}
+        if kv_bytes:
+            res["gbps"] = kv_bytes / ms / 1e6
+        return res
+    except Exception as e:  # an override the launcher refuses: recorded, the sweep goes on
+        torch.cuda.synchronize()
+        return {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+
+
+def _best_replay(fn, repeats=2):
+    """``{"ms": best of ``repeats`` medians of a one-call CUDA-graph replay of fn}``, or the error of a refused
+    override (the sweep goes on)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        call, graphed = graph_replay([fn])
+        return {"ms": min(time_ms(call) for _ in range(repeats)), "cuda_graph": graphed}
+    except Exception as e:
+        torch.cuda.synchronize()
+        return {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+
+
+def _read_ceiling_peer(kc, vc, kv_bytes):
+    """A kernel that only reads the bytes of ``kc`` and ``vc`` (16-byte vectors, summed so the loads stay),
+    the fastest of a few grid shapes, timed as one-call replays and per call of an 8-call step: what
+    decode's bandwidth is held against."""
+    from ._floor_kernels import read_fn
+
+    if kv_bytes < ROTATE_BYTES:  # the case's bytes would be re-read from L2: no ceiling of HBM reads
+        return {"ms": None, "skipped": f"K/V of {kv_bytes >> 20} MiB: below {ROTATE_BYTES >> 20} MiB, read from L2"}
+    # each cache's first kv_bytes / 2 bytes (the pool is one allocation; a case with rotating page tables
+    # holds more): the same byte count as the case reads, in address order
+    flat = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())[:kv_bytes // 2]
+            .view(torch.int32) for t in (kc, vc)]
+    best = None
+    for chunk, block, warps in ((1 << 15, 2048, 4), (1 << 16, 2048, 4), (1 << 16, 4096, 8), (1 << 17, 4096, 8),
+                                (1 << 18, 4096, 8)):
+        fns = [read_fn(f, chunk, block, warps) for f in flat]
+
+        def call(fns=fns):
+            for f in fns:
+                f()
+        ms = min(time_ms(graph_replay([call])[0]) for _ in range(2))
+        if best is None or ms < best[0]:
+            best = (ms, {"chunk_words": chunk, "block": block, "warps": warps}, call)
+    ms, cfg, call = best
+    step = graph_step_ms([call])
+    return {"ms": ms, "gbps": kv_bytes / ms / 1e6, "ms_step": step, "gbps_step": kv_bytes / step / 1e6 if step else None,
+            "config": cfg}
+
+
+def _chunk_inputs(batch, prefix, chunk, page_size, q_dtype, d=D):
     L = prefix + chunk
-    kc, vc, pts = _paged_pool(batch, L, page_size, 1)
-    q = torch.randn(batch, chunk, HQ, D, device="cuda")
+    kc, vc, pts = _paged_pool(batch, L, page_size, 1, d=d)
+    q = torch.randn(batch, chunk, HQ, d, device="cuda")
     q = q.to(E4M3) if q_dtype == E4M3 else q.to(q_dtype)
     seqlens = torch.full((batch,), L, dtype=torch.int32, device="cuda")
     return kc, vc, pts[0], q, seqlens
@@ -349,137 +474,167 @@ def _sweep(launch, configs):
     return res
 
 
-def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, configs=None):
-    """A 2k chunk over an 8k cached prefix vs the dense FP8 forward on the same pairs."""
+def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, configs=None, shapes=None, splits=None,
+                        page_sizes=None, headdims=None):
+    """A 2k chunk over an 8k cached prefix vs the dense FP8 forward on the same pairs.
+
+    Options (``fp8attn bench prefill-chunked --help``): ``shapes`` ((batch, keys, queries), ...: the queries
+    the last of the keys) replace the (1 and 4) x 2048-over-8192 cases; ``page_sizes`` replace
+    (16, 32, 64, 128); ``splits`` (split counts, 0 = the heuristic) x ``configs`` (``launch_paged_fwd``
+    ``config=`` overrides, e.g. ``{"tma": false, "num_warps": 8}``) are timed beside the default for e4m3
+    and bf16 Q (``split_config_sweep``: CUDA-graph replays, best of two medians); ``headdims`` replace (128,)."""
     from ..kernels.paged import launch_paged_fwd
-    from ..paged import to_v_seq_major
+    from ..paged_cache import to_v_seq_major
     from ..reference import paged_attention_ref
 
     doc = results_header("prefill_chunked")
-    scale = D ** -0.5
-    L = prefix + chunk
-    for page_size in ([16, 32, 64, 128] if not quick else [64]):
-        for batch in ([1, 4] if not quick else [1]):
-            kc, vc, pt, q8, seqlens = _chunk_inputs(batch, prefix, chunk, page_size, E4M3)
-            qd = torch.rand(batch, HK, device="cuda") + 0.5
-            kd = torch.rand(batch, HK, device="cuda") + 0.5
-            vd = torch.rand(batch, HK, device="cuda") + 0.5
-            out = torch.empty(batch, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
-            lse = torch.empty(batch, HQ, chunk, device="cuda")
-            pairs = chunk * prefix + chunk * (chunk + 1) / 2
-            flops = attn_flops(batch, HQ, chunk, L, D, visible_pairs=pairs)
+    cases = [(b, prefix + chunk, chunk) for b in ([1, 4] if not quick else [1])]
+    if shapes:
+        cases = [tuple(s) for s in shapes]
+    for c in cases:  # (before any case runs)
+        if len(c) != 3 or c[2] > c[1]:
+            raise ValueError(f"shapes: expected batch x keys x queries with queries <= keys, got "
+                             f"{'x'.join(map(str, c))}. Give e.g. 1x10240x2048 (2048 queries, the last of 10240 keys).")
+    grid = [(d, ps, c) for d in (headdims or (D,)) for ps in (page_sizes or ([16, 32, 64, 128] if not quick else [64]))
+            for c in cases]
+    for d, page_size, (batch, L, chunk) in grid:
+        scale = d ** -0.5
+        prefix = L - chunk
+        kc, vc, pt, q8, seqlens = _chunk_inputs(batch, prefix, chunk, page_size, E4M3, d)
+        qd = torch.rand(batch, HK, device="cuda") + 0.5
+        kd = torch.rand(batch, HK, device="cuda") + 0.5
+        vd = torch.rand(batch, HK, device="cuda") + 0.5
+        out = torch.empty(batch, chunk, HQ, d, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(batch, HQ, chunk, device="cuda")
+        pairs = chunk * prefix + chunk * (chunk + 1) / 2
+        flops = attn_flops(batch, HQ, chunk, L, d, visible_pairs=pairs)
 
-            # Every timed path writes the output alone (no LSE), as the dense and peer kernels do; the LSE's
-            # cost is recorded separately (params.ms_with_lse).
-            def ours(cfg=None, q_=q8, v_cache=vc, o=out, lse_=None):
-                launch_paged_fwd(q_, kc, v_cache, pt, seqlens, o, lse_, max_seqlen_q=chunk, softmax_scale=scale,
-                                 causal=True, q_descale=qd if q_.dtype == E4M3 else None, k_descale=kd,
-                                 v_descale=vd, config=cfg)
-            ours()
+        # Every timed path writes the output alone (no LSE), as the dense and peer kernels do; the LSE's
+        # cost is recorded separately (params.ms_with_lse).
+        def ours(cfg=None, q_=q8, v_cache=vc, o=out, lse_=None):
+            launch_paged_fwd(q_, kc, v_cache, pt, seqlens, o, lse_, max_seqlen_q=chunk, softmax_scale=scale,
+                             causal=True, q_descale=qd if q_.dtype == E4M3 else None, k_descale=kd,
+                             v_descale=vd, config=cfg)
+        ours()
+        torch.cuda.synchronize()
+        err = None
+        if batch == 1:
+            ref = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=qd,
+                                      k_descale=kd, v_descale=vd, out_dtype=torch.float32)
+            err = _rel_err(out, ref)
+            del ref
+        ms = time_ms(ours)
+        ms_lse = time_ms(lambda: ours(lse_=lse))
+        peers = {}
+        qb = q8.float().to(torch.bfloat16)
+        out_b = torch.empty_like(out)
+
+        def ours_bf16():
+            ours(q_=qb, o=out_b, lse_=None)
+        ours_bf16()
+        ms_b = time_ms(ours_bf16)
+        peers["paged_bf16q"] = {"ms": ms_b, "tflops": flops / ms_b / 1e9}
+        out_t = torch.empty_like(out)
+
+        def ours_triton():  # the same FA3-layout cache on the Triton kernel (ours runs on paged_tma)
+            ours({"tma": False}, o=out_t, lse_=None)
+        ours_triton()
+        torch.cuda.synchronize()
+        ms_t = time_ms(ours_triton)
+        peers["paged_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9,
+                                 "max_abs_diff_vs_paged": (out_t.float() - out.float()).abs().max().item()}
+        del out_t
+        try:
+            from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
+            from ..reference import gather_paged
+            kg, _ = gather_paged(kc, pt, seqlens, L)
+            vg, _ = gather_paged(vc, pt, seqlens, L)
+            vg = transpose_v_kmajor(vg)
+            out_d = torch.empty_like(out)
+
+            def dense():
+                launch_dense_fwd(q8, kg, vg, out_d, None, softmax_scale=scale, causal=True, window_size=(-1, -1),
+                                 softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd)
+            dense()
             torch.cuda.synchronize()
-            err = None
-            if batch == 1:
-                ref = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=qd,
-                                          k_descale=kd, v_descale=vd, out_dtype=torch.float32)
-                err = _rel_err(out, ref)
-                del ref
-            ms = time_ms(ours)
-            ms_lse = time_ms(lambda: ours(lse_=lse))
-            peers = {}
-            qb = q8.float().to(torch.bfloat16)
-            out_b = torch.empty_like(out)
+            ms_d = time_ms(dense)
+            peers["dense_fp8"] = {"ms": ms_d, "tflops": flops / ms_d / 1e9,
+                                  "max_abs_diff_vs_paged": (out_d.float() - out.float()).abs().max().item()}
+            del kg, vg
+        except Exception as e:
+            peers["dense_fp8"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+        if page_size >= 64:  # the same cache with V sequence-major inside each page (K-major FP8 P@V)
+            vs = to_v_seq_major(vc)
+            out_s = torch.empty_like(out)
 
-            def ours_bf16():
-                ours(q_=qb, o=out_b, lse_=None)
-            ours_bf16()
-            ms_b = time_ms(ours_bf16)
-            peers["paged_bf16q"] = {"ms": ms_b, "tflops": flops / ms_b / 1e9}
-            out_t = torch.empty_like(out)
-
-            def ours_triton():  # the same FA3-layout cache on the Triton kernel (ours runs on paged_tma)
-                ours({"tma": False}, o=out_t, lse_=None)
-            ours_triton()
+            def ours_v_seq_major():
+                ours(v_cache=vs, o=out_s, lse_=None)
+            ours_v_seq_major()
             torch.cuda.synchronize()
-            ms_t = time_ms(ours_triton)
-            peers["paged_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9,
-                                     "max_abs_diff_vs_paged": (out_t.float() - out.float()).abs().max().item()}
-            del out_t
-            try:
-                from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
-                from ..reference import gather_paged
-                kg, _ = gather_paged(kc, pt, seqlens, L)
-                vg, _ = gather_paged(vc, pt, seqlens, L)
-                vg = transpose_v_kmajor(vg)
-                out_d = torch.empty_like(out)
-
-                def dense():
-                    launch_dense_fwd(q8, kg, vg, out_d, None, softmax_scale=scale, causal=True, window_size=(-1, -1),
-                                     softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd)
-                dense()
+            ms_s = time_ms(ours_v_seq_major)
+            peers["paged_v_seq_major"] = {"ms": ms_s, "tflops": flops / ms_s / 1e9,
+                                          "max_abs_diff_vs_paged": (out_s.float() - out.float()).abs().max().item()}
+            if page_size % 64 == 0:  # the row above ran on the TMA kernel (paged_tma): the Triton one too
+                def triton_v_seq_major():
+                    ours({"tma": False}, v_cache=vs, o=out_s, lse_=None)
+                triton_v_seq_major()
                 torch.cuda.synchronize()
-                ms_d = time_ms(dense)
-                peers["dense_fp8"] = {"ms": ms_d, "tflops": flops / ms_d / 1e9,
-                                      "max_abs_diff_vs_paged": (out_d.float() - out.float()).abs().max().item()}
-                del kg, vg
-            except Exception as e:
-                peers["dense_fp8"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
-            if page_size >= 64:  # the same cache with V sequence-major inside each page (K-major FP8 P@V)
-                vs = to_v_seq_major(vc)
-                out_s = torch.empty_like(out)
-
-                def ours_v_seq_major():
-                    ours(v_cache=vs, o=out_s, lse_=None)
-                ours_v_seq_major()
-                torch.cuda.synchronize()
-                ms_s = time_ms(ours_v_seq_major)
-                peers["paged_v_seq_major"] = {"ms": ms_s, "tflops": flops / ms_s / 1e9,
-                                              "max_abs_diff_vs_paged": (out_s.float() - out.float()).abs().max().item()}
-                if page_size % 64 == 0:  # the row above ran on the TMA kernel (paged_tma): the Triton one too
-                    def triton_v_seq_major():
-                        ours({"tma": False}, v_cache=vs, o=out_s, lse_=None)
-                    triton_v_seq_major()
-                    torch.cuda.synchronize()
-                    ms_t = time_ms(triton_v_seq_major)
-                    peers["paged_v_seq_major"]["kernel"] = "paged_tma (warp-specialized, TMA)"
-                    peers["paged_v_seq_major_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9}
-                del vs, out_s
-            ref1 = None
-            if batch == 1:  # unit descales, as FlashInfer gets them
-                one = torch.ones(batch, HK, device="cuda")
-                ref1 = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=one,
-                                           k_descale=one, v_descale=one, out_dtype=torch.float32)
-            peers.update(_flashinfer_prefill_peers(q8, qb, kc, vc, pt, seqlens, flops, ref1))
-            del ref1
-            if page_size == 64:
-                sp = _sdpa_peers(qb.transpose(1, 2), batch, L, 1, causal=False, kv_len=L)
-                # SDPA's causal is top-left aligned; a chunk over a prefix needs bottom-right, so the
-                # peers run non-causal over all L keys: their tflops use the full Sq*L pairs.
-                for k_, v_ in sp.items():
-                    if v_ and v_.get("ms"):
-                        v_["tflops"] = attn_flops(batch, HQ, chunk, L, D) / v_["ms"] / 1e9
-                        v_["note"] = "non-causal over all keys (full pairs)"
-                peers.update(sp)
-            sweep = _sweep(ours, configs) if batch == 1 else {}
-            case = {"case": f"d128 B{batch} chunk{chunk} prefix{prefix} page{page_size}",
-                    "params": {"batch": batch, "seqlen_q": chunk, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
-                               "headdim": D, "page_size": page_size, "causal": True, "q_dtype": "e4m3",
-                               "kv_dtype": "e4m3", "ms_with_lse": ms_lse},
-                    "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None, "err": err},
-                    "peers": peers}
-            if sweep:
-                case["config_sweep_ms"] = sweep
-            doc["cases"].append(case)
-            print(f"prefill {case['case']:40s} ours {ms:.3f} ms {flops / ms / 1e9:6.0f} TF/s | "
-                  + " ".join(f"{k}={v['ms']:.3f}ms" for k, v in peers.items() if v and v.get("ms")), flush=True)
-            del kc, vc
-            torch.cuda.empty_cache()
+                ms_t = time_ms(triton_v_seq_major)
+                peers["paged_v_seq_major"]["kernel"] = "paged_tma (warp-specialized, TMA)"
+                peers["paged_v_seq_major_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9}
+            del vs, out_s
+        ref1 = None
+        if batch == 1:  # unit descales, as FlashInfer gets them
+            one = torch.ones(batch, HK, device="cuda")
+            ref1 = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=one,
+                                       k_descale=one, v_descale=one, out_dtype=torch.float32)
+        peers.update(_flashinfer_prefill_peers(q8, qb, kc, vc, pt, seqlens, flops, ref1))
+        del ref1
+        if page_size == 64:
+            sp = _sdpa_peers(qb.transpose(1, 2), batch, L, 1, causal=False, kv_len=L, d=d)
+            # SDPA's causal is top-left aligned; a chunk over a prefix needs bottom-right, so the
+            # peers run non-causal over all L keys: their tflops use the full Sq*L pairs.
+            for k_, v_ in sp.items():
+                if v_ and v_.get("ms"):
+                    v_["tflops"] = attn_flops(batch, HQ, chunk, L, d) / v_["ms"] / 1e9
+                    v_["note"] = "non-causal over all keys (full pairs)"
+            peers.update(sp)
+        sweep = _sweep(ours, configs) if batch == 1 and configs and not (splits or shapes) else {}
+        split_sweep = {}
+        if splits or (configs and shapes):
+            for q_name, q_ in (("e4m3", q8), ("bf16", qb)):
+                o_sw = torch.empty_like(out)
+                for ns in splits or (0,):
+                    for cfg in configs or (None,):
+                        def swept(q_=q_, ns=ns, cfg=cfg):
+                            launch_paged_fwd(q_, kc, vc, pt, seqlens, o_sw, None, max_seqlen_q=chunk,
+                                             softmax_scale=scale, causal=True,
+                                             q_descale=qd if q_.dtype == E4M3 else None, k_descale=kd,
+                                             v_descale=vd, num_splits=ns, config=cfg)
+                        split_sweep[f"{q_name} splits={ns} config={json.dumps(cfg)}"] = _best_replay(swept)
+                del o_sw
+        case = {"case": f"d{d} B{batch} chunk{chunk} prefix{prefix} page{page_size}",
+                "params": {"batch": batch, "seqlen_q": chunk, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
+                           "headdim": d, "page_size": page_size, "causal": True, "q_dtype": "e4m3",
+                           "kv_dtype": "e4m3", "ms_with_lse": ms_lse},
+                "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None, "err": err},
+                "peers": peers}
+        if sweep:
+            case["config_sweep_ms"] = sweep
+        if split_sweep:
+            case["split_config_sweep"] = split_sweep
+        doc["cases"].append(case)
+        print(f"prefill {case['case']:40s} ours {ms:.3f} ms {flops / ms / 1e9:6.0f} TF/s | "
+              + " ".join(f"{k}={v['ms']:.3f}ms" for k, v in peers.items() if v and v.get("ms")), flush=True)
+        del kc, vc
+        torch.cuda.empty_cache()
     return write_results(doc, out_dir)
 
 
 def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=2048, prefix=8192, configs=None):
     """32 decodes + one 2k chunk in one varlen launch vs the two launched separately."""
     from ..kernels.paged import launch_paged_fwd
-    from ..paged import to_v_seq_major
+    from ..paged_cache import to_v_seq_major
 
     doc = results_header("mixed")
     scale = D ** -0.5

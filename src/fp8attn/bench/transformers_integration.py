@@ -96,7 +96,7 @@ def teacher_forced_scores(model, prompts, conts, pad_id, batch, cache_fn=None):
 
 
 def _load_smollm(device):
-    from ..models.loading import _split, require
+    from ..serving.models.loading import _split, require
 
     tf = require("transformers", "transformers", "the transformers benchmarks")
     require("gguf", "gguf", "reading GGUF files")
@@ -110,7 +110,7 @@ def _load_smollm(device):
 
 def run_accuracy(out_dir=None, quick=False, num_prompts=32, new_tokens=64, seed=0, batch=32):
     """SmolLM2-135M accuracy of fp8attn and FP8Cache against sdpa (see the module docstring)."""
-    from ..data import sample_prompts
+    from ..serving.data import sample_prompts
     from ..integrations import transformers as fx
 
     if quick:

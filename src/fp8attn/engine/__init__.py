@@ -1,9 +1,4 @@
-"""Continuous-batching engine with a paged (bf16 or FP8) KV cache, chunked prefill and preemption."""
-from .allocator import BlockAllocator, OutOfBlocks, blocks_needed
-from .engine import EngineConfig, LLMEngine, PromptTooLong, RequestOutput
-from .kv_cache import KV_DTYPES, SCALE_MODES, PagedKVCache, StepInputs
-from .scheduler import SamplingParams, ScheduledChunk, Scheduler, SchedulerOutput, Sequence, SeqStatus
-
-__all__ = ["BlockAllocator", "OutOfBlocks", "blocks_needed", "EngineConfig", "LLMEngine", "PromptTooLong",
-           "RequestOutput", "KV_DTYPES", "SCALE_MODES", "PagedKVCache", "StepInputs", "SamplingParams",
-           "ScheduledChunk", "Scheduler", "SchedulerOutput", "Sequence", "SeqStatus"]
+"""Alias of :mod:`fp8attn.serving.engine`, kept so ``fp8attn.engine`` imports keep working for this release;
+new code imports ``fp8attn.serving.engine``."""
+from ..serving.engine import *  # noqa: F401,F403
+from ..serving.engine import __all__  # noqa: F401

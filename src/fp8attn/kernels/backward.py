@@ -69,7 +69,7 @@ AMAX_FLOOR = tl.constexpr(1e-30)  # an all-zero dO/dS tile keeps a finite scale 
 
 # ---------------------------------------------------------------------------------------------
 # Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head-dim class, fp8 mode), the first
-# the untuned default, chosen from sm90 AOT compiles (benchmarks/aot_backward_sm90.py: registers and
+# the untuned default, chosen from sm90 AOT compiles (tools/aot_backward_sm90.py: registers and
 # spills). dK/dV holds two (BLOCK_N x d) fp32 accumulators plus the K and V tiles (V upcast to 16 bits in
 # the dequantized mode), so its key block shrinks with d; at d256 both together spilled hundreds of words in
 # every configuration, so there it runs once per gradient: the dV part and the fp8-mode dK part at

@@ -82,7 +82,7 @@ if HAS_GLUON:
     from .tma_parts import box_keys, kperm_box_on
 
 __all__ = ["supported", "unsupported_reason", "capability_reason", "device_reason", "launch_dense_fwd_tma",
-           "HAS_GLUON", "QK192_V128", "qk192_enabled"]
+           "HAS_GLUON", "QK192_V128", "qk192_enabled", "dense_rules", "set_dense_rules"]
 
 _LOG2E = 1.4426950408889634
 
@@ -149,6 +149,57 @@ _WS_PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 _D256_LSE_SCRATCH = True
 
 
+# ``FP8ATTN_DENSE_RULES``: overrides of the dense launcher's rules, for A/B timings in one process (``fp8attn
+# bench dense --dense-rules``): comma-separated ``rule=value`` with ws (warp-specialized kernel, 0/1),
+# persistent (the warp-specialized grid, 0/1), consumers (2/3), stages (K/V ring stages of the warp-specialized
+# kernel, 2-4), kperm (0/1), d256_scratch (0/1). Unset or empty: the rules as committed. Fixed-length launches
+# only (varlen keeps its rules). Read once, at the first launch (a bad value then raises there, not at import);
+# ``set_dense_rules`` changes them in a running process (a per-launch read of the environment would cost
+# microseconds on every eager call).
+DENSE_RULES_ENV = "FP8ATTN_DENSE_RULES"
+_RULE_NAMES = {"ws": (0, 1), "persistent": (0, 1), "consumers": (2, 3), "stages": (2, 3, 4), "kperm": (0, 1),
+               "d256_scratch": (0, 1)}
+
+
+@functools.lru_cache(maxsize=16)
+def dense_rules(text):
+    """``FP8ATTN_DENSE_RULES``'s value parsed: ``{rule: int}`` (empty for None or ""). ValueError naming the
+    variable for an unknown rule or value."""
+    rules = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, _, val = item.partition("=")
+        name, val = name.strip(), val.strip()
+        if name not in _RULE_NAMES or not val.lstrip("-").isdigit() or int(val) not in _RULE_NAMES[name]:
+            raise ValueError(f"{DENSE_RULES_ENV}: expected comma-separated rule=value with "
+                             + ", ".join(f"{k} in {v}" for k, v in _RULE_NAMES.items())
+                             + f"; got {item.strip()!r}. Unset it for the committed rules.")
+        rules[name] = int(val)
+    return rules
+
+
+_DENSE_RULES = None  # {rule: int} once read
+
+
+def _dense_rules_now():
+    global _DENSE_RULES
+    if _DENSE_RULES is None:
+        _DENSE_RULES = dense_rules(os.environ.get(DENSE_RULES_ENV))
+    return _DENSE_RULES
+
+
+def set_dense_rules(text):
+    """Replace the dense launcher's rule overrides (``FP8ATTN_DENSE_RULES``'s syntax; None or "": the
+    committed rules) for the launches that follow; returns the previous overrides' text form. ValueError for
+    a value ``dense_rules`` refuses (nothing changes then)."""
+    global _DENSE_RULES
+    new = dense_rules(text or None)
+    old = ",".join(f"{k}={v}" for k, v in _dense_rules_now().items())
+    _DENSE_RULES = new
+    return old
+
+
 def varlen_preferred(head_dim, max_seqlen_q):
     """Whether varlen inputs that the TMA kernel supports go to it by default (``FP8ATTN_DENSE_BACKEND``
     unset): head dims 64 and 128, and q/k head dim 192 (qk 192 / v 128: not measured, taken as head dim 128 is;
@@ -160,12 +211,13 @@ def varlen_preferred(head_dim, max_seqlen_q):
         and int(max_seqlen_q) >= 1024
 
 
-def ws_grid(n_blocks, causal, seqlen_q, device_index, head_dim=None):
+def ws_grid(n_blocks, causal, seqlen_q, device_index, head_dim=None, persistent=None):
     """The warp-specialized kernels' grid for ``n_blocks`` query blocks: one CTA per SM (persistent), or
     one per block for causal inputs longer than ``_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q`` unless ``head_dim``
-    (passed by the dense launcher) is in ``_WS_PERSISTENT_CAUSAL_HEAD_DIMS``."""
-    persistent = (not causal or seqlen_q <= _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
-                  or head_dim in _WS_PERSISTENT_CAUSAL_HEAD_DIMS)
+    (passed by the dense launcher) is in ``_WS_PERSISTENT_CAUSAL_HEAD_DIMS``; ``persistent`` overrides it."""
+    if persistent is None:
+        persistent = (not causal or seqlen_q <= _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
+                      or head_dim in _WS_PERSISTENT_CAUSAL_HEAD_DIMS)
     return (min(n_blocks, _num_sms(device_index)) if persistent else n_blocks, 1)
 
 
@@ -511,24 +563,31 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
     batch, sq, hq, d = q.shape
     sk, hk, d_v = k.shape[1], k.shape[2], v_kmajor.shape[-1]
     out_fp8 = out_scale is not None
-    ws = d_v != d or _use_ws(d, causal, sq)  # (qk 192 / v 128 has only the warp-specialized kernel)
+    rules = _DENSE_RULES if _DENSE_RULES is not None else _dense_rules_now()
+    # (qk 192 / v 128 has only the warp-specialized kernel)
+    ws = d_v != d or bool(rules.get("ws", _use_ws(d, causal, sq)))
     rows, dh, dv, bn = _tiles(d, ws, d_v)
     nc, stages = 2, NUM_STAGES
     if ws:
-        nc, bn, stages = ws_config(d, causal) if d_v == d else ws_config(d, causal, head_dim_v=d_v)
-    kperm = ws and kperm_on(d, nc, causal, lse is not None)
+        nc, bn, stages = ws_config(d, causal, rules.get("consumers"), None if d_v == d else d_v)
+        stages = rules.get("stages", stages)
+    kperm = ws and bool(rules.get("kperm", kperm_on(d, nc, causal, lse is not None)))
+    if kperm and not (d == 64 and nc == 2):
+        raise ValueError(f"{DENSE_RULES_ENV}: kperm=1 needs head dim 64 and two consumers, got head dim {d} and "
+                         f"{nc}. Drop kperm=1 for this call.")
     k_view = (*_kperm_view(k), kperm_box(bn, dh)) if kperm else (*_rows_2d(k), [bn, dh])
     descs = ((q, *_rows_2d(q), [rows, dh]), (k, *k_view),
              (v_kmajor, *_vt_2d(v_kmajor), [dv, bn]), (out, *_rows_2d(out), [rows, dv]))
     lse_k = lse
-    if lse is None and ws and d == 256 and _D256_LSE_SCRATCH:
+    if lse is None and ws and d == 256 and rules.get("d256_scratch", _D256_LSE_SCRATCH):
         lse_k = torch.empty(batch, hq, sq, device=q.device, dtype=torch.float32)
     ls = lse_k.stride() if lse_k is not None else (0, 0, 0)
     args = (lse_k if lse_k is not None else q_descale, q_descale, k_descale, v_descale,
             out_scale if out_fp8 else q_descale, *ls, *q_descale.stride(), *k_descale.stride(),
             *v_descale.stride(), sq, sk, hq, hk, batch, float(softmax_scale) * _LOG2E)
     if ws:
-        grid = ws_grid(cdiv(sq, nc * rows) * batch * hq, causal, sq, q.device.index, head_dim=d)
+        grid = ws_grid(cdiv(sq, nc * rows) * batch * hq, causal, sq, q.device.index, head_dim=d,
+                       persistent=None if "persistent" not in rules else bool(rules["persistent"]))
     else:
         grid = (sq // BLOCK_M, batch * hq)
     _launch(d, ws, grid, descs, args,
