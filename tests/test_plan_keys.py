@@ -51,13 +51,10 @@ def test_plannable_refuses_what_the_checks_tell_apart(monkeypatch):
     assert not plan.plannable(q.as_subclass(Cuda), False, True, False, False, (-1, -1))  # (not a plain tensor)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert plan.plannable(q, False, True, False, False, (-1, -1))
-    for bad in [dict(validate=True), dict(causal=1), dict(return_lse=0), dict(flag=None),
-                dict(window_size=[-1, -1]), dict(window_size=(True, 0)), dict(window_size=(1.0, 0)),
-                dict(window_size=(-1, -1, -1))]:
-        args = dict(validate=False, causal=True, return_lse=False, flag=False, window_size=(-1, -1))
-        args.update(bad)
-        assert not plan.plannable(q, args["validate"], args["causal"], args["return_lse"], args["flag"],
-                                  args["window_size"]), bad
+    ok = {"validate": False, "causal": True, "return_lse": False, "flag": False, "window_size": (-1, -1)}
+    for bad in [{"validate": True}, {"causal": 1}, {"return_lse": 0}, {"flag": None}, {"window_size": [-1, -1]},
+                {"window_size": (True, 0)}, {"window_size": (1.0, 0)}, {"window_size": (-1, -1, -1)}]:
+        assert not plan.plannable(q, **{**ok, **bad}), bad
 
 
 @pytest.mark.parametrize("chunk,sq,sk,split", [(0, 8, 8, False), (16, 8, 8, False), (16, 16, 16, False),
