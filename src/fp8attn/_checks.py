@@ -13,6 +13,14 @@ import torch
 from .quant import FP8_FORMATS, SCALE_STORAGE_DTYPES, is_fp8
 from .paged_cache import is_v_seq_major
 
+__all__ = ["SUPPORTED_OUT_DTYPES", "MAX_HEADDIM", "UnsupportedOutputQuant", "want_value_checks", "check_tensor",
+           "check_qkv_dtypes", "check_heads", "check_same_device", "check_descale", "check_descale_values",
+           "check_leading_dims", "check_cu_seqlens", "check_max_seqlen", "check_cache_scales", "check_int32",
+           "check_out", "check_out_dtype", "check_out_scale", "check_num_splits",
+           "check_new_tokens", "check_scales_cache", "check_window", "unsupported", "describe", "check_flag",
+           "check_softmax_scale", "check_softcap", "check_descale_kind", "check_out_scale_values", "check_seqused",
+           "check_slots", "check_index_values", "check_lse_values", "check_finite"]
+
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEADDIM = 256
@@ -210,7 +218,9 @@ def check_out_dtype(out_dtype):
               "For FP8 output pass out_scale= (static per-tensor scale) instead.")
 
 
-def check_out_scale(out_scale, device):
+def check_out_scale(out_scale, device, out_dtype=None):
+    """A static per-tensor FP8 output scale: float32, one element, on ``device``; ``out_dtype`` must then be
+    None (the output is float8_e4m3fn)."""
     if out_scale is None:
         return
     check_tensor("out_scale", out_scale)
@@ -225,9 +235,36 @@ def check_out_scale(out_scale, device):
               "Only static per-tensor output scales fuse; quantize the output separately for other kinds.")
     if out_scale.device != device:
         _fail(ValueError, "out_scale", f"device {device}", str(out_scale.device), f"Move out_scale to {device}.")
+    if out_dtype is not None:
+        raise ValueError(f"out_dtype: expected None when out_scale is given (the output is float8_e4m3fn), "
+                         f"got {out_dtype}. Drop out_dtype or out_scale.")
+
+
+def check_num_splits(num_splits):
+    """A split count: an int >= 0 (0 = the heuristic). Returns it."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {describe(num_splits)}. "
+                         "Pass 0, 1 or a split count.")
+    return num_splits
+
+
+def check_new_tokens(name, t, fix):
+    """New tokens written into a cache are 16/32-bit (an FP8 cache quantizes them)."""
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name}: expected bf16/fp16/fp32 new tokens, got {t.dtype}. {fix}")
+
+
+def check_scales_cache(name, k_cache):
+    """Per-token-head scales (``name``, given) describe an FP8 cache only."""
+    if not is_fp8(k_cache.dtype):
+        raise ValueError(f"{name}: expected None for a {k_cache.dtype} cache, got a tensor. Scales apply to FP8 caches.")
 
 
 def check_window(window_size):
+    if type(window_size) is tuple and len(window_size) == 2:  # (the usual form, without a generator)
+        left, right = window_size
+        if type(left) is int and type(right) is int and left >= -1 and right >= -1:
+            return
     ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
           and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size))
     if not ok:
@@ -263,16 +300,27 @@ def check_flag(name, value, allow_none=False):
           f"Pass {name} as a bool (a string such as 'no' would read as True).")
 
 
+def _finite_nonneg(value):
+    """``value`` as a finite float >= 0 (anything ``float()`` takes: a Python or NumPy number, a one-element
+    tensor), or None when it is not one; bools and strings count as not one although ``float()`` takes them."""
+    if isinstance(value, (bool, str)):
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return x if 0.0 <= x < math.inf else None
+
+
 def check_softmax_scale(softmax_scale, headdim):
     """The logit scale: None (1/sqrt(headdim)) or a finite float >= 0. Returns the float."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
-    try:
-        s = float(softmax_scale)
-    except (TypeError, ValueError, RuntimeError):
-        s = math.nan
+    if type(softmax_scale) is float and 0.0 <= softmax_scale < math.inf:  # (the usual form: no parse)
+        return softmax_scale
     # the kernels take the row max of the raw logits and scale it after (max(s) * c == max(s * c) needs c >= 0)
-    if isinstance(softmax_scale, (bool, str)) or not (0.0 <= s < math.inf):
+    s = _finite_nonneg(softmax_scale)
+    if s is None:
         _fail(ValueError, "softmax_scale", "a finite float >= 0", describe(softmax_scale),
               f"Pass None for 1/sqrt(headdim) = {1.0 / math.sqrt(headdim):.6g}, or negate q instead of the scale.")
     return s
@@ -280,11 +328,10 @@ def check_softmax_scale(softmax_scale, headdim):
 
 def check_softcap(softcap):
     """FA3's softcap: 0 (off) or a finite float > 0. Returns the float."""
-    try:
-        c = float(softcap)
-    except (TypeError, ValueError, RuntimeError):
-        c = math.nan
-    if isinstance(softcap, (bool, str)) or not (0.0 <= c < math.inf):
+    if type(softcap) is float and 0.0 <= softcap < math.inf:  # (the usual form: no parse)
+        return softcap
+    c = _finite_nonneg(softcap)
+    if c is None:
         _fail(ValueError, "softcap", "a finite float >= 0 (0 = no capping)", describe(softcap),
               "Pass softcap=0.0 to disable it, or the model's positive cap (e.g. 30.0 or 50.0).")
     return c

@@ -13,6 +13,12 @@ after FA3's parameters:
 
 Every function runs on CPU tensors through the reference path with the same semantics.
 Unsupported FA3 arguments raise NotImplementedError naming them; none is silently ignored.
+
+Each entry point has one shape: a named ``_validate_*`` helper runs every check before anything is
+written and returns what the body needs (``_DenseCall``, ``_CachePlan``), then a short body dispatches
+to ``fp8attn.ops`` (``fp8attn.local_attention`` for ``attention_chunk``). Eager CUDA calls first look
+up a plan cached per call signature (``fp8attn.plan``): a repeated call skips the Python checks its
+signature already passed.
 """
 from __future__ import annotations
 
@@ -22,11 +28,12 @@ from typing import NamedTuple
 import torch
 
 from . import _checks as C
-from . import ops, plan
+from . import local_attention, ops, plan
 from .capability import kernel_for
 from .paged_cache import slot_mapping_for
 from .paged_cache import token_rows as _token_rows
 from .quant import expand_descale, is_fp8
+from .rotary import apply_rotary
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
            "flash_attn_combine", "get_scheduler_metadata", "write_kv_cache"]
@@ -46,10 +53,7 @@ def _unsupported_qv(qv):
 
 def _check_out_args(out, out_dtype, out_scale, oshape, q):
     C.check_out_dtype(out_dtype)
-    C.check_out_scale(out_scale, q.device)
-    if out_scale is not None and out_dtype is not None:
-        raise ValueError(f"out_dtype: expected None when out_scale is given (the output is float8_e4m3fn), "
-                         f"got {out_dtype}. Drop out_dtype or out_scale.")
+    C.check_out_scale(out_scale, q.device, out_dtype)
     dt = ops._out_dtype(q, out_dtype, out_scale)
     C.check_out(out, oshape, dt, q.device)
 
@@ -93,7 +97,8 @@ def _descales(q_descale, k_descale, v_descale, batch, nheads_k, device, validate
         C.check_descale_kind(name, d, what, dt)
         C.check_descale(name, d, batch, nheads_k, device)
         C.check_descale_values(name, d, validate)
-    return tuple(expand_descale(d, batch, nheads_k, device) for d in (q_descale, k_descale, v_descale))
+    return (expand_descale(q_descale, batch, nheads_k, device), expand_descale(k_descale, batch, nheads_k, device),
+            expand_descale(v_descale, batch, nheads_k, device))
 
 
 def _block_descales(q_descale, k_descale, v_descale, block, batch, nheads_q, nheads_k, seqlen_q, seqlen_k,
@@ -116,14 +121,6 @@ def _block_descales(q_descale, k_descale, v_descale, block, batch, nheads_q, nhe
     C.check_descale("v_descale", v_descale, batch, nheads_k, device)
     C.check_descale_values("v_descale", v_descale, validate)
     return q_descale, k_descale, expand_descale(v_descale, batch, nheads_k, device)
-
-
-def _plannable(q, validate, causal, return_lse, deterministic, window_size) -> bool:
-    """Whether a call's signature may select an eager plan (``fp8attn.plan``): a CUDA call without
-    ``validate=True`` whose flags are plain bools and whose window is a tuple (``1 == True`` and
-    ``[-1, -1] != (-1, -1)`` as keys, so other types take the checked path, which refuses or accepts them)."""
-    return (validate is False and type(q) is torch.Tensor and q.is_cuda and type(causal) is bool
-            and type(return_lse) is bool and type(deterministic) is bool and type(window_size) is tuple)
 
 
 def _check_fp8_backward(fp8_backward):
@@ -154,89 +151,79 @@ def _validate_options(q, oshape, softmax_scale, causal, window_size, softcap, ou
                 out_scale=out_scale, out_dtype=out_dtype, out=out)
 
 
-def _chunk_cu_seqlens(cu_q, cu_k, max_q, max_k, chunk):
-    """Varlen offsets of a chunked call: sequence b split into its (query, key) pieces per chunk of key positions.
-
-    Piece (b, c) holds the queries whose key position ``p = i + len_k - len_q`` lies in chunk c and that
-    chunk's keys: runs of consecutive rows in which the queries are the last positions of the keys, so the
-    varlen call's bottom-right causal / window masks are the full call's inside each chunk. The chunk range is a
-    capacity from ``max_q`` / ``max_k`` (the lengths stay on the device: no sync, CUDA-graph safe); chunks a
-    sequence does not reach are empty pieces. Returns ``(cu_q, cu_k, pieces per sequence)``."""
-    lq = (cu_q[1:] - cu_q[:-1]).long()[:, None]
-    lk = (cu_k[1:] - cu_k[:-1]).long()[:, None]
-    first = -(max_q // chunk + 1)  # at or before the chunk of every sequence's first query and of key 0
-    last = max(max_k - 1, 0) // chunk  # at or after the chunk of every last key
-    c = torch.arange(first, last + 2, device=cu_q.device, dtype=torch.int64)[None, :] * chunk
-    q_bounds = torch.minimum((c - (lk - lq)).clamp_min(0), lq)
-    k_bounds = torch.minimum(c.clamp_min(0), lk)
-    return _piece_offsets(cu_q, q_bounds), _piece_offsets(cu_k, k_bounds), last - first + 1
+def _eager_plan(kind, tensors, args):
+    """The eager-plan key of a call whose signature may select a plan (``plan.plannable``) and the stored
+    plan it may take, or None (``fp8attn.plan``)."""
+    key = plan.call_key(kind, tensors, args)
+    return key, plan.cached(key, tensors)
 
 
-def _piece_offsets(cu, bounds):
-    """int32 varlen offsets of pieces: sequence b's piece r spans rows ``bounds[b, r] .. bounds[b, r + 1]`` of
-    the sequence (``bounds``: (batch, pieces + 1) int64, non-decreasing, last column its length)."""
-    return torch.cat(((cu[:-1, None].long() + bounds[:, :-1]).flatten(), cu[-1:].long())).to(torch.int32)
-
-
-def _per_piece(descales, pieces):
-    """(batch, heads) descales repeated for each of a sequence's ``pieces`` chunk pieces (None stays None)."""
-    return tuple(x.repeat_interleave(pieces, dim=0) if x is not None else None for x in descales)
-
-
-def _chunked_varlen(q, k, v, cu_q, cu_k, max_q, max_k, chunk, qd, kd, vd, **kw):
-    """A varlen call with ``attention_chunk`` as one varlen call over its chunk pieces (``_chunk_cu_seqlens``)."""
-    cq, ck, pieces = _chunk_cu_seqlens(cu_q, cu_k, max_q, max_k, chunk)
-    qd, kd, vd = _per_piece((qd, kd, vd), pieces)
-    return ops.dense_fwd(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=min(chunk, max_q),
-                         max_seqlen_k=min(chunk, max_k), q_descale=qd, k_descale=kd, v_descale=vd, **kw)
-
-
-def _packed_out(out, rows):
-    """A caller's ``out`` (batch, seqlen, heads, headdim_v) as the packed rows (rows, heads, headdim_v) that a
-    varlen call writes, or None when it cannot be viewed so (``_fill_out`` then copies the result in)."""
-    if out is None:
+def _new_plan(key, tensors, make, *args):
+    """After the validation of a call with a plan ``key``: the plan ``make(*args)`` builds (stored under
+    ``key``), or None (the call runs the checked dispatch; so does any call that may not take a plan)."""
+    if not plan.eager_ok(*tensors):
         return None
-    try:
-        return out.view(rows, *out.shape[2:])
-    except RuntimeError:
-        return None
+    run = make(*args)
+    if run is not None:
+        plan.store(key, run)
+    return run
 
 
-def _fill_out(out, packed, o):
-    """The call's output: the caller's ``out`` (written through ``packed``, or copied into here), else ``o``."""
-    if out is not None and packed is None:
-        out.copy_(o)
-    return o if out is None else out
+class _DenseCall(NamedTuple):
+    """What ``_validate_dense`` / ``_validate_varlen`` hand their entry point: the expanded descales
+    ``(q, k, v)``, the attention keywords of ``ops.dense_fwd`` and whether ``attention_chunk`` splits the
+    call into chunk pieces (``fp8attn.local_attention``)."""
+    descales: tuple
+    attn: dict
+    chunked: bool
 
 
-def _chunked_dense(q, k, v, chunk, qd, kd, vd, **kw):
-    """``flash_attn_func`` with ``attention_chunk``: the batch as varlen sequences of equal lengths, chunked
-    (``_chunked_varlen``). Returns ``(out, lse)`` shaped as the dense call's."""
-    b, sq, hq, _ = q.shape
-    sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    rows = torch.arange(b + 1, device=q.device, dtype=torch.int32)
-    out = kw.pop("out")
-    packed = _packed_out(out, b * sq)
-    o, lse = _chunked_varlen(q.reshape(b * sq, hq, q.shape[-1]), k.reshape(b * sk, hk, k.shape[-1]),
-                             v.reshape(b * sk, hk, dv), rows * sq, rows * sk, sq, sk, chunk, qd, kd, vd, out=packed,
-                             **kw)
-    o = _fill_out(out, packed, o.view(b, sq, hq, dv))
-    if lse.numel():
-        lse = lse.view(hq, b, sq).transpose(0, 1).contiguous()
-    return o, lse
+def _check_dense_inputs(q, k, v, qv, attention_chunk, num_splits, sm_margin, ndim, no_splits_why):
+    """The checks that open both dense validations: the arguments not supported, then q, k and v as
+    ``ndim``-D tensors. Returns the attention chunk."""
+    _unsupported_qv(qv)
+    chunk = _check_attention_chunk(attention_chunk)
+    C.unsupported("num_splits", num_splits, 1, no_splits_why)
+    C.unsupported("sm_margin", sm_margin, 0)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        C.check_tensor(name, t, ndim=ndim, allow_seq_contiguous=name == "v")
+    return chunk
+
+
+def _dense_options(q, oshape, softmax_scale, causal, window_size, softcap, pack_gqa, deterministic,
+                   return_attn_probs, out, out_dtype, out_scale, validate):
+    """``_validate_options`` with the dense entry points' flags: the attention keywords of ``ops.dense_fwd``."""
+    attn = _validate_options(q, oshape, softmax_scale, causal, window_size, softcap, out, out_dtype, out_scale,
+                             validate, (("pack_gqa", pack_gqa), ("deterministic", deterministic),
+                                        ("return_attn_probs", return_attn_probs)))
+    attn.update(pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
+    return attn
+
+
+def _dense_call(descales, attn, chunked, fp8_backward, deterministic):
+    """The last check of both dense validations (``fp8_backward``) and their plan."""
+    _check_fp8_backward(fp8_backward)
+    attn.update(fp8_backward=fp8_backward, deterministic=bool(deterministic))
+    return _DenseCall(descales, attn, chunked)
+
+
+def _dense_plan(q, k, v, out, out_scale, c):
+    """The eager plan of a validated 4-D call (``c``: its ``_DenseCall``): the Hopper kernel's single launch,
+    else the kernel-level launcher's, or None (the reference path)."""
+    qd, kd, vd = c.descales
+    attn = c.attn
+    return plan.dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, softmax_scale=attn["softmax_scale"],
+                               causal=attn["causal"], window_size=attn["window_size"], softcap=attn["softcap"],
+                               return_lse=attn["return_lse"]) or \
+        plan.dense_plan(q, k, v, batch=q.shape[0], attn=attn, varlen=False, return_lse=attn["return_lse"])
 
 
 def _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
                     attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out,
-                    out_dtype, out_scale, descale_block_size, validate):
-    """Every check of :func:`flash_attn_func` (before anything is written). Returns the expanded descales and the
-    attention keywords of ``ops.dense_fwd``."""
-    _unsupported_qv(qv)
-    chunk = _check_attention_chunk(attention_chunk)
-    C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV; use flash_attn_with_kvcache for split-KV")
-    C.unsupported("sm_margin", sm_margin, 0)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        C.check_tensor(name, t, ndim=4, allow_seq_contiguous=name == "v")
+                    out_dtype, out_scale, descale_block_size, validate, fp8_backward):
+    """Every check of :func:`flash_attn_func` (before anything is written). Returns its ``_DenseCall``."""
+    chunk = _check_dense_inputs(q, k, v, qv, attention_chunk, num_splits, sm_margin, 4,
+                                "the dense kernel does not split KV; use flash_attn_with_kvcache for split-KV")
     C.check_same_device(q=q, k=k, v=v)
     C.check_qkv_dtypes(q, k, v)
     C.check_heads(q, k, v)
@@ -245,19 +232,18 @@ def _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_
         raise ValueError(f"k/v: expected batch {b} and matching seqlen_k, got k {tuple(k.shape)} v {tuple(v.shape)}. "
                          "Give q, k and v the same batch and k, v the same seqlen.")
     hk, sk = k.shape[2], k.shape[1]
-    attn = _validate_options(q, (b, sq, hq, v.shape[-1]), softmax_scale, causal, window_size, softcap, out,
-                             out_dtype, out_scale, validate, (("pack_gqa", pack_gqa), ("deterministic", deterministic),
-                                                              ("return_attn_probs", return_attn_probs)))
-    attn.update(pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
+    attn = _dense_options(q, (b, sq, hq, v.shape[-1]), softmax_scale, causal, window_size, softcap, pack_gqa,
+                          deterministic, return_attn_probs, out, out_dtype, out_scale, validate)
+    chunked = chunk > 0 and local_attention.splits_into_chunks(chunk, sq, sk)
     if descale_block_size is None:
-        qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate, q.dtype, k.dtype)
+        descales = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate, q.dtype, k.dtype)
     else:
-        qd, kd, vd = _block_descales(q_descale, k_descale, v_descale, descale_block_size, b, hq, hk, sq, sk, q.device,
-                                     validate, q.dtype)
-        if chunk and sq and sk and ((sk - 1) // chunk > 0 or sq > sk):
+        descales = _block_descales(q_descale, k_descale, v_descale, descale_block_size, b, hq, hk, sq, sk, q.device,
+                                   validate, q.dtype)
+        if chunked:
             raise NotImplementedError("attention_chunk with descale_block_size is not supported: pass per-(batch, "
                                       "head) descales (quantize_qkv granularity='per_head') with attention_chunk.")
-    return qd, kd, vd, attn
+    return _dense_call(descales, attn, chunked, fp8_backward, deterministic)
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
@@ -312,39 +298,44 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     lse : (batch, nheads_q, seqlen_q) float32 natural-log (only with return_attn_probs). Rows that see
         no key give out = 0 and lse = -inf.
     """
-    key = None
-    if _plannable(q, validate, causal, return_attn_probs, deterministic, window_size) and not attention_chunk \
-            and descale_block_size is None and qv is None:
-        key = ("dense", plan.tensor_sig(q), plan.tensor_sig(k), plan.tensor_sig(v), plan.tensor_sig(q_descale),
-               plan.tensor_sig(k_descale), plan.tensor_sig(v_descale), plan.tensor_sig(out), plan.tensor_sig(out_scale),
-               softmax_scale, causal, window_size, softcap, num_splits, pack_gqa, deterministic, sm_margin,
-               return_attn_probs, out_dtype, fp8_backward, plan.env_sig(),
-               (type(softmax_scale), type(softcap), type(num_splits), type(pack_gqa), type(sm_margin)))
-        run = plan.lookup(key)
-        if run is not None and plan.eager_ok(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
-            return run(q, k, v, q_descale, k_descale, v_descale, out, out_scale)
-    qd, kd, vd, attn = _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale,
-                                       window_size, attention_chunk, softcap, num_splits, pack_gqa, deterministic,
-                                       sm_margin, return_attn_probs, out, out_dtype, out_scale, descale_block_size,
-                                       validate)
-    _check_fp8_backward(fp8_backward)
-    attn.update(fp8_backward=fp8_backward, deterministic=bool(deterministic))
-    if key is not None and plan.eager_ok(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
-        run = plan.dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, softmax_scale=attn["softmax_scale"],
-                                  causal=attn["causal"], window_size=attn["window_size"], softcap=attn["softcap"],
-                                  return_lse=bool(return_attn_probs)) or \
-            plan.dense_plan(q, k, v, batch=q.shape[0], attn=attn, varlen=False, return_lse=bool(return_attn_probs))
+    tensors = (q, k, v, q_descale, k_descale, v_descale, out, out_scale)
+    key = run = None
+    if type(attention_chunk) is int and attention_chunk == 0 and descale_block_size is None and qv is None \
+            and plan.plannable(q, validate, causal, return_attn_probs, deterministic, window_size):
+        key, run = _eager_plan("dense", tensors, (softmax_scale, causal, window_size, softcap, num_splits, pack_gqa,
+                                                  deterministic, sm_margin, return_attn_probs, out_dtype, fp8_backward))
         if run is not None:
-            plan.store(key, run)
-            return run(q, k, v, q_descale, k_descale, v_descale, out, out_scale)
-    sq, sk, chunk = q.shape[1], k.shape[1], attention_chunk
-    # (a chunk that holds every key and query position changes nothing: keys 0..seqlen_k - 1, queries at or after 0)
-    if chunk and sq and sk and ((sk - 1) // chunk > 0 or sq > sk):
-        o, lse = _chunked_dense(q, k, v, chunk, qd, kd, vd, **attn)
+            return run(*tensors)
+    c = _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
+                        attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs,
+                        out, out_dtype, out_scale, descale_block_size, validate, fp8_backward)
+    if key is not None and (run := _new_plan(key, tensors, _dense_plan, q, k, v, out, out_scale, c)):
+        return run(*tensors)
+    qd, kd, vd = c.descales
+    if c.chunked:
+        o, lse = local_attention.chunked_dense(q, k, v, attention_chunk, qd, kd, vd, **c.attn)
     else:
         o, lse = ops.dense_fwd(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd,
-                               descale_block=descale_block_size or 0, **attn)
+                               descale_block=descale_block_size or 0, **c.attn)
     return (o, lse) if return_attn_probs else o
+
+
+def _validate_qkvpacked(qkv, num_heads_q):
+    """The checks of :func:`flash_attn_qkvpacked_func`'s packing (the rest are :func:`flash_attn_func`'s).
+    Returns the ``(q, k, v)`` views of ``qkv``."""
+    C.check_tensor("qkv", qkv, ndim=(4, 5))
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3 or num_heads_q is not None:
+            raise ValueError(f"qkv: expected (batch, seqlen, 3, nheads, headdim) without num_heads_q, got shape "
+                             f"{tuple(qkv.shape)} and num_heads_q={C.describe(num_heads_q)}. Stack q, k, v on dim 2, "
+                             "or pass the 4-D form with num_heads_q.")
+        return qkv.unbind(dim=2)
+    total = qkv.shape[2]
+    if not isinstance(num_heads_q, int) or not 0 < num_heads_q < total or (total - num_heads_q) % 2:
+        raise ValueError(f"num_heads_q: expected an int with qkv's {total} heads = num_heads_q + 2 * nheads_k, got "
+                         f"{C.describe(num_heads_q)}. Pass the number of query heads packed first.")
+    hk = (total - num_heads_q) // 2
+    return qkv.split([num_heads_q, hk, hk], dim=2)
 
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
@@ -391,15 +382,10 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
 def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                      softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
                      num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out, out_dtype, out_scale,
-                     descale_block_size, validate):
-    """Every check of :func:`flash_attn_varlen_func` (before anything is written). Returns the expanded descales
-    and the attention keywords of ``ops.dense_fwd``."""
-    _unsupported_qv(qv)
-    chunk = _check_attention_chunk(attention_chunk)
-    C.unsupported("num_splits", num_splits, 1, "the dense kernel does not split KV")
-    C.unsupported("sm_margin", sm_margin, 0)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        C.check_tensor(name, t, ndim=3, allow_seq_contiguous=name == "v")
+                     descale_block_size, validate, fp8_backward):
+    """Every check of :func:`flash_attn_varlen_func` (before anything is written). Returns its ``_DenseCall``."""
+    chunk = _check_dense_inputs(q, k, v, qv, attention_chunk, num_splits, sm_margin, 3,
+                                "the dense kernel does not split KV")
     C.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                         seqused_k=seqused_k)
     C.check_qkv_dtypes(q, k, v)
@@ -414,26 +400,30 @@ def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     C.check_seqused("seqused_q", seqused_q, b, cu_seqlens_q, validate)
     C.check_seqused("seqused_k", seqused_k, b, cu_seqlens_k, validate)
     hk = k.shape[1]
-    attn = _validate_options(q, (q.shape[0], q.shape[1], v.shape[-1]), softmax_scale, causal, window_size, softcap,
-                             out, out_dtype, out_scale, validate, (("pack_gqa", pack_gqa),
-                                                                   ("deterministic", deterministic),
-                                                                   ("return_attn_probs", return_attn_probs)))
-    attn.update(pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
+    attn = _dense_options(q, (q.shape[0], q.shape[1], v.shape[-1]), softmax_scale, causal, window_size, softcap,
+                          pack_gqa, deterministic, return_attn_probs, out, out_dtype, out_scale, validate)
     if descale_block_size is None:
-        qd, kd, vd = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate, q.dtype, k.dtype)
+        descales = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate, q.dtype, k.dtype)
     else:
         qd, kd, _ = _block_descales(q_descale, k_descale, None, descale_block_size, 1, q.shape[1], hk,
                                     q.shape[0], k.shape[0], q.device, validate, q.dtype)
         C.check_descale_kind("v_descale", v_descale, "v", v.dtype)
         C.check_descale("v_descale", v_descale, b, hk, q.device)
         C.check_descale_values("v_descale", v_descale, validate)
-        vd = expand_descale(v_descale, b, hk, q.device)
+        descales = qd, kd, expand_descale(v_descale, b, hk, q.device)
     if chunk:
         for name, val in (("seqused_q", seqused_q), ("seqused_k", seqused_k), ("descale_block_size", descale_block_size)):
             if val is not None:
                 raise NotImplementedError(f"attention_chunk with {name} is not supported: drop {name} (trim the "
                                           "sequences in cu_seqlens instead; per-(batch, head) descales).")
-    return qd, kd, vd, attn
+    return _dense_call(descales, attn, bool(chunk), fp8_backward, deterministic)
+
+
+def _varlen_plan(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, c):
+    """The eager plan of a validated varlen call (``c``: its ``_DenseCall``): the kernel-level launcher's, or
+    None (the reference path)."""
+    return plan.dense_plan(q, k, v, batch=cu_seqlens_q.numel() - 1, attn=c.attn, varlen=True,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=c.attn["return_lse"])
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
@@ -461,103 +451,33 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     -------
     out : (total_q, nheads_q, headdim_v); lse : (nheads_q, total_q) float32 (with return_attn_probs).
     """
-    key = None
     tensors = (q, k, v, q_descale, k_descale, v_descale, out, out_scale, cu_seqlens_q, cu_seqlens_k, seqused_q,
                seqused_k)
-    if _plannable(q, validate, causal, return_attn_probs, deterministic, window_size) and not attention_chunk \
-            and descale_block_size is None and qv is None:
-        key = ("varlen", tuple(plan.tensor_sig(t) for t in tensors), max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-               window_size, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out_dtype,
-               fp8_backward, plan.env_sig(), (type(max_seqlen_q), type(max_seqlen_k), type(softmax_scale),
-                                              type(softcap), type(num_splits), type(pack_gqa), type(sm_margin)))
-        run = plan.lookup(key)
-        if run is not None and plan.eager_ok(*tensors):
-            return run(*tensors)
-    qd, kd, vd, attn = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
-                                        seqused_k, softmax_scale, causal, qv, q_descale, k_descale, v_descale,
-                                        window_size, attention_chunk, softcap, num_splits, pack_gqa, deterministic,
-                                        sm_margin, return_attn_probs, out, out_dtype, out_scale, descale_block_size,
-                                        validate)
-    _check_fp8_backward(fp8_backward)
-    attn.update(fp8_backward=fp8_backward, deterministic=bool(deterministic))
-    if key is not None and plan.eager_ok(*tensors):
-        run = plan.dense_plan(q, k, v, batch=cu_seqlens_q.numel() - 1, attn=attn, varlen=True,
-                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=bool(return_attn_probs))
+    key = run = None
+    if type(attention_chunk) is int and attention_chunk == 0 and descale_block_size is None and qv is None \
+            and plan.plannable(q, validate, causal, return_attn_probs, deterministic, window_size):
+        key, run = _eager_plan("varlen", tensors, (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+                                                   softcap, num_splits, pack_gqa, deterministic, sm_margin,
+                                                   return_attn_probs, out_dtype, fp8_backward))
         if run is not None:
-            plan.store(key, run)
             return run(*tensors)
-    if attention_chunk:
-        o, lse = _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                 attention_chunk, qd, kd, vd, **attn)
+    c = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                         softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk,
+                         softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out, out_dtype,
+                         out_scale, descale_block_size, validate, fp8_backward)
+    if key is not None and (run := _new_plan(key, tensors, _varlen_plan, q, k, v, cu_seqlens_q, max_seqlen_q,
+                                             max_seqlen_k, c)):
+        return run(*tensors)
+    qd, kd, vd = c.descales
+    if c.chunked:
+        o, lse = local_attention.chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                int(max_seqlen_k), attention_chunk, qd, kd, vd, **c.attn)
     else:
         o, lse = ops.dense_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                                seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                q_descale=qd, k_descale=kd, v_descale=vd, descale_block=descale_block_size or 0,
-                               **attn)
+                               **c.attn)
     return (o, lse) if return_attn_probs else o
-
-
-def _check_chunked_cache_call(chunk, cache_leftpad, page_size, causal, max_q):
-    """What ``_chunked_cache_call`` cannot run (``page_size``: 1 for a contiguous cache, read as one-token pages)."""
-    if cache_leftpad is not None:
-        raise NotImplementedError("attention_chunk with cache_leftpad is not supported: drop the pad from the "
-                                  "cache rows.")
-    if max_q > 1 and not causal:
-        raise NotImplementedError("attention_chunk with more than one query per sequence over a cache needs causal=True "
-                                  "(the queries are the last tokens). Pass causal=True, or one query per sequence.")
-    if chunk % page_size:
-        raise NotImplementedError(f"attention_chunk: expected a multiple of the page size {page_size} with a paged "
-                                  f"cache, got {chunk}. Allocate pages that divide the chunk length.")
-
-
-def _chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, contiguous, cu_seqlens_q, max_seqlen_q, descales,
-                        **kw):
-    """``flash_attn_with_kvcache`` with ``attention_chunk``: one varlen paged call over chunk pieces.
-
-    Sequence b's queries sit at key positions ``L - len_q .. L - 1`` (``L = total_len[b]``). Piece r of it
-    holds the queries of chunk ``c = (L - len_q) // chunk + r`` and, as its cache, the keys
-    ``c * chunk .. min((c + 1) * chunk, L) - 1`` through its own page-table row (the sequence's row shifted by
-    ``c * chunk`` keys in whole pages), so its queries are the last positions of its keys and the bottom-right
-    causal / window masks hold inside the chunk. A contiguous cache is first seen as one-token pages (as with
-    ``cache_leftpad``). Everything is built on the device from capacities (no sync). Returns ``(out, lse)`` in
-    the call's shapes."""
-    varlen = cu_seqlens_q is not None
-    if varlen:
-        batch = cu_seqlens_q.numel() - 1
-        qp, cu_q, max_q = q, cu_seqlens_q, int(max_seqlen_q)
-    else:
-        batch, sq = q.shape[0], q.shape[1]
-        qp = q.reshape(batch * sq, *q.shape[2:])
-        cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * sq
-        max_q = sq
-    if contiguous:  # one-token pages over the same memory: row * seqlen_cache + token
-        k_cache, v_cache, pt, _ = _leftpad_view(k_cache, v_cache, pt, total_len,
-                                                torch.zeros_like(total_len, dtype=torch.int32), batch, False)
-    ps = k_cache.shape[1]
-    lq = (cu_q[1:] - cu_q[:-1]).long()[:, None]
-    end = total_len.long()[:, None]
-    begin = end - lq  # the first query's key position
-    pieces = max_q // chunk + 2  # chunks a run of max_q positions can touch (+1 spare: empty pieces)
-    c0 = begin.clamp_min(0) // chunk  # (queries before key 0 see nothing; they sit in chunk c0's piece)
-    starts = (c0 + torch.arange(pieces + 1, device=q.device, dtype=torch.int64)[None, :]) * chunk
-    q_bounds = torch.minimum((starts - begin).clamp_min(0), lq)
-    q_bounds[:, 0] = 0
-    cu_pieces = _piece_offsets(cu_q, q_bounds)
-    lens = (torch.minimum(starts[:, 1:], end) - starts[:, :-1]).clamp_min(0)  # keys of each piece
-    width = min(pt.shape[1], chunk // ps)
-    cols = (starts[:, :-1, None] // ps) + torch.arange(width, device=q.device, dtype=torch.int64)[None, None, :]
-    rows = pt.long().gather(1, cols.clamp(0, pt.shape[1] - 1).flatten(1)).view(batch * pieces, width)
-    qd, kd, vd = _per_piece(descales, pieces)
-    out = kw.pop("out")
-    packed = out if varlen else _packed_out(out, qp.shape[0])
-    o, lse = ops.paged_fwd(qp, k_cache, v_cache, rows.to(torch.int32), lens.flatten().to(torch.int32),
-                           cu_seqlens_q=cu_pieces, max_seqlen_q=min(chunk, max_q), q_descale=qd, k_descale=kd,
-                           v_descale=vd, out=packed, **kw)
-    if not varlen:
-        o = o.view(batch, sq, *o.shape[1:])
-        if lse.numel():
-            lse = lse.view(lse.shape[0], batch, sq).transpose(0, 1).contiguous()
-    return _fill_out(out, packed, o), lse
 
 
 def _metadata_splits(scheduler_metadata, num_splits):
@@ -720,9 +640,7 @@ def _validate_new_tokens(k, v, k_cache, v_cache, cu_seqlens_k_new, batch, valida
     C.check_tensor("k", k, ndim=3 if cu_seqlens_k_new is not None else 4)
     C.check_tensor("v", v, ndim=3 if cu_seqlens_k_new is not None else 4)
     for name, t in (("k", k), ("v", v)):
-        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(f"{name}: expected bf16/fp16/fp32 new tokens, got {t.dtype}. Pass the unquantized values "
-                            "(they are quantized into an FP8 cache here).")
+        C.check_new_tokens(name, t, "Pass the unquantized values (they are quantized into an FP8 cache here).")
     if k.shape[-2] != hk or k.shape[-1] != k_cache.shape[-1] or v.shape[-1] != v_cache.shape[-1]:
         raise ValueError(f"k: expected (..., {hk}, {k_cache.shape[-1]}) like the cache, got {tuple(k.shape)}.")
     C.check_leading_dims("k", k, "v", v, k.dim() - 1, "token dims")
@@ -763,7 +681,7 @@ class _CachePlan(NamedTuple):
     """What ``_validate_kvcache`` hands the body of ``flash_attn_with_kvcache``: the caches (a one-token-page view
     with cache_leftpad), page table, lengths after the append, the cached lengths (after the pad), the new
     tokens, rotary positions ``(q_pos, k_pos)`` or None, expanded descales, the attention keywords of
-    ``ops.paged_fwd``, the split workspace, attention_chunk and the split count."""
+    ``ops.paged_fwd``, the split workspace, attention_chunk, the split count and the batch."""
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     pt: torch.Tensor
@@ -777,25 +695,22 @@ class _CachePlan(NamedTuple):
     ws: tuple | None
     chunk: int
     num_splits: int
+    batch: int
 
 
-def _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                      cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
-                      q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk, softcap,
-                      rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse, out,
-                      out_dtype, out_scale, k_cache_scales, v_cache_scales, split_workspace, validate):
-    """Every check of :func:`flash_attn_with_kvcache`, before anything is written (the append included). Returns
-    the call's plan: the (paged view of the) caches, page table, lengths, the new tokens' slots, rotary positions,
-    expanded descales and the attention keywords of ``ops.paged_fwd``. Tensor work here is device-side (no
-    host sync) except the value checks (CPU, or validate=True)."""
+def _check_cache_inputs(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                        cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
+                        attention_chunk, scheduler_metadata, num_splits, sm_margin, k_cache_scales, v_cache_scales,
+                        validate):
+    """The checks that open ``_validate_kvcache``: the arguments not supported, the split count, q and the
+    caches as tensors on one device with matching dtypes and heads, varlen q's offsets. Returns
+    ``(attention chunk, split count, batch)``."""
     _unsupported_qv(qv)
     chunk = _check_attention_chunk(attention_chunk)
     if scheduler_metadata is not None:
         num_splits = _metadata_splits(scheduler_metadata, num_splits)
     C.unsupported("sm_margin", sm_margin, 0)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {C.describe(num_splits)}. "
-                         "Pass 0, 1 or a split count.")
+    C.check_num_splits(num_splits)
     varlen = cu_seqlens_q is not None
     C.check_tensor("q", q, ndim=3 if varlen else 4)
     C.check_tensor("k_cache", k_cache, ndim=4)
@@ -810,26 +725,22 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cac
     if v_cache.shape[0] != k_cache.shape[0] or v_cache.shape[1] != k_cache.shape[1]:  # (heads: check_heads)
         C.check_leading_dims("k_cache", k_cache, "v_cache", v_cache, 3, "(num_blocks, page_size, nheads_k)")
     C.check_flag("validate", validate)
-    if varlen:
-        C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate, total=q.shape[0], total_name="q")
-        batch = cu_seqlens_q.numel() - 1
-        if max_seqlen_q is None:
-            raise ValueError("max_seqlen_q: expected an int with cu_seqlens_q, got None. Pass the longest query length.")
-        C.check_max_seqlen("max_seqlen_q", max_seqlen_q, "cu_seqlens_q", cu_seqlens_q, validate)
-    else:
-        batch = q.shape[0]
-    hk, dv = k_cache.shape[2], v_cache.shape[-1]
-    attn = _validate_options(q, tuple(q.shape[:-1]) + (dv,), softmax_scale, causal, window_size, softcap, out,
-                             out_dtype, out_scale, validate, (("pack_gqa", pack_gqa),
-                                                              ("rotary_interleaved", rotary_interleaved),
-                                                              ("return_softmax_lse", return_softmax_lse)))
-    ws = _check_split_workspace(split_workspace, num_splits, chunk, q, q.shape[-2], dv)
+    if not varlen:
+        return chunk, num_splits, q.shape[0]
+    C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, validate=validate, total=q.shape[0], total_name="q")
+    if max_seqlen_q is None:
+        raise ValueError("max_seqlen_q: expected an int with cu_seqlens_q, got None. Pass the longest query length.")
+    C.check_max_seqlen("max_seqlen_q", max_seqlen_q, "cu_seqlens_q", cu_seqlens_q, validate)
+    return chunk, num_splits, cu_seqlens_q.numel() - 1
+
+
+def _check_cache_scales(k, k_cache, k_cache_scales, v_cache_scales, k_descale, v_descale):
+    """Per-token-head cache scales: beside an FP8 cache, instead of the static descales, both with new k/v."""
     for name, sc in (("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
         if sc is not None:
             C.check_tensor(name, sc, ndim=3)
             C.check_cache_scales(name, sc, k_cache)
-            if not is_fp8(k_cache.dtype):
-                raise ValueError(f"{name}: expected None for a {k_cache.dtype} cache, got a tensor. Scales apply to FP8 caches.")
+            C.check_scales_cache(name, k_cache)
     if k_cache_scales is not None and k_descale is not None:
         raise ValueError("k_descale: expected None with k_cache_scales (per-token-head scales replace it), got a tensor. Drop one.")
     if v_cache_scales is not None and v_descale is not None:
@@ -837,17 +748,20 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cac
     if k is not None and (k_cache_scales is None) != (v_cache_scales is None):
         raise ValueError("k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither with new "
                          "k/v, got one. Allocate both beside the cache.")
-    descales = _descales(q_descale, k_descale, v_descale, batch, hk, q.device, validate, q.dtype, k_cache.dtype)
-    _validate_new_tokens(k, v, k_cache, v_cache, cu_seqlens_k_new, batch, validate)
 
-    # Contiguous caches are paged caches with one page per cache row.
+
+def _cache_view(q, k_cache, v_cache, k, page_table, cache_batch_idx, cache_leftpad, cache_seqlens, k_cache_scales,
+                batch, validate):
+    """The cache as the kernels read it: a contiguous cache is a paged one with one page per cache row, and
+    with ``cache_leftpad`` one with one-token pages that start at each row's first live token. Returns
+    ``(k_cache, v_cache, page_table, page_size, capacity, lengths after the pad, lengths from row 0,
+    value_checks)``."""
     pt = _cache_rows(q, k_cache, page_table, cache_batch_idx, k_cache_scales, batch, validate)
     ps = k_cache.shape[1]
     capacity = pt.shape[1] * ps
     cache_seqlens = _cache_lengths(cache_seqlens, batch, capacity if k is None else 0, q.device)
     value_checks = C.want_value_checks(cache_seqlens, validate)  # (free on CPU; opt-in on a GPU)
-    rotary_base = cache_seqlens  # rotary positions stay absolute cache rows (FA3), left pad included
-    leftpad_end = None
+    from_row0 = cache_seqlens
     if cache_leftpad is not None:
         if page_table is not None:
             raise NotImplementedError("cache_leftpad with page_table is not supported: leave the pad out of the page "
@@ -855,33 +769,106 @@ def _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cac
         k_cache, v_cache, pt, cache_seqlens = _leftpad_view(k_cache, v_cache, pt, cache_seqlens, cache_leftpad, batch,
                                                             value_checks)
         ps, capacity = 1, pt.shape[1]
-    if chunk:
-        _check_chunked_cache_call(chunk, cache_leftpad, ps if page_table is not None else 1, bool(causal),
-                                  max_seqlen_q if varlen else q.shape[1])
-    slots = seq_idx = pos_in_new = kn = vn = None
-    total_len = cache_seqlens
-    if k is not None:
-        # the append derives the slots and the lengths after it on the device (ops.append_kv_cache); they are
-        # computed here only for the value checks, and the new tokens' rows for the rotary positions
-        kn, vn = k, v
-        seqlen_new = k.shape[1] if cu_seqlens_k_new is None else None
-        if value_checks:
-            slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch, seqlen_new,
-                                                                   cu_seqlens_k_new, k.shape[0])
-            total_len = cache_seqlens + new_len
-        else:
-            total_len = None
-            if rotary_cos is not None or rotary_sin is not None:
-                seq_idx, pos_in_new = _token_rows(pt.device, batch, seqlen_new, cu_seqlens_k_new, k.shape[0])
-    if cache_leftpad is not None and value_checks:
-        leftpad_end = total_len + cache_leftpad
+    return k_cache, v_cache, pt, ps, capacity, cache_seqlens, from_row0, value_checks
+
+
+def _lengths_after_append(k, pt, ps, cache_seqlens, cu_seqlens_k_new, batch, value_checks, rotary):
+    """The new tokens' slots (value checks only), their sequences and positions among the new tokens (value
+    checks and ``rotary``), and the lengths after the append (None on a GPU without value checks: the append
+    derives them on the device, ``ops.append_kv_cache``). Returns ``(slots, seq_idx, pos_in_new, total_len)``."""
+    if k is None:
+        return None, None, None, cache_seqlens
+    seqlen_new = k.shape[1] if cu_seqlens_k_new is None else None
     if value_checks:
+        slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch, seqlen_new,
+                                                               cu_seqlens_k_new, k.shape[0])
+        return slots, seq_idx, pos_in_new, cache_seqlens + new_len
+    seq_idx = pos_in_new = None
+    if rotary:
+        seq_idx, pos_in_new = _token_rows(pt.device, batch, seqlen_new, cu_seqlens_k_new, k.shape[0])
+    return None, seq_idx, pos_in_new, None
+
+
+def _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
+                      q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk, softcap,
+                      rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse, out,
+                      out_dtype, out_scale, k_cache_scales, v_cache_scales, split_workspace, validate):
+    """Every check of :func:`flash_attn_with_kvcache`, before anything is written (the append included). Returns
+    the call's ``_CachePlan``. Tensor work here is device-side (no host sync) except the value checks (CPU, or
+    validate=True)."""
+    chunk, num_splits, batch = _check_cache_inputs(
+        q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, attention_chunk, scheduler_metadata,
+        num_splits, sm_margin, k_cache_scales, v_cache_scales, validate)
+    hk, dv = k_cache.shape[2], v_cache.shape[-1]
+    attn = _validate_options(q, tuple(q.shape[:-1]) + (dv,), softmax_scale, causal, window_size, softcap, out,
+                             out_dtype, out_scale, validate, (("pack_gqa", pack_gqa),
+                                                              ("rotary_interleaved", rotary_interleaved),
+                                                              ("return_softmax_lse", return_softmax_lse)))
+    ws = _check_split_workspace(split_workspace, num_splits, chunk, q, q.shape[-2], dv)
+    _check_cache_scales(k, k_cache, k_cache_scales, v_cache_scales, k_descale, v_descale)
+    descales = _descales(q_descale, k_descale, v_descale, batch, hk, q.device, validate, q.dtype, k_cache.dtype)
+    _validate_new_tokens(k, v, k_cache, v_cache, cu_seqlens_k_new, batch, validate)
+    k_cache, v_cache, pt, ps, capacity, cache_seqlens, rotary_base, value_checks = _cache_view(
+        q, k_cache, v_cache, k, page_table, cache_batch_idx, cache_leftpad, cache_seqlens, k_cache_scales, batch,
+        validate)
+    if chunk:
+        local_attention.check_chunked_cache_call(chunk, cache_leftpad, ps if page_table is not None else 1,
+                                                 bool(causal), max_seqlen_q if cu_seqlens_q is not None else q.shape[1])
+    slots, seq_idx, pos_in_new, total_len = _lengths_after_append(
+        k, pt, ps, cache_seqlens, cu_seqlens_k_new, batch, value_checks,
+        rotary_cos is not None or rotary_sin is not None)
+    if value_checks:
+        leftpad_end = total_len + cache_leftpad if cache_leftpad is not None else None
         _check_cache_values(cache_seqlens, total_len, pt, ps, capacity, slots, k_cache, page_table, cache_leftpad,
                             leftpad_end, validate)
-    rotary = _validate_rotary(q, kn, rotary_cos, rotary_sin, rotary_seqlens, rotary_base, seq_idx, pos_in_new,
+    # (rotary positions stay absolute cache rows (FA3), left pad included)
+    rotary = _validate_rotary(q, k, rotary_cos, rotary_sin, rotary_seqlens, rotary_base, seq_idx, pos_in_new,
                               cu_seqlens_q, batch, bool(causal) or tuple(window_size) != (-1, -1), validate)
-    return _CachePlan(k_cache, v_cache, pt, total_len, cache_seqlens, kn, vn, rotary, descales, attn, ws, chunk,
-                      num_splits)
+    return _CachePlan(k_cache, v_cache, pt, total_len, cache_seqlens, k, v, rotary, descales, attn, ws, chunk,
+                      num_splits, batch)
+
+
+def _paged_plan(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, return_lse, c):
+    """The eager plan of a validated paged call without an append (``c``: its ``_CachePlan``), or None: the
+    call must read the caller's cache, page table and int32 lengths as they are."""
+    if not (c.pt is page_table and c.k_cache is k_cache and c.v_cache is v_cache and c.total_len is cache_seqlens
+            and cache_seqlens.dtype == torch.int32):
+        return None
+    return plan.paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, batch=c.batch, attn=c.attn,
+                           num_splits=c.num_splits, return_lse=return_lse)
+
+
+def _rotate(q, kn, cos, sin, positions, interleaved):
+    """q and the new keys rotated at their ``positions`` ``(q_pos, k_pos)`` (``_validate_rotary``)."""
+    q_pos, k_pos = positions
+    q = apply_rotary(q.reshape(-1, *q.shape[-2:]), cos, sin, q_pos, interleaved).reshape(q.shape)
+    kn = apply_rotary(kn.reshape(-1, *kn.shape[-2:]), cos, sin, k_pos, interleaved).reshape(kn.shape)
+    return q, kn
+
+
+def _append(q, kn, c, cu_seqlens_k_new, k_descale, v_descale, k_cache_scales, v_cache_scales):
+    """Write the new tokens into the cache: the call's first write, after every check. Returns the lengths
+    after it."""
+    if not torch.compiler.is_compiling():  # (compiled: the ops report at run time, inside their implementation)
+        kernel_for(q, "paged")  # the attention's fallback is reported before the append writes (error: no write)
+    _, kd, vd = c.descales
+    return ops.append_kv_cache(kn, c.vn, c.k_cache, c.v_cache, c.pt, c.cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new,
+                               k_descale=kd if k_descale is not None else None,
+                               v_descale=vd if v_descale is not None else None,
+                               k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+
+
+def _chunked_cache_call(q, c, contiguous, total_len, cu_seqlens_q, max_seqlen_q, attn):
+    """The attention of a cache call with ``attention_chunk`` (``local_attention.chunked_cache_call``), a
+    contiguous cache seen as one-token pages over the same memory (row * seqlen_cache + token)."""
+    k_cache, v_cache, pt = c.k_cache, c.v_cache, c.pt
+    if contiguous:
+        k_cache, v_cache, pt, _ = _leftpad_view(k_cache, v_cache, pt, total_len,
+                                                torch.zeros_like(total_len, dtype=torch.int32), c.batch, False)
+    return local_attention.chunked_cache_call(q, k_cache, v_cache, pt, total_len, c.chunk, cu_seqlens_q, max_seqlen_q,
+                                              c.descales, **attn)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -948,20 +935,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     out : q's shape with headdim_v, (batch, seqlen_q, nheads_q, headdim_v) or (total_q, nheads_q, headdim_v).
     lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
-    key = None
     tensors = (q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, q_descale, k_descale, v_descale,
                k_cache_scales, v_cache_scales, out, out_scale)
-    if _plannable(q, validate, causal, return_softmax_lse, rotary_interleaved, window_size) and k is None \
-            and v is None and qv is None and rotary_cos is None and rotary_sin is None and rotary_seqlens is None \
-            and cache_batch_idx is None and cache_leftpad is None and page_table is not None \
-            and cu_seqlens_k_new is None and not attention_chunk and scheduler_metadata is None \
-            and split_workspace is None:
-        key = ("paged", tuple(plan.tensor_sig(t) for t in tensors), max_seqlen_q, softmax_scale, causal, window_size,
-               softcap, num_splits, pack_gqa, sm_margin, return_softmax_lse, rotary_interleaved, out_dtype,
-               plan.env_sig(), (type(max_seqlen_q), type(softmax_scale), type(softcap), type(num_splits),
-                                type(pack_gqa), type(sm_margin)))
-        run = plan.lookup(key)
-        if run is not None and plan.eager_ok(*tensors):
+    key = run = None
+    # plans serve a paged cache read as it is: no append, rotary, left pad, row index, chunks or given schedule
+    if k is None and v is None and qv is None and rotary_cos is None and rotary_sin is None \
+            and rotary_seqlens is None and cache_batch_idx is None and cache_leftpad is None \
+            and page_table is not None and cu_seqlens_k_new is None and type(attention_chunk) is int \
+            and attention_chunk == 0 and scheduler_metadata is None and split_workspace is None \
+            and plan.plannable(q, validate, causal, return_softmax_lse, rotary_interleaved, window_size):
+        key, run = _eager_plan("paged", tensors, (max_seqlen_q, softmax_scale, causal, window_size, softcap,
+                                                  num_splits, pack_gqa, sm_margin, return_softmax_lse,
+                                                  rotary_interleaved, out_dtype))
+        if run is not None:
             return run(*tensors)
     c = _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                           cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
@@ -969,43 +955,44 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                           softcap, rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin,
                           return_softmax_lse, out, out_dtype, out_scale, k_cache_scales, v_cache_scales,
                           split_workspace, validate)
-    if key is not None and c.pt is page_table and c.k_cache is k_cache and c.v_cache is v_cache \
-            and c.total_len is cache_seqlens and cache_seqlens.dtype == torch.int32 and plan.eager_ok(*tensors):
-        batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
-        run = plan.paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, batch=batch, attn=c.attn,
-                              num_splits=c.num_splits, return_lse=bool(return_softmax_lse))
-        if run is not None:
-            plan.store(key, run)
-            return run(*tensors)
-    qd, kd, vd = c.descales
+    if key is not None and (run := _new_plan(key, tensors, _paged_plan, q, k_cache, v_cache, page_table,
+                                             cache_seqlens, cu_seqlens_q, max_seqlen_q, return_softmax_lse, c)):
+        return run(*tensors)
     kn = c.kn
     if c.rotary is not None:
-        from .rotary import apply_rotary
-
-        q_pos, k_pos = c.rotary
-        q = apply_rotary(q.reshape(-1, *q.shape[-2:]), rotary_cos, rotary_sin, q_pos, rotary_interleaved).reshape(q.shape)
-        kn = apply_rotary(kn.reshape(-1, *kn.shape[-2:]), rotary_cos, rotary_sin, k_pos, rotary_interleaved).reshape(
-            kn.shape)
-    if k is not None:  # the first write: everything above has been checked
-        if not torch.compiler.is_compiling():  # (compiled: the ops report at run time, inside their implementation)
-            kernel_for(q, "paged")  # the attention's fallback is reported before the append writes (error: no write)
-        total_len = ops.append_kv_cache(kn, c.vn, c.k_cache, c.v_cache, c.pt, c.cache_seqlens,
-                                        cu_seqlens_k_new=cu_seqlens_k_new,
-                                        k_descale=kd if k_descale is not None else None,
-                                        v_descale=vd if v_descale is not None else None,
-                                        k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
-    else:
-        total_len = c.total_len
+        q, kn = _rotate(q, kn, rotary_cos, rotary_sin, c.rotary, rotary_interleaved)
+    total_len = c.total_len
+    if k is not None:
+        total_len = _append(q, kn, c, cu_seqlens_k_new, k_descale, v_descale, k_cache_scales, v_cache_scales)
     attn = dict(c.attn, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, num_splits=c.num_splits,
                 return_lse=bool(return_softmax_lse))
     if c.chunk:
-        o, lse = _chunked_cache_call(q, c.k_cache, c.v_cache, c.pt, total_len, c.chunk, page_table is None,
-                                     cu_seqlens_q, max_seqlen_q, c.descales, **attn)
+        o, lse = _chunked_cache_call(q, c, page_table is None, total_len, cu_seqlens_q, max_seqlen_q, attn)
     else:
+        qd, kd, vd = c.descales
         o, lse = ops.paged_fwd(q, c.k_cache, c.v_cache, c.pt, total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
                                max_seqlen_q=max_seqlen_q, q_descale=qd, k_descale=kd, v_descale=vd,
                                split_workspace=c.ws, **attn)
     return (o, lse) if return_softmax_lse else o
+
+
+def _validate_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                                 cache_seqlens, attention_chunk, num_splits, sm_margin):
+    """Every check of :func:`get_scheduler_metadata`."""
+    C.check_num_splits(num_splits)
+    for name, val in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
+                      ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim)):
+        try:  # any integer type (Python, NumPy, a 0-d integer tensor)
+            ok = not isinstance(val, bool) and operator.index(val) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name}: expected an int >= 0, got {C.describe(val)}. Pass the call's shape.")
+    _check_attention_chunk(attention_chunk)
+    C.unsupported("sm_margin", sm_margin, 0)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected a tensor (its device is the metadata's), got "
+                        f"{type(cache_seqlens).__name__}. Pass the call's cache_seqlens.")
 
 
 def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
@@ -1035,22 +1022,8 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     -------
     torch.Tensor : int32, shape (num_splits,), zeros.
     """
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {C.describe(num_splits)}. "
-                         "Pass 0, 1 or a split count.")
-    for name, val in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
-                      ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim)):
-        try:  # any integer type (Python, NumPy, a 0-d integer tensor)
-            ok = not isinstance(val, bool) and operator.index(val) >= 0
-        except TypeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"{name}: expected an int >= 0, got {C.describe(val)}. Pass the call's shape.")
-    _check_attention_chunk(attention_chunk)
-    C.unsupported("sm_margin", sm_margin, 0)
-    if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(f"cache_seqlens: expected a tensor (its device is the metadata's), got "
-                        f"{type(cache_seqlens).__name__}. Pass the call's cache_seqlens.")
+    _validate_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                                 cache_seqlens, attention_chunk, num_splits, sm_margin)
     return torch.zeros(num_splits, dtype=torch.int32, device=cache_seqlens.device)
 
 
@@ -1072,10 +1045,7 @@ def _validate_combine(out_partial, lse_partial, out, out_dtype, out_scale, valid
                          f"{tuple(out_partial.shape)}. Pass the partials of a split-KV call.")
     C.check_same_device(out_partial=out_partial, lse_partial=lse_partial, out=out, out_scale=out_scale)
     C.check_out_dtype(out_dtype)
-    C.check_out_scale(out_scale, out_partial.device)
-    if out_scale is not None and out_dtype is not None:
-        raise ValueError(f"out_dtype: expected None when out_scale is given (the output is float8_e4m3fn), "
-                         f"got {out_dtype}. Drop out_dtype or out_scale.")
+    C.check_out_scale(out_scale, out_partial.device, out_dtype)
     dt = torch.float8_e4m3fn if out_scale is not None else (out_dtype or out_partial.dtype)
     C.check_out(out, out_partial.shape[1:], dt, out_partial.device)
     C.check_out_scale_values(out_scale, validate)
@@ -1113,20 +1083,19 @@ def _per_sequence_rows(k_descale, v_descale):
     return min(rows) if rows else None
 
 
-def _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
-                             k_cache_scales, v_cache_scales, validate):
-    """Every check of :func:`write_kv_cache` (before the caches are written)."""
-    C.check_flag("validate", validate)
+def _check_write_tensors(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales,
+                         v_cache_scales):
+    """The tensors of :func:`write_kv_cache`: kinds, one device, the cache dtypes, and shapes that agree."""
     for name, t in (("k", k), ("v", v)):
         C.check_tensor(name, t, ndim=3)
-        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(f"{name}: expected bf16/fp16/fp32 new tokens, got {t.dtype}. Pass the unquantized values.")
+        C.check_new_tokens(name, t, "Pass the unquantized values.")
     C.check_tensor("k_cache", k_cache, ndim=4)
     C.check_tensor("v_cache", v_cache, ndim=4, allow_v_seq_major=True)
     C.check_tensor("slot_mapping", slot_mapping, ndim=1)
     for name, d in (("k_descale", k_descale), ("v_descale", v_descale), ("token_seq_idx", token_seq_idx),
                     ("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
-        C.check_tensor(name, d, allow_none=True)
+        if d is not None:
+            C.check_tensor(name, d)
     C.check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, k_descale=k_descale,
                         v_descale=v_descale, token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales,
                         v_cache_scales=v_cache_scales)
@@ -1148,6 +1117,11 @@ def _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_
         raise ValueError(f"slot_mapping: expected {k.shape[0]} entries (one per token), got {slot_mapping.numel()}.")
     if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:]:
         raise ValueError(f"k: expected (num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}) matching k_cache, got {tuple(k.shape)}.")
+
+
+def _check_write_scales(k_cache, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales, validate):
+    """How :func:`write_kv_cache` scales: per-token-head cache scales (both, FP8 cache, no static descale), or
+    static descales per tensor or per (sequence, head) with ``token_seq_idx``."""
     hk = k_cache.shape[2]
     if (k_cache_scales is None) != (v_cache_scales is None):
         raise ValueError("k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither, got one. "
@@ -1156,8 +1130,7 @@ def _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_
         if sc is None:
             continue
         C.check_cache_scales(name, sc, k_cache)
-        if not is_fp8(k_cache.dtype):
-            raise ValueError(f"{name}: expected None for a {k_cache.dtype} cache, got a tensor. Scales apply to FP8 caches.")
+        C.check_scales_cache(name, k_cache)
         if d is not None:
             raise ValueError(f"{name[0]}_descale: expected None with {name} (per-token-head scales replace it), got "
                              f"{C.describe(d)}. Drop one.")
@@ -1176,6 +1149,15 @@ def _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_
             raise ValueError(f"token_seq_idx: expected an int32 (num_tokens,) tensor with a per-(sequence, head) "
                              f"{name} of shape {tuple(d.shape)}, got None. Pass each token's batch row.")
         C.check_descale_values(name, d, validate)
+
+
+def _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
+                             k_cache_scales, v_cache_scales, validate):
+    """Every check of :func:`write_kv_cache` (before the caches are written)."""
+    C.check_flag("validate", validate)
+    _check_write_tensors(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales,
+                         v_cache_scales)
+    _check_write_scales(k_cache, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales, validate)
     C.check_int32("token_seq_idx", token_seq_idx, ndim=1)
     if token_seq_idx is not None and token_seq_idx.numel() != k.shape[0]:
         raise ValueError(f"token_seq_idx: expected {k.shape[0]} entries (one per token), got {token_seq_idx.numel()}. "
@@ -1205,6 +1187,10 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
         per-token-head scales, computed (amax / fp8_max, floored; for bf16 padded up by 2**-7 so rounding
         never clips) and stored here; tokens are quantized with exactly the stored value.
     validate : also check slot ids and descale values on GPU tensors (syncs the device).
+
+    Returns
+    -------
+    None : ``k_cache`` / ``v_cache`` (and the scales) are written in place.
     """
     _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
                              k_cache_scales, v_cache_scales, validate)

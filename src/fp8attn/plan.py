@@ -22,14 +22,30 @@ import torch
 
 from .ops import _dense_shapes  # (the output and LSE shapes the ops give)
 
-__all__ = ["tensor_sig", "env_sig", "lookup", "store", "eager_ok", "clear", "dense_tma_plan", "ENV_SWITCHES",
-           "MAX_PLANS"]
+__all__ = ["plannable", "call_key", "tensor_sig", "env_sig", "lookup", "cached", "store", "eager_ok", "clear",
+           "dense_tma_plan", "paged_plan", "dense_plan", "ENV_SWITCHES", "MAX_PLANS"]
 
 # environment switches the dispatch reads (a plan made under one value never serves another)
 ENV_SWITCHES = ("FP8ATTN_DENSE_BACKEND", "FP8ATTN_FORCE_REFERENCE", "FP8ATTN_FALLBACK", "FP8ATTN_TMA_QK192")
 MAX_PLANS = 1024
 
 _PLANS: dict = {}
+
+
+def plannable(q, validate, causal, return_lse, flag, window_size) -> bool:
+    """Whether a call's signature may select a plan: a CUDA call without ``validate=True`` whose flags
+    (``causal``, ``return_lse`` and a third, ``flag``) are plain bools and whose window is a pair of plain
+    ints (as keys ``1 == 1.0 == True``, so other types take the checked path, which refuses or accepts them)."""
+    return (validate is False and type(q) is torch.Tensor and q.is_cuda and type(causal) is bool
+            and type(return_lse) is bool and type(flag) is bool and type(window_size) is tuple
+            and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int)
+
+
+def call_key(kind, tensors, args) -> tuple:
+    """The signature of a call: its ``kind``, the environment switches, every tensor's ``tensor_sig`` and the
+    Python arguments ``args`` with their types (``1 == 1.0 == True`` as dict keys; the checked path tells
+    them apart)."""
+    return (kind, env_sig(), *map(tensor_sig, tensors), *args, *map(type, args))
 
 
 def tensor_sig(t):
@@ -41,8 +57,26 @@ def tensor_sig(t):
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
+def _environ_data():
+    """``os.environ``'s own dict of encoded names and values, with the encoded ``ENV_SWITCHES``, or None
+    where this Python's ``os.environ`` has none. Reading it skips the str encoding and the KeyError that
+    ``os.environ.get`` pays for each unset name, on every planned call."""
+    env = os.environ
+    data, encode = getattr(env, "_data", None), getattr(env, "encodekey", None)
+    if not isinstance(data, dict) or encode is None:
+        return None
+    return data, tuple(encode(k) for k in ENV_SWITCHES)
+
+
+_ENV = _environ_data()
+
+
 def env_sig() -> tuple:
-    return tuple(os.environ.get(k) for k in ENV_SWITCHES)
+    """The values of ``ENV_SWITCHES`` now (encoded where ``os.environ`` stores them so; equality is all a key
+    needs)."""
+    if _ENV is not None and os.environ._data is _ENV[0]:  # (the same dict: os.environ updates it in place)
+        return tuple(map(_ENV[0].get, _ENV[1]))
+    return tuple(map(os.environ.get, ENV_SWITCHES))
 
 
 def eager_ok(*ts) -> bool:
@@ -65,6 +99,14 @@ def lookup(key):
         return _PLANS.get(key)
     except TypeError:
         return None
+
+
+def cached(key, tensors):
+    """The plan of ``key`` when this call may take it (``eager_ok``), else None."""
+    run = lookup(key)
+    if run is not None and eager_ok(*tensors):
+        return run
+    return None
 
 
 def store(key, plan) -> None:
