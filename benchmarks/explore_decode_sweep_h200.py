@@ -15,8 +15,9 @@ import torch
 
 from fp8attn.bench.common import graph_replay, graph_step_ms, kernel_times_us, time_ms
 from fp8attn.bench.paged import D, E4M3, HK, HQ, _paged_pool
-from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, split_workspace
-from fp8attn.paged import to_v_seq_major
+from fp8attn.kernels.paged import launch_paged_fwd
+from fp8attn.kernels.planning import choose_num_splits
+from fp8attn.paged import split_workspace, to_v_seq_major
 
 PAGE = 64
 CONFIGS = {

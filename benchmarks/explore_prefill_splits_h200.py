@@ -17,7 +17,7 @@ import torch
 
 from fp8attn.bench.common import graph_replay, time_ms
 from fp8attn.kernels.paged import launch_paged_fwd
-from fp8attn.paged_plan import paged_grid
+from fp8attn.kernels.planning import paged_grid
 
 E4M3 = torch.float8_e4m3fn
 HQ, HK, D = 32, 8, 128

@@ -16,8 +16,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from conftest import assert_close_fa3  # noqa: E402
-from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, paged_config, split_workspace  # noqa: E402
-from fp8attn.paged import is_v_seq_major, to_v_seq_major  # noqa: E402
+from fp8attn.kernels.paged import launch_paged_fwd  # noqa: E402
+from fp8attn.kernels.planning import choose_num_splits, is_v_seq_major, paged_config  # noqa: E402
+from fp8attn.paged import split_workspace, to_v_seq_major  # noqa: E402
 from fp8attn.quant import saturating_cast  # noqa: E402
 from fp8attn.reference import paged_attention_ref  # noqa: E402
 
@@ -498,7 +499,7 @@ def test_prefill_split_rule():
     heuristic would split in two take 1-4 splits by rounds of two programs per SM (the H200 picks of
     ``explore/prefill_splits.json``); varlen calls, other tiles and the other grid sizes keep the decode
     heuristic."""
-    from fp8attn.paged_plan import choose_prefill_splits, paged_grid
+    from fp8attn.kernels.planning import choose_prefill_splits, paged_grid
 
     picks = {152: 3, 160: 3, 176: 3, 232: 1, 256: 1, 280: 4, 304: 4, 352: 3, 376: 2}
     assert {p: choose_prefill_splits(p, 132, 8192) for p in picks} == picks

@@ -10,8 +10,8 @@ import math
 
 import torch
 
+from .kernels.planning import is_v_seq_major
 from .quant import FP8_FORMATS, SCALE_STORAGE_DTYPES, is_fp8
-from .paged import is_v_seq_major
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -212,8 +212,9 @@ def run_decode_large(out_dir=None, quick=False):
 def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None):
     """Decode over an FP8 paged cache; returns the results path. ``q_fp8``: e4m3 Q (``run_decode_fp8q``).
     ``cells``: only these (batch, context) pairs (``run_decode_large``), peers that fit in memory."""
-    from ..kernels.paged import choose_num_splits, launch_paged_fwd, split_workspace
-    from ..paged import to_v_seq_major
+    from ..kernels.paged import launch_paged_fwd
+    from ..kernels.planning import choose_num_splits
+    from ..paged import split_workspace, to_v_seq_major
     from ..reference import paged_attention_ref
 
     doc = results_header("decode_large" if cells else "decode_fp8q" if q_fp8 else "decode")

@@ -57,8 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch_rules import window_flags
 from .common import INTERPRET, LOG2E, causal_window_mask, cdiv, full_tile_range, kv_range, next_pow2, seq_bounds
+from .planning import window_flags
 
 __all__ = ["launch_attention_bwd", "bwd_configs", "table_configs", "MODES"]
 

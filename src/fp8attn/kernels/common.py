@@ -20,7 +20,7 @@ import os
 import triton
 import triton.language as tl
 
-from ..launch_rules import cdiv, next_pow2  # noqa: F401  (host helpers of every launcher)
+from .planning import cdiv, next_pow2  # noqa: F401  (host helpers of every launcher)
 
 # Read once at import, as the @triton.jit decorators choose the interpreter then; launchers pass it on
 # (a per-call read could disagree with how their kernels were built).

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch_rules import window_flags
+from .planning import window_flags
 from . import dense_tma
 from .common import (
     INTERPRET,

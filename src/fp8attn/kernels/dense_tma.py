@@ -70,7 +70,7 @@ try:
 except ImportError:  # triton without Gluon: the fast path is simply unavailable
     HAS_GLUON = False
 
-from ..launch_rules import tma_options_reason, window_flags
+from .planning import tma_options_reason, window_flags
 from .common import cdiv, fill_varlen_block_list
 # the kernels' signature; MODE_* and ENTRY are also read here by the paged launchers and the tests
 from .tma_signature import (_BOUNDED_PTR_ARGS, _PTR_ARGS, BLOCK_M, BLOCK_N, ENTRY, HEAD_DIMS, MODE_PAGED,
@@ -392,7 +392,7 @@ def device_reason(ts, extra=(), capability=None):
 def _varlen_unsupported_reason(q, k, v, out, *, q_descale, k_descale, v_descale, out_scale, cu_seqlens_q,
                                cu_seqlens_k, lse, capability=None):
     """``unsupported_reason`` for varlen inputs (``_bounded_fwd_tma_ws_kernel`` in ``MODE_VARLEN``), after
-    ``launch_rules.tma_options_reason``."""
+    ``planning.tma_options_reason``."""
     if cu_seqlens_k is None:
         return "varlen needs cu_seqlens_k"
     if out_scale is not None:  # compiled for sm90, not yet run on a GPU: the Triton kernel serves it

@@ -50,16 +50,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch_rules import window_flags
-from ..paged import is_v_seq_major, paged_precisions, split_workspace  # (split_workspace: re-exported)
-from ..paged_plan import CPU_NUM_SMS, choose_num_splits, paged_config, paged_grid  # noqa: F401  (re-exported)
 from . import dense_tma, paged_tma
 from .combine import launch_combine
 from .common import (INTERPRET, causal_window_mask, fill_varlen_block_list, finalize_rows, find_seq,
                      full_tile_range, kv_range, next_pow2, online_softmax_step, output_epilogue, scale_logits,
                      upcast_fp8_in_place)
+from .planning import CPU_NUM_SMS, is_v_seq_major, paged_grid, paged_precisions, split_partials, window_flags
 
-__all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config", "tma_reason", "launch_grid"]
+__all__ = ["launch_paged_fwd", "tma_reason", "launch_grid"]
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
        torch.float8_e4m3fn: tl.float8e4nv}
@@ -412,8 +410,8 @@ def tma_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, cu_s
 
 def launch_grid(q, k_cache, v_cache, page_table, *, cu_seqlens_q, max_seqlen_q, precisions=None, k_token_scales,
                 v_token_scales, num_splits, num_sms, config=None):
-    """``paged_plan.paged_grid`` of a launch: ``(tiles, small_tiles, block_q, two_class, grid0, num_splits)``.
-    ``precisions``: ``paged.paged_precisions`` of the call (computed here when None)."""
+    """``planning.paged_grid`` of a launch: ``(tiles, small_tiles, block_q, two_class, grid0, num_splits)``.
+    ``precisions``: ``planning.paged_precisions`` of the call (computed here when None)."""
     varlen = cu_seqlens_q is not None
     hq, d = q.shape[-2], q.shape[-1]
     hk, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -471,7 +469,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_cache_scales, v_cache_scales : optional (num_blocks, page_size, nheads_k) float32 per-token-head
         descales of the cache.
     out_scale : optional 0-d/(1,) float32 static output scale (fused e4m3fn output).
-    num_splits : split-KV factor, fixed by the caller (``choose_num_splits``); > 1 writes partials
+    num_splits : split-KV factor, fixed by the caller (``planning.choose_num_splits``); > 1 writes partials
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
         them with ``launch_combine``. A workspace with more splits than the call's is used in part.
     config : optional override {block_m, block_n, num_warps, num_stages, maxnreg, compute_dtype, pv_fp16,
@@ -542,7 +540,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     bm_s, bn_s = small_cfg[:2]
     split = num_splits > 1
     if split and (out_partial is None or lse_partial is None):
-        out_partial, lse_partial = split_workspace(q, num_splits, dv, hq)
+        out_partial, lse_partial = split_partials(q, num_splits, dv, hq)
     elif split:  # a caller's workspace (``split_workspace``) may hold more splits than this call uses
         if out_partial.shape[0] < num_splits or lse_partial.shape[0] < num_splits:
             raise ValueError(f"split_workspace: expected room for {num_splits} splits, got {out_partial.shape[0]} "

@@ -35,10 +35,9 @@ import math
 
 import torch
 
-from ..launch_rules import (PAGED_TMA_HEAD_DIMS, PAGED_TMA_MIN_PAGE, PAGED_TMA_SMALL_PAGES, TMA_QUERY_BLOCK,
-                            paged_tma_call_reason)
-from ..paged import is_v_seq_major
 from . import dense_tma
+from .planning import (PAGED_TMA_HEAD_DIMS, PAGED_TMA_MIN_PAGE, PAGED_TMA_SMALL_PAGES, TMA_QUERY_BLOCK,
+                       is_v_seq_major, paged_tma_call_reason)
 
 __all__ = ["unsupported_reason", "launch_paged_prefill_tma", "block_n", "box_rows", "descale_strides", "HEAD_DIMS",
            "VARLEN_MIN_Q", "SMALL_PAGES"]
@@ -100,7 +99,7 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
     varlen q (total_q, nheads_q, d) with contiguous int32 ``cu_seqlens_q`` (batch + 1,);
     d 64 or 128 for q, k and v; k_cache float8_e4m3fn (num_blocks, page_size, nheads_k, d) contiguous,
     v_cache the same, contiguous too (FA3's layout, transposed in the kernel) or sequence-major
-    (``paged.is_v_seq_major``); page_size a multiple of 64, or 16 or 32 with FA3's V layout;
+    (``planning.is_v_seq_major``); page_size a multiple of 64, or 16 or 32 with FA3's V layout;
     nheads_q a multiple of nheads_k; int32 page_table (batch, max_pages) with unit last stride and
     int32 cache_seqlens (batch,); float32 descales broadcastable to (batch, nheads_k) (None reads as
     1); out bfloat16, or float8_e4m3fn with a one-element float32 ``out_scale``; lse None or float32
