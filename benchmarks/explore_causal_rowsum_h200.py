@@ -3,7 +3,7 @@ the fp32 sums: FP8ATTN_EXPLORE_CAUSAL_ROWSUM lists the head dims that do (read w
 Run as a driver (no argument but the output directory): it alternates processes with and without it, each with
 its own Triton cache, and writes causal_rowsum.json. Shapes as bench dense (16 heads, batch * seqlen = 16k,
 sequence-major V, CUDA-graph replays, best of three); in each process a GQA check against the reference.
-The switch existed only in the measured tree: the committed rule (``tma_parts._rowsum_mma``) takes the
+The switch existed only in the measured tree: the committed rule (``softmax._rowsum_mma``) takes the
 tensor-core sums for causal calls at head dim 64 in the dense kernel, so this script now times that rule twice."""
 import json
 import os
@@ -20,7 +20,7 @@ SHAPES = [(64, 2048), (64, 4096), (64, 8192), (128, 4096), (128, 16384)]
 def child():
     from fp8attn.bench.common import attn_flops, graph_replay, time_ms
     from fp8attn.bench.dense import dense_inputs
-    from fp8attn.kernels import dense_tma
+    from fp8attn.kernels.hopper import dense_launch
     from fp8attn.kernels.dense import transpose_v_kmajor
     from fp8attn.reference import attention_ref
 
@@ -34,8 +34,8 @@ def child():
         o = torch.full((2, 384, 6, d), float("nan"), device="cuda").bfloat16()
         o_lse = o.clone()
         kw = dict(softmax_scale=0.088, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
-        dense_tma.launch_dense_fwd_tma(q, k, transpose_v_kmajor(v), o, None, **kw)
-        dense_tma.launch_dense_fwd_tma(q, k, transpose_v_kmajor(v), o_lse, torch.empty(2, 6, 384, device="cuda"), **kw)
+        dense_launch.launch_dense_fwd_tma(q, k, transpose_v_kmajor(v), o, None, **kw)
+        dense_launch.launch_dense_fwd_tma(q, k, transpose_v_kmajor(v), o_lse, torch.empty(2, 6, 384, device="cuda"), **kw)
         ref = attention_ref(q, k, v, out_dtype=torch.float32, **kw)
         rows.append({"check": f"gqa d{d}", "rel_err": float((o.float() - ref).norm() / ref.norm()),
                      "rel_err_lse_call": float((o_lse.float() - ref).norm() / ref.norm()),
@@ -47,8 +47,8 @@ def child():
         out = torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(b, h, s, device="cuda")
         kw = dict(softmax_scale=d ** -0.5, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
-        calls = {"nolse": graph_replay([lambda: dense_tma.launch_dense_fwd_tma(q8, k8, vt, out, None, **kw)])[0],
-                 "lse": graph_replay([lambda: dense_tma.launch_dense_fwd_tma(q8, k8, vt, out, lse, **kw)])[0]}
+        calls = {"nolse": graph_replay([lambda: dense_launch.launch_dense_fwd_tma(q8, k8, vt, out, None, **kw)])[0],
+                 "lse": graph_replay([lambda: dense_launch.launch_dense_fwd_tma(q8, k8, vt, out, lse, **kw)])[0]}
         best = {}
         for _ in range(3):
             for key, fn in calls.items():

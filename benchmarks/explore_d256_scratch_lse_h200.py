@@ -1,4 +1,4 @@
-"""Head dim 256 without an LSE: the LSE variant into a scratch LSE (``dense_tma._D256_LSE_SCRATCH``, the
+"""Head dim 256 without an LSE: the LSE variant into a scratch LSE (``dense_launch._D256_LSE_SCRATCH``, the
 default) against the variant compiled without one, in one process, CUDA-graph replays alternating, bench
 dense's shapes (16 heads, batch * seqlen = 16k, sequence-major V); the call with an LSE beside them.
 Writes d256_scratch_lse.json into the directory given."""
@@ -9,7 +9,7 @@ import torch
 
 from fp8attn.bench.common import attn_flops, graph_replay, results_header, time_ms
 from fp8attn.bench.dense import dense_inputs
-from fp8attn.kernels import dense_tma
+from fp8attn.kernels.hopper import dense_launch
 from fp8attn.kernels.dense import transpose_v_kmajor
 
 
@@ -31,10 +31,10 @@ def main(out_dir):
             kw = dict(softmax_scale=d ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
             calls = {}
             for key in ("scratch", "nolse", "lse"):
-                dense_tma._D256_LSE_SCRATCH = key == "scratch"
+                dense_launch._D256_LSE_SCRATCH = key == "scratch"
                 calls[key] = graph_replay([lambda o=outs[key], ls=lse if key == "lse" else None:
-                                           dense_tma.launch_dense_fwd_tma(q8, k8, vt, o, ls, **kw)])[0]
-            dense_tma._D256_LSE_SCRATCH = True
+                                           dense_launch.launch_dense_fwd_tma(q8, k8, vt, o, ls, **kw)])[0]
+            dense_launch._D256_LSE_SCRATCH = True
             best = {}
             for _ in range(3):
                 for key, fn in calls.items():

@@ -1,5 +1,5 @@
 """Head dim 64 causal inputs longer than 8k queries: the 8-warp kernel (the rule before this run,
-``dense_tma._use_ws``) against the warp-specialized kernel, with one CTA per query block and persistent,
+``dense_launch._use_ws``) against the warp-specialized kernel, with one CTA per query block and persistent,
 now that causal d64 calls without an LSE sum their rows on the tensor core (dense round 16). One process;
 the three variants alternate in each of three rounds (best kept); CUDA-graph replays; 16 heads,
 sequence-major V, calls with and without an LSE. Each variant is checked against the 8-warp kernel's
@@ -12,7 +12,7 @@ import torch
 
 from fp8attn.bench.common import attn_flops, graph_replay, time_ms
 from fp8attn.bench.dense import dense_inputs
-from fp8attn.kernels import dense_tma
+from fp8attn.kernels.hopper import dense_launch
 from fp8attn.kernels.dense import transpose_v_kmajor
 
 SHAPES = [(2, 8192), (1, 16384), (1, 32768)]
@@ -21,9 +21,9 @@ VARIANTS = {"8warp": (False, 8192, ()), "ws_per_block": (True, 8192, ()), "ws_pe
 
 def _set(variant):
     ws, cap, dims = VARIANTS[variant]
-    dense_tma._use_ws = lambda d, c, s, _ws=ws: _ws
-    dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = cap
-    dense_tma._WS_PERSISTENT_CAUSAL_HEAD_DIMS = dims
+    dense_launch._use_ws = lambda d, c, s, _ws=ws: _ws
+    dense_launch._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = cap
+    dense_launch._WS_PERSISTENT_CAUSAL_HEAD_DIMS = dims
 
 
 def main(out_dir):
@@ -41,7 +41,7 @@ def main(out_dir):
             for lse_on in (False, True):
                 o = torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16)
                 lse = torch.empty(b, h, s, device="cuda") if lse_on else None
-                dense_tma.launch_dense_fwd_tma(q8, k8, vt, o, lse, **kw)
+                dense_launch.launch_dense_fwd_tma(q8, k8, vt, o, lse, **kw)
                 outs[(variant, lse_on)] = o
         base = outs[("8warp", True)].float()
         for key, o in outs.items():
@@ -53,7 +53,7 @@ def main(out_dir):
                 o = outs[(variant, lse_on)]
                 lse = torch.empty(b, h, s, device="cuda") if lse_on else None
                 call, graphed = graph_replay(
-                    [lambda o=o, lse=lse: dense_tma.launch_dense_fwd_tma(q8, k8, vt, o, lse, **kw)])
+                    [lambda o=o, lse=lse: dense_launch.launch_dense_fwd_tma(q8, k8, vt, o, lse, **kw)])
                 assert graphed, "an eager fallback would time whichever variant was set last"
                 calls[f"{variant}_{'lse' if lse_on else 'nolse'}"] = call
         for _ in range(3):

@@ -1,4 +1,4 @@
-"""Head dim 64, non-causal: three consumer warpgroups over 64-key tiles (``dense_tma.ws_config``'s default)
+"""Head dim 64, non-causal: three consumer warpgroups over 64-key tiles (``dense_launch.ws_config``'s default)
 against two over 128-key tiles, in one process, CUDA-graph replays alternating, bench dense's shapes
 (16 heads, batch * seqlen = 16k, sequence-major V). Writes dense_consumers.json into the directory given."""
 import json
@@ -8,15 +8,15 @@ import torch
 
 from fp8attn.bench.common import attn_flops, graph_replay, results_header, time_ms
 from fp8attn.bench.dense import _rel_err, dense_inputs
-from fp8attn.kernels import dense_tma
+from fp8attn.kernels.hopper import dense_launch
 from fp8attn.kernels.dense import transpose_v_kmajor
 
 E4M3 = torch.float8_e4m3fn
-default = dense_tma.ws_config
+default = dense_launch.ws_config
 
 
 def use(consumers):
-    dense_tma.ws_config = lambda d, c, n=None: default(d, c, consumers)
+    dense_launch.ws_config = lambda d, c, n=None: default(d, c, consumers)
 
 
 def main(out_dir):
@@ -38,9 +38,9 @@ def main(out_dir):
         calls = {}
         for nc in (2, 3):
             use(nc)
-            calls[nc, "nolse"] = graph_replay([lambda: dense_tma.launch_dense_fwd_tma(q8, k8, vt, out, None, **kw)])[0]
-            calls[nc, "lse"] = graph_replay([lambda: dense_tma.launch_dense_fwd_tma(q8, k8, vt, out, lse, **kw)])[0]
-            calls[nc, "fp8out"] = graph_replay([lambda: dense_tma.launch_dense_fwd_tma(
+            calls[nc, "nolse"] = graph_replay([lambda: dense_launch.launch_dense_fwd_tma(q8, k8, vt, out, None, **kw)])[0]
+            calls[nc, "lse"] = graph_replay([lambda: dense_launch.launch_dense_fwd_tma(q8, k8, vt, out, lse, **kw)])[0]
+            calls[nc, "fp8out"] = graph_replay([lambda: dense_launch.launch_dense_fwd_tma(
                 q8, k8, vt, out8, None, out_scale=osc, **kw)])[0]
         best = {}
         for _ in range(3):
@@ -50,7 +50,7 @@ def main(out_dir):
         row = {"seqlen": s, "batch": b}
         for nc in (2, 3):
             use(nc)
-            dense_tma.launch_dense_fwd_tma(q8, k8, vt, out, None, **kw)
+            dense_launch.launch_dense_fwd_tma(q8, k8, vt, out, None, **kw)
             row[f"err_nc{nc}"] = _rel_err(out, q8, k8, v8, qd, kd, vd, False)
             for form in ("nolse", "lse", "fp8out"):
                 row[f"ms_{form}_nc{nc}"] = best[nc, form]

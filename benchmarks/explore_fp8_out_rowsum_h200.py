@@ -1,5 +1,5 @@
 """The fused e4m3 output at head dim 128, non-causal, without an LSE: row sums on the tensor core (the rule of
-``tma_parts._rowsum_mma``) against fp32 row sums (source of ``results/h200/explore/fp8_out_rowsum.json``).
+``softmax._rowsum_mma``) against fp32 row sums (source of ``results/h200/explore/fp8_out_rowsum.json``).
 
 ``bench output-quant`` (B4 S4096 h16 d128) read the fused non-causal call at 0.723-0.729 ms on the kernels of
 4efd3b7 against 0.686 ms on 33565af, while the bf16 output got faster (0.686 -> 0.678); the tensor-core row sums
@@ -16,13 +16,13 @@ import torch
 if "--fp32-sums" in sys.argv[1:]:
     from triton.experimental import gluon
 
-    from fp8attn.kernels import tma_parts, tma_ws, tma_ws_consumer
+    from fp8attn.kernels.hopper import consumer, forward, softmax
 
     @gluon.constexpr_function
     def _rowsum_mma(causal, write_lse, head_dim, mode, out_fp8):  # fp32 sums at head dim 128
         return not write_lse and head_dim == 64 and (not causal or mode == 0)
 
-    for m in (tma_parts, tma_ws, tma_ws_consumer):
+    for m in (softmax, forward, consumer):
         m._rowsum_mma = _rowsum_mma
 
 from fp8attn.bench.common import graph_replay, time_ms  # noqa: E402

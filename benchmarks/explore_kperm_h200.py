@@ -1,7 +1,7 @@
 """Head dim 64, dense warp-specialized kernel: K loaded key-permuted (a 5-D TMA box whose shared-memory row
 16a + 8g + 2q + e holds key 16a + 4q + 2g + e), so that P in the wgmma accumulator layout, relabelled to
-key order, is already the A operand of P V (no cross-lane exchange; ``dense_tma.kperm_on``), against the
-plain K box, both forced through ``dense_tma.kperm_on`` in one process: the two alternate in each of three
+key order, is already the A operand of P V (no cross-lane exchange; ``dense_launch.kperm_on``), against the
+plain K box, both forced through ``dense_launch.kperm_on`` in one process: the two alternate in each of three
 rounds (best kept), CUDA-graph replays, calls with and without an LSE. Shapes as bench dense (16 heads,
 batch * seqlen = 16k, sequence-major V). A check first: GQA (6 q / 2 kv heads), 384 queries over 640 keys,
 non-unit descales, causal and not, with and without an LSE: both forms against the reference, and their
@@ -16,17 +16,17 @@ import torch
 
 from fp8attn.bench.common import attn_flops, graph_replay, time_ms
 from fp8attn.bench.dense import dense_inputs
-from fp8attn.kernels import dense_tma
+from fp8attn.kernels.hopper import dense_launch
 from fp8attn.kernels.dense import transpose_v_kmajor
 from fp8attn.reference import attention_ref
 
 E4M3 = torch.float8_e4m3fn
 SHAPES = [(1024, False), (4096, False), (16384, False), (1024, True), (4096, True), (16384, True)]
-RULE = dense_tma.kperm_on
+RULE = dense_launch.kperm_on
 
 
 def _force(on):
-    dense_tma.kperm_on = lambda *args, _on=on: _on
+    dense_launch.kperm_on = lambda *args, _on=on: _on
 
 
 def main(out_dir):
@@ -44,7 +44,7 @@ def main(out_dir):
                 _force(on)
                 o = torch.full((2, 384, 6, 64), float("nan"), device="cuda").bfloat16()
                 lse = torch.full((2, 6, 384), float("nan"), device="cuda") if with_lse else None
-                dense_tma.launch_dense_fwd_tma(q, k, transpose_v_kmajor(v), o, lse, **kw)
+                dense_launch.launch_dense_fwd_tma(q, k, transpose_v_kmajor(v), o, lse, **kw)
                 res[on] = (o, lse)
             (o0, l0), (o1, l1) = res[False], res[True]
             checks.append({"causal": causal, "lse": with_lse,
@@ -66,7 +66,7 @@ def main(out_dir):
             _force(on)
             for name, ls in (("nolse", None), ("lse", lse)):
                 call, graphed = graph_replay(
-                    [lambda ls=ls: dense_tma.launch_dense_fwd_tma(q8, k8, vt, out, ls, **kw)])
+                    [lambda ls=ls: dense_launch.launch_dense_fwd_tma(q8, k8, vt, out, ls, **kw)])
                 assert graphed, "an eager fallback would time whichever form was forced last"
                 calls[f"{'kperm' if on else 'plain'}_{name}"] = call
         best = {}
@@ -82,7 +82,7 @@ def main(out_dir):
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if not k.startswith("ms_")},
               flush=True)
         calls.clear()
-    dense_tma.kperm_on = RULE
+    dense_launch.kperm_on = RULE
     doc = {"routine": "kperm", "description": __doc__, "torch": torch.__version__, "checks": checks, "rows": rows}
     with open(f"{out_dir}/kperm.json", "w") as f:
         json.dump(doc, f, indent=1)

@@ -13,13 +13,13 @@ import torch
 from explore_mixed_split_h200 import D, N_DEC, mixed_inputs
 
 from fp8attn.bench.common import graph_replay, time_ms
-from fp8attn.kernels import paged_tma
+from fp8attn.kernels.hopper import paged_launch
 from fp8attn.kernels.paged import launch_paged_fwd
 
 torch.manual_seed(0)
 m = mixed_inputs(64)
 fns = {"triton_part": lambda: launch_paged_fwd(m.q, m.kc, m.vs, m.pt, m.seqlens, m.out, None, **m.base,
-                                               config={"tma": False, "split_at": paged_tma.VARLEN_MIN_Q}),
+                                               config={"tma": False, "split_at": paged_launch.VARLEN_MIN_Q}),
        "decode_alone": lambda: launch_paged_fwd(m.qd_, m.kc, m.vs, m.pt[:N_DEC], m.seqlens[:N_DEC], m.od, None,
                                                 max_seqlen_q=1, softmax_scale=D ** -0.5, causal=True,
                                                 **{k: v[:N_DEC] for k, v in m.ds.items()}),

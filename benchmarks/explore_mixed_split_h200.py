@@ -16,7 +16,7 @@ import torch
 
 from fp8attn.bench.common import graph_replay, kernel_times_us, time_ms
 from fp8attn.bench.paged import D, E4M3, HK, HQ, _paged_pool
-from fp8attn.kernels import dense_tma, paged_tma
+from fp8attn.kernels.hopper import dense_launch, paged_launch
 from fp8attn.kernels.paged import launch_paged_fwd
 from fp8attn.paged import to_v_seq_major
 
@@ -25,9 +25,9 @@ N_DEC, CTX, CHUNK, PREFIX = 32, 4096, 2048, 8192
 
 def _block_list(cu, seqlens, total_q):
     try:
-        return dense_tma.varlen_block_list(cu, seqlens, False, total_q, 128)
+        return dense_launch.varlen_block_list(cu, seqlens, False, total_q, 128)
     except TypeError:  # the list before 8-slot entries (commits up to 4346390), for before/after runs
-        return dense_tma.varlen_block_list(cu, total_q, 128)
+        return dense_launch.varlen_block_list(cu, total_q, 128)
 
 
 def _kernel_sequence(fn, reps=20):
@@ -87,8 +87,8 @@ def main():
             "triton_one_launch": lambda: launch_paged_fwd(q, kc, vs, pt, seqlens, out, None, **base,
                                                           config={"tma": False}),
             "triton_part": lambda: launch_paged_fwd(q, kc, vs, pt, seqlens, out, None, **base,
-                                                    config={"tma": False, "split_at": paged_tma.VARLEN_MIN_Q}),
-            "tma_part": lambda: paged_tma.launch_paged_prefill_tma(
+                                                    config={"tma": False, "split_at": paged_launch.VARLEN_MIN_Q}),
+            "tma_part": lambda: paged_launch.launch_paged_prefill_tma(
                 q, kc, vs, pt, seqlens, out, None, softmax_scale=D ** -0.5, causal=True, cu_seqlens_q=cu,
                 min_len_q=128, **ds),
             "block_list": lambda: _block_list(cu, seqlens, sum(qlens)),
@@ -104,11 +104,11 @@ def main():
         # list, and the chunk as a varlen batch of one (q_row 0), against the fixed-length launch
         lists = {"mixed": _block_list(cu, seqlens, sum(qlens)),
                  "one": _block_list(cu[-2:] - cu[-2], seqlens[N_DEC:], CHUNK)}
-        if "block_list" in paged_tma.launch_paged_prefill_tma.__code__.co_varnames:
-            fns["tma_only"] = lambda: paged_tma.launch_paged_prefill_tma(
+        if "block_list" in paged_launch.launch_paged_prefill_tma.__code__.co_varnames:
+            fns["tma_only"] = lambda: paged_launch.launch_paged_prefill_tma(
                 q, kc, vs, pt, seqlens, out, None, softmax_scale=D ** -0.5, causal=True, cu_seqlens_q=cu,
                 min_len_q=128, block_list=lists["mixed"], **ds)
-            fns["tma_only_one_seq"] = lambda: paged_tma.launch_paged_prefill_tma(
+            fns["tma_only_one_seq"] = lambda: paged_launch.launch_paged_prefill_tma(
                 qc_[0], kc, vs, pt[N_DEC:], seqlens[N_DEC:], oc[0], None, softmax_scale=D ** -0.5, causal=True,
                 cu_seqlens_q=cu[-2:] - cu[-2], min_len_q=128, block_list=lists["one"], **sub(slice(N_DEC, None)))
         # FA3's V layout (the cache flash_attn_with_kvcache takes)

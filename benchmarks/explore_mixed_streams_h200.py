@@ -17,7 +17,7 @@ from explore_mixed_split_h200 import N_DEC, _block_list, mixed_inputs  # noqa: E
 
 from fp8attn.bench.common import graph_replay, time_ms  # noqa: E402
 from fp8attn.bench.paged import D  # noqa: E402
-from fp8attn.kernels import dense_tma, paged_tma  # noqa: E402
+from fp8attn.kernels.hopper import dense_launch, paged_launch  # noqa: E402
 from fp8attn.kernels.paged import launch_paged_fwd  # noqa: E402
 
 RESERVED = (0, 8, 12, 16, 20, 24, 32)
@@ -27,24 +27,24 @@ def main():
     rows = []
     side = torch.cuda.Stream()
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
-    sms = dense_tma._num_sms
+    sms = dense_launch._num_sms
     for page in (64, 128):
         m = mixed_inputs(page)
         lst = _block_list(m.cu, m.seqlens, sum(m.qlens))
         sub = lambda s: {k: v[s] for k, v in m.ds.items()}  # noqa: E731
 
         def tma(r):
-            dense_tma._num_sms = lambda i: nsm - r
+            dense_launch._num_sms = lambda i: nsm - r
             try:
-                paged_tma.launch_paged_prefill_tma(m.q, m.kc, m.vs, m.pt, m.seqlens, m.out, None,
+                paged_launch.launch_paged_prefill_tma(m.q, m.kc, m.vs, m.pt, m.seqlens, m.out, None,
                                                    softmax_scale=D ** -0.5, causal=True, cu_seqlens_q=m.cu,
                                                    min_len_q=128, block_list=lst, **m.ds)
             finally:
-                dense_tma._num_sms = sms
+                dense_launch._num_sms = sms
 
         def triton_part():
             launch_paged_fwd(m.q, m.kc, m.vs, m.pt, m.seqlens, m.out, None, **m.base,
-                             config={"tma": False, "split_at": paged_tma.VARLEN_MIN_Q})
+                             config={"tma": False, "split_at": paged_launch.VARLEN_MIN_Q})
 
         def side_by_side(r, tma_first=True):
             main_s = torch.cuda.current_stream()

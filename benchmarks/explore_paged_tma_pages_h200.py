@@ -10,7 +10,7 @@ import torch
 
 from fp8attn.bench.common import time_ms
 from fp8attn.bench.paged import D, E4M3, HK, HQ, _chunk_inputs
-from fp8attn.kernels import paged_tma
+from fp8attn.kernels.hopper import paged_launch
 from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor
 from fp8attn.kernels.paged import launch_paged_fwd
 from fp8attn.paged import to_v_seq_major
@@ -36,7 +36,7 @@ def main():
             row["triton_ms"] = time_ms(triton_kernel)
             for stages in (2, 3, 4):
                 def tma(st=stages):
-                    paged_tma.launch_paged_prefill_tma(q8, kc, vs, pt, seqlens, out, None, softmax_scale=D ** -0.5,
+                    paged_launch.launch_paged_prefill_tma(q8, kc, vs, pt, seqlens, out, None, softmax_scale=D ** -0.5,
                                                        causal=True, q_descale=ds, k_descale=ds, v_descale=ds,
                                                        num_stages=st)
                 tma()

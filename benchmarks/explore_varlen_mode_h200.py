@@ -17,7 +17,7 @@ import torch
 
 from fp8attn.bench.common import graph_replay, time_ms
 from fp8attn.bench.paged import D, E4M3, HK, HQ, _paged_pool
-from fp8attn.kernels import dense_tma, paged_tma
+from fp8attn.kernels.hopper import dense_launch, paged_launch
 from fp8attn.kernels.paged import launch_paged_fwd
 from fp8attn.paged import to_v_seq_major
 
@@ -36,10 +36,10 @@ def launches(page):
     oc = torch.empty(1, CHUNK, HQ, D, device="cuda", dtype=torch.bfloat16)
     ov = torch.empty(CHUNK, HQ, D, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, CHUNK], dtype=torch.int32, device="cuda")
-    lst = dense_tma.varlen_block_list(cu, sl, False, CHUNK, 128)
+    lst = dense_launch.varlen_block_list(cu, sl, False, CHUNK, 128)
     fns = {"fixed": lambda: launch_paged_fwd(q, kc, vs, pt, sl, oc, None, max_seqlen_q=CHUNK,
                                              softmax_scale=D ** -0.5, causal=True, **ds),
-           "varlen": lambda: paged_tma.launch_paged_prefill_tma(q[0], kc, vs, pt, sl, ov, None, softmax_scale=D ** -0.5,
+           "varlen": lambda: paged_launch.launch_paged_prefill_tma(q[0], kc, vs, pt, sl, ov, None, softmax_scale=D ** -0.5,
                                                                 causal=True, cu_seqlens_q=cu, min_len_q=128,
                                                                 block_list=lst, **ds)}
     return fns, oc, ov

@@ -143,8 +143,8 @@ def test_paged_varlen_launch_plan(monkeypatch, case):
     def reason(*a, **k):
         checks.append(k["num_splits"])
         return None if k["num_splits"] <= 1 else "split"
-    monkeypatch.setattr(KP.paged_tma, "unsupported_reason", reason)
-    monkeypatch.setattr(KP.paged_tma, "launch_paged_prefill_tma", lambda *a, **k: tma_calls.append(k))
+    monkeypatch.setattr(KP.paged_launch, "unsupported_reason", reason)
+    monkeypatch.setattr(KP.paged_launch, "launch_paged_prefill_tma", lambda *a, **k: tma_calls.append(k))
     hq, hk, d, page = 8, 2, 128, 64
     qlens = [1, 300, 1, 40]
     cu = torch.tensor([0, 1, 301, 302, 342], dtype=torch.int32)
@@ -229,8 +229,8 @@ def test_paged_varlen_tma_rows_match_the_cpu_rule(monkeypatch, pages):
     monkeypatch.setattr(KP, "_paged_fwd_kernel", kern)
     monkeypatch.setattr(KP, "launch_combine", lambda *a, **k: None)
     monkeypatch.setattr(KP, "INTERPRET", False)  # the TMA dispatch is skipped under the interpreter
-    monkeypatch.setattr(KP.paged_tma, "unsupported_reason", lambda *a, **k: None if k["num_splits"] <= 1 else "split")
-    monkeypatch.setattr(KP.paged_tma, "launch_paged_prefill_tma", lambda *a, **k: tma_calls.append(k))
+    monkeypatch.setattr(KP.paged_launch, "unsupported_reason", lambda *a, **k: None if k["num_splits"] <= 1 else "split")
+    monkeypatch.setattr(KP.paged_launch, "launch_paged_prefill_tma", lambda *a, **k: tma_calls.append(k))
     hq, hk, d, page = 8, 2, 128, 64
     qlens = [1, 300]
     cu = torch.tensor([0, 1, 301], dtype=torch.int32)

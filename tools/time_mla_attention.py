@@ -20,7 +20,7 @@ import os
 import torch
 
 from fp8attn.bench.common import time_ms
-from fp8attn.kernels import dense_tma
+from fp8attn.kernels.hopper import dense_launch
 from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor
 from fp8attn.reference import attention_ref
 
@@ -60,28 +60,28 @@ def _env(**kv):
 @contextlib.contextmanager
 def _stages(n):
     """The warp-specialized kernel with an ``n``-stage K/V ring (exploration; the default is ``ws_config``'s)."""
-    real = dense_tma.ws_config
+    real = dense_launch.ws_config
 
     def cfg(d, causal, consumers=None, head_dim_v=None):
         nc, bn, _ = real(d, causal, consumers, head_dim_v)
         return nc, bn, n
 
-    dense_tma.ws_config = cfg
+    dense_launch.ws_config = cfg
     try:
         yield
     finally:
-        dense_tma.ws_config = real
+        dense_launch.ws_config = real
 
 
 @contextlib.contextmanager
 def _grid_per_block():
     """Causal calls on one CTA per query block instead of the persistent grid (exploration)."""
-    real = dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
-    dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 0
+    real = dense_launch._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
+    dense_launch._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 0
     try:
         yield
     finally:
-        dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = real
+        dense_launch._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = real
 
 
 def _err(out, ref):
@@ -101,13 +101,13 @@ def main():
     s = args.seqlen
     scale = DQK ** -0.5
     calls = []
-    real_tma = dense_tma.launch_dense_fwd_tma
+    real_tma = dense_launch.launch_dense_fwd_tma
 
     def spy(*a, **kw):
         calls.append(1)
         return real_tma(*a, **kw)
 
-    dense_tma.launch_dense_fwd_tma = spy
+    dense_launch.launch_dense_fwd_tma = spy
     for h in args.heads:
         q8, k8, v8, qd, kd, vd = _inputs(s, h)
         vt = transpose_v_kmajor(v8)
@@ -160,7 +160,7 @@ def main():
             del out, lse, ref, oc
         del q8, k8, v8, vt, qb, kb, vb
         torch.cuda.empty_cache()
-    dense_tma.launch_dense_fwd_tma = real_tma
+    dense_launch.launch_dense_fwd_tma = real_tma
 
 
 if __name__ == "__main__":

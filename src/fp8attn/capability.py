@@ -383,10 +383,10 @@ def _support(entry, dev, kw, has_call):
     cc = _facts(dev)[1]
     if entry not in _HOPPER_ENTRIES:
         return Support("triton", f"{entry} has one kernel, the Triton kernel; {decision.message}")
-    from .kernels import dense_tma
+    from .kernels.hopper import dense_launch
 
-    why = dense_tma.capability_reason(cc) or (None if dense_tma.HAS_GLUON else
-                                              "triton.experimental.gluon is not available")
+    why = dense_launch.capability_reason(cc) or (None if dense_launch.HAS_GLUON else
+                                                 "triton.experimental.gluon is not available")
     if why:
         return Support("triton", f"the Triton kernel: the Hopper kernel {why} (this GPU is sm{cc[0]}{cc[1]})")
     if not has_call:

@@ -95,7 +95,7 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
     if kernel_for(q, "dense") is None:
         return None
     from .kernels import dense as kd_
-    from .kernels import dense_tma
+    from .kernels.hopper import dense_launch
     from .kernels.planning import window_flags
 
     backend = kd_.dense_backend()
@@ -117,7 +117,7 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
 
     hk = k.shape[2]
     kernel_causal = window_flags(causal, window_size)[0]
-    launch = dense_tma.launch_dense_fwd_tma
+    launch = dense_launch.launch_dense_fwd_tma
     dev = q.device
 
     def run(q, k, v, q_descale, k_descale, v_descale, out, out_scale):

@@ -34,7 +34,7 @@ _E4M3 = torch.float8_e4m3fn
 
 def cdiv(a: int, b: int) -> int:
     """Host-side ceil(a / b). Launchers use this, not ``triton.cdiv``: in triton 3.6 that is a constexpr
-    function whose call costs ~1.5 us of host time (CPU machine; ~3x that on the H200 host)."""
+    function, whose call costs microseconds of host time on every launch."""
     return -(-a // b)
 
 
@@ -94,7 +94,7 @@ def tma_options_reason(q_dtype, k_dtype, v_dtype, out_dtype, *, window_size, sof
 def paged_tma_call_reason(q, k_cache, v_cache, out_dtype, *, varlen, window_size, softcap, out_scale, token_scales,
                           num_splits, v_seq_major):
     """Why the paged TMA kernel cannot take a call by its semantics, or None when it can (the launcher then
-    checks memory and the device: ``kernels.paged_tma.unsupported_reason``).
+    checks memory and the device: ``kernels.hopper.paged_launch.unsupported_reason``).
 
     q : (batch, seqlen_q, nheads_q, d), or (total_q, nheads_q, d) with ``varlen``; k_cache, v_cache :
     (num_blocks, page_size, nheads_k, d); ``v_seq_major``: V sequence-major inside each page
@@ -252,10 +252,9 @@ def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int 
 
     Below one program per SM, splits fill one wave of resident decode blocks:
     ``splits = floor(DECODE_BLOCKS_PER_SM * num_sms / programs)``, with at least ``min_tokens_per_split``
-    context tokens per split (H200, 32/8 heads, FP8 cache page 64, sequence-major V: B1/L128k 66 splits
-    85 us vs 33 splits 92 us; B8/L32k 8 vs 5: 141 vs 159 us; B16/L32k 4 vs 3: 259 vs 267 us). From one
-    to three programs per SM it splits in two; from three per SM on it does not split (B64/L4096
-    unsplit 0.139 ms vs 0.146 in two splits). See docs/perf-notes.md, paged round 7.
+    context tokens per split. From one to three programs per SM it splits in two; from three per SM on it
+    does not split. Each rule beat its neighbours on the H200 (docs/perf-notes.md, the paged kernel's split
+    heuristic).
     """
     programs = max(1, batch * nheads_k * num_q_blocks)
     if programs >= 3 * num_sms:
@@ -265,11 +264,11 @@ def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int 
     return int(max(1, min(want, cap, max_splits)))
 
 
-# Programs of the 4-warp (128, 64) prefill tile at head dim 128 resident per SM (H200: 304 to 464 programs of
-# the same work take the same time, two rounds of 264).
+# Programs of the 4-warp (128, 64) prefill tile at head dim 128 resident per SM (on the H200 the same work
+# split into 304 to 464 programs takes the same time: two rounds of 264).
 PREFILL_BLOCKS_PER_SM = 2
-# The measured cost of one more split of a prefill launch, as a fraction of the unsplit launch's time (H200,
-# 2k-context chunks over 8k keys: +4-5 us per split on ~255 us: the partials' writes, the combine).
+# The cost of one more split of a prefill launch, as a fraction of the unsplit launch's time: the partials'
+# writes and the combine (measured on the H200, 2k-context chunks over 8k keys).
 _SPLIT_COST = 0.015
 _PREFILL_MAX_SPLITS = 4
 
@@ -281,9 +280,8 @@ def choose_prefill_splits(programs: int, num_sms: int = CPU_NUM_SMS, max_context
 
     A round holds ``PREFILL_BLOCKS_PER_SM * num_sms`` programs and each split divides a program's keys, so
     ``s`` splits take ``ceil(programs * s / round) / s`` of the unsplit round's time, plus ``_SPLIT_COST`` per
-    split beyond the first; the cheapest of 1 to 4 splits wins (ties: fewer). H200, 32 q / 8 kv heads, page
-    64, chunks over 8k keys (``explore/prefill_splits.json``): 152-176 programs take 3 splits, 186-189 us
-    against 261 in two; 232 programs one split (255 vs 263 us); 280 four (317 vs 340 us); 376 two.
+    split beyond the first; the cheapest of 1 to 4 splits wins (ties: fewer). The model picked the fastest
+    count of those measured on the H200 (32 q / 8 kv heads, page 64, chunks over 8k keys; docs/perf-notes.md).
     """
     rnd = PREFILL_BLOCKS_PER_SM * num_sms
     cap = max(1, min(_PREFILL_MAX_SPLITS, max_context // min_tokens_per_split))
@@ -291,9 +289,9 @@ def choose_prefill_splits(programs: int, num_sms: int = CPU_NUM_SMS, max_context
     return min(cost, key=lambda s: (cost[s], s))
 
 
-# (block_m, block_n, num_warps, num_stages) by regime; see docs/perf-notes.md (paged, version 3).
+# (block_m, block_n, num_warps, num_stages) by regime, the fastest measured on the H200 (docs/perf-notes.md).
 _CONFIGS = {
-    "decode": (16, 128, 4, 3),  # H200 quick run: best of (16,64,4,4) (16,32,4,6) (16,128,4,3) at B64/L4096
+    "decode": (16, 128, 4, 3),
     "small": (64, 64, 4, 3),
     "prefill": (128, 64, 8, 3),
 }
@@ -332,29 +330,26 @@ def _paged_config(max_seqlen_q: int, qg: int, headdim: int, mma_fp8: bool, overr
         if not mma_fp8 and bm > 64:
             bm, nw = 64, 4
     # Uncapped decode keeps its 128-key tiles: on the H200 the row-gathered (16,128,4,3) tile beat the
-    # one-page (16,64,4,4) tile at page 64 (0.199 vs 0.218 ms, B64/L4096); prefill tiles are 64 keys
-    # already. The capped decode tiles below are one-page tiles.
+    # one-page (16,64,4,4) tile at page 64; prefill tiles are 64 keys already. The capped decode tiles below
+    # are one-page tiles.
     if not decode and page_size is not None and 64 <= page_size < bn and bn % page_size == 0:
         bn = page_size
-    # Sequence-major V in pages of 128+ keys: 128-key one-page prefill tiles (H200, 2k chunk over 8k,
-    # FP8 Q, page 128: 0.588 -> 0.495 ms). With 64-key pages a 128-key tile gathers V rows (1.12 ms).
+    # Sequence-major V in pages of 128+ keys: 128-key one-page prefill tiles, faster on the H200. With
+    # 64-key pages a 128-key tile would gather V rows, much slower.
     if (not decode and rows > 64 and v_seq_major and page_size is not None and page_size % 128 == 0
             and headdim <= 128):
         bn = 128
     # P@V in fp16 over an FP8 cache (16-bit Q, or FP8 Q over FA3's layout) in (128, 64) prefill tiles: 4 warps
-    # of 32 query rows beat 8 of 16 (H200, bf16 Q, 2k chunk over 8k: page 16 1.061 -> 0.959 ms, page 64
-    # 1.037 -> 0.937, sequence-major V page 64 0.984 -> 0.863, page 128 1.074 -> 0.896; FP8 Q over FA3's
-    # layout, 2000 queries over 8k: page 64 678 -> 589 us, page 16 700 -> 676). The (128, 128)
-    # sequence-major tile keeps 8 warps (4: 0.880 -> 1.912 ms).
+    # of 32 query rows beat 8 of 16 on the H200, in every page size and V layout measured. The (128, 128)
+    # sequence-major tile keeps 8 warps (with 4 it ran at half the speed).
     if not decode and fp8_cache and not (mma_fp8 and v_seq_major) and not token_scales and (bm, bn) == (128, 64):
         nw = 4
     one_page_tiles = page_size is not None and page_size >= 64 and page_size % 64 == 0
     # Decode over an FP8 cache is bandwidth bound: four resident blocks per SM (128 registers per thread,
-    # 3-stage rings of 64-key one-page tiles, <= 57 KB) stream faster than three. H200, B64/L4096 unsplit:
-    # sequence-major V 0.139 ms vs 0.178 (136 registers) and 0.195 (4 stages); FA3's layout 0.172 vs
-    # 0.189 (168 registers). A sequence-major V page is contiguous only inside the page, so it is read in
-    # one-page tiles anyway (a row-gathered 128-key tile spilled). Per-token-head scales spill under the
-    # cap (23-28 spilled loads in the sm90 compile) and keep the uncapped tiles (not timed capped).
+    # 3-stage rings of 64-key one-page tiles, <= 57 KB) stream faster than three on the H200 (more registers
+    # or a 4-stage ring cost the fourth block), in both V layouts. A sequence-major V page is contiguous only
+    # inside the page, so it is read in one-page tiles anyway (a row-gathered 128-key tile spilled).
+    # Per-token-head scales spill under the cap (in the sm90 compile) and keep the uncapped tiles.
     if (decode and fp8_cache and not token_scales and one_page_tiles and headdim <= 128
             and (v_seq_major or not mma_fp8)):
         bn, ns, maxnreg = 64, 3, 128
