@@ -1,11 +1,11 @@
 """The warp-specialized ping-pong kernels (FA3's schedule) and their producers.
 
 ``_dense_fwd_tma_ws_kernel``: a 1-warp TMA producer (``_ws_loader``) fills a double-buffered Q and a K/V
-ring guarded by ready/empty mbarriers for two consumers (``tma_ws_consumer``), persistent over the query
-blocks (``tma_parts``' schedule). ``_bounded_fwd_tma_ws_kernel``: the same partitions with per-sequence
+ring guarded by ready/empty mbarriers for two consumers (``consumer``), persistent over the query
+blocks (``scheduler``). ``_bounded_fwd_tma_ws_kernel``: the same partitions with per-sequence
 bounds (``MODE``: a paged cache, varlen queries and keys, varlen queries over a paged cache), and with V
-read in K's layout and transposed in shared memory by a 4-warp producer (``V_ROWS``). ``dense_tma`` and
-``paged_tma`` launch them.
+read in K's layout and transposed in shared memory by a 4-warp producer (``V_ROWS``). ``dense_launch`` and
+``paged_launch`` launch them.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 
     First, once, where the consumers take their row sums from the tensor core (``_rowsum_mma``): their
     tile of e4m3 ones (``ones_desc``) into ``ones`` (written by TMA: a tile stored from registers did not
-    read back correctly in the wgmma, see docs/perf-notes.md, dense round 15). The consumers wait for it
+    read back correctly in the wgmma, see docs/perf-notes.md). The consumers wait for it
     before their first block, so it has landed before the CTA exits.
 
     HEAD_DIM_V: V's and O's head dim where it differs from Q's and K's ``HEAD_DIM`` (0: the same; the
@@ -162,8 +162,8 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 def _transpose_layout(D, num_warps):
     """``_ws_transpose_v``'s register layout of a (keys, D) chunk: 4 keys x 8 head-dim bytes per thread
     (8-byte loads, byte permutes, 4-byte stores), 8 x 4 threads per warp, warps along the head dim
-    first. H200, 2k chunk over 8k, page 128: 15% over sequence-major V with it, 20-23% with 4 x 4
-    bytes per thread (ldmatrix loads) or 8 x 4 (8-byte stores) (docs/perf-notes.md)."""
+    first: the transpose's cost over sequence-major V measured lowest on the H200 with this layout, against
+    4 x 4 bytes per thread (ldmatrix loads) or 8 x 4 (8-byte stores) (docs/perf-notes.md)."""
     wd = min(num_warps, D // 32)
     return gl.BlockedLayout([4, 8], [8, 4], [num_warps // wd, wd], [1, 0])
 
@@ -342,7 +342,7 @@ def _bounded_fwd_tma_ws_kernel(
     LOADER_WARPS: gl.constexpr = 4 if V_ROWS else 1
     # A 12-warp CTA's register pool is 168 x 384 = 64512: a 24-register producer leaves both consumers
     # their 240. Boxes under 64 keys (pages of 16, 32) keep 32: their producer holds more page-table
-    # rows and spilled 49-114 times at 24 (H200: 5-6% slower there; pages of 64+ 1-5% faster).
+    # rows and spilled at 24 (slower on the H200 there; pages of 64+ ran faster at 24).
     LOADER_REGS: gl.constexpr = _v_rows_loader_regs(k_desc.block_type.shape[0]) if V_ROWS else _WS_LOADER_REGS
 
     gl.warp_specialize([
