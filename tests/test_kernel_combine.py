@@ -84,3 +84,21 @@ def test_combine_zero_splits_row_count():
     lse = torch.empty(2, 3, device=DEV)
     launch_combine(op, lp, out, lse)
     assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("num_splits", [3, 70])
+def test_combine_bf16_partials(num_splits):
+    """bf16 partials (as the Hopper kernel writes them) merge exactly as their float32 upcast does:
+    the kernel and the reference both accumulate in float32."""
+    rows, d = (2, 3, 4), 64
+    op, lp = _partials(rows, num_splits, d)
+    op16 = op.to(torch.bfloat16)
+    out = torch.empty((*rows, d), device=DEV, dtype=torch.bfloat16)
+    lse = torch.empty(rows, device=DEV)
+    launch_combine(op16, lp, out, lse)
+    ro, rl = combine_ref(op16.float(), lp, out_dtype=torch.float32)
+    assert torch.allclose(out.float(), ro, atol=2 ** -7 * ro.abs().max().item() + 1e-6, rtol=0)
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], rl[fin], atol=1e-5, rtol=1e-6)
+    o2, _ = combine_ref(op16, lp)
+    assert o2.dtype == torch.bfloat16 and torch.allclose(o2.float(), ro, atol=2 ** -7 * ro.abs().max().item(), rtol=0)

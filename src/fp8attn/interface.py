@@ -1062,9 +1062,11 @@ def _validate_combine(out_partial, lse_partial, out, out_dtype, out_scale, valid
     if tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
         raise ValueError(f"lse_partial: expected shape {tuple(out_partial.shape[:-1])} (out_partial without headdim), "
                          f"got {tuple(lse_partial.shape)}. Pass the LSE of each split in (num_splits, batch, seqlen, nheads).")
-    for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name}: expected float32, got {t.dtype}. Keep split partials in float32.")
+    if out_partial.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out_partial: expected float32 or bfloat16, got {out_partial.dtype}. Keep split partials "
+                        "in float32 (or bfloat16, as the Hopper kernel writes them).")
+    if lse_partial.dtype != torch.float32:
+        raise TypeError(f"lse_partial: expected float32, got {lse_partial.dtype}. Keep split LSEs in float32.")
     if out_partial.shape[0] == 0:
         raise ValueError(f"out_partial: expected at least one split (num_splits >= 1 on dim 0), got shape "
                          f"{tuple(out_partial.shape)}. Pass the partials of a split-KV call.")
@@ -1085,8 +1087,8 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, *, ou
 
     Parameters
     ----------
-    out_partial : (num_splits, batch, seqlen, nheads, headdim) or (num_splits, total, nheads, headdim), float32;
-        num_splits >= 1.
+    out_partial : (num_splits, batch, seqlen, nheads, headdim) or (num_splits, total, nheads, headdim), float32
+        or bfloat16; num_splits >= 1.
     lse_partial : (num_splits, batch, seqlen, nheads) or (num_splits, total, nheads), float32 natural-log.
         An empty split has lse = -inf (its out_partial is ignored, even if NaN); NaN or +inf are refused where
         values are checked.

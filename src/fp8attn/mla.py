@@ -375,27 +375,34 @@ def _plan(mode, device_type, kernel_ok, act_dtype, cache_dtype, dims) -> _Plan:
 # the pipeline
 # ----------------------------------------------------------------------------------------------------------
 def _gather(latent_cache, latent_descale, page_table, context_lens, start, chunk, dtype):
-    """The latent rows of cached positions [start, start + chunk) of every sequence.
+    """The latent rows of cached positions [start, start + chunk) of every sequence, packed.
 
-    Returns ``(rows, lens)``: rows (batch * chunk, kv_lora_rank + qk_rope) in ``dtype`` (FP8 caches
-    dequantized with ``latent_descale``), zero past a sequence's context (unused page-table entries and
-    NaN-poisoned slots are never read into a valid row); lens int32 (batch,) valid rows per sequence."""
+    Returns ``(rows, cu_k)``: rows (batch * chunk, kv_lora_rank + qk_rope) in ``dtype`` (FP8 caches
+    dequantized with ``latent_descale``), sequence b's valid rows at ``cu_k[b]:cu_k[b + 1]`` and zeros
+    after ``cu_k[-1]`` (unused page-table entries and NaN-poisoned slots are never read into a valid row);
+    cu_k int32 (batch + 1,). Packing the rows (instead of padding each sequence to ``chunk`` and passing
+    ``seqused_k``) keeps the chunk calls on the Hopper kernel, which takes no ``seqused_k``."""
     B, npages = page_table.shape
     ps, width = latent_cache.shape[1], latent_cache.shape[2]
-    pos = torch.arange(start, start + chunk, device=page_table.device)
-    valid = pos[None, :] < context_lens[:, None].long()  # (B, chunk)
-    pidx = (pos // ps).clamp(max=npages - 1)
-    pages = torch.where(valid, page_table[:, pidx].long(), 0).clamp_min(0)
-    slots = (pages * ps + pos % ps).reshape(-1)
+    dev = page_table.device
+    lens = (context_lens.long() - start).clamp(0, chunk)
+    cu = torch.zeros(B + 1, dtype=torch.long, device=dev)
+    cu[1:] = lens.cumsum(0)
+    r = torch.arange(B * chunk, device=dev)
+    seq = torch.searchsorted(cu[1:], r, right=True).clamp(max=B - 1)
+    valid = r < cu[B]
+    pos = start + r - cu[seq]
+    pidx = (pos // ps).clamp(0, npages - 1)
+    pages = torch.where(valid, page_table[seq, pidx].long(), 0).clamp_min(0)
+    slots = pages * ps + torch.where(valid, pos % ps, 0)
     flat = latent_cache.view(-1, width)
     if latent_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raw = flat.view(torch.uint8)[slots].view(latent_cache.dtype)
         rows = raw.float() * latent_descale.reshape(())
     else:
         rows = flat[slots]
-    rows = torch.where(valid.reshape(-1, 1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device)).to(dtype)
-    lens = (context_lens.long() - start).clamp(0, chunk).to(torch.int32)
-    return rows, lens
+    rows = torch.where(valid[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device)).to(dtype)
+    return rows, cu.to(torch.int32)
 
 
 def _up_project(kv_c, w_uk, w_uv):
@@ -428,10 +435,12 @@ def _run(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, cu_q, max_q, latent_cache, page_t
     n_chunks = -(-max_context_len // chunk)
     B = cu_q.numel() - 1
     out = out if out is not None else torch.empty(T, H, dv, dtype=dt, device=q_nope.device)
+    # FP8 partial outputs in bf16, as the Hopper kernel writes them (its rounding is far below FP8's error);
+    # the 16-bit path keeps float32 partials.
+    part_dt = torch.bfloat16 if plan.fp8 and dt == torch.bfloat16 else torch.float32
     if n_chunks:
-        o_part = torch.empty(n_chunks + 1, T, H, dv, dtype=torch.float32, device=q_nope.device)
+        o_part = torch.empty(n_chunks + 1, T, H, dv, dtype=part_dt, device=q_nope.device)
         lse_part = torch.empty(n_chunks + 1, T, H, dtype=torch.float32, device=q_nope.device)
-        cu_k = torch.arange(0, (B + 1) * chunk, chunk, dtype=torch.int32, device=q_nope.device)
     kn, v = _up_project(kv_c, w_uk, w_uv)
     if plan.fp8:  # Q once, for every chunk
         q, k, vv, ds, _ = _quant(q_nope, q_pe, kn, k_pe, v, use_triton=use_triton)
@@ -443,7 +452,7 @@ def _run(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, cu_q, max_q, latent_cache, page_t
         q, k, vv, new_desc = _concat16(q_nope, q_pe), _concat16(kn, k_pe[:, None]), v, None
     attend = _attend if plan.fp8 or attend16 is None else attend16
     for c in range(n_chunks):
-        rows, lens = _gather(latent_cache, latent_descale, page_table, context_lens, c * chunk, chunk, dt)
+        rows, cu_k = _gather(latent_cache, latent_descale, page_table, context_lens, c * chunk, chunk, dt)
         ckn, cv = _up_project(rows[:, :kv_c.shape[-1]], w_uk, w_uv)
         cpe = rows[:, kv_c.shape[-1]:]
         if plan.fp8:
@@ -452,16 +461,16 @@ def _run(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, cu_q, max_q, latent_cache, page_t
                                           use_triton=use_triton)
             if count:
                 stats.counts[0].add_(sat.to(torch.int64))
-                stats.counts[1].add_(lens.sum(dtype=torch.int64) * (H * (dn + cpe.shape[-1] + dv)))
+                stats.counts[1].add_(cu_k[-1].to(torch.int64) * (H * (dn + cpe.shape[-1] + dv)))
             desc = (qd, cds[1:2].view(1, 1), cds[2:3].view(1, 1))
         else:
             ck, cvv, desc = _concat16(ckn, cpe[:, None]), cv, None
-        _, lse = attend(q, ck, cvv, cu_q, cu_k, max_q, chunk, scale, False, lens, desc, o_part[c], torch.float32)
+        _, lse = attend(q, ck, cvv, cu_q, cu_k, max_q, chunk, scale, False, None, desc, o_part[c], part_dt)
         lse_part[c].copy_(lse.t())
     if not n_chunks:
         attend(q, k, vv, cu_q, cu_q, max_q, max_q, scale, True, None, new_desc, out, dt)
         return out
-    _, lse = attend(q, k, vv, cu_q, cu_q, max_q, max_q, scale, True, None, new_desc, o_part[n_chunks], torch.float32)
+    _, lse = attend(q, k, vv, cu_q, cu_q, max_q, max_q, scale, True, None, new_desc, o_part[n_chunks], part_dt)
     lse_part[n_chunks].copy_(lse.t())
     flash_attn_combine(o_part, lse_part, out=out, out_dtype=dt)
     return out

@@ -292,7 +292,7 @@ def paged_attention_ref(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_se
 def combine_ref(out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype=None, out_scale=None):
     """Merge split-KV partial results (FA3 flash_attn_combine semantics).
 
-    out_partial : (num_splits, ..., headdim) float32; lse_partial : (num_splits, ...) float32, where
+    out_partial : (num_splits, ..., headdim) float32 or bfloat16; lse_partial : (num_splits, ...) float32, where
     ``...`` is (batch, seqlen, nheads) or (total, nheads). An empty split is (anything finite, -inf).
     Returns (out, lse) with out (..., headdim) and lse (...); all-empty rows give 0 and -inf.
     """

@@ -160,6 +160,9 @@ def run(out_dir=None, quick=False):
                     ours_b["tflops_op"] = flops["bwd"] / ours_b["ms_op"] / 1e9
                     del o
                     doc["cases"].append(_case(d, s, causal, "bwd", mode, b, nheads, ours_b, peers["bwd"], errors))
+                    print(f"  d{d} S{s} causal={int(causal)} {mode}: fwd_bwd {doc['cases'][-2]['ours']['tflops']:.0f} "
+                          f"TF/s", flush=True)
+                write_results(doc, out_dir)  # after every case, so a cut-short sweep keeps what it measured
                 del leaves, do, bl, dot
                 torch.cuda.empty_cache()
     path = write_results(doc, out_dir)

@@ -54,7 +54,7 @@ class TrainConfig:
     kv_heads: int = 8
     seqlen: int = 1024
     batch: int = 8
-    steps: int = 1000
+    steps: int = 2000
     lr: float = 1e-3
     warmup: int = 100
     weight_decay: float = 0.1
@@ -172,7 +172,7 @@ def train(cfg: TrainConfig, tokens: torch.Tensor, attn_opts, seed: int, device="
         sched.step()
         losses.append(loss.detach())
         if log_every and (step + 1) % log_every == 0:
-            print(f"  step {step + 1}: loss {float(loss):.4f}", flush=True)
+            print(f"  step {step + 1}: loss {float(loss.detach()):.4f}", flush=True)
     return [float(x) for x in torch.stack(losses).cpu()]
 
 

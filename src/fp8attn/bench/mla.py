@@ -88,30 +88,31 @@ def _attention_only(args, kw, chunk, fp8):
     n = kw["max_context_len"] // chunk
     kn, v = mla._up_project(kv_c, w_uk, w_uv)
     cu = kw["cu_seqlens_q"]
-    cu_k = torch.tensor([0, chunk], dtype=torch.int32, device=cu.device)
     chunks = []
     for c in range(n):
-        rows, lens = mla._gather(kw["latent_cache"], None, kw["page_table"], kw["context_lens"], c * chunk, chunk,
+        rows, cu_k = mla._gather(kw["latent_cache"], None, kw["page_table"], kw["context_lens"], c * chunk, chunk,
                                  torch.bfloat16)
-        chunks.append((*mla._up_project(rows[:, :RANK], w_uk, w_uv), rows[:, RANK:], lens))
-    o = torch.empty(n + 1, T, H, DV, device=cu.device, dtype=torch.float32)
+        chunks.append((*mla._up_project(rows[:, :RANK], w_uk, w_uv), rows[:, RANK:], cu_k))
+    # the partial-output dtypes of mla._run: bf16 for FP8 attention, float32 for the 16-bit pipeline
+    o = torch.empty(n + 1, T, H, DV, device=cu.device, dtype=torch.bfloat16 if fp8 else torch.float32)
     if fp8:
         q, k, vv, ds, _ = mla._quant(q_nope, q_pe, kn, k_pe, v, use_triton=True)
         d = [x.view(1, 1) for x in ds]
-        built = [(*mla._quant(None, None, a, p, b, use_triton=True)[1:4], lens) for a, b, p, lens in chunks]
+        built = [(*mla._quant(None, None, a, p, b, use_triton=True)[1:4], cu_k) for a, b, p, cu_k in chunks]
         attend = mla._attend
-        calls = [(q, ck, cv, cu, cu_k, T, chunk, False, lens, (d[0], cds[1:2].view(1, 1), cds[2:3].view(1, 1)))
-                 for ck, cv, cds, lens in built]
+        calls = [(q, ck, cv, cu, cu_k, T, chunk, False, None, (d[0], cds[1:2].view(1, 1), cds[2:3].view(1, 1)))
+                 for ck, cv, cds, cu_k in built]
         calls.append((q, k, vv, cu, cu, T, T, True, None, tuple(d)))
     else:
         q, k = mla._concat16(q_nope, q_pe), mla._concat16(kn, k_pe[:, None])
         attend = _sdpa_attend
-        calls = [(q, mla._concat16(a, p[:, None]), b, cu, cu_k, T, chunk, False, lens, None) for a, b, p, lens in chunks]
+        calls = [(q, mla._concat16(a, p[:, None]), b, cu, cu_k, T, chunk, False, None, None)
+                 for a, b, p, cu_k in chunks]
         calls.append((q, k, v, cu, cu, T, T, True, None, None))
 
     def run():
         for i, (qq, kk, vv_, cq, ck_, mq, mk, causal, used, desc) in enumerate(calls):
-            attend(qq, kk, vv_, cq, ck_, mq, mk, kw["softmax_scale"], causal, used, desc, o[i], torch.float32)
+            attend(qq, kk, vv_, cq, ck_, mq, mk, kw["softmax_scale"], causal, used, desc, o[i], o.dtype)
     return run
 
 

@@ -129,8 +129,8 @@ def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: to
 
     Parameters
     ----------
-    out_partial : (num_splits, batch, seqlen, nheads, headdim) float32, or varlen
-        (num_splits, total, nheads, headdim) float32. Any strides; the last dim contiguous.
+    out_partial : (num_splits, batch, seqlen, nheads, headdim), or varlen (num_splits, total, nheads, headdim);
+        float32 or bfloat16. Any strides; the last dim contiguous.
     lse_partial : (num_splits, batch, seqlen, nheads) float32, or varlen (num_splits, total, nheads);
         natural-log LSE per split, ``-inf`` for an empty split. Any strides.
     out : (batch, seqlen, nheads, headdim) (varlen: (total, nheads, headdim)), any 16/32-bit dtype,
