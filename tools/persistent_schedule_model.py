@@ -4,7 +4,7 @@ Each 128-row causal query block costs its visible KV tiles plus a fixed per-bloc
 schedule's makespan over the ideal (total work / CTAs) for the bench's causal shapes (16 heads,
 batch * seqlen = 16k, 132 CTAs):
 
-* alternating round robin (``tma_parts._ws_round_robin``) over the longest-blocks-of-all-heads-first
+* alternating round robin (``scheduler._ws_round_robin``) over the longest-blocks-of-all-heads-first
   order (``_ws_block_of``), over a head-major order, and over orders that group 2, 4 or 8 heads;
 * one block per CTA, dispatched greedily in head-major order (what the hardware does with a full grid).
 """

@@ -27,7 +27,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import aot_paged_sm90 as aot  # noqa: E402
-from fp8attn.kernels import dense, dense_tma, paged  # noqa: E402
+from fp8attn.kernels import dense, paged  # noqa: E402
+from fp8attn.kernels.hopper import dense_launch  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -103,7 +104,7 @@ def main():
                              paged_case(causal, window, q_dtype, qlen)))
     rows.append(("paged varlen mixed", paged_case(True, (-1, 0), E4M3, 300, 64, True)))
     rows.append(("paged varlen mixed window bf16 page16", paged_case(True, (50, 0), torch.bfloat16, 300, 16, True)))
-    if dense_tma.HAS_GLUON:
+    if dense_launch.HAS_GLUON:
         tma = [dict(causal=c, write_lse=w, head_dim=d) for c in (False, True) for w in (False, True)
                for d in (64, 128, 256)]
         tma += [dict(causal=False, write_lse=w, head_dim=128, mode=m) for w in (False, True) for m in (1, 2, 3)]
@@ -118,7 +119,7 @@ def main():
         tma += [dict(causal=c, write_lse=w, head_dim=192, head_dim_v=128) for c in (False, True) for w in (False, True)]
         tma += [dict(causal=c, write_lse=c, head_dim=192, head_dim_v=128, mode=2) for c in (False, True)]
         for cfg in tma:
-            rows.append((f"tma {cfg}", fingerprint(dense_tma._aot_compile(**cfg).asm["ptx"])))
+            rows.append((f"tma {cfg}", fingerprint(dense_launch._aot_compile(**cfg).asm["ptx"])))
     for name, h in rows:
         print(h, name, flush=True)
 

@@ -10,8 +10,8 @@ import math
 
 import torch
 
+from .kernels.planning import is_v_seq_major
 from .quant import FP8_FORMATS, SCALE_STORAGE_DTYPES, is_fp8
-from .paged_cache import is_v_seq_major
 
 __all__ = ["SUPPORTED_OUT_DTYPES", "MAX_HEADDIM", "UnsupportedOutputQuant", "want_value_checks", "check_tensor",
            "check_qkv_dtypes", "check_heads", "check_same_device", "check_descale", "check_descale_values",

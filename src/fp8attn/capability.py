@@ -383,10 +383,10 @@ def _support(entry, dev, kw, has_call):
     cc = _facts(dev)[1]
     if entry not in _HOPPER_ENTRIES:
         return Support("triton", f"{entry} has one kernel, the Triton kernel; {decision.message}")
-    from .kernels import dense_tma
+    from .kernels.hopper import dense_launch
 
-    why = dense_tma.capability_reason(cc) or (None if dense_tma.HAS_GLUON else
-                                              "triton.experimental.gluon is not available")
+    why = dense_launch.capability_reason(cc) or (None if dense_launch.HAS_GLUON else
+                                                 "triton.experimental.gluon is not available")
     if why:
         return Support("triton", f"the Triton kernel: the Hopper kernel {why} (this GPU is sm{cc[0]}{cc[1]})")
     if not has_call:
@@ -420,7 +420,7 @@ def _dense_reason(entry, kw, cc):
     """``kernels.dense.tma_reason`` for the call ``flash_attn_func`` / ``_varlen_func`` / ``_qkvpacked_func``
     passes down (interface -> ops -> launcher), on shapes (meta tensors) where it allocates."""
     from .kernels import dense as kd
-    from .launch_rules import attention_out_dtype
+    from .kernels.planning import attention_out_dtype
 
     if entry == "flash_attn_qkvpacked_func":
         qkv, hq = kw["qkv"], kw.get("num_heads_q")
@@ -481,8 +481,8 @@ def _paged_reason(kw, dev, cc):
     """``kernels.paged.tma_reason`` (and, varlen, the launch's split count) for the call
     ``flash_attn_with_kvcache`` passes down, on shapes (meta tensors) where it allocates."""
     from .kernels import paged as kp
-    from .launch_rules import attention_out_dtype
-    from .paged_plan import CPU_NUM_SMS
+    from .kernels.planning import attention_out_dtype
+    from .kernels.planning import CPU_NUM_SMS
 
     q, k_cache, v_cache = kw["q"], kw["k_cache"], kw["v_cache"]
     cu_q = kw.get("cu_seqlens_q")

@@ -50,7 +50,8 @@ import torch.distributed as dist
 
 from . import _checks as C
 from .interface import flash_attn_combine, flash_attn_with_kvcache, write_kv_cache
-from .paged_cache import empty_paged, is_v_seq_major, packed_token_seqs
+from .kernels.planning import is_v_seq_major
+from .paged_cache import empty_paged, packed_token_seqs
 from .quant import is_fp8
 
 __all__ = ["cp_decode", "simulate_cp_decode", "CPWorkspace", "CPShardPlan", "CPShard", "shard_paged_cache",

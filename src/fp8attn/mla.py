@@ -28,7 +28,8 @@ import torch
 from . import capability
 from ._checks import _fail
 from .interface import flash_attn_combine, flash_attn_varlen_func
-from .quant import DESCALE_FLOOR, empty_seq_major
+from .kernels.planning import DESCALE_FLOOR
+from .quant import empty_seq_major
 
 __all__ = ["prefill", "prefill_ref", "quantize_mla", "resolve_mode", "SaturationStats", "Support", "MODES",
            "DEFAULT_MODE", "ENV_MODE", "GATHER_DESCALE_MIN", "GATHER_DESCALE_MARGIN"]

@@ -60,9 +60,9 @@ import torch
 from . import reference as ref
 from ._checks import check_same_device
 from .capability import kernel_for, launch_device, report_fallback
-from .launch_rules import TMA_QUERY_BLOCK, attention_out_dtype, paged_tma_call_reason
-from .paged_cache import is_v_seq_major, packed_token_seqs, paged_precisions, slot_mapping_for, token_rows
-from .paged_plan import CPU_NUM_SMS, paged_grid
+from .kernels.planning import (CPU_NUM_SMS, TMA_QUERY_BLOCK, attention_out_dtype, is_v_seq_major, paged_grid,
+                               paged_precisions, paged_tma_call_reason)
+from .paged_cache import packed_token_seqs, slot_mapping_for, token_rows
 from .quant import (descale_for_tokens, descale_from_amax, descale_shape, empty_seq_major, fp8_max,
                     launch_quant_fp8_static, quant_fp8_static_torch, quantize_one, round_descale_for_storage,
                     saturating_cast)
@@ -277,10 +277,10 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
 def _paged_tma_tokens(q, k_cache, v_cache, page_table, cu_seqlens_q, max_seqlen_q, out_dtype, window, softcap,
                       out_scale, token_scales, num_splits, v_seq_major, precisions):
     """The query tokens of a paged call that the paged TMA kernel multiplies on the GPU, by the call's
-    semantics (``launch_rules.paged_tma_call_reason``): None (none), True (all: a fixed-length call), or a
+    semantics (``kernels.planning.paged_tma_call_reason``): None (none), True (all: a fixed-length call), or a
     (total_q,) bool mask (varlen: the sequences of ``TMA_QUERY_BLOCK`` queries or more, unless the launch
     plan splits the keys, which keeps the whole batch on the Triton kernel; the plan of a GPU with
-    ``paged_plan.CPU_NUM_SMS`` SMs)."""
+    ``kernels.planning.CPU_NUM_SMS`` SMs)."""
     varlen = cu_seqlens_q is not None
     if (max_seqlen_q if varlen else q.shape[1]) < TMA_QUERY_BLOCK:
         return None

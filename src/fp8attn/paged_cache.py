@@ -2,83 +2,14 @@
 V layout predicates and the precision rule the paged kernels and the CPU path share."""
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .kernels.planning import (decode_row_queries, decode_shaped, is_v_seq_major, paged_precision, paged_precisions,
+                               small_shaped, split_partials)
 
 __all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "empty_paged", "to_v_seq_major",
            "is_v_seq_major", "paged_precision", "paged_precisions", "decode_shaped", "small_shaped",
            "decode_row_queries", "packed_token_seqs", "token_rows", "split_workspace"]
-
-_E4M3 = torch.float8_e4m3fn
-
-
-_DECODE_ROWS, _SMALL_ROWS = 16, 64  # query rows per kv head of the paged kernel's decode and small tiles
-
-
-def decode_shaped(max_seqlen_q: int, qg: int) -> bool:
-    """At most 16 query rows per kv head (``max(1, max_seqlen_q) * qg <= 16``, ``qg`` query heads per kv
-    head): the paged kernel's decode tiles."""
-    return max(1, int(max_seqlen_q)) * qg <= _DECODE_ROWS and qg <= _DECODE_ROWS
-
-
-def small_shaped(max_seqlen_q: int, qg: int) -> bool:
-    """At most 64 query rows per kv head: the paged kernel's decode or small tiles (decode, speculative
-    decoding), not its prefill tiles."""
-    return max(1, int(max_seqlen_q)) * qg <= _SMALL_ROWS and qg <= _SMALL_ROWS
-
-
-def decode_row_queries(qg: int) -> int:
-    """Queries of the longest sequence that is a decode row of a varlen call (its rows fill at most one
-    decode tile): the sequences the paged kernel serves in its small tile class."""
-    return _DECODE_ROWS // qg
-
-
-@functools.lru_cache(maxsize=1024)
-def paged_precisions(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_scales: bool, max_seqlen_q: int,
-                     qg: int, v_seq_major: bool):
-    """``paged_precision`` of a call, and of a varlen call's decode rows (the sequences of at most
-    ``decode_row_queries(qg)`` queries, the paged kernel's small tile class, which multiply as a decode call
-    of their own would): ``((fp8_qk, fp8_pv, compute_dtype), (fp8_qk, fp8_pv, compute_dtype))``, for the
-    kernel's launcher and the CPU path (cached per shape class: host time)."""
-    args = (q_dtype, k_dtype, v_dtype, k_token_scales, v_token_scales, v_seq_major)
-    return (paged_precision(*args, small_shaped(max_seqlen_q, qg)),
-            paged_precision(*args, decode_shaped(1, qg) or small_shaped(max_seqlen_q, qg)))
-
-
-def paged_precision(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_scales: bool, v_seq_major: bool,
-                    small: bool):
-    """How the paged Triton kernel multiplies: ``(fp8_qk, fp8_pv, compute_dtype)``; one rule for the kernel's
-    launcher and the CPU path.
-
-    Q, K and V all e4m3 without per-token-head scales: QK^T in FP8 (``fp8_qk``), and P@V in FP8 with P scaled
-    into e4m3's range (``fp8_pv``) where V is sequence-major inside its pages, i.e. K-major as FP8 wgmma
-    wants it. Over V in FA3's layout P@V runs in fp16 instead (V upcast in registers, exact for e4m3, P
-    rounded to fp16): an FP8 P@V would transpose V byte by byte in registers, and the fp16 one was
-    1.5-1.9x faster on the H200 with a 6x smaller error (docs/perf-notes.md, paged round 19). ``small``
-    (decode or small tiles, ``small_shaped``) over FA3's layout also runs QK^T in fp16: the whole 16-bit
-    path below, faster in those tiles (paged round 18). The paged TMA kernel, which takes FP8 prefill
-    chunks, multiplies P@V in FP8 in both layouts (``launch_rules.paged_tma_call_reason``).
-
-    Otherwise (16-bit Q over an FP8 cache, e5m2 caches, per-token-head scales, 16-bit caches) K/V are
-    upcast in registers to ``compute_dtype`` and both dots run in it (P rounded to it): a 16-bit cache's
-    own dtype; bf16 for bf16 Q with per-token-head V scales (the scaled rows may leave fp16's range); fp16
-    otherwise (e4m3/e5m2 -> fp16 is exact and one convert per pair, where bf16 needs a detour that made
-    decode ALU-bound; Q is cast to fp16, clamped to +-65504; an e4m3 Q is exact in fp16). ``compute_dtype``
-    is also the dtype of a 16-bit P@V after FP8 QK^T (fp16 then).
-    """
-    fp8 = (q_dtype == _E4M3 and k_dtype == _E4M3 and v_dtype == _E4M3
-           and not k_token_scales and not v_token_scales)
-    fp8_qk = fp8 and (v_seq_major or not small)
-    fp8_pv = fp8 and v_seq_major
-    if k_dtype in (torch.bfloat16, torch.float16):
-        cdt = k_dtype
-    elif q_dtype == torch.bfloat16 and v_token_scales:
-        cdt = torch.bfloat16
-    else:
-        cdt = torch.float16
-    return fp8_qk, fp8_pv, cdt
-
 
 _CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.bfloat16, torch.float16,
                  torch.float32)
@@ -140,17 +71,6 @@ def to_v_seq_major(v_cache: torch.Tensor) -> torch.Tensor:
     return out.copy_(v_cache)
 
 
-def is_v_seq_major(v_cache: torch.Tensor) -> bool:
-    """True for a sequence-major V cache: shape (num_blocks, page_size, nheads_k, headdim) whose memory
-    order is (num_blocks, nheads_k, headdim, page_size) (``alloc_paged_cache(..., v_seq_major=True)``):
-    the slots of one page are contiguous, so a V tile is K-major for the FP8 P@V without a transpose."""
-    if v_cache.dim() != 4:
-        return False
-    nb, ps, hk, d = v_cache.shape
-    return (ps > 1 and d > 1 and v_cache.stride(1) == 1 and v_cache.stride(3) == ps
-            and v_cache.stride(2) == d * ps and (nb == 1 or v_cache.stride(0) == hk * d * ps))
-
-
 def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: int | None = None):
     """Preallocate the split-KV partials of calls shaped like ``q`` (allocate once, outside CUDA-graph capture;
     pass as ``flash_attn_with_kvcache(..., num_splits=n, split_workspace=...)``, n <= ``num_splits``).
@@ -175,11 +95,7 @@ def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: 
             f"{got}. Pass the q of the calls the workspace serves.")
     _check_cache_shape(num_splits=(num_splits, 1), headdim_v=(headdim_v, 1),
                        **({} if nheads_q is None else {"nheads_q": (nheads_q, 1)}))
-    lead = tuple(q.shape[:-2])
-    h = q.shape[-2] if nheads_q is None else nheads_q
-    op = torch.empty((num_splits, *lead, h, headdim_v), dtype=torch.float32, device=q.device)
-    lp = torch.empty((num_splits, *lead, h), dtype=torch.float32, device=q.device)
-    return op, lp
+    return split_partials(q, num_splits, headdim_v, q.shape[-2] if nheads_q is None else nheads_q)
 
 
 def make_page_table(seqlens, page_size, num_blocks, generator=None, device="cpu", fill=-1):

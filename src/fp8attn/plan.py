@@ -132,13 +132,13 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
     if not q.is_cuda or q.dtype != torch.float8_e4m3fn:
         return None
     from .capability import kernel_for
-    from .launch_rules import attention_out_dtype
+    from .kernels.planning import attention_out_dtype
 
     if kernel_for(q, "dense") is None:
         return None
     from .kernels import dense as kd_
-    from .kernels import dense_tma
-    from .launch_rules import window_flags
+    from .kernels.hopper import dense_launch
+    from .kernels.planning import window_flags
 
     backend = kd_.dense_backend()
     if backend == "triton" or kd_.wants_kmajor_copy(v, True, None, True):
@@ -159,7 +159,7 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
 
     hk = k.shape[2]
     kernel_causal = window_flags(causal, window_size)[0]
-    launch = dense_tma.launch_dense_fwd_tma
+    launch = dense_launch.launch_dense_fwd_tma
     dev = q.device
 
     def run(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
@@ -181,7 +181,7 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
     if not q.is_cuda:
         return None
     from .capability import kernel_for, launch_device
-    from .launch_rules import attention_out_dtype
+    from .kernels.planning import attention_out_dtype
     from .quant import expand_descale
 
     launch = kernel_for(q, "paged")
@@ -218,7 +218,7 @@ def dense_plan(q, k, v, *, batch, attn, varlen, max_seqlen_q=None, max_seqlen_k=
     if not q.is_cuda:
         return None
     from .capability import kernel_for, launch_device
-    from .launch_rules import attention_out_dtype
+    from .kernels.planning import attention_out_dtype
     from .quant import expand_descale
 
     launch = kernel_for(q, "dense")

@@ -30,6 +30,7 @@ import math
 import torch
 
 from . import hadamard as _had
+from .kernels.planning import DESCALE_FLOOR, scale_storage_pad
 
 __all__ = [
     "FP8_FORMATS", "GRANULARITIES", "DESCALE_FLOOR", "fp8_max", "is_fp8", "saturating_cast",
@@ -46,10 +47,6 @@ FP8_FORMATS = {
 _ALIASES = {"e4m3": torch.float8_e4m3fn, "e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
             "e4m3fnuz": torch.float8_e4m3fnuz}
 GRANULARITIES = ("per_tensor", "per_head", "per_sequence", "per_token_head", "per_block")
-# The smallest descale we emit, as a fraction of the format's max: amax below 2**-40 * fp8_max is
-# treated as 2**-40 * fp8_max, so descale >= 2**-40 (finite, non-zero, and tiny enough never to
-# matter for real data).
-DESCALE_FLOOR = 2.0 ** -40
 
 
 def descale_from_amax(amax: torch.Tensor, fp8_max_value: float) -> torch.Tensor:
@@ -63,14 +60,6 @@ def descale_from_amax(amax: torch.Tensor, fp8_max_value: float) -> torch.Tensor:
 # Per-token-head KV-cache scales may be stored in float32 or bfloat16 (half the scale bytes: 4 B per
 # (token, head) for K+V, 1.6% of a d128 FP8 cache, 0.8% of the bf16 cache it replaces).
 SCALE_STORAGE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def scale_storage_pad(dtype: torch.dtype) -> float:
-    """Factor a descale is multiplied by before it is rounded to ``dtype`` for storage, so the stored
-    value is never below the exact one (a smaller descale would push the amax past fp8_max and clip).
-    bf16 keeps 8 significant bits: nearest rounding moves a value by <= 2**-8 relative and truncation
-    (the CPU interpreter's cast) by < 2**-7, so 1 + 2**-7 covers both."""
-    return 1.0 if dtype == torch.float32 else 1.0 + 2.0 ** -7
 
 
 def round_descale_for_storage(d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from fp8attn import cli
-from fp8attn.kernels import dense_tma
+from fp8attn.kernels.hopper import dense_launch as dense_tma
 
 
 def _err(capsys):

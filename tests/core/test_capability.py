@@ -285,10 +285,10 @@ def _shape_call(b=1, sq=256, sk=256, hq=4, hk=2, d=128, dtype=E4M3):
 
 def test_supports_simulated_sm90_and_sm89(machine, monkeypatch):
     pytest.importorskip("triton")
-    from fp8attn.kernels import dense_tma
+    from fp8attn.kernels.hopper import dense_launch
     from fp8attn.kernels import paged as kp
 
-    if not dense_tma.HAS_GLUON:
+    if not dense_launch.HAS_GLUON:
         pytest.skip("triton without Gluon")
     monkeypatch.setattr(kp, "INTERPRET", False)  # (the interpreter keeps paged calls on the Triton kernel)
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND", raising=False)
@@ -316,7 +316,7 @@ def test_supports_simulated_sm90_and_sm89(machine, monkeypatch):
     # qkvpacked: q, k, v are strided views of one tensor (not contiguous) -> Triton
     s = cap.supports("flash_attn_qkvpacked_func", device=dev, qkv=((1, 128, 3, 2, 64), E4M3))
     assert s.kernel == "triton" and "contiguous" in s.reason
-    # varlen: the Hopper kernel from 1024 queries (dense_tma.varlen_preferred)
+    # varlen: the Hopper kernel from 1024 queries (dense_launch.varlen_preferred)
     cu = torch.tensor([0, 1024, 2048], dtype=torch.int32)
     var = dict(q=((2048, 4, 128), E4M3), k=((2048, 2, 128), E4M3), v=((2048, 2, 128), E4M3), cu_seqlens_q=cu,
                cu_seqlens_k=cu, max_seqlen_k=1024)
@@ -389,12 +389,12 @@ def _gpu_calls():
 
 @pytest.mark.gpu
 def test_gpu_supports_matches_the_launcher_that_runs(monkeypatch):
-    from fp8attn.kernels import dense_tma, paged_tma
+    from fp8attn.kernels.hopper import dense_launch, paged_launch
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     ran = []
-    for mod, name in ((dense_tma, "launch_dense_fwd_tma"), (paged_tma, "launch_paged_prefill_tma")):
+    for mod, name in ((dense_launch, "launch_dense_fwd_tma"), (paged_launch, "launch_paged_prefill_tma")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, **k: ran.append("hopper") or _real(*a, **k))
     seen = set()

@@ -1,4 +1,4 @@
-"""TMA/wgmma dense forward (kernels/dense_tma) vs the reference, and its dispatch from launch_dense_fwd.
+"""TMA/wgmma dense forward (kernels/dense_launch) vs the reference, and its dispatch from launch_dense_fwd.
 
 CPU: ``supported`` rejects every case outside the fast path's contract and accepts (up to the device
 check) head dims 64, 128 and 256, qk 192 / v 128 (``FP8ATTN_TMA_QK192``) and the fused FP8 output, and every
@@ -22,9 +22,10 @@ pytest.importorskip("triton")
 
 from helpers import assert_close_fa3, assert_row_scaled, dense_descales, fp8_randn
 
-from fp8attn.kernels import dense_tma
 from fp8attn.kernels import dense as dense_mod
-from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor, varlen_v_kmajor
+from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor
+from fp8attn.kernels.hopper import dense_launch
+from fp8attn.kernels.hopper.dense_launch import varlen_v_kmajor
 from fp8attn.reference import attention_ref
 
 E4M3 = torch.float8_e4m3fn
@@ -78,7 +79,7 @@ def _check_block_list(dev):
         for min_len in (1, 128):
             for keys_cumulative in (True, False):
                 keys = cu_k if keys_cumulative else torch.tensor(klens, dtype=torch.int32, device=dev)
-                got = dense_tma.varlen_block_list(cu, keys, keys_cumulative, sum(qlens), min_len).cpu()
+                got = dense_launch.varlen_block_list(cu, keys, keys_cumulative, sum(qlens), min_len).cpu()
                 want = _want_block_list(qlens, klens, min_len, keys_cumulative)
                 n = got[0].item()
                 assert got.numel() == 8 * (1 + cap) and n == len(want) <= cap, (n, len(want), cap)
@@ -104,7 +105,7 @@ def test_varlen_v_kmajor_layout(path, token_major):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     v = fp8_randn((int(cu[-1]), 2, 64), device="cpu")
     if path == "torch":
-        vt = dense_mod._varlen_v_kmajor_torch(v, cu)
+        vt = dense_launch._varlen_v_kmajor_torch(v, cu)
     elif dense_mod.INTERPRET or torch.cuda.is_available():
         src = transpose_v_kmajor(v.to(DEV)) if token_major else v.to(DEV)
         assert src.stride(0) == 1 if token_major else src.stride(-1) == 1
@@ -125,9 +126,9 @@ def test_varlen_v_kmajor_layout(path, token_major):
 
 
 def test_varlen_preferred_rule():
-    assert dense_tma.varlen_preferred(128, 1024) and dense_tma.varlen_preferred(64, 8192)
-    assert not dense_tma.varlen_preferred(128, 1023) and not dense_tma.varlen_preferred(256, 8192)
-    assert not dense_tma.varlen_preferred(128, None)
+    assert dense_launch.varlen_preferred(128, 1024) and dense_launch.varlen_preferred(64, 8192)
+    assert not dense_launch.varlen_preferred(128, 1023) and not dense_launch.varlen_preferred(256, 8192)
+    assert not dense_launch.varlen_preferred(128, None)
 
 
 def test_varlen_rules():
@@ -141,8 +142,8 @@ def test_varlen_rules():
     cu_k = torch.tensor([0, 300, 310, 832], dtype=torch.int32)
     ds = torch.ones(3, hk)
     kw = _kw(ds, ds, ds, torch.empty(hq, total_q), causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    assert dense_tma.unsupported_reason(q, k, vt, out, **kw) == "inputs must be CUDA tensors"
-    assert dense_tma.unsupported_reason(q, k, k, out, **kw) == "inputs must be CUDA tensors"  # V in any layout
+    assert dense_launch.unsupported_reason(q, k, vt, out, **kw) == "inputs must be CUDA tensors"
+    assert dense_launch.unsupported_reason(q, k, k, out, **kw) == "inputs must be CUDA tensors"  # V in any layout
     cases = [
         ((q, k, vt, out), dict(cu_seqlens_k=None), "cu_seqlens_k"),
         ((q, k, vt[:800], out), {}, "shape mismatch"),
@@ -152,22 +153,22 @@ def test_varlen_rules():
         ((q, k, vt, out.to(E4M3)), dict(out_scale=torch.ones(1)), "out_scale"),
     ]
     for args, over, words in cases:
-        why = dense_tma.unsupported_reason(*args, **dict(kw, **over))
+        why = dense_launch.unsupported_reason(*args, **dict(kw, **over))
         assert why is not None and words in why, (words, why)
     q256, k256 = fp8_randn((total_q, hq, 256), device="cpu"), fp8_randn((total_k, hk, 256), device="cpu")
     out256 = torch.empty(total_q, hq, 256, dtype=torch.bfloat16)
-    assert "head dim" in dense_tma.unsupported_reason(q256, k256, k256, out256, **kw)
+    assert "head dim" in dense_launch.unsupported_reason(q256, k256, k256, out256, **kw)
 
 
 def test_ws_config():
     """Two consumers by default (128-key tiles except at head dim 256); three only at head dim 64 without a
     causal mask, else a ValueError naming ``consumers``."""
-    assert dense_tma.ws_config(128, True) == (2, 128, dense_tma.NUM_STAGES)
-    assert dense_tma.ws_config(256, False) == (2, 64, dense_tma.NUM_STAGES)
-    assert dense_tma.ws_config(64, False, 3) == (3, 64, 4)
+    assert dense_launch.ws_config(128, True) == (2, 128, dense_launch.NUM_STAGES)
+    assert dense_launch.ws_config(256, False) == (2, 64, dense_launch.NUM_STAGES)
+    assert dense_launch.ws_config(64, False, 3) == (3, 64, 4)
     for args in ((64, True, 3), (128, False, 3), (64, False, 4)):
         with pytest.raises(ValueError, match="^consumers: "):
-            dense_tma.ws_config(*args)
+            dense_launch.ws_config(*args)
 
 
 def test_supported_rejects_outside_contract():
@@ -175,8 +176,8 @@ def test_supported_rejects_outside_contract():
     vt = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # sequence-contiguous layout
     kw = _kw(qd, kd, vd, lse)
     # CPU tensors: never the fast path (and no CUDA call is made to find that out)
-    assert not dense_tma.supported(q, k, vt, out, **kw)
-    assert "CUDA" in dense_tma.unsupported_reason(q, k, vt, out, **kw)
+    assert not dense_launch.supported(q, k, vt, out, **kw)
+    assert "CUDA" in dense_launch.unsupported_reason(q, k, vt, out, **kw)
     cu = torch.tensor([0, 256, 512], dtype=torch.int32)
     cases = {
         "varlen": dict(cu_seqlens_q=cu),
@@ -187,25 +188,25 @@ def test_supported_rejects_outside_contract():
         "per-block": dict(descale_block_q=64, descale_block_k=64),
     }
     for name, over in cases.items():
-        why = dense_tma.unsupported_reason(q, k, vt, out, **_kw(qd, kd, vd, lse, **over))
+        why = dense_launch.unsupported_reason(q, k, vt, out, **_kw(qd, kd, vd, lse, **over))
         assert why is not None and "CUDA" not in why, name
-        assert not dense_tma.supported(q, k, vt, out, **_kw(qd, kd, vd, lse, **over)), name
+        assert not dense_launch.supported(q, k, vt, out, **_kw(qd, kd, vd, lse, **over)), name
     # the API's causal window (-1, 0) is the causal mask, not a sliding window
-    assert "CUDA" in dense_tma.unsupported_reason(q, k, vt, out, **_kw(qd, kd, vd, lse, window_size=(-1, 0)))
+    assert "CUDA" in dense_launch.unsupported_reason(q, k, vt, out, **_kw(qd, kd, vd, lse, window_size=(-1, 0)))
     # shape / dtype cases are rejected before the device check as well
     q96, k96, v96, qd96, kd96, vd96, out96, lse96 = _case(d=96)
-    assert "head dim" in dense_tma.unsupported_reason(q96, k96, v96, out96, **_kw(qd96, kd96, vd96, lse96))
+    assert "head dim" in dense_launch.unsupported_reason(q96, k96, v96, out96, **_kw(qd96, kd96, vd96, lse96))
     v64 = fp8_randn((2, 256, 2, 64), device="cpu")  # head dim of v != head dim of q/k
     out64 = torch.empty(2, 256, 8, 64, dtype=torch.bfloat16)
-    assert "head dim" in dense_tma.unsupported_reason(q, k, v64, out64, **kw)
+    assert "head dim" in dense_launch.unsupported_reason(q, k, v64, out64, **kw)
     q2, k2, v2, qd2, kd2, vd2, out2, lse2 = _case(sq=200, sk=200)
-    assert not dense_tma.supported(q2, k2, v2, out2, **_kw(qd2, kd2, vd2, lse2))
+    assert not dense_launch.supported(q2, k2, v2, out2, **_kw(qd2, kd2, vd2, lse2))
     q0, k0, v0, out0 = q[:0], k[:0], vt[:0], out[:0]  # empty batch: nothing to launch
-    assert "empty" in dense_tma.unsupported_reason(q0, k0, v0, out0, **_kw(qd[:0], kd[:0], vd[:0], lse[:0]))
+    assert "empty" in dense_launch.unsupported_reason(q0, k0, v0, out0, **_kw(qd[:0], kd[:0], vd[:0], lse[:0]))
     qh, kh, vh = q.to(torch.float16), k.to(torch.float16), vt.to(torch.float16)
-    assert "float8_e4m3fn" in dense_tma.unsupported_reason(qh, kh, vh, out, **kw)
+    assert "float8_e4m3fn" in dense_launch.unsupported_reason(qh, kh, vh, out, **kw)
     out32 = out.float()
-    assert "bfloat16" in dense_tma.unsupported_reason(q, k, vt, out32, **kw)
+    assert "bfloat16" in dense_launch.unsupported_reason(q, k, vt, out32, **kw)
 
 
 def test_supported_accepts_d64_d256_and_fp8_out():
@@ -215,14 +216,14 @@ def test_supported_accepts_d64_d256_and_fp8_out():
         q, k, v, qd, kd, vd, out, lse = _case(d=d)
         vt = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         for causal in (False, True):
-            why = dense_tma.unsupported_reason(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=causal))
+            why = dense_launch.unsupported_reason(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=causal))
             assert "CUDA" in why, (d, causal, why)
-            assert not dense_tma.supported(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=causal))
+            assert not dense_launch.supported(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=causal))
         out8 = torch.empty(out.shape, dtype=E4M3)
         osc = torch.tensor([0.01])
         for scale in (osc, torch.tensor(0.01), osc.reshape(1, 1)):
             for lse_ in (lse, None):
-                why = dense_tma.unsupported_reason(q, k, vt, out8, **_kw(qd, kd, vd, lse_, out_scale=scale))
+                why = dense_launch.unsupported_reason(q, k, vt, out8, **_kw(qd, kd, vd, lse_, out_scale=scale))
                 assert "CUDA" in why, (d, why)
         bad = {
             "e4m3 out without out_scale": (out8, None),
@@ -233,7 +234,7 @@ def test_supported_accepts_d64_d256_and_fp8_out():
             "fp16 out with out_scale": (out.half(), osc),
         }
         for name, (o, sc) in bad.items():
-            why = dense_tma.unsupported_reason(q, k, vt, o, **_kw(qd, kd, vd, lse, out_scale=sc))
+            why = dense_launch.unsupported_reason(q, k, vt, o, **_kw(qd, kd, vd, lse, out_scale=sc))
             assert why is not None and "CUDA" not in why, (d, name)
 
 
@@ -243,77 +244,80 @@ def test_supported_rejects_on_gpu():
     q, k, v, qd, kd, vd, out, lse = _case(device="cuda")
     vt = transpose_v_kmajor(v)
     if torch.cuda.get_device_capability() != (9, 0):
-        assert not dense_tma.supported(q, k, vt, out, **_kw(qd, kd, vd, lse))
+        assert not dense_launch.supported(q, k, vt, out, **_kw(qd, kd, vd, lse))
         pytest.skip("not an sm90 device")
-    assert dense_tma.supported(q, k, vt, out, **_kw(qd, kd, vd, lse))
-    assert not dense_tma.supported(q, k, v, out, **_kw(qd, kd, vd, lse))  # V not sequence-contiguous
+    assert dense_launch.supported(q, k, vt, out, **_kw(qd, kd, vd, lse))
+    assert not dense_launch.supported(q, k, v, out, **_kw(qd, kd, vd, lse))  # V not sequence-contiguous
     q2, k2, v2, qd2, kd2, vd2, out2, lse2 = _case(sq=200, sk=200, device="cuda")
-    assert "multiples of 128" in dense_tma.unsupported_reason(q2, k2, transpose_v_kmajor(v2), out2,
+    assert "multiples of 128" in dense_launch.unsupported_reason(q2, k2, transpose_v_kmajor(v2), out2,
                                                               **_kw(qd2, kd2, vd2, lse2))
     q3, k3, v3, qd3, kd3, vd3, out3, lse3 = _case(d=96, device="cuda")
-    assert "head dim" in dense_tma.unsupported_reason(q3, k3, transpose_v_kmajor(v3), out3,
+    assert "head dim" in dense_launch.unsupported_reason(q3, k3, transpose_v_kmajor(v3), out3,
                                                       **_kw(qd3, kd3, vd3, lse3))
     q6, k6, v6, qd6, kd6, vd6, out6, lse6 = _case(d=256, device="cuda")
-    assert dense_tma.supported(q6, k6, transpose_v_kmajor(v6), out6, **_kw(qd6, kd6, vd6, lse6))
+    assert dense_launch.supported(q6, k6, transpose_v_kmajor(v6), out6, **_kw(qd6, kd6, vd6, lse6))
     q5, k5, v5, qd5, kd5, vd5, out5, lse5 = _case(d=64, device="cuda")
-    assert dense_tma.supported(q5, k5, transpose_v_kmajor(v5), out5, **_kw(qd5, kd5, vd5, lse5))
+    assert dense_launch.supported(q5, k5, transpose_v_kmajor(v5), out5, **_kw(qd5, kd5, vd5, lse5))
     out8 = torch.empty(out5.shape, dtype=E4M3, device="cuda")
     osc = torch.tensor([0.01], device="cuda")
-    assert dense_tma.supported(q5, k5, transpose_v_kmajor(v5), out8, **_kw(qd5, kd5, vd5, lse5, out_scale=osc))
-    assert "device" in dense_tma.unsupported_reason(q5, k5, transpose_v_kmajor(v5), out8,
+    assert dense_launch.supported(q5, k5, transpose_v_kmajor(v5), out8, **_kw(qd5, kd5, vd5, lse5, out_scale=osc))
+    assert "device" in dense_launch.unsupported_reason(q5, k5, transpose_v_kmajor(v5), out8,
                                                     **_kw(qd5, kd5, vd5, lse5, out_scale=osc.cpu()))
     q4, k4, v4, qd4, kd4, vd4, out4, lse4 = _case(sq=512, sk=256, device="cuda")
-    assert not dense_tma.supported(q4, k4, transpose_v_kmajor(v4), out4, **_kw(qd4, kd4, vd4, lse4, causal=True))
+    assert not dense_launch.supported(q4, k4, transpose_v_kmajor(v4), out4, **_kw(qd4, kd4, vd4, lse4, causal=True))
 
 
 _AOT_SNIPPET = """
 import os, sys
 os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, {src!r})
-from fp8attn.kernels import dense_tma
+sys.path.insert(0, {tests!r})
+import tma_lockstep
+from fp8attn.kernels.hopper import dense_launch
+dense_launch._kernel_for = tma_lockstep.kernel_for  # (ws=False: the 8-warp reference kernels)
 causal = CAUSAL
 for d, ws in ((64, True), (64, False), (128, True), (128, False), (256, True), (256, False)):
     for out_fp8 in (False, True):
-        k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=out_fp8, ws=ws)
+        k = dense_launch._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=out_fp8, ws=ws)
         assert k.asm["cubin"], "no cubin"
         print("ok", d, ws, causal, out_fp8, k.metadata.shared)
 for d in (64, 128):
     for out_fp8 in (False, True):
-        k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=out_fp8, mode=dense_tma.MODE_PAGED)
+        k = dense_launch._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=out_fp8, mode=dense_launch.MODE_PAGED)
         assert k.asm["cubin"], "no cubin"
         print("ok paged", d, causal, out_fp8, k.metadata.shared)
-    k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, mode=dense_tma.MODE_PAGED, block_n=64)
+    k = dense_launch._aot_compile(causal, write_lse=True, head_dim=d, mode=dense_launch.MODE_PAGED, block_n=64)
     assert k.asm["cubin"], "no cubin"
     print("ok paged 64-key tiles", d, causal, k.metadata.shared)
-    k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, mode=dense_tma.MODE_VARLEN)
+    k = dense_launch._aot_compile(causal, write_lse=True, head_dim=d, mode=dense_launch.MODE_VARLEN)
     assert k.asm["cubin"], "no cubin"
     print("ok varlen", d, causal, k.metadata.shared)
     for bn in (None, 64):
-        k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=bn is None,
-                                   mode=dense_tma.MODE_PAGED_VARLEN, block_n=bn)
+        k = dense_launch._aot_compile(causal, write_lse=True, head_dim=d, out_fp8=bn is None,
+                                   mode=dense_launch.MODE_PAGED_VARLEN, block_n=bn)
         assert k.asm["cubin"], "no cubin"
         print("ok paged varlen", d, causal, bn, k.metadata.shared)
-    for mode in (dense_tma.MODE_PAGED, dense_tma.MODE_PAGED_VARLEN):
+    for mode in (dense_launch.MODE_PAGED, dense_launch.MODE_PAGED_VARLEN):
         for box in (None, 16, 64):
-            k = dense_tma._aot_compile(causal, write_lse=True, head_dim=d, mode=mode, v_rows=True, box=box)
+            k = dense_launch._aot_compile(causal, write_lse=True, head_dim=d, mode=mode, v_rows=True, box=box)
             assert k.asm["cubin"], "no cubin"
             print("ok paged V rows", d, causal, mode, box, k.metadata.shared)
-if causal:  # without an LSE at d64: the row sums on the tensor core (tma_parts._rowsum_mma)
-    k = dense_tma._aot_compile(causal, write_lse=False, head_dim=64)
+if causal:  # without an LSE at d64: the row sums on the tensor core (softmax._rowsum_mma)
+    k = dense_launch._aot_compile(causal, write_lse=False, head_dim=64)
     assert k.asm["cubin"], "no cubin"
     print("ok no lse causal", 64, k.metadata.shared)
-else:  # without an LSE: the row sums on the tensor core (tma_parts._row_sum_issue)
+else:  # without an LSE: the row sums on the tensor core (softmax._row_sum_issue)
     for d in (64, 128):
-        for kw in (dict(out_fp8=False), dict(out_fp8=True), dict(mode=dense_tma.MODE_VARLEN)):
-            k = dense_tma._aot_compile(causal, write_lse=False, head_dim=d, **kw)
+        for kw in (dict(out_fp8=False), dict(out_fp8=True), dict(mode=dense_launch.MODE_VARLEN)):
+            k = dense_launch._aot_compile(causal, write_lse=False, head_dim=d, **kw)
             assert k.asm["cubin"], "no cubin"
             print("ok no lse", d, kw, k.metadata.shared)
-    for kw in (dict(mode=dense_tma.MODE_PAGED, block_n=64), dict(mode=dense_tma.MODE_PAGED_VARLEN, v_rows=True, box=16)):
-        k = dense_tma._aot_compile(causal, write_lse=False, head_dim=128, **kw)
+    for kw in (dict(mode=dense_launch.MODE_PAGED, block_n=64), dict(mode=dense_launch.MODE_PAGED_VARLEN, v_rows=True, box=16)):
+        k = dense_launch._aot_compile(causal, write_lse=False, head_dim=128, **kw)
         assert k.asm["cubin"], "no cubin"
         print("ok no lse", 128, kw, k.metadata.shared)
-    for lse in (False, True):  # three consumer warpgroups (dense_tma.ws_config(consumers=3))
-        k = dense_tma._aot_compile(causal, write_lse=lse, head_dim=64, consumers=3)
+    for lse in (False, True):  # three consumer warpgroups (dense_launch.ws_config(consumers=3))
+        k = dense_launch._aot_compile(causal, write_lse=lse, head_dim=64, consumers=3)
         assert k.asm["cubin"], "no cubin"
         print("ok three consumers", lse, k.metadata.shared)
 """
@@ -335,16 +339,17 @@ def test_aot_compile_sm90(causal):
 
 
 def _run_sm90_snippet(snippet):
-    """Run ``snippet`` (formatted with ``src``) in a clean process without interpreter mode; its output.
+    """Run ``snippet`` (formatted with ``src`` and ``tests``, the test directory) in a clean process without interpreter mode; its output.
     Skips without Gluon or the sm90 toolchain (ptxas, nvdisasm: the snippet prints "no nvdisasm")."""
-    if not dense_tma.HAS_GLUON:
+    if not dense_launch.HAS_GLUON:
         pytest.skip("triton without gluon")
     try:
         from triton.backends.nvidia.compiler import CUDABackend
     except Exception as e:  # pragma: no cover
         pytest.skip(f"no NVIDIA compiler backend: {e}")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", snippet.format(src=os.path.abspath(SRC))],
+    r = subprocess.run([sys.executable, "-c", snippet.format(src=os.path.abspath(SRC),
+                                                             tests=os.path.dirname(os.path.abspath(__file__)))],
                        capture_output=True, text=True, timeout=300, env=env)
     out = r.stdout + r.stderr
     if "no nvdisasm" in out or (r.returncode != 0 and "ptxas" in out and
@@ -360,7 +365,7 @@ import os, re, subprocess, sys, tempfile
 os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, {src!r})
 import triton.backends.nvidia
-from fp8attn.kernels import dense_tma
+from fp8attn.kernels.hopper import dense_launch
 nvdisasm = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
 if not os.path.exists(nvdisasm):
     print("no nvdisasm"); sys.exit(0)
@@ -372,7 +377,7 @@ def sass_of(k):
 
 _FP8_STORE_SNIPPET = _SASS_PRELUDE + """
 for out_fp8 in (False, True):
-    sass = sass_of(dense_tma._aot_compile(False, write_lse=True, head_dim=128, out_fp8=out_fp8))
+    sass = sass_of(dense_launch._aot_compile(False, write_lse=True, head_dim=128, out_fp8=out_fp8))
     print("counts", out_fp8, sass.count("STSM."), sass.count("STS.U16"), sass.count("STS.U8"))
 """
 
@@ -392,7 +397,7 @@ def test_sm90_fp8_output_tile_is_stored_with_stmatrix():
 
 _V_ROWS_REGS_SNIPPET = _SASS_PRELUDE + """
 for box in (16, 64):
-    sass = sass_of(dense_tma._aot_compile(True, write_lse=True, mode=dense_tma.MODE_PAGED, head_dim=128,
+    sass = sass_of(dense_launch._aot_compile(True, write_lse=True, mode=dense_launch.MODE_PAGED, head_dim=128,
                                           v_rows=True, box=box))
     regs = sorted({{int(x, 16) for x in re.findall(r"USETMAXREG\\.\\S+\\s+(0x[0-9a-f]+)", sass)}})
     print("regs", box, *regs)
@@ -446,7 +451,7 @@ def test_gpu_tma_vs_reference(sq, sk, causal, d, monkeypatch):
     monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")  # raises if the fast path were not taken
     q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=sq, sk=sk, hq=8, hk=2, d=d, device="cuda")
     vt = transpose_v_kmajor(v)
-    assert dense_tma.supported(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=causal))
+    assert dense_launch.supported(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=causal))
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     scale = 1.0 / math.sqrt(d)
@@ -467,13 +472,13 @@ def test_gpu_tma_broadcast_descales_strided_lse_no_lse(d):
     lse_big = torch.full((b, s, hq), float("nan"), device="cuda")
     lse = lse_big.permute(0, 2, 1)  # (b, hq, s) with non-standard strides
     vt = transpose_v_kmajor(v)
-    assert dense_tma.supported(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=True))
+    assert dense_launch.supported(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=True))
     scale = 0.07
-    dense_tma.launch_dense_fwd_tma(q, k, vt, out, lse, softmax_scale=scale, causal=True,
+    dense_launch.launch_dense_fwd_tma(q, k, vt, out, lse, softmax_scale=scale, causal=True,
                                    q_descale=qd, k_descale=kd, v_descale=vd)
     _reference_check(q, k, v, qd, kd, vd, out, lse, True, scale)
     out2 = torch.empty_like(out)
-    dense_tma.launch_dense_fwd_tma(q, k, vt, out2, None, softmax_scale=scale, causal=True,
+    dense_launch.launch_dense_fwd_tma(q, k, vt, out2, None, softmax_scale=scale, causal=True,
                                    q_descale=qd, k_descale=kd, v_descale=vd)
     if d == 64:  # causal without an LSE at d64: the row sums from the tensor core
         assert_row_scaled(out2, out)
@@ -488,7 +493,7 @@ def test_gpu_tma_deterministic_and_backend_switch(causal, d, monkeypatch):
     _need_sm90()
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND", raising=False)  # the default dispatch
     q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=1024, sk=1024, hq=8, hk=2, d=d, device="cuda")
-    assert dense_tma.supported(q, k, transpose_v_kmajor(v), out, **_kw(qd, kd, vd, lse, causal=causal))
+    assert dense_launch.supported(q, k, transpose_v_kmajor(v), out, **_kw(qd, kd, vd, lse, causal=causal))
     kw = dict(softmax_scale=1.0 / math.sqrt(d), causal=causal, window_size=(-1, -1), softcap=0.0,
               q_descale=qd, k_descale=kd, v_descale=vd)
     launch_dense_fwd(q, k, v, out, lse, **kw)
@@ -543,7 +548,7 @@ def test_gpu_tma_fp8_out(sq, sk, causal, d, monkeypatch):
     for osc in (calibrated, calibrated * 0.25):  # the second one saturates the largest outputs
         out8 = torch.full(out.shape, float("nan"), device="cuda").to(E4M3)
         lse.fill_(float("nan"))
-        assert dense_tma.supported(q, k, transpose_v_kmajor(v), out8, **_kw(qd, kd, vd, lse, causal=causal,
+        assert dense_launch.supported(q, k, transpose_v_kmajor(v), out8, **_kw(qd, kd, vd, lse, causal=causal,
                                                                              out_scale=osc))
         monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")  # raises if the fast path were not taken
         launch_dense_fwd(q, k, v, out8, lse, out_scale=osc, **kw)
@@ -578,7 +583,7 @@ def test_gpu_tma_fp8_out(sq, sk, causal, d, monkeypatch):
 @pytest.mark.parametrize("with_lse", [False, True])
 def test_gpu_fp8_out_bits_equal_the_epilogue_formula(d, backend, varlen, with_lse, monkeypatch):
     """The fused e4m3 output equals clamp(out * (1 / out_scale), -448, 448).to(e4m3) bit for bit, through both
-    copies of the epilogue: the TMA kernel's (``tma_parts._output_epilogue``, Gluon; fixed-length calls of
+    copies of the epilogue: the TMA kernel's (``epilogue._output_epilogue``, Gluon; fixed-length calls of
     128-multiples) and the Triton kernel's (``common.output_epilogue``; other lengths, and varlen calls with
     ``out_scale``), on inputs whose fp32 output is known exactly: every key is zero, so every logit is exactly 0
     whichever way a kernel forms ``s - max``, each P entry is the same power of two (exp2 of the kernels' P offset)
@@ -721,7 +726,7 @@ def test_gpu_varlen_and_triton_paths_take_quantize_qkv_v(monkeypatch):
 @pytest.mark.parametrize("out_fp8", [False, True])
 def test_gpu_tma_direct_launch_equals_jit_launch(d, out_fp8):
     """The first launch per (head dim, constexprs) goes through triton's JIT and keeps the compiled
-    kernel; later launches call it directly (dense_tma._launch). Both give the same bits, also when the
+    kernel; later launches call it directly (dense_launch._launch). Both give the same bits, also when the
     later launch changes every run-time integer (batch, lengths, heads, strides)."""
     _need_sm90()
     q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=256, sk=384, hq=4, hk=2, d=d, device="cuda")
@@ -730,11 +735,11 @@ def test_gpu_tma_direct_launch_equals_jit_launch(d, out_fp8):
         out = torch.empty_like(out, dtype=E4M3)
     vt = transpose_v_kmajor(v)
     kw = dict(softmax_scale=0.09, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_scale=scale)
-    dense_tma._COMPILED.clear()
-    dense_tma.launch_dense_fwd_tma(q, k, vt, out, lse, **kw)  # JIT path
-    assert any(key[1] == d for key in dense_tma._COMPILED), "the compiled kernel was not kept"
+    dense_launch._COMPILED.clear()
+    dense_launch.launch_dense_fwd_tma(q, k, vt, out, lse, **kw)  # JIT path
+    assert any(key[1] == d for key in dense_launch._COMPILED), "the compiled kernel was not kept"
     out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
-    dense_tma.launch_dense_fwd_tma(q, k, vt, out2, lse2, **kw)  # direct path
+    dense_launch.launch_dense_fwd_tma(q, k, vt, out2, lse2, **kw)  # direct path
     assert torch.equal(out.view(torch.uint8), out2.view(torch.uint8)) and torch.equal(lse, lse2)
     # other run-time integers on the kept kernel, against a fresh JIT launch of the same inputs
     q3, k3, v3, qd3, kd3, vd3, out3, _ = _case(b=1, sq=128, sk=640, hq=6, hk=3, d=d, device="cuda")
@@ -743,17 +748,17 @@ def test_gpu_tma_direct_launch_equals_jit_launch(d, out_fp8):
     lse3 = torch.empty(1, 128, 6, device="cuda").permute(0, 2, 1)
     kw3 = dict(kw, q_descale=qd3, k_descale=kd3, v_descale=vd3)
     vt3 = transpose_v_kmajor(v3)
-    dense_tma.launch_dense_fwd_tma(q3, k3, vt3, out3, lse3, **kw3)
-    dense_tma._COMPILED.clear()
+    dense_launch.launch_dense_fwd_tma(q3, k3, vt3, out3, lse3, **kw3)
+    dense_launch._COMPILED.clear()
     out4, lse4 = torch.empty_like(out3), torch.empty_like(lse3)
-    dense_tma.launch_dense_fwd_tma(q3, k3, vt3, out4, lse4, **kw3)
+    dense_launch.launch_dense_fwd_tma(q3, k3, vt3, out4, lse4, **kw3)
     assert torch.equal(out3.view(torch.uint8), out4.view(torch.uint8)) and torch.equal(lse3, lse4)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_tma_row_sums_without_lse(d):
-    """Without an LSE a non-causal call sums each row's e4m3 P on the tensor core (``tma_parts._row_sum_issue``
+    """Without an LSE a non-causal call sums each row's e4m3 P on the tensor core (``softmax._row_sum_issue``
     over a TMA-loaded tile of ones); with one, the fp32 sum of the unrounded P, so that the LSE is exact.
     Dense (bf16 and fused e4m3 output, GQA, per-(batch, kv head) descales) and varlen: the two outputs
     are row-scaled copies of each other (``assert_row_scaled``) and both pass the reference rule. Causal
@@ -768,8 +773,8 @@ def test_gpu_tma_row_sums_without_lse(d):
                       out_scale=out_scale)
             dt = E4M3 if out_scale is not None else torch.bfloat16
             o_lse, o_rs = (torch.full(out.shape, float("nan"), device="cuda").to(dt) for _ in range(2))
-            dense_tma.launch_dense_fwd_tma(q, k, vt, o_lse, lse, **kw)
-            dense_tma.launch_dense_fwd_tma(q, k, vt, o_rs, None, **kw)
+            dense_launch.launch_dense_fwd_tma(q, k, vt, o_lse, lse, **kw)
+            dense_launch.launch_dense_fwd_tma(q, k, vt, o_rs, None, **kw)
             if d == 128 and (causal or out_scale is not None):
                 assert torch.equal(o_rs.view(torch.uint8), o_lse.view(torch.uint8))
             else:
@@ -785,47 +790,50 @@ def test_gpu_tma_row_sums_without_lse(d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("sq,sk", [(128, 256), (640, 384), (1152, 1280)])
 def test_gpu_tma_three_consumers_d64(sq, sk, monkeypatch):
-    """The warp-specialized kernel's three-consumer variant (``dense_tma.ws_config(consumers=3)``: head dim 64
+    """The warp-specialized kernel's three-consumer variant (``dense_launch.ws_config(consumers=3)``: head dim 64
     without a causal mask, 192-row blocks, 64-key tiles): a sequence's last block may end past it (here by 64
     or 128 rows, which in a batch are the next sequence's), and those rows are neither stored nor written to
     the LSE. Against the reference and against the default two consumers, with and without an LSE, bf16 and
     fused e4m3 output, GQA, per-(batch, kv head) descales; and bit-identical on a repeat."""
     _need_sm90()
-    assert dense_tma.ws_config(64, False)[0] == 2
+    assert dense_launch.ws_config(64, False)[0] == 2
     q, k, v, qd, kd, vd, out, lse = _case(b=3, sq=sq, sk=sk, hq=6, hk=2, d=64, device="cuda")
     vt = transpose_v_kmajor(v)
-    default = dense_tma.ws_config
+    default = dense_launch.ws_config
     for out_scale in (None, torch.tensor([0.21], device="cuda")):
         kw = dict(softmax_scale=0.125, causal=False, q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale)
         dt = E4M3 if out_scale is not None else torch.bfloat16
         runs = {}
         for consumers in (3, 2):
-            monkeypatch.setattr(dense_tma, "ws_config",
+            monkeypatch.setattr(dense_launch, "ws_config",
                                 lambda d, c, n=None, consumers=consumers: default(d, c, consumers))
             for with_lse in (True, False):
                 o = torch.full(out.shape, float("nan"), device="cuda").to(dt)
                 ls = torch.full_like(lse, float("nan")) if with_lse else None
-                dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, **kw)
+                dense_launch.launch_dense_fwd_tma(q, k, vt, o, ls, **kw)
                 _reference_check(q, k, v, qd, kd, vd, o, ls, False, 0.125, out_scale=out_scale)
                 runs[consumers, with_lse] = (o, ls)
         o3, l3 = runs[3, True]
         torch.testing.assert_close(l3, runs[2, True][1], atol=1e-3, rtol=1e-4)
         assert_row_scaled(runs[3, False][0], o3, out_scale is not None)
-        monkeypatch.setattr(dense_tma, "ws_config", lambda d, c, n=None: default(d, c, 3))
+        monkeypatch.setattr(dense_launch, "ws_config", lambda d, c, n=None: default(d, c, 3))
         o = torch.full(out.shape, float("nan"), device="cuda").to(dt)
         ls = torch.full_like(lse, float("nan"))
-        dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, **kw)
+        dense_launch.launch_dense_fwd_tma(q, k, vt, o, ls, **kw)
         assert torch.equal(o.view(torch.uint8), o3.view(torch.uint8)) and torch.equal(ls, l3)
 
 
 def _on_both_kernels(monkeypatch, q, k, vt, out, lse, **kw):
     """``[(out, lse) of the warp-specialized kernel, (out, lse) of the 8-warp kernel]`` for the same call,
     the kernel choice (``_use_ws``) forced, each written into NaN-filled tensors shaped like out / lse."""
+    import tma_lockstep  # (Gluon only: the 8-warp kernels, a reference kept outside the package)
+
+    monkeypatch.setattr(dense_launch, "_kernel_for", tma_lockstep.kernel_for)
     res = []
     for ws in (True, False):
-        monkeypatch.setattr(dense_tma, "_use_ws", lambda head_dim, causal, seqlen_q, ws=ws: ws)
+        monkeypatch.setattr(dense_launch, "_use_ws", lambda head_dim, causal, seqlen_q, ws=ws: ws)
         o, ls = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
-        dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, **kw)
+        dense_launch.launch_dense_fwd_tma(q, k, vt, o, ls, **kw)
         res.append((o, ls))
     return res
 
@@ -866,15 +874,15 @@ def test_gpu_tma_persistent_schedule_equals_8warp_kernel(causal, num_sms, d, mon
     q, k, v, qd, kd, vd, out, lse = _case(b=3, sq=640, sk=896, hq=4, hk=2, d=d, device="cuda")
     vt = transpose_v_kmajor(v)
     if num_sms is not None:
-        monkeypatch.setattr(dense_tma, "_num_sms", lambda index: num_sms)
+        monkeypatch.setattr(dense_launch, "_num_sms", lambda index: num_sms)
     for max_persistent in (8192, 0) if causal else (8192,):  # causal: persistent, then one block per CTA
-        monkeypatch.setattr(dense_tma, "_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q", max_persistent)
-        monkeypatch.setattr(dense_tma, "_WS_PERSISTENT_CAUSAL_HEAD_DIMS", () if max_persistent == 0 else (64,))
+        monkeypatch.setattr(dense_launch, "_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q", max_persistent)
+        monkeypatch.setattr(dense_launch, "_WS_PERSISTENT_CAUSAL_HEAD_DIMS", () if max_persistent == 0 else (64,))
         (o_ws, l_ws), (o_8w, l_8w) = _on_both_kernels(
             monkeypatch, q, k, vt, out, lse, softmax_scale=0.088, causal=causal, q_descale=qd, k_descale=kd,
             v_descale=vd)
         assert not torch.isnan(o_ws).any() and not torch.isnan(l_ws).any(), "a query block was not written"
-        if dense_tma.kperm_on(d, 2, causal, True):
+        if dense_launch.kperm_on(d, 2, causal, True):
             # K key-permuted: the fp32 row sums add in another order, so l (and the LSE) may differ in its
             # last bits and an output in its last bf16 bit
             _assert_within_ulps(o_ws, o_8w, l_ws, l_8w)
@@ -896,7 +904,7 @@ def _assert_within_ulps(o, o_ref, lse, lse_ref):
 @pytest.mark.parametrize("with_lse", [False, True])
 @pytest.mark.parametrize("fp8_out", [False, True])
 def test_gpu_tma_kperm_matches_plain_box(causal, with_lse, fp8_out, monkeypatch):
-    """Head dim 64: K loaded key-permuted (``dense_tma.kperm_on``; P then needs no cross-lane exchange)
+    """Head dim 64: K loaded key-permuted (``dense_launch.kperm_on``; P then needs no cross-lane exchange)
     gives the output bits of the plain K box without an LSE, forced both ways whatever the rule picks, with GQA,
     sequences of 384 queries over 640 keys, non-unit descales, bf16 and fused e4m3 output. With an LSE the
     row sums are fp32 and add in another order: the LSE within 1e-5 and the output within one ulp."""
@@ -906,10 +914,10 @@ def test_gpu_tma_kperm_matches_plain_box(causal, with_lse, fp8_out, monkeypatch)
     osc = torch.tensor([0.05], device="cuda") if fp8_out else None
     res = []
     for forced in (True, False):
-        monkeypatch.setattr(dense_tma, "kperm_on", lambda *args, f=forced: f)
+        monkeypatch.setattr(dense_launch, "kperm_on", lambda *args, f=forced: f)
         o = torch.full(out.shape, float("nan"), device="cuda").to(E4M3 if fp8_out else torch.bfloat16)
         ls = torch.full_like(lse, float("nan")) if with_lse else None
-        dense_tma.launch_dense_fwd_tma(q, k, vt, o, ls, softmax_scale=0.088, causal=causal, q_descale=qd,
+        dense_launch.launch_dense_fwd_tma(q, k, vt, o, ls, softmax_scale=0.088, causal=causal, q_descale=qd,
                                        k_descale=kd, v_descale=vd, out_scale=osc)
         res.append((o, ls))
     (o_p, l_p), (o_n, l_n) = res
@@ -927,24 +935,24 @@ def test_gpu_tma_kperm_matches_plain_box(causal, with_lse, fp8_out, monkeypatch)
 def test_kperm_rule_and_box():
     """Key-permuted K at head dim 64 with two consumers, except non-causal calls with an LSE; the 5-D view
     reads shared-memory row 16a + 8g + 2q + e from key 16a + 4q + 2g + e."""
-    assert dense_tma.kperm_on(64, 2, False, False) and dense_tma.kperm_on(64, 2, True, True)
-    assert dense_tma.kperm_on(64, 2, True, False) and not dense_tma.kperm_on(64, 2, False, True)
-    assert not any(dense_tma.kperm_on(d, 2, c, w) for d in (128, 256) for c in (False, True) for w in (False, True))
-    assert not dense_tma.kperm_on(64, 3, False, False)
+    assert dense_launch.kperm_on(64, 2, False, False) and dense_launch.kperm_on(64, 2, True, True)
+    assert dense_launch.kperm_on(64, 2, True, False) and not dense_launch.kperm_on(64, 2, False, True)
+    assert not any(dense_launch.kperm_on(d, 2, c, w) for d in (128, 256) for c in (False, True) for w in (False, True))
+    assert not dense_launch.kperm_on(64, 3, False, False)
     k = torch.arange(2 * 256, dtype=torch.int32).view(2, 256, 1, 1).expand(2, 256, 3, 64).contiguous()
-    shape, strides = dense_tma._kperm_view(k)
+    shape, strides = dense_launch._kperm_view(k)
     assert shape == [2 * 256 // 16, 2, 4, 2, 3 * 64] and strides[-1] == 1
     box = torch.as_strided(k.view(-1), shape, strides)  # element strides of the same view
     rows = box[:, :, :, :, 64 + 5].reshape(-1)  # smem order: (a, g, q, e) row-major; head 1, column 5
     a, g, q, e = torch.meshgrid(*(torch.arange(n) for n in (2 * 256 // 16, 2, 4, 2)), indexing="ij")
     assert torch.equal(rows, (16 * a + 4 * q + 2 * g + e).reshape(-1).int())
-    assert dense_tma.kperm_box(128, 64) == [8, 2, 4, 2, 64]
+    assert dense_launch.kperm_box(128, 64) == [8, 2, 4, 2, 64]
     # the consumers' view: S column c holds key _kperm_keys(c), and _p_operand's relabelling puts the
     # columns back in key order
-    from fp8attn.kernels import tma_parts
+    from fp8attn.kernels.hopper.softmax import _kperm_keys
 
     c = torch.arange(128)
-    keys = tma_parts._kperm_keys.fn(c)
+    keys = _kperm_keys.fn(c)
     assert torch.equal(keys, rows[:128].long())
     relabelled = keys.view(1, 8, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(128)
     assert torch.equal(relabelled, c)
@@ -954,11 +962,11 @@ def test_kernel_choice_by_head_dim_and_length(monkeypatch):
     """Every head dim runs the warp-specialized kernel at every length (the rule of ``_use_ws``); the grid is
     persistent except for causal inputs beyond ``_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q`` at head dims 128 and
     256 (dense) or from the paged launcher, which passes no head dim."""
-    longest = dense_tma._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
+    longest = dense_launch._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
     for d in (64, 128, 256):
-        assert all(dense_tma._use_ws(d, c, s) for c in (False, True) for s in (512, longest, 4 * longest))
-    grid, n_sms = dense_tma.ws_grid, 132
-    monkeypatch.setattr(dense_tma, "_num_sms", lambda index: n_sms)
+        assert all(dense_launch._use_ws(d, c, s) for c in (False, True) for s in (512, longest, 4 * longest))
+    grid, n_sms = dense_launch.ws_grid, 132
+    monkeypatch.setattr(dense_launch, "_num_sms", lambda index: n_sms)
     assert grid(10_000, True, longest, 0, head_dim=128) == (n_sms, 1)
     assert grid(10_000, True, longest + 128, 0, head_dim=128) == (10_000, 1)
     assert grid(10_000, True, longest + 128, 0, head_dim=256) == (10_000, 1)
@@ -966,7 +974,7 @@ def test_kernel_choice_by_head_dim_and_length(monkeypatch):
     assert grid(10_000, True, 4 * longest, 0, head_dim=64) == (n_sms, 1)
     assert grid(10_000, False, 4 * longest, 0, head_dim=128) == (n_sms, 1)
     assert grid(100, False, 512, 0, head_dim=128) == (100, 1)
-    assert dense_tma._kernel_for(256, True) == (dense_tma._dense_fwd_tma_ws_kernel, 4)
+    assert dense_launch._kernel_for(256, True) == (dense_launch._dense_fwd_tma_ws_kernel, 4)
 
 
 def _varlen_case(lens_q, lens_k, hq=8, hk=2, d=128, dv=None):
@@ -982,7 +990,7 @@ def _varlen_case(lens_q, lens_k, hq=8, hk=2, d=128, dv=None):
 
 def _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=True, with_lse=True):
     calls = []
-    real = dense_tma._launch_varlen
+    real = dense_launch._launch_varlen
 
     def spy(*a, **kw):
         calls.append(1)
@@ -991,7 +999,7 @@ def _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=True, with_l
     out = torch.full((*q.shape[:2], v.shape[-1]), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda") if with_lse else None
     lens_q, lens_k = (cu[1:] - cu[:-1] for cu in (cu_q, cu_k))
-    dense_tma._launch_varlen = spy
+    dense_launch._launch_varlen = spy
     old = os.environ.get("FP8ATTN_DENSE_BACKEND")
     os.environ["FP8ATTN_DENSE_BACKEND"] = "tma" if expect_tma else "triton"  # (auto prefers Triton below 2k)
     try:
@@ -999,7 +1007,7 @@ def _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=True, with_l
                          softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                          max_seqlen_q=int(lens_q.max()), max_seqlen_k=int(lens_k.max()))
     finally:
-        dense_tma._launch_varlen = real
+        dense_launch._launch_varlen = real
         if old is None:
             os.environ.pop("FP8ATTN_DENSE_BACKEND")
         else:
@@ -1043,7 +1051,7 @@ def test_gpu_tma_varlen_bits_equal_dense(causal):
     out, lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
     od = torch.empty(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
     ld = torch.empty(b, hq, sq, device="cuda")
-    dense_tma.launch_dense_fwd_tma(q.view(b, sq, hq, d), k.view(b, sk, hk, d), transpose_v_kmajor(v.view(b, sk, hk, d)),
+    dense_launch.launch_dense_fwd_tma(q.view(b, sq, hq, d), k.view(b, sk, hk, d), transpose_v_kmajor(v.view(b, sk, hk, d)),
                                    od, ld, softmax_scale=d ** -0.5, causal=causal, q_descale=qd, k_descale=kd,
                                    v_descale=vd)
     assert torch.equal(out.view(b, sq, hq, d).view(torch.int16), od.view(torch.int16))
@@ -1057,7 +1065,7 @@ def test_gpu_varlen_v_kmajor_matches_cpu():
     lens = [300, 0, 7, 1, 517, 16, 1000]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     v = fp8_randn((int(cu[-1]), 2, 128), device="cpu")
-    ref = dense_mod._varlen_v_kmajor_torch(v, cu)
+    ref = dense_launch._varlen_v_kmajor_torch(v, cu)
     got = varlen_v_kmajor(v.cuda(), cu.cuda())
     got_t = varlen_v_kmajor(transpose_v_kmajor(v.cuda()), cu.cuda())  # from token-contiguous V
     _check_block_list("cuda")
@@ -1088,62 +1096,62 @@ def test_qk192_rules(monkeypatch):
     e4m3 output, varlen, or with any other unequal pair. Its tiles: Q/K in 64-wide boxes, V/O whole, two
     consumers over 128-key tiles."""
     monkeypatch.delenv("FP8ATTN_TMA_QK192", raising=False)
-    assert dense_tma.qk192_enabled()
+    assert dense_launch.qk192_enabled()
     for hk in (2, 8):
         q, k, v, vt, qd, kd, vd, out, lse = _case_qk192(hk=hk)
         for causal in (False, True):
             for lse_ in (lse, None):
-                why = dense_tma.unsupported_reason(q, k, vt, out, **_kw(qd, kd, vd, lse_, causal=causal))
+                why = dense_launch.unsupported_reason(q, k, vt, out, **_kw(qd, kd, vd, lse_, causal=causal))
                 assert why == "inputs must be CUDA tensors", (hk, causal, why)
     q, k, v, vt, qd, kd, vd, out, lse = _case_qk192()
     kw = _kw(qd, kd, vd, lse)
     for flag in ("1", ""):
         monkeypatch.setenv("FP8ATTN_TMA_QK192", flag)
-        assert dense_tma.unsupported_reason(q, k, vt, out, **kw) == "inputs must be CUDA tensors"
+        assert dense_launch.unsupported_reason(q, k, vt, out, **kw) == "inputs must be CUDA tensors"
     from fp8attn import plan
 
     on = plan.env_sig()
     monkeypatch.setenv("FP8ATTN_TMA_QK192", "0")
-    assert not dense_tma.qk192_enabled() and plan.env_sig() != on  # (eager plans are keyed on the switch)
-    assert "FP8ATTN_TMA_QK192=0" in dense_tma.unsupported_reason(q, k, vt, out, **kw)
+    assert not dense_launch.qk192_enabled() and plan.env_sig() != on  # (eager plans are keyed on the switch)
+    assert "FP8ATTN_TMA_QK192=0" in dense_launch.unsupported_reason(q, k, vt, out, **kw)
     monkeypatch.setenv("FP8ATTN_TMA_QK192", "yes")
     with pytest.raises(ValueError, match="FP8ATTN_TMA_QK192"):
-        dense_tma.unsupported_reason(q, k, vt, out, **kw)
+        dense_launch.unsupported_reason(q, k, vt, out, **kw)
     monkeypatch.delenv("FP8ATTN_TMA_QK192")
     out8 = torch.empty(out.shape, dtype=E4M3)
-    assert "Triton" in dense_tma.unsupported_reason(q, k, vt, out8, **_kw(qd, kd, vd, lse, out_scale=torch.ones(1)))
+    assert "Triton" in dense_launch.unsupported_reason(q, k, vt, out8, **_kw(qd, kd, vd, lse, out_scale=torch.ones(1)))
     out192 = torch.empty(2, 256, 8, 192, dtype=torch.bfloat16)
-    assert "shape mismatch" in dense_tma.unsupported_reason(q, k, vt, out192, **kw)
+    assert "shape mismatch" in dense_launch.unsupported_reason(q, k, vt, out192, **kw)
     for dq, dk, dv in ((192, 192, 192), (192, 192, 64), (128, 128, 192), (192, 128, 128), (256, 256, 128)):
         qx, kx, vx = fp8_randn((2, 256, 8, dq), device="cpu"), fp8_randn((2, 256, 2, dk), device="cpu"), fp8_randn((2, 256, 2, dv), device="cpu")
         ox = torch.empty(2, 256, 8, dv, dtype=torch.bfloat16)
-        assert "head dim" in dense_tma.unsupported_reason(qx, kx, vx, ox, **kw), (dq, dk, dv)
+        assert "head dim" in dense_launch.unsupported_reason(qx, kx, vx, ox, **kw), (dq, dk, dv)
     # varlen: the bounded kernel (by default from 1024 queries, as head dim 128), also behind the switch
     cu = torch.tensor([0, 256, 512], dtype=torch.int32)
     kv = _kw(qd, kd, vd, torch.empty(8, 512), cu_seqlens_q=cu, cu_seqlens_k=cu)
     vargs = (q.view(512, 8, 192), k.view(512, 2, 192), v.view(512, 2, 128), out.view(512, 8, 128))
-    assert dense_tma.unsupported_reason(*vargs, **kv) == "inputs must be CUDA tensors"
-    assert dense_tma.varlen_preferred(192, 1024) and not dense_tma.varlen_preferred(192, 1023)
-    assert "shape mismatch" in dense_tma.unsupported_reason(*vargs[:3], out.view(512, 8, 128)[:, :4], **kv)
-    assert "head dim" in dense_tma.unsupported_reason(*vargs[:2], k.view(512, 2, 192), out.view(512, 8, 128)
+    assert dense_launch.unsupported_reason(*vargs, **kv) == "inputs must be CUDA tensors"
+    assert dense_launch.varlen_preferred(192, 1024) and not dense_launch.varlen_preferred(192, 1023)
+    assert "shape mismatch" in dense_launch.unsupported_reason(*vargs[:3], out.view(512, 8, 128)[:, :4], **kv)
+    assert "head dim" in dense_launch.unsupported_reason(*vargs[:2], k.view(512, 2, 192), out.view(512, 8, 128)
                                                       .new_empty(512, 8, 192), **kv)
     monkeypatch.setenv("FP8ATTN_TMA_QK192", "0")
-    assert "FP8ATTN_TMA_QK192=0" in dense_tma.unsupported_reason(*vargs, **kv)
+    assert "FP8ATTN_TMA_QK192=0" in dense_launch.unsupported_reason(*vargs, **kv)
     monkeypatch.delenv("FP8ATTN_TMA_QK192")
-    assert dense_tma._tiles(192, True, 128) == (64, 64, 128, 128)
-    assert dense_tma.ws_config(192, True, head_dim_v=128) == (2, 128, dense_tma.NUM_STAGES)
+    assert dense_launch._tiles(192, True, 128) == (64, 64, 128, 128)
+    assert dense_launch.ws_config(192, True, head_dim_v=128) == (2, 128, dense_launch.NUM_STAGES)
     for args in ((192, False, 128), (192, True, 64), (128, True, 192)):
         with pytest.raises(ValueError, match="head dims"):
-            dense_tma._tiles(*args)
+            dense_launch._tiles(*args)
     with pytest.raises(ValueError, match="^consumers: "):
-        dense_tma.ws_config(192, False, 3, head_dim_v=128)
+        dense_launch.ws_config(192, False, 3, head_dim_v=128)
 
 
 _QK192_AOT_SNIPPET = _SASS_PRELUDE + """
-for mode in (None, dense_tma.MODE_VARLEN):
+for mode in (None, dense_launch.MODE_VARLEN):
     for causal in (False, True):
         for lse in (False, True):
-            k = dense_tma._aot_compile(causal, write_lse=lse, head_dim=192, head_dim_v=128, mode=mode)
+            k = dense_launch._aot_compile(causal, write_lse=lse, head_dim=192, head_dim_v=128, mode=mode)
             sass = sass_of(k)
             regs = sorted({{int(x, 16) for x in re.findall(r"USETMAXREG\\.\\S+\\s+(0x[0-9a-f]+)", sass)}})
             print("qk192", mode, int(causal), int(lse), k.metadata.shared, len(re.findall(r"\\bSTL", sass)),
@@ -1184,20 +1192,20 @@ def test_gpu_tma_qk192_vs_reference(sq, sk, causal, hq, hk, with_lse, monkeypatc
     monkeypatch.delenv("FP8ATTN_TMA_QK192", raising=False)
     q, k, v, _, qd, kd, vd, out, lse = _case_qk192(b=2, sq=sq, sk=sk, hq=hq, hk=hk, device="cuda")
     launches = []
-    real = dense_tma._launch
+    real = dense_launch._launch
 
     def spy(d, ws, grid, descs, args, consts, **kw):
         launches.append((d, ws, consts, descs[2][3], descs[3][3]))
         return real(d, ws, grid, descs, args, consts, **kw)
 
-    monkeypatch.setattr(dense_tma, "_launch", spy)
+    monkeypatch.setattr(dense_launch, "_launch", spy)
     scale = 192 ** -0.5
     kw = dict(softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd, k_descale=kd,
               v_descale=vd)
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     launch_dense_fwd(q, k, v, out, lse, **kw)
-    assert launches == [(192, True, (causal, True, False, dense_tma.NUM_STAGES, 192, 2, 128), [128, 128],
+    assert launches == [(192, True, (causal, True, False, dense_launch.NUM_STAGES, 192, 2, 128), [128, 128],
                          [64, 128])], launches
     _reference_check(q, k, v, qd, kd, vd, out, lse, causal, scale)
     if not with_lse:
@@ -1225,13 +1233,13 @@ def test_gpu_tma_qk192_switch_and_triton(causal, monkeypatch):
     kw = dict(softmax_scale=0.1, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd, k_descale=kd,
               v_descale=vd)
     calls = []
-    real = dense_tma.launch_dense_fwd_tma
+    real = dense_launch.launch_dense_fwd_tma
 
     def spy(*a, **k_):
         calls.append(1)
         return real(*a, **k_)
 
-    monkeypatch.setattr(dense_tma, "launch_dense_fwd_tma", spy)
+    monkeypatch.setattr(dense_launch, "launch_dense_fwd_tma", spy)
     launch_dense_fwd(q, k, v, out, lse, **kw)
     o2, l2 = torch.empty_like(out), torch.empty_like(lse)
     launch_dense_fwd(q, k, v, o2, l2, **kw)
@@ -1295,8 +1303,8 @@ def test_gpu_tma_qk192_varlen_vs_reference_and_triton(causal, hq, hk, with_lse, 
             assert_row_scaled(o3, out)
     # the default dispatch (no FP8ATTN_DENSE_BACKEND): TMA from 1024 queries, Triton with the switch off
     calls = []
-    real = dense_tma._launch_varlen
-    monkeypatch.setattr(dense_tma, "_launch_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = dense_launch._launch_varlen
+    monkeypatch.setattr(dense_launch, "_launch_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND", raising=False)
     o4 = torch.empty_like(out)
     kw = dict(softmax_scale=192 ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd,
@@ -1319,7 +1327,7 @@ def test_gpu_tma_qk192_varlen_bits_equal_dense(causal):
     out, lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
     od = torch.empty(b, sq, hq, 128, device="cuda", dtype=torch.bfloat16)
     ld = torch.empty(b, hq, sq, device="cuda")
-    dense_tma.launch_dense_fwd_tma(q.view(b, sq, hq, 192), k.view(b, sk, hk, 192),
+    dense_launch.launch_dense_fwd_tma(q.view(b, sq, hq, 192), k.view(b, sk, hk, 192),
                                    transpose_v_kmajor(v.view(b, sk, hk, 128)), od, ld, softmax_scale=192 ** -0.5,
                                    causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
     assert torch.equal(out.view(b, sq, hq, 128).view(torch.int16), od.view(torch.int16))
@@ -1331,15 +1339,15 @@ def test_qk192_launch_views(monkeypatch):
     (rows, heads * 192) in 64-wide boxes, V sequence-major as (heads * 128, keys) in 128 x 128 boxes, O as
     (rows, heads * 128) in 64 x 128 boxes; HEAD_DIM 192 with HEAD_DIM_V 128, dense and varlen."""
     seen = []
-    monkeypatch.setattr(dense_tma, "_launch", lambda d, ws, grid, descs, args, consts, **kw: seen.append(
+    monkeypatch.setattr(dense_launch, "_launch", lambda d, ws, grid, descs, args, consts, **kw: seen.append(
         (d, ws, [(list(shape), list(strides), box) for _, shape, strides, box in descs], consts, kw)))
-    monkeypatch.setattr(dense_tma, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(dense_launch, "_num_sms", lambda index: 132)
     b, sq, sk, hq, hk = 2, 256, 384, 8, 2
     q, k, v, vt, qd, kd, vd, out, lse = _case_qk192(b=b, sq=sq, sk=sk, hq=hq, hk=hk)
-    dense_tma.launch_dense_fwd_tma(q, k, vt, out, None, softmax_scale=0.1, causal=True, q_descale=qd, k_descale=kd,
+    dense_launch.launch_dense_fwd_tma(q, k, vt, out, None, softmax_scale=0.1, causal=True, q_descale=qd, k_descale=kd,
                                    v_descale=vd)
     d, ws, views, consts, kw = seen.pop()
-    assert (d, ws, consts) == (192, True, (True, False, False, dense_tma.NUM_STAGES, 192, 2, 128))
+    assert (d, ws, consts) == (192, True, (True, False, False, dense_launch.NUM_STAGES, 192, 2, 128))
     assert views == [([b * sq, hq * 192], [hq * 192, 1], [64, 64]), ([b * sk, hk * 192], [hk * 192, 1], [128, 64]),
                      ([b * hk * 128, sk], [sk, 1], [128, 128]), ([b * sq, hq * 128], [hq * 128, 1], [64, 128])]
     assert kw == dict(tiles=(64, 64, 128, 128))
@@ -1347,12 +1355,12 @@ def test_qk192_launch_views(monkeypatch):
         pytest.skip("the varlen block list needs CUDA or the interpreter")
     cu = torch.tensor([0, 100, 356], dtype=torch.int32)
     tq = 356
-    dense_tma.launch_dense_fwd_tma(q.view(-1, hq, 192)[:tq], k.view(-1, hk, 192)[:tq], v.view(-1, hk, 128)[:tq],
+    dense_launch.launch_dense_fwd_tma(q.view(-1, hq, 192)[:tq], k.view(-1, hk, 192)[:tq], v.view(-1, hk, 128)[:tq],
                                    out.view(-1, hq, 128)[:tq], torch.empty(hq, tq), softmax_scale=0.1, causal=False,
                                    q_descale=qd, k_descale=kd, v_descale=vd, cu_seqlens_q=cu, cu_seqlens_k=cu)
     d, ws, views, consts, kw = seen.pop()
     cols = 16 * (tq // 16 + b + 1)
-    assert (d, ws, consts) == (192, True, (False, True, False, dense_tma.NUM_STAGES, 192, dense_tma.MODE_VARLEN,
+    assert (d, ws, consts) == (192, True, (False, True, False, dense_launch.NUM_STAGES, 192, dense_launch.MODE_VARLEN,
                                            False, 128))
     assert views == [([tq, hq * 192], [hq * 192, 1], [64, 64]), ([tq, hk * 192], [hk * 192, 1], [128, 64]),
                      ([hk * 128, cols], [cols, 1], [128, 128]), ([tq, hq * 128], [hq * 128, 1], [64, 128])]

@@ -12,8 +12,9 @@ import torch
 
 from helpers import (check_paged, cu_from_lens, make_cache, paged_refs, poison_, rand_descale, replay_at_lengths,
                      run_paged, v_seq_major_cache)
-from fp8attn.kernels.paged import choose_num_splits, launch_paged_fwd, paged_config, split_workspace
-from fp8attn.paged_cache import to_v_seq_major
+from fp8attn.kernels.paged import launch_paged_fwd
+from fp8attn.kernels.planning import choose_num_splits, paged_config
+from fp8attn.paged_cache import split_workspace, to_v_seq_major
 from fp8attn.quant import saturating_cast
 from fp8attn.reference import paged_attention_ref
 
@@ -371,7 +372,7 @@ def test_prefill_split_rule():
     heuristic would split in two take 1-4 splits by rounds of two programs per SM (the H200 picks of
     ``explore/prefill_splits.json``); varlen calls, other tiles and the other grid sizes keep the decode
     heuristic."""
-    from fp8attn.paged_plan import choose_prefill_splits, paged_grid
+    from fp8attn.kernels.planning import choose_prefill_splits, paged_grid
 
     picks = {152: 3, 160: 3, 176: 3, 232: 1, 256: 1, 280: 4, 304: 4, 352: 3, 376: 2}
     assert {p: choose_prefill_splits(p, 132, 8192) for p in picks} == picks
@@ -546,26 +547,26 @@ def test_gpu_cache_over_2_31_elements():
 
 def test_mixed_batch_launch_fills_the_tma_block_list():
     """A mixed batch's large-tile launch writes the TMA kernel's query-block list (one extra program, no
-    launch of its own): the same entries as ``dense_tma.varlen_block_list`` for ``VARLEN_MIN_Q``, with
+    launch of its own): the same entries as ``dense_launch.varlen_block_list`` for ``VARLEN_MIN_Q``, with
     sequences on both sides of it, an empty one, and more than one query block."""
-    from fp8attn.kernels import dense_tma, paged_tma
+    from fp8attn.kernels.hopper import dense_launch, paged_launch
 
     hq, hk, d = 4, 2, 32
-    m = paged_tma.VARLEN_MIN_Q
+    m = paged_launch.VARLEN_MIN_Q
     qlens = [1, m + 45, 0, m, 5, 2 * m + 1, m - 1, 1]
     seqlens = [n + 40 for n in qlens]
     c = make_cache(seqlens, 64, hk, d)
     cu = cu_from_lens(qlens)
     q = torch.randn(sum(qlens), hq, d, device=DEV).to(torch.bfloat16)
-    filled = dense_tma.empty_block_list(cu, sum(qlens)).fill_(-7)
+    filled = dense_launch.empty_block_list(cu, sum(qlens)).fill_(-7)
     run_paged(q, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), config={"split_at": m, "block_list": filled})
-    want = dense_tma.varlen_block_list(cu, c["cache_seqlens"], False, sum(qlens), m)
+    want = dense_launch.varlen_block_list(cu, c["cache_seqlens"], False, sum(qlens), m)
     n = int(want[0])
     assert n == 2 + 1 + 3 and int(filled[0]) == n
-    entries = slice(dense_tma.ENTRY, dense_tma.ENTRY * (1 + n))
-    got, ref = (x[entries].view(n, dense_tma.ENTRY)[:, :6] for x in (filled, want))
+    entries = slice(dense_launch.ENTRY, dense_launch.ENTRY * (1 + n))
+    got, ref = (x[entries].view(n, dense_launch.ENTRY)[:, :6] for x in (filled, want))
     assert torch.equal(got, ref), (got, ref)
-    assert (filled[dense_tma.ENTRY * (1 + n):] == -7).all()  # nothing past the count
+    assert (filled[dense_launch.ENTRY * (1 + n):] == -7).all()  # nothing past the count
 
 
 @pytest.mark.parametrize("split_at", [32, 200])

@@ -1,4 +1,4 @@
-"""Chunked prefill on the warp-specialized TMA kernel over a paged FP8 cache (kernels/paged_tma.py).
+"""Chunked prefill on the warp-specialized TMA kernel over a paged FP8 cache (kernels/paged_launch.py).
 
 CPU: the dispatch rules (``unsupported_reason``); test_kernel_dense_tma compiles every variant for sm90
 and checks the varlen block list.
@@ -19,7 +19,7 @@ import torch
 
 from helpers import (assert_row_scaled, check_paged, cu_from_lens, make_cache, paged_refs, poison_, rand_descale,
                      replay_at_lengths, run_paged, v_seq_major_cache)
-from fp8attn.kernels import dense_tma, paged_tma
+from fp8attn.kernels.hopper import dense_launch, paged_launch
 from fp8attn.kernels.dense import transpose_v_kmajor
 from fp8attn.paged_cache import empty_paged
 from fp8attn.quant import saturating_cast
@@ -45,14 +45,14 @@ def _reason(q, c, *, out=None, lse=None, causal=True, **kw):
                 k_descale=None, v_descale=None, k_cache_scales=None, v_cache_scales=None, out_scale=None,
                 num_splits=1)
     args.update(kw)
-    return paged_tma.unsupported_reason(q, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"], out, lse,
+    return paged_launch.unsupported_reason(q, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"], out, lse,
                                         **args)
 
 
 # ------------------------------------------------------------------------------------------ CPU
 
 
-@pytest.mark.skipif(not dense_tma.HAS_GLUON, reason="needs triton with Gluon")
+@pytest.mark.skipif(not dense_launch.HAS_GLUON, reason="needs triton with Gluon")
 def test_unsupported_reasons_name_the_rule():
     q, c, dk = _inputs([300, 700], 256, 128, 4, 2, 64, "cpu")
     assert _reason(q, c, **dk) == "inputs must be CUDA tensors"  # every shape rule passed
@@ -73,11 +73,11 @@ def test_unsupported_reasons_name_the_rule():
     assert "seqlen_q (200)" in _reason(q[:, :200], c)
     assert "page_size (32)" in _reason(q, v_seq_major_cache(make_cache([300, 700], 32, 2, 64, device="cpu")))
     assert _reason(q, v_seq_major_cache(make_cache([300, 700], 64, 2, 64, device="cpu"))) == "inputs must be CUDA tensors"
-    assert [paged_tma.block_n(p) for p in (64, 128, 192, 256)] == [64, 128, 64, 128]
-    assert [paged_tma.box_rows(p, False) for p in (64, 128, 192, 256)] == [64, 128, 64, 128]
+    assert [paged_launch.block_n(p) for p in (64, 128, 192, 256)] == [64, 128, 64, 128]
+    assert [paged_launch.box_rows(p, False) for p in (64, 128, 192, 256)] == [64, 128, 64, 128]
     # FA3's V layout: 128-key tiles in boxes of up to one page
-    assert {paged_tma.block_n(p, True) for p in (16, 32, 64, 128, 192, 256)} == {128}
-    assert [paged_tma.box_rows(p, True) for p in (16, 32, 64, 128, 192, 256)] == [16, 32, 64, 128, 64, 128]
+    assert {paged_launch.block_n(p, True) for p in (16, 32, 64, 128, 192, 256)} == {128}
+    assert [paged_launch.box_rows(p, True) for p in (16, 32, 64, 128, 192, 256)] == [16, 32, 64, 128, 64, 128]
     for ps in (16, 32):  # one TMA box per page: FA3's layout only
         assert _reason(q, make_cache([300, 700], ps, 2, 64, device="cpu")) == "inputs must be CUDA tensors"
     assert "page_size (48)" in _reason(q, make_cache([300, 700], 48, 2, 64, device="cpu"))
@@ -91,7 +91,7 @@ def test_unsupported_reasons_name_the_rule():
     assert "cache_seqlens" in _reason(q, dict(c, cache_seqlens=c["cache_seqlens"].long()))
 
 
-@pytest.mark.skipif(not dense_tma.HAS_GLUON, reason="needs triton with Gluon")
+@pytest.mark.skipif(not dense_launch.HAS_GLUON, reason="needs triton with Gluon")
 def test_varlen_unsupported_reasons():
     qlens = [1, 300, 0, 129]
     q, c, dk = _inputs([40, 700, 5, 200], 1, 128, 4, 2, 64, "cpu")
@@ -119,19 +119,19 @@ def _run(q, c, dk, causal, **kw):
     """``run_paged`` that checks the TMA kernel ran once: on the whole batch, or with ``cu_seqlens_q`` in
     ``kw`` on the sequences of ``VARLEN_MIN_Q`` queries or more."""
     calls = []
-    real = paged_tma.launch_paged_prefill_tma
+    real = paged_launch.launch_paged_prefill_tma
 
     def spy(*a, **k):
         calls.append(k.get("min_len_q"))
         return real(*a, **k)
 
-    paged_tma.launch_paged_prefill_tma = spy
+    paged_launch.launch_paged_prefill_tma = spy
     try:
         out, lse = run_paged(q, c, causal=causal, **dk, **kw)
     finally:
-        paged_tma.launch_paged_prefill_tma = real
+        paged_launch.launch_paged_prefill_tma = real
     varlen = kw.get("cu_seqlens_q") is not None
-    assert calls == [paged_tma.VARLEN_MIN_Q if varlen else None], "the TMA kernel did not run these inputs"
+    assert calls == [paged_launch.VARLEN_MIN_Q if varlen else None], "the TMA kernel did not run these inputs"
     return out, lse
 
 
@@ -164,8 +164,8 @@ def test_gpu_against_reference(d, causal, page_size, v_rows):
 def test_gpu_bits_equal_dense_tma(d, causal, monkeypatch):
     """Lengths that are multiples of 128: the same tiles in the same order as the dense kernel on the
     gathered K/V, so the same bits (output and LSE). The dense kernel runs its plain K box: key-permuted
-    (``dense_tma.kperm_on``, head dim 64 causal) its fp32 row sums add in another order."""
-    monkeypatch.setattr(dense_tma, "kperm_on", lambda *args: False)
+    (``dense_launch.kperm_on``, head dim 64 causal) its fp32 row sums add in another order."""
+    monkeypatch.setattr(dense_launch, "kperm_on", lambda *args: False)
     b, sq, L, hq, hk = 2, 384, 1152, 8, 2
     q, c, dk = _inputs([L] * b, sq, 128, hq, hk, d, "cuda")
     out, lse = _run(q, c, dk, causal)
@@ -173,7 +173,7 @@ def test_gpu_bits_equal_dense_tma(d, causal, monkeypatch):
     vg, _ = gather_paged(c["v_cache"], c["page_table"], c["cache_seqlens"], L)
     od = torch.empty_like(out)
     ld = torch.empty_like(lse)
-    dense_tma.launch_dense_fwd_tma(q, kg.contiguous(), transpose_v_kmajor(vg), od, ld, softmax_scale=d ** -0.5,
+    dense_launch.launch_dense_fwd_tma(q, kg.contiguous(), transpose_v_kmajor(vg), od, ld, softmax_scale=d ** -0.5,
                                    causal=causal, **{k: v for k, v in dk.items()})
     assert torch.equal(out.view(torch.int16), od.view(torch.int16))
     assert torch.equal(lse, ld)
@@ -237,8 +237,8 @@ def test_gpu_v_rows_bits_equal_seq_major(page_size):
               v_descale=rand_descale(len(_QLENS), 2, 0.5, 2.0, "cuda"))
     a, la = _run(qv, cv, dv, True, **vk)
     b, lb = _run(qv, v_seq_major_cache(_repaged(cv, 128)), dv, True, **vk)
-    rows = torch.cat([torch.full((n,), n >= paged_tma.VARLEN_MIN_Q) for n in _QLENS]).cuda()
-    assert rows.sum() >= 4 * paged_tma.VARLEN_MIN_Q
+    rows = torch.cat([torch.full((n,), n >= paged_launch.VARLEN_MIN_Q) for n in _QLENS]).cuda()
+    assert rows.sum() >= 4 * paged_launch.VARLEN_MIN_Q
     assert torch.equal(a[rows].view(torch.int16), b[rows].view(torch.int16)) and torch.equal(la[:, rows], lb[:, rows])
 
 
@@ -275,7 +275,7 @@ def test_gpu_cuda_graph_capture_short_replay_long(v_rows):
     seq_buf = torch.tensor([300, 256, 600], dtype=torch.int32, device="cuda")
 
     def launch():
-        paged_tma.launch_paged_prefill_tma(q, c["k_cache"], c["v_cache"], c["page_table"], seq_buf, out, lse,
+        paged_launch.launch_paged_prefill_tma(q, c["k_cache"], c["v_cache"], c["page_table"], seq_buf, out, lse,
                                            softmax_scale=d ** -0.5, causal=True, **dk)
 
     replay_at_lengths(launch, seq_buf, c["cache_seqlens"])
@@ -365,7 +365,7 @@ def test_gpu_p_rounding_is_the_cpu_paths(qlens, varlen):
     gpu = flash_attn_with_kvcache(*args, **kw).float().cpu()
     cpu_kw = {k: v.cpu() if torch.is_tensor(v) else v for k, v in kw.items()}
     cpu = flash_attn_with_kvcache(*(t.cpu() for t in args), **cpu_kw).float()
-    tma_rows = torch.cat([torch.full((n,), n >= paged_tma.VARLEN_MIN_Q) for n in qlens])
+    tma_rows = torch.cat([torch.full((n,), n >= paged_launch.VARLEN_MIN_Q) for n in qlens])
     tma_rows = tma_rows if varlen else tma_rows.view(2, qlens[0])
     ref_kw = {k: v for k, v in cpu_kw.items() if k not in ("cache_seqlens", "page_table")}
     rargs = (args[0].cpu(), c["k_cache"].cpu(), c["v_cache"].cpu(), cpu_kw["page_table"], cpu_kw["cache_seqlens"])

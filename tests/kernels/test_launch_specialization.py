@@ -8,7 +8,7 @@ import torch
 
 import fp8attn.kernels.dense as KD
 import fp8attn.kernels.paged as KP
-from fp8attn.launch_rules import window_flags
+from fp8attn.kernels.planning import paged_config, window_flags
 
 E4M3 = torch.float8_e4m3fn
 
@@ -99,7 +99,7 @@ def test_paged_decode_token_scales_uncapped(monkeypatch, v_seq_major):
     (E4M3, 64, True, (128, 64, 8)),              # FP8 MMAs for both dots keep 8 warps
 ])
 def test_paged_prefill_warps(q_dtype, page, v_seq_major, tile):
-    bm, bn, nw, _, _ = KP.paged_config(2048, 4, 128, q_dtype == E4M3, None, page, v_seq_major, True, False)
+    bm, bn, nw, _, _ = paged_config(2048, 4, 128, q_dtype == E4M3, None, page, v_seq_major, True, False)
     assert (bm, bn, nw) == tile
 
 
@@ -143,8 +143,8 @@ def test_paged_varlen_launch_plan(monkeypatch, case):
     def reason(*a, **k):
         checks.append(k["num_splits"])
         return None if k["num_splits"] <= 1 else "split"
-    monkeypatch.setattr(KP.paged_tma, "unsupported_reason", reason)
-    monkeypatch.setattr(KP.paged_tma, "launch_paged_prefill_tma", lambda *a, **k: tma_calls.append(k))
+    monkeypatch.setattr(KP.paged_launch, "unsupported_reason", reason)
+    monkeypatch.setattr(KP.paged_launch, "launch_paged_prefill_tma", lambda *a, **k: tma_calls.append(k))
     hq, hk, d, page = 8, 2, 128, 64
     qlens = [1, 300, 1, 40]
     cu = torch.tensor([0, 1, 301, 302, 342], dtype=torch.int32)
@@ -160,12 +160,12 @@ def test_paged_varlen_launch_plan(monkeypatch, case):
                         config={"tma": False} if case == "tma_off" else None)
     plan = [(kw["TWO_CLASS"], kw["BIG_CLASS"], args[-2], args[-1]) for _, args, kw in kern.calls]
     if case == "split_with_tma":
-        small_q = KP.paged_config(1, hq // hk, d, True, None, page, True)[0] // (hq // hk)
+        small_q = paged_config(1, hq // hk, d, True, None, page, True)[0] // (hq // hk)
         assert plan == [(True, False, 0, 0), (False, True, small_q + 1, 127)]
         small, big = kern.calls[0], kern.calls[1]
         assert small[0][0] == 4 * hk  # one program per sequence and kv head
         assert (small[2]["BLOCK_M"], small[2]["BLOCK_N"], small[2]["maxnreg"]) == \
-            KP.paged_config(1, hq // hk, d, True, None, page, True)[0:2] + (128,)  # the decode tiles, capped
+            paged_config(1, hq // hk, d, True, None, page, True)[0:2] + (128,)  # the decode tiles, capped
         assert big[2]["BLOCK_M"] == 128 and big[2]["num_warps"] == 8
         assert len(tma_calls) == 1 and tma_calls[0]["min_len_q"] == 128 and tma_calls[0]["cu_seqlens_q"] is cu
         # the large-tile launch writes the TMA kernel's block list from one extra program (no list launch)
@@ -188,7 +188,7 @@ def test_mixed_batch_decode_class_matches_the_cpu_rule(monkeypatch, hq, hk, d, v
     tile class is the sequences of at most ``decode_row_queries(qg)`` queries; both classes round P as the
     CPU path does (``paged.paged_precisions``: e4m3 over sequence-major V, fp16 over FA3's layout), and the
     small class over FA3's layout runs QK^T in fp16 too where it holds decode tiles."""
-    from fp8attn.paged_cache import decode_row_queries, decode_shaped, paged_precisions
+    from fp8attn.kernels.planning import decode_row_queries, decode_shaped, paged_precisions
     launches = []
 
     class _All(_Capture):
@@ -223,14 +223,14 @@ def test_paged_varlen_tma_rows_match_the_cpu_rule(monkeypatch, pages):
     (a small batch over a long page table: 64 pages). The launcher decides as the CPU path models it
     (``ops._paged_tma_tokens``: those rows' P in e4m3, the others' in fp16)."""
     import fp8attn.ops as O
-    from fp8attn.paged_cache import paged_precisions
+    from fp8attn.kernels.planning import paged_precisions
 
     kern, tma_calls = _Launches(), []
     monkeypatch.setattr(KP, "_paged_fwd_kernel", kern)
     monkeypatch.setattr(KP, "launch_combine", lambda *a, **k: None)
     monkeypatch.setattr(KP, "INTERPRET", False)  # the TMA dispatch is skipped under the interpreter
-    monkeypatch.setattr(KP.paged_tma, "unsupported_reason", lambda *a, **k: None if k["num_splits"] <= 1 else "split")
-    monkeypatch.setattr(KP.paged_tma, "launch_paged_prefill_tma", lambda *a, **k: tma_calls.append(k))
+    monkeypatch.setattr(KP.paged_launch, "unsupported_reason", lambda *a, **k: None if k["num_splits"] <= 1 else "split")
+    monkeypatch.setattr(KP.paged_launch, "launch_paged_prefill_tma", lambda *a, **k: tma_calls.append(k))
     hq, hk, d, page = 8, 2, 128, 64
     qlens = [1, 300]
     cu = torch.tensor([0, 1, 301], dtype=torch.int32)

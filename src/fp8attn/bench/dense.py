@@ -230,9 +230,9 @@ def _with_env(name, value, fn):
 
 
 def _with_rules(text, fn):
-    """``fn()`` under the dense launcher's rule overrides ``text`` (``kernels.dense_tma.set_dense_rules``; ""
+    """``fn()`` under the dense launcher's rule overrides ``text`` (``kernels.hopper.dense_launch.set_dense_rules``; ""
     is the committed rules), restored after."""
-    from ..kernels.dense_tma import set_dense_rules
+    from ..kernels.hopper.dense_launch import set_dense_rules
 
     old = set_dense_rules(text)
     try:

@@ -267,8 +267,9 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None,
     one-call CUDA-graph replays and per call in an 8-call step, on the FA3-layout cache and, where the
     ``paged_v_seq_major`` peer runs, on it too); ``page_sizes`` replaces (16, 64); ``read_ceiling`` adds the
     peer ``read_ceiling``: a kernel that only reads the same K/V bytes, timed the same ways."""
-    from ..kernels.paged import choose_num_splits, launch_paged_fwd, split_workspace
-    from ..paged_cache import to_v_seq_major
+    from ..kernels.paged import launch_paged_fwd
+    from ..kernels.planning import choose_num_splits
+    from ..paged_cache import split_workspace, to_v_seq_major
     from ..reference import paged_attention_ref
 
     cells = cells or shapes

@@ -57,8 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch_rules import window_flags
 from .common import INTERPRET, LOG2E, causal_window_mask, cdiv, full_tile_range, kv_range, next_pow2, seq_bounds
+from .planning import window_flags
 
 __all__ = ["launch_attention_bwd", "bwd_configs", "table_configs", "MODES"]
 
@@ -188,7 +188,7 @@ def _logits(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
 @triton.jit
 def _to_e4m3(x, inv_scale):
     """Saturating cast of ``x * inv_scale`` to e4m3: every e4m3 operand of the backward goes through here
-    (DESIGN's saturating-casts rule), so no cast relies on how a backend's conversion treats values
+    (FP8 casts saturate, docs/design.md), so no cast relies on how a backend's conversion treats values
     past 448 (sm90's cvt saturates, a non-saturating conversion gives NaN). NaN stays NaN: the default
     min/max compile to PTX's NaN-dropping ``min.f32``/``max.f32``, which would turn a NaN into -448
     on the GPU only (a bogus finite gradient where the interpreter shows NaN)."""

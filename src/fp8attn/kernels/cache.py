@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..paged import is_v_seq_major
-from ..quant import DESCALE_FLOOR, scale_storage_pad
 from .common import INTERPRET, cdiv, next_pow2
+from .planning import DESCALE_FLOOR, is_v_seq_major, scale_storage_pad
 
 __all__ = ["launch_write_kv_cache", "launch_append_kv_cache"]
 

@@ -20,7 +20,7 @@ import os
 import triton
 import triton.language as tl
 
-from ..launch_rules import cdiv, next_pow2  # noqa: F401  (host helpers of every launcher)
+from .planning import cdiv, next_pow2  # noqa: F401  (host helpers of every launcher)
 
 # Read once at import, as the @triton.jit decorators choose the interpreter then; launchers pass it on
 # (a per-call read could disagree with how their kernels were built).
@@ -240,7 +240,7 @@ def find_seq(CU_Q, target, batch, BLOCK_Q: tl.constexpr, CHUNK: tl.constexpr = 2
 @triton.jit
 def fill_varlen_block_list(CuQ, KSrc, Blocks, batch, min_len_q, BM: tl.constexpr, BLOCK_B: tl.constexpr,
                            KEYS_CU: tl.constexpr, ENTRY: tl.constexpr):
-    """Writes the varlen block list of the warp-specialized TMA kernel (``dense_tma.varlen_block_list``, whose
+    """Writes the varlen block list of the warp-specialized TMA kernel (``dense_launch.varlen_block_list``, whose
     docstring gives the format) from one program: per chunk of BLOCK_B sequences, each one's first list slot
     (a running prefix sum of block counts), then its blocks' entries. Keys from ``KSrc``: cumulative
     offsets (KEYS_CU: varlen K/V) or per-sequence counts (a paged cache, first key row 0)."""

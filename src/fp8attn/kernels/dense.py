@@ -5,7 +5,7 @@ online-softmax step, row finalization, output epilogue) and varies by constexpr 
 varlen (cu_seqlens), causal, sliding window, softcap, packed GQA, per-block Q/K descales, fused
 FP8 output.
 
-Layout of V (the Hopper FP8 K-major rule, DESIGN §3): FP8 ``wgmma`` needs its B operand K-major,
+Layout of V: Hopper's FP8 ``wgmma`` needs its B operand K-major,
 and for ``P @ V`` the contraction runs over the key sequence, so V's tile must have the sequence
 dimension contiguous. The kernel reads V through plain pointer loads with arbitrary strides, so it
 accepts either layout; ``launch_dense_fwd`` makes a sequence-contiguous copy of an FP8 V whose last
@@ -25,15 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch_rules import window_flags
-from . import dense_tma
 from .common import (
     INTERPRET,
     LOG2E,
     causal_window_mask,
     cdiv,
     finalize_rows,
-    find_seq,
     full_tile_range,
     kv_range,
     next_pow2,
@@ -42,8 +39,10 @@ from .common import (
     scale_logits,
     seq_bounds,
 )
+from .hopper import dense_launch
+from .planning import window_flags
 
-__all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor", "varlen_v_kmajor", "tma_reason", "dense_backend",
+__all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor", "tma_reason", "dense_backend",
            "wants_kmajor_copy"]
 
 
@@ -244,7 +243,7 @@ def _dense_fwd_kernel(
     else:
         q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
 
-    # ---- folded scales (DESIGN §3) ---------------------------------------------------------
+    # ---- folded scales (the descales enter the logit scale, never applied after the kernel) ----
     if SOFTCAP:
         base_scale = softmax_scale / softcap
     else:
@@ -371,83 +370,6 @@ def transpose_v_kmajor(v: torch.Tensor) -> torch.Tensor:
     return out.squeeze(0) if v.dim() == 3 else out
 
 
-@triton.jit
-def _varlen_v_layout_kernel(X, Y, CuK, batch, head_dim, stride_xs, stride_xh, stride_xd, stride_yh, stride_yd,
-                            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``varlen_v_kmajor`` in one pass. Program (i, h): the i-th BLOCK_S-token tile of the capacity
-    ``total_k // BLOCK_S + batch``, whose sequence b's tiles start at ``cu_seqlens_k[b] // BLOCK_S + b``
-    (``find_seq``): its tokens are contiguous in Y's columns, so the transposed store is a row of
-    BLOCK_S bytes per head-dim index (a per-token sequence lookup made it byte stores: 6x slower)."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = find_seq(CuK, pid, batch, BLOCK_S)
-    start = tl.load(CuK + b)
-    offs_s = (pid - (start // BLOCK_S + b)) * BLOCK_S + tl.arange(0, BLOCK_S)  # tokens of the sequence
-    offs_d = tl.arange(0, BLOCK_D)
-    len_k = tl.load(CuK + b + 1) - start
-    d_ok = offs_d[None, :] < head_dim
-    x = tl.load(X + (start + offs_s).to(tl.int64)[:, None] * stride_xs + h * stride_xh + offs_d[None, :] * stride_xd,
-                mask=(offs_s[:, None] < len_k) & d_ok, other=0)
-    dest = 16 * (start // 16 + b).to(tl.int64) + offs_s
-    # The store covers the sequence's columns up to a multiple of 16 (zeros past its end, before the next
-    # sequence's first column): a mask constant over 16 columns lets the compiler store 16 bytes at a time
-    # (an exact per-column mask made byte stores, 190 us for 16k tokens x 16 heads x d128 on the H200).
-    tl.store(Y + h * stride_yh + offs_d[None, :] * stride_yd + dest[:, None], x,
-             mask=(offs_s[:, None] < (len_k + 15) // 16 * 16) & d_ok)
-
-
-def varlen_v_kmajor(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
-    """Varlen V laid out for the TMA kernel.
-
-    V becomes (nheads_k, d, columns) with sequence b's keys contiguous from column
-    ``16 * (cu_seqlens_k[b] // 16 + b)`` (a TMA box must start on 16 bytes; the start grows by more
-    than each sequence's length); the columns after a sequence hold zeros up to the next multiple of 16,
-    the rest between sequences is not written (the kernel never uses it). One Triton pass
-    (``_varlen_v_layout_kernel``; on CUDA, or on the CPU under the interpreter), no host synchronization;
-    torch otherwise (``_varlen_v_kmajor_torch``).
-
-    Parameters
-    ----------
-    v : torch.Tensor
-        (total_k, nheads_k, d), any dtype and strides (the head dim or the tokens contiguous read fastest:
-        the kernel is compiled for a unit stride of either).
-    cu_seqlens_k : torch.Tensor
-        int32 (batch + 1,).
-
-    Returns
-    -------
-    torch.Tensor
-        (nheads_k, d, 16 * (total_k // 16 + batch + 1)), contiguous, ``v``'s dtype.
-    """
-    total_k, hk, d = v.shape
-    batch = cu_seqlens_k.numel() - 1
-    cols = 16 * (total_k // 16 + batch + 1)
-    if v.is_cuda or INTERPRET:
-        one_byte = v.element_size() == 1
-        y = torch.empty(hk, d, cols, device=v.device, dtype=torch.uint8 if one_byte else v.dtype)
-        bs = 128  # one 128-byte row of Y per head-dim index and tile
-        _varlen_v_layout_kernel[(total_k // bs + batch, hk)](
-            v.view(torch.uint8) if one_byte else v, y, cu_seqlens_k, batch, d, *v.stride(), y.stride(0), y.stride(1),
-            BLOCK_S=bs, BLOCK_D=max(16, next_pow2(d)), num_warps=4)
-        return y.view(v.dtype)
-    return _varlen_v_kmajor_torch(v, cu_seqlens_k)
-
-
-def _varlen_v_kmajor_torch(v, cu_seqlens_k):
-    """``varlen_v_kmajor`` in torch operations (zeros between sequences)."""
-    total_k, hk, d = v.shape
-    batch = cu_seqlens_k.numel() - 1
-    cols = 16 * (total_k // 16 + batch + 1)
-    tok = torch.arange(total_k, device=v.device, dtype=torch.int32)
-    seq = (torch.searchsorted(cu_seqlens_k, tok, right=True) - 1).to(torch.int32)
-    start = cu_seqlens_k[seq.long()]
-    dest = 16 * (start // 16 + seq) + (tok - start)
-    y = torch.zeros(hk, d, cols, device=v.device, dtype=torch.uint8 if v.element_size() == 1 else v.dtype)
-    src = v.view(torch.uint8) if v.element_size() == 1 else v
-    y.index_copy_(2, dest.long(), src.permute(1, 2, 0))
-    return y.view(v.dtype)
-
-
 def _bucket(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length()) if n > 1 else 1
 
@@ -511,17 +433,17 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
     ``FP8ATTN_NO_AUTOTUNE=1`` to use the default config (e.g. before CUDA-graph capture without a
     warm-up call).
 
-    Inputs that ``dense_tma.supported`` accepts (e4m3 in, bf16 out or e4m3 out with out_scale, head dim
+    Inputs that ``dense_launch.supported`` accepts (e4m3 in, bf16 out or e4m3 out with out_scale, head dim
     64, 128 or 256, or qk 192 / v 128 with bf16 out unless ``FP8ATTN_TMA_QK192=0``, lengths that are
     multiples of 128, per-(batch, kv head) descales, no window/softcap; varlen at head dims 64 and 128 and
-    qk 192 / v 128, taken by default where ``dense_tma.varlen_preferred``; see there)
-    run on the TMA/wgmma kernel of ``dense_tma`` instead. ``FP8ATTN_DENSE_BACKEND`` selects:
+    qk 192 / v 128, taken by default where ``dense_launch.varlen_preferred``; see there)
+    run on the TMA/wgmma kernel of ``hopper.dense_launch`` instead. ``FP8ATTN_DENSE_BACKEND`` selects:
     unset or ``auto`` (that rule), ``triton`` (always this module's kernel), ``tma`` (the TMA kernel;
     ValueError naming the reason when the inputs are not supported).
     """
     backend = dense_backend()
     if backend != "triton":
-        if cu_seqlens_q is None:  # (varlen: the TMA kernel lays V out itself, varlen_v_kmajor)
+        if cu_seqlens_q is None:  # (varlen: the TMA kernel lays V out itself, dense_launch.varlen_v_kmajor)
             v = _kmajor_v(v, q.dtype == torch.float8_e4m3fn, v_kmajor)  # _build_launch then leaves it as is
         why = tma_reason(q, k, v, out, lse, causal=causal, window_size=window_size, softcap=softcap,
                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale,
@@ -529,7 +451,7 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
                          seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, descale_block_q=descale_block_q,
                          descale_block_k=descale_block_k, backend=backend)
         if why is None:
-            return dense_tma.launch_dense_fwd_tma(
+            return dense_launch.launch_dense_fwd_tma(
                 q, k, v, out, lse, softmax_scale=softmax_scale, causal=window_flags(causal, window_size)[0],
                 q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale,
                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
@@ -562,18 +484,18 @@ def tma_reason(q, k, v, out, lse, *, causal, window_size, softcap, q_descale, k_
                cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, descale_block_q, descale_block_k,
                backend, capability=None):
     """Why ``launch_dense_fwd`` keeps a call on this module's Triton kernel, or None when the TMA kernel of
-    ``dense_tma`` takes it: THE rule of the dense dispatch (``fp8attn.capability.supports`` asks it too).
+    ``hopper.dense_launch`` takes it: THE rule of the dense dispatch (``fp8attn.capability.supports`` asks it too).
 
     Arguments are ``launch_dense_fwd``'s, with ``v`` as the kernels read it (after ``_kmajor_v``) and
-    ``backend`` from ``dense_backend()``; ``capability``: as ``dense_tma.unsupported_reason``.
+    ``backend`` from ``dense_backend()``; ``capability``: as ``dense_launch.unsupported_reason``.
     """
     if backend == "triton":
         return "FP8ATTN_DENSE_BACKEND=triton"
     if seqused_q is not None or seqused_k is not None:
         return "seqused_q/seqused_k are not supported"
-    if backend == "auto" and cu_seqlens_q is not None and not dense_tma.varlen_preferred(q.shape[-1], max_seqlen_q):
-        return "varlen: the Triton kernel is the faster one for these shapes (dense_tma.varlen_preferred)"
-    return dense_tma.unsupported_reason(
+    if backend == "auto" and cu_seqlens_q is not None and not dense_launch.varlen_preferred(q.shape[-1], max_seqlen_q):
+        return "varlen: the Triton kernel is the faster one for these shapes (dense_launch.varlen_preferred)"
+    return dense_launch.unsupported_reason(
         q, k, v, out, causal=causal, window_size=window_size, softcap=softcap, q_descale=q_descale,
         k_descale=k_descale, v_descale=v_descale, out_scale=out_scale, cu_seqlens_q=cu_seqlens_q,
         descale_block_q=descale_block_q, descale_block_k=descale_block_k, lse=lse, cu_seqlens_k=cu_seqlens_k,

@@ -15,7 +15,7 @@ Keys: ``cache_seqlens[b]`` valid tokens, queries being the last ``seqlen_q`` of 
 causal/window alignment). When ``page_size`` is a multiple of BLOCK_N (TILE_IN_PAGE) each KV tile
 lies in one page and reads one page id; otherwise page ids are looked up per key row
 (``page_table[b, j // page_size]``). Page ids are read one tile ahead and carried through the loop,
-which keeps the K/V async copies of later tiles in flight (docs/perf-notes.md, paged version 3).
+which keeps the K/V async copies of later tiles in flight (docs/perf-notes.md).
 Every K/V load is masked to ``j < kv_hi <= cache_seqlens[b]`` and page-table reads stay on the row's
 live pages (an empty range reads entry 0 and never uses it), so ``-1`` page entries and NaN-poisoned
 slots past the length are never used as addresses or read.
@@ -50,16 +50,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch_rules import window_flags
-from ..paged import is_v_seq_major, paged_precisions, split_workspace  # (split_workspace: re-exported)
-from ..paged_plan import CPU_NUM_SMS, choose_num_splits, paged_config, paged_grid  # noqa: F401  (re-exported)
-from . import dense_tma, paged_tma
 from .combine import launch_combine
 from .common import (INTERPRET, causal_window_mask, fill_varlen_block_list, finalize_rows, find_seq,
                      full_tile_range, kv_range, next_pow2, online_softmax_step, output_epilogue, scale_logits,
                      upcast_fp8_in_place)
+from .hopper import dense_launch, paged_launch
+from .planning import CPU_NUM_SMS, is_v_seq_major, paged_grid, paged_precisions, split_partials, window_flags
 
-__all__ = ["launch_paged_fwd", "choose_num_splits", "split_workspace", "paged_config", "tma_reason", "launch_grid"]
+__all__ = ["launch_paged_fwd", "tma_reason", "launch_grid"]
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
        torch.float8_e4m3fn: tl.float8e4nv}
@@ -334,12 +332,12 @@ def _paged_fwd_kernel(
         # precision (MMA_FP8_S, CDT_S, P_FP8_S: a decode row multiplies as in a decode call); the others
         # serve the longer sequences with the large tiles. A sequence is skipped by the other class. The
         # large tiles take only sequences of ``len_q_lo`` .. ``len_q_hi`` queries (the others are served
-        # by other launches: paged_tma, or a small-class-only launch, ``BIG_CLASS`` False, grid ``batch``).
+        # by other launches: hopper.paged_launch, or a small-class-only launch, ``BIG_CLASS`` False, grid ``batch``).
         n_big = num_pid - batch if TWO_CLASS else num_pid
         small_q = BLOCK_M_S // QG if TWO_CLASS else 0
         # DECODE_FIRST: the small class takes the first ``batch`` program ids instead of the last, so
         # the memory-bound decode rows stream beside the compute-bound prefill tiles instead of after
-        # them (H200, 32 decodes + a 2k chunk, bf16 Q page 64: 1.131 -> 1.056 ms; e4m3 Q 1.344 -> 1.319)
+        # them (faster on the H200 for decode rows beside a prefill chunk, bf16 and e4m3 Q; docs/perf-notes.md)
         big_off = batch if (TWO_CLASS and DECODE_FIRST) else 0
         small_off = 0 if DECODE_FIRST else n_big
         if BIG_CLASS:  # (a constexpr test: a small-class-only launch compiles no large-tile code)
@@ -392,18 +390,18 @@ def tma_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, cu_s
                window_size, softcap, q_descale, k_descale, v_descale, k_cache_scales, v_cache_scales, out_scale,
                num_splits, config=None, capability=None):
     """Why ``launch_paged_fwd`` keeps a call's FP8 prefill chunks on this module's Triton kernel, or None when
-    ``paged_tma`` takes them (varlen: its sequences of ``paged_tma.VARLEN_MIN_Q`` queries or more, unless
+    ``hopper.paged_launch`` takes them (varlen: its sequences of ``paged_launch.VARLEN_MIN_Q`` queries or more, unless
     the launch splits the keys, ``launch_grid``): THE rule of the paged dispatch
     (``fp8attn.capability.supports`` asks it too). Arguments are ``launch_paged_fwd``'s; ``capability``:
-    as ``paged_tma.unsupported_reason``."""
+    as ``paged_launch.unsupported_reason``."""
     if INTERPRET:
         return "the Triton interpreter (TRITON_INTERPRET=1) runs the Triton kernel"
     if not (config or {}).get("tma", True):
         return "config tma=False"
     # (no further check when no sequence fills one query block: decode calls skip its host cost)
-    if (max_seqlen_q if cu_seqlens_q is not None else q.shape[1]) < paged_tma.VARLEN_MIN_Q:
-        return f"fewer than {paged_tma.VARLEN_MIN_Q} queries per sequence (decode, short chunks)"
-    return paged_tma.unsupported_reason(
+    if (max_seqlen_q if cu_seqlens_q is not None else q.shape[1]) < paged_launch.VARLEN_MIN_Q:
+        return f"fewer than {paged_launch.VARLEN_MIN_Q} queries per sequence (decode, short chunks)"
+    return paged_launch.unsupported_reason(
         q, k_cache, v_cache, page_table, cache_seqlens, out, lse, cu_seqlens_q=cu_seqlens_q, causal=causal,
         window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
         k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, out_scale=out_scale, num_splits=num_splits,
@@ -412,8 +410,8 @@ def tma_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, cu_s
 
 def launch_grid(q, k_cache, v_cache, page_table, *, cu_seqlens_q, max_seqlen_q, precisions=None, k_token_scales,
                 v_token_scales, num_splits, num_sms, config=None):
-    """``paged_plan.paged_grid`` of a launch: ``(tiles, small_tiles, block_q, two_class, grid0, num_splits)``.
-    ``precisions``: ``paged.paged_precisions`` of the call (computed here when None)."""
+    """``planning.paged_grid`` of a launch: ``(tiles, small_tiles, block_q, two_class, grid0, num_splits)``.
+    ``precisions``: ``planning.paged_precisions`` of the call (computed here when None)."""
     varlen = cu_seqlens_q is not None
     hq, d = q.shape[-2], q.shape[-1]
     hk, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -437,7 +435,7 @@ def _num_sms(device) -> int:
 
 
 # Launch order: all kv heads of a query block as neighbouring programs (see the kernel).
-HEADS_INNER_DEFAULT = True  # H200: 0-1.5% faster decode (B64-B256), never slower beyond noise
+HEADS_INNER_DEFAULT = True  # decode measured faster on the H200, never slower beyond noise
 
 
 def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -471,7 +469,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_cache_scales, v_cache_scales : optional (num_blocks, page_size, nheads_k) float32 per-token-head
         descales of the cache.
     out_scale : optional 0-d/(1,) float32 static output scale (fused e4m3fn output).
-    num_splits : split-KV factor, fixed by the caller (``choose_num_splits``); > 1 writes partials
+    num_splits : split-KV factor, fixed by the caller (``planning.choose_num_splits``); > 1 writes partials
         into ``out_partial`` / ``lse_partial`` (``split_workspace``; allocated here when None) and merges
         them with ``launch_combine``. A workspace with more splits than the call's is used in part.
     config : optional override {block_m, block_n, num_warps, num_stages, maxnreg, compute_dtype, pv_fp16,
@@ -479,17 +477,17 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         (benchmarks). ``pv_fp16`` (FP8 Q and cache only): FP8 QK^T, then P@V in fp16 with V upcast in
         registers and P rounded to fp16 instead of e4m3, over sequence-major V too (the default over
         FA3's layout). ``tma=False``
-        keeps FP8 prefill chunks that ``paged_tma`` accepts on this kernel; ``split_at`` (varlen, tests) runs
+        keeps FP8 prefill chunks that ``hopper.paged_launch`` accepts on this kernel; ``split_at`` (varlen, tests) runs
         this kernel's part of a split with the TMA kernel without it: sequences of ``split_at`` queries
-        or more are left as they are; with it, ``block_list`` (a ``dense_tma.empty_block_list``) is
+        or more are left as they are; with it, ``block_list`` (a ``dense_launch.empty_block_list``) is
         filled as the TMA kernel's launch would need it (for ``VARLEN_MIN_Q``).
 
     Notes
     -----
-    FP8 prefill chunks run on the warp-specialized TMA kernel of ``paged_tma`` when it accepts the inputs
-    (``paged_tma.unsupported_reason``; its P@V is FP8 in both V layouts).
+    FP8 prefill chunks run on the warp-specialized TMA kernel of ``hopper.paged_launch`` when it accepts the inputs
+    (``paged_launch.unsupported_reason``; its P@V is FP8 in both V layouts).
     Varlen (mixed) batches are then split by query count on the device: this kernel runs the sequences
-    below ``paged_tma.VARLEN_MIN_Q`` queries (a decode-tile launch for the decode rows, a large-tile launch
+    below ``paged_launch.VARLEN_MIN_Q`` queries (a decode-tile launch for the decode rows, a large-tile launch
     for the others), the TMA kernel the rest (unsplit calls with ``max_seqlen_q >= VARLEN_MIN_Q`` only;
     an explicit ``num_splits`` > 1 keeps the whole batch here).
     """
@@ -503,7 +501,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tma_args = dict(softmax_scale=softmax_scale, causal=window_flags(causal, window_size)[0], q_descale=q_descale,
                     k_descale=k_descale, v_descale=v_descale, out_scale=out_scale) if tma_ok else None
     if tma_ok and not varlen:
-        paged_tma.launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, **tma_args)
+        paged_launch.launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, **tma_args)
         return
     if varlen:
         total_q, hq, d = q.shape
@@ -542,7 +540,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     bm_s, bn_s = small_cfg[:2]
     split = num_splits > 1
     if split and (out_partial is None or lse_partial is None):
-        out_partial, lse_partial = split_workspace(q, num_splits, dv, hq)
+        out_partial, lse_partial = split_partials(q, num_splits, dv, hq)
     elif split:  # a caller's workspace (``split_workspace``) may hold more splits than this call uses
         if out_partial.shape[0] < num_splits or lse_partial.shape[0] < num_splits:
             raise ValueError(f"split_workspace: expected room for {num_splits} splits, got {out_partial.shape[0]} "
@@ -557,8 +555,8 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # in the large tiles (a launch whose programs exit at once when there are none; one more program of
     # it writes the TMA kernel's block list, which saves that list its own launch).
     tma_varlen = tma_ok and not split  # (a fixed-length tma_ok call has returned above)
-    split_at = paged_tma.VARLEN_MIN_Q if tma_varlen else cfg.get("split_at")
-    block_list = dense_tma.empty_block_list(cu_seqlens_q, total_q) if tma_varlen else cfg.get("block_list")
+    split_at = paged_launch.VARLEN_MIN_Q if tma_varlen else cfg.get("split_at")
+    block_list = dense_launch.empty_block_list(cu_seqlens_q, total_q) if tma_varlen else cfg.get("block_list")
     if varlen and split_at is not None:
         small_q = bm_s // qg if bm > bm_s else 0
         launches = [(small_cfg, True, False, batch, (0, 0), False)] if small_q else []
@@ -612,13 +610,13 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q_descale if has_qd else dummy, k_descale if has_kd else dummy, v_descale if has_vd else dummy,
             k_cache_scales if has_ks else dummy, v_cache_scales if has_vs else dummy,
             out_scale if out_fp8 else dummy, block_list if with_list else dummy,
-            batch, seqlen_q, paged_tma.VARLEN_MIN_Q,
+            batch, seqlen_q, paged_launch.VARLEN_MIN_Q,
             *s_q,
             *k_cache.stride()[:3], *v_cache.stride()[:3],
             page_table.stride(0),
             *s_o, *s_l,
-            *paged_tma.descale_strides(q_descale), *paged_tma.descale_strides(k_descale),
-            *paged_tma.descale_strides(v_descale),
+            *paged_launch.descale_strides(q_descale), *paged_launch.descale_strides(k_descale),
+            *paged_launch.descale_strides(v_descale),
             *kss, *vss,
             float(qk_scale), float(softcap or 0.0), wl, wr, num_splits, lo, hi,
             QG=qg, BLOCK_M=bm_l, BLOCK_N=bn_l, BLOCK_Q=max(1, bm_l // qg),
@@ -632,7 +630,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             TWO_CLASS=two_class_l, BIG_CLASS=big_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major,
             MMA_FP8_S=mma_fp8_s, CDT_S=_TL[cdt_s], P_FP8_S=p_fp8_s,
             UNMASKED_TILES=unmasked_tiles, DECODE_FIRST=bool(cfg.get("decode_first", True)),
-            BLOCK_LIST=with_list, LIST_BM=dense_tma.BLOCK_M, LIST_ENTRY=dense_tma.ENTRY, num_warps=nw_l,
+            BLOCK_LIST=with_list, LIST_BM=dense_launch.BLOCK_M, LIST_ENTRY=dense_launch.ENTRY, num_warps=nw_l,
             num_stages=1 if INTERPRET else ns_l, maxnreg=maxnreg_l,  # the interpreter runs one stage
         )
     if split:
@@ -642,6 +640,6 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             lse_view = lse.transpose(1, 2) if lse is not None else None
         launch_combine(out_partial, lse_partial, out, lse_view, out_scale=out_scale)
     if tma_varlen:
-        paged_tma.launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
-                                           cu_seqlens_q=cu_seqlens_q, min_len_q=paged_tma.VARLEN_MIN_Q,
+        paged_launch.launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
+                                           cu_seqlens_q=cu_seqlens_q, min_len_q=paged_launch.VARLEN_MIN_Q,
                                            block_list=block_list, **tma_args)

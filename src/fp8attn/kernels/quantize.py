@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import DESCALE_FLOOR
+from .planning import DESCALE_FLOOR
 
 try:  # the package must import on machines without triton
     import triton

@@ -1,6 +1,6 @@
 """Chunked prefill over a paged FP8 KV cache on the warp-specialized TMA kernel (Hopper).
 
-The fast path of ``paged.launch_paged_fwd`` for prefill chunks: ``dense_tma``'s warp-specialized
+The fast path of ``paged.launch_paged_fwd`` for prefill chunks: ``dense_launch``'s warp-specialized
 persistent kernel with its producer reading each KV tile's page from the page table
 (``_bounded_fwd_tma_ws_kernel`` in ``MODE_PAGED``). Two V layouts:
 
@@ -17,14 +17,14 @@ and the last V tile's slots past the end are zeroed in shared memory before P V 
 slots (NaN in a poisoned cache) never reach the output.
 
 Varlen queries (``cu_seqlens_q``, ``MODE_PAGED_VARLEN``): the query blocks listed on the device by
-``dense_tma.varlen_block_list``, which leaves out the sequences with fewer than ``min_len_q`` queries: a
+``dense_launch.varlen_block_list``, which leaves out the sequences with fewer than ``min_len_q`` queries: a
 mixed batch's decode rows would each fill a 128-row block alone, once per query head, so
 ``paged.launch_paged_fwd`` leaves the sequences below ``VARLEN_MIN_Q`` queries to the Triton kernel
 (which packs a kv head's query heads into one block) and runs the rest here.
 
-Numerics are ``dense_tma``'s (the same softmax step, two-level accumulation and epilogues): with
+Numerics are ``dense_launch``'s (the same softmax step, two-level accumulation and epilogues): with
 128-key tiles and lengths that are multiples of 128 the output is bit-identical to the dense kernel
-run on the gathered K/V with its plain K box (``dense_tma.kperm_on`` off), and both V layouts give the
+run on the gathered K/V with its plain K box (``dense_launch.kperm_on`` off), and both V layouts give the
 same bits. Everything else (16-bit Q or cache,
 per-token-head scales, other page sizes, windows, softcap, explicit splits) stays on the Triton kernel;
 ``unsupported_reason`` says why.
@@ -35,23 +35,22 @@ import math
 
 import torch
 
-from ..launch_rules import (PAGED_TMA_HEAD_DIMS, PAGED_TMA_MIN_PAGE, PAGED_TMA_SMALL_PAGES, TMA_QUERY_BLOCK,
-                            paged_tma_call_reason)
-from ..paged import is_v_seq_major
-from . import dense_tma
+from ..planning import (PAGED_TMA_HEAD_DIMS, PAGED_TMA_MIN_PAGE, PAGED_TMA_SMALL_PAGES, TMA_QUERY_BLOCK,
+                       is_v_seq_major, paged_tma_call_reason)
+from . import dense_launch
 
 __all__ = ["unsupported_reason", "launch_paged_prefill_tma", "block_n", "box_rows", "descale_strides", "HEAD_DIMS",
            "VARLEN_MIN_Q", "SMALL_PAGES"]
 
 HEAD_DIMS = PAGED_TMA_HEAD_DIMS
-_TILE = dense_tma.BLOCK_N  # rows per query block, keys per KV tile (64 for 64-slot pages)
+_TILE = dense_launch.BLOCK_N  # rows per query block, keys per KV tile (64 for 64-slot pages)
 _MIN_PAGE = PAGED_TMA_MIN_PAGE
 # FA3's layout only: pages smaller than a tile, loaded one TMA box per page
 SMALL_PAGES = PAGED_TMA_SMALL_PAGES
 # Varlen launches of ``paged.launch_paged_fwd``: sequences with at least this many queries (one full
 # query block) run here, shorter ones (decode rows, short chunks) on the Triton kernel.
 VARLEN_MIN_Q = TMA_QUERY_BLOCK
-assert TMA_QUERY_BLOCK == dense_tma.BLOCK_M == _TILE
+assert TMA_QUERY_BLOCK == dense_launch.BLOCK_M == _TILE
 
 
 def block_n(page_size, v_rows=False):
@@ -65,7 +64,7 @@ def box_rows(page_size, v_rows):
     """Keys per TMA box of K (and of V with FA3's layout): the tile, or the largest power of two up to
     128 that divides the page (16, 32 or 64 keys: one page or part of one). A box of fewer than 64 keys
     is a whole page (pages of 16 or 32, ``unsupported_reason``): the kernel's producer relies on it
-    (``tma_ws._box_rows``)."""
+    (``forward._box_rows``)."""
     return math.gcd(page_size, block_n(page_size, v_rows))
 
 
@@ -100,16 +99,16 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
     varlen q (total_q, nheads_q, d) with contiguous int32 ``cu_seqlens_q`` (batch + 1,);
     d 64 or 128 for q, k and v; k_cache float8_e4m3fn (num_blocks, page_size, nheads_k, d) contiguous,
     v_cache the same, contiguous too (FA3's layout, transposed in the kernel) or sequence-major
-    (``paged.is_v_seq_major``); page_size a multiple of 64, or 16 or 32 with FA3's V layout;
+    (``planning.is_v_seq_major``); page_size a multiple of 64, or 16 or 32 with FA3's V layout;
     nheads_q a multiple of nheads_k; int32 page_table (batch, max_pages) with unit last stride and
     int32 cache_seqlens (batch,); float32 descales broadcastable to (batch, nheads_k) (None reads as
     1); out bfloat16, or float8_e4m3fn with a one-element float32 ``out_scale``; lse None or float32
     (batch, nheads_q, seqlen_q) (varlen: (nheads_q, total_q)); no window, softcap, per-token-head cache
     scales, or ``num_splits`` above 1 (0, the heuristic, runs unsplit here: the kernel is persistent).
     ``capability``: judge the device by this compute capability instead of the tensors' device
-    (``dense_tma.device_reason``).
+    (``dense_launch.device_reason``).
     """
-    if not dense_tma.HAS_GLUON:
+    if not dense_launch.HAS_GLUON:
         return "triton.experimental.gluon is not available"
     varlen = cu_seqlens_q is not None
     v_seq_major = is_v_seq_major(v_cache)
@@ -155,7 +154,7 @@ def unsupported_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse,
     if any(t.data_ptr() % 16 for t in ts):
         return "q, k_cache, v_cache, out must be 16-byte aligned"
     # device checks last: the shape rules above hold (and are testable) without CUDA
-    return dense_tma.device_reason(ts, (page_table, cache_seqlens, cu_seqlens_q, q_descale, k_descale, v_descale, lse,
+    return dense_launch.device_reason(ts, (page_table, cache_seqlens, cu_seqlens_q, q_descale, k_descale, v_descale, lse,
                                         out_scale), capability)
 
 
@@ -173,7 +172,7 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
         float8_e4m3fn (num_blocks, page_size, nheads_k, d), contiguous.
     v_cache : torch.Tensor
         float8_e4m3fn (num_blocks, page_size, nheads_k, d), contiguous (FA3's layout: its tiles are
-        transposed in shared memory, ``tma_ws._ws_transpose_v``) or in memory order (num_blocks,
+        transposed in shared memory, ``forward._ws_transpose_v``) or in memory order (num_blocks,
         nheads_k, d, page_size) (sequence-major: no transpose).
     page_table : torch.Tensor
         int32 (batch, max_pages); entries past a sequence's pages are never read.
@@ -196,10 +195,10 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
     min_len_q : int
         Varlen: sequences with fewer queries are skipped (their rows of ``out`` / ``lse`` untouched).
     num_stages : int or None
-        Depth of the K/V ring (default ``dense_tma.NUM_STAGES``, 2; H200, 2k chunk over 8k: 3 and 4 stages
-        within 1% at 128-key tiles, 0.5-3% slower at 64-key tiles).
+        Depth of the K/V ring (default ``dense_launch.NUM_STAGES``, 2: on the H200 deeper rings ran no faster
+        at 128-key tiles and slower at 64-key tiles).
     block_list : torch.Tensor or None
-        Varlen: the query blocks (``dense_tma.empty_block_list``) when an earlier launch on the stream
+        Varlen: the query blocks (``dense_launch.empty_block_list``) when an earlier launch on the stream
         has filled them for ``min_len_q`` (``common.fill_varlen_block_list``); None builds them here.
     """
     varlen = cu_seqlens_q is not None
@@ -214,7 +213,7 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
     if q_descale is None or k_descale is None or v_descale is None:
         one = torch.ones((), device=q.device, dtype=torch.float32)
     qd, kd, vd = (x if x is not None else one for x in (q_descale, k_descale, v_descale))
-    rows, dh, dv, _ = dense_tma._tiles(d, True)
+    rows, dh, dv, _ = dense_launch._tiles(d, True)
     v_rows = not is_v_seq_major(v_cache)
     bn = block_n(ps, v_rows)
     kb = box_rows(ps, v_rows)
@@ -225,19 +224,19 @@ def launch_paged_prefill_tma(q, k_cache, v_cache, page_table, cache_seqlens, out
              (v_cache, [nb * hk * d, ps], [ps, 1], [dv, bn]),
              (out, [rows_q, hq * d], [hq * d, 1], [rows, dv]))
     if varlen:  # the query blocks listed on the device
-        blocks, ls, row_args, grid = dense_tma.varlen_schedule(cu_seqlens_q, cache_seqlens, False, total_q, hq, lse,
+        blocks, ls, row_args, grid = dense_launch.varlen_schedule(cu_seqlens_q, cache_seqlens, False, total_q, hq, lse,
                                                                out, min_len_q, block_list)
         seq_args = (blocks, out)
-        seqlen_q, mode = total_q, dense_tma.MODE_PAGED_VARLEN
+        seqlen_q, mode = total_q, dense_launch.MODE_PAGED_VARLEN
     else:
         ls = lse.stride() if lse is not None else (0, 0, 0)
         seq_args = (cache_seqlens, out)
-        row_args, seqlen_q, mode = (0, 0), sq, dense_tma.MODE_PAGED
-        grid = dense_tma.ws_grid((sq // dense_tma.BLOCK_M) * batch * hq, causal, sq, q.device.index)
+        row_args, seqlen_q, mode = (0, 0), sq, dense_launch.MODE_PAGED
+        grid = dense_launch.ws_grid((sq // dense_launch.BLOCK_M) * batch * hq, causal, sq, q.device.index)
     args = (lse if lse is not None else qd, qd, kd, vd, out_scale if out_scale is not None else qd, page_table,
             cache_seqlens, *seq_args, *ls, *descale_strides(qd), *descale_strides(kd), *descale_strides(vd),
-            page_table.stride(0), ps, *row_args, seqlen_q, hq, hk, batch, float(softmax_scale) * dense_tma._LOG2E)
-    dense_tma._launch(d, True, grid, descs, args,
-                      (bool(causal), lse is not None, out_scale is not None, num_stages or dense_tma.NUM_STAGES, d,
+            page_table.stride(0), ps, *row_args, seqlen_q, hq, hk, batch, float(softmax_scale) * dense_launch._LOG2E)
+    dense_launch._launch(d, True, grid, descs, args,
+                      (bool(causal), lse is not None, out_scale is not None, num_stages or dense_launch.NUM_STAGES, d,
                        mode, v_rows, d), bounded=True, tiles=(rows, dh, dv, bn))
     return out, lse

@@ -1,9 +1,13 @@
-"""The 8-warp Hopper TMA kernels: two warpgroups of 64 query rows in lockstep.
+"""A test reference: the 8-warp Hopper TMA kernels, two warpgroups of 64 query rows in lockstep.
+
+Not part of the package (nothing dispatches them): the tests launch them through
+``fp8attn.kernels.hopper.dense_launch`` (``kernel_for`` replaces its ``_kernel_for``) and hold the
+warp-specialized kernel's bits to theirs, an independent schedule of the same math.
 
 ``_dense_fwd_tma_kernel`` (head dims 64, 128): in the loop over KV tiles ``S_{j+1}`` is issued
 asynchronously before the softmax of tile ``j``, then ``P_j V_j``; the accumulator is rescaled while it
 runs, and one wait retires both MMAs. ``_dense_fwd_tma_d256_kernel``: head dim 256 with operands in
-128/64-wide pieces and 64-key tiles. ``dense_tma`` launches them and documents when.
+128/64-wide pieces and 64-key tiles, no next-tile QK^T under the softmax.
 """
 from __future__ import annotations
 
@@ -12,10 +16,84 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .tma_signature import _PTR_ARGS, _INT_ARGS
-from .tma_parts import (_finalize_rows, _init_barriers, _invalidate_barriers, _normalize_rows, _out_scale_inv,
-                        _output_epilogue, _pv_quarter, _query_block_setup, _refill, _softmax_tile, _store_lse,
-                        _store_rows)
+from fp8attn.kernels.hopper import dense_launch
+from fp8attn.kernels.hopper.epilogue import (_finalize_rows, _normalize_rows, _out_scale_inv, _output_epilogue,
+                                             _store_lse, _store_rows)
+from fp8attn.kernels.hopper.pipeline import _block_scales, _query_block
+from fp8attn.kernels.hopper.signature import _INT_ARGS, _PTR_ARGS, NUM_WARPS
+from fp8attn.kernels.hopper.softmax import _p_operand, _pv_quarter, _softmax_tile_f32
+
+__all__ = ["kernel_for", "_dense_fwd_tma_kernel", "_dense_fwd_tma_d256_kernel"]
+
+
+def kernel_for(head_dim, ws):
+    """``dense_launch._kernel_for`` that also has the 8-warp kernels: ``ws`` False picks them."""
+    if ws:
+        return dense_launch._dense_fwd_tma_ws_kernel, 4
+    return (_dense_fwd_tma_d256_kernel if head_dim == 256 else _dense_fwd_tma_kernel), NUM_WARPS
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, qk_scale, m0, n0, shift,
+                  p_layout: gl.constexpr, row_o: gl.constexpr, MASKED: gl.constexpr):
+    """``_softmax_tile_f32`` returning P as the e4m3 A operand."""
+    p, alpha, m_new, l_new = _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o, MASKED)
+    return _p_operand(p, p_layout), alpha, m_new, l_new
+
+
+@gluon.jit
+def _refill(k_desc, k_row, k_col, k_bar, k_buf, k_pred, v_desc, v_row, v_col, v_bar, v_buf, v_pred):
+    """Refill one K stage and one V stage once both warpgroups have retired the MMAs reading them.
+
+    Every thread calls this after its own warpgroup_mma_wait; the CTA-wide barrier between
+    the expects and the copies makes sure the other warpgroup is done too, and is the only
+    barrier the membar analysis needs (otherwise it adds one between each expect and copy).
+    Arriving with expect_tx early is harmless: the phase cannot complete before its copy.
+    """
+    mbarrier.expect(k_bar, k_desc.block_type.nbytes, pred=k_pred)
+    mbarrier.expect(v_bar, v_desc.block_type.nbytes, pred=v_pred)
+    gl.thread_barrier()
+    tma.async_copy_global_to_shared(k_desc, [k_row, k_col], k_bar, k_buf, pred=k_pred)
+    tma.async_copy_global_to_shared(v_desc, [v_row, v_col], v_bar, v_buf, pred=v_pred)
+
+
+@gluon.jit
+def _init_barriers(NUM_STAGES: gl.constexpr):
+    """mbarriers of the Q load and of each K and V stage, initialized and fenced for TMA."""
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    return q_bar, k_bars, v_bars
+
+
+@gluon.jit
+def _invalidate_barriers(q_bar, k_bars, v_bars, NUM_STAGES: gl.constexpr):
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+
+@gluon.jit
+def _query_block_setup(QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
+                       stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
+                       BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """This CTA's query block (grid: query blocks x batch * heads): ``(b, h, hk, m0, shift, n_tiles,
+    qk_scale, v_descale)``. Causal grids run the longest query blocks (most keys) first."""
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    b, h, hk, m0, shift, n_tiles = _query_block(pid_m, gl.program_id(1), seqlen_q, seqlen_k, nheads_q,
+                                                nheads_k, BM, BN, CAUSAL)
+    qk_scale, v_descale = _block_scales(b, hk, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
+                                        stride_kds_h, stride_vds_b, stride_vds_h, softmax_scale_log2)
+    return b, h, hk, m0, shift, n_tiles, qk_scale, v_descale
 
 
 # Integers and pointers are not specialized (values, divisibility, alignment): the compiled kernel

@@ -1,11 +1,11 @@
 """The warp-specialized ping-pong kernels (FA3's schedule) and their producers.
 
 ``_dense_fwd_tma_ws_kernel``: a 1-warp TMA producer (``_ws_loader``) fills a double-buffered Q and a K/V
-ring guarded by ready/empty mbarriers for two consumers (``tma_ws_consumer``), persistent over the query
-blocks (``tma_parts``' schedule). ``_bounded_fwd_tma_ws_kernel``: the same partitions with per-sequence
+ring guarded by ready/empty mbarriers for two consumers (``consumer``), persistent over the query
+blocks (``scheduler``). ``_bounded_fwd_tma_ws_kernel``: the same partitions with per-sequence
 bounds (``MODE``: a paged cache, varlen queries and keys, varlen queries over a paged cache), and with V
-read in K's layout and transposed in shared memory by a 4-warp producer (``V_ROWS``). ``dense_tma`` and
-``paged_tma`` launch them.
+read in K's layout and transposed in shared memory by a 4-warp producer (``V_ROWS``). ``dense_launch`` and
+``paged_launch`` launch them.
 """
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .tma_signature import _PTR_ARGS, _INT_ARGS, _BOUNDED_PTR_ARGS, _BOUNDED_INT_ARGS
-from .tma_parts import box_keys, k_smem_layout, kperm_box_on, _rowsum_mma, _ws_block, _ws_num_blocks, _ws_round_robin
-from .tma_ws_consumer import _ws_consumer
+from .consumer import _ws_consumer
+from .pipeline import _tile_keys, _ws_smem, box_keys, kperm_box_on
+from .scheduler import _ws_block, _ws_num_blocks, _ws_round_robin
+from .signature import _BOUNDED_INT_ARGS, _BOUNDED_PTR_ARGS, _INT_ARGS, _PTR_ARGS
+from .softmax import _rowsum_mma
 
 
 # -----------------------------------------------------------------------------------------
@@ -53,7 +55,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 
     First, once, where the consumers take their row sums from the tensor core (``_rowsum_mma``): their
     tile of e4m3 ones (``ones_desc``) into ``ones`` (written by TMA: a tile stored from registers did not
-    read back correctly in the wgmma, see docs/perf-notes.md, dense round 15). The consumers wait for it
+    read back correctly in the wgmma, see docs/perf-notes.md). The consumers wait for it
     before their first block, so it has landed before the CTA exits.
 
     HEAD_DIM_V: V's and O's head dim where it differs from Q's and K's ``HEAD_DIM`` (0: the same; the
@@ -160,8 +162,8 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 def _transpose_layout(D, num_warps):
     """``_ws_transpose_v``'s register layout of a (keys, D) chunk: 4 keys x 8 head-dim bytes per thread
     (8-byte loads, byte permutes, 4-byte stores), 8 x 4 threads per warp, warps along the head dim
-    first. H200, 2k chunk over 8k, page 128: 15% over sequence-major V with it, 20-23% with 4 x 4
-    bytes per thread (ldmatrix loads) or 8 x 4 (8-byte stores) (docs/perf-notes.md)."""
+    first: the transpose's cost over sequence-major V measured lowest on the H200 with this layout, against
+    4 x 4 bytes per thread (ldmatrix loads) or 8 x 4 (8-byte stores) (docs/perf-notes.md)."""
     wd = min(num_warps, D // 32)
     return gl.BlockedLayout([4, 8], [8, 4], [num_warps // wd, wd], [1, 0])
 
@@ -178,7 +180,7 @@ def _box_rows(PageTable, b, stride_pt, tt, seqlen_k, page_size, TN: gl.constexpr
     layout: gl.constexpr = gl.BlockedLayout([TN // KB], [32], [gl.num_warps()], [0])
     n = tt * TN + gl.arange(0, TN // KB, layout=layout) * KB
     if KB < 64:
-        # pages of 16 or 32 keys are their box (``paged_tma.box_rows``): constant shifts instead of
+        # pages of 16 or 32 keys are their box (``paged_launch.box_rows``): constant shifts instead of
         # divisions by the run-time page size, whose reciprocals took registers the producer lacks
         pg = gl.load(PageTable + b.to(gl.int64) * stride_pt + n // KB, mask=n < seqlen_k, other=0)
         return gl.maximum(pg, 0) * KB
@@ -227,91 +229,6 @@ def _v_rows_loader_regs(box_rows):
     """Registers of the V_ROWS kernel's 4-warp producer (see ``_bounded_fwd_tma_ws_kernel``)."""
     return 24 if box_rows >= 64 else 32
 
-@gluon.constexpr_function
-def _tile_keys(box_rows, v_rows):
-    """Keys per KV tile for K boxes of ``box_rows`` rows: 128 with V in K's layout (V_ROWS: boxes of
-    16, 32, 64 or 128 keys, as many per tile as fit), else the box (a V box, sequence-major, is the
-    tile: 64 keys for 64-slot pages)."""
-    return 128 if v_rows else box_rows
-
-@gluon.jit
-def _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
-             NC: gl.constexpr, BOUNDED: gl.constexpr, V_ROWS: gl.constexpr = False,
-             HEAD_DIM_V: gl.constexpr = 0):
-    """The warp-specialized kernels' shared memory for NC consumers, mbarriers initialized: ``(q_smem,
-    k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, v_raw_ready,
-    ones, ones_ready, v_clean)``, ``ones`` the tile of ``ones_desc`` (16 x the tile's keys). ``turn`` holds
-    the consumers' NC single-arrival turn barriers and, BOUNDED, the V tail barrier ``v_clean`` after them
-    (else ``v_clean`` aliases a turn barrier, unused). The partitions read NC from ``q_ready`` (2 NC). Q and its
-    barriers: (Q buffer, consumer). V_ROWS (``v_desc`` a box of key rows, as K's): ``v_raw`` is a ring of
-    such boxes with TMA barriers ``v_raw_ready``, ``v_smem`` their transposes (else both alias V's).
-    HEAD_DIM_V: as ``_ws_loader``'s (qk 192 / v 128: Q and K in three 64-wide boxes, V and O whole)."""
-    DHV: gl.constexpr = HEAD_DIM if HEAD_DIM_V == 0 else HEAD_DIM_V
-    MH: gl.constexpr = q_desc.block_type.shape[0]
-    DQK: gl.constexpr = q_desc.block_type.shape[1]
-    TN: gl.constexpr = _tile_keys(box_keys(k_desc.block_type.shape), V_ROWS)
-    DV: gl.constexpr = HEAD_DIM if V_ROWS else v_desc.block_type.shape[0]
-    NQK: gl.constexpr = HEAD_DIM // DQK  # Q/K boxes per head (256: two 128-wide halves)
-    NV: gl.constexpr = DHV // DV  # V/O boxes per head (256: four 64-wide quarters)
-    gl.static_assert(MH == 64)
-    gl.static_assert(o_desc.block_type.shape[1] == DV)
-    if HEAD_DIM == 256:
-        gl.static_assert((NQK == 2) and (NV == 4) and (TN == 64))
-    elif HEAD_DIM != DHV:
-        # qk 192 / v 128: a 192-byte row is no swizzle width, so Q and K go in 64-wide boxes (64-byte swizzle)
-        gl.static_assert((HEAD_DIM == 192) and (DHV == 128) and (NQK == 3) and (NV == 1) and (TN == 2 * MH))
-        gl.static_assert((not V_ROWS) and (NC == 2))
-    else:
-        gl.static_assert((NQK == 1) and (NV == 1) and (HEAD_DIM == 64 or HEAD_DIM == 128))
-        # one 128-row block = one KV tile: the diagonal tile is the last (the paged kernel masks by
-        # bounds and also runs 64-key tiles, for 64-slot pages)
-        gl.static_assert(TN == 2 * MH or (BOUNDED and TN == MH) or (NC == 3 and TN == MH))
-
-    # Q: (Q buffer, consumer, box); K: (stage, box); V: (stage, box); O: (consumer, box)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NC * NQK, MH, DQK], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES * NQK, TN, DQK],
-                                       k_smem_layout(k_desc.layout, k_desc.block_type.shape))
-    if V_ROWS:
-        gl.static_assert(NV == 1)
-        v_raw = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, TN, DV], v_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, DV, TN],
-                                           gl.NVMMASharedLayout(swizzle_byte_width=TN, element_bitwidth=8,
-                                                                rank=2))
-    else:
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES * NV, DV, TN], v_desc.layout)
-        v_raw = v_smem
-    o_smem = gl.allocate_shared_memory(o_desc.dtype, [NC * NV, MH, DV], o_desc.layout)
-    ones = gl.allocate_shared_memory(ones_desc.dtype, ones_desc.block_type.shape, ones_desc.layout)
-    ones_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [2 * NC, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2 * NC, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NC + BOUNDED, 1], mbarrier.MBarrierLayout())
-    v_clean = turn.index(NC + BOUNDED - 1)  # (without BOUNDED a turn barrier, unused)
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    if V_ROWS:
-        v_raw_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(v_raw_ready.index(i), count=1)
-    else:
-        v_raw_ready = v_ready
-    mbarrier.init(ones_ready, count=1)
-    for w in gl.static_range(2 * NC):  # (Q buffer, consumer)
-        mbarrier.init(q_ready.index(w), count=1)
-        mbarrier.init(q_empty.index(w), count=1)
-    for w in gl.static_range(NC + BOUNDED):
-        mbarrier.init(turn.index(w), count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=NC)  # one arrive per consumer
-        mbarrier.init(v_empty.index(i), count=NC)
-    fence_async_shared()
-    gl.thread_barrier()
-    return q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, turn, k_ready, v_ready, k_empty, v_empty, v_raw, \
-        v_raw_ready, ones, ones_ready, v_clean
 
 @gluon.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_PTR_ARGS)
 def _dense_fwd_tma_ws_kernel(
@@ -329,14 +246,14 @@ def _dense_fwd_tma_ws_kernel(
     CTA-wide barrier in the loop); CONSUMERS 4-warp consumers own 64 query rows each and take turns issuing
     their MMAs (S_j and P_{j-1} V_{j-1} together; at head dim 256 S_j and P V's first quarter), so one
     consumer's softmax runs while the others' MMAs use the tensor cores, and a block's epilogue overlaps
-    the next block's first loads. Two consumers run at 240 registers. Three (``dense_tma.ws_config``; head
+    the next block's first loads. Two consumers run at 240 registers. Three (``dense_launch.ws_config``; head
     dim 64, non-causal, 64-key tiles: 192-row blocks, the last of a sequence partly past its end and those
     rows not stored) run at ``_WS3_CONSUMER_REGS``, each softmax having two other consumers' MMAs to hide
     under. The producer runs at 24. Same softmax step, accumulation and epilogues as the other kernels (with
     two consumers the same bits, but for the LSE's row sums under KPERM, below), except that calls without an
-    LSE (non-causal, or causal at head dim 64: ``tma_parts._rowsum_mma``) take their row sums from the tensor
-    core (``ones_desc``, a (16, keys) tile of e4m3 ones; ``tma_ws_consumer._ws_attend``). A 5-D ``k_desc``
-    box (KPERM, ``dense_tma.kperm_on``: head dim 64, two consumers) loads each 16 keys' rows in the
+    LSE (non-causal, or causal at head dim 64: ``_rowsum_mma``) take their row sums from the tensor
+    core (``ones_desc``, a (16, keys) tile of e4m3 ones; ``consumer._ws_attend``). A 5-D ``k_desc``
+    box (KPERM, ``dense_launch.kperm_on``: head dim 64, two consumers) loads each 16 keys' rows in the
     consumers' S column order, so that their P needs no cross-lane exchange to become P V's operand; fp32
     row sums (calls with an LSE) then add in another order. HEAD_DIM_V: V's and O's head dim, HEAD_DIM
     (64, 128, 256) or 128 with HEAD_DIM 192 (MLA's qk 192 / v 128: Q and K in three 64-wide boxes whose
@@ -425,7 +342,7 @@ def _bounded_fwd_tma_ws_kernel(
     LOADER_WARPS: gl.constexpr = 4 if V_ROWS else 1
     # A 12-warp CTA's register pool is 168 x 384 = 64512: a 24-register producer leaves both consumers
     # their 240. Boxes under 64 keys (pages of 16, 32) keep 32: their producer holds more page-table
-    # rows and spilled 49-114 times at 24 (H200: 5-6% slower there; pages of 64+ 1-5% faster).
+    # rows and spilled at 24 (slower on the H200 there; pages of 64+ ran faster at 24).
     LOADER_REGS: gl.constexpr = _v_rows_loader_regs(k_desc.block_type.shape[0]) if V_ROWS else _WS_LOADER_REGS
 
     gl.warp_specialize([

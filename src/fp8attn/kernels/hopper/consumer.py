@@ -1,4 +1,4 @@
-"""The consumers of the warp-specialized ping-pong kernel (``tma_ws``): two (or, in the dense kernel's
+"""The consumers of the warp-specialized ping-pong kernels (``forward``): two (or, in the dense kernel's
 three-consumer variant, three) 4-warp warpgroups of 64 query rows that take turns issuing their MMAs --
 S_j = Q K_j^T together with P_{j-1} V_{j-1} -- so that one consumer's softmax runs under the others'
 tensor-core work. ``_ws_attend`` serves head dims 64 and 128,
@@ -11,9 +11,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .tma_parts import (_block_scales, _finalize_rows, _normalize_rows, _out_scale_inv, _p_operand,
-                        _pv_quarter, _row_lse, _row_sum, _row_sum_issue, _rowsum_mma, _softmax_tile_f32, _store_lse,
-                        _store_rows, _store_rows_masked, _ws_block, _ws_num_blocks, _ws_round_robin)
+from .epilogue import (_finalize_rows, _normalize_rows, _out_scale_inv, _row_lse, _store_lse, _store_rows,
+                       _store_rows_masked)
+from .pipeline import _block_scales
+from .scheduler import _ws_block, _ws_num_blocks, _ws_round_robin
+from .softmax import _p_operand, _pv_quarter, _row_sum, _row_sum_issue, _rowsum_mma, _softmax_tile_f32
 
 
 @gluon.jit
@@ -221,10 +223,10 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     the sequence's ``len_q`` queries start at row ``q_row``; rows past them are not stored.
     Without an LSE (non-causal; causal at head dim 64, dense: ``_rowsum_mma``) the row sums come from the
     tensor core (``_row_sum_issue`` on the ``ones`` tile, issued with each P V): the output is normalized by
-    the sum of the e4m3 P that P V multiplied, and the softmax step has no fp32 sum chain (H200: d64 +5-9%,
-    d128 +1-3%). With an LSE the sum is the fp32 one of the unrounded P, so the LSE is exact (and final
-    before the last P V, where it is stored); the other causal calls keep it too (docs/perf-notes.md, dense
-    rounds 15-16). KPERM: K's rows were loaded key-permuted (``tma_parts.kperm_box_on``): masks use the
+    the sum of the e4m3 P that P V multiplied, and the softmax step has no fp32 sum chain (faster on the
+    H200). With an LSE the sum is the fp32 one of the unrounded P, so the LSE is exact (and final
+    before the last P V, where it is stored); the other causal calls keep it too (docs/perf-notes.md).
+    KPERM: K's rows were loaded key-permuted (``kperm_box_on``): masks use the
     permuted key index and P is relabelled to key order, not exchanged across lanes (``_p_operand``).
     Q and K may come in NQK boxes per head (the ring's buffers per stage; qk 192: three 64-wide boxes,
     Q buffer ``qi`` then their first at NQK qi), whose S MMAs chain (``_ws_qk``)."""
@@ -383,9 +385,9 @@ def _ws_attend_d256(WG: gl.constexpr, qb, g0, k0, it, b, h, mw, shift, n_tiles, 
     halves of the head dim, V/O in four 64-wide quarters and 64-key tiles, so that O's 128 fp32
     registers per thread, the S tile and one quarter's product fit 240 registers. A 128-row block
     spans two KV tiles of the diagonal: under CAUSAL both run masked. P's conversion to the e4m3
-    operand runs at the start of the step that uses it when non-causal (the loop's P relabelling:
-    16 PRMT per tile instead of 95, +8-13% on the H200), at the end of the step that computes it when
-    causal (there the early conversion spilled more and ran 2-8% slower)."""
+    operand runs at the start of the step that uses it when non-causal (the loop's P relabelling then
+    takes far fewer byte permutes per tile, faster on the H200), at the end of the step that computes it
+    when causal (there the early conversion spilled more and ran slower)."""
     P_EARLY: gl.constexpr = not CAUSAL
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     MH: gl.constexpr = zero_o.shape[0]

@@ -1,8 +1,8 @@
-"""The Hopper TMA kernels' launch signature, shared by the kernels (``tma_lockstep``, ``tma_ws``) and
-their launchers (``dense_tma``, ``paged_tma``); Python only, so it imports without Gluon.
+"""The Hopper TMA kernels' launch signature, shared by the kernels (``forward``) and their launchers
+(``dense_launch``, ``paged_launch``); Python only, so it imports without Gluon.
 
 Integers and pointers are not specialized (values, divisibility, alignment): a compiled kernel depends
-only on its constexprs and the descriptors' block types, which lets ``dense_tma._launch`` reuse it.
+only on its constexprs and the descriptors' block types, which lets ``dense_launch._launch`` reuse it.
 """
 from __future__ import annotations
 

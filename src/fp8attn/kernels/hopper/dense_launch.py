@@ -6,36 +6,29 @@ The fast path of ``dense.launch_dense_fwd`` for the common prefill case: e4m3 Q/
 Triton kernel), sequence lengths that are multiples of 128, per-(batch, kv head)
 descales, optional bottom-right causal mask and LSE; bf16 output, or e4m3 output with the fused
 static per-tensor scale ``out_scale``. Everything else stays on the Triton kernel (``supported``).
-This module holds the launchers. The kernels' Gluon code is in ``tma_ws`` / ``tma_ws_consumer`` and
-``tma_lockstep``; they share one softmax step (``tma_parts._softmax_tile_f32``), one finalization and one
-output epilogue. Head dim, output dtype (``OUT_FP8``), causal and LSE are compile-time constants:
+This module holds the launchers. The kernels' Gluon code is in ``forward`` (the kernels and their producer)
+and ``consumer``, built from ``softmax``, ``epilogue``, ``pipeline`` and ``scheduler``. Head dim, output
+dtype (``OUT_FP8``), causal and LSE are compile-time constants:
 
-* ``tma_ws._dense_fwd_tma_ws_kernel`` (every head dim), warp-specialized like FA3: a 1-warp TMA producer
+* ``forward._dense_fwd_tma_ws_kernel`` (every head dim), warp-specialized like FA3: a 1-warp TMA producer
   fills a double-buffered Q and a K/V ring guarded by ready/empty mbarriers, and two 4-warp consumers
   (64 query rows each, 240 registers) take turns issuing their MMAs -- S_j = Q K_j^T together with
   P_{j-1} V_{j-1} -- so one consumer's softmax overlaps the other's tensor-core work ("ping-pong").
   Persistent: one CTA per SM walks the query blocks in rounds, and a block's epilogue overlaps the
   next block's loads (causal inputs longer than 8k run one block per CTA, except at head dim 64).
-  Head dim 256 splits the operands as the d256 kernel below (``_ws_attend_d256``). Head dim 64 loads
-  K key-permuted (``kperm_on``), so that P becomes the A operand of P V without a cross-lane exchange.
-* ``tma_ws._bounded_fwd_tma_ws_kernel``: the warp-specialized kernel's partitions with per-sequence bounds
-  (``MODE``): over a paged FP8 KV cache (chunked prefill, ``paged_tma``: the producer reads each
+  Head dim 256 runs Q/K in two 128-wide halves, V/O in four 64-wide quarters and 64-key tiles
+  (``_ws_attend_d256``). Head dim 64 loads K key-permuted (``kperm_on``), so that P becomes the A
+  operand of P V without a cross-lane exchange.
+* ``forward._bounded_fwd_tma_ws_kernel``: the warp-specialized kernel's partitions with per-sequence bounds
+  (``MODE``): over a paged FP8 KV cache (chunked prefill, ``paged_launch``: the producer reads each
   tile's page from the page table), with varlen queries and keys (``cu_seqlens``), or varlen queries
   over a paged cache (mixed batches); lengths come from the device, varlen query blocks from a list
   built on the device (``varlen_block_list``), and the tiles at the diagonal or a sequence's end run
   masked (head dims 64, 128).
-* ``tma_lockstep._dense_fwd_tma_kernel``: the same math in 8 warps (2 warpgroups of 64 rows in lockstep); in the
-  loop over KV tiles ``S_{j+1}`` is issued asynchronously before the softmax of tile ``j``, then
-  ``P_j V_j``, the accumulator is rescaled while it runs, and one wait retires both MMAs. Not
-  dispatched since the warp-specialized kernel took head dim 64 causal inputs longer than 8k
-  (``_use_ws``); kept as the schedule the tests hold the warp-specialized kernel's bits to.
-* ``tma_lockstep._dense_fwd_tma_d256_kernel``: head dim 256 in 8 warps, operands in 128/64-wide pieces of the head
-  dim, 64-key tiles, no next-tile QK^T under the softmax. Not dispatched since the warp-specialized
-  kernel took head dim 256 (+1-22% on the H200, the same bits); kept as the independent schedule the
-  tests compare that kernel's bits with.
 
-Except in the persistent kernel, one CTA covers one 128-row query block of one (batch, q head); K/V
-tiles stream through a ``NUM_STAGES``-deep ring of shared-memory buffers filled by TMA.
+The tests hold the warp-specialized kernel's bits to an 8-warp lockstep schedule of the same math, kept
+outside the package (``_kernel_for``, ``_use_ws``). K/V tiles stream through a ``NUM_STAGES``-deep ring of
+shared-memory buffers filled by TMA.
 
 Operands as 2-D TMA views (no copies), D the head dim:
 
@@ -70,19 +63,18 @@ try:
 except ImportError:  # triton without Gluon: the fast path is simply unavailable
     HAS_GLUON = False
 
-from ..launch_rules import tma_options_reason, window_flags
-from .common import cdiv, fill_varlen_block_list
+from ..common import INTERPRET, cdiv, fill_varlen_block_list, find_seq, next_pow2
+from ..planning import tma_options_reason, window_flags
 # the kernels' signature; MODE_* and ENTRY are also read here by the paged launchers and the tests
-from .tma_signature import (_BOUNDED_PTR_ARGS, _PTR_ARGS, BLOCK_M, BLOCK_N, ENTRY, HEAD_DIMS, MODE_PAGED,
-                            MODE_PAGED_VARLEN, MODE_VARLEN, NUM_STAGES, NUM_WARPS)
+from .signature import (_BOUNDED_PTR_ARGS, _PTR_ARGS, BLOCK_M, BLOCK_N, ENTRY, HEAD_DIMS, MODE_PAGED,
+                        MODE_PAGED_VARLEN, MODE_VARLEN, NUM_STAGES)
 
 if HAS_GLUON:
-    from .tma_lockstep import _dense_fwd_tma_d256_kernel, _dense_fwd_tma_kernel
-    from .tma_ws import _bounded_fwd_tma_ws_kernel, _dense_fwd_tma_ws_kernel
-    from .tma_parts import box_keys, kperm_box_on
+    from .forward import _bounded_fwd_tma_ws_kernel, _dense_fwd_tma_ws_kernel
+    from .pipeline import box_keys, kperm_box_on
 
 __all__ = ["supported", "unsupported_reason", "capability_reason", "device_reason", "launch_dense_fwd_tma",
-           "HAS_GLUON", "QK192_V128", "qk192_enabled", "dense_rules", "set_dense_rules"]
+           "varlen_v_kmajor", "HAS_GLUON", "QK192_V128", "qk192_enabled", "dense_rules", "set_dense_rules"]
 
 _LOG2E = 1.4426950408889634
 
@@ -94,6 +86,82 @@ def _block_list_kernel(CuQ, KSrc, Blocks, batch, min_len_q, BM: tl.constexpr, BL
     the list inside one of its Triton launches instead)."""
     fill_varlen_block_list(CuQ, KSrc, Blocks, batch, min_len_q, BM, BLOCK_B, KEYS_CU, ENTRY)
 
+
+@triton.jit
+def _varlen_v_layout_kernel(X, Y, CuK, batch, head_dim, stride_xs, stride_xh, stride_xd, stride_yh, stride_yd,
+                            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``varlen_v_kmajor`` in one pass. Program (i, h): the i-th BLOCK_S-token tile of the capacity
+    ``total_k // BLOCK_S + batch``, whose sequence b's tiles start at ``cu_seqlens_k[b] // BLOCK_S + b``
+    (``find_seq``): its tokens are contiguous in Y's columns, so the transposed store is a row of
+    BLOCK_S bytes per head-dim index (a per-token sequence lookup made it byte stores, several times slower)."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = find_seq(CuK, pid, batch, BLOCK_S)
+    start = tl.load(CuK + b)
+    offs_s = (pid - (start // BLOCK_S + b)) * BLOCK_S + tl.arange(0, BLOCK_S)  # tokens of the sequence
+    offs_d = tl.arange(0, BLOCK_D)
+    len_k = tl.load(CuK + b + 1) - start
+    d_ok = offs_d[None, :] < head_dim
+    x = tl.load(X + (start + offs_s).to(tl.int64)[:, None] * stride_xs + h * stride_xh + offs_d[None, :] * stride_xd,
+                mask=(offs_s[:, None] < len_k) & d_ok, other=0)
+    dest = 16 * (start // 16 + b).to(tl.int64) + offs_s
+    # The store covers the sequence's columns up to a multiple of 16 (zeros past its end, before the next
+    # sequence's first column): a mask constant over 16 columns lets the compiler store 16 bytes at a time
+    # (an exact per-column mask made byte stores).
+    tl.store(Y + h * stride_yh + offs_d[None, :] * stride_yd + dest[:, None], x,
+             mask=(offs_s[:, None] < (len_k + 15) // 16 * 16) & d_ok)
+
+
+def varlen_v_kmajor(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """Varlen V laid out for the TMA kernel.
+
+    V becomes (nheads_k, d, columns) with sequence b's keys contiguous from column
+    ``16 * (cu_seqlens_k[b] // 16 + b)`` (a TMA box must start on 16 bytes; the start grows by more
+    than each sequence's length); the columns after a sequence hold zeros up to the next multiple of 16,
+    the rest between sequences is not written (the kernel never uses it). One Triton pass
+    (``_varlen_v_layout_kernel``; on CUDA, or on the CPU under the interpreter), no host synchronization;
+    torch otherwise (``_varlen_v_kmajor_torch``).
+
+    Parameters
+    ----------
+    v : torch.Tensor
+        (total_k, nheads_k, d), any dtype and strides (the head dim or the tokens contiguous read fastest:
+        the kernel is compiled for a unit stride of either).
+    cu_seqlens_k : torch.Tensor
+        int32 (batch + 1,).
+
+    Returns
+    -------
+    torch.Tensor
+        (nheads_k, d, 16 * (total_k // 16 + batch + 1)), contiguous, ``v``'s dtype.
+    """
+    total_k, hk, d = v.shape
+    batch = cu_seqlens_k.numel() - 1
+    cols = 16 * (total_k // 16 + batch + 1)
+    if v.is_cuda or INTERPRET:
+        one_byte = v.element_size() == 1
+        y = torch.empty(hk, d, cols, device=v.device, dtype=torch.uint8 if one_byte else v.dtype)
+        bs = 128  # one 128-byte row of Y per head-dim index and tile
+        _varlen_v_layout_kernel[(total_k // bs + batch, hk)](
+            v.view(torch.uint8) if one_byte else v, y, cu_seqlens_k, batch, d, *v.stride(), y.stride(0), y.stride(1),
+            BLOCK_S=bs, BLOCK_D=max(16, next_pow2(d)), num_warps=4)
+        return y.view(v.dtype)
+    return _varlen_v_kmajor_torch(v, cu_seqlens_k)
+
+
+def _varlen_v_kmajor_torch(v, cu_seqlens_k):
+    """``varlen_v_kmajor`` in torch operations (zeros between sequences)."""
+    total_k, hk, d = v.shape
+    batch = cu_seqlens_k.numel() - 1
+    cols = 16 * (total_k // 16 + batch + 1)
+    tok = torch.arange(total_k, device=v.device, dtype=torch.int32)
+    seq = (torch.searchsorted(cu_seqlens_k, tok, right=True) - 1).to(torch.int32)
+    start = cu_seqlens_k[seq.long()]
+    dest = 16 * (start // 16 + seq) + (tok - start)
+    y = torch.zeros(hk, d, cols, device=v.device, dtype=torch.uint8 if v.element_size() == 1 else v.dtype)
+    src = v.view(torch.uint8) if v.element_size() == 1 else v
+    y.index_copy_(2, dest.long(), src.permute(1, 2, 0))
+    return y.view(v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,9 +178,8 @@ def _num_sms(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Head dims on the warp-specialized kernel (H200, against the 8-warp kernels, which gave the same bits when
-# measured: d128 +5-9% from S2k and, persistent, S512 +34% / S1k +19% non-causal, +5-6% causal; d64 +2-6%;
-# d256 +11-15% non-causal, +1% causal S512, +9-22% causal S1k-S16k).
+# Head dims on the warp-specialized kernel: every one, faster than the 8-warp lockstep schedule at every length
+# and mask measured on the H200, with the same bits (docs/perf-notes.md).
 _WS_HEAD_DIMS = (64, 128, 256)
 _VARLEN_HEAD_DIMS = (64, 128)  # the bounded kernel's
 # The one pair of unequal head dims (qk, v) on the warp-specialized dense kernel: MLA prefill's (qk_nope 128 +
@@ -130,22 +197,21 @@ def qk192_enabled():
                          "v 128 on the TMA kernel, 0 to keep it on the Triton kernel.")
     return flag == "1"
 
+
 # The warp-specialized kernel runs persistent (one CTA per SM walking the query blocks; a block's epilogue
-# overlaps the next one's loads) except for causal inputs longer than this (H200, causal S16k: -2% to -6%
-# persistent; S8k and shorter: even or faster). A load model puts the alternating schedule within 0.2% of
-# perfect balance there, so the likelier cause is its order: every head's K/V is live at once, where one
-# block per CTA in the hardware's order works through about one head at a time (not measured).
+# overlaps the next one's loads) except for causal inputs longer than this, where one block per CTA measured
+# faster on the H200 (shorter inputs: even or faster persistent). A load model puts the alternating schedule
+# close to perfect balance there, so the likelier cause is its order: every head's K/V is live at once, where
+# one block per CTA in the hardware's order works through about one head at a time (not measured).
 _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 8192
 # ... but the dense kernel's causal inputs at these head dims run persistent at any length: at d64 the
-# persistent grid measured faster beyond 8k (H200, 16 heads: S16k 540 vs 507 TF/s without an LSE, 490 vs
-# 474 with one; S32k 561 vs 539), explore/d64_causal_long.json.
+# persistent grid measured faster beyond 8k on the H200, with an LSE or without (docs/perf-notes.md).
 _WS_PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 
 # Head dim 256 on the warp-specialized kernel: a call without an LSE runs the LSE variant into a scratch
 # tensor (B * H * S float32, ~1 MB at 16k tokens and 16 heads). The two variants sum in fp32 and give the
-# same output bits, but ptxas compiles the one without an LSE into the slower consumer loop (sm_90a: 9
-# spilled loads and stores per 64-key tile against 11, yet 3% slower on the H200: 808 vs 835 TF/s at S16k,
-# docs/perf-notes.md, dense rounds 15-16).
+# same output bits, but ptxas compiles the one without an LSE into a slower consumer loop (fewer spills in
+# the sm_90a compile, yet slower on the H200; docs/perf-notes.md).
 _D256_LSE_SCRATCH = True
 
 
@@ -203,10 +269,9 @@ def set_dense_rules(text):
 def varlen_preferred(head_dim, max_seqlen_q):
     """Whether varlen inputs that the TMA kernel supports go to it by default (``FP8ATTN_DENSE_BACKEND``
     unset): head dims 64 and 128, and q/k head dim 192 (qk 192 / v 128: not measured, taken as head dim 128 is;
-    ``FP8ATTN_TMA_QK192=0`` turns it off), with sequences up to at least 1024 queries. Measured on the H200 (eager
-    calls, V laid out by ``dense.varlen_v_kmajor`` in each call; ``explore/dense_varlen_tma.json``): d128
-    1.48-2.26x the Triton kernel, d64 1.22-1.77x, over 8 random lengths 512-4096, 4 x 4096 and 16 x 1024,
-    causal or not; shorter batches were not measured."""
+    ``FP8ATTN_TMA_QK192=0`` turns it off), with sequences up to at least 1024 queries: there the TMA kernel
+    measured faster than the Triton kernel on the H200 at both head dims, causal or not, V laid out by
+    ``varlen_v_kmajor`` in each call (docs/perf-notes.md); shorter batches were not measured."""
     return (head_dim in _VARLEN_HEAD_DIMS or head_dim == QK192_V128[0]) and max_seqlen_q is not None \
         and int(max_seqlen_q) >= 1024
 
@@ -222,11 +287,9 @@ def ws_grid(n_blocks, causal, seqlen_q, device_index, head_dim=None, persistent=
 
 
 def _use_ws(head_dim, causal, seqlen_q):
-    """The warp-specialized kernel at every head dim it has. The arguments are the signature the tests
-    replace to force the 8-warp kernels (to compare bits). Head dim 64 causal beyond 8k queries ran the
-    8-warp kernel until its calls without an LSE summed rows on the tensor core; persistent, the
-    warp-specialized kernel then measured +10-11% without an LSE (S16k 540 vs 493 TF/s, S32k 561 vs 506)
-    and even with one (490 vs 490, 501 vs 503; H200, explore/d64_causal_long.json)."""
+    """The warp-specialized kernel at every head dim it has (at least as fast as the 8-warp schedule at every
+    length measured on the H200). The arguments are the signature the tests replace to force the 8-warp
+    reference kernels (to compare bits)."""
     return head_dim in _WS_HEAD_DIMS
 
 
@@ -234,9 +297,9 @@ def ws_config(head_dim, causal, consumers=None, head_dim_v=None):
     """``(consumers, keys per KV tile, ring stages)`` of the warp-specialized dense kernel: two consumer
     warpgroups over ``_tiles``' tiles and ``NUM_STAGES`` ring stages. ``consumers=3`` (head dim 64 without a
     causal mask): three over 192-row blocks and 64-key tiles in a 4-stage ring (with 128-key tiles their 160
-    registers spill the accumulator in the loop). Not the default: on the H200 it ran at 0.88-0.94x the two
-    consumers' speed without an LSE (the tensor-core row sums lose their gain at 64-key tiles) and
-    1.007-1.017x with one from 4k queries (docs/perf-notes.md). ``head_dim_v``: V's head dim
+    registers spill the accumulator in the loop). Not the default: on the H200 it ran slower than two
+    consumers without an LSE (the tensor-core row sums lose their gain at 64-key tiles) and within noise with
+    one (docs/perf-notes.md). ``head_dim_v``: V's head dim
     where it differs (qk 192 / v 128: two consumers, 128-key tiles, as head dim 128)."""
     if consumers in (None, 2):
         return 2, _tiles(head_dim, True, head_dim_v)[3], NUM_STAGES
@@ -286,15 +349,15 @@ def _ones_layout(tile_keys):
     return gl.NVMMASharedLayout.get_default_for([_ONES_ROWS, tile_keys], gl.float8e4nv)
 
 
-# Columns of the row-sum MMA (every column is the sum). 16 is the width measured in the kernels; a standalone
-# H200 check summed right with TMA-loaded tiles of 8 and 16 (perf-notes dense round 15).
+# Columns of the row-sum MMA (every column is the sum). 16 is the width the kernels were measured with; a
+# standalone H200 check summed right with TMA-loaded tiles of 8 and 16.
 _ONES_ROWS = 16
 _ONES = {}
 
 
 def _ones(device):
     """The (16, 128) e4m3 ones that the warp-specialized kernels load once per CTA for their row sums
-    (``tma_parts._row_sum_issue``), one tensor per device. Under CUDA-graph capture a first call makes
+    (``_row_sum_issue``), one tensor per device. Under CUDA-graph capture a first call makes
     its own (the graph's fill runs before each replay's launch) and keeps none."""
     t = _ONES.get(device)
     if t is None:
@@ -305,23 +368,23 @@ def _ones(device):
 
 
 def _kernel_for(head_dim, ws):
-    """(kernel, num_warps) (the warp-specialized kernel adds 5 worker warps)."""
-    if ws:
-        return _dense_fwd_tma_ws_kernel, 4
-    if head_dim == 256:
-        return _dense_fwd_tma_d256_kernel, NUM_WARPS
-    return _dense_fwd_tma_kernel, NUM_WARPS
+    """(kernel, num_warps) of a dense launch: the warp-specialized kernel, at every head dim (its partitions add
+    5 worker warps). Only it ships; ``ws`` False names the 8-warp lockstep schedule, which the tests keep
+    outside the package as the reference the warp-specialized kernel's bits are held to (they replace
+    this function and ``_use_ws`` to launch it)."""
+    if not ws:
+        raise ValueError(f"head dim {head_dim}: only the warp-specialized dense TMA kernel is available (ws=True)")
+    return _dense_fwd_tma_ws_kernel, 4
 
 
 def kperm_on(head_dim, consumers, causal, write_lse):
     """Whether the dense warp-specialized kernel loads K key-permuted (``kperm_box``): each 16 keys' rows in
     the order of the wgmma accumulator's columns, so that P, relabelled to key order, is already the A
-    operand of P V (``tma_parts._p_operand``; sm_90a: the conversion's SHFL.IDX, SEL and cross-lane PRMT
-    gone). Head dim 64 with two consumers, except non-causal calls with an LSE. On the H200 (16 heads,
-    ``explore/kperm.json``): +4-5% non-causal and +6-8% causal without an LSE, +2% causal with one,
-    -0.5% to -1.8% non-causal with one. Without an LSE the output bits are the same as the plain box's;
-    with one the fp32 row sums add in another order (measured: the LSE within 1.4e-6, the same output
-    bits; the tests allow one bf16 ulp)."""
+    operand of P V (``_p_operand``; sm_90a: the conversion's SHFL.IDX, SEL and cross-lane PRMT
+    gone). Head dim 64 with two consumers, except non-causal calls with an LSE, the one case where it measured
+    slower on the H200 (docs/perf-notes.md). Without an LSE the output bits are the same as the plain box's;
+    with one the fp32 row sums add in another order (the LSE moves in its last bits; the tests allow one
+    bf16 ulp of output)."""
     return head_dim == 64 and consumers == 2 and (causal or not write_lse)
 
 
@@ -444,7 +507,7 @@ def device_reason(ts, extra=(), capability=None):
 def _varlen_unsupported_reason(q, k, v, out, *, q_descale, k_descale, v_descale, out_scale, cu_seqlens_q,
                                cu_seqlens_k, lse, capability=None):
     """``unsupported_reason`` for varlen inputs (``_bounded_fwd_tma_ws_kernel`` in ``MODE_VARLEN``), after
-    ``launch_rules.tma_options_reason``."""
+    ``planning.tma_options_reason``."""
     if cu_seqlens_k is None:
         return "varlen needs cu_seqlens_k"
     if out_scale is not None:  # compiled for sm90, not yet run on a GPU: the Triton kernel serves it
@@ -604,8 +667,6 @@ def _launch_varlen(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_descale
     d_v = v_kmajor.shape[-1]
     batch = cu_seqlens_q.numel() - 1
     rows, dh, dv, bn = tiles = _tiles(d, True, d_v)
-    from .dense import varlen_v_kmajor  # (dense imports this module)
-
     vt = varlen_v_kmajor(v_kmajor, cu_seqlens_k)
     blocks, ls, row_strides, grid = varlen_schedule(cu_seqlens_q, cu_seqlens_k, True, total_q, hq, lse, out)
     descs = ((q, [total_q, hq * d], [hq * d, 1], [rows, dh]), (k, [total_k, hk * d], [hk * d, 1], [bn, dh]),
@@ -703,8 +764,8 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
 
     The first launch per (device, head dim, constexprs) goes through triton's JIT (compile, bind,
     specialize) and keeps the compiled kernel; later launches call it directly with the same argument
-    list and lightweight descriptors: 38 -> 13 us of host time per launch, plus ~13 us of descriptor
-    construction, on the H200's host (docs/perf-notes.md). Triton's own path is used whenever launch
+    list and lightweight descriptors, a fraction of the host time per launch (and no descriptor
+    construction; docs/perf-notes.md). Triton's own path is used whenever launch
     hooks are installed (profilers) or an integer argument needs 64 bits (a different signature).
 
     Parameters
@@ -751,7 +812,7 @@ def _aot_compile(causal, write_lse=True, arch=90, head_dim=128, out_fp8=False, w
     ``ws``: the warp-specialized kernel (default: whenever the head dim has it). ``mode``: the kernel
     with per-sequence bounds (``_bounded_fwd_tma_ws_kernel``, ``MODE_*``; head dims 64 and 128),
     ``block_n`` its keys per tile, ``v_rows`` its V in K's layout (``V_ROWS``), ``box`` the rows of its K and
-    V boxes when fewer than the tile's keys (16, 32, 64, with ``v_rows``: ``paged_tma.box_rows``).
+    V boxes when fewer than the tile's keys (16, 32, 64, with ``v_rows``: ``paged_launch.box_rows``).
     ``consumers``: the dense warp-specialized kernel's consumer warpgroups, with ``block_n`` and the ring's
     stages from ``ws_config`` unless given. ``kperm``: its key-permuted K box forced on or off (default: the
     launcher's rule, ``kperm_on``). ``head_dim_v``: V's and O's head dim where it differs (``QK192_V128``, the
