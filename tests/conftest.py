@@ -1,5 +1,6 @@
 """Test configuration: the interpreter without a GPU, seeds, markers, hypothesis profiles. The shared checks
 (the tolerance rule of docs/design.md, Testing) live in helpers.py."""
+
 import os
 
 import pytest
@@ -37,5 +38,3 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-

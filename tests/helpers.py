@@ -4,6 +4,7 @@ non-unit descales, and the launch-and-check wrappers of the dense and paged kern
 Test modules import from here (``from helpers import ...``; pytest puts tests/ on the path); nothing here
 is collected.
 """
+
 import math
 import re
 
@@ -94,9 +95,24 @@ def _round_p(p, p_round):
     return p.to(p_round).to(F64)
 
 
-def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    q_descale=None, k_descale=None, v_descale=None, k_token_descale=None,
-                    v_token_descale=None, seqlens_q=None, seqlens_k=None, p_round=None):
+def naive_attention(
+    q,
+    k,
+    v,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    k_token_descale=None,
+    v_token_descale=None,
+    seqlens_q=None,
+    seqlens_k=None,
+    p_round=None,
+):
     """Float64 oracle, one query row at a time.
 
     q : (b, sq, hq, d); k : (b, sk, hk, d); v : (b, sk, hk, dv) -- any float / fp8 dtype.
@@ -137,16 +153,16 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                 if hi < lo:
                     continue  # no visible key: out 0, lse -inf
                 qrow = Q[bi, i, h] * qd[bi, kh]
-                keys = K[bi, lo:hi + 1, kh] * kd[bi, kh]
+                keys = K[bi, lo : hi + 1, kh] * kd[bi, kh]
                 s = (keys @ qrow) * scale
                 if softcap > 0:
                     s = softcap * torch.tanh(s / softcap)
                 mx = s.max()
                 p = torch.exp(s - mx)
                 denom = p.sum()
-                out[bi, i, h] = (p @ V[bi, lo:hi + 1, kh]) / denom * vd[bi, kh]
+                out[bi, i, h] = (p @ V[bi, lo : hi + 1, kh]) / denom * vd[bi, kh]
                 if p_round is not None:
-                    out_lowp[bi, i, h] = (_round_p(p, p_round) @ V[bi, lo:hi + 1, kh]) / denom * vd[bi, kh]
+                    out_lowp[bi, i, h] = (_round_p(p, p_round) @ V[bi, lo : hi + 1, kh]) / denom * vd[bi, kh]
                 lse[bi, h, i] = mx + torch.log(denom)
     return (out, lse) if p_round is None else (out, lse, out_lowp)
 
@@ -219,15 +235,18 @@ def page_table_3x(lens, ps):
 def scatter_dense(cache, pt, x, lens):
     """Write dense x (b, L, hk, d) tokens [0, len) into the paged cache, byte for byte (independent of the library)."""
     ps = cache.shape[1]
-    raw, xr = cache.view(torch.uint8) if cache.element_size() == 1 else cache, \
-        x.view(torch.uint8) if x.element_size() == 1 else x
+    raw, xr = (
+        cache.view(torch.uint8) if cache.element_size() == 1 else cache,
+        x.view(torch.uint8) if x.element_size() == 1 else x,
+    )
     for b, n in enumerate(lens):
         for t in range(n):
             raw[int(pt[b, t // ps]), t % ps] = xr[b, t]
 
 
-def make_cache(seqlens, page_size, hk, d, dv=None, dtype=E4M3, device=DEV, per_token_scales=False,
-               extra_pages=1, pool_factor=3):
+def make_cache(
+    seqlens, page_size, hk, d, dv=None, dtype=E4M3, device=DEV, per_token_scales=False, extra_pages=1, pool_factor=3
+):
     """Random paged K/V over a randperm 3x pool; NaN outside valid tokens; -1 in unused entries."""
     dv = d if dv is None else dv
     batch = len(seqlens)
@@ -266,8 +285,12 @@ def make_cache(seqlens, page_size, hk, d, dv=None, dtype=E4M3, device=DEV, per_t
         else:
             kc[blk, off] = kk.to(dtype)
             vc[blk, off] = vv.to(dtype)
-    c = dict(k_cache=kc.to(device), v_cache=vc.to(device), page_table=pt.to(device),
-             cache_seqlens=torch.tensor([int(L) for L in seqlens], dtype=torch.int32, device=device))
+    c = dict(
+        k_cache=kc.to(device),
+        v_cache=vc.to(device),
+        page_table=pt.to(device),
+        cache_seqlens=torch.tensor([int(L) for L in seqlens], dtype=torch.int32, device=device),
+    )
     if per_token_scales:
         c["k_cache_scales"], c["v_cache_scales"] = ks.to(device), vs.to(device)
     return c
@@ -298,18 +321,31 @@ def run_dense(q, k, v, *, out_dtype=torch.float32, lse=True, **kw):
         out = torch.full(q.shape[:3] + (v.shape[-1],), float("nan"), device=q.device, dtype=torch.float32)
         l = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device) if lse else None
     out = out.to(out_dtype) if out_dtype != E4M3 else torch.zeros_like(out, dtype=E4M3)
-    args = dict(softmax_scale=kw.pop("softmax_scale", 1.0 / math.sqrt(q.shape[-1])),
-                causal=kw.pop("causal", False), window_size=kw.pop("window_size", (-1, -1)),
-                softcap=kw.pop("softcap", 0.0), q_descale=kw.pop("q_descale", None),
-                k_descale=kw.pop("k_descale", None), v_descale=kw.pop("v_descale", None))
+    args = dict(
+        softmax_scale=kw.pop("softmax_scale", 1.0 / math.sqrt(q.shape[-1])),
+        causal=kw.pop("causal", False),
+        window_size=kw.pop("window_size", (-1, -1)),
+        softcap=kw.pop("softcap", 0.0),
+        q_descale=kw.pop("q_descale", None),
+        k_descale=kw.pop("k_descale", None),
+        v_descale=kw.pop("v_descale", None),
+    )
     launch_dense_fwd(q, k, v, out, l, **args, **kw)
     return out, l, args
 
 
 def check_dense(q, k, v, out, lse, args, floor_rel=2e-3, **refkw):
-    kw = dict(softmax_scale=args["softmax_scale"], causal=args["causal"], window_size=args["window_size"],
-              softcap=args["softcap"], q_descale=args["q_descale"], k_descale=args["k_descale"],
-              v_descale=args["v_descale"], out_dtype=torch.float32, **refkw)
+    kw = dict(
+        softmax_scale=args["softmax_scale"],
+        causal=args["causal"],
+        window_size=args["window_size"],
+        softcap=args["softcap"],
+        q_descale=args["q_descale"],
+        k_descale=args["k_descale"],
+        v_descale=args["v_descale"],
+        out_dtype=torch.float32,
+        **refkw,
+    )
     ref, ref_lse = attention_ref(q, k, v, return_lse=True, **kw)
     lowp = attention_ref(q, k, v, quantize_p=q.dtype == E4M3, **kw)
     floor = floor_rel * max(ref.abs().max().item(), 1e-3)
@@ -322,9 +358,26 @@ def check_dense(q, k, v, out, lse, args, floor_rel=2e-3, **refkw):
     return ref
 
 
-def run_paged(q, cache, *, cu_seqlens_q=None, max_seqlen_q=None, causal=True, window_size=(-1, -1),
-              softcap=0.0, q_descale=None, k_descale=None, v_descale=None, num_splits=1, out_dtype=None,
-              out_scale=None, softmax_scale=None, config=None, with_lse=True, split_workspace=(None, None)):
+def run_paged(
+    q,
+    cache,
+    *,
+    cu_seqlens_q=None,
+    max_seqlen_q=None,
+    causal=True,
+    window_size=(-1, -1),
+    softcap=0.0,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    num_splits=1,
+    out_dtype=None,
+    out_scale=None,
+    softmax_scale=None,
+    config=None,
+    with_lse=True,
+    split_workspace=(None, None),
+):
     """The paged launch into NaN-poisoned outputs: ``(out, lse)`` (``lse`` None without ``with_lse``)."""
     hq, d = q.shape[-2], q.shape[-1]
     dv = cache["v_cache"].shape[-1]
@@ -341,12 +394,31 @@ def run_paged(q, cache, *, cu_seqlens_q=None, max_seqlen_q=None, causal=True, wi
         lse = torch.full((hq, q.shape[0]), float("nan"), device=q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     lse = lse if with_lse else None
-    launch_paged_fwd(q, cache["k_cache"], cache["v_cache"], cache["page_table"], cache["cache_seqlens"], out, lse,
-                     cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=scale, causal=causal,
-                     window_size=window_size, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
-                     v_descale=v_descale, k_cache_scales=cache.get("k_cache_scales"),
-                     v_cache_scales=cache.get("v_cache_scales"), out_scale=out_scale, num_splits=num_splits,
-                     out_partial=split_workspace[0], lse_partial=split_workspace[1], config=config)
+    launch_paged_fwd(
+        q,
+        cache["k_cache"],
+        cache["v_cache"],
+        cache["page_table"],
+        cache["cache_seqlens"],
+        out,
+        lse,
+        cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q,
+        softmax_scale=scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        k_cache_scales=cache.get("k_cache_scales"),
+        v_cache_scales=cache.get("v_cache_scales"),
+        out_scale=out_scale,
+        num_splits=num_splits,
+        out_partial=split_workspace[0],
+        lse_partial=split_workspace[1],
+        config=config,
+    )
     return out, lse
 
 
@@ -362,7 +434,7 @@ def paged_refs(q, cache, *, quantize_p, **kw):
 
 def check_paged(out, lse, ref, ref_lse, ref_lp, floor=2e-3, lse_tol=1e-3):
     if DEV == "cpu":  # the interpreter's fp32 -> bf16 cast truncates: allow one output ulp
-        floor = max(floor, 2.0 ** -7 * ref.abs().max().item())
+        floor = max(floor, 2.0**-7 * ref.abs().max().item())
     assert_close_fa3(out, ref, ref_lp, floor=floor)
     if lse is None:
         return
@@ -399,8 +471,8 @@ def assert_row_scaled(o_rs, o_exact, out_fp8=False):
     a, b = a[live], b[live]
     r = (a * b).sum(-1) / (b * b).sum(-1)  # each row's factor, least squares
     lr = r.log().abs()
-    assert lr.max().item() <= math.log1p(2 ** -4) + 2e-3, lr.max().item()
+    assert lr.max().item() <= math.log1p(2**-4) + 2e-3, lr.max().item()
     assert lr.max().item() > 0, "the same rows: the row sums are the fp32 ones"
-    tol = 2 ** -3 if out_fp8 else 2 ** -7  # one e4m3 (half ulp <= 2^-4) / bf16 rounding on each side
+    tol = 2**-3 if out_fp8 else 2**-7  # one e4m3 (half ulp <= 2^-4) / bf16 rounding on each side
     err = (a - r[:, None] * b).abs() - tol * b.abs()
     assert err.max().item() <= 1e-3 * b.abs().max().item(), err.max().item()

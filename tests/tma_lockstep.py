@@ -9,16 +9,28 @@ asynchronously before the softmax of tile ``j``, then ``P_j V_j``; the accumulat
 runs, and one wait retires both MMAs. ``_dense_fwd_tma_d256_kernel``: head dim 256 with operands in
 128/64-wide pieces and 64-key tiles, no next-tile QK^T under the softmax.
 """
+
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from fp8attn.kernels.hopper import dense_launch
-from fp8attn.kernels.hopper.epilogue import (_finalize_rows, _normalize_rows, _out_scale_inv, _output_epilogue,
-                                             _store_lse, _store_rows)
+from fp8attn.kernels.hopper.epilogue import (
+    _finalize_rows,
+    _normalize_rows,
+    _out_scale_inv,
+    _output_epilogue,
+    _store_lse,
+    _store_rows,
+)
 from fp8attn.kernels.hopper.pipeline import _block_scales, _query_block
 from fp8attn.kernels.hopper.signature import _INT_ARGS, _PTR_ARGS, NUM_WARPS
 from fp8attn.kernels.hopper.softmax import _p_operand, _pv_quarter, _softmax_tile_f32
@@ -34,8 +46,9 @@ def kernel_for(head_dim, ws):
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, qk_scale, m0, n0, shift,
-                  p_layout: gl.constexpr, row_o: gl.constexpr, MASKED: gl.constexpr):
+def _softmax_tile(
+    s, m_i, l_i, qk_scale, m0, n0, shift, p_layout: gl.constexpr, row_o: gl.constexpr, MASKED: gl.constexpr
+):
     """``_softmax_tile_f32`` returning P as the e4m3 A operand."""
     p, alpha, m_new, l_new = _softmax_tile_f32(s, m_i, l_i, qk_scale, m0, n0, shift, row_o, MASKED)
     return _p_operand(p, p_layout), alpha, m_new, l_new
@@ -81,18 +94,47 @@ def _invalidate_barriers(q_bar, k_bars, v_bars, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _query_block_setup(QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
-                       stride_vds_b, stride_vds_h, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2,
-                       BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+def _query_block_setup(
+    QDs,
+    KDs,
+    VDs,
+    stride_qds_b,
+    stride_qds_h,
+    stride_kds_b,
+    stride_kds_h,
+    stride_vds_b,
+    stride_vds_h,
+    seqlen_q,
+    seqlen_k,
+    nheads_q,
+    nheads_k,
+    softmax_scale_log2,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
     """This CTA's query block (grid: query blocks x batch * heads): ``(b, h, hk, m0, shift, n_tiles,
     qk_scale, v_descale)``. Causal grids run the longest query blocks (most keys) first."""
     pid_m = gl.program_id(0)
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - pid_m
-    b, h, hk, m0, shift, n_tiles = _query_block(pid_m, gl.program_id(1), seqlen_q, seqlen_k, nheads_q,
-                                                nheads_k, BM, BN, CAUSAL)
-    qk_scale, v_descale = _block_scales(b, hk, QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b,
-                                        stride_kds_h, stride_vds_b, stride_vds_h, softmax_scale_log2)
+    b, h, hk, m0, shift, n_tiles = _query_block(
+        pid_m, gl.program_id(1), seqlen_q, seqlen_k, nheads_q, nheads_k, BM, BN, CAUSAL
+    )
+    qk_scale, v_descale = _block_scales(
+        b,
+        hk,
+        QDs,
+        KDs,
+        VDs,
+        stride_qds_b,
+        stride_qds_h,
+        stride_kds_b,
+        stride_kds_h,
+        stride_vds_b,
+        stride_vds_h,
+        softmax_scale_log2,
+    )
     return b, h, hk, m0, shift, n_tiles, qk_scale, v_descale
 
 
@@ -100,11 +142,34 @@ def _query_block_setup(QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, 
 # depends only on the constexprs and the descriptors' block types, which lets ``_launch`` reuse it.
 @gluon.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_PTR_ARGS)
 def _dense_fwd_tma_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
-    stride_lb, stride_lh, stride_lm,
-    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-    seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
-    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    Lse,
+    QDs,
+    KDs,
+    VDs,
+    OutScale,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_qds_b,
+    stride_qds_h,
+    stride_kds_b,
+    stride_kds_h,
+    stride_vds_b,
+    stride_vds_h,
+    seqlen_q,
+    seqlen_k,
+    nheads_q,
+    nheads_k,
+    batch,
+    softmax_scale_log2,
+    CAUSAL: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    OUT_FP8: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
 ):
     BM: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -122,8 +187,24 @@ def _dense_fwd_tma_kernel(
     gl.static_assert(BN == BM)
 
     b, h, hk, m0, shift, n_tiles, qk_scale, v_descale = _query_block_setup(
-        QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-        seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2, BM, BN, CAUSAL)
+        QDs,
+        KDs,
+        VDs,
+        stride_qds_b,
+        stride_qds_h,
+        stride_kds_b,
+        stride_kds_h,
+        stride_vds_b,
+        stride_vds_h,
+        seqlen_q,
+        seqlen_k,
+        nheads_q,
+        nheads_k,
+        softmax_scale_log2,
+        BM,
+        BN,
+        CAUSAL,
+    )
     q_row = b * seqlen_q + m0
     kv_row = b * seqlen_k
     vt_row = (b * nheads_k + hk) * D
@@ -131,10 +212,8 @@ def _dense_fwd_tma_kernel(
     k_col = hk * D
 
     # 8 warps stacked along M: each warpgroup owns 64 rows, row reductions stay in a quad.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, BN, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, D, 32])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, D, 32])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -153,10 +232,10 @@ def _dense_fwd_tma_kernel(
     gl.thread_barrier()
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     for i in gl.static_range(NUM_STAGES):
-        tma.async_copy_global_to_shared(k_desc, [kv_row + i * BN, k_col], k_bars.index(i),
-                                        k_smem.index(i), pred=i < n_tiles)
-        tma.async_copy_global_to_shared(v_desc, [vt_row, i * BN], v_bars.index(i),
-                                        v_smem.index(i), pred=i < n_tiles)
+        tma.async_copy_global_to_shared(
+            k_desc, [kv_row + i * BN, k_col], k_bars.index(i), k_smem.index(i), pred=i < n_tiles
+        )
+        tma.async_copy_global_to_shared(v_desc, [vt_row, i * BN], v_bars.index(i), v_smem.index(i), pred=i < n_tiles)
 
     zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
     zero_o = gl.zeros([BM, D], gl.float32, o_layout)
@@ -171,17 +250,16 @@ def _dense_fwd_tma_kernel(
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     gl.thread_barrier()
     mbarrier.expect(k_bars.index(0), k_desc.block_type.nbytes, pred=NUM_STAGES < n_tiles)
-    tma.async_copy_global_to_shared(k_desc, [kv_row + NUM_STAGES * BN, k_col], k_bars.index(0),
-                                    k_smem.index(0), pred=NUM_STAGES < n_tiles)
+    tma.async_copy_global_to_shared(
+        k_desc, [kv_row + NUM_STAGES * BN, k_col], k_bars.index(0), k_smem.index(0), pred=NUM_STAGES < n_tiles
+    )
 
     # Fully visible tiles 0 .. n_tiles - 2: QK_{j+1} runs under softmax_j.
     for j in range(n_tiles - 1):
         kn = (j + 1) % NUM_STAGES
         mbarrier.wait(k_bars.index(kn), ((j + 1) // NUM_STAGES) & 1)
-        sn_tok = warpgroup_mma(q_smem, k_smem.index(kn).permute((1, 0)), zero_s, use_acc=False,
-                               is_async=True)
-        p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, m0, j * BN, shift,
-                                            p_layout, row_o, False)
+        sn_tok = warpgroup_mma(q_smem, k_smem.index(kn).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, m0, j * BN, shift, p_layout, row_o, False)
         vs = j % NUM_STAGES
         mbarrier.wait(v_bars.index(vs), (j // NUM_STAGES) & 1)
         # fresh accumulator per tile, added in fp32 below (two-level accumulation)
@@ -191,13 +269,24 @@ def _dense_fwd_tma_kernel(
         acc = acc + pv
         tk = j + 1 + NUM_STAGES
         tv = j + NUM_STAGES
-        _refill(k_desc, kv_row + tk * BN, k_col, k_bars.index(kn), k_smem.index(kn), tk < n_tiles,
-                v_desc, vt_row, tv * BN, v_bars.index(vs), v_smem.index(vs), tv < n_tiles)
+        _refill(
+            k_desc,
+            kv_row + tk * BN,
+            k_col,
+            k_bars.index(kn),
+            k_smem.index(kn),
+            tk < n_tiles,
+            v_desc,
+            vt_row,
+            tv * BN,
+            v_bars.index(vs),
+            v_smem.index(vs),
+            tv < n_tiles,
+        )
 
     # Last tile: the diagonal one when causal (the only tile that needs the mask).
     jl = n_tiles - 1
-    p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, m0, jl * BN, shift,
-                                        p_layout, row_o, CAUSAL)
+    p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, m0, jl * BN, shift, p_layout, row_o, CAUSAL)
     vs = jl % NUM_STAGES
     mbarrier.wait(v_bars.index(vs), (jl // NUM_STAGES) & 1)
     pv_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), zero_o, use_acc=False, is_async=True)
@@ -215,11 +304,37 @@ def _dense_fwd_tma_kernel(
     _store_rows(out, o_smem, o_desc, q_row, q_col, out_inv, OUT_FP8)
     tma.store_wait(pendings=0)
 
+
 @gluon.jit
-def _tile_step_d256(j, m_i, l_i, acc0, acc1, acc2, acc3, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
-                    v_desc, kv_row, k_col, vt_row, n_tiles, qk_scale, m0, shift, s_layout: gl.constexpr,
-                    o_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, MASKED: gl.constexpr):
+def _tile_step_d256(
+    j,
+    m_i,
+    l_i,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    q_smem,
+    k_smem,
+    v_smem,
+    k_bars,
+    v_bars,
+    k_desc,
+    v_desc,
+    kv_row,
+    k_col,
+    vt_row,
+    n_tiles,
+    qk_scale,
+    m0,
+    shift,
+    s_layout: gl.constexpr,
+    o_layout: gl.constexpr,
+    p_layout: gl.constexpr,
+    row_o: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    MASKED: gl.constexpr,
+):
     """One KV tile of the head-dim-256 kernel. Q and K come in two 128-wide halves of the head dim:
     S = Q_0 K_0^T + Q_1 K_1^T (one fp32 accumulator over the 256-long dot). V and O come in four
     64-wide quarters: each P V_q starts from a zero accumulator and is added to its fp32 quarter
@@ -233,8 +348,7 @@ def _tile_step_d256(j, m_i, l_i, acc0, acc1, acc2, acc3, q_smem, k_smem, v_smem,
     ph = (j // NUM_STAGES) & 1
     mbarrier.wait(k_bars.index(st), ph)
     zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
-    s_tok = warpgroup_mma(q_smem.index(0), k_smem.index(2 * st).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
+    s_tok = warpgroup_mma(q_smem.index(0), k_smem.index(2 * st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s_tok = warpgroup_mma(q_smem.index(1), k_smem.index(2 * st + 1).permute((1, 0)), s_tok, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, m0, j * BN, shift, p_layout, row_o, MASKED)
@@ -250,22 +364,48 @@ def _tile_step_d256(j, m_i, l_i, acc0, acc1, acc2, acc3, q_smem, k_smem, v_smem,
     mbarrier.expect(v_bars.index(st), 4 * v_desc.block_type.nbytes, pred=pred)
     gl.thread_barrier()
     for hh in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [kv_row + t * BN, k_col + hh * DH], k_bars.index(st),
-                                        k_smem.index(2 * st + hh), pred=pred)
+        tma.async_copy_global_to_shared(
+            k_desc, [kv_row + t * BN, k_col + hh * DH], k_bars.index(st), k_smem.index(2 * st + hh), pred=pred
+        )
     for qq in gl.static_range(4):
-        tma.async_copy_global_to_shared(v_desc, [vt_row + qq * DQ, t * BN], v_bars.index(st),
-                                        v_smem.index(4 * st + qq), pred=pred)
+        tma.async_copy_global_to_shared(
+            v_desc, [vt_row + qq * DQ, t * BN], v_bars.index(st), v_smem.index(4 * st + qq), pred=pred
+        )
     return m_i, l_i, acc0, acc1, acc2, acc3
+
 
 # Integers and pointers are not specialized (values, divisibility, alignment): the compiled kernel
 # depends only on the constexprs and the descriptors' block types, which lets ``_launch`` reuse it.
 @gluon.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_PTR_ARGS)
 def _dense_fwd_tma_d256_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse, QDs, KDs, VDs, OutScale,
-    stride_lb, stride_lh, stride_lm,
-    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-    seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
-    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    Lse,
+    QDs,
+    KDs,
+    VDs,
+    OutScale,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_qds_b,
+    stride_qds_h,
+    stride_kds_b,
+    stride_kds_h,
+    stride_vds_b,
+    stride_vds_h,
+    seqlen_q,
+    seqlen_k,
+    nheads_q,
+    nheads_k,
+    batch,
+    softmax_scale_log2,
+    CAUSAL: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    OUT_FP8: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
 ):
     """Head dim 256: the numerics of ``_dense_fwd_tma_kernel`` with Q/K in two 128-wide halves of
     the head dim, V/O in four 64-wide quarters (``_tile_step_d256``) and 64-key tiles, so that O's
@@ -284,18 +424,32 @@ def _dense_fwd_tma_d256_kernel(
     out_inv = _out_scale_inv(OutScale, OUT_FP8)  # before the main loop
 
     b, h, hk, m0, shift, n_tiles, qk_scale, v_descale = _query_block_setup(
-        QDs, KDs, VDs, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-        seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale_log2, BM, BN, CAUSAL)
+        QDs,
+        KDs,
+        VDs,
+        stride_qds_b,
+        stride_qds_h,
+        stride_kds_b,
+        stride_kds_h,
+        stride_vds_b,
+        stride_vds_h,
+        seqlen_q,
+        seqlen_k,
+        nheads_q,
+        nheads_k,
+        softmax_scale_log2,
+        BM,
+        BN,
+        CAUSAL,
+    )
     q_row = b * seqlen_q + m0
     kv_row = b * seqlen_k
     vt_row = (b * nheads_k + hk) * (4 * DQ)
     q_col = h * (2 * DH)
     k_col = hk * (2 * DH)
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, BN, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, DQ, 32])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, DQ, 32])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -315,11 +469,13 @@ def _dense_fwd_tma_d256_kernel(
         tma.async_copy_global_to_shared(q_desc, [q_row, q_col + hh * DH], q_bar, q_smem.index(hh))
     for i in gl.static_range(NUM_STAGES):
         for hh in gl.static_range(2):
-            tma.async_copy_global_to_shared(k_desc, [kv_row + i * BN, k_col + hh * DH], k_bars.index(i),
-                                            k_smem.index(2 * i + hh), pred=i < n_tiles)
+            tma.async_copy_global_to_shared(
+                k_desc, [kv_row + i * BN, k_col + hh * DH], k_bars.index(i), k_smem.index(2 * i + hh), pred=i < n_tiles
+            )
         for qq in gl.static_range(4):
-            tma.async_copy_global_to_shared(v_desc, [vt_row + qq * DQ, i * BN], v_bars.index(i),
-                                            v_smem.index(4 * i + qq), pred=i < n_tiles)
+            tma.async_copy_global_to_shared(
+                v_desc, [vt_row + qq * DQ, i * BN], v_bars.index(i), v_smem.index(4 * i + qq), pred=i < n_tiles
+            )
 
     m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BM], gl.float32, row_s)
@@ -333,9 +489,34 @@ def _dense_fwd_tma_d256_kernel(
     # a second, masked copy of the loop for those tiles pushed the register count into spills.
     for j in range(n_tiles):
         m_i, l_i, acc0, acc1, acc2, acc3 = _tile_step_d256(
-            j, m_i, l_i, acc0, acc1, acc2, acc3, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc,
-            kv_row, k_col, vt_row, n_tiles, qk_scale, m0, shift, s_layout, o_layout, p_layout, row_o,
-            NUM_STAGES, CAUSAL)
+            j,
+            m_i,
+            l_i,
+            acc0,
+            acc1,
+            acc2,
+            acc3,
+            q_smem,
+            k_smem,
+            v_smem,
+            k_bars,
+            v_bars,
+            k_desc,
+            v_desc,
+            kv_row,
+            k_col,
+            vt_row,
+            n_tiles,
+            qk_scale,
+            m0,
+            shift,
+            s_layout,
+            o_layout,
+            p_layout,
+            row_o,
+            NUM_STAGES,
+            CAUSAL,
+        )
 
     _invalidate_barriers(q_bar, k_bars, v_bars, NUM_STAGES)
 

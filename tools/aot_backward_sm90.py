@@ -8,6 +8,7 @@ and cuobjdump's resource usage (registers; LDL/STL = spills). A compile error pr
 Usage: ``python tools/aot_backward_sm90.py [--all] [--quick]`` from the repo root (``--quick``: the
 cases the CPU test compiles).
 """
+
 import os
 import re
 import sys
@@ -16,11 +17,11 @@ os.environ["TRITON_INTERPRET"] = "0"
 os.environ["FP8ATTN_NO_AUTOTUNE"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import aot_paged_sm90 as A  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-import aot_paged_sm90 as A  # noqa: E402
 from fp8attn.kernels import backward as B  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -53,9 +54,25 @@ def capture(case):
         if varlen:
             cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)
             kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s)
-        B.launch_attention_bwd(do, q, k, v, out, lse, *grads, q_descale=desc, k_descale=desc, v_descale=desc,
-                               softmax_scale=d ** -0.5, causal=case["causal"], window_left=-1, window_right=-1,
-                               softcap=case.get("softcap", 0.0), mode=case["mode"], **kw)
+        B.launch_attention_bwd(
+            do,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *grads,
+            q_descale=desc,
+            k_descale=desc,
+            v_descale=desc,
+            softmax_scale=d**-0.5,
+            causal=case["causal"],
+            window_left=-1,
+            window_right=-1,
+            softcap=case.get("softcap", 0.0),
+            mode=case["mode"],
+            **kw,
+        )
     finally:
         for n in names:
             setattr(B, n, real[n])
@@ -64,13 +81,23 @@ def capture(case):
 
 def compile_one(fn, args, kwargs):
     sig, consts, attrs, opts = A._specialize(fn, args, kwargs)
-    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=opts)
+    k = triton.compile(
+        triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=opts,
+    )
     ttgir = k.asm["ttgir"]
     res, sass = A._res_usage(k.asm["cubin"])
-    return dict(wgmma=ttgir.count("warp_group_dot "), QGMMA=sass.count("QGMMA"), HGMMA=sass.count("HGMMA"),
-                async_copy=ttgir.count("async_copy_global_to_local"), smem=k.metadata.shared,
-                LDL=len(re.findall(r"\bLDL\b", sass)), STL=len(re.findall(r"\bSTL\b", sass)), res=res)
+    return dict(
+        wgmma=ttgir.count("warp_group_dot "),
+        QGMMA=sass.count("QGMMA"),
+        HGMMA=sass.count("HGMMA"),
+        async_copy=ttgir.count("async_copy_global_to_local"),
+        smem=k.metadata.shared,
+        LDL=len(re.findall(r"\bLDL\b", sass)),
+        STL=len(re.findall(r"\bSTL\b", sass)),
+        res=res,
+    )
 
 
 CASES = [
@@ -80,8 +107,14 @@ CASES = [
     {"name": "e4m3 d256 causal deq", "s": 4096, "d": 256, "causal": True, "mode": "dequantized"},
     {"name": "e4m3 d256 causal fp8", "s": 4096, "d": 256, "causal": True, "mode": "fp8"},
     {"name": "e4m3 d192/128 causal deq", "s": 2048, "d": 192, "dv": 128, "causal": True, "mode": "dequantized"},
-    {"name": "bf16 d128 causal deq", "s": 4096, "d": 128, "causal": True, "mode": "dequantized",
-     "dtype": torch.bfloat16},
+    {
+        "name": "bf16 d128 causal deq",
+        "s": 4096,
+        "d": 128,
+        "causal": True,
+        "mode": "dequantized",
+        "dtype": torch.bfloat16,
+    },
     {"name": "e4m3 d128 varlen causal fp8", "s": 1024, "d": 128, "causal": True, "mode": "fp8", "varlen": True},
 ]
 
@@ -92,11 +125,11 @@ QUICK = [c for c in CASES if c["name"] in ("e4m3 d64 causal deq", "e4m3 d128 non
 def main():
     every = "--all" in sys.argv
     failed = 0
-    for case in (QUICK if "--quick" in sys.argv else CASES):
-        for fn, (grid, args, kwargs) in capture(case):
+    for case in QUICK if "--quick" in sys.argv else CASES:
+        for fn, (_grid, args, kwargs) in capture(case):
             table = B._CFGS_DKDV if fn is B._bwd_dkdv_kernel else B._CFGS_DQ
             cfgs = B.table_configs(table, kwargs["BLOCK_D"], kwargs["BLOCK_DV"], kwargs["MODE_FP8"])
-            for bm, bn, w, st in (cfgs if every else cfgs[:1]):
+            for bm, bn, w, st in cfgs if every else cfgs[:1]:
                 kw = dict(kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
                 part = {(True, False): " dk", (False, True): " dv"}.get((kwargs.get("DO_DK"), kwargs.get("DO_DV")), "")
                 label = f"{case['name']} {fn.__name__[5:]}{part}"

@@ -9,6 +9,7 @@ registers, spill stores/loads and local memory (cuobjdump's resource usage). Usa
 
     TRITON_INTERPRET=0 python tools/aot_paged_sm90.py [--dump DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from fp8attn.kernels import paged  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
-_CUOBJDUMP = shutil.which("cuobjdump") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                                                       "cuobjdump")
+_CUOBJDUMP = shutil.which("cuobjdump") or os.path.join(
+    os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"
+)
 HQ, HK, D = 32, 8, 128
 
 
@@ -45,6 +47,7 @@ class _Capture:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.calls.append((grid, args, kwargs))
+
         return launch
 
 
@@ -76,8 +79,21 @@ def _capture_launch(case):
             q, out = q.view(batch * qlen, HQ, D), out.view(batch * qlen, HQ, D)
             lse = torch.empty(HQ, batch * qlen)
             kw["cu_seqlens_q"] = torch.arange(batch + 1, dtype=torch.int32) * qlen
-        paged.launch_paged_fwd(q, kc, vc, pt, seqlens, out, lse, max_seqlen_q=qlen, softmax_scale=D ** -0.5,
-                               causal=True, num_splits=case.get("splits", 1), config=case.get("config"), **kw)
+        paged.launch_paged_fwd(
+            q,
+            kc,
+            vc,
+            pt,
+            seqlens,
+            out,
+            lse,
+            max_seqlen_q=qlen,
+            softmax_scale=D**-0.5,
+            causal=True,
+            num_splits=case.get("splits", 1),
+            config=case.get("config"),
+            **kw,
+        )
     finally:
         paged._paged_fwd_kernel = real
         paged.launch_combine = real_combine
@@ -88,15 +104,16 @@ def _specialize(fn, args, kwargs):
     """(signature, constexprs, attrs, options) as the runtime launcher would build them."""
     params = fn.params
     opts = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if kwargs.get(k) is not None}
-    bound = list(args) + [kwargs[p.name] for p in params[len(args):]]
+    bound = list(args) + [kwargs[p.name] for p in params[len(args) :]]
     signature, constexprs, attrs = {}, {}, {}
     for i, (p, v) in enumerate(zip(params, bound)):
         if p.is_constexpr:
             signature[p.name] = "constexpr"
             constexprs[(i,)] = v
             continue
-        ty, spec = native_specialize_impl(BaseBackend, v, False, not p.do_not_specialize,
-                                          not p.do_not_specialize_on_alignment)
+        ty, spec = native_specialize_impl(
+            BaseBackend, v, False, not p.do_not_specialize, not p.do_not_specialize_on_alignment
+        )
         if ty == "constexpr":
             signature[p.name] = "constexpr"
             constexprs[(i,)] = v
@@ -160,7 +177,7 @@ def compile_case(case, dump=None):
         "cp.async": len(re.findall(r"cp\.async\.(?:cg|ca)", ptx)),
         "ld.global": len(re.findall(r"\bld\.global", ptx)),
         "wgmma": ttgir.count("warp_group_dot "),
-        "mma": ttgir.count("tt.dot ") + ttgir.count("mma_v2") ,
+        "mma": ttgir.count("tt.dot ") + ttgir.count("mma_v2"),
         "waits": _loop_waits(ttgir),
         "smem": k.metadata.shared,
         "ctas_per_sm": occ,
@@ -184,34 +201,121 @@ CASES = [
     {"name": "decode bf16q B64 L4096 p64", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 64, "q": torch.bfloat16},
     {"name": "decode e4m3q B64 L4096 p64", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 64, "q": E4M3},
     {"name": "decode bf16q B64 L4096 p16", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 16, "q": torch.bfloat16},
-    {"name": "decode bf16q B1 L128k p64 s33", "batch": 1, "qlen": 1, "ctx": 131072, "page_size": 64,
-     "q": torch.bfloat16, "splits": 33},
+    {
+        "name": "decode bf16q B1 L128k p64 s33",
+        "batch": 1,
+        "qlen": 1,
+        "ctx": 131072,
+        "page_size": 64,
+        "q": torch.bfloat16,
+        "splits": 33,
+    },
     {"name": "prefill e4m3q 2k/8k p64", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 64, "q": E4M3},
     {"name": "prefill bf16q 2k/8k p64", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 64, "q": torch.bfloat16},
-    {"name": "prefill e4m3q 2k/8k p64 vseq", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 64, "q": E4M3,
-     "v_seq_major": True},
-    {"name": "decode e4m3q B64 L4096 p64 vseq", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 64, "q": E4M3,
-     "v_seq_major": True},
-    {"name": "decode bf16q B64 L4096 p64 vseq", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 64,
-     "q": torch.bfloat16, "v_seq_major": True},
-    {"name": "prefill e4m3q 2k/8k p128 vseq", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 128, "q": E4M3,
-     "v_seq_major": True},
+    {
+        "name": "prefill e4m3q 2k/8k p64 vseq",
+        "batch": 1,
+        "qlen": 2048,
+        "ctx": 10240,
+        "page_size": 64,
+        "q": E4M3,
+        "v_seq_major": True,
+    },
+    {
+        "name": "decode e4m3q B64 L4096 p64 vseq",
+        "batch": 64,
+        "qlen": 1,
+        "ctx": 4096,
+        "page_size": 64,
+        "q": E4M3,
+        "v_seq_major": True,
+    },
+    {
+        "name": "decode bf16q B64 L4096 p64 vseq",
+        "batch": 64,
+        "qlen": 1,
+        "ctx": 4096,
+        "page_size": 64,
+        "q": torch.bfloat16,
+        "v_seq_major": True,
+    },
+    {
+        "name": "prefill e4m3q 2k/8k p128 vseq",
+        "batch": 1,
+        "qlen": 2048,
+        "ctx": 10240,
+        "page_size": 128,
+        "q": E4M3,
+        "v_seq_major": True,
+    },
     {"name": "prefill e4m3q 2k/8k p16", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 16, "q": E4M3},
     {"name": "small e4m3q B32 q8 L4096 p64", "batch": 32, "qlen": 8, "ctx": 4096, "page_size": 64, "q": E4M3},
-    {"name": "decode bf16q bf16kv B64 L4096 p16", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 16,
-     "q": torch.bfloat16, "kv": torch.bfloat16},
-    {"name": "prefill bf16q bf16kv 2k/8k p64", "batch": 1, "qlen": 2048, "ctx": 10240, "page_size": 64,
-     "q": torch.bfloat16, "kv": torch.bfloat16},
-    {"name": "decode bf16q bf16kv varlen p16", "batch": 64, "qlen": 1, "ctx": 4121, "page_size": 16,
-     "q": torch.bfloat16, "kv": torch.bfloat16, "varlen": True},
-    {"name": "decode bf16q varlen p16", "batch": 64, "qlen": 1, "ctx": 4121, "page_size": 16, "q": torch.bfloat16,
-     "varlen": True},
-    {"name": "mixed e4m3q varlen 2k/8k p16", "batch": 2, "qlen": 2048, "ctx": 10240, "page_size": 16, "q": E4M3,
-     "varlen": True},
-    {"name": "mixed bf16q bf16kv varlen p16", "batch": 2, "qlen": 256, "ctx": 4096, "page_size": 16,
-     "q": torch.bfloat16, "kv": torch.bfloat16, "varlen": True},
-    {"name": "mixed bf16q varlen p64 vseq", "batch": 2, "qlen": 256, "ctx": 4096, "page_size": 64,
-     "q": torch.bfloat16, "varlen": True, "v_seq_major": True},
+    {
+        "name": "decode bf16q bf16kv B64 L4096 p16",
+        "batch": 64,
+        "qlen": 1,
+        "ctx": 4096,
+        "page_size": 16,
+        "q": torch.bfloat16,
+        "kv": torch.bfloat16,
+    },
+    {
+        "name": "prefill bf16q bf16kv 2k/8k p64",
+        "batch": 1,
+        "qlen": 2048,
+        "ctx": 10240,
+        "page_size": 64,
+        "q": torch.bfloat16,
+        "kv": torch.bfloat16,
+    },
+    {
+        "name": "decode bf16q bf16kv varlen p16",
+        "batch": 64,
+        "qlen": 1,
+        "ctx": 4121,
+        "page_size": 16,
+        "q": torch.bfloat16,
+        "kv": torch.bfloat16,
+        "varlen": True,
+    },
+    {
+        "name": "decode bf16q varlen p16",
+        "batch": 64,
+        "qlen": 1,
+        "ctx": 4121,
+        "page_size": 16,
+        "q": torch.bfloat16,
+        "varlen": True,
+    },
+    {
+        "name": "mixed e4m3q varlen 2k/8k p16",
+        "batch": 2,
+        "qlen": 2048,
+        "ctx": 10240,
+        "page_size": 16,
+        "q": E4M3,
+        "varlen": True,
+    },
+    {
+        "name": "mixed bf16q bf16kv varlen p16",
+        "batch": 2,
+        "qlen": 256,
+        "ctx": 4096,
+        "page_size": 16,
+        "q": torch.bfloat16,
+        "kv": torch.bfloat16,
+        "varlen": True,
+    },
+    {
+        "name": "mixed bf16q varlen p64 vseq",
+        "batch": 2,
+        "qlen": 256,
+        "ctx": 4096,
+        "page_size": 64,
+        "q": torch.bfloat16,
+        "varlen": True,
+        "v_seq_major": True,
+    },
     {"name": "decode bf16q B64 L4096 p1", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 1, "q": torch.bfloat16},
 ]
 
@@ -232,9 +336,12 @@ def main(argv=None):
         except Exception as e:  # report and go on
             print(f"{case['name']:32s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
-        print(f"{r['case']:32s} cfg={r['cfg']} tile={r['tile_in_page']} async_copy={r['async_copy']} "
-              f"cp.async={r['cp.async']} waits={r['waits']} smem={r['smem']} ctas/SM={r['ctas_per_sm']} ld.global={r['ld.global']} wgmma={r['wgmma']} STS.U8={r['STS.U8']} LDS.U8={r['LDS.U8']} LDL/STL={r['LDL/STL']} "
-              f"| {r['res']}", flush=True)
+        print(
+            f"{r['case']:32s} cfg={r['cfg']} tile={r['tile_in_page']} async_copy={r['async_copy']} "
+            f"cp.async={r['cp.async']} waits={r['waits']} smem={r['smem']} ctas/SM={r['ctas_per_sm']} ld.global={r['ld.global']} wgmma={r['wgmma']} STS.U8={r['STS.U8']} LDS.U8={r['LDS.U8']} LDL/STL={r['LDL/STL']} "
+            f"| {r['res']}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ batch * seqlen = 16k, 132 CTAs):
   order (``_ws_block_of``), over a head-major order, and over orders that group 2, 4 or 8 heads;
 * one block per CTA, dispatched greedily in head-major order (what the hardware does with a full grid).
 """
+
 import heapq
 
 CTAS = 132
@@ -52,5 +53,7 @@ if __name__ == "__main__":
     for s in (2048, 4096, 8192, 16384):
         n_mb, n_bh = s // 128, 16 * (16384 // s)
         groups = " / ".join(f"{alternating(n_mb, n_bh, grouped(g)):.3f}" for g in (2, 4, 8))
-        print(f"{s:6d}  {alternating(n_mb, n_bh, longest_first):13.3f}  {alternating(n_mb, n_bh, head_major):10.3f}"
-              f"  {groups:>19s}  {greedy_head_major(n_mb, n_bh):.3f}")
+        print(
+            f"{s:6d}  {alternating(n_mb, n_bh, longest_first):13.3f}  {alternating(n_mb, n_bh, head_major):10.3f}"
+            f"  {groups:>19s}  {greedy_head_major(n_mb, n_bh):.3f}"
+        )

@@ -4,6 +4,7 @@ Every error names the argument, what was expected, what arrived, and the fix. Ch
 tensor *values* (and so would synchronize a GPU) run for CPU tensors always and for device tensors
 only when ``validate=True`` is passed (and never while a CUDA graph is being captured).
 """
+
 from __future__ import annotations
 
 import math
@@ -13,13 +14,42 @@ import torch
 from .kernels.planning import is_v_seq_major
 from .quant import FP8_FORMATS, SCALE_STORAGE_DTYPES, is_fp8
 
-__all__ = ["SUPPORTED_OUT_DTYPES", "MAX_HEADDIM", "UnsupportedOutputQuant", "want_value_checks", "check_tensor",
-           "check_qkv_dtypes", "check_heads", "check_same_device", "check_descale", "check_descale_values",
-           "check_leading_dims", "check_cu_seqlens", "check_max_seqlen", "check_cache_scales", "check_int32",
-           "check_out", "check_out_dtype", "check_out_scale", "check_num_splits",
-           "check_new_tokens", "check_scales_cache", "check_window", "unsupported", "describe", "check_flag",
-           "check_softmax_scale", "check_softcap", "check_descale_kind", "check_out_scale_values", "check_seqused",
-           "check_slots", "check_index_values", "check_lse_values", "check_finite"]
+__all__ = [
+    "SUPPORTED_OUT_DTYPES",
+    "MAX_HEADDIM",
+    "UnsupportedOutputQuant",
+    "want_value_checks",
+    "check_tensor",
+    "check_qkv_dtypes",
+    "check_heads",
+    "check_same_device",
+    "check_descale",
+    "check_descale_values",
+    "check_leading_dims",
+    "check_cu_seqlens",
+    "check_max_seqlen",
+    "check_cache_scales",
+    "check_int32",
+    "check_out",
+    "check_out_dtype",
+    "check_out_scale",
+    "check_num_splits",
+    "check_new_tokens",
+    "check_scales_cache",
+    "check_window",
+    "unsupported",
+    "describe",
+    "check_flag",
+    "check_softmax_scale",
+    "check_softcap",
+    "check_descale_kind",
+    "check_out_scale_values",
+    "check_seqused",
+    "check_slots",
+    "check_index_values",
+    "check_lse_values",
+    "check_finite",
+]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -53,55 +83,104 @@ def check_tensor(name, t, ndim=None, allow_none=False, allow_v_seq_major=False, 
     if not isinstance(t, torch.Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(t).__name__, f"Pass {name} as a tensor.")
     if ndim is not None and t.dim() not in (ndim if isinstance(ndim, tuple) else (ndim,)):
-        _fail(ValueError, name, f"a {ndim}-D tensor", f"shape {tuple(t.shape)}",
-              "See the docstring for the layout (batch, seqlen, nheads, headdim) / varlen (total, nheads, headdim).")
+        _fail(
+            ValueError,
+            name,
+            f"a {ndim}-D tensor",
+            f"shape {tuple(t.shape)}",
+            "See the docstring for the layout (batch, seqlen, nheads, headdim) / varlen (total, nheads, headdim).",
+        )
     if t.dim() > 0 and t.stride(-1) != 1 and t.numel() > 1 and t.shape[-1] > 1:
         if allow_v_seq_major and is_v_seq_major(t):
             return
         if allow_seq_contiguous and t.dim() >= 3 and t.stride(-3) == 1:
             return
         if allow_v_seq_major:
-            also = (" or a sequence-major V cache (memory order (num_blocks, nheads_k, headdim, page_size), "
-                    "fp8attn.paged.alloc_paged_cache(..., v_seq_major=True))")
+            also = (
+                " or a sequence-major V cache (memory order (num_blocks, nheads_k, headdim, page_size), "
+                "fp8attn.paged.alloc_paged_cache(..., v_seq_major=True))"
+            )
         elif allow_seq_contiguous:
             also = " or a contiguous sequence dimension (stride(-3) == 1, as quantize_qkv returns v8)"
         else:
             also = ""
-        _fail(ValueError, name, "a contiguous last dimension" + also, f"stride {tuple(t.stride())}",
-              f"Call {name}.contiguous() (only the last dimension must be contiguous).")
+        _fail(
+            ValueError,
+            name,
+            "a contiguous last dimension" + also,
+            f"stride {tuple(t.stride())}",
+            f"Call {name}.contiguous() (only the last dimension must be contiguous).",
+        )
 
 
 def check_qkv_dtypes(q, k, v, *, q_name="q", k_name="k", v_name="v", allow_mixed_q=False):
     """q/k/v are all one FP8 format, or all the same 16/32-bit dtype (allow_mixed_q: 16-bit q over FP8 KV)."""
     for name, t in ((q_name, q), (k_name, k), (v_name, v)):
         if not (is_fp8(t.dtype) or t.dtype in _FLOATS):
-            _fail(TypeError, name, f"an FP8 ({', '.join(str(d) for d in FP8_FORMATS)}) or bf16/fp16/fp32 tensor",
-                  str(t.dtype), "Quantize with fp8attn.quantize_qkv or cast to bfloat16.")
+            _fail(
+                TypeError,
+                name,
+                f"an FP8 ({', '.join(str(d) for d in FP8_FORMATS)}) or bf16/fp16/fp32 tensor",
+                str(t.dtype),
+                "Quantize with fp8attn.quantize_qkv or cast to bfloat16.",
+            )
     if k.dtype != v.dtype:
-        _fail(TypeError, v_name, f"the dtype of {k_name} ({k.dtype})", str(v.dtype), f"Store {k_name} and {v_name} in one dtype.")
+        _fail(
+            TypeError,
+            v_name,
+            f"the dtype of {k_name} ({k.dtype})",
+            str(v.dtype),
+            f"Store {k_name} and {v_name} in one dtype.",
+        )
     if q.dtype != k.dtype and not (allow_mixed_q and is_fp8(k.dtype) and q.dtype in (torch.bfloat16, torch.float16)):
         allowed = f"{k.dtype}" + (" or bf16/fp16 (FP8 cache)" if allow_mixed_q and is_fp8(k.dtype) else "")
-        _fail(TypeError, q_name, allowed, str(q.dtype),
-              f"Give {q_name} the dtype of {k_name} (quantize both, or cast both to bfloat16).")
+        _fail(
+            TypeError,
+            q_name,
+            allowed,
+            str(q.dtype),
+            f"Give {q_name} the dtype of {k_name} (quantize both, or cast both to bfloat16).",
+        )
     if torch.float8_e4m3fnuz in (q.dtype, k.dtype) and not (q.device.type == "cpu"):
-        _fail(NotImplementedError, k_name, "e4m3fn or e5m2 on this device", "float8_e4m3fnuz",
-              "e4m3fnuz is supported by the CPU reference path only (emulation); convert through fp32 to e4m3fn.")
+        _fail(
+            NotImplementedError,
+            k_name,
+            "e4m3fn or e5m2 on this device",
+            "float8_e4m3fnuz",
+            "e4m3fnuz is supported by the CPU reference path only (emulation); convert through fp32 to e4m3fn.",
+        )
 
 
 def check_heads(q, k, v, *, head_dim_axis=-1):
     hq, hk = q.shape[-2], k.shape[-2]
     if v.shape[-2] != hk:
-        _fail(ValueError, "v", f"nheads_k = {hk} heads (as k)", f"{v.shape[-2]}", "k and v must have the same number of heads.")
+        _fail(
+            ValueError,
+            "v",
+            f"nheads_k = {hk} heads (as k)",
+            f"{v.shape[-2]}",
+            "k and v must have the same number of heads.",
+        )
     if hk == 0 or hq % hk != 0:
-        _fail(ValueError, "q", f"nheads_q divisible by nheads_k = {hk}", f"nheads_q = {hq}",
-              "Use a number of query heads that is a multiple of the KV heads (GQA/MQA).")
+        _fail(
+            ValueError,
+            "q",
+            f"nheads_q divisible by nheads_k = {hk}",
+            f"nheads_q = {hq}",
+            "Use a number of query heads that is a multiple of the KV heads (GQA/MQA).",
+        )
     d, dv = q.shape[-1], v.shape[-1]
     if k.shape[-1] != d:
         _fail(ValueError, "k", f"headdim {d} (as q)", f"{k.shape[-1]}", "q and k must share the head dimension.")
     for name, dim in (("q", d), ("v", dv)):
         if dim % 8 != 0 or dim > MAX_HEADDIM or dim <= 0:
-            _fail(ValueError, name, f"a head dimension that is a multiple of 8 and <= {MAX_HEADDIM}", f"{dim}",
-                  "Pad the head dimension (e.g. to 64, 128 or 256).")
+            _fail(
+                ValueError,
+                name,
+                f"a head dimension that is a multiple of 8 and <= {MAX_HEADDIM}",
+                f"{dim}",
+                "Pad the head dimension (e.g. to 64, 128 or 256).",
+            )
 
 
 def check_same_device(**tensors):
@@ -131,11 +210,18 @@ def check_descale(name, d, batch, nheads_k, device):
         _fail(TypeError, name, "a float32 tensor", str(d.dtype), f"Pass {name}.float().")
     if d.device != device:
         _fail(ValueError, name, f"device {device}", str(d.device), f"Move {name} to {device}.")
-    ok = (d.numel() == 1 and d.dim() <= 2) or (d.dim() == 2 and d.shape[0] in (1, batch) and d.shape[1] in (1, nheads_k))
+    ok = (d.numel() == 1 and d.dim() <= 2) or (
+        d.dim() == 2 and d.shape[0] in (1, batch) and d.shape[1] in (1, nheads_k)
+    )
     if not ok:
-        _fail(ValueError, name, f"shape ({batch}, {nheads_k}) = (batch, nheads_k), or a per-tensor (), (1,) or (1, 1), "
-              f"or per-sequence ({batch}, 1)", f"shape {tuple(d.shape)}",
-              "Pass one descale per (sequence, KV head), as FA3 does.")
+        _fail(
+            ValueError,
+            name,
+            f"shape ({batch}, {nheads_k}) = (batch, nheads_k), or a per-tensor (), (1,) or (1, 1), "
+            f"or per-sequence ({batch}, 1)",
+            f"shape {tuple(d.shape)}",
+            "Pass one descale per (sequence, KV head), as FA3 does.",
+        )
 
 
 def check_descale_values(name, d, validate):
@@ -143,15 +229,25 @@ def check_descale_values(name, d, validate):
         return
     bad = ~torch.isfinite(d) | (d <= 0)
     if bool(bad.any()):
-        _fail(ValueError, name, "finite, positive descales", f"{int(bad.sum())} NaN/Inf/non-positive value(s)",
-              "Compute descales as max(amax, floor) / fp8_max (fp8attn.quant.compute_descale).")
+        _fail(
+            ValueError,
+            name,
+            "finite, positive descales",
+            f"{int(bad.sum())} NaN/Inf/non-positive value(s)",
+            "Compute descales as max(amax, floor) / fp8_max (fp8attn.quant.compute_descale).",
+        )
 
 
 def check_leading_dims(k_name, k, v_name, v, ndim, what):
     """v's first ``ndim`` dims equal k's (they index the same tokens, pages or slots)."""
     if v.shape[:ndim] != k.shape[:ndim]:
-        _fail(ValueError, v_name, f"{what} {tuple(k.shape[:ndim])} (as {k_name})", f"{tuple(v.shape[:ndim])}",
-              f"Give {k_name} and {v_name} the same {what}.")
+        _fail(
+            ValueError,
+            v_name,
+            f"{what} {tuple(k.shape[:ndim])} (as {k_name})",
+            f"{tuple(v.shape[:ndim])}",
+            f"Give {k_name} and {v_name} the same {what}.",
+        )
 
 
 def check_cu_seqlens(name, cu, batch=None, validate=False, total=None, total_name=None):
@@ -161,16 +257,38 @@ def check_cu_seqlens(name, cu, batch=None, validate=False, total=None, total_nam
     if cu.dtype != torch.int32:
         _fail(TypeError, name, "an int32 tensor", str(cu.dtype), f"Pass {name}.to(torch.int32).")
     if batch is not None and cu.numel() != batch + 1:
-        _fail(ValueError, name, f"{batch + 1} entries (batch + 1)", f"{cu.numel()}", "cu_seqlens holds batch + 1 offsets starting at 0.")
+        _fail(
+            ValueError,
+            name,
+            f"{batch + 1} entries (batch + 1)",
+            f"{cu.numel()}",
+            "cu_seqlens holds batch + 1 offsets starting at 0.",
+        )
     if cu.numel() < 1:
-        _fail(ValueError, name, "at least one entry", "an empty tensor", "cu_seqlens holds batch + 1 offsets starting at 0.")
+        _fail(
+            ValueError,
+            name,
+            "at least one entry",
+            "an empty tensor",
+            "cu_seqlens holds batch + 1 offsets starting at 0.",
+        )
     if want_value_checks(cu, validate) and cu.numel() > 1:
         if bool((cu[1:] < cu[:-1]).any()) or int(cu[0]) != 0:
-            _fail(ValueError, name, "non-decreasing offsets starting at 0", f"{cu.tolist()[:16]}",
-                  "Build it as torch.nn.functional.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32).")
+            _fail(
+                ValueError,
+                name,
+                "non-decreasing offsets starting at 0",
+                f"{cu.tolist()[:16]}",
+                "Build it as torch.nn.functional.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32).",
+            )
         if total is not None and int(cu[-1]) > total:
-            _fail(ValueError, name, f"a last offset <= {total} (the rows of {total_name})", f"{int(cu[-1])}",
-                  f"Pack every sequence's rows into {total_name}, or fix the offsets.")
+            _fail(
+                ValueError,
+                name,
+                f"a last offset <= {total} (the rows of {total_name})",
+                f"{int(cu[-1])}",
+                f"Pack every sequence's rows into {total_name}, or fix the offsets.",
+            )
 
 
 def check_max_seqlen(name, mx, cu_name, cu, validate):
@@ -180,16 +298,26 @@ def check_max_seqlen(name, mx, cu_name, cu, validate):
     if want_value_checks(cu, validate) and cu.numel() > 1:
         longest = int((cu[1:] - cu[:-1]).max())
         if longest > mx:
-            _fail(ValueError, name, f">= the longest sequence ({longest})", f"{mx}",
-                  f"Pass the true maximum of the lengths in {cu_name}.")
+            _fail(
+                ValueError,
+                name,
+                f">= the longest sequence ({longest})",
+                f"{mx}",
+                f"Pass the true maximum of the lengths in {cu_name}.",
+            )
 
 
 def check_cache_scales(name, sc, k_cache):
     """Per-token-head scales beside a paged cache: float32 or bfloat16 (num_blocks, page_size, nheads_k)."""
     check_tensor(name, sc, allow_none=True)
     if sc is not None and (tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.dtype not in SCALE_STORAGE_DTYPES):
-        _fail(ValueError, name, f"float32 or bfloat16 {tuple(k_cache.shape[:3])} (num_blocks, page_size, nheads_k)",
-              f"{sc.dtype} {tuple(sc.shape)}", "Allocate it beside the cache.")
+        _fail(
+            ValueError,
+            name,
+            f"float32 or bfloat16 {tuple(k_cache.shape[:3])} (num_blocks, page_size, nheads_k)",
+            f"{sc.dtype} {tuple(sc.shape)}",
+            "Allocate it beside the cache.",
+        )
 
 
 def check_int32(name, t, ndim=None):
@@ -205,17 +333,34 @@ def check_out(out, shape, dtype, device):
         return
     check_tensor("out", out)
     if tuple(out.shape) != tuple(shape):
-        _fail(ValueError, "out", f"shape {tuple(shape)}", f"{tuple(out.shape)}", "Preallocate out with the output's shape.")
+        _fail(
+            ValueError,
+            "out",
+            f"shape {tuple(shape)}",
+            f"{tuple(out.shape)}",
+            "Preallocate out with the output's shape.",
+        )
     if out.dtype != dtype:
-        _fail(TypeError, "out", f"dtype {dtype}", str(out.dtype), "Allocate out with the output dtype (see out_dtype / out_scale).")
+        _fail(
+            TypeError,
+            "out",
+            f"dtype {dtype}",
+            str(out.dtype),
+            "Allocate out with the output dtype (see out_dtype / out_scale).",
+        )
     if out.device != device:
         _fail(ValueError, "out", f"device {device}", str(out.device), f"Allocate out on {device}.")
 
 
 def check_out_dtype(out_dtype):
     if out_dtype is not None and out_dtype not in SUPPORTED_OUT_DTYPES:
-        _fail(TypeError, "out_dtype", "torch.bfloat16, torch.float16 or torch.float32", str(out_dtype),
-              "For FP8 output pass out_scale= (static per-tensor scale) instead.")
+        _fail(
+            TypeError,
+            "out_dtype",
+            "torch.bfloat16, torch.float16 or torch.float32",
+            str(out_dtype),
+            "For FP8 output pass out_scale= (static per-tensor scale) instead.",
+        )
 
 
 def check_out_scale(out_scale, device, out_dtype=None):
@@ -225,26 +370,38 @@ def check_out_scale(out_scale, device, out_dtype=None):
         return
     check_tensor("out_scale", out_scale)
     if out_scale.numel() != 1:  # a scale per token / group / channel: a kind that does not fuse
-        _fail(UnsupportedOutputQuant, "out_scale", "a float32 tensor with one element (static per-tensor scale)",
-              f"shape {tuple(out_scale.shape)}", "Per-token, per-group and dynamic output quantization do not fuse "
-              "(fp8attn.fused_output_quant_supported(kind) is False for them): pass out_scale=None and quantize "
-              "the output separately.")
+        _fail(
+            UnsupportedOutputQuant,
+            "out_scale",
+            "a float32 tensor with one element (static per-tensor scale)",
+            f"shape {tuple(out_scale.shape)}",
+            "Per-token, per-group and dynamic output quantization do not fuse "
+            "(fp8attn.fused_output_quant_supported(kind) is False for them): pass out_scale=None and quantize "
+            "the output separately.",
+        )
     if out_scale.dtype != torch.float32:
-        _fail(ValueError, "out_scale", "a float32 tensor with one element (static per-tensor scale)",
-              f"shape {tuple(out_scale.shape)} dtype {out_scale.dtype}",
-              "Only static per-tensor output scales fuse; quantize the output separately for other kinds.")
+        _fail(
+            ValueError,
+            "out_scale",
+            "a float32 tensor with one element (static per-tensor scale)",
+            f"shape {tuple(out_scale.shape)} dtype {out_scale.dtype}",
+            "Only static per-tensor output scales fuse; quantize the output separately for other kinds.",
+        )
     if out_scale.device != device:
         _fail(ValueError, "out_scale", f"device {device}", str(out_scale.device), f"Move out_scale to {device}.")
     if out_dtype is not None:
-        raise ValueError(f"out_dtype: expected None when out_scale is given (the output is float8_e4m3fn), "
-                         f"got {out_dtype}. Drop out_dtype or out_scale.")
+        raise ValueError(
+            f"out_dtype: expected None when out_scale is given (the output is float8_e4m3fn), "
+            f"got {out_dtype}. Drop out_dtype or out_scale."
+        )
 
 
 def check_num_splits(num_splits):
     """A split count: an int >= 0 (0 = the heuristic). Returns it."""
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0 = heuristic), got {describe(num_splits)}. "
-                         "Pass 0, 1 or a split count.")
+        raise ValueError(
+            f"num_splits: expected an int >= 0 (0 = heuristic), got {describe(num_splits)}. Pass 0, 1 or a split count."
+        )
     return num_splits
 
 
@@ -257,7 +414,9 @@ def check_new_tokens(name, t, fix):
 def check_scales_cache(name, k_cache):
     """Per-token-head scales (``name``, given) describe an FP8 cache only."""
     if not is_fp8(k_cache.dtype):
-        raise ValueError(f"{name}: expected None for a {k_cache.dtype} cache, got a tensor. Scales apply to FP8 caches.")
+        raise ValueError(
+            f"{name}: expected None for a {k_cache.dtype} cache, got a tensor. Scales apply to FP8 caches."
+        )
 
 
 def check_window(window_size):
@@ -265,11 +424,19 @@ def check_window(window_size):
         left, right = window_size
         if type(left) is int and type(right) is int and left >= -1 and right >= -1:
             return
-    ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-          and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size))
+    ok = (
+        isinstance(window_size, (tuple, list))
+        and len(window_size) == 2
+        and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    )
     if not ok:
-        _fail(ValueError, "window_size", "a (left, right) pair of ints >= -1 (-1 = unbounded)", describe(window_size),
-              "Pass window_size=(-1, -1) for no window.")
+        _fail(
+            ValueError,
+            "window_size",
+            "a (left, right) pair of ints >= -1 (-1 = unbounded)",
+            describe(window_size),
+            "Pass window_size=(-1, -1) for no window.",
+        )
 
 
 def unsupported(name, value, default, why=""):
@@ -278,8 +445,9 @@ def unsupported(name, value, default, why=""):
         return
     if isinstance(value, (int, float, bool, tuple)) and value == default:
         return
-    raise NotImplementedError(f"{name}={describe(value)} is not supported by fp8attn yet{': ' + why if why else ''}; "
-                              f"leave it at {default!r}.")
+    raise NotImplementedError(
+        f"{name}={describe(value)} is not supported by fp8attn yet{': ' + why if why else ''}; leave it at {default!r}."
+    )
 
 
 def describe(value) -> str:
@@ -296,8 +464,13 @@ def check_flag(name, value, allow_none=False):
         return
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return
-    _fail(TypeError, name, "True or False" + (" (or None)" if allow_none else ""), describe(value),
-          f"Pass {name} as a bool (a string such as 'no' would read as True).")
+    _fail(
+        TypeError,
+        name,
+        "True or False" + (" (or None)" if allow_none else ""),
+        describe(value),
+        f"Pass {name} as a bool (a string such as 'no' would read as True).",
+    )
 
 
 def _finite_nonneg(value):
@@ -321,8 +494,13 @@ def check_softmax_scale(softmax_scale, headdim):
     # the kernels take the row max of the raw logits and scale it after (max(s) * c == max(s * c) needs c >= 0)
     s = _finite_nonneg(softmax_scale)
     if s is None:
-        _fail(ValueError, "softmax_scale", "a finite float >= 0", describe(softmax_scale),
-              f"Pass None for 1/sqrt(headdim) = {1.0 / math.sqrt(headdim):.6g}, or negate q instead of the scale.")
+        _fail(
+            ValueError,
+            "softmax_scale",
+            "a finite float >= 0",
+            describe(softmax_scale),
+            f"Pass None for 1/sqrt(headdim) = {1.0 / math.sqrt(headdim):.6g}, or negate q instead of the scale.",
+        )
     return s
 
 
@@ -332,8 +510,13 @@ def check_softcap(softcap):
         return softcap
     c = _finite_nonneg(softcap)
     if c is None:
-        _fail(ValueError, "softcap", "a finite float >= 0 (0 = no capping)", describe(softcap),
-              "Pass softcap=0.0 to disable it, or the model's positive cap (e.g. 30.0 or 50.0).")
+        _fail(
+            ValueError,
+            "softcap",
+            "a finite float >= 0 (0 = no capping)",
+            describe(softcap),
+            "Pass softcap=0.0 to disable it, or the model's positive cap (e.g. 30.0 or 50.0).",
+        )
     return c
 
 
@@ -341,9 +524,14 @@ def check_descale_kind(name, d, tensor_name, dtype):
     """A descale describes an FP8 tensor: refuse one for a 16/32-bit ``tensor_name`` (FA3 applies descales to
     FP8 inputs only)."""
     if d is not None and not is_fp8(dtype):
-        _fail(ValueError, name, f"None for a {dtype} {tensor_name} (a descale describes an FP8 tensor)",
-              describe(d), f"Drop {name} (FA3 applies descales to FP8 data only), or pass an FP8 {tensor_name} "
-              "(fp8attn.quantize_qkv) with its descale.")
+        _fail(
+            ValueError,
+            name,
+            f"None for a {dtype} {tensor_name} (a descale describes an FP8 tensor)",
+            describe(d),
+            f"Drop {name} (FA3 applies descales to FP8 data only), or pass an FP8 {tensor_name} "
+            "(fp8attn.quantize_qkv) with its descale.",
+        )
 
 
 def check_out_scale_values(out_scale, validate):
@@ -352,8 +540,13 @@ def check_out_scale_values(out_scale, validate):
         return
     s = float(out_scale.reshape(()))
     if not (0.0 < s < math.inf):
-        _fail(ValueError, "out_scale", "a finite value > 0", f"{s}",
-              "Pass the static output scale amax / 448 of the tensor the output feeds (a calibrated value).")
+        _fail(
+            ValueError,
+            "out_scale",
+            "a finite value > 0",
+            f"{s}",
+            "Pass the static output scale amax / 448 of the tensor the output feeds (a calibrated value).",
+        )
 
 
 def check_seqused(name, seqused, batch, cu, validate):
@@ -369,9 +562,13 @@ def check_seqused(name, seqused, batch, cu, validate):
         bad = (seqused < 0) | (seqused > lens)
         if bool(bad.any()):
             b = int(bad.nonzero()[0, 0])
-            _fail(ValueError, name, "0 <= seqused[b] <= the sequence's length in cu_seqlens",
-                  f"{int(seqused[b])} for sequence {b} of length {int(lens[b])}",
-                  "Use at most the tokens each sequence holds (or grow its cu_seqlens entry).")
+            _fail(
+                ValueError,
+                name,
+                "0 <= seqused[b] <= the sequence's length in cu_seqlens",
+                f"{int(seqused[b])} for sequence {b} of length {int(lens[b])}",
+                "Use at most the tokens each sequence holds (or grow its cu_seqlens entry).",
+            )
 
 
 def check_slots(slot_mapping, num_slots, validate, name="slot_mapping"):
@@ -380,13 +577,23 @@ def check_slots(slot_mapping, num_slots, validate, name="slot_mapping"):
         return
     hi = int(slot_mapping.max())
     if hi >= num_slots:
-        _fail(ValueError, name, f"slots < num_blocks * page_size = {num_slots} (negative = skip)", f"{hi}",
-              "Fix the block allocation.")
+        _fail(
+            ValueError,
+            name,
+            f"slots < num_blocks * page_size = {num_slots} (negative = skip)",
+            f"{hi}",
+            "Fix the block allocation.",
+        )
     used = slot_mapping[slot_mapping >= 0]
     if used.numel() != torch.unique(used).numel():
         dup = int(used.sort().values.unique_consecutive(return_counts=True)[1].gt(1).sum())
-        _fail(ValueError, name, "distinct slots within one call", f"{dup} slot(s) given to more than one token",
-              "Give every new token its own slot (the order two writes to one slot land in is undefined on a GPU).")
+        _fail(
+            ValueError,
+            name,
+            "distinct slots within one call",
+            f"{dup} slot(s) given to more than one token",
+            "Give every new token its own slot (the order two writes to one slot land in is undefined on a GPU).",
+        )
 
 
 def check_index_values(name, t, limit, validate, what):
@@ -404,8 +611,13 @@ def check_lse_values(lse_partial, validate):
         return
     bad = torch.isnan(lse_partial) | torch.isposinf(lse_partial)
     if bool(bad.any()):
-        _fail(ValueError, "lse_partial", "finite values or -inf (an empty split)",
-              f"{int(bad.sum())} NaN/+inf value(s)", "Pass the LSEs the split-KV kernel wrote.")
+        _fail(
+            ValueError,
+            "lse_partial",
+            "finite values or -inf (an empty split)",
+            f"{int(bad.sum())} NaN/+inf value(s)",
+            "Pass the LSEs the split-KV kernel wrote.",
+        )
 
 
 def check_finite(name, t, validate):
@@ -415,5 +627,10 @@ def check_finite(name, t, validate):
     bad = ~torch.isfinite(t)
     if bool(bad.any()):
         n = int(bad.sum())
-        _fail(ValueError, name, "finite values", f"{n} NaN/Inf value(s) of {t.numel()}",
-              f"Find where {name} overflowed (or clamp it) before quantizing: a non-finite value has no FP8 scale.")
+        _fail(
+            ValueError,
+            name,
+            "finite values",
+            f"{n} NaN/Inf value(s) of {t.numel()}",
+            f"Find where {name} overflowed (or clamp it) before quantizing: a non-finite value has no FP8 scale.",
+        )

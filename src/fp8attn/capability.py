@@ -9,6 +9,7 @@
 * ``supports(entry, **call_kwargs)``: which kernel ("hopper", "triton" or None) a call of a public
   function runs, and why, from the same rules dispatch runs (see docs/api.md).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,9 +22,26 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["has_triton", "triton_version", "kernel_path_ok", "execution_path", "warn_once", "launch_device",
-           "FallbackWarning", "FallbackError", "fallback_mode", "report_fallback", "decide", "Decision", "kernel_for",
-           "KERNELS", "supports", "Support", "ENTRIES", "MIN_CAPABILITY"]
+__all__ = [
+    "has_triton",
+    "triton_version",
+    "kernel_path_ok",
+    "execution_path",
+    "warn_once",
+    "launch_device",
+    "FallbackWarning",
+    "FallbackError",
+    "fallback_mode",
+    "report_fallback",
+    "decide",
+    "Decision",
+    "kernel_for",
+    "KERNELS",
+    "supports",
+    "Support",
+    "ENTRIES",
+    "MIN_CAPABILITY",
+]
 
 
 @functools.lru_cache(None)
@@ -56,13 +74,20 @@ class Decision(NamedTuple):
     ok : a kernel runs. reason : the fallback's key when a CUDA call runs the torch reference instead,
     else None (the kernel runs, or the tensors are not on a CUDA device). message : why, and the fix.
     """
+
     ok: bool
     reason: str | None
     message: str
 
 
-def decide(device_type: str, capability: tuple | None, triton_present: bool, force_reference: bool,
-           import_error: str | None = None, kernel: str = "") -> Decision:
+def decide(
+    device_type: str,
+    capability: tuple | None,
+    triton_present: bool,
+    force_reference: bool,
+    import_error: str | None = None,
+    kernel: str = "",
+) -> Decision:
     """The fallback rule: whether tensors of ``device_type`` run a kernel, as a pure function of the facts.
 
     Parameters
@@ -82,22 +107,37 @@ def decide(device_type: str, capability: tuple | None, triton_present: bool, for
     if device_type != "cuda":
         return Decision(False, None, f"{device_type} tensors run the torch reference (the CPU path; no fallback)")
     if force_reference:
-        return Decision(False, "force_reference", f"{_FORCE_ENV}=1 makes CUDA calls run the torch reference "
-                        f"(10-100x slower than the kernels); unset {_FORCE_ENV} to run the kernels")
+        return Decision(
+            False,
+            "force_reference",
+            f"{_FORCE_ENV}=1 makes CUDA calls run the torch reference "
+            f"(10-100x slower than the kernels); unset {_FORCE_ENV} to run the kernels",
+        )
     if not triton_present:
-        return Decision(False, "no_triton", "triton is not installed, so CUDA calls run the torch reference "
-                        "(10-100x slower); install triton (3.6 is supported) to run the kernels")
+        return Decision(
+            False,
+            "no_triton",
+            "triton is not installed, so CUDA calls run the torch reference "
+            "(10-100x slower); install triton (3.6 is supported) to run the kernels",
+        )
     if capability is None or tuple(capability) < MIN_CAPABILITY:
         cc = "unknown" if capability is None else f"sm{capability[0]}{capability[1]}"
-        return Decision(False, "old_gpu", f"this GPU is {cc} and fp8attn's kernels need FP8 tensor cores "
-                        f"(sm{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]} or newer; tuned for Hopper sm90), so CUDA calls "
-                        "run the torch reference (10-100x slower); run on an Ada/Hopper GPU for the kernels")
+        return Decision(
+            False,
+            "old_gpu",
+            f"this GPU is {cc} and fp8attn's kernels need FP8 tensor cores "
+            f"(sm{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]} or newer; tuned for Hopper sm90), so CUDA calls "
+            "run the torch reference (10-100x slower); run on an Ada/Hopper GPU for the kernels",
+        )
     if import_error is not None:
-        return Decision(False, f"kernel_import:{kernel}", f"fp8attn.kernels.{kernel} failed to import "
-                        f"({import_error}), so its CUDA calls run the torch reference (10-100x slower); "
-                        "check the triton installation (3.6 is supported) and fix the import error")
-    return Decision(True, None, f"the Triton kernels run (sm{capability[0]}{capability[1]}, triton "
-                    f"{triton_version()})")
+        return Decision(
+            False,
+            f"kernel_import:{kernel}",
+            f"fp8attn.kernels.{kernel} failed to import "
+            f"({import_error}), so its CUDA calls run the torch reference (10-100x slower); "
+            "check the triton installation (3.6 is supported) and fix the import error",
+        )
+    return Decision(True, None, f"the Triton kernels run (sm{capability[0]}{capability[1]}, triton {triton_version()})")
 
 
 # kernel name -> (module under fp8attn.kernels, launch function)
@@ -244,8 +284,10 @@ def fallback_mode() -> str:
     """The fallback policy from FP8ATTN_FALLBACK: 'warn' (default), 'error' or 'silent'."""
     mode = os.environ.get("FP8ATTN_FALLBACK", "warn").strip().lower() or "warn"
     if mode not in _FALLBACK_MODES:
-        raise ValueError(f"FP8ATTN_FALLBACK: expected one of {_FALLBACK_MODES}, got {mode!r}; "
-                         "fix: unset it or set it to warn, error or silent")
+        raise ValueError(
+            f"FP8ATTN_FALLBACK: expected one of {_FALLBACK_MODES}, got {mode!r}; "
+            "fix: unset it or set it to warn, error or silent"
+        )
     return mode
 
 
@@ -261,16 +303,26 @@ def report_fallback(reason: str, message: str) -> None:
     text = f"fp8attn fallback ({reason}): {message}"
     if mode == "error":
         raise FallbackError(text + " [FP8ATTN_FALLBACK=error]")
-    warn_once("fallback:" + reason, text + " (warned once per process; FP8ATTN_FALLBACK=error raises instead, "
-              "=silent hides this)", FallbackWarning)
+    warn_once(
+        "fallback:" + reason,
+        text + " (warned once per process; FP8ATTN_FALLBACK=error raises instead, =silent hides this)",
+        FallbackWarning,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # supports(): which kernel a call of a public function runs, and why
 # ---------------------------------------------------------------------------------------------
 
-ENTRIES = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_with_kvcache",
-           "flash_attn_combine", "write_kv_cache", "quantize_qkv")
+ENTRIES = (
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "flash_attn_combine",
+    "write_kv_cache",
+    "quantize_qkv",
+)
 # entry -> (its leading tensor argument, the kernels (``KERNELS``) it launches)
 _ENTRY_KERNELS = {
     "flash_attn_func": ("q", ("dense",)),
@@ -292,6 +344,7 @@ class Support(NamedTuple):
         or None (the torch reference: the CPU path, or a fallback on CUDA).
     reason : why, in words (for a fallback, the warning's text).
     """
+
     kernel: str | None
     reason: str
 
@@ -340,8 +393,13 @@ def supports(entry: str, *, device=None, **call_kwargs) -> Support:
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
-    key = (entry, dev, os.environ.get(_FORCE_ENV), os.environ.get("FP8ATTN_DENSE_BACKEND"),
-           tuple(sorted((name, _key_of(val)) for name, val in kw.items())))
+    key = (
+        entry,
+        dev,
+        os.environ.get(_FORCE_ENV),
+        os.environ.get("FP8ATTN_DENSE_BACKEND"),
+        tuple(sorted((name, _key_of(val)) for name, val in kw.items())),
+    )
     hit = _SUPPORT_CACHE.get(key)
     if hit is None:
         hit = _SUPPORT_CACHE[key] = _support(entry, dev, kw, lead is not None)
@@ -358,8 +416,14 @@ def _as_tensor(val):
 def _key_of(val):
     """A hashable summary of an argument: what the dispatch rules read (shape, dtype, strides, alignment)."""
     if isinstance(val, torch.Tensor):
-        return ("tensor", tuple(val.shape), val.dtype, tuple(val.stride()), val.device.type,
-                val.data_ptr() % 16 if val.device.type != "meta" else 0)
+        return (
+            "tensor",
+            tuple(val.shape),
+            val.dtype,
+            tuple(val.stride()),
+            val.device.type,
+            val.data_ptr() % 16 if val.device.type != "meta" else 0,
+        )
     if isinstance(val, (list, tuple)):
         return tuple(_key_of(x) for x in val)
     if val is None or isinstance(val, (bool, int, float, str, torch.dtype)):
@@ -385,20 +449,25 @@ def _support(entry, dev, kw, has_call):
         return Support("triton", f"{entry} has one kernel, the Triton kernel; {decision.message}")
     from .kernels.hopper import dense_launch
 
-    why = dense_launch.capability_reason(cc) or (None if dense_launch.HAS_GLUON else
-                                                 "triton.experimental.gluon is not available")
+    why = dense_launch.capability_reason(cc) or (
+        None if dense_launch.HAS_GLUON else "triton.experimental.gluon is not available"
+    )
     if why:
         return Support("triton", f"the Triton kernel: the Hopper kernel {why} (this GPU is sm{cc[0]}{cc[1]})")
     if not has_call:
-        return Support("hopper", "sm90: the Hopper kernel for the calls its rules accept (FP8 e4m3 inputs, head dim "
-                       "64/128(/256 dense) or qk 192 / v 128, no window/softcap, ...), the Triton kernel for the others; pass a "
-                       "call's arguments for its answer")
+        return Support(
+            "hopper",
+            "sm90: the Hopper kernel for the calls its rules accept (FP8 e4m3 inputs, head dim "
+            "64/128(/256 dense) or qk 192 / v 128, no window/softcap, ...), the Triton kernel for the others; pass a "
+            "call's arguments for its answer",
+        )
     why = _dense_reason(entry, kw, cc) if entry != "flash_attn_with_kvcache" else _paged_reason(kw, dev, cc)
     if why:
         return Support("triton", f"the Triton kernel: {why}")
     if entry == "flash_attn_with_kvcache" and (kw.get("cu_seqlens_q") is not None or kw.get("attention_chunk", 0)):
-        return Support("hopper", "the Hopper kernel for the sequences of 128 or more queries, the Triton kernel "
-                       "for the others")
+        return Support(
+            "hopper", "the Hopper kernel for the sequences of 128 or more queries, the Triton kernel for the others"
+        )
     return Support("hopper", "the Hopper kernel (TMA, warp-specialized)")
 
 
@@ -469,20 +538,36 @@ def _dense_reason(entry, kw, cc):
         qd, kd_, vd = kw.get("q_descale"), kw.get("k_descale"), _descales_meta(batch, hk)
     else:
         qd = kd_ = vd = _descales_meta(batch, hk)
-    return kd.tma_reason(q, k, v, out, lse, causal=bool(kw.get("causal", False)), window_size=_window(kw),
-                         softcap=float(kw.get("softcap", 0.0)), q_descale=qd, k_descale=kd_, v_descale=vd,
-                         out_scale=out_scale, cu_seqlens_q=cu_q if varlen else None,
-                         cu_seqlens_k=cu_k if varlen else None, seqused_q=kw.get("seqused_q"),
-                         seqused_k=kw.get("seqused_k"), max_seqlen_q=max_q, descale_block_q=block or None,
-                         descale_block_k=block or None, backend=kd.dense_backend(), capability=cc)
+    return kd.tma_reason(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        causal=bool(kw.get("causal", False)),
+        window_size=_window(kw),
+        softcap=float(kw.get("softcap", 0.0)),
+        q_descale=qd,
+        k_descale=kd_,
+        v_descale=vd,
+        out_scale=out_scale,
+        cu_seqlens_q=cu_q if varlen else None,
+        cu_seqlens_k=cu_k if varlen else None,
+        seqused_q=kw.get("seqused_q"),
+        seqused_k=kw.get("seqused_k"),
+        max_seqlen_q=max_q,
+        descale_block_q=block or None,
+        descale_block_k=block or None,
+        backend=kd.dense_backend(),
+        capability=cc,
+    )
 
 
 def _paged_reason(kw, dev, cc):
     """``kernels.paged.tma_reason`` (and, varlen, the launch's split count) for the call
     ``flash_attn_with_kvcache`` passes down, on shapes (meta tensors) where it allocates."""
     from .kernels import paged as kp
-    from .kernels.planning import attention_out_dtype
-    from .kernels.planning import CPU_NUM_SMS
+    from .kernels.planning import CPU_NUM_SMS, attention_out_dtype
 
     q, k_cache, v_cache = kw["q"], kw["k_cache"], kw["v_cache"]
     cu_q = kw.get("cu_seqlens_q")
@@ -519,15 +604,35 @@ def _paged_reason(kw, dev, cc):
         lse = _meta((hq, q.shape[0]) if varlen else (batch, hq, q.shape[1]), torch.float32)
     ds = _descales_meta(batch, hk)
     ks, vs = kw.get("k_cache_scales"), kw.get("v_cache_scales")
-    args = dict(cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_q, causal=bool(kw.get("causal", False)),
-                window_size=_window(kw), softcap=float(kw.get("softcap", 0.0)), q_descale=ds, k_descale=ds,
-                v_descale=ds, k_cache_scales=ks, v_cache_scales=vs, out_scale=out_scale, num_splits=num_splits)
+    args = dict(
+        cu_seqlens_q=cu_q if varlen else None,
+        max_seqlen_q=max_q,
+        causal=bool(kw.get("causal", False)),
+        window_size=_window(kw),
+        softcap=float(kw.get("softcap", 0.0)),
+        q_descale=ds,
+        k_descale=ds,
+        v_descale=ds,
+        k_cache_scales=ks,
+        v_cache_scales=vs,
+        out_scale=out_scale,
+        num_splits=num_splits,
+    )
     why = kp.tma_reason(q, k_cache, v_cache, pt, _meta((batch,), torch.int32), out, lse, capability=cc, **args)
     if why is None and varlen:
         num_sms = kp._num_sms(dev) if torch.cuda.is_available() and dev.type == "cuda" else CPU_NUM_SMS
-        splits = kp.launch_grid(q, k_cache, v_cache, pt, cu_seqlens_q=cu_q, max_seqlen_q=max_q,
-                                k_token_scales=ks is not None, v_token_scales=vs is not None, num_splits=num_splits,
-                                num_sms=num_sms)[-1]
+        splits = kp.launch_grid(
+            q,
+            k_cache,
+            v_cache,
+            pt,
+            cu_seqlens_q=cu_q,
+            max_seqlen_q=max_q,
+            k_token_scales=ks is not None,
+            v_token_scales=vs is not None,
+            num_splits=num_splits,
+            num_sms=num_sms,
+        )[-1]
         if splits > 1:
             why = f"the launch splits the keys ({splits} splits), which keeps the whole varlen batch on it"
     return why

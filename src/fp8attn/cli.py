@@ -1,4 +1,5 @@
 """The ``fp8attn`` command: info, demo, drive, bench, accuracy-demo."""
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,9 @@ def _config_list(text: str) -> tuple:
     try:
         val = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"expected a JSON list of objects such as '[{{\"num_warps\": 8}}]', got "
-                                         f"{text!r} ({e.msg})") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON list of objects such as '[{{\"num_warps\": 8}}]', got {text!r} ({e.msg})"
+        ) from None
     if isinstance(val, dict):
         val = [val]
     if not isinstance(val, list) or not val or not all(isinstance(c, dict) for c in val):
@@ -96,20 +98,32 @@ def _file_stem(text: str) -> str:
 # option (as typed, --flag) -> (type, help); a routine takes an option when its function has a parameter of
 # that name (dashes as underscores), so each option means one thing for every routine that takes it
 BENCH_OPTIONS = {
-    "shapes": (_shape_list, "cases to run instead of the grid: decode BxL (batch x context), prefill-chunked BxLxQ "
-                            "(batch x keys x queries, the queries the last keys), dense BxS"),
+    "shapes": (
+        _shape_list,
+        "cases to run instead of the grid: decode BxL (batch x context), prefill-chunked BxLxQ "
+        "(batch x keys x queries, the queries the last keys), dense BxS",
+    ),
     "splits": (_int_list, "split-KV counts timed beside the heuristic's (0 = the heuristic, choose_num_splits)"),
-    "configs": (_config_list, "JSON list of launch overrides timed beside the default "
-                              "(launch_paged_fwd's config=, e.g. '[{\"tma\": false, \"num_warps\": 8}]')"),
+    "configs": (
+        _config_list,
+        "JSON list of launch overrides timed beside the default "
+        '(launch_paged_fwd\'s config=, e.g. \'[{"tma": false, "num_warps": 8}]\')',
+    ),
     "page-sizes": (_int_list, "page sizes to run (paged routines)"),
     "headdims": (_int_list, "dense: head dims instead of 64,128,256; prefill-chunked: instead of 128"),
     "cases": (str, "engine: comma-separated engine cases (python -m fp8attn.engine.bench --help names them)"),
     "read-ceiling": (bool, "decode: add peer read_ceiling, a kernel that only reads the same KV bytes"),
     "varlen": (bool, "dense: varlen batches on both kernels (FP8ATTN_DENSE_BACKEND=tma / triton) instead of the grid"),
-    "dense-rules": (str, "dense, mla --attention: FP8ATTN_DENSE_RULES values to A/B, separated by ';' (an empty "
-                         "entry = the committed rules), e.g. ';kperm=0;consumers=3'"),
-    "attention": (bool, "mla: the attention alone at qk 192 / v 128 (B1 x --seqlen, heads 128 and 16) on both "
-                        "kernels against torch SDPA cuDNN bf16, instead of the prefill pipeline"),
+    "dense-rules": (
+        str,
+        "dense, mla --attention: FP8ATTN_DENSE_RULES values to A/B, separated by ';' (an empty "
+        "entry = the committed rules), e.g. ';kperm=0;consumers=3'",
+    ),
+    "attention": (
+        bool,
+        "mla: the attention alone at qk 192 / v 128 (B1 x --seqlen, heads 128 and 16) on both "
+        "kernels against torch SDPA cuDNN bf16, instead of the prefill pipeline",
+    ),
     "seqlen": (_positive_int, "mla --attention: tokens of the one sequence (default 8192)"),
 }
 
@@ -130,9 +144,13 @@ def info() -> int:
     from .capability import ENTRIES, fallback_mode, supports, triton_version
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = [("fp8attn", __version__), ("python", platform.python_version()), ("torch", torch.__version__),
-            ("triton", triton_version() or "not installed"),
-            ("device", torch.cuda.get_device_name() if dev == "cuda" else "cpu")]
+    rows = [
+        ("fp8attn", __version__),
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("triton", triton_version() or "not installed"),
+        ("device", torch.cuda.get_device_name() if dev == "cuda" else "cpu"),
+    ]
     if dev == "cuda":
         cc = torch.cuda.get_device_capability()
         rows.append(("compute capability", f"sm{cc[0]}{cc[1]}"))
@@ -159,9 +177,13 @@ def _accuracy_demo_options(p: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def accuracy_demo(argv=None) -> int:
     """Self-contained FP8-vs-BF16 attention accuracy table on the current device (CPU by default)."""
-    p = _accuracy_demo_options(argparse.ArgumentParser(prog="fp8attn accuracy-demo",
-                                                       description=COMMANDS["accuracy-demo"],
-                                                       formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    p = _accuracy_demo_options(
+        argparse.ArgumentParser(
+            prog="fp8attn accuracy-demo",
+            description=COMMANDS["accuracy-demo"],
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    )
     return _accuracy_guarded(p.parse_args(argv))
 
 
@@ -191,7 +213,7 @@ def _accuracy_table(a) -> int:
         q, k, v = q.to(dev), k.to(dev), v.to(dev)
         for causal in (False, True):
             ref = attention_ref(q.double(), k.double(), v.double(), causal=causal, compute_dtype=torch.float64)
-            err = lambda o: float((o.double() - ref).norm() / ref.norm())  # noqa: E731
+            err = lambda o, ref=ref: float((o.double() - ref).norm() / ref.norm())  # noqa: E731
             bf = flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=causal)
             res = [err(bf)]
             for gran in ("per_tensor", "per_head"):
@@ -216,8 +238,10 @@ def _load(module: str, fn: str):
 
 def _bench_epilog() -> str:
     gpu = ", ".join(r for r in sorted(BENCH_ROUTINES) if r not in CPU_ROUTINES)
-    return (f"Routines that need a CUDA GPU: {gpu}. Routines that also run on a CPU (the reference path): "
-            f"{', '.join(CPU_ROUTINES)}.")
+    return (
+        f"Routines that need a CUDA GPU: {gpu}. Routines that also run on a CPU (the reference path): "
+        f"{', '.join(CPU_ROUTINES)}."
+    )
 
 
 def _routine_params(routine: str) -> set:
@@ -238,11 +262,15 @@ def _bench_options(a) -> dict:
     for flag in given:
         if flag.replace("-", "_") not in params:
             takers = [r for r in sorted(BENCH_ROUTINES) if _takes(r, flag)]
-            raise ValueError(f"{a.routine} takes no --{flag} (routines that do: {', '.join(takers) or 'none'}). "
-                             f"Drop the option or run one of those routines.")
+            raise ValueError(
+                f"{a.routine} takes no --{flag} (routines that do: {', '.join(takers) or 'none'}). "
+                f"Drop the option or run one of those routines."
+            )
     if given and a.name is None:
-        raise ValueError(f"--{next(iter(given))} changes what {a.routine} measures: give --name NAME so that the "
-                         f"results go to NAME.json and not over the routine's own file.")
+        raise ValueError(
+            f"--{next(iter(given))} changes what {a.routine} measures: give --name NAME so that the "
+            f"results go to NAME.json and not over the routine's own file."
+        )
     return {flag.replace("-", "_"): v for flag, v in given.items()}
 
 
@@ -299,23 +327,41 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help=COMMANDS["info"], description=COMMANDS["info"])
     for name in _PASSTHROUGH:  # (their options: ``fp8attn <name> --help``, parsed by fp8attn.serving.demo)
         sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name], add_help=False)
-    bp = sub.add_parser("bench", help=COMMANDS["bench"], description=COMMANDS["bench"], epilog=_bench_epilog(),
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bp.add_argument("routine", choices=sorted(BENCH_ROUTINES), metavar="routine",
-                    help=f"one of: {', '.join(sorted(BENCH_ROUTINES))}")
+    bp = sub.add_parser(
+        "bench",
+        help=COMMANDS["bench"],
+        description=COMMANDS["bench"],
+        epilog=_bench_epilog(),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bp.add_argument(
+        "routine",
+        choices=sorted(BENCH_ROUTINES),
+        metavar="routine",
+        help=f"one of: {', '.join(sorted(BENCH_ROUTINES))}",
+    )
     bp.add_argument("--out-dir", default=None, help="results folder (None: benchmarks/results/<gpu>)")
     bp.add_argument("--quick", action="store_true", help="a few cases only (smoke run)")
-    bp.add_argument("--name", default=None, type=_file_stem,
-                    help="results file name without .json (None: the routine's own); required with the options below")
+    bp.add_argument(
+        "--name",
+        default=None,
+        type=_file_stem,
+        help="results file name without .json (None: the routine's own); required with the options below",
+    )
     opts = bp.add_argument_group("routine options (each routine takes the ones it names; docs/benchmarks.md)")
     for flag, (kind, text) in BENCH_OPTIONS.items():
         if kind is bool:  # (SUPPRESS: no attribute unless given, and no "(default: None)" in --help)
             opts.add_argument(f"--{flag}", action="store_true", default=argparse.SUPPRESS, help=text)
         else:
             opts.add_argument(f"--{flag}", type=kind, default=argparse.SUPPRESS, help=text)
-    _accuracy_demo_options(sub.add_parser("accuracy-demo", help=COMMANDS["accuracy-demo"],
-                                          description=COMMANDS["accuracy-demo"],
-                                          formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    _accuracy_demo_options(
+        sub.add_parser(
+            "accuracy-demo",
+            help=COMMANDS["accuracy-demo"],
+            description=COMMANDS["accuracy-demo"],
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    )
     return p
 
 
@@ -346,8 +392,10 @@ def main(argv=None) -> int:
             print(f"fp8attn bench: error: {e}", file=sys.stderr)
             return 2
         if not torch.cuda.is_available() and a.routine not in CPU_ROUTINES:
-            print(f"fp8attn bench: {a.routine} times GPU kernels and needs a CUDA device ({_bench_epilog()})",
-                  file=sys.stderr)
+            print(
+                f"fp8attn bench: {a.routine} times GPU kernels and needs a CUDA device ({_bench_epilog()})",
+                file=sys.stderr,
+            )
             return 2
         return _bench(a, argv)
     p.print_help(sys.stderr)

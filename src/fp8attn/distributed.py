@@ -33,6 +33,7 @@ heads, head dims, softmax scale, causal, softcap, output dtype; q and the descal
 compared, so a bad input raises on every rank instead of leaving the others waiting in the gather. Collectives run under the process group's
 timeout (``timeout=`` of ``init_process_group`` / ``new_group``; :data:`CP_TIMEOUT` in this module's helpers).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -54,16 +55,27 @@ from .kernels.planning import is_v_seq_major
 from .paged_cache import empty_paged, packed_token_seqs
 from .quant import is_fp8
 
-__all__ = ["cp_decode", "simulate_cp_decode", "CPWorkspace", "CPShardPlan", "CPShard", "shard_paged_cache",
-           "route_new_tokens", "tp_head_slices", "new_cp_tp_groups", "CPTPGroups", "launch_local", "CP_TIMEOUT",
-           "LAYOUTS"]
+__all__ = [
+    "cp_decode",
+    "simulate_cp_decode",
+    "CPWorkspace",
+    "CPShardPlan",
+    "CPShard",
+    "shard_paged_cache",
+    "route_new_tokens",
+    "tp_head_slices",
+    "new_cp_tp_groups",
+    "CPTPGroups",
+    "launch_local",
+    "CP_TIMEOUT",
+    "LAYOUTS",
+]
 
 #: Collective timeout of the groups this module creates (``new_cp_tp_groups``, ``launch_local``).
 CP_TIMEOUT = datetime.timedelta(seconds=60)
 LAYOUTS = ("contiguous", "round_robin")
 
-_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.bfloat16, torch.float16,
-           torch.float32)
+_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.bfloat16, torch.float16, torch.float32)
 _EXC = (ValueError, TypeError, NotImplementedError, RuntimeError)  # codes 1..4 of the status exchange
 _MSG_BYTES = 512  # the failing rank's message travels to the others (truncated to this many UTF-8 bytes)
 
@@ -81,6 +93,7 @@ class CPShardPlan:
         most ``max_pages * page_size`` tokens.
     layout : ``"contiguous"`` or ``"round_robin"`` (module docstring).
     """
+
     world_size: int
     page_size: int
     max_pages: int
@@ -137,8 +150,9 @@ class CPShardPlan:
             local = local + torch.where(full % w == rank, rem, torch.zeros_like(rem))
         return local.to(torch.int32)
 
-    def slot_mapping(self, page_table_shard: torch.Tensor, rank: int, seq_idx: torch.Tensor,
-                     positions: torch.Tensor) -> torch.Tensor:
+    def slot_mapping(
+        self, page_table_shard: torch.Tensor, rank: int, seq_idx: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         """Slots in ``rank``'s pool of tokens at global ``positions`` of sequences ``seq_idx``; -1 for tokens
         another rank owns (or whose local page is unallocated, -1 in the table: :func:`route_new_tokens`
         rejects those where value checks run).
@@ -163,6 +177,7 @@ class CPShardPlan:
 class CPShard(NamedTuple):
     """One rank's shard of a paged cache: its own block pool, page table and lengths (the arguments of
     :func:`cp_decode`). ``k_cache_scales`` / ``v_cache_scales``: per-token-head scales, or None."""
+
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     page_table: torch.Tensor
@@ -173,21 +188,47 @@ class CPShard(NamedTuple):
 
 def _check_rank(rank, world_size):
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        C._fail(ValueError, "rank", f"an int in [0, {world_size})", repr(rank),
-                "Pass this rank's index in the context-parallel group (torch.distributed.get_rank(group)).")
+        C._fail(
+            ValueError,
+            "rank",
+            f"an int in [0, {world_size})",
+            repr(rank),
+            "Pass this rank's index in the context-parallel group (torch.distributed.get_rank(group)).",
+        )
 
 
 def _check_plan(plan, page_size):
     if not isinstance(plan, CPShardPlan):
-        C._fail(TypeError, "plan", "a CPShardPlan", type(plan).__name__,
-                "Build one with CPShardPlan(world_size, page_size, max_pages, layout).")
+        C._fail(
+            TypeError,
+            "plan",
+            "a CPShardPlan",
+            type(plan).__name__,
+            "Build one with CPShardPlan(world_size, page_size, max_pages, layout).",
+        )
     if plan.page_size != page_size:
-        C._fail(ValueError, "plan", f"page_size {page_size} (the cache's)", f"page_size {plan.page_size}",
-                "Build the plan with the cache's page size.")
+        C._fail(
+            ValueError,
+            "plan",
+            f"page_size {page_size} (the cache's)",
+            f"page_size {plan.page_size}",
+            "Build the plan with the cache's page size.",
+        )
 
 
-def shard_paged_cache(k_cache, v_cache, page_table, cache_seqlens, plan, rank, *, k_cache_scales=None,
-                      v_cache_scales=None, num_blocks=None, device=None) -> CPShard:
+def shard_paged_cache(
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    plan,
+    rank,
+    *,
+    k_cache_scales=None,
+    v_cache_scales=None,
+    num_blocks=None,
+    device=None,
+) -> CPShard:
     """Cut one rank's shard out of a paged cache (set-up time: it copies pages and may sync).
 
     Parameters
@@ -219,11 +260,21 @@ def shard_paged_cache(k_cache, v_cache, page_table, cache_seqlens, plan, rank, *
     _check_plan(plan, k_cache.shape[1])
     _check_rank(rank, plan.world_size)
     if page_table.shape[1] != plan.max_pages:
-        C._fail(ValueError, "page_table", f"{plan.max_pages} columns (plan.max_pages)", f"{page_table.shape[1]}",
-                "Build the plan with max_pages = page_table.shape[1].")
+        C._fail(
+            ValueError,
+            "page_table",
+            f"{plan.max_pages} columns (plan.max_pages)",
+            f"{page_table.shape[1]}",
+            "Build the plan with max_pages = page_table.shape[1].",
+        )
     if cache_seqlens.numel() != page_table.shape[0]:
-        C._fail(ValueError, "cache_seqlens", f"{page_table.shape[0]} entries (page_table rows)",
-                f"{cache_seqlens.numel()}", "Pass one length per sequence.")
+        C._fail(
+            ValueError,
+            "cache_seqlens",
+            f"{page_table.shape[0]} entries (page_table rows)",
+            f"{cache_seqlens.numel()}",
+            "Pass one length per sequence.",
+        )
     for name, sc in (("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
         C.check_cache_scales(name, sc, k_cache)
     if (k_cache_scales is None) != (v_cache_scales is None):
@@ -236,35 +287,68 @@ def shard_paged_cache(k_cache, v_cache, page_table, cache_seqlens, plan, rank, *
     ids, inverse = torch.unique(sub[valid], return_inverse=True)
     need = ids.numel()
     if need and int(ids[-1]) >= k_cache.shape[0]:  # (unique ids come sorted)
-        C._fail(ValueError, "page_table", f"block ids < {k_cache.shape[0]} (the pool's blocks)",
-                f"block {int(ids[-1])} among the pages rank {rank} owns", "Fix the block allocation.")
+        C._fail(
+            ValueError,
+            "page_table",
+            f"block ids < {k_cache.shape[0]} (the pool's blocks)",
+            f"block {int(ids[-1])} among the pages rank {rank} owns",
+            "Fix the block allocation.",
+        )
     nb = need if num_blocks is None else num_blocks
     if isinstance(nb, bool) or not isinstance(nb, int) or nb < need:
-        C._fail(ValueError, "num_blocks", f"an int >= {need} (the blocks rank {rank} owns)", repr(num_blocks),
-                "Pass None for exactly those blocks, or a larger pool.")
+        C._fail(
+            ValueError,
+            "num_blocks",
+            f"an int >= {need} (the blocks rank {rank} owns)",
+            repr(num_blocks),
+            "Pass None for exactly those blocks, or a larger pool.",
+        )
     local = torch.full(tuple(sub.shape), -1, dtype=torch.int64, device=k_cache.device)
     local[valid] = inverse
     table = torch.full((page_table.shape[0], lmp), -1, dtype=torch.int32, device=device)
-    table[:, :len(cols)] = local.to(device, torch.int32)
+    table[:, : len(cols)] = local.to(device, torch.int32)
 
     def take(src, seq_major=False):
         if src is None:
             return None
         shape = (nb, *src.shape[1:])
-        dst = empty_paged(shape, src.dtype, device, seq_major=seq_major) if src.dim() == 4 else \
-            torch.empty(shape, dtype=src.dtype, device=device)
+        dst = (
+            empty_paged(shape, src.dtype, device, seq_major=seq_major)
+            if src.dim() == 4
+            else torch.empty(shape, dtype=src.dtype, device=device)
+        )
         dst.zero_()
         if need:
             dst[:need].copy_(src[ids])
         return dst
 
-    return CPShard(take(k_cache), take(v_cache, is_v_seq_major(v_cache)), table,
-                   plan.local_seqlens(cache_seqlens.to(device), rank), take(k_cache_scales), take(v_cache_scales))
+    return CPShard(
+        take(k_cache),
+        take(v_cache, is_v_seq_major(v_cache)),
+        table,
+        plan.local_seqlens(cache_seqlens.to(device), rank),
+        take(k_cache_scales),
+        take(v_cache_scales),
+    )
 
 
-def route_new_tokens(k, v, k_cache_shard, v_cache_shard, page_table_shard, cache_seqlens, plan, rank, *,
-                     cu_seqlens_k_new=None, k_descale=None, v_descale=None, k_cache_scales=None,
-                     v_cache_scales=None, validate=False) -> torch.Tensor:
+def route_new_tokens(
+    k,
+    v,
+    k_cache_shard,
+    v_cache_shard,
+    page_table_shard,
+    cache_seqlens,
+    plan,
+    rank,
+    *,
+    cu_seqlens_k_new=None,
+    k_descale=None,
+    v_descale=None,
+    k_cache_scales=None,
+    v_cache_scales=None,
+    validate=False,
+) -> torch.Tensor:
     """Append new tokens to a sharded cache: each token is written (quantized, as :func:`fp8attn.write_kv_cache`
     writes it) on the rank that owns its page only; every rank calls this with the same new tokens.
 
@@ -296,12 +380,18 @@ def route_new_tokens(k, v, k_cache_shard, v_cache_shard, page_table_shard, cache
     C.check_tensor("v", v, ndim=k.dim())
     batch = cache_seqlens.numel()
     if page_table_shard.shape[0] != batch or page_table_shard.shape[1] < plan.local_max_pages:
-        C._fail(ValueError, "page_table_shard", f"({batch}, >= {plan.local_max_pages}) (batch, plan.local_max_pages)",
-                f"{tuple(page_table_shard.shape)}", "Pass this rank's page table (shard_paged_cache builds it).")
+        C._fail(
+            ValueError,
+            "page_table_shard",
+            f"({batch}, >= {plan.local_max_pages}) (batch, plan.local_max_pages)",
+            f"{tuple(page_table_shard.shape)}",
+            "Pass this rank's page table (shard_paged_cache builds it).",
+        )
     dev = k_cache_shard.device
     if cu_seqlens_k_new is not None:
-        C.check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, batch=batch, validate=validate, total=k.shape[0],
-                           total_name="k")
+        C.check_cu_seqlens(
+            "cu_seqlens_k_new", cu_seqlens_k_new, batch=batch, validate=validate, total=k.shape[0], total_name="k"
+        )
         seq, tok = packed_token_seqs(cu_seqlens_k_new, k.shape[0])
         pad = seq >= batch  # rows past the last offset: not tokens of any sequence
         seq = seq.clamp(max=max(batch - 1, 0))
@@ -309,9 +399,13 @@ def route_new_tokens(k, v, k_cache_shard, v_cache_shard, page_table_shard, cache
         kf, vf = k, v
     else:
         if k.shape[0] != batch:
-            C._fail(ValueError, "k", f"batch {batch} (cache_seqlens' entries) in (batch, seqlen_new, nheads_k, "
-                    "headdim)",
-                    f"{tuple(k.shape)}", "Pass one row of new tokens per sequence, or cu_seqlens_k_new.")
+            C._fail(
+                ValueError,
+                "k",
+                f"batch {batch} (cache_seqlens' entries) in (batch, seqlen_new, nheads_k, headdim)",
+                f"{tuple(k.shape)}",
+                "Pass one row of new tokens per sequence, or cu_seqlens_k_new.",
+            )
         s_new = k.shape[1]
         seq = torch.arange(batch, device=dev).repeat_interleave(s_new)
         pos = cache_seqlens.long()[seq] + torch.arange(s_new, device=dev).repeat(batch)
@@ -324,20 +418,39 @@ def route_new_tokens(k, v, k_cache_shard, v_cache_shard, page_table_shard, cache
         live = ~pad if pad is not None else torch.ones_like(pos, dtype=torch.bool)
         cap = plan.max_pages * plan.page_size
         if bool((live & (pos >= cap)).any()):
-            C._fail(ValueError, "cache_seqlens", f"lengths after the append <= the capacity {cap} "
-                    f"(max_pages {plan.max_pages} x page_size {plan.page_size})",
-                    f"a new token at position {int(pos[live].max())}", "Allocate more pages or shorten the sequence.")
+            C._fail(
+                ValueError,
+                "cache_seqlens",
+                f"lengths after the append <= the capacity {cap} "
+                f"(max_pages {plan.max_pages} x page_size {plan.page_size})",
+                f"a new token at position {int(pos[live].max())}",
+                "Allocate more pages or shorten the sequence.",
+            )
         page = pos // plan.page_size
         mine = live & (plan.owner(page) == rank)
         lost = mine & (slots < 0)
         if bool(lost.any()):
             i = int(lost.nonzero()[0, 0])
-            C._fail(ValueError, "page_table_shard", f"an allocated block (>= 0) for every page rank {rank} owns that "
-                    "new tokens reach", f"-1 at row {int(seq[i])}, column {int(plan.local_page(page[i]))}",
-                    "Allocate the page on its owner before appending.")
-    write_kv_cache(kf, vf, k_cache_shard, v_cache_shard, slots, k_descale=k_descale, v_descale=v_descale,
-                   token_seq_idx=seq.to(torch.int32), k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
-                   validate=validate)
+            C._fail(
+                ValueError,
+                "page_table_shard",
+                f"an allocated block (>= 0) for every page rank {rank} owns that new tokens reach",
+                f"-1 at row {int(seq[i])}, column {int(plan.local_page(page[i]))}",
+                "Allocate the page on its owner before appending.",
+            )
+    write_kv_cache(
+        kf,
+        vf,
+        k_cache_shard,
+        v_cache_shard,
+        slots,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        token_seq_idx=seq.to(torch.int32),
+        k_cache_scales=k_cache_scales,
+        v_cache_scales=v_cache_scales,
+        validate=validate,
+    )
     return slots
 
 
@@ -369,35 +482,51 @@ class CPWorkspace:
         self.send = torch.empty(self.chunk, dtype=torch.float32, device=q.device)
         self.recv = torch.empty(self.world_size * self.chunk, dtype=torch.float32, device=q.device)
         rows = self.recv.view(self.world_size, self.chunk)
-        self.out_partial = rows[:, :self.n_out].view(self.world_size, *self.shape)
-        self.lse_partial = rows[:, self.n_out:].view(self.world_size, *self.shape[:3])
+        self.out_partial = rows[:, : self.n_out].view(self.world_size, *self.shape)
+        self.lse_partial = rows[:, self.n_out :].view(self.world_size, *self.shape[:3])
 
     def views(self, flat: torch.Tensor):
         """``(out (batch, seqlen_q, nheads_q, headdim_v), lse (batch, seqlen_q, nheads_q))`` views of one chunk."""
-        return flat[:self.n_out].view(self.shape), flat[self.n_out:].view(self.shape[:3])
+        return flat[: self.n_out].view(self.shape), flat[self.n_out :].view(self.shape[:3])
 
     def rank_chunk(self, rank: int) -> torch.Tensor:
         """Rank ``rank``'s chunk of ``recv`` (where the gather puts its partial)."""
-        return self.recv[rank * self.chunk:(rank + 1) * self.chunk]
+        return self.recv[rank * self.chunk : (rank + 1) * self.chunk]
 
 
 def _group_info(group):
     if not (dist.is_available() and dist.is_initialized()):
-        C._fail(ValueError, "group", "an initialized torch.distributed process group", "none initialized",
-                "Call torch.distributed.init_process_group first (or run under fp8attn.distributed.launch_local).")
+        C._fail(
+            ValueError,
+            "group",
+            "an initialized torch.distributed process group",
+            "none initialized",
+            "Call torch.distributed.init_process_group first (or run under fp8attn.distributed.launch_local).",
+        )
     try:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
     except (ValueError, RuntimeError) as e:
-        C._fail(ValueError, "group", "a process group this rank belongs to", f"{group!r} ({e})",
-                "Pass the context-parallel group of this rank (new_cp_tp_groups builds it).")
+        C._fail(
+            ValueError,
+            "group",
+            "a process group this rank belongs to",
+            f"{group!r} ({e})",
+            "Pass the context-parallel group of this rank (new_cp_tp_groups builds it).",
+        )
     if rank < 0:
-        C._fail(ValueError, "group", "a process group this rank belongs to", "a group without this rank",
-                "Pass the context-parallel group of this rank.")
+        C._fail(
+            ValueError,
+            "group",
+            "a process group this rank belongs to",
+            "a group without this rank",
+            "Pass the context-parallel group of this rank.",
+        )
     return rank, world, str(dist.get_backend(group)).lower()
 
 
-def _check_cp_call(q, v_cache, causal, window_size, out, out_dtype, out_scale, workspace, world, page_table=None,
-                   cache_seqlens=None):
+def _check_cp_call(
+    q, v_cache, causal, window_size, out, out_dtype, out_scale, workspace, world, page_table=None, cache_seqlens=None
+):
     """Checks of cp_decode's own arguments (the local attention call checks the rest)."""
     C.check_tensor("q", q, ndim=4)
     C.check_tensor("v_cache_shard", v_cache, ndim=4, allow_v_seq_major=True)
@@ -405,37 +534,67 @@ def _check_cp_call(q, v_cache, causal, window_size, out, out_dtype, out_scale, w
     if page_table is not None or cache_seqlens is not None:
         C.check_int32("page_table_shard", page_table, ndim=2)
         C.check_int32("cache_seqlens_shard", cache_seqlens, ndim=1)
-        for name, t, n in (("page_table_shard", page_table, page_table.shape[0]),
-                           ("cache_seqlens_shard", cache_seqlens, cache_seqlens.numel())):
+        for name, t, n in (
+            ("page_table_shard", page_table, page_table.shape[0]),
+            ("cache_seqlens_shard", cache_seqlens, cache_seqlens.numel()),
+        ):
             if n != b:
-                C._fail(ValueError, name, f"{b} rows (q's batch)", f"{n} ({tuple(t.shape)})",
-                        "Pass this rank's page table and lengths of every sequence (0 where it holds none).")
+                C._fail(
+                    ValueError,
+                    name,
+                    f"{b} rows (q's batch)",
+                    f"{n} ({tuple(t.shape)})",
+                    "Pass this rank's page table and lengths of every sequence (0 where it holds none).",
+                )
     if sq < 1:
-        C._fail(ValueError, "q", "seqlen_q >= 1 in (batch, seqlen_q, nheads_q, headdim)", f"{tuple(q.shape)}",
-                "Pass the decode queries.")
+        C._fail(
+            ValueError,
+            "q",
+            "seqlen_q >= 1 in (batch, seqlen_q, nheads_q, headdim)",
+            f"{tuple(q.shape)}",
+            "Pass the decode queries.",
+        )
     if causal and sq > 1:
-        raise NotImplementedError("causal=True with seqlen_q > 1 is not supported by cp_decode: a shard's keys are "
-                                  "not the sequence's last ones, so the bottom-right causal mask of each shard is "
-                                  "not the sequence's. Decode one query per sequence, or pass causal=False.")
+        raise NotImplementedError(
+            "causal=True with seqlen_q > 1 is not supported by cp_decode: a shard's keys are "
+            "not the sequence's last ones, so the bottom-right causal mask of each shard is "
+            "not the sequence's. Decode one query per sequence, or pass causal=False."
+        )
     C.check_window(window_size)
     if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"window_size={tuple(window_size)} is not supported by cp_decode (a shard holds no "
-                                  "global positions); leave it at (-1, -1).")
+        raise NotImplementedError(
+            f"window_size={tuple(window_size)} is not supported by cp_decode (a shard holds no "
+            "global positions); leave it at (-1, -1)."
+        )
     C.check_out_dtype(out_dtype)
     C.check_out_scale(out_scale, q.device)
     if out_scale is not None and out_dtype is not None:
-        C._fail(ValueError, "out_dtype", "None when out_scale is given (the output is float8_e4m3fn)", str(out_dtype),
-                "Drop out_dtype or out_scale.")
+        C._fail(
+            ValueError,
+            "out_dtype",
+            "None when out_scale is given (the output is float8_e4m3fn)",
+            str(out_dtype),
+            "Drop out_dtype or out_scale.",
+        )
     C.check_out(out, (b, sq, hq, v_cache.shape[-1]), _out_dtype(q, out_dtype, out_scale), q.device)
     if workspace is not None:
         if not isinstance(workspace, CPWorkspace):
-            C._fail(TypeError, "workspace", "a CPWorkspace", type(workspace).__name__,
-                    "Allocate it with CPWorkspace(q, headdim_v, world_size).")
+            C._fail(
+                TypeError,
+                "workspace",
+                "a CPWorkspace",
+                type(workspace).__name__,
+                "Allocate it with CPWorkspace(q, headdim_v, world_size).",
+            )
         want = (b, sq, hq, v_cache.shape[-1])
         if workspace.shape != want or workspace.world_size != world or workspace.recv.device != q.device:
-            C._fail(ValueError, "workspace", f"a CPWorkspace for {want} over {world} ranks on {q.device}",
-                    f"{workspace.shape} over {workspace.world_size} on {workspace.recv.device}",
-                    "Allocate one per query shape: CPWorkspace(q, headdim_v, world_size).")
+            C._fail(
+                ValueError,
+                "workspace",
+                f"a CPWorkspace for {want} over {world} ranks on {q.device}",
+                f"{workspace.shape} over {workspace.world_size} on {workspace.recv.device}",
+                "Allocate one per query shape: CPWorkspace(q, headdim_v, world_size).",
+            )
 
 
 def _out_dtype(q, out_dtype, out_scale):
@@ -448,9 +607,19 @@ def _attend(q, shard_args, attn, out_flat, ws):
     """The local partial: attention over one shard into ``out_flat`` (a workspace chunk)."""
     k_cache, v_cache, page_table, cache_seqlens, k_scales, v_scales = shard_args
     o, lse_chunk = ws.views(out_flat)
-    _, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
-                                     k_cache_scales=k_scales, v_cache_scales=v_scales, out=o, out_dtype=torch.float32,
-                                     return_softmax_lse=True, **attn)
+    _, lse = flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=cache_seqlens,
+        page_table=page_table,
+        k_cache_scales=k_scales,
+        v_cache_scales=v_scales,
+        out=o,
+        out_dtype=torch.float32,
+        return_softmax_lse=True,
+        **attn,
+    )
     lse_chunk.copy_(lse.transpose(1, 2))
 
 
@@ -472,13 +641,20 @@ def _signature(q, k_cache, v_cache, softmax_scale, causal, softcap, out_dtype, o
     qs = tuple(q.shape) if isinstance(q, torch.Tensor) and q.dim() == 4 else (-1,) * 4
     code = lambda t: _DTYPES.index(t.dtype) if isinstance(t, torch.Tensor) and t.dtype in _DTYPES else -1  # noqa: E731
     dim = lambda t, i: t.shape[i] if isinstance(t, torch.Tensor) and t.dim() == 4 else -1  # noqa: E731
-    return (("batch", "q", qs[0]), ("seqlen_q", "q", qs[1]), ("nheads_q", "q", qs[2]), ("headdim", "q", qs[3]),
-            ("dtype", "q", code(q)), ("nheads_k", "k_cache_shard", dim(k_cache, 2)),
-            ("headdim_v", "v_cache_shard", dim(v_cache, 3)),
-            ("value", "softmax_scale", -2 if softmax_scale is None else _f64_bits(softmax_scale)),
-            ("value", "causal", int(bool(causal))), ("value", "softcap", _f64_bits(softcap)),
-            ("dtype code", "out_dtype", _DTYPES.index(out_dtype) if out_dtype in _DTYPES else -1),
-            ("presence", "out_scale", int(out_scale is not None)))
+    return (
+        ("batch", "q", qs[0]),
+        ("seqlen_q", "q", qs[1]),
+        ("nheads_q", "q", qs[2]),
+        ("headdim", "q", qs[3]),
+        ("dtype", "q", code(q)),
+        ("nheads_k", "k_cache_shard", dim(k_cache, 2)),
+        ("headdim_v", "v_cache_shard", dim(v_cache, 3)),
+        ("value", "softmax_scale", -2 if softmax_scale is None else _f64_bits(softmax_scale)),
+        ("value", "causal", int(bool(causal))),
+        ("value", "softcap", _f64_bits(softcap)),
+        ("dtype code", "out_dtype", _DTYPES.index(out_dtype) if out_dtype in _DTYPES else -1),
+        ("presence", "out_scale", int(out_scale is not None)),
+    )
 
 
 def _checksums(values, device, ok):
@@ -512,21 +688,31 @@ def _agree(sig, values, err, group, world, device):
     if failed:
         r = failed[0]
         n = len(sig) + 1
-        text = bytes(table[r][n + 1:n + 1 + table[r][n]]).decode("utf-8", "replace")
+        text = bytes(table[r][n + 1 : n + 1 + table[r][n]]).decode("utf-8", "replace")
         raise _EXC[table[r][0] - 1](f"{text} [raised on rank {r} of the context-parallel group; every rank raises it]")
     for i, (field, arg, _) in enumerate(sig):
         vals = [table[r][i + 1] for r in range(world)]
         if len(set(vals)) > 1:
             got = ", ".join(f"{v} on rank {r}" for r, v in enumerate(vals))
-            C._fail(ValueError, arg, f"the same {field} on every rank of the context-parallel group", got,
-                    "Pass every rank the same query and options; only the cache shards, page tables and lengths "
-                    "differ per rank.")
+            C._fail(
+                ValueError,
+                arg,
+                f"the same {field} on every rank of the context-parallel group",
+                got,
+                "Pass every rank the same query and options; only the cache shards, page tables and lengths "
+                "differ per rank.",
+            )
     for i, (name, _) in enumerate(values):
         vals = [table[r][len(row) + i] for r in range(world)]
         if len(set(vals)) > 1:
             got = ", ".join(f"{struct.unpack('<d', struct.pack('<q', v))[0]!r} on rank {r}" for r, v in enumerate(vals))
-            C._fail(ValueError, name, "the same values on every rank of the context-parallel group (compared by their "
-                    "float64 sums)", got, f"Pass every rank the same {name}.")
+            C._fail(
+                ValueError,
+                name,
+                "the same values on every rank of the context-parallel group (compared by their float64 sums)",
+                got,
+                f"Pass every rank the same {name}.",
+            )
 
 
 def _all_gather(recv, send, group):
@@ -544,10 +730,32 @@ def _capturing(t):
     return isinstance(t, torch.Tensor) and t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def cp_decode(q, k_cache_shard, v_cache_shard, page_table_shard, cache_seqlens_shard, *, q_descale=None,
-              k_descale=None, v_descale=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-              num_splits=0, k_cache_scales=None, v_cache_scales=None, group=None, out=None, out_dtype=None,
-              out_scale=None, return_softmax_lse=False, workspace=None, check_ranks=True, validate=False):
+def cp_decode(
+    q,
+    k_cache_shard,
+    v_cache_shard,
+    page_table_shard,
+    cache_seqlens_shard,
+    *,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    num_splits=0,
+    k_cache_scales=None,
+    v_cache_scales=None,
+    group=None,
+    out=None,
+    out_dtype=None,
+    out_scale=None,
+    return_softmax_lse=False,
+    workspace=None,
+    check_ranks=True,
+    validate=False,
+):
     """Decode attention over a paged cache sharded along the sequence across the ranks of ``group``.
 
     Every rank passes the same query and options and its own shard; every rank returns the full result.
@@ -591,17 +799,44 @@ def cp_decode(q, k_cache_shard, v_cache_shard, page_table_shard, cache_seqlens_s
     """
     _, world, backend = _group_info(group)
     agree = check_ranks and not _capturing(q)
-    sig = _signature(q, k_cache_shard, v_cache_shard, softmax_scale, causal, softcap, out_dtype, out_scale) \
-        if agree else ()
+    sig = (
+        _signature(q, k_cache_shard, v_cache_shard, softmax_scale, causal, softcap, out_dtype, out_scale)
+        if agree
+        else ()
+    )
     err, ws = None, workspace
     try:
-        _check_cp_call(q, v_cache_shard, causal, window_size, out, out_dtype, out_scale, workspace, world,
-                       page_table_shard, cache_seqlens_shard)
+        _check_cp_call(
+            q,
+            v_cache_shard,
+            causal,
+            window_size,
+            out,
+            out_dtype,
+            out_scale,
+            workspace,
+            world,
+            page_table_shard,
+            cache_seqlens_shard,
+        )
         ws = workspace or CPWorkspace(q, v_cache_shard.shape[-1], world)
-        attn = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, softmax_scale=softmax_scale,
-                    causal=bool(causal), softcap=softcap, num_splits=num_splits, validate=validate)
-        _attend(q, (k_cache_shard, v_cache_shard, page_table_shard, cache_seqlens_shard, k_cache_scales,
-                    v_cache_scales), attn, ws.send, ws)
+        attn = dict(
+            q_descale=q_descale,
+            k_descale=k_descale,
+            v_descale=v_descale,
+            softmax_scale=softmax_scale,
+            causal=bool(causal),
+            softcap=softcap,
+            num_splits=num_splits,
+            validate=validate,
+        )
+        _attend(
+            q,
+            (k_cache_shard, v_cache_shard, page_table_shard, cache_seqlens_shard, k_cache_scales, v_cache_scales),
+            attn,
+            ws.send,
+            ws,
+        )
     except Exception as e:  # noqa: BLE001 -- every failure is reported to the other ranks, then re-raised
         if not agree:
             raise
@@ -609,17 +844,41 @@ def cp_decode(q, k_cache_shard, v_cache_shard, page_table_shard, cache_seqlens_s
     if agree:
         dev = torch.device("cpu")
         if backend == "nccl":  # NCCL gathers device tensors only
-            dev = q.device if isinstance(q, torch.Tensor) and q.is_cuda else \
-                torch.device("cuda", torch.cuda.current_device())
-        _agree(sig, (("q", q), ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)), err,
-               group, world, dev)
+            dev = (
+                q.device
+                if isinstance(q, torch.Tensor) and q.is_cuda
+                else torch.device("cuda", torch.cuda.current_device())
+            )
+        _agree(
+            sig,
+            (("q", q), ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)),
+            err,
+            group,
+            world,
+            dev,
+        )
     _all_gather(ws.recv, ws.send, group)
     return _merge(ws, out, out_dtype, out_scale, q, return_softmax_lse)
 
 
-def simulate_cp_decode(q, shards, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
-                       causal=False, softcap=0.0, num_splits=0, out=None, out_dtype=None, out_scale=None,
-                       return_softmax_lse=False, workspace=None, validate=False):
+def simulate_cp_decode(
+    q,
+    shards,
+    *,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    softmax_scale=None,
+    causal=False,
+    softcap=0.0,
+    num_splits=0,
+    out=None,
+    out_dtype=None,
+    out_scale=None,
+    return_softmax_lse=False,
+    workspace=None,
+    validate=False,
+):
     """:func:`cp_decode` with every shard in this process, one after the other, and no collective: each
     shard's partial goes straight into its chunk of the gather buffer, then the same merge runs. For checking
     a sharding (and timing the shards) on one device.
@@ -640,8 +899,16 @@ def simulate_cp_decode(q, shards, *, q_descale=None, k_descale=None, v_descale=N
         C._fail(ValueError, "shards", "at least one shard", "none", "Pass one CPShard per simulated rank.")
     _check_cp_call(q, shards[0].v_cache, causal, (-1, -1), out, out_dtype, out_scale, workspace, len(shards))
     ws = workspace or CPWorkspace(q, shards[0].v_cache.shape[-1], len(shards))
-    attn = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, softmax_scale=softmax_scale,
-                causal=bool(causal), softcap=softcap, num_splits=num_splits, validate=validate)
+    attn = dict(
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        softmax_scale=softmax_scale,
+        causal=bool(causal),
+        softcap=softcap,
+        num_splits=num_splits,
+        validate=validate,
+    )
     for r, s in enumerate(shards):
         _attend(q, tuple(s), attn, ws.rank_chunk(r), ws)
     return _merge(ws, out, out_dtype, out_scale, q, return_softmax_lse)
@@ -660,8 +927,13 @@ def tp_head_slices(nheads_q: int, nheads_k: int, tp_rank: int, tp_size: int):
             C._fail(ValueError, name, "an int >= 1", repr(val), f"Pass {name}.")
     _check_rank(tp_rank, tp_size)
     if nheads_q % nheads_k or nheads_k % tp_size:
-        C._fail(ValueError, "tp_size", f"a divisor of nheads_k = {nheads_k} (with nheads_q = {nheads_q} a multiple "
-                f"of nheads_k)", f"{tp_size}", "Use a tensor-parallel size that divides the KV heads.")
+        C._fail(
+            ValueError,
+            "tp_size",
+            f"a divisor of nheads_k = {nheads_k} (with nheads_q = {nheads_q} a multiple of nheads_k)",
+            f"{tp_size}",
+            "Use a tensor-parallel size that divides the KV heads.",
+        )
     hk = nheads_k // tp_size
     hq = hk * (nheads_q // nheads_k)
     return slice(tp_rank * hq, (tp_rank + 1) * hq), slice(tp_rank * hk, (tp_rank + 1) * hk)
@@ -669,6 +941,7 @@ def tp_head_slices(nheads_q: int, nheads_k: int, tp_rank: int, tp_size: int):
 
 class CPTPGroups(NamedTuple):
     """This rank's tensor-parallel (heads) and context-parallel (sequence) groups and its index in each."""
+
     tp_group: object
     cp_group: object
     tp_rank: int
@@ -687,8 +960,13 @@ def new_cp_tp_groups(tp_size: int, cp_size: int, *, timeout=CP_TIMEOUT, backend=
             C._fail(ValueError, name, "an int >= 1", repr(val), f"Pass {name}.")
     rank, world, _ = _group_info(None)
     if tp_size * cp_size != world:
-        C._fail(ValueError, "tp_size", f"tp_size * cp_size == world size {world}", f"{tp_size} * {cp_size}",
-                "Choose sizes whose product is the number of ranks.")
+        C._fail(
+            ValueError,
+            "tp_size",
+            f"tp_size * cp_size == world size {world}",
+            f"{tp_size} * {cp_size}",
+            "Choose sizes whose product is the number of ranks.",
+        )
     tp_group = cp_group = None
     for c in range(cp_size):
         ranks = [c * tp_size + t for t in range(tp_size)]
@@ -718,9 +996,9 @@ def _local_worker(fn, rank, world_size, backend, folder, timeout, args):
         finally:
             dist.destroy_process_group()
         torch.save({"result": result}, path)
-    except BaseException:  # noqa: BLE001 -- the parent re-raises it with this rank's traceback
+    except BaseException as err:  # noqa: BLE001 -- the parent re-raises it with this rank's traceback
         torch.save({"error": traceback.format_exc()}, path)
-        raise SystemExit(1)
+        raise SystemExit(1) from err
 
 
 def launch_local(fn, world_size, *args, backend="gloo", timeout=CP_TIMEOUT, deadline_s=600.0, start_method=None):
@@ -746,8 +1024,10 @@ def launch_local(fn, world_size, *args, backend="gloo", timeout=CP_TIMEOUT, dead
         start_method = "fork" if backend != "nccl" and "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(start_method)
     with tempfile.TemporaryDirectory() as folder:
-        procs = [ctx.Process(target=_local_worker, args=(fn, r, world_size, backend, folder, timeout, args))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_local_worker, args=(fn, r, world_size, backend, folder, timeout, args))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         end = time.monotonic() + deadline_s

@@ -6,6 +6,7 @@ the largest power of two dividing the head dim (n = d for 64/128/256; 64 for 192
 ``Q K^T`` unchanged while spreading outlier channels over the whole head, which shrinks the amax that
 sets the FP8 scale.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,11 +45,12 @@ def _rotation_cpu(d: int, seed: int, normalized: bool) -> torch.Tensor:
     h = _sylvester(n)
     blocks = torch.block_diag(*([h] * (d // n)))
     r = torch.diag(rotation_signs(d, seed)) @ blocks  # rows scaled by signs: x @ r = (x * s) @ H
-    return r / (n ** 0.5) if normalized else r
+    return r / (n**0.5) if normalized else r
 
 
-def rotation_matrix(d: int, seed: int = DEFAULT_SEED, device=None, dtype=torch.float32,
-                    normalized: bool = True) -> torch.Tensor:
+def rotation_matrix(
+    d: int, seed: int = DEFAULT_SEED, device=None, dtype=torch.float32, normalized: bool = True
+) -> torch.Tensor:
     """The (d, d) rotation ``R`` (``x_rot = x @ R``); ``normalized=False`` gives the ±1 matrix
     (exact in bf16), to be multiplied by ``1/sqrt(hadamard_block_size(d))``."""
     return _rotation_cpu(int(d), int(seed), bool(normalized)).to(device=device, dtype=dtype)

@@ -20,6 +20,7 @@ to ``fp8attn.ops`` (``fp8attn.local_attention`` for ``attention_chunk``). Eager 
 up a plan cached per call signature (``fp8attn.plan``): a repeated call skips the Python checks its
 signature already passed.
 """
+
 from __future__ import annotations
 
 import operator
@@ -35,8 +36,15 @@ from .paged_cache import token_rows as _token_rows
 from .quant import expand_descale, is_fp8
 from .rotary import apply_rotary
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-           "flash_attn_combine", "get_scheduler_metadata", "write_kv_cache"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "flash_attn_combine",
+    "get_scheduler_metadata",
+    "write_kv_cache",
+]
 
 
 def _resolve_window(causal, window_size):
@@ -63,28 +71,42 @@ def _check_split_workspace(split_workspace, num_splits, chunk, q, nheads_q, head
     q with at least ``num_splits`` (explicit, >= 1) splits."""
     if split_workspace is None:
         return None
-    fix = (f"Allocate it once with fp8attn.split_workspace(q, num_splits, {headdim_v}) and pass an explicit "
-           "num_splits (or scheduler_metadata).")
+    fix = (
+        f"Allocate it once with fp8attn.split_workspace(q, num_splits, {headdim_v}) and pass an explicit "
+        "num_splits (or scheduler_metadata)."
+    )
     if not isinstance(split_workspace, (tuple, list)) or len(split_workspace) != 2:
-        raise TypeError(f"split_workspace: expected a tuple (out_partial, lse_partial), got "
-                        f"{type(split_workspace).__name__}. {fix}")
+        raise TypeError(
+            f"split_workspace: expected a tuple (out_partial, lse_partial), got {type(split_workspace).__name__}. {fix}"
+        )
     if num_splits < 1:
-        raise ValueError(f"split_workspace: expected an explicit num_splits >= 1 with a workspace (0 lets the "
-                         f"heuristic choose a count the workspace may not hold), got num_splits={num_splits}. {fix}")
+        raise ValueError(
+            f"split_workspace: expected an explicit num_splits >= 1 with a workspace (0 lets the "
+            f"heuristic choose a count the workspace may not hold), got num_splits={num_splits}. {fix}"
+        )
     if chunk:
-        raise ValueError(f"split_workspace: not supported with attention_chunk={chunk} (its calls run over "
-                         "rearranged query rows). Drop split_workspace.")
+        raise ValueError(
+            f"split_workspace: not supported with attention_chunk={chunk} (its calls run over "
+            "rearranged query rows). Drop split_workspace."
+        )
     op, lp = split_workspace
     lead = (*q.shape[:-2], nheads_q)
     for name, t, tail in (("out_partial", op, (headdim_v,)), ("lse_partial", lp, ())):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"split_workspace: expected {name} to be a torch.Tensor, got {type(t).__name__}. {fix}")
-        ok = (t.dim() == len(lead) + len(tail) + 1 and tuple(t.shape[1:]) == lead + tail and t.shape[0] >= num_splits
-              and t.dtype == torch.float32 and t.is_contiguous())
+        ok = (
+            t.dim() == len(lead) + len(tail) + 1
+            and tuple(t.shape[1:]) == lead + tail
+            and t.shape[0] >= num_splits
+            and t.dtype == torch.float32
+            and t.is_contiguous()
+        )
         if not ok:
             want = f"contiguous float32 (>= {num_splits}, {', '.join(map(str, lead + tail))})"
-            raise ValueError(f"split_workspace: expected {name} {want}, got {t.dtype} {tuple(t.shape)}"
-                             f"{'' if t.is_contiguous() else ' (not contiguous)'}. {fix}")
+            raise ValueError(
+                f"split_workspace: expected {name} {want}, got {t.dtype} {tuple(t.shape)}"
+                f"{'' if t.is_contiguous() else ' (not contiguous)'}. {fix}"
+            )
         if t.device != q.device:
             raise ValueError(f"split_workspace: expected {name} on {q.device}, got {t.device}. Move it to {q.device}.")
     return op, lp
@@ -92,28 +114,39 @@ def _check_split_workspace(split_workspace, num_splits, chunk, q, nheads_q, head
 
 def _descales(q_descale, k_descale, v_descale, batch, nheads_k, device, validate, q_dtype, kv_dtype):
     """FA3's (batch, nheads_k) descales (or their broadcasts), each for an FP8 tensor only, as expanded views."""
-    for name, d, what, dt in (("q_descale", q_descale, "q", q_dtype), ("k_descale", k_descale, "k", kv_dtype),
-                              ("v_descale", v_descale, "v", kv_dtype)):
+    for name, d, what, dt in (
+        ("q_descale", q_descale, "q", q_dtype),
+        ("k_descale", k_descale, "k", kv_dtype),
+        ("v_descale", v_descale, "v", kv_dtype),
+    ):
         C.check_descale_kind(name, d, what, dt)
         C.check_descale(name, d, batch, nheads_k, device)
         C.check_descale_values(name, d, validate)
-    return (expand_descale(q_descale, batch, nheads_k, device), expand_descale(k_descale, batch, nheads_k, device),
-            expand_descale(v_descale, batch, nheads_k, device))
+    return (
+        expand_descale(q_descale, batch, nheads_k, device),
+        expand_descale(k_descale, batch, nheads_k, device),
+        expand_descale(v_descale, batch, nheads_k, device),
+    )
 
 
-def _block_descales(q_descale, k_descale, v_descale, block, batch, nheads_q, nheads_k, seqlen_q, seqlen_k,
-                    device, validate, dtype):
+def _block_descales(
+    q_descale, k_descale, v_descale, block, batch, nheads_q, nheads_k, seqlen_q, seqlen_k, device, validate, dtype
+):
     """Validate per-block Q/K descales (batch, heads, cdiv(seqlen, block)); V stays per (batch, KV head)."""
     if isinstance(block, bool) or not isinstance(block, int) or block < 16 or block > 256 or block & (block - 1):
-        raise ValueError(f"descale_block_size: expected a power of two in [16, 256], got {C.describe(block)}. "
-                         "Use the block_size passed to fp8attn.quantize_qkv(granularity='per_block').")
+        raise ValueError(
+            f"descale_block_size: expected a power of two in [16, 256], got {C.describe(block)}. "
+            "Use the block_size passed to fp8attn.quantize_qkv(granularity='per_block')."
+        )
     for name, d, h, s in (("q_descale", q_descale, nheads_q, seqlen_q), ("k_descale", k_descale, nheads_k, seqlen_k)):
         C.check_descale_kind(name, d, name[0], dtype)
         want = (batch, h, -(-s // block))
         if not isinstance(d, torch.Tensor) or tuple(d.shape) != want or d.dtype != torch.float32:
             got = f"{d.dtype} {tuple(d.shape)}" if isinstance(d, torch.Tensor) else C.describe(d)
-            raise ValueError(f"{name}: expected float32 {want} (batch, heads, cdiv(seqlen, {block})) with "
-                             f"descale_block_size={block}, got {got}. Pass the per-block descales from quantize_qkv.")
+            raise ValueError(
+                f"{name}: expected float32 {want} (batch, heads, cdiv(seqlen, {block})) with "
+                f"descale_block_size={block}, got {got}. Pass the per-block descales from quantize_qkv."
+            )
         if d.device != device:
             raise ValueError(f"{name}: expected device {device}, got {d.device}. Move {name} to {device}.")
         C.check_descale_values(name, d, validate)
@@ -130,13 +163,16 @@ def _check_fp8_backward(fp8_backward):
 
 def _check_attention_chunk(attention_chunk):
     if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
-        raise ValueError(f"attention_chunk: expected an int >= 0 (0 = no chunks), got {C.describe(attention_chunk)}. "
-                         "Pass the chunk length in tokens.")
+        raise ValueError(
+            f"attention_chunk: expected an int >= 0 (0 = no chunks), got {C.describe(attention_chunk)}. "
+            "Pass the chunk length in tokens."
+        )
     return attention_chunk
 
 
-def _validate_options(q, oshape, softmax_scale, causal, window_size, softcap, out, out_dtype, out_scale, validate,
-                      flags=()):
+def _validate_options(
+    q, oshape, softmax_scale, causal, window_size, softcap, out, out_dtype, out_scale, validate, flags=()
+):
     """The Python-valued options every attention entry point shares, checked without a tensor op (plus the
     out_scale value where values are checked): the attention keywords of ``ops.dense_fwd`` / ``ops.paged_fwd``.
     ``flags``: further ``(name, value)`` bools (pack_gqa may also be None)."""
@@ -146,9 +182,15 @@ def _validate_options(q, oshape, softmax_scale, causal, window_size, softcap, ou
         C.check_flag(name, val, allow_none=name == "pack_gqa")
     _check_out_args(out, out_dtype, out_scale, oshape, q)
     C.check_out_scale_values(out_scale, validate)
-    return dict(softmax_scale=C.check_softmax_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
-                window_size=_resolve_window(causal, window_size), softcap=C.check_softcap(softcap),
-                out_scale=out_scale, out_dtype=out_dtype, out=out)
+    return dict(
+        softmax_scale=C.check_softmax_scale(softmax_scale, q.shape[-1]),
+        causal=bool(causal),
+        window_size=_resolve_window(causal, window_size),
+        softcap=C.check_softcap(softcap),
+        out_scale=out_scale,
+        out_dtype=out_dtype,
+        out=out,
+    )
 
 
 def _eager_plan(kind, tensors, args):
@@ -173,6 +215,7 @@ class _DenseCall(NamedTuple):
     """What ``_validate_dense`` / ``_validate_varlen`` hand their entry point: the expanded descales
     ``(q, k, v)``, the attention keywords of ``ops.dense_fwd`` and whether ``attention_chunk`` splits the
     call into chunk pieces (``fp8attn.local_attention``)."""
+
     descales: tuple
     attn: dict
     chunked: bool
@@ -190,12 +233,35 @@ def _check_dense_inputs(q, k, v, qv, attention_chunk, num_splits, sm_margin, ndi
     return chunk
 
 
-def _dense_options(q, oshape, softmax_scale, causal, window_size, softcap, pack_gqa, deterministic,
-                   return_attn_probs, out, out_dtype, out_scale, validate):
+def _dense_options(
+    q,
+    oshape,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    pack_gqa,
+    deterministic,
+    return_attn_probs,
+    out,
+    out_dtype,
+    out_scale,
+    validate,
+):
     """``_validate_options`` with the dense entry points' flags: the attention keywords of ``ops.dense_fwd``."""
-    attn = _validate_options(q, oshape, softmax_scale, causal, window_size, softcap, out, out_dtype, out_scale,
-                             validate, (("pack_gqa", pack_gqa), ("deterministic", deterministic),
-                                        ("return_attn_probs", return_attn_probs)))
+    attn = _validate_options(
+        q,
+        oshape,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        out,
+        out_dtype,
+        out_scale,
+        validate,
+        (("pack_gqa", pack_gqa), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)),
+    )
     attn.update(pack_gqa=pack_gqa, return_lse=bool(return_attn_probs))
     return attn
 
@@ -212,45 +278,126 @@ def _dense_plan(q, k, v, out, out_scale, c):
     else the kernel-level launcher's, or None (the reference path)."""
     qd, kd, vd = c.descales
     attn = c.attn
-    return plan.dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, softmax_scale=attn["softmax_scale"],
-                               causal=attn["causal"], window_size=attn["window_size"], softcap=attn["softcap"],
-                               return_lse=attn["return_lse"]) or \
-        plan.dense_plan(q, k, v, batch=q.shape[0], attn=attn, varlen=False, return_lse=attn["return_lse"])
+    return plan.dense_tma_plan(
+        q,
+        k,
+        v,
+        qd,
+        kd,
+        vd,
+        out,
+        out_scale,
+        softmax_scale=attn["softmax_scale"],
+        causal=attn["causal"],
+        window_size=attn["window_size"],
+        softcap=attn["softcap"],
+        return_lse=attn["return_lse"],
+    ) or plan.dense_plan(q, k, v, batch=q.shape[0], attn=attn, varlen=False, return_lse=attn["return_lse"])
 
 
-def _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
-                    attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out,
-                    out_dtype, out_scale, descale_block_size, validate, fp8_backward):
+def _validate_dense(
+    q,
+    k,
+    v,
+    softmax_scale,
+    causal,
+    qv,
+    q_descale,
+    k_descale,
+    v_descale,
+    window_size,
+    attention_chunk,
+    softcap,
+    num_splits,
+    pack_gqa,
+    deterministic,
+    sm_margin,
+    return_attn_probs,
+    out,
+    out_dtype,
+    out_scale,
+    descale_block_size,
+    validate,
+    fp8_backward,
+):
     """Every check of :func:`flash_attn_func` (before anything is written). Returns its ``_DenseCall``."""
-    chunk = _check_dense_inputs(q, k, v, qv, attention_chunk, num_splits, sm_margin, 4,
-                                "the dense kernel does not split KV; use flash_attn_with_kvcache for split-KV")
+    chunk = _check_dense_inputs(
+        q,
+        k,
+        v,
+        qv,
+        attention_chunk,
+        num_splits,
+        sm_margin,
+        4,
+        "the dense kernel does not split KV; use flash_attn_with_kvcache for split-KV",
+    )
     C.check_same_device(q=q, k=k, v=v)
     C.check_qkv_dtypes(q, k, v)
     C.check_heads(q, k, v)
     b, sq, hq, d = q.shape
     if k.shape[0] != b or v.shape[0] != b or v.shape[1] != k.shape[1]:
-        raise ValueError(f"k/v: expected batch {b} and matching seqlen_k, got k {tuple(k.shape)} v {tuple(v.shape)}. "
-                         "Give q, k and v the same batch and k, v the same seqlen.")
+        raise ValueError(
+            f"k/v: expected batch {b} and matching seqlen_k, got k {tuple(k.shape)} v {tuple(v.shape)}. "
+            "Give q, k and v the same batch and k, v the same seqlen."
+        )
     hk, sk = k.shape[2], k.shape[1]
-    attn = _dense_options(q, (b, sq, hq, v.shape[-1]), softmax_scale, causal, window_size, softcap, pack_gqa,
-                          deterministic, return_attn_probs, out, out_dtype, out_scale, validate)
+    attn = _dense_options(
+        q,
+        (b, sq, hq, v.shape[-1]),
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        pack_gqa,
+        deterministic,
+        return_attn_probs,
+        out,
+        out_dtype,
+        out_scale,
+        validate,
+    )
     chunked = chunk > 0 and local_attention.splits_into_chunks(chunk, sq, sk)
     if descale_block_size is None:
         descales = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate, q.dtype, k.dtype)
     else:
-        descales = _block_descales(q_descale, k_descale, v_descale, descale_block_size, b, hq, hk, sq, sk, q.device,
-                                   validate, q.dtype)
+        descales = _block_descales(
+            q_descale, k_descale, v_descale, descale_block_size, b, hq, hk, sq, sk, q.device, validate, q.dtype
+        )
         if chunked:
-            raise NotImplementedError("attention_chunk with descale_block_size is not supported: pass per-(batch, "
-                                      "head) descales (quantize_qkv granularity='per_head') with attention_chunk.")
+            raise NotImplementedError(
+                "attention_chunk with descale_block_size is not supported: pass per-(batch, "
+                "head) descales (quantize_qkv granularity='per_head') with attention_chunk."
+            )
     return _dense_call(descales, attn, chunked, fp8_backward, deterministic)
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
-                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
-                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, *,
-                    out=None, out_dtype=None, out_scale=None, descale_block_size=None, validate=False,
-                    fp8_backward=None):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+    *,
+    out=None,
+    out_dtype=None,
+    out_scale=None,
+    descale_block_size=None,
+    validate=False,
+    fp8_backward=None,
+):
     """Dense attention.
 
     Parameters
@@ -300,23 +447,66 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     """
     tensors = (q, k, v, q_descale, k_descale, v_descale, out, out_scale)
     key = run = None
-    if type(attention_chunk) is int and attention_chunk == 0 and descale_block_size is None and qv is None \
-            and plan.plannable(q, validate, causal, return_attn_probs, deterministic, window_size):
-        key, run = _eager_plan("dense", tensors, (softmax_scale, causal, window_size, softcap, num_splits, pack_gqa,
-                                                  deterministic, sm_margin, return_attn_probs, out_dtype, fp8_backward))
+    if (
+        type(attention_chunk) is int
+        and attention_chunk == 0
+        and descale_block_size is None
+        and qv is None
+        and plan.plannable(q, validate, causal, return_attn_probs, deterministic, window_size)
+    ):
+        key, run = _eager_plan(
+            "dense",
+            tensors,
+            (
+                softmax_scale,
+                causal,
+                window_size,
+                softcap,
+                num_splits,
+                pack_gqa,
+                deterministic,
+                sm_margin,
+                return_attn_probs,
+                out_dtype,
+                fp8_backward,
+            ),
+        )
         if run is not None:
             return run(*tensors)
-    c = _validate_dense(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
-                        attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs,
-                        out, out_dtype, out_scale, descale_block_size, validate, fp8_backward)
+    c = _validate_dense(
+        q,
+        k,
+        v,
+        softmax_scale,
+        causal,
+        qv,
+        q_descale,
+        k_descale,
+        v_descale,
+        window_size,
+        attention_chunk,
+        softcap,
+        num_splits,
+        pack_gqa,
+        deterministic,
+        sm_margin,
+        return_attn_probs,
+        out,
+        out_dtype,
+        out_scale,
+        descale_block_size,
+        validate,
+        fp8_backward,
+    )
     if key is not None and (run := _new_plan(key, tensors, _dense_plan, q, k, v, out, out_scale, c)):
         return run(*tensors)
     qd, kd, vd = c.descales
     if c.chunked:
         o, lse = local_attention.chunked_dense(q, k, v, attention_chunk, qd, kd, vd, **c.attn)
     else:
-        o, lse = ops.dense_fwd(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd,
-                               descale_block=descale_block_size or 0, **c.attn)
+        o, lse = ops.dense_fwd(
+            q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, descale_block=descale_block_size or 0, **c.attn
+        )
     return (o, lse) if return_attn_probs else o
 
 
@@ -326,22 +516,43 @@ def _validate_qkvpacked(qkv, num_heads_q):
     C.check_tensor("qkv", qkv, ndim=(4, 5))
     if qkv.dim() == 5:
         if qkv.shape[2] != 3 or num_heads_q is not None:
-            raise ValueError(f"qkv: expected (batch, seqlen, 3, nheads, headdim) without num_heads_q, got shape "
-                             f"{tuple(qkv.shape)} and num_heads_q={C.describe(num_heads_q)}. Stack q, k, v on dim 2, "
-                             "or pass the 4-D form with num_heads_q.")
+            raise ValueError(
+                f"qkv: expected (batch, seqlen, 3, nheads, headdim) without num_heads_q, got shape "
+                f"{tuple(qkv.shape)} and num_heads_q={C.describe(num_heads_q)}. Stack q, k, v on dim 2, "
+                "or pass the 4-D form with num_heads_q."
+            )
         return qkv.unbind(dim=2)
     total = qkv.shape[2]
     if not isinstance(num_heads_q, int) or not 0 < num_heads_q < total or (total - num_heads_q) % 2:
-        raise ValueError(f"num_heads_q: expected an int with qkv's {total} heads = num_heads_q + 2 * nheads_k, got "
-                         f"{C.describe(num_heads_q)}. Pass the number of query heads packed first.")
+        raise ValueError(
+            f"num_heads_q: expected an int with qkv's {total} heads = num_heads_q + 2 * nheads_k, got "
+            f"{C.describe(num_heads_q)}. Pass the number of query heads packed first."
+        )
     hk = (total - num_heads_q) // 2
     return qkv.split([num_heads_q, hk, hk], dim=2)
 
 
-def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
-                              window_size=(-1, -1), attention_chunk=0, softcap=0.0, deterministic=False,
-                              num_heads_q=None, sm_margin=0, return_attn_probs=False, *, out=None, out_dtype=None,
-                              out_scale=None, validate=False, fp8_backward=None):
+def flash_attn_qkvpacked_func(
+    qkv,
+    softmax_scale=None,
+    causal=False,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    deterministic=False,
+    num_heads_q=None,
+    sm_margin=0,
+    return_attn_probs=False,
+    *,
+    out=None,
+    out_dtype=None,
+    out_scale=None,
+    validate=False,
+    fp8_backward=None,
+):
     """Dense attention over packed Q/K/V (FA3's ``flash_attn_qkvpacked_func``): :func:`flash_attn_func` on views
     of ``qkv``, no copy.
 
@@ -363,31 +574,85 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     C.check_tensor("qkv", qkv, ndim=(4, 5))
     if qkv.dim() == 5:
         if qkv.shape[2] != 3 or num_heads_q is not None:
-            raise ValueError(f"qkv: expected (batch, seqlen, 3, nheads, headdim) without num_heads_q, got shape "
-                             f"{tuple(qkv.shape)} and num_heads_q={C.describe(num_heads_q)}. Stack q, k, v on dim 2, "
-                             "or pass the 4-D form with num_heads_q.")
+            raise ValueError(
+                f"qkv: expected (batch, seqlen, 3, nheads, headdim) without num_heads_q, got shape "
+                f"{tuple(qkv.shape)} and num_heads_q={C.describe(num_heads_q)}. Stack q, k, v on dim 2, "
+                "or pass the 4-D form with num_heads_q."
+            )
         q, k, v = qkv.unbind(dim=2)
     else:
         total = qkv.shape[2]
         if not isinstance(num_heads_q, int) or not 0 < num_heads_q < total or (total - num_heads_q) % 2:
-            raise ValueError(f"num_heads_q: expected an int with qkv's {total} heads = num_heads_q + 2 * nheads_k, got "
-                             f"{C.describe(num_heads_q)}. Pass the number of query heads packed first.")
+            raise ValueError(
+                f"num_heads_q: expected an int with qkv's {total} heads = num_heads_q + 2 * nheads_k, got "
+                f"{C.describe(num_heads_q)}. Pass the number of query heads packed first."
+            )
         hk = (total - num_heads_q) // 2
         q, k, v = qkv.split([num_heads_q, hk, hk], dim=2)
-    return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
-                           attention_chunk, softcap, 1, None, deterministic, sm_margin, return_attn_probs, out=out,
-                           out_dtype=out_dtype, out_scale=out_scale, validate=validate, fp8_backward=fp8_backward)
+    return flash_attn_func(
+        q,
+        k,
+        v,
+        softmax_scale,
+        causal,
+        None,
+        q_descale,
+        k_descale,
+        v_descale,
+        window_size,
+        attention_chunk,
+        softcap,
+        1,
+        None,
+        deterministic,
+        sm_margin,
+        return_attn_probs,
+        out=out,
+        out_dtype=out_dtype,
+        out_scale=out_scale,
+        validate=validate,
+        fp8_backward=fp8_backward,
+    )
 
 
-def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                     softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
-                     num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out, out_dtype, out_scale,
-                     descale_block_size, validate, fp8_backward):
+def _validate_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q,
+    seqused_k,
+    softmax_scale,
+    causal,
+    qv,
+    q_descale,
+    k_descale,
+    v_descale,
+    window_size,
+    attention_chunk,
+    softcap,
+    num_splits,
+    pack_gqa,
+    deterministic,
+    sm_margin,
+    return_attn_probs,
+    out,
+    out_dtype,
+    out_scale,
+    descale_block_size,
+    validate,
+    fp8_backward,
+):
     """Every check of :func:`flash_attn_varlen_func` (before anything is written). Returns its ``_DenseCall``."""
-    chunk = _check_dense_inputs(q, k, v, qv, attention_chunk, num_splits, sm_margin, 3,
-                                "the dense kernel does not split KV")
-    C.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
-                        seqused_k=seqused_k)
+    chunk = _check_dense_inputs(
+        q, k, v, qv, attention_chunk, num_splits, sm_margin, 3, "the dense kernel does not split KV"
+    )
+    C.check_same_device(
+        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k
+    )
     C.check_qkv_dtypes(q, k, v)
     C.check_heads(q, k, v)
     C.check_leading_dims("k", k, "v", v, 1, "token count (total_k)")
@@ -400,38 +665,104 @@ def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     C.check_seqused("seqused_q", seqused_q, b, cu_seqlens_q, validate)
     C.check_seqused("seqused_k", seqused_k, b, cu_seqlens_k, validate)
     hk = k.shape[1]
-    attn = _dense_options(q, (q.shape[0], q.shape[1], v.shape[-1]), softmax_scale, causal, window_size, softcap,
-                          pack_gqa, deterministic, return_attn_probs, out, out_dtype, out_scale, validate)
+    attn = _dense_options(
+        q,
+        (q.shape[0], q.shape[1], v.shape[-1]),
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        pack_gqa,
+        deterministic,
+        return_attn_probs,
+        out,
+        out_dtype,
+        out_scale,
+        validate,
+    )
     if descale_block_size is None:
         descales = _descales(q_descale, k_descale, v_descale, b, hk, q.device, validate, q.dtype, k.dtype)
     else:
-        qd, kd, _ = _block_descales(q_descale, k_descale, None, descale_block_size, 1, q.shape[1], hk,
-                                    q.shape[0], k.shape[0], q.device, validate, q.dtype)
+        qd, kd, _ = _block_descales(
+            q_descale,
+            k_descale,
+            None,
+            descale_block_size,
+            1,
+            q.shape[1],
+            hk,
+            q.shape[0],
+            k.shape[0],
+            q.device,
+            validate,
+            q.dtype,
+        )
         C.check_descale_kind("v_descale", v_descale, "v", v.dtype)
         C.check_descale("v_descale", v_descale, b, hk, q.device)
         C.check_descale_values("v_descale", v_descale, validate)
         descales = qd, kd, expand_descale(v_descale, b, hk, q.device)
     if chunk:
-        for name, val in (("seqused_q", seqused_q), ("seqused_k", seqused_k), ("descale_block_size", descale_block_size)):
+        for name, val in (
+            ("seqused_q", seqused_q),
+            ("seqused_k", seqused_k),
+            ("descale_block_size", descale_block_size),
+        ):
             if val is not None:
-                raise NotImplementedError(f"attention_chunk with {name} is not supported: drop {name} (trim the "
-                                          "sequences in cu_seqlens instead; per-(batch, head) descales).")
+                raise NotImplementedError(
+                    f"attention_chunk with {name} is not supported: drop {name} (trim the "
+                    "sequences in cu_seqlens instead; per-(batch, head) descales)."
+                )
     return _dense_call(descales, attn, bool(chunk), fp8_backward, deterministic)
 
 
 def _varlen_plan(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, c):
     """The eager plan of a validated varlen call (``c``: its ``_DenseCall``): the kernel-level launcher's, or
     None (the reference path)."""
-    return plan.dense_plan(q, k, v, batch=cu_seqlens_q.numel() - 1, attn=c.attn, varlen=True,
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=c.attn["return_lse"])
+    return plan.dense_plan(
+        q,
+        k,
+        v,
+        batch=cu_seqlens_q.numel() - 1,
+        attn=c.attn,
+        varlen=True,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        return_lse=c.attn["return_lse"],
+    )
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
-                           seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
-                           k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
-                           num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
-                           return_attn_probs=False, *, out=None, out_dtype=None, out_scale=None,
-                           descale_block_size=None, validate=False, fp8_backward=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q=None,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+    *,
+    out=None,
+    out_dtype=None,
+    out_scale=None,
+    descale_block_size=None,
+    validate=False,
+    fp8_backward=None,
+):
     """Variable-length attention over packed sequences.
 
     Parameters
@@ -451,47 +782,142 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     -------
     out : (total_q, nheads_q, headdim_v); lse : (nheads_q, total_q) float32 (with return_attn_probs).
     """
-    tensors = (q, k, v, q_descale, k_descale, v_descale, out, out_scale, cu_seqlens_q, cu_seqlens_k, seqused_q,
-               seqused_k)
+    tensors = (
+        q,
+        k,
+        v,
+        q_descale,
+        k_descale,
+        v_descale,
+        out,
+        out_scale,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_q,
+        seqused_k,
+    )
     key = run = None
-    if type(attention_chunk) is int and attention_chunk == 0 and descale_block_size is None and qv is None \
-            and plan.plannable(q, validate, causal, return_attn_probs, deterministic, window_size):
-        key, run = _eager_plan("varlen", tensors, (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-                                                   softcap, num_splits, pack_gqa, deterministic, sm_margin,
-                                                   return_attn_probs, out_dtype, fp8_backward))
+    if (
+        type(attention_chunk) is int
+        and attention_chunk == 0
+        and descale_block_size is None
+        and qv is None
+        and plan.plannable(q, validate, causal, return_attn_probs, deterministic, window_size)
+    ):
+        key, run = _eager_plan(
+            "varlen",
+            tensors,
+            (
+                max_seqlen_q,
+                max_seqlen_k,
+                softmax_scale,
+                causal,
+                window_size,
+                softcap,
+                num_splits,
+                pack_gqa,
+                deterministic,
+                sm_margin,
+                return_attn_probs,
+                out_dtype,
+                fp8_backward,
+            ),
+        )
         if run is not None:
             return run(*tensors)
-    c = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                         softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk,
-                         softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, out, out_dtype,
-                         out_scale, descale_block_size, validate, fp8_backward)
-    if key is not None and (run := _new_plan(key, tensors, _varlen_plan, q, k, v, cu_seqlens_q, max_seqlen_q,
-                                             max_seqlen_k, c)):
+    c = _validate_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        seqused_q,
+        seqused_k,
+        softmax_scale,
+        causal,
+        qv,
+        q_descale,
+        k_descale,
+        v_descale,
+        window_size,
+        attention_chunk,
+        softcap,
+        num_splits,
+        pack_gqa,
+        deterministic,
+        sm_margin,
+        return_attn_probs,
+        out,
+        out_dtype,
+        out_scale,
+        descale_block_size,
+        validate,
+        fp8_backward,
+    )
+    if key is not None and (
+        run := _new_plan(key, tensors, _varlen_plan, q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, c)
+    ):
         return run(*tensors)
     qd, kd, vd = c.descales
     if c.chunked:
-        o, lse = local_attention.chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                                int(max_seqlen_k), attention_chunk, qd, kd, vd, **c.attn)
+        o, lse = local_attention.chunked_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            int(max_seqlen_q),
+            int(max_seqlen_k),
+            attention_chunk,
+            qd,
+            kd,
+            vd,
+            **c.attn,
+        )
     else:
-        o, lse = ops.dense_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
-                               seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                               q_descale=qd, k_descale=kd, v_descale=vd, descale_block=descale_block_size or 0,
-                               **c.attn)
+        o, lse = ops.dense_fwd(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            seqused_q=seqused_q,
+            seqused_k=seqused_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+            descale_block=descale_block_size or 0,
+            **c.attn,
+        )
     return (o, lse) if return_attn_probs else o
 
 
 def _metadata_splits(scheduler_metadata, num_splits):
     """The split count a ``get_scheduler_metadata`` result sets (its length); an explicit ``num_splits`` must agree."""
-    if not isinstance(scheduler_metadata, torch.Tensor) or scheduler_metadata.dim() != 1 or \
-            scheduler_metadata.dtype != torch.int32:
-        got = (f"{scheduler_metadata.dtype} {tuple(scheduler_metadata.shape)}"
-               if isinstance(scheduler_metadata, torch.Tensor) else type(scheduler_metadata).__name__)
-        raise ValueError(f"scheduler_metadata: expected the 1-D int32 tensor of fp8attn.get_scheduler_metadata, got "
-                         f"{got}. Pass that function's result, or None.")
+    if (
+        not isinstance(scheduler_metadata, torch.Tensor)
+        or scheduler_metadata.dim() != 1
+        or scheduler_metadata.dtype != torch.int32
+    ):
+        got = (
+            f"{scheduler_metadata.dtype} {tuple(scheduler_metadata.shape)}"
+            if isinstance(scheduler_metadata, torch.Tensor)
+            else type(scheduler_metadata).__name__
+        )
+        raise ValueError(
+            f"scheduler_metadata: expected the 1-D int32 tensor of fp8attn.get_scheduler_metadata, got "
+            f"{got}. Pass that function's result, or None."
+        )
     n = scheduler_metadata.shape[0]
     if num_splits not in (0, n):
-        raise ValueError(f"num_splits: expected 0 or {n} (the split count of scheduler_metadata), got "
-                         f"{C.describe(num_splits)}. Pass one of them.")
+        raise ValueError(
+            f"num_splits: expected 0 or {n} (the split count of scheduler_metadata), got "
+            f"{C.describe(num_splits)}. Pass one of them."
+        )
     return n
 
 
@@ -504,25 +930,32 @@ def _leftpad_view(k_cache, v_cache, rows, cache_seqlens, cache_leftpad, batch, v
     (appends land in the caller's tensors) and the lengths after the pad."""
     C.check_int32("cache_leftpad", cache_leftpad, ndim=1)
     if cache_leftpad.numel() != batch:
-        raise ValueError(f"cache_leftpad: expected {batch} entries (batch), got {cache_leftpad.numel()}. "
-                         "Give each sequence its first live cache row.")
+        raise ValueError(
+            f"cache_leftpad: expected {batch} entries (batch), got {cache_leftpad.numel()}. "
+            "Give each sequence its first live cache row."
+        )
     if value_checks and batch:
         bad = (cache_leftpad < 0) | (cache_leftpad > cache_seqlens)
         if bool(bad.any()):
             b = int(bad.nonzero()[0, 0])
-            raise ValueError(f"cache_leftpad: expected 0 <= cache_leftpad <= cache_seqlens per sequence, got "
-                             f"{int(cache_leftpad[b])} with cache_seqlens {int(cache_seqlens[b])} for sequence {b}. "
-                             "The pad precedes the cached tokens.")
+            raise ValueError(
+                f"cache_leftpad: expected 0 <= cache_leftpad <= cache_seqlens per sequence, got "
+                f"{int(cache_leftpad[b])} with cache_seqlens {int(cache_seqlens[b])} for sequence {b}. "
+                "The pad precedes the cached tokens."
+            )
     seqlen = k_cache.shape[1]
     views = []
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         token = c.stride(1) if seqlen > 1 else c.stride(0)  # consecutive tokens of a row, then the next row
         if c.stride(-1) != 1 or c.stride(0) != seqlen * token:
-            raise ValueError(f"{name}: expected rows of contiguous tokens (stride(0) == seqlen_cache * stride(1), last "
-                             f"dim contiguous) with cache_leftpad, got strides {tuple(c.stride())}. Allocate the cache "
-                             "contiguous.")
-        views.append(c.as_strided((c.shape[0] * seqlen, 1, *c.shape[2:]), (token, token, *c.stride()[2:]),
-                                  c.storage_offset()))
+            raise ValueError(
+                f"{name}: expected rows of contiguous tokens (stride(0) == seqlen_cache * stride(1), last "
+                f"dim contiguous) with cache_leftpad, got strides {tuple(c.stride())}. Allocate the cache "
+                "contiguous."
+            )
+        views.append(
+            c.as_strided((c.shape[0] * seqlen, 1, *c.shape[2:]), (token, token, *c.stride()[2:]), c.storage_offset())
+        )
     pos = torch.arange(seqlen, device=cache_leftpad.device, dtype=torch.int64)[None, :] + cache_leftpad.long()[:, None]
     # positions outside the row (lengths past it, unchecked on a GPU) get page -1: an append there is skipped, never
     # written over another token of the cache
@@ -543,34 +976,49 @@ def _new_token_slots(page_table, cache_seqlens, ps, batch, seqlen_new=None, cu_s
     return slots, seq.to(torch.int32), pos_in_new, new_len
 
 
-def _validate_rotary(q, kn, cos, sin, rotary_seqlens, cache_seqlens, seq_idx, pos_in_new, cu_seqlens_q, batch,
-                     positional_q, validate):
+def _validate_rotary(
+    q, kn, cos, sin, rotary_seqlens, cache_seqlens, seq_idx, pos_in_new, cu_seqlens_q, batch, positional_q, validate
+):
     """The checks of FA3's rotary (see flash_attn_with_kvcache) and the rotated positions: ``(q_pos, k_pos)``
     int64 (no host sync), or None without rotary tables."""
     if cos is None and sin is None:
         if rotary_seqlens is not None:
-            raise ValueError(f"rotary_seqlens: expected None without rotary_cos/rotary_sin, got "
-                             f"{C.describe(rotary_seqlens)}. Pass the rotary tables too, or drop rotary_seqlens.")
+            raise ValueError(
+                f"rotary_seqlens: expected None without rotary_cos/rotary_sin, got "
+                f"{C.describe(rotary_seqlens)}. Pass the rotary tables too, or drop rotary_seqlens."
+            )
         return None
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
         C.check_tensor(name, t, ndim=2)
         if not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}. Build the tables in float32.")
     if kn is None:
-        raise ValueError("rotary_cos: expected new k/v with rotary tables (the rotation is applied to the new keys "
-                         "and to q), got k=None. Pass k= and v=, or rotate q yourself.")
-    if (tuple(cos.shape) != tuple(sin.shape) or 2 * cos.shape[1] > q.shape[-1] or cos.shape[1] % 8 != 0
-            or not cos.shape[0]):
-        raise ValueError(f"rotary_cos: expected (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim {q.shape[-1]} "
-                         f"and a multiple of 16, matching rotary_sin; got {tuple(cos.shape)} and {tuple(sin.shape)}.")
+        raise ValueError(
+            "rotary_cos: expected new k/v with rotary tables (the rotation is applied to the new keys "
+            "and to q), got k=None. Pass k= and v=, or rotate q yourself."
+        )
+    if (
+        tuple(cos.shape) != tuple(sin.shape)
+        or 2 * cos.shape[1] > q.shape[-1]
+        or cos.shape[1] % 8 != 0
+        or not cos.shape[0]
+    ):
+        raise ValueError(
+            f"rotary_cos: expected (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim {q.shape[-1]} "
+            f"and a multiple of 16, matching rotary_sin; got {tuple(cos.shape)} and {tuple(sin.shape)}."
+        )
     if is_fp8(q.dtype):
-        raise NotImplementedError("rotary_cos with an FP8 q is not supported: rotate the 16-bit q before quantizing it.")
+        raise NotImplementedError(
+            "rotary_cos with an FP8 q is not supported: rotate the 16-bit q before quantizing it."
+        )
     base = cache_seqlens
     if rotary_seqlens is not None:
         C.check_int32("rotary_seqlens", rotary_seqlens, ndim=1)
         if rotary_seqlens.numel() != batch:
-            raise ValueError(f"rotary_seqlens: expected {batch} entries (batch), got {rotary_seqlens.numel()}. "
-                             "Pass one rotary position per sequence.")
+            raise ValueError(
+                f"rotary_seqlens: expected {batch} entries (batch), got {rotary_seqlens.numel()}. "
+                "Pass one rotary position per sequence."
+            )
         base = rotary_seqlens
     # new keys: position base[b] + i (i = index among the sequence's new tokens)
     k_pos = base.long()[seq_idx.long().clamp(max=max(batch - 1, 0))] + pos_in_new
@@ -585,9 +1033,11 @@ def _validate_rotary(q, kn, cos, sin, rotary_seqlens, cache_seqlens, seq_idx, po
         return q_pos.clamp(0, cos.shape[0] - 1), k_pos.clamp(0, cos.shape[0] - 1)
     pos = torch.cat((k_pos, q_pos))
     if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= cos.shape[0]):
-        raise ValueError(f"rotary_cos: expected rows for positions [{int(pos.min())}, {int(pos.max())}] (the "
-                         f"rotated positions), got {cos.shape[0]} rows. Build the tables for the full context "
-                         "length (and pass non-negative rotary_seqlens).")
+        raise ValueError(
+            f"rotary_cos: expected rows for positions [{int(pos.min())}, {int(pos.max())}] (the "
+            f"rotated positions), got {cos.shape[0]} rows. Build the tables for the full context "
+            "length (and pass non-negative rotary_seqlens)."
+        )
     return q_pos, k_pos
 
 
@@ -598,18 +1048,24 @@ def _cache_rows(q, k_cache, page_table, cache_batch_idx, k_cache_scales, batch, 
         if cache_batch_idx is not None:
             raise NotImplementedError("cache_batch_idx with page_table is not supported; index the page table instead.")
         if page_table.shape[0] != batch:
-            raise ValueError(f"page_table: expected {batch} rows (batch), got {page_table.shape[0]}. One row per sequence.")
+            raise ValueError(
+                f"page_table: expected {batch} rows (batch), got {page_table.shape[0]}. One row per sequence."
+            )
         return page_table
     C.unsupported("k_cache_scales", k_cache_scales, None, "per-token-head scales need a paged cache (page_table)")
     if cache_batch_idx is None:
         if k_cache.shape[0] < batch:
-            raise ValueError(f"k_cache: expected at least batch={batch} rows, got {k_cache.shape[0]}. "
-                             "Allocate one cache row per sequence or pass cache_batch_idx.")
+            raise ValueError(
+                f"k_cache: expected at least batch={batch} rows, got {k_cache.shape[0]}. "
+                "Allocate one cache row per sequence or pass cache_batch_idx."
+            )
         return torch.arange(batch, device=q.device, dtype=torch.int32).view(-1, 1)
     C.check_int32("cache_batch_idx", cache_batch_idx, ndim=1)
     if cache_batch_idx.numel() != batch:
-        raise ValueError(f"cache_batch_idx: expected {batch} entries (batch), got {cache_batch_idx.numel()}. "
-                         "Give each sequence its cache row.")
+        raise ValueError(
+            f"cache_batch_idx: expected {batch} entries (batch), got {cache_batch_idx.numel()}. "
+            "Give each sequence its cache row."
+        )
     C.check_index_values("cache_batch_idx", cache_batch_idx, k_cache.shape[0], validate, "rows of k_cache")
     return cache_batch_idx.view(-1, 1)
 
@@ -633,8 +1089,10 @@ def _validate_new_tokens(k, v, k_cache, v_cache, cu_seqlens_k_new, batch, valida
         raise ValueError("k/v: expected both new K and new V or neither, got only one. Pass both to append.")
     if k is None:
         if cu_seqlens_k_new is not None:
-            raise ValueError(f"cu_seqlens_k_new: expected None without new k/v, got {C.describe(cu_seqlens_k_new)}. "
-                             "Pass k= and v= with it, or drop it.")
+            raise ValueError(
+                f"cu_seqlens_k_new: expected None without new k/v, got {C.describe(cu_seqlens_k_new)}. "
+                "Pass k= and v= with it, or drop it."
+            )
         return
     hk = k_cache.shape[2]
     C.check_tensor("k", k, ndim=3 if cu_seqlens_k_new is not None else 4)
@@ -645,36 +1103,50 @@ def _validate_new_tokens(k, v, k_cache, v_cache, cu_seqlens_k_new, batch, valida
         raise ValueError(f"k: expected (..., {hk}, {k_cache.shape[-1]}) like the cache, got {tuple(k.shape)}.")
     C.check_leading_dims("k", k, "v", v, k.dim() - 1, "token dims")
     if cu_seqlens_k_new is None and k.shape[0] != batch:
-        raise ValueError(f"k: expected batch {batch} (as q) in (batch, seqlen_new, nheads_k, headdim), got "
-                         f"{tuple(k.shape)}. Pass one row of new tokens per sequence, or cu_seqlens_k_new.")
+        raise ValueError(
+            f"k: expected batch {batch} (as q) in (batch, seqlen_new, nheads_k, headdim), got "
+            f"{tuple(k.shape)}. Pass one row of new tokens per sequence, or cu_seqlens_k_new."
+        )
     if cu_seqlens_k_new is not None:
-        C.check_cu_seqlens("cu_seqlens_k_new", cu_seqlens_k_new, batch=batch, validate=validate, total=k.shape[0],
-                           total_name="k")
+        C.check_cu_seqlens(
+            "cu_seqlens_k_new", cu_seqlens_k_new, batch=batch, validate=validate, total=k.shape[0], total_name="k"
+        )
 
 
-def _check_cache_values(cache_seqlens, total_len, pt, ps, capacity, slots, k_cache, page_table, cache_leftpad,
-                        leftpad_end, validate):
+def _check_cache_values(
+    cache_seqlens, total_len, pt, ps, capacity, slots, k_cache, page_table, cache_leftpad, leftpad_end, validate
+):
     """The value checks of a cache call (CPU, or validate=True on a GPU): lengths within the capacity, used page
     ids in the cache, the new tokens' slots distinct."""
     if not total_len.numel():
         return
     if int(cache_seqlens.min()) < 0:
-        raise ValueError(f"cache_seqlens: expected lengths >= 0, got {int(cache_seqlens.min())}. "
-                         "Pass the tokens already in each sequence's cache.")
+        raise ValueError(
+            f"cache_seqlens: expected lengths >= 0, got {int(cache_seqlens.min())}. "
+            "Pass the tokens already in each sequence's cache."
+        )
     if cache_leftpad is not None and int(leftpad_end.max()) > capacity:
-        raise ValueError(f"cache_seqlens: expected lengths <= the cache rows' {capacity} tokens, got "
-                         f"{int(leftpad_end.max())} (left pad included). Shorten the sequence.")
+        raise ValueError(
+            f"cache_seqlens: expected lengths <= the cache rows' {capacity} tokens, got "
+            f"{int(leftpad_end.max())} (left pad included). Shorten the sequence."
+        )
     longest = int(total_len.max())
     if longest > capacity:
-        raise ValueError(f"cache_seqlens: expected lengths <= the cache capacity {capacity} "
-                         f"(max_pages {pt.shape[1]} x page_size {ps}), got {longest}. "
-                         "Allocate more pages or shorten the sequence.")
+        raise ValueError(
+            f"cache_seqlens: expected lengths <= the cache capacity {capacity} "
+            f"(max_pages {pt.shape[1]} x page_size {ps}), got {longest}. "
+            "Allocate more pages or shorten the sequence."
+        )
     if page_table is not None and page_table.numel():
         used = torch.arange(pt.shape[1], device=pt.device)[None, :] * ps < total_len.long()[:, None]
         C.check_index_values("page_table", pt[used], k_cache.shape[0], validate, "page ids (for used pages)")
     if slots is not None:
-        C.check_slots(slots, k_cache.shape[0] * k_cache.shape[1], validate,
-                      name="page_table" if page_table is not None else "cache_batch_idx")
+        C.check_slots(
+            slots,
+            k_cache.shape[0] * k_cache.shape[1],
+            validate,
+            name="page_table" if page_table is not None else "cache_batch_idx",
+        )
 
 
 class _CachePlan(NamedTuple):
@@ -682,6 +1154,7 @@ class _CachePlan(NamedTuple):
     with cache_leftpad), page table, lengths after the append, the cached lengths (after the pad), the new
     tokens, rotary positions ``(q_pos, k_pos)`` or None, expanded descales, the attention keywords of
     ``ops.paged_fwd``, the split workspace, attention_chunk, the split count and the batch."""
+
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     pt: torch.Tensor
@@ -698,10 +1171,31 @@ class _CachePlan(NamedTuple):
     batch: int
 
 
-def _check_cache_inputs(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                        cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
-                        attention_chunk, scheduler_metadata, num_splits, sm_margin, k_cache_scales, v_cache_scales,
-                        validate):
+def _check_cache_inputs(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    qv,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    page_table,
+    cu_seqlens_q,
+    cu_seqlens_k_new,
+    max_seqlen_q,
+    rotary_seqlens,
+    attention_chunk,
+    scheduler_metadata,
+    num_splits,
+    sm_margin,
+    k_cache_scales,
+    v_cache_scales,
+    validate,
+):
     """The checks that open ``_validate_kvcache``: the arguments not supported, the split count, q and the
     caches as tensors on one device with matching dtypes and heads, varlen q's offsets. Returns
     ``(attention chunk, split count, batch)``."""
@@ -715,11 +1209,24 @@ def _check_cache_inputs(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, c
     C.check_tensor("q", q, ndim=3 if varlen else 4)
     C.check_tensor("k_cache", k_cache, ndim=4)
     C.check_tensor("v_cache", v_cache, ndim=4, allow_v_seq_major=True)
-    C.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
-                        cu_seqlens_q=cu_seqlens_q, k=k, v=v, cache_batch_idx=cache_batch_idx,
-                        k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, rotary_cos=rotary_cos,
-                        rotary_sin=rotary_sin, cu_seqlens_k_new=cu_seqlens_k_new, cache_leftpad=cache_leftpad,
-                        rotary_seqlens=rotary_seqlens)
+    C.check_same_device(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        page_table=page_table,
+        cache_seqlens=cache_seqlens,
+        cu_seqlens_q=cu_seqlens_q,
+        k=k,
+        v=v,
+        cache_batch_idx=cache_batch_idx,
+        k_cache_scales=k_cache_scales,
+        v_cache_scales=v_cache_scales,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        cu_seqlens_k_new=cu_seqlens_k_new,
+        cache_leftpad=cache_leftpad,
+        rotary_seqlens=rotary_seqlens,
+    )
     C.check_qkv_dtypes(q, k_cache, v_cache, k_name="k_cache", v_name="v_cache", allow_mixed_q=True)
     C.check_heads(q, k_cache, v_cache)
     if v_cache.shape[0] != k_cache.shape[0] or v_cache.shape[1] != k_cache.shape[1]:  # (heads: check_heads)
@@ -742,16 +1249,23 @@ def _check_cache_scales(k, k_cache, k_cache_scales, v_cache_scales, k_descale, v
             C.check_cache_scales(name, sc, k_cache)
             C.check_scales_cache(name, k_cache)
     if k_cache_scales is not None and k_descale is not None:
-        raise ValueError("k_descale: expected None with k_cache_scales (per-token-head scales replace it), got a tensor. Drop one.")
+        raise ValueError(
+            "k_descale: expected None with k_cache_scales (per-token-head scales replace it), got a tensor. Drop one."
+        )
     if v_cache_scales is not None and v_descale is not None:
-        raise ValueError("v_descale: expected None with v_cache_scales (per-token-head scales replace it), got a tensor. Drop one.")
+        raise ValueError(
+            "v_descale: expected None with v_cache_scales (per-token-head scales replace it), got a tensor. Drop one."
+        )
     if k is not None and (k_cache_scales is None) != (v_cache_scales is None):
-        raise ValueError("k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither with new "
-                         "k/v, got one. Allocate both beside the cache.")
+        raise ValueError(
+            "k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither with new "
+            "k/v, got one. Allocate both beside the cache."
+        )
 
 
-def _cache_view(q, k_cache, v_cache, k, page_table, cache_batch_idx, cache_leftpad, cache_seqlens, k_cache_scales,
-                batch, validate):
+def _cache_view(
+    q, k_cache, v_cache, k, page_table, cache_batch_idx, cache_leftpad, cache_seqlens, k_cache_scales, batch, validate
+):
     """The cache as the kernels read it: a contiguous cache is a paged one with one page per cache row, and
     with ``cache_leftpad`` one with one-token pages that start at each row's first live token. Returns
     ``(k_cache, v_cache, page_table, page_size, capacity, lengths after the pad, lengths from row 0,
@@ -764,10 +1278,13 @@ def _cache_view(q, k_cache, v_cache, k, page_table, cache_batch_idx, cache_leftp
     from_row0 = cache_seqlens
     if cache_leftpad is not None:
         if page_table is not None:
-            raise NotImplementedError("cache_leftpad with page_table is not supported: leave the pad out of the page "
-                                      "table (start each row at its first live page), or use a contiguous cache.")
-        k_cache, v_cache, pt, cache_seqlens = _leftpad_view(k_cache, v_cache, pt, cache_seqlens, cache_leftpad, batch,
-                                                            value_checks)
+            raise NotImplementedError(
+                "cache_leftpad with page_table is not supported: leave the pad out of the page "
+                "table (start each row at its first live page), or use a contiguous cache."
+            )
+        k_cache, v_cache, pt, cache_seqlens = _leftpad_view(
+            k_cache, v_cache, pt, cache_seqlens, cache_leftpad, batch, value_checks
+        )
         ps, capacity = 1, pt.shape[1]
     return k_cache, v_cache, pt, ps, capacity, cache_seqlens, from_row0, value_checks
 
@@ -780,8 +1297,9 @@ def _lengths_after_append(k, pt, ps, cache_seqlens, cu_seqlens_k_new, batch, val
         return None, None, None, cache_seqlens
     seqlen_new = k.shape[1] if cu_seqlens_k_new is None else None
     if value_checks:
-        slots, seq_idx, pos_in_new, new_len = _new_token_slots(pt, cache_seqlens, ps, batch, seqlen_new,
-                                                               cu_seqlens_k_new, k.shape[0])
+        slots, seq_idx, pos_in_new, new_len = _new_token_slots(
+            pt, cache_seqlens, ps, batch, seqlen_new, cu_seqlens_k_new, k.shape[0]
+        )
         return slots, seq_idx, pos_in_new, cache_seqlens + new_len
     seq_idx = pos_in_new = None
     if rotary:
@@ -789,55 +1307,173 @@ def _lengths_after_append(k, pt, ps, cache_seqlens, cu_seqlens_k_new, batch, val
     return None, seq_idx, pos_in_new, None
 
 
-def _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                      cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
-                      q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk, softcap,
-                      rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse, out,
-                      out_dtype, out_scale, k_cache_scales, v_cache_scales, split_workspace, validate):
+def _validate_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    qv,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    page_table,
+    cu_seqlens_q,
+    cu_seqlens_k_new,
+    max_seqlen_q,
+    rotary_seqlens,
+    q_descale,
+    k_descale,
+    v_descale,
+    softmax_scale,
+    causal,
+    window_size,
+    attention_chunk,
+    softcap,
+    rotary_interleaved,
+    scheduler_metadata,
+    num_splits,
+    pack_gqa,
+    sm_margin,
+    return_softmax_lse,
+    out,
+    out_dtype,
+    out_scale,
+    k_cache_scales,
+    v_cache_scales,
+    split_workspace,
+    validate,
+):
     """Every check of :func:`flash_attn_with_kvcache`, before anything is written (the append included). Returns
     the call's ``_CachePlan``. Tensor work here is device-side (no host sync) except the value checks (CPU, or
     validate=True)."""
     chunk, num_splits, batch = _check_cache_inputs(
-        q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, attention_chunk, scheduler_metadata,
-        num_splits, sm_margin, k_cache_scales, v_cache_scales, validate)
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        qv,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        page_table,
+        cu_seqlens_q,
+        cu_seqlens_k_new,
+        max_seqlen_q,
+        rotary_seqlens,
+        attention_chunk,
+        scheduler_metadata,
+        num_splits,
+        sm_margin,
+        k_cache_scales,
+        v_cache_scales,
+        validate,
+    )
     hk, dv = k_cache.shape[2], v_cache.shape[-1]
-    attn = _validate_options(q, tuple(q.shape[:-1]) + (dv,), softmax_scale, causal, window_size, softcap, out,
-                             out_dtype, out_scale, validate, (("pack_gqa", pack_gqa),
-                                                              ("rotary_interleaved", rotary_interleaved),
-                                                              ("return_softmax_lse", return_softmax_lse)))
+    attn = _validate_options(
+        q,
+        tuple(q.shape[:-1]) + (dv,),
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        out,
+        out_dtype,
+        out_scale,
+        validate,
+        (
+            ("pack_gqa", pack_gqa),
+            ("rotary_interleaved", rotary_interleaved),
+            ("return_softmax_lse", return_softmax_lse),
+        ),
+    )
     ws = _check_split_workspace(split_workspace, num_splits, chunk, q, q.shape[-2], dv)
     _check_cache_scales(k, k_cache, k_cache_scales, v_cache_scales, k_descale, v_descale)
     descales = _descales(q_descale, k_descale, v_descale, batch, hk, q.device, validate, q.dtype, k_cache.dtype)
     _validate_new_tokens(k, v, k_cache, v_cache, cu_seqlens_k_new, batch, validate)
     k_cache, v_cache, pt, ps, capacity, cache_seqlens, rotary_base, value_checks = _cache_view(
-        q, k_cache, v_cache, k, page_table, cache_batch_idx, cache_leftpad, cache_seqlens, k_cache_scales, batch,
-        validate)
+        q,
+        k_cache,
+        v_cache,
+        k,
+        page_table,
+        cache_batch_idx,
+        cache_leftpad,
+        cache_seqlens,
+        k_cache_scales,
+        batch,
+        validate,
+    )
     if chunk:
-        local_attention.check_chunked_cache_call(chunk, cache_leftpad, ps if page_table is not None else 1,
-                                                 bool(causal), max_seqlen_q if cu_seqlens_q is not None else q.shape[1])
+        local_attention.check_chunked_cache_call(
+            chunk,
+            cache_leftpad,
+            ps if page_table is not None else 1,
+            bool(causal),
+            max_seqlen_q if cu_seqlens_q is not None else q.shape[1],
+        )
     slots, seq_idx, pos_in_new, total_len = _lengths_after_append(
-        k, pt, ps, cache_seqlens, cu_seqlens_k_new, batch, value_checks,
-        rotary_cos is not None or rotary_sin is not None)
+        k,
+        pt,
+        ps,
+        cache_seqlens,
+        cu_seqlens_k_new,
+        batch,
+        value_checks,
+        rotary_cos is not None or rotary_sin is not None,
+    )
     if value_checks:
         leftpad_end = total_len + cache_leftpad if cache_leftpad is not None else None
-        _check_cache_values(cache_seqlens, total_len, pt, ps, capacity, slots, k_cache, page_table, cache_leftpad,
-                            leftpad_end, validate)
+        _check_cache_values(
+            cache_seqlens, total_len, pt, ps, capacity, slots, k_cache, page_table, cache_leftpad, leftpad_end, validate
+        )
     # (rotary positions stay absolute cache rows (FA3), left pad included)
-    rotary = _validate_rotary(q, k, rotary_cos, rotary_sin, rotary_seqlens, rotary_base, seq_idx, pos_in_new,
-                              cu_seqlens_q, batch, bool(causal) or tuple(window_size) != (-1, -1), validate)
-    return _CachePlan(k_cache, v_cache, pt, total_len, cache_seqlens, k, v, rotary, descales, attn, ws, chunk,
-                      num_splits, batch)
+    rotary = _validate_rotary(
+        q,
+        k,
+        rotary_cos,
+        rotary_sin,
+        rotary_seqlens,
+        rotary_base,
+        seq_idx,
+        pos_in_new,
+        cu_seqlens_q,
+        batch,
+        bool(causal) or tuple(window_size) != (-1, -1),
+        validate,
+    )
+    return _CachePlan(
+        k_cache, v_cache, pt, total_len, cache_seqlens, k, v, rotary, descales, attn, ws, chunk, num_splits, batch
+    )
 
 
 def _paged_plan(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, return_lse, c):
     """The eager plan of a validated paged call without an append (``c``: its ``_CachePlan``), or None: the
     call must read the caller's cache, page table and int32 lengths as they are."""
-    if not (c.pt is page_table and c.k_cache is k_cache and c.v_cache is v_cache and c.total_len is cache_seqlens
-            and cache_seqlens.dtype == torch.int32):
+    if not (
+        c.pt is page_table
+        and c.k_cache is k_cache
+        and c.v_cache is v_cache
+        and c.total_len is cache_seqlens
+        and cache_seqlens.dtype == torch.int32
+    ):
         return None
-    return plan.paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, batch=c.batch, attn=c.attn,
-                           num_splits=c.num_splits, return_lse=return_lse)
+    return plan.paged_plan(
+        q,
+        k_cache,
+        cu_seqlens_q,
+        max_seqlen_q,
+        v_cache,
+        batch=c.batch,
+        attn=c.attn,
+        num_splits=c.num_splits,
+        return_lse=return_lse,
+    )
 
 
 def _rotate(q, kn, cos, sin, positions, interleaved):
@@ -854,10 +1490,19 @@ def _append(q, kn, c, cu_seqlens_k_new, k_descale, v_descale, k_cache_scales, v_
     if not torch.compiler.is_compiling():  # (compiled: the ops report at run time, inside their implementation)
         kernel_for(q, "paged")  # the attention's fallback is reported before the append writes (error: no write)
     _, kd, vd = c.descales
-    return ops.append_kv_cache(kn, c.vn, c.k_cache, c.v_cache, c.pt, c.cache_seqlens, cu_seqlens_k_new=cu_seqlens_k_new,
-                               k_descale=kd if k_descale is not None else None,
-                               v_descale=vd if v_descale is not None else None,
-                               k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+    return ops.append_kv_cache(
+        kn,
+        c.vn,
+        c.k_cache,
+        c.v_cache,
+        c.pt,
+        c.cache_seqlens,
+        cu_seqlens_k_new=cu_seqlens_k_new,
+        k_descale=kd if k_descale is not None else None,
+        v_descale=vd if v_descale is not None else None,
+        k_cache_scales=k_cache_scales,
+        v_cache_scales=v_cache_scales,
+    )
 
 
 def _chunked_cache_call(q, c, contiguous, total_len, cu_seqlens_q, max_seqlen_q, attn):
@@ -865,20 +1510,54 @@ def _chunked_cache_call(q, c, contiguous, total_len, cu_seqlens_q, max_seqlen_q,
     contiguous cache seen as one-token pages over the same memory (row * seqlen_cache + token)."""
     k_cache, v_cache, pt = c.k_cache, c.v_cache, c.pt
     if contiguous:
-        k_cache, v_cache, pt, _ = _leftpad_view(k_cache, v_cache, pt, total_len,
-                                                torch.zeros_like(total_len, dtype=torch.int32), c.batch, False)
-    return local_attention.chunked_cache_call(q, k_cache, v_cache, pt, total_len, c.chunk, cu_seqlens_q, max_seqlen_q,
-                                              c.descales, **attn)
+        k_cache, v_cache, pt, _ = _leftpad_view(
+            k_cache, v_cache, pt, total_len, torch.zeros_like(total_len, dtype=torch.int32), c.batch, False
+        )
+    return local_attention.chunked_cache_call(
+        q, k_cache, v_cache, pt, total_len, c.chunk, cu_seqlens_q, max_seqlen_q, c.descales, **attn
+    )
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
-                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
-                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
-                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
-                            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
-                            return_softmax_lse=False, *, out=None, out_dtype=None, out_scale=None,
-                            k_cache_scales=None, v_cache_scales=None, split_workspace=None, validate=False):
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    qv=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    page_table=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k_new=None,
+    max_seqlen_q=None,
+    rotary_seqlens=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    rotary_interleaved=True,
+    scheduler_metadata=None,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+    return_softmax_lse=False,
+    *,
+    out=None,
+    out_dtype=None,
+    out_scale=None,
+    k_cache_scales=None,
+    v_cache_scales=None,
+    split_workspace=None,
+    validate=False,
+):
     """Attention over a KV cache (contiguous or paged), optionally appending new K/V first.
 
     Parameters
@@ -935,28 +1614,114 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     out : q's shape with headdim_v, (batch, seqlen_q, nheads_q, headdim_v) or (total_q, nheads_q, headdim_v).
     lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
-    tensors = (q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, q_descale, k_descale, v_descale,
-               k_cache_scales, v_cache_scales, out, out_scale)
+    tensors = (
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        cache_seqlens,
+        cu_seqlens_q,
+        q_descale,
+        k_descale,
+        v_descale,
+        k_cache_scales,
+        v_cache_scales,
+        out,
+        out_scale,
+    )
     key = run = None
     # plans serve a paged cache read as it is: no append, rotary, left pad, row index, chunks or given schedule
-    if k is None and v is None and qv is None and rotary_cos is None and rotary_sin is None \
-            and rotary_seqlens is None and cache_batch_idx is None and cache_leftpad is None \
-            and page_table is not None and cu_seqlens_k_new is None and type(attention_chunk) is int \
-            and attention_chunk == 0 and scheduler_metadata is None and split_workspace is None \
-            and plan.plannable(q, validate, causal, return_softmax_lse, rotary_interleaved, window_size):
-        key, run = _eager_plan("paged", tensors, (max_seqlen_q, softmax_scale, causal, window_size, softcap,
-                                                  num_splits, pack_gqa, sm_margin, return_softmax_lse,
-                                                  rotary_interleaved, out_dtype))
+    if (
+        k is None
+        and v is None
+        and qv is None
+        and rotary_cos is None
+        and rotary_sin is None
+        and rotary_seqlens is None
+        and cache_batch_idx is None
+        and cache_leftpad is None
+        and page_table is not None
+        and cu_seqlens_k_new is None
+        and type(attention_chunk) is int
+        and attention_chunk == 0
+        and scheduler_metadata is None
+        and split_workspace is None
+        and plan.plannable(q, validate, causal, return_softmax_lse, rotary_interleaved, window_size)
+    ):
+        key, run = _eager_plan(
+            "paged",
+            tensors,
+            (
+                max_seqlen_q,
+                softmax_scale,
+                causal,
+                window_size,
+                softcap,
+                num_splits,
+                pack_gqa,
+                sm_margin,
+                return_softmax_lse,
+                rotary_interleaved,
+                out_dtype,
+            ),
+        )
         if run is not None:
             return run(*tensors)
-    c = _validate_kvcache(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                          cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
-                          q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk,
-                          softcap, rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin,
-                          return_softmax_lse, out, out_dtype, out_scale, k_cache_scales, v_cache_scales,
-                          split_workspace, validate)
-    if key is not None and (run := _new_plan(key, tensors, _paged_plan, q, k_cache, v_cache, page_table,
-                                             cache_seqlens, cu_seqlens_q, max_seqlen_q, return_softmax_lse, c)):
+    c = _validate_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        qv,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        page_table,
+        cu_seqlens_q,
+        cu_seqlens_k_new,
+        max_seqlen_q,
+        rotary_seqlens,
+        q_descale,
+        k_descale,
+        v_descale,
+        softmax_scale,
+        causal,
+        window_size,
+        attention_chunk,
+        softcap,
+        rotary_interleaved,
+        scheduler_metadata,
+        num_splits,
+        pack_gqa,
+        sm_margin,
+        return_softmax_lse,
+        out,
+        out_dtype,
+        out_scale,
+        k_cache_scales,
+        v_cache_scales,
+        split_workspace,
+        validate,
+    )
+    if key is not None and (
+        run := _new_plan(
+            key,
+            tensors,
+            _paged_plan,
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            cache_seqlens,
+            cu_seqlens_q,
+            max_seqlen_q,
+            return_softmax_lse,
+            c,
+        )
+    ):
         return run(*tensors)
     kn = c.kn
     if c.rotary is not None:
@@ -964,24 +1729,56 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     total_len = c.total_len
     if k is not None:
         total_len = _append(q, kn, c, cu_seqlens_k_new, k_descale, v_descale, k_cache_scales, v_cache_scales)
-    attn = dict(c.attn, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, num_splits=c.num_splits,
-                return_lse=bool(return_softmax_lse))
+    attn = dict(
+        c.attn,
+        k_cache_scales=k_cache_scales,
+        v_cache_scales=v_cache_scales,
+        num_splits=c.num_splits,
+        return_lse=bool(return_softmax_lse),
+    )
     if c.chunk:
         o, lse = _chunked_cache_call(q, c, page_table is None, total_len, cu_seqlens_q, max_seqlen_q, attn)
     else:
         qd, kd, vd = c.descales
-        o, lse = ops.paged_fwd(q, c.k_cache, c.v_cache, c.pt, total_len.to(torch.int32), cu_seqlens_q=cu_seqlens_q,
-                               max_seqlen_q=max_seqlen_q, q_descale=qd, k_descale=kd, v_descale=vd,
-                               split_workspace=c.ws, **attn)
+        o, lse = ops.paged_fwd(
+            q,
+            c.k_cache,
+            c.v_cache,
+            c.pt,
+            total_len.to(torch.int32),
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+            split_workspace=c.ws,
+            **attn,
+        )
     return (o, lse) if return_softmax_lse else o
 
 
-def _validate_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
-                                 cache_seqlens, attention_chunk, num_splits, sm_margin):
+def _validate_scheduler_metadata(
+    batch_size,
+    max_seqlen_q,
+    max_seqlen_k,
+    num_heads_q,
+    num_heads_kv,
+    headdim,
+    cache_seqlens,
+    attention_chunk,
+    num_splits,
+    sm_margin,
+):
     """Every check of :func:`get_scheduler_metadata`."""
     C.check_num_splits(num_splits)
-    for name, val in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
-                      ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim)):
+    for name, val in (
+        ("batch_size", batch_size),
+        ("max_seqlen_q", max_seqlen_q),
+        ("max_seqlen_k", max_seqlen_k),
+        ("num_heads_q", num_heads_q),
+        ("num_heads_kv", num_heads_kv),
+        ("headdim", headdim),
+    ):
         try:  # any integer type (Python, NumPy, a 0-d integer tensor)
             ok = not isinstance(val, bool) and operator.index(val) >= 0
         except TypeError:
@@ -991,15 +1788,35 @@ def _validate_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_hea
     _check_attention_chunk(attention_chunk)
     C.unsupported("sm_margin", sm_margin, 0)
     if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(f"cache_seqlens: expected a tensor (its device is the metadata's), got "
-                        f"{type(cache_seqlens).__name__}. Pass the call's cache_seqlens.")
+        raise TypeError(
+            f"cache_seqlens: expected a tensor (its device is the metadata's), got "
+            f"{type(cache_seqlens).__name__}. Pass the call's cache_seqlens."
+        )
 
 
-def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
-                           cache_seqlens, qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
-                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0, causal=False,
-                           window_size=(-1, -1), attention_chunk=0, has_softcap=False, num_splits=0, pack_gqa=None,
-                           sm_margin=0):
+def get_scheduler_metadata(
+    batch_size,
+    max_seqlen_q,
+    max_seqlen_k,
+    num_heads_q,
+    num_heads_kv,
+    headdim,
+    cache_seqlens,
+    qkv_dtype=torch.bfloat16,
+    headdim_v=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k_new=None,
+    cache_leftpad=None,
+    page_size=None,
+    max_seqlen_k_new=0,
+    causal=False,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    has_softcap=False,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+):
     """FA3's ``get_scheduler_metadata``, for code that passes its result to :func:`flash_attn_with_kvcache`.
 
     fp8attn fixes its schedule from shapes in every call (never from live lengths), so a call needs no
@@ -1022,8 +1839,18 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     -------
     torch.Tensor : int32, shape (num_splits,), zeros.
     """
-    _validate_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
-                                 cache_seqlens, attention_chunk, num_splits, sm_margin)
+    _validate_scheduler_metadata(
+        batch_size,
+        max_seqlen_q,
+        max_seqlen_k,
+        num_heads_q,
+        num_heads_kv,
+        headdim,
+        cache_seqlens,
+        attention_chunk,
+        num_splits,
+        sm_margin,
+    )
     return torch.zeros(num_splits, dtype=torch.int32, device=cache_seqlens.device)
 
 
@@ -1033,16 +1860,22 @@ def _validate_combine(out_partial, lse_partial, out, out_dtype, out_scale, valid
     C.check_tensor("lse_partial", lse_partial, ndim=(3, 4))
     C.check_flag("validate", validate)
     if tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
-        raise ValueError(f"lse_partial: expected shape {tuple(out_partial.shape[:-1])} (out_partial without headdim), "
-                         f"got {tuple(lse_partial.shape)}. Pass the LSE of each split in (num_splits, batch, seqlen, nheads).")
+        raise ValueError(
+            f"lse_partial: expected shape {tuple(out_partial.shape[:-1])} (out_partial without headdim), "
+            f"got {tuple(lse_partial.shape)}. Pass the LSE of each split in (num_splits, batch, seqlen, nheads)."
+        )
     if out_partial.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"out_partial: expected float32 or bfloat16, got {out_partial.dtype}. Keep split partials "
-                        "in float32 (or bfloat16, as the Hopper kernel writes them).")
+        raise TypeError(
+            f"out_partial: expected float32 or bfloat16, got {out_partial.dtype}. Keep split partials "
+            "in float32 (or bfloat16, as the Hopper kernel writes them)."
+        )
     if lse_partial.dtype != torch.float32:
         raise TypeError(f"lse_partial: expected float32, got {lse_partial.dtype}. Keep split LSEs in float32.")
     if out_partial.shape[0] == 0:
-        raise ValueError(f"out_partial: expected at least one split (num_splits >= 1 on dim 0), got shape "
-                         f"{tuple(out_partial.shape)}. Pass the partials of a split-KV call.")
+        raise ValueError(
+            f"out_partial: expected at least one split (num_splits >= 1 on dim 0), got shape "
+            f"{tuple(out_partial.shape)}. Pass the partials of a split-KV call."
+        )
     C.check_same_device(out_partial=out_partial, lse_partial=lse_partial, out=out, out_scale=out_scale)
     C.check_out_dtype(out_dtype)
     C.check_out_scale(out_scale, out_partial.device, out_dtype)
@@ -1083,8 +1916,9 @@ def _per_sequence_rows(k_descale, v_descale):
     return min(rows) if rows else None
 
 
-def _check_write_tensors(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales,
-                         v_cache_scales):
+def _check_write_tensors(
+    k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales
+):
     """The tensors of :func:`write_kv_cache`: kinds, one device, the cache dtypes, and shapes that agree."""
     for name, t in (("k", k), ("v", v)):
         C.check_tensor(name, t, ndim=3)
@@ -1092,23 +1926,43 @@ def _check_write_tensors(k, v, k_cache, v_cache, slot_mapping, k_descale, v_desc
     C.check_tensor("k_cache", k_cache, ndim=4)
     C.check_tensor("v_cache", v_cache, ndim=4, allow_v_seq_major=True)
     C.check_tensor("slot_mapping", slot_mapping, ndim=1)
-    for name, d in (("k_descale", k_descale), ("v_descale", v_descale), ("token_seq_idx", token_seq_idx),
-                    ("k_cache_scales", k_cache_scales), ("v_cache_scales", v_cache_scales)):
+    for name, d in (
+        ("k_descale", k_descale),
+        ("v_descale", v_descale),
+        ("token_seq_idx", token_seq_idx),
+        ("k_cache_scales", k_cache_scales),
+        ("v_cache_scales", v_cache_scales),
+    ):
         if d is not None:
             C.check_tensor(name, d)
-    C.check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, k_descale=k_descale,
-                        v_descale=v_descale, token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales,
-                        v_cache_scales=v_cache_scales)
+    C.check_same_device(
+        k=k,
+        v=v,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slot_mapping=slot_mapping,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        token_seq_idx=token_seq_idx,
+        k_cache_scales=k_cache_scales,
+        v_cache_scales=v_cache_scales,
+    )
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not (is_fp8(c.dtype) or c.dtype in (torch.float16, torch.bfloat16, torch.float32)):
-            raise TypeError(f"{name}: expected an FP8 (e4m3fn / e5m2) or bf16/fp16/fp32 cache, got {c.dtype}. "
-                            "Allocate it with fp8attn.paged.alloc_paged_cache.")
+            raise TypeError(
+                f"{name}: expected an FP8 (e4m3fn / e5m2) or bf16/fp16/fp32 cache, got {c.dtype}. "
+                "Allocate it with fp8attn.paged.alloc_paged_cache."
+            )
     if v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"v_cache: expected the dtype of k_cache ({k_cache.dtype}), got {v_cache.dtype}. "
-                        "Store K and V in one dtype.")
+        raise TypeError(
+            f"v_cache: expected the dtype of k_cache ({k_cache.dtype}), got {v_cache.dtype}. "
+            "Store K and V in one dtype."
+        )
     if k_cache.dtype == torch.float8_e4m3fnuz and k_cache.device.type != "cpu":
-        raise NotImplementedError("k_cache: float8_e4m3fnuz caches are supported by the CPU reference path only "
-                                  "(emulation); allocate an e4m3fn cache.")
+        raise NotImplementedError(
+            "k_cache: float8_e4m3fnuz caches are supported by the CPU reference path only "
+            "(emulation); allocate an e4m3fn cache."
+        )
     C.check_leading_dims("k", k, "v", v, 1, "token count")
     C.check_leading_dims("k_cache", k_cache, "v_cache", v_cache, 3, "(num_blocks, page_size, nheads_k)")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -1116,7 +1970,9 @@ def _check_write_tensors(k, v, k_cache, v_cache, slot_mapping, k_descale, v_desc
     if slot_mapping.numel() != k.shape[0]:
         raise ValueError(f"slot_mapping: expected {k.shape[0]} entries (one per token), got {slot_mapping.numel()}.")
     if k.shape[1:] != k_cache.shape[2:] or v.shape[1:] != v_cache.shape[2:]:
-        raise ValueError(f"k: expected (num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}) matching k_cache, got {tuple(k.shape)}.")
+        raise ValueError(
+            f"k: expected (num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}) matching k_cache, got {tuple(k.shape)}."
+        )
 
 
 def _check_write_scales(k_cache, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales, validate):
@@ -1124,16 +1980,20 @@ def _check_write_scales(k_cache, k_descale, v_descale, token_seq_idx, k_cache_sc
     static descales per tensor or per (sequence, head) with ``token_seq_idx``."""
     hk = k_cache.shape[2]
     if (k_cache_scales is None) != (v_cache_scales is None):
-        raise ValueError("k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither, got one. "
-                         "Allocate both beside the cache.")
+        raise ValueError(
+            "k_cache_scales/v_cache_scales: expected both (per-token-head scales) or neither, got one. "
+            "Allocate both beside the cache."
+        )
     for name, sc, d in (("k_cache_scales", k_cache_scales, k_descale), ("v_cache_scales", v_cache_scales, v_descale)):
         if sc is None:
             continue
         C.check_cache_scales(name, sc, k_cache)
         C.check_scales_cache(name, k_cache)
         if d is not None:
-            raise ValueError(f"{name[0]}_descale: expected None with {name} (per-token-head scales replace it), got "
-                             f"{C.describe(d)}. Drop one.")
+            raise ValueError(
+                f"{name[0]}_descale: expected None with {name} (per-token-head scales replace it), got "
+                f"{C.describe(d)}. Drop one."
+            )
     for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
         if d is None:
             continue
@@ -1142,35 +2002,56 @@ def _check_write_scales(k_cache, k_descale, v_descale, token_seq_idx, k_cache_sc
             raise TypeError(f"{name}: expected float32, got {d.dtype}. Pass {name}.float().")
         per_seq = (d.dim() == 1 or (d.dim() == 2 and d.shape[1] in (1, hk))) and d.shape[0] >= 1
         if not (d.numel() == 1 and d.dim() <= 2) and not per_seq:
-            raise ValueError(f"{name}: expected a per-tensor (), (1,) or (1, 1) descale, or a per-(sequence, head) "
-                             f"(batch, {hk}) / per-sequence (batch, 1) one, got shape {tuple(d.shape)}. "
-                             "Pass the cache's descales in FA3's (batch, nheads_k) form.")
+            raise ValueError(
+                f"{name}: expected a per-tensor (), (1,) or (1, 1) descale, or a per-(sequence, head) "
+                f"(batch, {hk}) / per-sequence (batch, 1) one, got shape {tuple(d.shape)}. "
+                "Pass the cache's descales in FA3's (batch, nheads_k) form."
+            )
         if d.numel() != 1 and token_seq_idx is None:
-            raise ValueError(f"token_seq_idx: expected an int32 (num_tokens,) tensor with a per-(sequence, head) "
-                             f"{name} of shape {tuple(d.shape)}, got None. Pass each token's batch row.")
+            raise ValueError(
+                f"token_seq_idx: expected an int32 (num_tokens,) tensor with a per-(sequence, head) "
+                f"{name} of shape {tuple(d.shape)}, got None. Pass each token's batch row."
+            )
         C.check_descale_values(name, d, validate)
 
 
-def _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
-                             k_cache_scales, v_cache_scales, validate):
+def _validate_write_kv_cache(
+    k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales, validate
+):
     """Every check of :func:`write_kv_cache` (before the caches are written)."""
     C.check_flag("validate", validate)
-    _check_write_tensors(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales,
-                         v_cache_scales)
+    _check_write_tensors(
+        k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales
+    )
     _check_write_scales(k_cache, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales, validate)
     C.check_int32("token_seq_idx", token_seq_idx, ndim=1)
     if token_seq_idx is not None and token_seq_idx.numel() != k.shape[0]:
-        raise ValueError(f"token_seq_idx: expected {k.shape[0]} entries (one per token), got {token_seq_idx.numel()}. "
-                         "Pass each token's batch row.")
+        raise ValueError(
+            f"token_seq_idx: expected {k.shape[0]} entries (one per token), got {token_seq_idx.numel()}. "
+            "Pass each token's batch row."
+        )
     rows = _per_sequence_rows(k_descale, v_descale)
     if rows is not None and C.want_value_checks(token_seq_idx, validate):  # (tokens with a negative slot are skipped)
-        C.check_index_values("token_seq_idx", token_seq_idx[slot_mapping >= 0], rows, validate,
-                             "batch rows of the descales")
+        C.check_index_values(
+            "token_seq_idx", token_seq_idx[slot_mapping >= 0], rows, validate, "batch rows of the descales"
+        )
     C.check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1], validate)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_descale=None, token_seq_idx=None,
-                   k_cache_scales=None, v_cache_scales=None, validate=False):
+def write_kv_cache(
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    k_descale=None,
+    v_descale=None,
+    token_seq_idx=None,
+    k_cache_scales=None,
+    v_cache_scales=None,
+    validate=False,
+):
     """Write (and quantize) new tokens into a paged KV cache, in place.
 
     Parameters
@@ -1192,7 +2073,28 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
     -------
     None : ``k_cache`` / ``v_cache`` (and the scales) are written in place.
     """
-    _validate_write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
-                             k_cache_scales, v_cache_scales, validate)
-    ops.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_descale=k_descale, v_descale=v_descale,
-                       token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+    _validate_write_kv_cache(
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_descale,
+        v_descale,
+        token_seq_idx,
+        k_cache_scales,
+        v_cache_scales,
+        validate,
+    )
+    ops.write_kv_cache(
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        token_seq_idx=token_seq_idx,
+        k_cache_scales=k_cache_scales,
+        v_cache_scales=v_cache_scales,
+    )

@@ -7,14 +7,21 @@ the full call's inside each chunk. Offsets and page-table rows of the pieces are
 capacities (``max_seqlen_q`` / ``max_seqlen_k`` / the cache's pages), never from live lengths: no host
 sync, CUDA-graph safe. Inputs arrive validated (``fp8attn.interface``).
 """
+
 from __future__ import annotations
 
 import torch
 
 from . import ops
 
-__all__ = ["splits_into_chunks", "chunk_cu_seqlens", "chunked_varlen", "chunked_dense", "check_chunked_cache_call",
-           "chunked_cache_call"]
+__all__ = [
+    "splits_into_chunks",
+    "chunk_cu_seqlens",
+    "chunked_varlen",
+    "chunked_dense",
+    "check_chunked_cache_call",
+    "chunked_cache_call",
+]
 
 
 def splits_into_chunks(chunk, seqlen_q, seqlen_k) -> bool:
@@ -79,8 +86,19 @@ def chunked_varlen(q, k, v, cu_q, cu_k, max_q, max_k, chunk, qd, kd, vd, **kw):
     """
     cq, ck, pieces = chunk_cu_seqlens(cu_q, cu_k, max_q, max_k, chunk)
     qd, kd, vd = _per_piece((qd, kd, vd), pieces)
-    return ops.dense_fwd(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=min(chunk, max_q),
-                         max_seqlen_k=min(chunk, max_k), q_descale=qd, k_descale=kd, v_descale=vd, **kw)
+    return ops.dense_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cq,
+        cu_seqlens_k=ck,
+        max_seqlen_q=min(chunk, max_q),
+        max_seqlen_k=min(chunk, max_k),
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        **kw,
+    )
 
 
 def _packed_out(out, rows):
@@ -122,9 +140,21 @@ def chunked_dense(q, k, v, chunk, qd, kd, vd, **kw):
     rows = torch.arange(b + 1, device=q.device, dtype=torch.int32)
     out = kw.pop("out")
     packed = _packed_out(out, b * sq)
-    o, lse = chunked_varlen(q.reshape(b * sq, hq, q.shape[-1]), k.reshape(b * sk, hk, k.shape[-1]),
-                            v.reshape(b * sk, hk, dv), rows * sq, rows * sk, sq, sk, chunk, qd, kd, vd, out=packed,
-                            **kw)
+    o, lse = chunked_varlen(
+        q.reshape(b * sq, hq, q.shape[-1]),
+        k.reshape(b * sk, hk, k.shape[-1]),
+        v.reshape(b * sk, hk, dv),
+        rows * sq,
+        rows * sk,
+        sq,
+        sk,
+        chunk,
+        qd,
+        kd,
+        vd,
+        out=packed,
+        **kw,
+    )
     o = _fill_out(out, packed, o.view(b, sq, hq, dv))
     if lse.numel():
         lse = lse.view(hq, b, sq).transpose(0, 1).contiguous()
@@ -134,14 +164,19 @@ def chunked_dense(q, k, v, chunk, qd, kd, vd, **kw):
 def check_chunked_cache_call(chunk, cache_leftpad, page_size, causal, max_q):
     """What ``chunked_cache_call`` cannot run (``page_size``: 1 for a contiguous cache, read as one-token pages)."""
     if cache_leftpad is not None:
-        raise NotImplementedError("attention_chunk with cache_leftpad is not supported: drop the pad from the "
-                                  "cache rows.")
+        raise NotImplementedError(
+            "attention_chunk with cache_leftpad is not supported: drop the pad from the cache rows."
+        )
     if max_q > 1 and not causal:
-        raise NotImplementedError("attention_chunk with more than one query per sequence over a cache needs causal=True "
-                                  "(the queries are the last tokens). Pass causal=True, or one query per sequence.")
+        raise NotImplementedError(
+            "attention_chunk with more than one query per sequence over a cache needs causal=True "
+            "(the queries are the last tokens). Pass causal=True, or one query per sequence."
+        )
     if chunk % page_size:
-        raise NotImplementedError(f"attention_chunk: expected a multiple of the page size {page_size} with a paged "
-                                  f"cache, got {chunk}. Allocate pages that divide the chunk length.")
+        raise NotImplementedError(
+            f"attention_chunk: expected a multiple of the page size {page_size} with a paged "
+            f"cache, got {chunk}. Allocate pages that divide the chunk length."
+        )
 
 
 def chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, cu_seqlens_q, max_seqlen_q, descales, **kw):
@@ -194,9 +229,20 @@ def chunked_cache_call(q, k_cache, v_cache, pt, total_len, chunk, cu_seqlens_q, 
     qd, kd, vd = _per_piece(descales, pieces)
     out = kw.pop("out")
     packed = out if varlen else _packed_out(out, qp.shape[0])
-    o, lse = ops.paged_fwd(qp, k_cache, v_cache, rows.to(torch.int32), lens.flatten().to(torch.int32),
-                           cu_seqlens_q=cu_pieces, max_seqlen_q=min(chunk, max_q), q_descale=qd, k_descale=kd,
-                           v_descale=vd, out=packed, **kw)
+    o, lse = ops.paged_fwd(
+        qp,
+        k_cache,
+        v_cache,
+        rows.to(torch.int32),
+        lens.flatten().to(torch.int32),
+        cu_seqlens_q=cu_pieces,
+        max_seqlen_q=min(chunk, max_q),
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        out=packed,
+        **kw,
+    )
     if not varlen:
         o = o.view(batch, sq, *o.shape[1:])
         if lse.numel():

@@ -17,6 +17,7 @@ Modes (argument ``mode``, else the environment variable ``FP8ATTN_MLA_FP8_PREFIL
   (``SaturationStats``).
 * ``"off"``: the 16-bit pipeline (no quantization at all).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,19 @@ from .interface import flash_attn_combine, flash_attn_varlen_func
 from .kernels.planning import DESCALE_FLOOR
 from .quant import empty_seq_major
 
-__all__ = ["prefill", "prefill_ref", "quantize_mla", "resolve_mode", "SaturationStats", "Support", "MODES",
-           "DEFAULT_MODE", "ENV_MODE", "GATHER_DESCALE_MIN", "GATHER_DESCALE_MARGIN"]
+__all__ = [
+    "prefill",
+    "prefill_ref",
+    "quantize_mla",
+    "resolve_mode",
+    "SaturationStats",
+    "Support",
+    "MODES",
+    "DEFAULT_MODE",
+    "ENV_MODE",
+    "GATHER_DESCALE_MIN",
+    "GATHER_DESCALE_MARGIN",
+]
 
 MODES = ("bf16_gather", "fp8_gather", "off")
 DEFAULT_MODE = "bf16_gather"
@@ -135,8 +147,7 @@ def _quant(qn, qp, kn, kp, v, ds=None, count=False, use_triton=False):
 
         n = -(-T // BLOCK_T) * H
         qa, qb = (qn, qp) if has_q else (kn, kph)
-        launch = functools.partial(launch_mla_quant, qa, qb, kn, kph, v, q8 if has_q else k8, k8, v8,
-                                   has_q=has_q)
+        launch = functools.partial(launch_mla_quant, qa, qb, kn, kph, v, q8 if has_q else k8, k8, v8, has_q=has_q)
         if ds is None:  # every slot of the workspace is written by the amax pass
             amax = torch.empty(3, n, dtype=torch.float32, device=kn.device)
             launch(amax, amax, amax, amax_pass=True, quant=False, count=False)
@@ -189,8 +200,10 @@ def quantize_mla(q_nope, q_pe, k_nope, k_pe, v, *, backend="auto"):
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}. Use 'auto'.")
     if backend == "triton" and not capability.has_triton():
-        raise ValueError("backend: expected 'auto' or 'torch' without triton installed, got 'triton'. "
-                         "Install triton or pass backend='torch'.")
+        raise ValueError(
+            "backend: expected 'auto' or 'torch' without triton installed, got 'triton'. "
+            "Install triton or pass backend='torch'."
+        )
     use_triton = backend == "triton" or (backend == "auto" and capability.kernel_path_ok(q_nope))
     q8, k8, v8, ds, _ = _quant(q_nope, q_pe, k_nope, k_pe, v, use_triton=use_triton)
     return q8, k8, v8, ds[0:1].view(1, 1), ds[1:2].view(1, 1), ds[2:3].view(1, 1)
@@ -203,15 +216,22 @@ def _tensor(name, t, ndim, dtypes=None):
     if not isinstance(t, torch.Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(t).__name__, f"Pass {name} as a tensor.")
     if t.dim() != ndim:
-        _fail(ValueError, name, f"a {ndim}-D tensor", f"shape {tuple(t.shape)}", "See prefill's docstring for the layout.")
+        _fail(
+            ValueError, name, f"a {ndim}-D tensor", f"shape {tuple(t.shape)}", "See prefill's docstring for the layout."
+        )
     if dtypes is not None and t.dtype not in dtypes:
         _fail(TypeError, name, " or ".join(str(d) for d in dtypes), str(t.dtype), f"Convert {name}.")
 
 
 def _validate_parts(q_nope, q_pe, k_nope, k_pe, v):
     act = (torch.bfloat16, torch.float16, torch.float32)
-    for name, t, nd in (("q_nope", q_nope, 3), ("q_pe", q_pe, 3), ("k_nope", k_nope, 3), ("k_pe", k_pe, 2),
-                        ("v", v, 3)):
+    for name, t, nd in (
+        ("q_nope", q_nope, 3),
+        ("q_pe", q_pe, 3),
+        ("k_nope", k_nope, 3),
+        ("k_pe", k_pe, 2),
+        ("v", v, 3),
+    ):
         _tensor(name, t, nd, act)
         if t.dtype != q_nope.dtype:
             _fail(TypeError, name, f"q_nope's dtype {q_nope.dtype}", str(t.dtype), f"Convert {name} to {q_nope.dtype}.")
@@ -219,15 +239,40 @@ def _validate_parts(q_nope, q_pe, k_nope, k_pe, v):
             _fail(ValueError, name, f"device {q_nope.device}", str(t.device), f"Move {name} to {q_nope.device}.")
     T, H, dn = q_nope.shape
     dr = q_pe.shape[-1]
-    for name, t, want in (("q_pe", q_pe, (T, H, dr)), ("k_nope", k_nope, (T, H, dn)), ("k_pe", k_pe, (T, dr)),
-                          ("v", v, (T, H, v.shape[-1]))):
+    for name, t, want in (
+        ("q_pe", q_pe, (T, H, dr)),
+        ("k_nope", k_nope, (T, H, dn)),
+        ("k_pe", k_pe, (T, dr)),
+        ("v", v, (T, H, v.shape[-1])),
+    ):
         if tuple(t.shape) != want:
-            _fail(ValueError, name, f"shape {want}", f"{tuple(t.shape)}",
-                  "All parts share the token count T and heads; k_pe is (T, qk_rope), one per token.")
+            _fail(
+                ValueError,
+                name,
+                f"shape {want}",
+                f"{tuple(t.shape)}",
+                "All parts share the token count T and heads; k_pe is (T, qk_rope), one per token.",
+            )
 
 
-def _validate_prefill(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, cu_seqlens_q, max_seqlen_q, latent_cache, page_table,
-                      context_lens, max_context_len, latent_descale, softmax_scale, chunk_size, out):
+def _validate_prefill(
+    q_nope,
+    q_pe,
+    kv_c,
+    k_pe,
+    w_uk,
+    w_uv,
+    cu_seqlens_q,
+    max_seqlen_q,
+    latent_cache,
+    page_table,
+    context_lens,
+    max_context_len,
+    latent_descale,
+    softmax_scale,
+    chunk_size,
+    out,
+):
     act = (torch.bfloat16, torch.float16, torch.float32)
     _tensor("q_nope", q_nope, 3, act)
     T, H, dn = q_nope.shape
@@ -236,65 +281,137 @@ def _validate_prefill(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, cu_seqlens_q, max_se
         if t.device != q_nope.device:
             _fail(ValueError, name, f"device {q_nope.device}", str(t.device), f"Move {name} to {q_nope.device}.")
     dr, rank, dv = q_pe.shape[-1], kv_c.shape[-1], w_uv.shape[-1]
-    for name, t, want in (("q_pe", q_pe, (T, H, dr)), ("kv_c", kv_c, (T, rank)), ("k_pe", k_pe, (T, dr)),
-                          ("w_uk", w_uk, (rank, H, dn)), ("w_uv", w_uv, (rank, H, dv))):
+    for name, t, want in (
+        ("q_pe", q_pe, (T, H, dr)),
+        ("kv_c", kv_c, (T, rank)),
+        ("k_pe", k_pe, (T, dr)),
+        ("w_uk", w_uk, (rank, H, dn)),
+        ("w_uv", w_uv, (rank, H, dv)),
+    ):
         if tuple(t.shape) != want:
-            _fail(ValueError, name, f"shape {want}", f"{tuple(t.shape)}",
-                  "q_nope (T, H, qk_nope), q_pe (T, H, qk_rope), kv_c (T, kv_lora_rank), k_pe (T, qk_rope), "
-                  "w_uk (kv_lora_rank, H, qk_nope), w_uv (kv_lora_rank, H, v_head_dim).")
+            _fail(
+                ValueError,
+                name,
+                f"shape {want}",
+                f"{tuple(t.shape)}",
+                "q_nope (T, H, qk_nope), q_pe (T, H, qk_rope), kv_c (T, kv_lora_rank), k_pe (T, qk_rope), "
+                "w_uk (kv_lora_rank, H, qk_nope), w_uv (kv_lora_rank, H, v_head_dim).",
+            )
     if T == 0 or H == 0:
-        _fail(ValueError, "q_nope", "at least one new token and one head", f"shape {tuple(q_nope.shape)}",
-              "Skip the call when there is nothing to attend.")
+        _fail(
+            ValueError,
+            "q_nope",
+            "at least one new token and one head",
+            f"shape {tuple(q_nope.shape)}",
+            "Skip the call when there is nothing to attend.",
+        )
     _tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
     if cu_seqlens_q.numel() < 2 or cu_seqlens_q.device != q_nope.device:
-        _fail(ValueError, "cu_seqlens_q", f"int32 (batch + 1,) on {q_nope.device}",
-              f"shape {tuple(cu_seqlens_q.shape)} on {cu_seqlens_q.device}", "Pass the new tokens' offsets [0, ..., T].")
+        _fail(
+            ValueError,
+            "cu_seqlens_q",
+            f"int32 (batch + 1,) on {q_nope.device}",
+            f"shape {tuple(cu_seqlens_q.shape)} on {cu_seqlens_q.device}",
+            "Pass the new tokens' offsets [0, ..., T].",
+        )
     B = cu_seqlens_q.numel() - 1
     if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
-        _fail(ValueError, "max_seqlen_q", "a positive int", repr(max_seqlen_q), "Pass the longest sequence's new tokens.")
+        _fail(
+            ValueError, "max_seqlen_q", "a positive int", repr(max_seqlen_q), "Pass the longest sequence's new tokens."
+        )
     if isinstance(max_context_len, bool) or not isinstance(max_context_len, int) or max_context_len < 0:
-        _fail(ValueError, "max_context_len", "an int >= 0", repr(max_context_len),
-              "Pass an upper bound of context_lens (it fixes the chunk plan; 0 without a cached prefix).")
+        _fail(
+            ValueError,
+            "max_context_len",
+            "an int >= 0",
+            repr(max_context_len),
+            "Pass an upper bound of context_lens (it fixes the chunk plan; 0 without a cached prefix).",
+        )
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        _fail(ValueError, "chunk_size", "a positive int", repr(chunk_size), "Pass the cached tokens per chunk, e.g. 4096.")
-    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) or \
-            not (0.0 < float(softmax_scale) < float("inf")):
-        _fail(ValueError, "softmax_scale", "a finite float > 0", repr(softmax_scale),
-              "Pass the layer's softmax scale (MLA's includes its YaRN factor).")
+        _fail(
+            ValueError, "chunk_size", "a positive int", repr(chunk_size), "Pass the cached tokens per chunk, e.g. 4096."
+        )
+    if (
+        not isinstance(softmax_scale, (int, float))
+        or isinstance(softmax_scale, bool)
+        or not (0.0 < float(softmax_scale) < float("inf"))
+    ):
+        _fail(
+            ValueError,
+            "softmax_scale",
+            "a finite float > 0",
+            repr(softmax_scale),
+            "Pass the layer's softmax scale (MLA's includes its YaRN factor).",
+        )
     if max_context_len > 0:
         _tensor("latent_cache", latent_cache, 3, _CACHE_DTYPES)
-        if latent_cache.shape[-1] != rank + dr or latent_cache.stride(-1) != 1 or latent_cache.stride(0) != \
-                latent_cache.shape[1] * latent_cache.stride(1):
-            _fail(ValueError, "latent_cache", f"(num_blocks, page_size, {rank + dr}) with rows of kv_c then k_pe, "
-                  "pages one after another", f"shape {tuple(latent_cache.shape)} strides {latent_cache.stride()}",
-                  "Allocate the cache contiguous.")
+        if (
+            latent_cache.shape[-1] != rank + dr
+            or latent_cache.stride(-1) != 1
+            or latent_cache.stride(0) != latent_cache.shape[1] * latent_cache.stride(1)
+        ):
+            _fail(
+                ValueError,
+                "latent_cache",
+                f"(num_blocks, page_size, {rank + dr}) with rows of kv_c then k_pe, pages one after another",
+                f"shape {tuple(latent_cache.shape)} strides {latent_cache.stride()}",
+                "Allocate the cache contiguous.",
+            )
         if latent_cache.device != q_nope.device:
             _fail(ValueError, "latent_cache", f"device {q_nope.device}", str(latent_cache.device), "Move it.")
         fp8 = latent_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         if fp8 != (latent_descale is not None):
-            _fail(ValueError, "latent_descale", "a float32 one-element tensor exactly when the cache is FP8",
-                  "None" if latent_descale is None else f"a descale with a {latent_cache.dtype} cache",
-                  "Pass the FP8 cache's per-tensor descale, or none for a 16-bit cache.")
-        if fp8 and (not isinstance(latent_descale, torch.Tensor) or latent_descale.numel() != 1
-                    or latent_descale.dtype != torch.float32 or latent_descale.device != q_nope.device):
-            _fail(ValueError, "latent_descale", f"a float32 one-element tensor on {q_nope.device}",
-                  repr(latent_descale), "Pass the cache's per-tensor descale.")
+            _fail(
+                ValueError,
+                "latent_descale",
+                "a float32 one-element tensor exactly when the cache is FP8",
+                "None" if latent_descale is None else f"a descale with a {latent_cache.dtype} cache",
+                "Pass the FP8 cache's per-tensor descale, or none for a 16-bit cache.",
+            )
+        if fp8 and (
+            not isinstance(latent_descale, torch.Tensor)
+            or latent_descale.numel() != 1
+            or latent_descale.dtype != torch.float32
+            or latent_descale.device != q_nope.device
+        ):
+            _fail(
+                ValueError,
+                "latent_descale",
+                f"a float32 one-element tensor on {q_nope.device}",
+                repr(latent_descale),
+                "Pass the cache's per-tensor descale.",
+            )
         _tensor("page_table", page_table, 2, (torch.int32,))
         _tensor("context_lens", context_lens, 1, (torch.int32,))
         if page_table.shape[0] != B or context_lens.shape[0] != B:
-            _fail(ValueError, "page_table/context_lens", f"batch {B} rows (cu_seqlens_q has batch + 1 entries)",
-                  f"{page_table.shape[0]} and {context_lens.shape[0]}", "Pass one row per sequence.")
+            _fail(
+                ValueError,
+                "page_table/context_lens",
+                f"batch {B} rows (cu_seqlens_q has batch + 1 entries)",
+                f"{page_table.shape[0]} and {context_lens.shape[0]}",
+                "Pass one row per sequence.",
+            )
         if page_table.shape[1] * latent_cache.shape[1] < max_context_len:
-            _fail(ValueError, "page_table", f"at least {max_context_len} tokens of pages per row",
-                  f"{page_table.shape[1]} pages of {latent_cache.shape[1]}", "Widen the page table or lower max_context_len.")
+            _fail(
+                ValueError,
+                "page_table",
+                f"at least {max_context_len} tokens of pages per row",
+                f"{page_table.shape[1]} pages of {latent_cache.shape[1]}",
+                "Widen the page table or lower max_context_len.",
+            )
         for name, t in (("page_table", page_table), ("context_lens", context_lens)):
             if t.device != q_nope.device:
                 _fail(ValueError, name, f"device {q_nope.device}", str(t.device), f"Move {name}.")
     if out is not None:
         _tensor("out", out, 3, (q_nope.dtype,))
         if tuple(out.shape) != (T, H, dv) or out.device != q_nope.device or not out.is_contiguous():
-            _fail(ValueError, "out", f"contiguous {(T, H, dv)} on {q_nope.device}",
-                  f"{tuple(out.shape)} on {out.device}", "Preallocate out as (T, nheads, v_head_dim).")
+            _fail(
+                ValueError,
+                "out",
+                f"contiguous {(T, H, dv)} on {q_nope.device}",
+                f"{tuple(out.shape)} on {out.device}",
+                "Preallocate out as (T, nheads, v_head_dim).",
+            )
     return B
 
 
@@ -306,12 +423,14 @@ def resolve_mode(mode):
             env = env.strip().lower()
             mode = _ENV_ALIASES.get(env, env)
             if mode is not None and mode not in MODES:
-                raise ValueError(f"{ENV_MODE}: expected one of {MODES} (or 1 / 0), got {env!r}; "
-                                 "fix: unset it or set it to a mode")
+                raise ValueError(
+                    f"{ENV_MODE}: expected one of {MODES} (or 1 / 0), got {env!r}; fix: unset it or set it to a mode"
+                )
         mode = mode or DEFAULT_MODE
     if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES} or None, got {mode!r}. None reads {ENV_MODE} "
-                         f"(default {DEFAULT_MODE!r}).")
+        raise ValueError(
+            f"mode: expected one of {MODES} or None, got {mode!r}. None reads {ENV_MODE} (default {DEFAULT_MODE!r})."
+        )
     return mode
 
 
@@ -343,8 +462,11 @@ def _support_fp8_prefill(*, device_type, kernel_ok, dims) -> Support:
         return Support(False, "no FP8 kernel for these CUDA tensors (needs triton and an sm89+ GPU)")
     dn, dr, dv = dims
     if any(d & (d - 1) or d < 16 for d in dims) or dn + dr > 256 or dv > 256:
-        return Support(False, f"head dims qk_nope {dn}, qk_rope {dr}, v {dv}: the kernels take power-of-two "
-                       "parts >= 16 with qk_nope + qk_rope <= 256 and v <= 256")
+        return Support(
+            False,
+            f"head dims qk_nope {dn}, qk_rope {dr}, v {dv}: the kernels take power-of-two "
+            "parts >= 16 with qk_nope + qk_rope <= 256 and v <= 256",
+        )
     return Support(True, None)
 
 
@@ -362,8 +484,12 @@ def _plan(mode, device_type, kernel_ok, act_dtype, cache_dtype, dims) -> _Plan:
         return _Plan(False, False, None, None)
     s = _support_fp8_prefill(device_type=device_type, kernel_ok=kernel_ok, dims=dims)
     if not s.kernel:
-        return _Plan(False, False, "mla_fp8_prefill", f"FP8 MLA prefill cannot run ({s.reason}); the 16-bit "
-                     "MLA prefill runs instead, before any quantization")
+        return _Plan(
+            False,
+            False,
+            "mla_fp8_prefill",
+            f"FP8 MLA prefill cannot run ({s.reason}); the 16-bit MLA prefill runs instead, before any quantization",
+        )
     if mode == "fp8_gather":
         g = _support_fp8_gather(cache_dtype=cache_dtype)
         if not g.kernel:
@@ -420,20 +546,54 @@ def _concat16(nope, pe):
 
 def _attend(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, seqused_k, descales, out, out_dtype):
     qd, kd, vd = descales if descales is not None else (None, None, None)
-    o, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k=seqused_k, softmax_scale=scale,
-                                    causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True,
-                                    out=out, out_dtype=out_dtype)
+    o, lse = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        seqused_k=seqused_k,
+        softmax_scale=scale,
+        causal=causal,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        return_attn_probs=True,
+        out=out,
+        out_dtype=out_dtype,
+    )
     return o, lse
 
 
-def _run(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, cu_q, max_q, latent_cache, page_table, context_lens,
-         max_context_len, latent_descale, scale, chunk, out, plan, stats, use_triton, attend16=None):
+def _run(
+    q_nope,
+    q_pe,
+    kv_c,
+    k_pe,
+    w_uk,
+    w_uv,
+    cu_q,
+    max_q,
+    latent_cache,
+    page_table,
+    context_lens,
+    max_context_len,
+    latent_descale,
+    scale,
+    chunk,
+    out,
+    plan,
+    stats,
+    use_triton,
+    attend16=None,
+):
     """The pipeline, FP8 (``plan.fp8``) or 16-bit. Returns out (T, H, dv) in q_nope's dtype."""
     T, H, dn = q_nope.shape
     dv = w_uv.shape[-1]
     dt = q_nope.dtype
     n_chunks = -(-max_context_len // chunk)
-    B = cu_q.numel() - 1
     out = out if out is not None else torch.empty(T, H, dv, dtype=dt, device=q_nope.device)
     # FP8 partial outputs in bf16, as the Hopper kernel writes them (its rounding is far below FP8's error);
     # the 16-bit path keeps float32 partials.
@@ -453,12 +613,13 @@ def _run(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, cu_q, max_q, latent_cache, page_t
     attend = _attend if plan.fp8 or attend16 is None else attend16
     for c in range(n_chunks):
         rows, cu_k = _gather(latent_cache, latent_descale, page_table, context_lens, c * chunk, chunk, dt)
-        ckn, cv = _up_project(rows[:, :kv_c.shape[-1]], w_uk, w_uv)
-        cpe = rows[:, kv_c.shape[-1]:]
+        ckn, cv = _up_project(rows[:, : kv_c.shape[-1]], w_uk, w_uv)
+        cpe = rows[:, kv_c.shape[-1] :]
         if plan.fp8:
             count = plan.fp8_gather and stats is not None
-            _, ck, cvv, cds, sat = _quant(None, None, ckn, cpe, cv, ds=est if plan.fp8_gather else None, count=count,
-                                          use_triton=use_triton)
+            _, ck, cvv, cds, sat = _quant(
+                None, None, ckn, cpe, cv, ds=est if plan.fp8_gather else None, count=count, use_triton=use_triton
+            )
             if count:
                 stats.counts[0].add_(sat.to(torch.int64))
                 stats.counts[1].add_(cu_k[-1].to(torch.int64) * (H * (dn + cpe.shape[-1] + dv)))
@@ -476,9 +637,27 @@ def _run(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, cu_q, max_q, latent_cache, page_t
     return out
 
 
-def prefill(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, *, cu_seqlens_q, max_seqlen_q, softmax_scale, latent_cache=None,
-            page_table=None, context_lens=None, max_context_len=0, latent_descale=None, chunk_size=4096, mode=None,
-            stats=None, out=None):
+def prefill(
+    q_nope,
+    q_pe,
+    kv_c,
+    k_pe,
+    w_uk,
+    w_uv,
+    *,
+    cu_seqlens_q,
+    max_seqlen_q,
+    softmax_scale,
+    latent_cache=None,
+    page_table=None,
+    context_lens=None,
+    max_context_len=0,
+    latent_descale=None,
+    chunk_size=4096,
+    mode=None,
+    stats=None,
+    out=None,
+):
     """MLA prefill of new tokens over their cached prefix, FP8 attention with a capability-checked fallback.
 
     Sequence b's new tokens (rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) attend the first
@@ -543,25 +722,77 @@ def prefill(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, *, cu_seqlens_q, max_seqlen_q,
     A kernel error propagates; nothing is retried on another path.
     """
     mode = resolve_mode(mode)
-    _validate_prefill(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, cu_seqlens_q, max_seqlen_q, latent_cache, page_table,
-                      context_lens, max_context_len, latent_descale, softmax_scale, chunk_size, out)
+    _validate_prefill(
+        q_nope,
+        q_pe,
+        kv_c,
+        k_pe,
+        w_uk,
+        w_uv,
+        cu_seqlens_q,
+        max_seqlen_q,
+        latent_cache,
+        page_table,
+        context_lens,
+        max_context_len,
+        latent_descale,
+        softmax_scale,
+        chunk_size,
+        out,
+    )
     if stats is not None and (not isinstance(stats, SaturationStats) or stats.counts.device != q_nope.device):
-        _fail(TypeError, "stats", f"a SaturationStats on {q_nope.device} or None",
-              type(stats).__name__ if not isinstance(stats, SaturationStats) else f"one on {stats.counts.device}",
-              f"Pass mla.SaturationStats({str(q_nope.device)!r}).")
+        _fail(
+            TypeError,
+            "stats",
+            f"a SaturationStats on {q_nope.device} or None",
+            type(stats).__name__ if not isinstance(stats, SaturationStats) else f"one on {stats.counts.device}",
+            f"Pass mla.SaturationStats({str(q_nope.device)!r}).",
+        )
     kernel_ok = capability.kernel_path_ok(q_nope)
     dims = (q_nope.shape[-1], q_pe.shape[-1], w_uv.shape[-1])
     cache_dtype = latent_cache.dtype if max_context_len > 0 else None
     plan = _plan(mode, q_nope.device.type, kernel_ok, q_nope.dtype, cache_dtype, dims)
     if plan.fallback is not None:  # before anything is quantized, gathered or written
         capability.report_fallback(plan.fallback, plan.message)
-    return _run(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, cu_seqlens_q, max_seqlen_q, latent_cache, page_table,
-                context_lens, max_context_len, latent_descale, float(softmax_scale), chunk_size, out, plan, stats,
-                kernel_ok)
+    return _run(
+        q_nope,
+        q_pe,
+        kv_c,
+        k_pe,
+        w_uk,
+        w_uv,
+        cu_seqlens_q,
+        max_seqlen_q,
+        latent_cache,
+        page_table,
+        context_lens,
+        max_context_len,
+        latent_descale,
+        float(softmax_scale),
+        chunk_size,
+        out,
+        plan,
+        stats,
+        kernel_ok,
+    )
 
 
-def prefill_ref(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, *, cu_seqlens_q, softmax_scale, latent_cache=None,
-                page_table=None, context_lens=None, latent_descale=None, compute_dtype=torch.float64):
+def prefill_ref(
+    q_nope,
+    q_pe,
+    kv_c,
+    k_pe,
+    w_uk,
+    w_uv,
+    *,
+    cu_seqlens_q,
+    softmax_scale,
+    latent_cache=None,
+    page_table=None,
+    context_lens=None,
+    latent_descale=None,
+    compute_dtype=torch.float64,
+):
     """The whole MLA prefill in ``compute_dtype`` (float64: the oracle), one sequence at a time, with no
     chunks and no quantization: the prefix's latent rows (FP8 caches dequantized) and the new ones are
     up-projected and attended together (bottom-right causal). Arguments as ``prefill``.
@@ -577,7 +808,7 @@ def prefill_ref(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, *, cu_seqlens_q, softmax_s
     cu = cu_seqlens_q.tolist()
     outs = []
     for b in range(len(cu) - 1):
-        rows = torch.cat([kv_c[cu[b]:cu[b + 1]].to(cdt), k_pe[cu[b]:cu[b + 1]].to(cdt)], dim=-1)
+        rows = torch.cat([kv_c[cu[b] : cu[b + 1]].to(cdt), k_pe[cu[b] : cu[b + 1]].to(cdt)], dim=-1)
         n_ctx = int(context_lens[b]) if context_lens is not None else 0
         if n_ctx:
             ps = latent_cache.shape[1]
@@ -591,10 +822,10 @@ def prefill_ref(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, *, cu_seqlens_q, softmax_s
         kn = torch.einsum("nr,rhd->nhd", rows[:, :rank], wk)
         v = torch.einsum("nr,rhd->nhd", rows[:, :rank], wv)
         k = torch.cat([kn, rows[:, None, rank:].expand(-1, kn.shape[1], -1)], dim=-1)
-        q = torch.cat([q_nope[cu[b]:cu[b + 1]], q_pe[cu[b]:cu[b + 1]]], dim=-1).to(cdt)
+        q = torch.cat([q_nope[cu[b] : cu[b + 1]], q_pe[cu[b] : cu[b + 1]]], dim=-1).to(cdt)
         sq, sk = q.shape[0], k.shape[0]
         for i in range(0, sq, 512):  # query blocks bound the (H, 512, sk) logits
-            s = torch.einsum("qhd,khd->hqk", q[i:i + 512], k) * softmax_scale
+            s = torch.einsum("qhd,khd->hqk", q[i : i + 512], k) * softmax_scale
             rows_q = torch.arange(i, min(i + 512, sq), device=q.device)
             mask = torch.arange(sk, device=q.device)[None, :] <= rows_q[:, None] + (sk - sq)
             s = s.masked_fill(~mask, float("-inf"))

@@ -53,24 +53,58 @@ The Python functions below (``dense_fwd``, ``paged_fwd``, ``combine``, ``write_k
 already exist instead of registering a kernel twice (which would emit "Overriding a previously
 registered kernel").
 """
+
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from . import reference as ref
 from ._checks import check_same_device
 from .capability import kernel_for, launch_device, report_fallback
-from .kernels.planning import (CPU_NUM_SMS, TMA_QUERY_BLOCK, attention_out_dtype, is_v_seq_major, paged_grid,
-                               paged_precisions, paged_tma_call_reason)
+from .kernels.planning import (
+    CPU_NUM_SMS,
+    TMA_QUERY_BLOCK,
+    attention_out_dtype,
+    is_v_seq_major,
+    paged_grid,
+    paged_precisions,
+    paged_tma_call_reason,
+)
 from .paged_cache import packed_token_seqs, slot_mapping_for, token_rows
-from .quant import (descale_for_tokens, descale_from_amax, descale_shape, empty_seq_major, fp8_max,
-                    launch_quant_fp8_static, quant_fp8_static_torch, quantize_one, round_descale_for_storage,
-                    saturating_cast)
+from .quant import (
+    descale_for_tokens,
+    descale_from_amax,
+    descale_shape,
+    empty_seq_major,
+    fp8_max,
+    launch_quant_fp8_static,
+    quant_fp8_static_torch,
+    quantize_one,
+    round_descale_for_storage,
+    saturating_cast,
+)
 from .scaled_bmm import scaled_bmm_impl
 
-__all__ = ["dense_fwd", "paged_fwd", "combine", "write_kv_cache", "append_kv_cache", "quantize_fp8", "quant_fp8_static",
-           "scaled_bmm", "QuantizedAttention", "set_fp8_backward", "fp8_backward_mode", "check_bwd_mode", "BWD_MODES",
-           "OPS", "NAMESPACE"]
+__all__ = [
+    "dense_fwd",
+    "paged_fwd",
+    "combine",
+    "write_kv_cache",
+    "append_kv_cache",
+    "quantize_fp8",
+    "quant_fp8_static",
+    "scaled_bmm",
+    "QuantizedAttention",
+    "set_fp8_backward",
+    "fp8_backward_mode",
+    "check_bwd_mode",
+    "BWD_MODES",
+    "OPS",
+    "NAMESPACE",
+]
 
 NAMESPACE = "fp8attn"
 
@@ -95,6 +129,7 @@ def _into(out: torch.Tensor, x: torch.Tensor) -> None:
 # Implementations (run inside the ops; concrete tensors and ints only)
 # --------------------------------------------------------------------------------------------
 
+
 def _no_lse(q):
     """The LSE output of an attention op called with ``return_lse=False``: an empty float32 tensor (the
     kernels then write no LSE)."""
@@ -110,13 +145,37 @@ def _dense_shapes(q, v, varlen):
 def _dense_p_model(q, v):
     """The dense kernel's P@V for the reference path: e4m3 P for e4m3 inputs (P_FP8), P in the input
     dtype for 16-bit inputs, exact otherwise."""
-    return {"quantize_p": q.dtype == torch.float8_e4m3fn,
-            "p_dtype": v.dtype if v.dtype in (torch.bfloat16, torch.float16) else None}
+    return {
+        "quantize_p": q.dtype == torch.float8_e4m3fn,
+        "p_dtype": v.dtype if v.dtype in (torch.bfloat16, torch.float16) else None,
+    }
 
 
-def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, window_left, window_right, softcap, q_descale, k_descale, v_descale,
-                out_scale, out_dtype, pack_gqa, descale_block, return_lse, out):
+def _dense_impl(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    seqused_q,
+    seqused_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    q_descale,
+    k_descale,
+    v_descale,
+    out_scale,
+    out_dtype,
+    pack_gqa,
+    descale_block,
+    return_lse,
+    out,
+):
     varlen = cu_seqlens_q is not None
     dt = _out_dtype(q, out_dtype, out_scale)
     oshape, lse_shape = _dense_shapes(q, v, varlen)
@@ -126,23 +185,64 @@ def _dense_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
         o = out if out is not None else torch.empty(oshape, dtype=dt, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
         with launch_device(q):
-            launch(q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal, window_size=window,
-                   softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                   out_scale=out_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                   seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-                   max_seqlen_k=max_seqlen_k, pack_gqa=bool(pack_gqa),
-                   descale_block_q=descale_block or None, descale_block_k=descale_block or None)
+            launch(
+                q,
+                k,
+                v,
+                o,
+                lse,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window,
+                softcap=softcap,
+                q_descale=q_descale,
+                k_descale=k_descale,
+                v_descale=v_descale,
+                out_scale=out_scale,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k,
+                seqused_q=seqused_q,
+                seqused_k=seqused_k,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                pack_gqa=bool(pack_gqa),
+                descale_block_q=descale_block or None,
+                descale_block_k=descale_block or None,
+            )
         return o, lse if return_lse else _no_lse(q)
-    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
-              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_scale=out_scale,
-              out_dtype=dt, return_lse=True, **_dense_p_model(q, v))
+    kw = dict(
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        out_scale=out_scale,
+        out_dtype=dt,
+        return_lse=True,
+        **_dense_p_model(q, v),
+    )
     if descale_block:  # per-block Q/K descales -> per-token scales for the reference
-        kw.update(q_descale=None, k_descale=None,
-                  q_token_descale=_block_tokens(q_descale, q, varlen, descale_block),
-                  k_token_descale=_block_tokens(k_descale, k, varlen, descale_block))
+        kw.update(
+            q_descale=None,
+            k_descale=None,
+            q_token_descale=_block_tokens(q_descale, q, varlen, descale_block),
+            k_token_descale=_block_tokens(k_descale, k, varlen, descale_block),
+        )
     if varlen:
-        o, lse = ref.varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          seqused_q=seqused_q, seqused_k=seqused_k, **kw)
+        o, lse = ref.varlen_attention_ref(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            seqused_q=seqused_q,
+            seqused_k=seqused_k,
+            **kw,
+        )
     else:
         sq = seqused_q.long() if seqused_q is not None else None
         sk = seqused_k.long() if seqused_k is not None else None
@@ -163,22 +263,66 @@ def _block_tokens(descale, x, varlen, block):
     return t[0] if varlen else t
 
 
-def _dense_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                    causal, window_left, window_right, softcap, q_descale, k_descale, v_descale, descale_block, mode,
-                    deterministic, grad_dtype):
-    kw = dict(softmax_scale=softmax_scale, causal=causal, window_left=int(window_left),
-              window_right=int(window_right), softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, mode=mode, deterministic=deterministic)
+def _dense_bwd_impl(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    q_descale,
+    k_descale,
+    v_descale,
+    descale_block,
+    mode,
+    deterministic,
+    grad_dtype,
+):
+    kw = dict(
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_left=int(window_left),
+        window_right=int(window_right),
+        softcap=softcap,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        mode=mode,
+        deterministic=deterministic,
+    )
     if q.device.type == "cuda":
         launch = kernel_for(q, "backward")  # (None: a fallback, already reported)
         why = _bwd_kernel_gap(q, launch)
         if why is None:
-            return _dense_bwd_kernel(launch, dout, q, k, v, out, lse, q_descale, k_descale, v_descale, descale_block,
-                                     grad_dtype, kw)
+            return _dense_bwd_kernel(
+                launch, dout, q, k, v, out, lse, q_descale, k_descale, v_descale, descale_block, grad_dtype, kw
+            )
         if launch is not None:
             report_fallback(why[0], why[1])
-    return ref.attention_bwd_ref(dout, q, k, v, out, lse, q_descale=q_descale, k_descale=k_descale,
-                                 v_descale=v_descale, descale_block=descale_block, grad_dtype=grad_dtype, **kw)
+    return ref.attention_bwd_ref(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        descale_block=descale_block,
+        grad_dtype=grad_dtype,
+        **kw,
+    )
 
 
 def _bwd_kernel_gap(q, launch):
@@ -187,13 +331,15 @@ def _bwd_kernel_gap(q, launch):
     if launch is None:
         return ("backward-no-kernel", "no backward kernel on this device/install")
     if q.dtype not in (torch.float8_e4m3fn, torch.bfloat16, torch.float16):
-        return ("backward-dtype", f"the backward kernel takes e4m3fn or bf16/fp16 inputs, got {q.dtype}; the "
-                "attention backward runs the torch reference")
+        return (
+            "backward-dtype",
+            f"the backward kernel takes e4m3fn or bf16/fp16 inputs, got {q.dtype}; the "
+            "attention backward runs the torch reference",
+        )
     return None
 
 
-def _dense_bwd_kernel(launch, dout, q, k, v, out, lse, q_descale, k_descale, v_descale, descale_block, grad_dtype,
-                      kw):
+def _dense_bwd_kernel(launch, dout, q, k, v, out, lse, q_descale, k_descale, v_descale, descale_block, grad_dtype, kw):
     if descale_block:  # the kernel folds (batch, nheads_k) descales only: per-block scales are applied here, to bf16
         q, k, v = _per_block_bf16(q, k, v, q_descale, k_descale, v_descale, descale_block, kw["cu_seqlens_k"])
         q_descale = k_descale = v_descale = None
@@ -201,8 +347,7 @@ def _dense_bwd_kernel(launch, dout, q, k, v, out, lse, q_descale, k_descale, v_d
     dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=grad_dtype, device=q.device)
     with launch_device(q):
-        launch(dout, q, k, v, out, lse, dq, dk, dv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-               **kw)
+        launch(dout, q, k, v, out, lse, dq, dk, dv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, **kw)
     return dq, dk, dv
 
 
@@ -220,9 +365,32 @@ def _per_block_bf16(q, k, v, q_descale, k_descale, v_descale, block, cu_seqlens_
     return qr.to(torch.bfloat16), kr.to(torch.bfloat16), vr.to(torch.bfloat16)
 
 
-def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                causal, window_left, window_right, softcap, q_descale, k_descale, v_descale, k_cache_scales,
-                v_cache_scales, out_scale, out_dtype, num_splits, return_lse, out, out_partial=None, lse_partial=None):
+def _paged_impl(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    cu_seqlens_q,
+    max_seqlen_q,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    q_descale,
+    k_descale,
+    v_descale,
+    k_cache_scales,
+    v_cache_scales,
+    out_scale,
+    out_dtype,
+    num_splits,
+    return_lse,
+    out,
+    out_partial=None,
+    lse_partial=None,
+):
     varlen = cu_seqlens_q is not None
     dt = _out_dtype(q, out_dtype, out_scale)
     oshape, lse_shape = _dense_shapes(q, v_cache, varlen)
@@ -234,37 +402,99 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
         o = out if out is not None else torch.empty(oshape, dtype=dt, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
         with launch_device(q):
-            launch(q, k_cache, v_cache, page_table, cache_seqlens, o, lse, cu_seqlens_q=cu_seqlens_q,
-                   max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
-                   window_size=window, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
-                   v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales,
-                   out_scale=out_scale, num_splits=num_splits, out_partial=out_partial, lse_partial=lse_partial)
+            launch(
+                q,
+                k_cache,
+                v_cache,
+                page_table,
+                cache_seqlens,
+                o,
+                lse,
+                cu_seqlens_q=cu_seqlens_q,
+                max_seqlen_q=max_seqlen_q,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window,
+                softcap=softcap,
+                q_descale=q_descale,
+                k_descale=k_descale,
+                v_descale=v_descale,
+                k_cache_scales=k_cache_scales,
+                v_cache_scales=v_cache_scales,
+                out_scale=out_scale,
+                num_splits=num_splits,
+                out_partial=out_partial,
+                lse_partial=lse_partial,
+            )
         return o, lse if return_lse else _no_lse(q)
     qg = q.shape[-2] // k_cache.shape[2]
     v_seq_major = is_v_seq_major(v_cache)
     token_scales = k_cache_scales is not None or v_cache_scales is not None
     # P as the Triton kernel rounds it (its decode rows' P@V runs in the same dtype as the call's)
-    precisions = paged_precisions(q.dtype, k_cache.dtype, v_cache.dtype, k_cache_scales is not None,
-                                  v_cache_scales is not None, max_seqlen_q, qg, v_seq_major)
+    precisions = paged_precisions(
+        q.dtype,
+        k_cache.dtype,
+        v_cache.dtype,
+        k_cache_scales is not None,
+        v_cache_scales is not None,
+        max_seqlen_q,
+        qg,
+        v_seq_major,
+    )
     p_e4m3, cdt = precisions[0][1:]
 
     def reference(p_e4m3):
         return ref.paged_attention_ref(
-            q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-            k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales, softmax_scale=softmax_scale,
-            causal=causal, window_size=window, softcap=softcap, q_descale=q_descale, k_descale=k_descale,
-            v_descale=v_descale, out_scale=out_scale, out_dtype=dt, return_lse=True, quantize_p=p_e4m3,
-            p_dtype=None if p_e4m3 or k_cache.dtype == torch.float32 else cdt)  # fp32: a CPU/test cache format
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            cache_seqlens,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q,
+            k_cache_scales=k_cache_scales,
+            v_cache_scales=v_cache_scales,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window,
+            softcap=softcap,
+            q_descale=q_descale,
+            k_descale=k_descale,
+            v_descale=v_descale,
+            out_scale=out_scale,
+            out_dtype=dt,
+            return_lse=True,
+            quantize_p=p_e4m3,
+            p_dtype=None if p_e4m3 or k_cache.dtype == torch.float32 else cdt,
+        )  # fp32: a CPU/test cache format
+
     o, lse = reference(p_e4m3)
     if not p_e4m3:  # FP8 prefill chunks the paged TMA kernel would take round P to e4m3 (FA3's layout)
-        rows = _paged_tma_tokens(q, k_cache, v_cache, page_table, cu_seqlens_q, max_seqlen_q, dt, window, softcap,
-                                 out_scale, token_scales, num_splits, v_seq_major, precisions)
+        rows = _paged_tma_tokens(
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            cu_seqlens_q,
+            max_seqlen_q,
+            dt,
+            window,
+            softcap,
+            out_scale,
+            token_scales,
+            num_splits,
+            v_seq_major,
+            precisions,
+        )
         if rows is True:
             o, lse = reference(True)
         elif rows is not None and bool(rows.any()):
             o8, lse8 = reference(True)
-            o = torch.where(rows[:, None, None], o8.view(torch.uint8), o.view(torch.uint8)).view(o.dtype) \
-                if o.element_size() == 1 else torch.where(rows[:, None, None], o8, o)
+            o = (
+                torch.where(rows[:, None, None], o8.view(torch.uint8), o.view(torch.uint8)).view(o.dtype)
+                if o.element_size() == 1
+                else torch.where(rows[:, None, None], o8, o)
+            )
             lse = torch.where(rows[None, :], lse8, lse)  # varlen LSE: (nheads, total_q)
     if out is not None:
         _into(out, o)
@@ -274,8 +504,22 @@ def _paged_impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
     return o, _fresh(lse) if return_lse else _no_lse(q)
 
 
-def _paged_tma_tokens(q, k_cache, v_cache, page_table, cu_seqlens_q, max_seqlen_q, out_dtype, window, softcap,
-                      out_scale, token_scales, num_splits, v_seq_major, precisions):
+def _paged_tma_tokens(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cu_seqlens_q,
+    max_seqlen_q,
+    out_dtype,
+    window,
+    softcap,
+    out_scale,
+    token_scales,
+    num_splits,
+    v_seq_major,
+    precisions,
+):
     """The query tokens of a paged call that the paged TMA kernel multiplies on the GPU, by the call's
     semantics (``kernels.planning.paged_tma_call_reason``): None (none), True (all: a fixed-length call), or a
     (total_q,) bool mask (varlen: the sequences of ``TMA_QUERY_BLOCK`` queries or more, unless the launch
@@ -284,9 +528,22 @@ def _paged_tma_tokens(q, k_cache, v_cache, page_table, cu_seqlens_q, max_seqlen_
     varlen = cu_seqlens_q is not None
     if (max_seqlen_q if varlen else q.shape[1]) < TMA_QUERY_BLOCK:
         return None
-    if paged_tma_call_reason(q, k_cache, v_cache, out_dtype, varlen=varlen, window_size=window, softcap=softcap,
-                             out_scale=out_scale, token_scales=token_scales, num_splits=num_splits,
-                             v_seq_major=v_seq_major) is not None:
+    if (
+        paged_tma_call_reason(
+            q,
+            k_cache,
+            v_cache,
+            out_dtype,
+            varlen=varlen,
+            window_size=window,
+            softcap=softcap,
+            out_scale=out_scale,
+            token_scales=token_scales,
+            num_splits=num_splits,
+            v_seq_major=v_seq_major,
+        )
+        is not None
+    ):
         return None
     if not varlen:
         return True
@@ -295,10 +552,24 @@ def _paged_tma_tokens(q, k_cache, v_cache, page_table, cu_seqlens_q, max_seqlen_
     batch, hk = cu.shape[0] - 1, k_cache.shape[2]
     if batch < 1:  # no sequences
         return None
-    splits = paged_grid(batch=batch, nheads_k=hk, qg=hq // hk, headdim=d, max_seqlen_q=max_seqlen_q, q_rows=total_q,
-                        varlen=True, page_size=k_cache.shape[1], capacity=page_table.shape[1] * k_cache.shape[1],
-                        mma_fp8=precisions[0][0], mma_fp8_s=precisions[1][0], v_seq_major=v_seq_major,
-                        fp8_cache=True, token_scales=token_scales, num_splits=num_splits, num_sms=CPU_NUM_SMS)[-1]
+    splits = paged_grid(
+        batch=batch,
+        nheads_k=hk,
+        qg=hq // hk,
+        headdim=d,
+        max_seqlen_q=max_seqlen_q,
+        q_rows=total_q,
+        varlen=True,
+        page_size=k_cache.shape[1],
+        capacity=page_table.shape[1] * k_cache.shape[1],
+        mma_fp8=precisions[0][0],
+        mma_fp8_s=precisions[1][0],
+        v_seq_major=v_seq_major,
+        fp8_cache=True,
+        token_scales=token_scales,
+        num_splits=num_splits,
+        num_sms=CPU_NUM_SMS,
+    )[-1]
     if splits > 1:
         return None
     seq, tok = packed_token_seqs(cu, total_q)
@@ -328,20 +599,33 @@ def _combine_impl(out_partial, lse_partial, out_scale, out_dtype, out):
     return o, _fresh(lse)
 
 
-def _write_kv_cache_impl(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
-                         k_cache_scales, v_cache_scales):
+def _write_kv_cache_impl(
+    k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales
+):
     launch = kernel_for(k, "cache")
     if launch is not None:
         with launch_device(k):
-            launch(k, v, k_cache, v_cache, slot_mapping, k_descale=k_descale, v_descale=v_descale,
-                   token_seq_idx=token_seq_idx, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+            launch(
+                k,
+                v,
+                k_cache,
+                v_cache,
+                slot_mapping,
+                k_descale=k_descale,
+                v_descale=v_descale,
+                token_seq_idx=token_seq_idx,
+                k_cache_scales=k_cache_scales,
+                v_cache_scales=v_cache_scales,
+            )
         return
-    _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
-                          k_cache_scales, v_cache_scales)
+    _write_kv_cache_torch(
+        k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales
+    )
 
 
-def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
-                          k_cache_scales, v_cache_scales):
+def _write_kv_cache_torch(
+    k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales
+):
     nb, ps, hk, _ = k_cache.shape
     # unchecked slots (a GPU call without validate=True) outside the cache are skipped, as the kernel does
     keep = (slot_mapping >= 0) & (slot_mapping < nb * ps)
@@ -371,13 +655,35 @@ def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, k_descale, v_des
         cache.view(torch.uint8)[blk, off] = q8.view(torch.uint8)
 
 
-def _append_kv_cache_impl(k, v, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_k_new, k_descale, v_descale,
-                          k_cache_scales, v_cache_scales):
+def _append_kv_cache_impl(
+    k,
+    v,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    cu_seqlens_k_new,
+    k_descale,
+    v_descale,
+    k_cache_scales,
+    v_cache_scales,
+):
     launch = kernel_for(k, "append")
     if launch is not None:
         with launch_device(k):
-            return launch(k, v, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_k_new, k_descale=k_descale,
-                          v_descale=v_descale, k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+            return launch(
+                k,
+                v,
+                k_cache,
+                v_cache,
+                page_table,
+                cache_seqlens,
+                cu_seqlens_k_new,
+                k_descale=k_descale,
+                v_descale=v_descale,
+                k_cache_scales=k_cache_scales,
+                v_cache_scales=v_cache_scales,
+            )
     # the reference: explicit slots (-1 where the kernel skips the token), then the scatter
     batch, hk = page_table.shape[0], k.shape[-2]
     if cu_seqlens_k_new is None:
@@ -391,8 +697,9 @@ def _append_kv_cache_impl(k, v, k_cache, v_cache, page_table, cache_seqlens, cu_
     seq = seq.clamp(max=max(batch - 1, 0))
     pos = cache_seqlens.long()[seq] + i if batch else i
     slots = torch.where(live, slot_mapping_for(page_table, k_cache.shape[1], seq, pos, k_cache.shape[0]), -1)
-    _write_kv_cache_torch(k, v, k_cache, v_cache, slots, k_descale, v_descale, seq.to(torch.int32), k_cache_scales,
-                          v_cache_scales)
+    _write_kv_cache_torch(
+        k, v, k_cache, v_cache, slots, k_descale, v_descale, seq.to(torch.int32), k_cache_scales, v_cache_scales
+    )
     return (cache_seqlens + new_len).to(torch.int32)
 
 
@@ -420,6 +727,7 @@ def _scaled_bmm_impl(a, b, scale_a, scale_b, out_dtype):
 # Fakes (shapes/dtypes/strides only; no data access)
 # --------------------------------------------------------------------------------------------
 
+
 def _lse_fake(q, v, cu_seqlens_q, return_lse):
     """An attention op's LSE: float32 (batch, nheads_q, seqlen_q) / varlen (nheads_q, total_q), or empty
     without ``return_lse``."""
@@ -431,13 +739,33 @@ def _lse_fake(q, v, cu_seqlens_q, return_lse):
 def _attn_fake(q, v, cu_seqlens_q, out_scale, out_dtype, return_lse):
     """(out, lse) of an attention op: out is q's shape with v's head dim; lse as ``_lse_fake``."""
     oshape = _dense_shapes(q, v, cu_seqlens_q is not None)[0]
-    return (q.new_empty(oshape, dtype=_out_dtype(q, out_dtype, out_scale)),
-            _lse_fake(q, v, cu_seqlens_q, return_lse))
+    return (q.new_empty(oshape, dtype=_out_dtype(q, out_dtype, out_scale)), _lse_fake(q, v, cu_seqlens_q, return_lse))
 
 
-def _dense_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, window_left, window_right, softcap, q_descale, k_descale, v_descale,
-                out_scale, out_dtype, pack_gqa, descale_block, return_lse):
+def _dense_fake(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    seqused_q,
+    seqused_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    q_descale,
+    k_descale,
+    v_descale,
+    out_scale,
+    out_dtype,
+    pack_gqa,
+    descale_block,
+    return_lse,
+):
     return _attn_fake(q, v, cu_seqlens_q, out_scale, out_dtype, return_lse)
 
 
@@ -452,9 +780,29 @@ def _dense_out_fake(*args):
     return _lse_fake(q, v, cu, return_lse)
 
 
-def _paged_fake(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                causal, window_left, window_right, softcap, q_descale, k_descale, v_descale, k_cache_scales,
-                v_cache_scales, out_scale, out_dtype, num_splits, return_lse):
+def _paged_fake(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    cu_seqlens_q,
+    max_seqlen_q,
+    softmax_scale,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    q_descale,
+    k_descale,
+    v_descale,
+    k_cache_scales,
+    v_cache_scales,
+    out_scale,
+    out_dtype,
+    num_splits,
+    return_lse,
+):
     return _attn_fake(q, v_cache, cu_seqlens_q, out_scale, out_dtype, return_lse)
 
 
@@ -464,8 +812,10 @@ def _paged_out_fake(*args):
 
 
 def _combine_fake(out_partial, lse_partial, out_scale, out_dtype):
-    return (out_partial.new_empty(out_partial.shape[1:], dtype=_combine_dtype(out_partial, out_dtype, out_scale)),
-            lse_partial.new_empty(lse_partial.shape[1:], dtype=torch.float32))
+    return (
+        out_partial.new_empty(out_partial.shape[1:], dtype=_combine_dtype(out_partial, out_dtype, out_scale)),
+        lse_partial.new_empty(lse_partial.shape[1:], dtype=torch.float32),
+    )
 
 
 def _combine_out_fake(out_partial, lse_partial, out_scale, out):
@@ -481,8 +831,11 @@ def _append_kv_cache_fake(k, v, k_cache, v_cache, page_table, cache_seqlens, *ar
 
 
 def _quantize_fp8_fake(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
-    y = empty_seq_major(tuple(x.shape), torch.float8_e4m3fn, x.device) if seq_major else \
-        x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+    y = (
+        empty_seq_major(tuple(x.shape), torch.float8_e4m3fn, x.device)
+        if seq_major
+        else x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+    )
     return y, x.new_empty(descale_shape(x, granularity, nheads_k, block_t), dtype=torch.float32)
 
 
@@ -498,56 +851,87 @@ def _scaled_bmm_fake(a, b, scale_a, scale_b, out_dtype):
 # Registration
 # --------------------------------------------------------------------------------------------
 
-_DENSE_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, "
-               "Tensor? seqused_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, float softmax_scale, bool causal, "
-               "int window_left, int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, "
-               "Tensor? v_descale, Tensor? out_scale, ScalarType? out_dtype, bool pack_gqa, int descale_block, "
-               "bool return_lse")
+_DENSE_ARGS = (
+    "Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, "
+    "Tensor? seqused_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, float softmax_scale, bool causal, "
+    "int window_left, int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, "
+    "Tensor? v_descale, Tensor? out_scale, ScalarType? out_dtype, bool pack_gqa, int descale_block, "
+    "bool return_lse"
+)
 _DENSE_NARGS = _DENSE_ARGS.count(",") + 1
-_DENSE_BWD_ARGS = ("Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
-                   "Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, float softmax_scale, bool causal, "
-                   "int window_left, int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, "
-                   "Tensor? v_descale, int descale_block, str mode, bool deterministic, ScalarType grad_dtype")
-_PAGED_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cache_seqlens, "
-               "Tensor? cu_seqlens_q, SymInt? max_seqlen_q, float softmax_scale, bool causal, int window_left, "
-               "int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, "
-               "Tensor? k_cache_scales, Tensor? v_cache_scales, Tensor? out_scale, ScalarType? out_dtype, "
-               "int num_splits, bool return_lse")
+_DENSE_BWD_ARGS = (
+    "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
+    "Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, float softmax_scale, bool causal, "
+    "int window_left, int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, "
+    "Tensor? v_descale, int descale_block, str mode, bool deterministic, ScalarType grad_dtype"
+)
+_PAGED_ARGS = (
+    "Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cache_seqlens, "
+    "Tensor? cu_seqlens_q, SymInt? max_seqlen_q, float softmax_scale, bool causal, int window_left, "
+    "int window_right, float softcap, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, "
+    "Tensor? k_cache_scales, Tensor? v_cache_scales, Tensor? out_scale, ScalarType? out_dtype, "
+    "int num_splits, bool return_lse"
+)
 _PAGED_NARGS = _PAGED_ARGS.count(",") + 1
 # The split-KV partials (``paged.split_workspace``): scratch the kernel writes when it splits the keys
 # (``paged_fwd_out`` only).
 _SPLIT_WS = "Tensor(b!)? out_partial=None, Tensor(c!)? lse_partial=None"
 
-# name -> (schema, implementation, fake)
-_SPECS = {
+# name -> (schema, implementation, fake). (The `type: ignore`s below: mypy takes `*a` to fill every parameter,
+# so the trailing `out=None` reads as one argument too many.)
+_SPECS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
     # (bwd_mode / deterministic only steer the backward: see _dense_setup_context)
-    "dense_fwd": (f"({_DENSE_ARGS}, str bwd_mode='dequantized', bool deterministic=False) -> (Tensor, Tensor)",
-                  lambda *a: _dense_impl(*a[:_DENSE_NARGS], None), lambda *a: _dense_fake(*a[:_DENSE_NARGS])),
+    "dense_fwd": (
+        f"({_DENSE_ARGS}, str bwd_mode='dequantized', bool deterministic=False) -> (Tensor, Tensor)",
+        lambda *a: _dense_impl(*a[:_DENSE_NARGS], None),  # type: ignore[call-arg]
+        lambda *a: _dense_fake(*a[:_DENSE_NARGS]),
+    ),
     "dense_bwd": (f"({_DENSE_BWD_ARGS}) -> (Tensor, Tensor, Tensor)", _dense_bwd_impl, _dense_bwd_fake),
-    "dense_fwd_out": (f"({_DENSE_ARGS}, Tensor(a!) out) -> Tensor",
-                      lambda *a: _dense_impl(*a)[1], _dense_out_fake),
+    "dense_fwd_out": (f"({_DENSE_ARGS}, Tensor(a!) out) -> Tensor", lambda *a: _dense_impl(*a)[1], _dense_out_fake),
     # (functional: no mutable argument, so graphs keep it as a plain node that passes can rewrite; a call with
     # a split workspace takes the out variant)
-    "paged_fwd": (f"({_PAGED_ARGS}) -> (Tensor, Tensor)", lambda *a: _paged_impl(*a, None), _paged_fake),
-    "paged_fwd_out": (f"({_PAGED_ARGS}, Tensor(a!) out, {_SPLIT_WS}) -> Tensor",
-                      lambda *a: _paged_impl(*a)[1], _paged_out_fake),
-    "combine": ("(Tensor out_partial, Tensor lse_partial, Tensor? out_scale, ScalarType? out_dtype) -> (Tensor, Tensor)",
-                lambda *a: _combine_impl(*a, None), _combine_fake),
-    "combine_out": ("(Tensor out_partial, Tensor lse_partial, Tensor? out_scale, Tensor(a!) out) -> Tensor",
-                    lambda op, lp, sc, out: _combine_impl(op, lp, sc, None, out)[1], _combine_out_fake),
-    "write_kv_cache": ("(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-                       "Tensor? k_descale, Tensor? v_descale, Tensor? token_seq_idx, Tensor(c!)? k_cache_scales, "
-                       "Tensor(d!)? v_cache_scales) -> ()",
-                       _write_kv_cache_impl, _write_kv_cache_fake),
-    "append_kv_cache": ("(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor page_table, "
-                        "Tensor cache_seqlens, Tensor? cu_seqlens_k_new, Tensor? k_descale, Tensor? v_descale, "
-                        "Tensor(c!)? k_cache_scales, Tensor(d!)? v_cache_scales) -> Tensor",
-                        _append_kv_cache_impl, _append_kv_cache_fake),
+    "paged_fwd": (f"({_PAGED_ARGS}) -> (Tensor, Tensor)", lambda *a: _paged_impl(*a, None), _paged_fake),  # type: ignore[call-arg]
+    "paged_fwd_out": (
+        f"({_PAGED_ARGS}, Tensor(a!) out, {_SPLIT_WS}) -> Tensor",
+        lambda *a: _paged_impl(*a)[1],
+        _paged_out_fake,
+    ),
+    "combine": (
+        "(Tensor out_partial, Tensor lse_partial, Tensor? out_scale, ScalarType? out_dtype) -> (Tensor, Tensor)",
+        lambda *a: _combine_impl(*a, None),  # type: ignore[call-arg]
+        _combine_fake,
+    ),
+    "combine_out": (
+        "(Tensor out_partial, Tensor lse_partial, Tensor? out_scale, Tensor(a!) out) -> Tensor",
+        lambda op, lp, sc, out: _combine_impl(op, lp, sc, None, out)[1],
+        _combine_out_fake,
+    ),
+    "write_kv_cache": (
+        "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor? k_descale, Tensor? v_descale, Tensor? token_seq_idx, Tensor(c!)? k_cache_scales, "
+        "Tensor(d!)? v_cache_scales) -> ()",
+        _write_kv_cache_impl,
+        _write_kv_cache_fake,
+    ),
+    "append_kv_cache": (
+        "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor page_table, "
+        "Tensor cache_seqlens, Tensor? cu_seqlens_k_new, Tensor? k_descale, Tensor? v_descale, "
+        "Tensor(c!)? k_cache_scales, Tensor(d!)? v_cache_scales) -> Tensor",
+        _append_kv_cache_impl,
+        _append_kv_cache_fake,
+    ),
     "quant_fp8_static": ("(Tensor x, Tensor scale) -> Tensor", _quant_impl, _quant_fake),
-    "quantize_fp8": ("(Tensor x, str granularity, int nheads_k, bool rotate, int seed, int block_t, bool seq_major, "
-                     "bool use_triton) -> (Tensor, Tensor)", _quantize_fp8_impl, _quantize_fp8_fake),
-    "scaled_bmm": ("(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype) -> Tensor",
-                   _scaled_bmm_impl, _scaled_bmm_fake),
+    "quantize_fp8": (
+        "(Tensor x, str granularity, int nheads_k, bool rotate, int seed, int block_t, bool seq_major, "
+        "bool use_triton) -> (Tensor, Tensor)",
+        _quantize_fp8_impl,
+        _quantize_fp8_fake,
+    ),
+    "scaled_bmm": (
+        "(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype) -> Tensor",
+        _scaled_bmm_impl,
+        _scaled_bmm_fake,
+    ),
 }
 
 # --------------------------------------------------------------------------------------------
@@ -570,8 +954,10 @@ def fp8_backward_mode() -> str:
 
 def check_bwd_mode(name, mode):
     if mode not in BWD_MODES:
-        raise ValueError(f"{name}: expected one of {BWD_MODES}, got {mode!r}. 'dequantized' runs the backward "
-                         "products in 16/32-bit; 'fp8' rounds dO, P and dS to e4m3 with per-block scales.")
+        raise ValueError(
+            f"{name}: expected one of {BWD_MODES}, got {mode!r}. 'dequantized' runs the backward "
+            "products in 16/32-bit; 'fp8' rounds dO, P and dS to e4m3 with per-block scales."
+        )
     return mode
 
 
@@ -582,8 +968,32 @@ def _grad_dtype(x):
 
 
 def _dense_setup_context(ctx, inputs, output):
-    (q, k, v, cu_q, cu_k, _squ, _suk, max_q, max_k, scale, causal, wl, wr, softcap, qd, kd, vd, _osc, _odt, _pg,
-     block, return_lse, mode, deterministic) = inputs
+    (
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        _squ,
+        _suk,
+        max_q,
+        max_k,
+        scale,
+        causal,
+        wl,
+        wr,
+        softcap,
+        qd,
+        kd,
+        vd,
+        _osc,
+        _odt,
+        _pg,
+        block,
+        return_lse,
+        mode,
+        deterministic,
+    ) = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)  # (as FA3: the LSE output carries no gradient)
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, qd, kd, vd)
@@ -599,16 +1009,41 @@ def _dense_backward(ctx, grad_out, grad_lse):
         args[_DENSE_NARGS - 1] = True
         with torch.no_grad():
             lse = OPS["dense_fwd"](*args)[1]
-    grads = OPS["dense_bwd"](grad_out.contiguous(), q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr,
-                             softcap, qd, kd, vd, block, mode, deterministic, _grad_dtype(q))
+    grads = OPS["dense_bwd"](
+        grad_out.contiguous(),
+        q,
+        k,
+        v,
+        o,
+        lse,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        scale,
+        causal,
+        wl,
+        wr,
+        softcap,
+        qd,
+        kd,
+        vd,
+        block,
+        mode,
+        deterministic,
+        _grad_dtype(q),
+    )
     return (*grads,) + (None,) * (_DENSE_NARGS + 2 - 3)
 
 
 # name -> (backward, setup_context) for torch.library.register_autograd
 _AUTOGRAD = {"dense_fwd": (_dense_backward, _dense_setup_context)}
 
-_TAGS = tuple(t for t in (getattr(torch.Tag, "pt2_compliant_tag", None),
-                          getattr(torch.Tag, "needs_fixed_stride_order", None)) if t is not None)
+_TAGS = tuple(
+    t
+    for t in (getattr(torch.Tag, "pt2_compliant_tag", None), getattr(torch.Tag, "needs_fixed_stride_order", None))
+    if t is not None
+)
 
 
 def _op_exists(name: str) -> bool:
@@ -629,13 +1064,14 @@ def _register():
             continue
         if lib is None:
             lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-            setattr(ns, "_fp8attn_library", lib)
+            ns._fp8attn_library = lib
         lib.define(name + schema, tags=_TAGS)
         lib.impl(name, impl, "CompositeExplicitAutograd")
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
         if name in _AUTOGRAD:
-            torch.library.register_autograd(f"{NAMESPACE}::{name}", _AUTOGRAD[name][0],
-                                            setup_context=_AUTOGRAD[name][1], lib=lib)
+            torch.library.register_autograd(
+                f"{NAMESPACE}::{name}", _AUTOGRAD[name][0], setup_context=_AUTOGRAD[name][1], lib=lib
+            )
         else:
             # Non-differentiable ops: autograd falls through in C++ (no Python hop per call). The Python
             # entry points attach a backward that raises when an input requires grad (_no_backward).
@@ -656,6 +1092,7 @@ _append_kv_cache_op = OPS["append_kv_cache"]
 # Python entry points (the signatures interface.py calls)
 # --------------------------------------------------------------------------------------------
 
+
 class _RaiseOnBackward(torch.autograd.Function):
     """Identity on ``out`` that links it to the inputs and raises in backward."""
 
@@ -669,7 +1106,8 @@ class _RaiseOnBackward(torch.autograd.Function):
         raise NotImplementedError(
             f"fp8attn::{ctx.op_name} has no backward (paged / KV-cache attention and combine are inference ops; "
             "the dense and varlen attention of flash_attn_func / flash_attn_varlen_func and fp8attn.attention are "
-            "differentiable). Run inference under torch.no_grad() / torch.inference_mode(), or detach the inputs.")
+            "differentiable). Run inference under torch.no_grad() / torch.inference_mode(), or detach the inputs."
+        )
 
 
 class QuantizedAttention(torch.autograd.Function):
@@ -689,8 +1127,30 @@ class QuantizedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q8, k8, v8, q_descale, k_descale, v_descale, rotation, attn):
         cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = attn
-        args = (q8, k8, v8, cu_q, cu_k, None, None, max_q, max_k, scale, causal, wl, wr, softcap, q_descale,
-                k_descale, v_descale, None, q.dtype, False, block, True)
+        args = (
+            q8,
+            k8,
+            v8,
+            cu_q,
+            cu_k,
+            None,
+            None,
+            max_q,
+            max_k,
+            scale,
+            causal,
+            wl,
+            wr,
+            softcap,
+            q_descale,
+            k_descale,
+            v_descale,
+            None,
+            q.dtype,
+            False,
+            block,
+            True,
+        )
         o, lse = _dense_impl(*args, None) if _eager_direct(q8, k8, v8) else _dense_op(*args)
         ctx.save_for_backward(q8, k8, v8, q_descale, k_descale, v_descale, o, lse, rotation, cu_q, cu_k)
         ctx.attn = attn
@@ -703,8 +1163,30 @@ class QuantizedAttention(torch.autograd.Function):
         q8, k8, v8, qd, kd, vd, o, lse, rotation, cu_q, cu_k = ctx.saved_tensors
         _, _, max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = ctx.attn
         gdt = torch.float32 if rotation is not None else ctx.grad_dtypes[0]
-        dq, dk, dv = OPS["dense_bwd"](grad_out.contiguous(), q8, k8, v8, o, lse, cu_q, cu_k, max_q, max_k, scale,
-                                      causal, wl, wr, softcap, qd, kd, vd, block, mode, deterministic, gdt)
+        dq, dk, dv = OPS["dense_bwd"](
+            grad_out.contiguous(),
+            q8,
+            k8,
+            v8,
+            o,
+            lse,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            scale,
+            causal,
+            wl,
+            wr,
+            softcap,
+            qd,
+            kd,
+            vd,
+            block,
+            mode,
+            deterministic,
+            gdt,
+        )
         if rotation is not None:  # x_rot = x @ R  =>  dL/dx = dL/dx_rot @ R^T
             dq = (dq @ rotation.t()).to(ctx.grad_dtypes[0])
             dk = (dk @ rotation.t()).to(ctx.grad_dtypes[1])
@@ -718,8 +1200,10 @@ def _needs_grad(*ts):
 def _no_backward(name, res, grad_inputs, out_given):
     """Attach a raising backward to the first output when an input requires grad."""
     if out_given:
-        raise NotImplementedError(f"fp8attn::{name}: out= with inputs that require grad is not supported (there is "
-                                  "no backward). Run under torch.no_grad() or drop out=.")
+        raise NotImplementedError(
+            f"fp8attn::{name}: out= with inputs that require grad is not supported (there is "
+            "no backward). Run under torch.no_grad() or drop out=."
+        )
     o, lse = res
     if not o.is_floating_point() or o.dtype.itemsize == 1:
         return res  # an FP8 output cannot carry a gradient anyway
@@ -728,26 +1212,58 @@ def _no_backward(name, res, grad_inputs, out_given):
 
 def _check_grad_call(out, out_scale, seqused_q, seqused_k):
     """The forward options the attention backward does not take, rejected before anything runs."""
-    for name, val, why in (("out", out, "a preallocated output is written in place (no autograd through it)"),
-                           ("out_scale", out_scale, "an FP8 output carries no gradient"),
-                           ("seqused_q", seqused_q, "the backward takes whole varlen sequences"),
-                           ("seqused_k", seqused_k, "the backward takes whole varlen sequences")):
+    for name, val, why in (
+        ("out", out, "a preallocated output is written in place (no autograd through it)"),
+        ("out_scale", out_scale, "an FP8 output carries no gradient"),
+        ("seqused_q", seqused_q, "the backward takes whole varlen sequences"),
+        ("seqused_k", seqused_k, "the backward takes whole varlen sequences"),
+    ):
         if val is not None:
-            raise NotImplementedError(f"{name}= with inputs that require grad is not supported: {why}. Drop {name}, "
-                                      "or run under torch.no_grad() for inference.")
+            raise NotImplementedError(
+                f"{name}= with inputs that require grad is not supported: {why}. Drop {name}, "
+                "or run under torch.no_grad() for inference."
+            )
 
 
 def _eager_direct(*ts) -> bool:
     """Whether a call may run an op's implementation without the dispatcher (see module docstring)."""
-    return (not torch.compiler.is_compiling() and torch._C._len_torch_function_stack() == 0
-            and torch._C._len_torch_dispatch_stack() == 0 and torch._C._functorch.peek_interpreter_stack() is None
-            and torch._C._get_tracing_state() is None and all(type(t) is torch.Tensor for t in ts if t is not None))
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_function_stack() == 0
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and torch._C._get_tracing_state() is None
+        and all(type(t) is torch.Tensor for t in ts if t is not None)
+    )
 
 
-def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-              max_seqlen_q=None, max_seqlen_k=None, softmax_scale, causal, window_size, softcap,
-              q_descale, k_descale, v_descale, out_scale=None, out_dtype=None, out=None,
-              pack_gqa=None, descale_block=0, return_lse=True, fp8_backward=None, deterministic=False):
+def dense_fwd(
+    q,
+    k,
+    v,
+    *,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    seqused_q=None,
+    seqused_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    q_descale,
+    k_descale,
+    v_descale,
+    out_scale=None,
+    out_dtype=None,
+    out=None,
+    pack_gqa=None,
+    descale_block=0,
+    return_lse=True,
+    fp8_backward=None,
+    deterministic=False,
+):
     """Dense (4-D q) or varlen (3-D q + cu_seqlens) forward through ``fp8attn::dense_fwd[_out]``.
 
     Differentiable when q, k or v requires grad (grad mode on): the call then goes through the dispatcher
@@ -773,10 +1289,30 @@ def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, 
     (out, lse) : out (..., nheads_q, headdim_v); lse float32 (batch, nheads_q, seqlen_q) or varlen
         (nheads_q, total_q), or (0,) without ``return_lse``.
     """
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-            float(softmax_scale), bool(causal), window_size[0], window_size[1], float(softcap),
-            q_descale, k_descale, v_descale, out_scale, out_dtype, bool(pack_gqa), int(descale_block),
-            bool(return_lse))
+    args = (
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_q,
+        seqused_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        float(softmax_scale),
+        bool(causal),
+        window_size[0],
+        window_size[1],
+        float(softcap),
+        q_descale,
+        k_descale,
+        v_descale,
+        out_scale,
+        out_dtype,
+        bool(pack_gqa),
+        int(descale_block),
+        bool(return_lse),
+    )
     if _needs_grad(q, k, v):  # never the eager fast path: autograd is registered on the op
         _check_grad_call(out, out_scale, seqused_q, seqused_k)
         mode = check_bwd_mode("fp8_backward", fp8_backward if fp8_backward is not None else fp8_backward_mode())
@@ -789,10 +1325,31 @@ def dense_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, 
     return out, _dense_out_op(*args, out)
 
 
-def paged_fwd(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=None, max_seqlen_q=None,
-              softmax_scale, causal, window_size, softcap, q_descale, k_descale, v_descale,
-              k_cache_scales=None, v_cache_scales=None, out_scale=None, out_dtype=None, out=None,
-              num_splits=0, return_lse=True, split_workspace=None):
+def paged_fwd(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    *,
+    cu_seqlens_q=None,
+    max_seqlen_q=None,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    q_descale,
+    k_descale,
+    v_descale,
+    k_cache_scales=None,
+    v_cache_scales=None,
+    out_scale=None,
+    out_dtype=None,
+    out=None,
+    num_splits=0,
+    return_lse=True,
+    split_workspace=None,
+):
     """Attention over a paged cache (chunked prefill, mixed batches, decode) through
     ``fp8attn::paged_fwd[_out]``.
 
@@ -811,13 +1368,34 @@ def paged_fwd(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=No
     (out, lse) : out (..., nheads_q, headdim_v); lse float32 (batch, nheads_q, seqlen_q) or (nheads_q, total_q),
         or (0,) without ``return_lse``.
     """
-    args = (q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, float(softmax_scale),
-            bool(causal), window_size[0], window_size[1], float(softcap), q_descale, k_descale, v_descale,
-            k_cache_scales, v_cache_scales, out_scale, out_dtype, int(num_splits), bool(return_lse))
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        cache_seqlens,
+        cu_seqlens_q,
+        max_seqlen_q,
+        float(softmax_scale),
+        bool(causal),
+        window_size[0],
+        window_size[1],
+        float(softcap),
+        q_descale,
+        k_descale,
+        v_descale,
+        k_cache_scales,
+        v_cache_scales,
+        out_scale,
+        out_dtype,
+        int(num_splits),
+        bool(return_lse),
+    )
     ws = tuple(split_workspace) if split_workspace is not None else (None, None)
     if _needs_grad(q, k_cache, v_cache):  # (the workspace is scratch: the functional op allocates its own)
-        return _no_backward("paged_fwd", _paged_op(*args) if out is None else None, (q, k_cache, v_cache),
-                            out is not None)
+        return _no_backward(
+            "paged_fwd", _paged_op(*args) if out is None else None, (q, k_cache, v_cache), out is not None
+        )
     if _eager_direct(q, k_cache, v_cache, out, *ws):
         return _paged_impl(*args, out, *ws)
     if out is None and split_workspace is None:
@@ -840,8 +1418,12 @@ def combine(out_partial, lse_partial, *, out=None, out_dtype=None, out_scale=Non
     (out, lse) : out (..., headdim) in out_dtype (e4m3fn with out_scale); lse (...) float32.
     """
     if _needs_grad(out_partial):
-        return _no_backward("combine", _combine_op(out_partial, lse_partial, out_scale, out_dtype) if out is None
-                            else None, (out_partial,), out is not None)
+        return _no_backward(
+            "combine",
+            _combine_op(out_partial, lse_partial, out_scale, out_dtype) if out is None else None,
+            (out_partial,),
+            out is not None,
+        )
     if _eager_direct(out_partial, lse_partial, out):
         return _combine_impl(out_partial, lse_partial, out_scale, out_dtype, out)
     if out is None:
@@ -849,8 +1431,19 @@ def combine(out_partial, lse_partial, *, out=None, out_dtype=None, out_scale=Non
     return out, _combine_out_op(out_partial, lse_partial, out_scale, out)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_descale=None,
-                   token_seq_idx=None, k_cache_scales=None, v_cache_scales=None):
+def write_kv_cache(
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    k_descale=None,
+    v_descale=None,
+    token_seq_idx=None,
+    k_cache_scales=None,
+    v_cache_scales=None,
+):
     """Scatter (and quantize) new tokens into a paged cache in place (``fp8attn::write_kv_cache``).
     Negative slots are skipped.
 
@@ -859,12 +1452,25 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_descale=None, v_de
     k, v : (num_tokens, nheads_k, headdim[_v]) 16/32-bit. k_cache, v_cache : (num_blocks, page_size,
     nheads_k, headdim[_v]), mutated. slot_mapping : (num_tokens,) int32/int64.
     """
-    _write_kv_cache_op(k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx,
-                       k_cache_scales, v_cache_scales)
+    _write_kv_cache_op(
+        k, v, k_cache, v_cache, slot_mapping, k_descale, v_descale, token_seq_idx, k_cache_scales, v_cache_scales
+    )
 
 
-def append_kv_cache(k, v, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_k_new=None, k_descale=None,
-                    v_descale=None, k_cache_scales=None, v_cache_scales=None):
+def append_kv_cache(
+    k,
+    v,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    *,
+    cu_seqlens_k_new=None,
+    k_descale=None,
+    v_descale=None,
+    k_cache_scales=None,
+    v_cache_scales=None,
+):
     """Append new tokens after each sequence's cached ones, quantized as ``write_kv_cache`` does, in place
     (``fp8attn::append_kv_cache``: on a GPU one launch that derives the slots itself).
 
@@ -884,8 +1490,19 @@ def append_kv_cache(k, v, k_cache, v_cache, page_table, cache_seqlens, *, cu_seq
     -------
     (batch,) int32: the lengths after the append (cache_seqlens + each sequence's new tokens).
     """
-    args = (k, v, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_k_new, k_descale, v_descale,
-            k_cache_scales, v_cache_scales)
+    args = (
+        k,
+        v,
+        k_cache,
+        v_cache,
+        page_table,
+        cache_seqlens,
+        cu_seqlens_k_new,
+        k_descale,
+        v_descale,
+        k_cache_scales,
+        v_cache_scales,
+    )
     if _eager_direct(*args):
         return _append_kv_cache_impl(*args)
     return _append_kv_cache_op(*args)

@@ -1,18 +1,45 @@
 """Paged KV-cache layout helpers (torch): page tables, slot mappings, cache and split-workspace allocation, the
 V layout predicates and the precision rule the paged kernels and the CPU path share."""
+
 from __future__ import annotations
 
 import torch
 
-from .kernels.planning import (decode_row_queries, decode_shaped, is_v_seq_major, paged_precision, paged_precisions,
-                               small_shaped, split_partials)
+from .kernels.planning import (
+    decode_row_queries,
+    decode_shaped,
+    is_v_seq_major,
+    paged_precision,
+    paged_precisions,
+    small_shaped,
+    split_partials,
+)
 
-__all__ = ["make_page_table", "slot_mapping_for", "alloc_paged_cache", "empty_paged", "to_v_seq_major",
-           "is_v_seq_major", "paged_precision", "paged_precisions", "decode_shaped", "small_shaped",
-           "decode_row_queries", "packed_token_seqs", "token_rows", "split_workspace"]
+__all__ = [
+    "make_page_table",
+    "slot_mapping_for",
+    "alloc_paged_cache",
+    "empty_paged",
+    "to_v_seq_major",
+    "is_v_seq_major",
+    "paged_precision",
+    "paged_precisions",
+    "decode_shaped",
+    "small_shaped",
+    "decode_row_queries",
+    "packed_token_seqs",
+    "token_rows",
+    "split_workspace",
+]
 
-_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.bfloat16, torch.float16,
-                 torch.float32)
+_CACHE_DTYPES = (
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+)
 
 
 def _check_cache_shape(**sizes):
@@ -22,11 +49,21 @@ def _check_cache_shape(**sizes):
         if isinstance(n, bool) or not isinstance(n, int) or n < lo:
             got = repr(n) if isinstance(n, (int, float, str)) else type(n).__name__
             raise (ValueError if isinstance(n, int) and not isinstance(n, bool) else TypeError)(
-                f"{name}: expected an int >= {lo}, got {got}. Pass the {name.replace('_', ' ')} as an int.")
+                f"{name}: expected an int >= {lo}, got {got}. Pass the {name.replace('_', ' ')} as an int."
+            )
 
 
-def alloc_paged_cache(num_blocks, page_size, nheads_k, headdim, dtype=torch.float8_e4m3fn, device="cpu",
-                      poison_nan=False, with_scales=False, v_seq_major=False):
+def alloc_paged_cache(
+    num_blocks,
+    page_size,
+    nheads_k,
+    headdim,
+    dtype=torch.float8_e4m3fn,
+    device="cpu",
+    poison_nan=False,
+    with_scales=False,
+    v_seq_major=False,
+):
     """Allocate (k_cache, v_cache[, k_scales, v_scales]) of shape (num_blocks, page_size, nheads_k, headdim).
 
     num_blocks >= 0, page_size, nheads_k, headdim >= 1 (ints); dtype: e4m3fn, e5m2, e4m3fnuz (CPU emulation),
@@ -37,11 +74,14 @@ def alloc_paged_cache(num_blocks, page_size, nheads_k, headdim, dtype=torch.floa
     headdim) shape, memory order (num_blocks, nheads_k, headdim, page_size). Every function taking a V
     cache accepts it; on Hopper the FP8 P@V of chunked prefill then reads V tiles K-major instead of
     transposing them (use page_size >= 64)."""
-    _check_cache_shape(num_blocks=(num_blocks, 0), page_size=(page_size, 1), nheads_k=(nheads_k, 1),
-                       headdim=(headdim, 1))
+    _check_cache_shape(
+        num_blocks=(num_blocks, 0), page_size=(page_size, 1), nheads_k=(nheads_k, 1), headdim=(headdim, 1)
+    )
     if dtype not in _CACHE_DTYPES:
-        raise TypeError(f"dtype: expected one of {', '.join(str(d) for d in _CACHE_DTYPES)}, got {dtype!r}. "
-                        "Pass torch.float8_e4m3fn for an FP8 cache, or the model's 16-bit dtype.")
+        raise TypeError(
+            f"dtype: expected one of {', '.join(str(d) for d in _CACHE_DTYPES)}, got {dtype!r}. "
+            "Pass torch.float8_e4m3fn for an FP8 cache, or the model's 16-bit dtype."
+        )
     for name, flag in (("poison_nan", poison_nan), ("with_scales", with_scales), ("v_seq_major", v_seq_major)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected True or False, got {type(flag).__name__}. Pass {name} as a bool.")
@@ -92,9 +132,13 @@ def split_workspace(q: torch.Tensor, num_splits: int, headdim_v: int, nheads_q: 
         got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise (ValueError if isinstance(q, torch.Tensor) else TypeError)(
             f"q: expected a (batch, seqlen_q, nheads_q, headdim) or varlen (total_q, nheads_q, headdim) tensor, got "
-            f"{got}. Pass the q of the calls the workspace serves.")
-    _check_cache_shape(num_splits=(num_splits, 1), headdim_v=(headdim_v, 1),
-                       **({} if nheads_q is None else {"nheads_q": (nheads_q, 1)}))
+            f"{got}. Pass the q of the calls the workspace serves."
+        )
+    _check_cache_shape(
+        num_splits=(num_splits, 1),
+        headdim_v=(headdim_v, 1),
+        **({} if nheads_q is None else {"nheads_q": (nheads_q, 1)}),
+    )
     return split_partials(q, num_splits, headdim_v, q.shape[-2] if nheads_q is None else nheads_q)
 
 
@@ -112,7 +156,7 @@ def make_page_table(seqlens, page_size, num_blocks, generator=None, device="cpu"
     table = torch.full((len(seqlens), max_pages), fill, dtype=torch.int32)
     at = 0
     for b, n in enumerate(need):
-        table[b, :n] = perm[at:at + n].to(torch.int32)
+        table[b, :n] = perm[at : at + n].to(torch.int32)
         at += n
     return table.to(device)
 
@@ -129,8 +173,10 @@ def token_rows(device, batch, seqlen=None, cu_seqlens=None, total=None):
     tokens) layout, as int64 tensors in token order (no host sync); packed tokens past ``cu_seqlens[-1]`` get the
     row ``batch``."""
     if cu_seqlens is None:
-        return (torch.arange(batch, device=device).repeat_interleave(seqlen),
-                torch.arange(seqlen, device=device).repeat(batch))
+        return (
+            torch.arange(batch, device=device).repeat_interleave(seqlen),
+            torch.arange(seqlen, device=device).repeat(batch),
+        )
     seq, tok = packed_token_seqs(cu_seqlens, total)
     return seq, tok - cu_seqlens.long()[seq]
 

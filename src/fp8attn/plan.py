@@ -14,6 +14,7 @@ are only used for eager calls of plain tensors outside torch.compile, tracing, t
 modes and functorch transforms, and never when an input requires grad (such a call records its backward
 through the op).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,22 @@ import torch
 
 from .ops import _dense_shapes  # (the output and LSE shapes the ops give)
 
-__all__ = ["plannable", "call_key", "tensor_sig", "env_sig", "lookup", "cached", "store", "eager_ok", "clear",
-           "dense_tma_plan", "paged_plan", "dense_plan", "ENV_SWITCHES", "MAX_PLANS"]
+__all__ = [
+    "plannable",
+    "call_key",
+    "tensor_sig",
+    "env_sig",
+    "lookup",
+    "cached",
+    "store",
+    "eager_ok",
+    "clear",
+    "dense_tma_plan",
+    "paged_plan",
+    "dense_plan",
+    "ENV_SWITCHES",
+    "MAX_PLANS",
+]
 
 # environment switches the dispatch reads (a plan made under one value never serves another)
 ENV_SWITCHES = ("FP8ATTN_DENSE_BACKEND", "FP8ATTN_FORCE_REFERENCE", "FP8ATTN_FALLBACK", "FP8ATTN_TMA_QK192")
@@ -36,9 +51,18 @@ def plannable(q, validate, causal, return_lse, flag, window_size) -> bool:
     """Whether a call's signature may select a plan: a CUDA call without ``validate=True`` whose flags
     (``causal``, ``return_lse`` and a third, ``flag``) are plain bools and whose window is a pair of plain
     ints (as keys ``1 == 1.0 == True``, so other types take the checked path, which refuses or accepts them)."""
-    return (validate is False and type(q) is torch.Tensor and q.is_cuda and type(causal) is bool
-            and type(return_lse) is bool and type(flag) is bool and type(window_size) is tuple
-            and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int)
+    return (
+        validate is False
+        and type(q) is torch.Tensor
+        and q.is_cuda
+        and type(causal) is bool
+        and type(return_lse) is bool
+        and type(flag) is bool
+        and type(window_size) is tuple
+        and len(window_size) == 2
+        and type(window_size[0]) is int
+        and type(window_size[1]) is int
+    )
 
 
 def call_key(kind, tensors, args) -> tuple:
@@ -57,7 +81,7 @@ def tensor_sig(t):
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
-def _environ_data():
+def _environ_data() -> tuple[dict, tuple] | None:
     """``os.environ``'s own dict of encoded names and values, with the encoded ``ENV_SWITCHES``, or None
     where this Python's ``os.environ`` has none. Reading it skips the str encoding and the KeyError that
     ``os.environ.get`` pays for each unset name, on every planned call."""
@@ -74,8 +98,10 @@ _ENV = _environ_data()
 def env_sig() -> tuple:
     """The values of ``ENV_SWITCHES`` now (encoded where ``os.environ`` stores them so; equality is all a key
     needs)."""
-    if _ENV is not None and os.environ._data is _ENV[0]:  # (the same dict: os.environ updates it in place)
-        return tuple(map(_ENV[0].get, _ENV[1]))
+    # (os.environ updates its dict in place: the same object while nothing replaced os.environ)
+    if _ENV is not None and getattr(os.environ, "_data", None) is _ENV[0]:
+        data, keys = _ENV
+        return tuple(map(data.get, keys))
     return tuple(map(os.environ.get, ENV_SWITCHES))
 
 
@@ -148,10 +174,28 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
     b, sq, hq, _ = q.shape
     probe_out = out if out is not None else torch.empty(oshape, dtype=odt, device=q.device)
     probe_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
-    why = kd_.tma_reason(q, k, v, probe_out, probe_lse, causal=causal, window_size=window_size, softcap=softcap,
-                         q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale, cu_seqlens_q=None,
-                         cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None,
-                         descale_block_q=None, descale_block_k=None, backend=backend)
+    why = kd_.tma_reason(
+        q,
+        k,
+        v,
+        probe_out,
+        probe_lse,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        out_scale=out_scale,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        seqused_q=None,
+        seqused_k=None,
+        max_seqlen_q=None,
+        descale_block_q=None,
+        descale_block_k=None,
+        backend=backend,
+    )
     if why is not None:
         return None
     from .capability import launch_device
@@ -166,10 +210,21 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
         o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
         with launch_device(q):
-            launch(q, k, v, o, lse, softmax_scale=softmax_scale, causal=kernel_causal,
-                   q_descale=expand_descale(q_descale, b, hk, dev), k_descale=expand_descale(k_descale, b, hk, dev),
-                   v_descale=expand_descale(v_descale, b, hk, dev), out_scale=out_scale)
+            launch(
+                q,
+                k,
+                v,
+                o,
+                lse,
+                softmax_scale=softmax_scale,
+                causal=kernel_causal,
+                q_descale=expand_descale(q_descale, b, hk, dev),
+                k_descale=expand_descale(k_descale, b, hk, dev),
+                v_descale=expand_descale(v_descale, b, hk, dev),
+                out_scale=out_scale,
+            )
         return (o, lse) if return_lse else o
+
     return run
 
 
@@ -193,21 +248,55 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
     hk = k_cache.shape[2]
     dev = q.device
     window = (int(attn["window_size"][0]), int(attn["window_size"][1]))
-    kw = dict(max_seqlen_q=msq, softmax_scale=float(attn["softmax_scale"]), causal=bool(attn["causal"]),
-              window_size=window, softcap=float(attn["softcap"]), num_splits=int(num_splits))
+    kw = dict(
+        max_seqlen_q=msq,
+        softmax_scale=float(attn["softmax_scale"]),
+        causal=bool(attn["causal"]),
+        window_size=window,
+        softcap=float(attn["softcap"]),
+        num_splits=int(num_splits),
+    )
 
-    def run(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, q_descale, k_descale, v_descale,
-            k_cache_scales, v_cache_scales, out, out_scale):
+    def run(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        cache_seqlens,
+        cu_seqlens_q,
+        q_descale,
+        k_descale,
+        v_descale,
+        k_cache_scales,
+        v_cache_scales,
+        out,
+        out_scale,
+    ):
         odt = attention_out_dtype(q.dtype, attn["out_dtype"], out_scale)
         o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
         with launch_device(q):
-            launch(q, k_cache, v_cache, page_table, cache_seqlens, o, lse, cu_seqlens_q=cu_seqlens_q,
-                   q_descale=expand_descale(q_descale, batch, hk, dev),
-                   k_descale=expand_descale(k_descale, batch, hk, dev),
-                   v_descale=expand_descale(v_descale, batch, hk, dev), k_cache_scales=k_cache_scales,
-                   v_cache_scales=v_cache_scales, out_scale=out_scale, out_partial=None, lse_partial=None, **kw)
+            launch(
+                q,
+                k_cache,
+                v_cache,
+                page_table,
+                cache_seqlens,
+                o,
+                lse,
+                cu_seqlens_q=cu_seqlens_q,
+                q_descale=expand_descale(q_descale, batch, hk, dev),
+                k_descale=expand_descale(k_descale, batch, hk, dev),
+                v_descale=expand_descale(v_descale, batch, hk, dev),
+                k_cache_scales=k_cache_scales,
+                v_cache_scales=v_cache_scales,
+                out_scale=out_scale,
+                out_partial=None,
+                lse_partial=None,
+                **kw,
+            )
         return (o, lse) if return_lse else o
+
     return run
 
 
@@ -227,21 +316,52 @@ def dense_plan(q, k, v, *, batch, attn, varlen, max_seqlen_q=None, max_seqlen_k=
     oshape, lse_shape = _dense_shapes(q, v, varlen)
     hk = k.shape[-2]
     dev = q.device
-    kw = dict(softmax_scale=float(attn["softmax_scale"]), causal=bool(attn["causal"]),
-              window_size=(int(attn["window_size"][0]), int(attn["window_size"][1])), softcap=float(attn["softcap"]),
-              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, pack_gqa=bool(attn.get("pack_gqa")),
-              descale_block_q=None, descale_block_k=None)
+    kw = dict(
+        softmax_scale=float(attn["softmax_scale"]),
+        causal=bool(attn["causal"]),
+        window_size=(int(attn["window_size"][0]), int(attn["window_size"][1])),
+        softcap=float(attn["softcap"]),
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        pack_gqa=bool(attn.get("pack_gqa")),
+        descale_block_q=None,
+        descale_block_k=None,
+    )
 
-    def run(q, k, v, q_descale, k_descale, v_descale, out, out_scale, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None):
+    def run(
+        q,
+        k,
+        v,
+        q_descale,
+        k_descale,
+        v_descale,
+        out,
+        out_scale,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        seqused_q=None,
+        seqused_k=None,
+    ):
         odt = attention_out_dtype(q.dtype, attn["out_dtype"], out_scale)
         o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
         with launch_device(q):
-            launch(q, k, v, o, lse, q_descale=expand_descale(q_descale, batch, hk, dev),
-                   k_descale=expand_descale(k_descale, batch, hk, dev),
-                   v_descale=expand_descale(v_descale, batch, hk, dev), out_scale=out_scale,
-                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
-                   **kw)
+            launch(
+                q,
+                k,
+                v,
+                o,
+                lse,
+                q_descale=expand_descale(q_descale, batch, hk, dev),
+                k_descale=expand_descale(k_descale, batch, hk, dev),
+                v_descale=expand_descale(v_descale, batch, hk, dev),
+                out_scale=out_scale,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k,
+                seqused_q=seqused_q,
+                seqused_k=seqused_k,
+                **kw,
+            )
         return (o, lse) if return_lse else o
+
     return run

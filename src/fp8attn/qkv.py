@@ -12,6 +12,7 @@ Non-finite inputs are never replaced silently: where values are checked (CPU ten
 they raise; elsewhere a NaN or Inf makes the amax of its scale group NaN, hence its descale NaN, so every
 attention output that reads the group is NaN (no host sync on the way).
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,10 @@ def _validate(q, k, v, granularity, hadamard, block_size, seed, backend, v_layou
         if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"{name}: expected bf16/fp16/fp32, got {t.dtype}. quantize_qkv takes unquantized inputs.")
         if t.dim() not in (3, 4):
-            raise ValueError(f"{name}: expected (batch, seqlen, heads, dim) or varlen (total, heads, dim), "
-                             f"got shape {tuple(t.shape)}. Reshape {name} to that layout.")
+            raise ValueError(
+                f"{name}: expected (batch, seqlen, heads, dim) or varlen (total, heads, dim), "
+                f"got shape {tuple(t.shape)}. Reshape {name} to that layout."
+            )
     check_same_device(q=q, k=k, v=v)
     if not (q.dim() == k.dim() == v.dim()):
         raise ValueError(f"q/k/v: expected the same layout, got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D tensors.")
@@ -46,31 +49,52 @@ def _validate(q, k, v, granularity, hadamard, block_size, seed, backend, v_layou
     check_flag("hadamard", hadamard)
     check_flag("validate", validate)
     if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {describe(granularity)}. "
-                         "Pick per_tensor, per_head (FA3's descales) or per_block.")
+        raise ValueError(
+            f"granularity: expected one of {GRANULARITIES}, got {describe(granularity)}. "
+            "Pick per_tensor, per_head (FA3's descales) or per_block."
+        )
     if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size: expected an int (tokens per scale block), got {describe(block_size)}. "
-                        "Pass a power of two in [16, 256].")
+        raise TypeError(
+            f"block_size: expected an int (tokens per scale block), got {describe(block_size)}. "
+            "Pass a power of two in [16, 256]."
+        )
     if granularity == "per_block" and (block_size < 16 or block_size > 256 or block_size & (block_size - 1)):
         raise ValueError(f"block_size: expected a power of two in [16, 256], got {block_size}. Pass 64 or 128.")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected an int, got {describe(seed)}. Pass the rotation's seed as an int.")
     if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {describe(backend)}. "
-                         "Pass 'auto' (Triton on CUDA tensors, torch otherwise).")
+        raise ValueError(
+            f"backend: expected 'auto', 'triton' or 'torch', got {describe(backend)}. "
+            "Pass 'auto' (Triton on CUDA tensors, torch otherwise)."
+        )
     if backend == "triton" and not has_triton():
-        raise ValueError("backend: expected 'auto' or 'torch' without triton installed, got 'triton'. "
-                         "Install triton or pass backend='torch'.")
+        raise ValueError(
+            "backend: expected 'auto' or 'torch' without triton installed, got 'triton'. "
+            "Install triton or pass backend='torch'."
+        )
     if v_layout not in V_LAYOUTS:
-        raise ValueError(f"v_layout: expected one of {V_LAYOUTS}, got {describe(v_layout)}. seq_major feeds the FP8 "
-                         "kernels without a transpose; contiguous keeps V row-major.")
+        raise ValueError(
+            f"v_layout: expected one of {V_LAYOUTS}, got {describe(v_layout)}. seq_major feeds the FP8 "
+            "kernels without a transpose; contiguous keeps V row-major."
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_finite(name, t, validate)
     return block_size if granularity == "per_block" else 64
 
 
-def quantize_qkv(q, k, v, granularity="per_head", hadamard=False, block_size=128, *,
-                 seed=_had.DEFAULT_SEED, backend="auto", v_layout="seq_major", validate=False):
+def quantize_qkv(
+    q,
+    k,
+    v,
+    granularity="per_head",
+    hadamard=False,
+    block_size=128,
+    *,
+    seed=_had.DEFAULT_SEED,
+    backend="auto",
+    v_layout="seq_major",
+    validate=False,
+):
     """Quantize 16-bit Q, K, V to FP8 e4m3 with dynamic descales; optionally Hadamard-rotate Q and K.
 
     Parameters

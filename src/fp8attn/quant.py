@@ -22,6 +22,7 @@ per_token_head     (batch, seqlen, heads)         KV caches: (num_blocks, page_s
 per_block          (batch, heads, nblocks)        ``block_size`` consecutive tokens per value
 =================  =============================  ==========================================
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,10 +34,26 @@ from . import hadamard as _had
 from .kernels.planning import DESCALE_FLOOR, scale_storage_pad
 
 __all__ = [
-    "FP8_FORMATS", "GRANULARITIES", "DESCALE_FLOOR", "fp8_max", "is_fp8", "saturating_cast",
-    "compute_descale", "quantize", "dequantize", "expand_descale", "descale_for_tokens",
-    "SCALE_STORAGE_DTYPES", "scale_storage_pad", "round_descale_for_storage", "descale_from_amax",
-    "empty_seq_major", "descale_shape", "quantize_one", "quant_fp8_static_torch", "launch_quant_fp8_static",
+    "FP8_FORMATS",
+    "GRANULARITIES",
+    "DESCALE_FLOOR",
+    "fp8_max",
+    "is_fp8",
+    "saturating_cast",
+    "compute_descale",
+    "quantize",
+    "dequantize",
+    "expand_descale",
+    "descale_for_tokens",
+    "SCALE_STORAGE_DTYPES",
+    "scale_storage_pad",
+    "round_descale_for_storage",
+    "descale_from_amax",
+    "empty_seq_major",
+    "descale_shape",
+    "quantize_one",
+    "quant_fp8_static_torch",
+    "launch_quant_fp8_static",
 ]
 
 FP8_FORMATS = {
@@ -44,8 +61,12 @@ FP8_FORMATS = {
     torch.float8_e5m2: 57344.0,
     torch.float8_e4m3fnuz: 240.0,
 }
-_ALIASES = {"e4m3": torch.float8_e4m3fn, "e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
-            "e4m3fnuz": torch.float8_e4m3fnuz}
+_ALIASES = {
+    "e4m3": torch.float8_e4m3fn,
+    "e4m3fn": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+    "e4m3fnuz": torch.float8_e4m3fnuz,
+}
 GRANULARITIES = ("per_tensor", "per_head", "per_sequence", "per_token_head", "per_block")
 
 
@@ -75,8 +96,10 @@ def _fmt(fp8_dtype) -> torch.dtype:
             raise ValueError(f"fp8_dtype: expected one of {sorted(_ALIASES)}, got {fp8_dtype!r}")
         return _ALIASES[fp8_dtype]
     if fp8_dtype not in FP8_FORMATS:
-        raise TypeError(f"fp8_dtype: expected one of {list(FP8_FORMATS)}, got {fp8_dtype}; "
-                        "use torch.float8_e4m3fn (default), torch.float8_e5m2 or torch.float8_e4m3fnuz")
+        raise TypeError(
+            f"fp8_dtype: expected one of {list(FP8_FORMATS)}, got {fp8_dtype}; "
+            "use torch.float8_e4m3fn (default), torch.float8_e5m2 or torch.float8_e4m3fnuz"
+        )
     return fp8_dtype
 
 
@@ -120,15 +143,19 @@ def _check_quant_args(x, granularity, block_size):
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}.")
     if granularity != "per_tensor" and x.dim() != 4:
-        raise ValueError(f"x: expected a 4-D (batch, seqlen, heads, dim) tensor for {granularity}, got shape "
-                         f"{tuple(x.shape)}. Add the missing dimensions, or use per_tensor.")
-    if granularity == "per_block" and (isinstance(block_size, bool) or not isinstance(block_size, int)
-                                       or block_size <= 0):
+        raise ValueError(
+            f"x: expected a 4-D (batch, seqlen, heads, dim) tensor for {granularity}, got shape "
+            f"{tuple(x.shape)}. Add the missing dimensions, or use per_tensor."
+        )
+    if granularity == "per_block" and (
+        isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0
+    ):
         raise ValueError(f"block_size: expected a positive int (tokens per scale), got {block_size!r}.")
 
 
-def compute_descale(x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=torch.float8_e4m3fn,
-                    block_size: int = 128) -> torch.Tensor:
+def compute_descale(
+    x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=torch.float8_e4m3fn, block_size: int = 128
+) -> torch.Tensor:
     """Dynamic descale ``max(amax, floor) / fp8_max`` at the given granularity (float32).
 
     Parameters
@@ -181,8 +208,13 @@ def _broadcast(descale: torch.Tensor, shape, granularity: str, block_size: int) 
     raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
 
 
-def quantize(x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=torch.float8_e4m3fn,
-             descale: torch.Tensor | None = None, block_size: int = 128):
+def quantize(
+    x: torch.Tensor,
+    granularity: str = "per_tensor",
+    fp8_dtype=torch.float8_e4m3fn,
+    descale: torch.Tensor | None = None,
+    block_size: int = 128,
+):
     """Quantize ``x`` to FP8 with a saturating cast.
 
     Parameters
@@ -204,8 +236,13 @@ def quantize(x: torch.Tensor, granularity: str = "per_tensor", fp8_dtype=torch.f
     return saturating_cast(x.float() / d, dt), descale.float()
 
 
-def dequantize(x8: torch.Tensor, descale: torch.Tensor, granularity: str = "per_tensor",
-               dtype: torch.dtype = torch.float32, block_size: int = 128) -> torch.Tensor:
+def dequantize(
+    x8: torch.Tensor,
+    descale: torch.Tensor,
+    granularity: str = "per_tensor",
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 128,
+) -> torch.Tensor:
     """``x8.to(dtype) * descale`` with the descale broadcast for its granularity."""
     return (x8.to(torch.float32) * _broadcast(descale, x8.shape, granularity, block_size)).to(dtype)
 
@@ -228,15 +265,18 @@ def expand_descale(descale: torch.Tensor | None, batch: int, nheads_k: int, devi
     return d.expand(batch, nheads_k)
 
 
-def descale_for_tokens(descale: torch.Tensor, token_seq_idx: torch.Tensor | None, num_tokens: int,
-                       nheads_k: int) -> torch.Tensor:
+def descale_for_tokens(
+    descale: torch.Tensor, token_seq_idx: torch.Tensor | None, num_tokens: int, nheads_k: int
+) -> torch.Tensor:
     """Per-token (num_tokens, nheads_k) view of a per-tensor or per-(sequence, head) descale."""
     d = descale.float()
     if d.numel() == 1:
         return d.reshape(1, 1).expand(num_tokens, nheads_k)
     if token_seq_idx is None:
-        raise ValueError("token_seq_idx: required with a per-(sequence, head) descale of shape "
-                         f"{tuple(d.shape)}; pass the batch row of each token as an int32 tensor")
+        raise ValueError(
+            "token_seq_idx: required with a per-(sequence, head) descale of shape "
+            f"{tuple(d.shape)}; pass the batch row of each token as an int32 tensor"
+        )
     d = d.reshape(d.shape[0], -1).expand(d.shape[0], nheads_k)
     return d[token_seq_idx.long()]
 
@@ -328,8 +368,19 @@ def _triton_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=Fals
     else:
         r, r_scale = y, 1.0
     ds = torch.empty(descale_shape(x4, granularity, nheads_k, block_t), device=x.device, dtype=torch.float32)
-    launch_quantize(x4, y, r, r_scale, ds, granularity=granularity, nheads_k=nheads_k, rotate=rotate,
-                    block_t=block_t, block_d=block_d, single=single)
+    launch_quantize(
+        x4,
+        y,
+        r,
+        r_scale,
+        ds,
+        granularity=granularity,
+        nheads_k=nheads_k,
+        rotate=rotate,
+        block_t=block_t,
+        block_d=block_d,
+        single=single,
+    )
     return (y.squeeze(0) if x.dim() == 3 else y), ds
 
 
@@ -350,7 +401,6 @@ def descale_shape(x, granularity, nheads_k, block_t):
     if granularity == "per_head":
         return (b, nheads_k)
     return (b, x.shape[-2], torch.sym_max(1, (s + block_t - 1) // block_t))
-
 
 
 def quant_fp8_static_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -402,4 +452,3 @@ def launch_quant_fp8_static():
         _quant_kernel[(cdiv(n, block),)](xc, y, scale, n, BLOCK=block, num_warps=8)
 
     return launch
-

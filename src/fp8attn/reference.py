@@ -20,6 +20,7 @@ Semantics (docs/numerics.md):
 Padding beyond ``seqlens_*`` (and unused paged slots) may hold NaN: it is selected away with
 ``torch.where`` before any product, never multiplied by zero.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,14 +29,25 @@ import torch
 
 from .quant import expand_descale, is_fp8, saturating_cast
 
-__all__ = ["attention_ref", "varlen_attention_ref", "attention_bwd_ref", "BWD_MODES", "block_descales_to_tokens", "paged_attention_ref", "combine_ref",
-           "gather_paged", "pad_varlen", "unpad_varlen"]
+__all__ = [
+    "attention_ref",
+    "varlen_attention_ref",
+    "attention_bwd_ref",
+    "BWD_MODES",
+    "block_descales_to_tokens",
+    "paged_attention_ref",
+    "combine_ref",
+    "gather_paged",
+    "pad_varlen",
+    "unpad_varlen",
+]
 
 P_SCALE = 256.0  # 2**8: P's offset into the e4m3 range (kernels use exp2(s - m + 8))
 
 
-def _dq(x: torch.Tensor, descale: torch.Tensor | None, token_descale: torch.Tensor | None,
-        cdt: torch.dtype) -> torch.Tensor:
+def _dq(
+    x: torch.Tensor, descale: torch.Tensor | None, token_descale: torch.Tensor | None, cdt: torch.dtype
+) -> torch.Tensor:
     """Dequantize (batch, seqlen, heads, dim) with a (batch, heads) and optional (batch, seqlen, heads) descale."""
     y = x.to(cdt)
     if descale is not None:
@@ -45,10 +57,30 @@ def _dq(x: torch.Tensor, descale: torch.Tensor | None, token_descale: torch.Tens
     return y
 
 
-def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None, causal=False,
-                  window_size=(-1, -1), softcap=0.0, q_descale=None, k_descale=None, v_descale=None,
-                  q_token_descale=None, k_token_descale=None, v_token_descale=None, quantize_p=False, out_scale=None,
-                  out_dtype=None, compute_dtype=torch.float32, return_lse=False, p_dtype=None):
+def attention_ref(
+    q,
+    k,
+    v,
+    *,
+    seqlens_q=None,
+    seqlens_k=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    q_token_descale=None,
+    k_token_descale=None,
+    v_token_descale=None,
+    quantize_p=False,
+    out_scale=None,
+    out_dtype=None,
+    compute_dtype=torch.float32,
+    return_lse=False,
+    p_dtype=None,
+):
     """Padded dense attention.
 
     Parameters
@@ -131,8 +163,11 @@ def attention_ref(q, k, v, *, seqlens_q=None, seqlens_k=None, softmax_scale=None
         o = o.to(out_dtype)
     if not return_lse:
         return o
-    lse = torch.where(empty, torch.tensor(float("-inf"), dtype=cdt, device=dev),
-                      m_safe + torch.log(torch.where(empty, torch.ones_like(l), l)))
+    lse = torch.where(
+        empty,
+        torch.tensor(float("-inf"), dtype=cdt, device=dev),
+        m_safe + torch.log(torch.where(empty, torch.ones_like(l), l)),
+    )
     return o, lse.squeeze(-1).float()
 
 
@@ -170,14 +205,19 @@ def pad_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> to
     if x.shape[0] == 0:
         return x.new_zeros((b, max_seqlen) + tuple(x.shape[1:]))
     out = x[idx]  # (b, max_seqlen, ...)
-    return torch.where(valid[:, :, None, None], out, torch.zeros((), dtype=x.dtype, device=x.device)) \
-        if not is_fp8(x.dtype) else _fp8_where(valid, out)
+    return (
+        torch.where(valid[:, :, None, None], out, torch.zeros((), dtype=x.dtype, device=x.device))
+        if not is_fp8(x.dtype)
+        else _fp8_where(valid, out)
+    )
 
 
 def _fp8_where(valid, out):
     # torch.where has no fp8 kernel on every backend: select on the raw bytes instead.
     raw = out.view(torch.uint8)
-    return torch.where(valid[:, :, None, None], raw, torch.zeros((), dtype=torch.uint8, device=raw.device)).view(out.dtype)
+    return torch.where(valid[:, :, None, None], raw, torch.zeros((), dtype=torch.uint8, device=raw.device)).view(
+        out.dtype
+    )
 
 
 def unpad_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -188,8 +228,19 @@ def unpad_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch
     return torch.cat(parts, dim=0) if parts else x.new_zeros((total,) + tuple(x.shape[2:]))
 
 
-def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         seqused_q=None, seqused_k=None, return_lse=False, **kw):
+def varlen_attention_ref(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q=None,
+    seqused_k=None,
+    return_lse=False,
+    **kw,
+):
     """Varlen attention: q (total_q, nheads_q, d), k/v (total_k, nheads_k, d), cu_seqlens int32.
 
     ``seqused_*`` (batch,) limit the tokens used per sequence (the rest of its slot is ignored).
@@ -205,7 +256,10 @@ def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     qp = pad_varlen(q, cu_seqlens_q, max(int(max_seqlen_q), 1))
     kp = pad_varlen(k, cu_seqlens_k, max(int(max_seqlen_k), 1))
     vp = pad_varlen(v, cu_seqlens_k, max(int(max_seqlen_k), 1))
-    for name, cu, ms in (("q_token_descale", cu_seqlens_q, max_seqlen_q), ("k_token_descale", cu_seqlens_k, max_seqlen_k)):
+    for name, cu, ms in (
+        ("q_token_descale", cu_seqlens_q, max_seqlen_q),
+        ("k_token_descale", cu_seqlens_k, max_seqlen_k),
+    ):
         if kw.get(name) is not None:  # packed (total, heads) -> padded (batch, max_seqlen, heads)
             kw[name] = pad_varlen(kw[name][..., None], cu, max(int(ms), 1))[..., 0]
     res = attention_ref(qp, kp, vp, seqlens_q=lq, seqlens_k=lk, return_lse=return_lse, **kw)
@@ -226,8 +280,11 @@ def _scatter_rows(x: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torc
     pos = torch.arange(s, device=x.device)
     valid = pos[None, :] < lens[:, None]
     dst = (cu[:-1, None] + pos[None, :])[valid]
-    out = torch.zeros((total,) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device) if not is_fp8(x.dtype) \
+    out = (
+        torch.zeros((total,) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+        if not is_fp8(x.dtype)
         else torch.zeros((total,) + tuple(x.shape[2:]), dtype=torch.uint8, device=x.device).view(x.dtype)
+    )
     if is_fp8(x.dtype):
         out.view(torch.uint8)[dst] = x.view(torch.uint8)[valid]
     else:
@@ -235,8 +292,13 @@ def _scatter_rows(x: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torc
     return out
 
 
-def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, seqlens: torch.Tensor, max_len: int,
-                 cache_scales: torch.Tensor | None = None):
+def gather_paged(
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seqlens: torch.Tensor,
+    max_len: int,
+    cache_scales: torch.Tensor | None = None,
+):
     """Gather a paged cache into (batch, max_len, nheads_k, d) (+ (batch, max_len, nheads_k) scales).
 
     Only the first ceil(len / page_size) page ids of each row are dereferenced meaningfully; other
@@ -253,7 +315,11 @@ def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, seqlens: torch.T
     pages = torch.where(valid, pages, torch.zeros_like(pages)).clamp(min=0)
     slot_off = (pos % ps)[None, :].expand(b, -1)
     g = cache[pages, slot_off]  # (b, max_len, h, d)
-    g = _fp8_where(valid, g) if is_fp8(g.dtype) else torch.where(valid[:, :, None, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+    g = (
+        _fp8_where(valid, g)
+        if is_fp8(g.dtype)
+        else torch.where(valid[:, :, None, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+    )
     if cache_scales is None:
         return g, None
     sc = cache_scales[pages, slot_off]
@@ -261,8 +327,20 @@ def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, seqlens: torch.T
     return g, sc
 
 
-def paged_attention_ref(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=None,
-                        max_seqlen_q=None, k_cache_scales=None, v_cache_scales=None, return_lse=False, **kw):
+def paged_attention_ref(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    *,
+    cu_seqlens_q=None,
+    max_seqlen_q=None,
+    k_cache_scales=None,
+    v_cache_scales=None,
+    return_lse=False,
+    **kw,
+):
     """Attention of q over a paged cache.
 
     q : (batch, seqlen_q, nheads_q, d), or varlen (total_q, nheads_q, d) with cu_seqlens_q.
@@ -275,13 +353,23 @@ def paged_attention_ref(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_se
     kg, ks = gather_paged(k_cache, page_table, cache_seqlens, max_len, k_cache_scales)
     vg, vs = gather_paged(v_cache, page_table, cache_seqlens, max_len, v_cache_scales)
     if cu_seqlens_q is None:
-        return attention_ref(q, kg, vg, seqlens_k=cache_seqlens, k_token_descale=ks, v_token_descale=vs,
-                             return_lse=return_lse, **kw)
+        return attention_ref(
+            q, kg, vg, seqlens_k=cache_seqlens, k_token_descale=ks, v_token_descale=vs, return_lse=return_lse, **kw
+        )
     lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     msq = int(max_seqlen_q) if max_seqlen_q is not None else int(lq.max().item()) if lq.numel() else 1
     qp = pad_varlen(q, cu_seqlens_q, max(msq, 1))
-    res = attention_ref(qp, kg, vg, seqlens_q=lq, seqlens_k=cache_seqlens, k_token_descale=ks,
-                        v_token_descale=vs, return_lse=return_lse, **kw)
+    res = attention_ref(
+        qp,
+        kg,
+        vg,
+        seqlens_q=lq,
+        seqlens_k=cache_seqlens,
+        k_token_descale=ks,
+        v_token_descale=vs,
+        return_lse=return_lse,
+        **kw,
+    )
     o, lse = res if return_lse else (res, None)
     out = _scatter_rows(o, cu_seqlens_q, q.shape[0])
     if not return_lse:
@@ -305,7 +393,9 @@ def combine_ref(out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype=
     w = w / torch.where(empty, torch.ones_like(s), s)
     o = torch.where(w[..., None] > 0, out_partial.float(), torch.zeros((), device=out_partial.device))
     o = (o * w[..., None]).sum(dim=0)
-    lse_out = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(torch.where(empty, torch.ones_like(s), s)))
+    lse_out = torch.where(
+        empty, torch.full_like(m, float("-inf")), m_safe + torch.log(torch.where(empty, torch.ones_like(s), s))
+    )
     if out_scale is not None:
         osc = out_scale if torch.is_tensor(out_scale) else torch.tensor(out_scale)
         return saturating_cast(o / osc.float().reshape(()).to(o.device)), lse_out
@@ -336,8 +426,7 @@ def _e4m3_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return y.reshape(*lead, rr, cc)[..., :r, :c]
 
 
-def _bwd_padded(do, qf, kf, vf, out, lse, seqlens_q, seqlens_k, softmax_scale, causal, window_size, softcap, mode,
-                cdt):
+def _bwd_padded(do, qf, kf, vf, out, lse, seqlens_q, seqlens_k, softmax_scale, causal, window_size, softcap, mode, cdt):
     """The backward on padded, dequantized (real-valued) tensors.
 
     do, out : (b, sq, hq, dv); qf : (b, sq, hq, d); kf, vf : (b, sk, hk, d / dv), all in ``cdt``;
@@ -391,10 +480,32 @@ def _bwd_dequant(x, descale, token_descale, group, cdt):
     return y
 
 
-def attention_bwd_ref(do, q, k, v, out, lse, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
-                      causal=False, window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,
-                      cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, mode="dequantized",
-                      deterministic=False, descale_block=0, grad_dtype=torch.float32, compute_dtype=torch.float32):
+def attention_bwd_ref(
+    do,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    softmax_scale=None,
+    causal=False,
+    window_left=-1,
+    window_right=-1,
+    softcap=0.0,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    mode="dequantized",
+    deterministic=False,
+    descale_block=0,
+    grad_dtype=torch.float32,
+    compute_dtype=torch.float32,
+):
     """The attention backward: gradients with respect to the real values q, k, v represent.
 
     P is recomputed from Q, K and the forward's LSE (``exp(s - lse)``), ``Delta = rowsum(dO * O)``,
@@ -454,13 +565,28 @@ def attention_bwd_ref(do, q, k, v, out, lse, *, q_descale=None, k_descale=None, 
         lq = torch.full((b,), q.shape[1], dtype=torch.int64, device=q.device)
         lk = torch.full((b,), k.shape[1], dtype=torch.int64, device=q.device)
         qp, kp, vp, dop, op, lsep = q, k, v, do, out, lse
-    qd, kd, vd = (expand_descale(x, b, hk, q.device) if x is not None else None
-                  for x in (q_descale, k_descale, v_descale))
+    qd, kd, vd = (
+        expand_descale(x, b, hk, q.device) if x is not None else None for x in (q_descale, k_descale, v_descale)
+    )
     qf = _bwd_dequant(qp, qd, qtok, g, cdt)
     kf = _bwd_dequant(kp, kd, ktok, 1, cdt)
     vf = _bwd_dequant(vp, vd, None, 1, cdt)
-    dq, dk, dv = _bwd_padded(dop.to(cdt), qf, kf, vf, op, lsep, lq.to(q.device), lk.to(q.device), softmax_scale,
-                             causal, (window_left, window_right), softcap, mode, cdt)
+    dq, dk, dv = _bwd_padded(
+        dop.to(cdt),
+        qf,
+        kf,
+        vf,
+        op,
+        lsep,
+        lq.to(q.device),
+        lk.to(q.device),
+        softmax_scale,
+        causal,
+        (window_left, window_right),
+        softcap,
+        mode,
+        cdt,
+    )
     if varlen:
         dq = _scatter_rows(dq, cu_seqlens_q, q.shape[0])
         dk = _scatter_rows(dk, cu_seqlens_k, k.shape[0])

@@ -3,6 +3,7 @@
 Torch ops on the caller's device (no host sync); the rotated Q and new K then go through the usual
 kernels. Computed in float32 and cast back to the input dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,9 @@ import torch
 __all__ = ["apply_rotary"]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                 interleaved: bool) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
     """Rotate the first ``rotary_dim = 2 * cos.shape[1]`` features of every head of ``x``.
 
     Parameters

@@ -23,6 +23,7 @@ to the float32 result. CUDA (sm89+, e4m3fn/e5m2 with matching dtypes) runs a Tri
 ``tl.dot`` tiles, one fresh dot per K tile added to a float32 accumulator (two-level accumulation),
 and the scales applied in the epilogue.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,11 +41,15 @@ _OUT = (torch.bfloat16, torch.float16, torch.float32)
 
 def _check(a, b, out_dtype):
     if a.dim() != 3 or b.dim() != 3:
-        raise ValueError(f"a, b: expected 3-D (batch, M, K) and (batch, K, N), got {tuple(a.shape)} and "
-                         f"{tuple(b.shape)}. Add a batch dimension.")
+        raise ValueError(
+            f"a, b: expected 3-D (batch, M, K) and (batch, K, N), got {tuple(a.shape)} and "
+            f"{tuple(b.shape)}. Add a batch dimension."
+        )
     if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
-        raise ValueError(f"b: expected ({a.shape[0]}, {a.shape[2]}, N) to match a {tuple(a.shape)}, got "
-                         f"{tuple(b.shape)}. Use the same batch and inner dimension.")
+        raise ValueError(
+            f"b: expected ({a.shape[0]}, {a.shape[2]}, N) to match a {tuple(a.shape)}, got "
+            f"{tuple(b.shape)}. Use the same batch and inner dimension."
+        )
     for name, t in (("a", a), ("b", b)):
         if t.dtype not in _IN:
             raise TypeError(f"{name}: expected float8_e4m3fn / float8_e5m2 (or 16/32-bit), got {t.dtype}.")
@@ -54,25 +59,34 @@ def _check(a, b, out_dtype):
 
 def _norm(scale, batch, n, name, side):
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-        raise TypeError(f"{name}: expected a float32 tensor, got {getattr(scale, 'dtype', type(scale))}. "
-                        f"Pass {name}.float().")
+        raise TypeError(
+            f"{name}: expected a float32 tensor, got {getattr(scale, 'dtype', type(scale))}. Pass {name}.float()."
+        )
     s = scale
     if s.numel() == 1 and s.dim() <= 3:
         return s.reshape(1, 1).expand(batch, n)
     if s.dim() == 1 and s.shape[0] == batch:
         return s.reshape(batch, 1).expand(batch, n)
     if s.dim() == 3:
-        s = s.reshape(s.shape[0], s.shape[1] * s.shape[2]) if (s.shape[2] == 1 if side == "a" else s.shape[1] == 1) else s
+        s = (
+            s.reshape(s.shape[0], s.shape[1] * s.shape[2])
+            if (s.shape[2] == 1 if side == "a" else s.shape[1] == 1)
+            else s
+        )
     if s.dim() == 2 and s.shape[0] == batch and s.shape[1] in (1, n):
         return s.expand(batch, n)
-    want = ("(batch, M) / (batch, M, 1) per row" if side == "a" else "(batch, 1, N) per column")
-    raise ValueError(f"{name}: expected per-tensor (), per-batch ({batch},) / ({batch}, 1, 1) or {want} with "
-                     f"batch={batch}, {'M' if side == 'a' else 'N'}={n}; got shape {tuple(scale.shape)}.")
+    want = "(batch, M) / (batch, M, 1) per row" if side == "a" else "(batch, 1, N) per column"
+    raise ValueError(
+        f"{name}: expected per-tensor (), per-batch ({batch},) / ({batch}, 1, 1) or {want} with "
+        f"batch={batch}, {'M' if side == 'a' else 'N'}={n}; got shape {tuple(scale.shape)}."
+    )
 
 
 def normalize_scales(a, b, scale_a, scale_b):
     """(batch, M) and (batch, N) float32 views of the scales (stride 0 where broadcast)."""
-    return _norm(scale_a, a.shape[0], a.shape[1], "scale_a", "a"), _norm(scale_b, b.shape[0], b.shape[2], "scale_b", "b")
+    return _norm(scale_a, a.shape[0], a.shape[1], "scale_a", "a"), _norm(
+        scale_b, b.shape[0], b.shape[2], "scale_b", "b"
+    )
 
 
 def scaled_bmm_torch(a, b, sa, sb, out_dtype):
@@ -110,9 +124,32 @@ def launch_scaled_bmm():
     from .kernels.common import cdiv  # (also applies the interpreter fixes under TRITON_INTERPRET=1, once)
 
     @triton.jit
-    def _scaled_bmm_kernel(A, B, SA, SB, O, M, N, K,
-                           s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_sab, s_sam, s_sbb, s_sbn, s_ob, s_om, s_on,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _scaled_bmm_kernel(
+        A,
+        B,
+        SA,
+        SB,
+        O,
+        M,
+        N,
+        K,
+        s_ab,
+        s_am,
+        s_ak,
+        s_bb,
+        s_bk,
+        s_bn,
+        s_sab,
+        s_sam,
+        s_sbb,
+        s_sbn,
+        s_ob,
+        s_om,
+        s_on,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         bid = tl.program_id(2).to(tl.int64)
@@ -149,11 +186,33 @@ def launch_scaled_bmm():
         bn = 64 if n <= 64 else 128
         bk = 64 if k <= 64 else 128
         grid = (cdiv(m, bm), cdiv(n, bn), batch)
-        _scaled_bmm_kernel[grid](a, b, sa, sb, out, m, n, k,
-                                 a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-                                 sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
-                                 out.stride(0), out.stride(1), out.stride(2),
-                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4 if bm * bn <= 4096 else 8,
-                                 num_stages=3)
+        _scaled_bmm_kernel[grid](
+            a,
+            b,
+            sa,
+            sb,
+            out,
+            m,
+            n,
+            k,
+            a.stride(0),
+            a.stride(1),
+            a.stride(2),
+            b.stride(0),
+            b.stride(1),
+            b.stride(2),
+            sa.stride(0),
+            sa.stride(1),
+            sb.stride(0),
+            sb.stride(1),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=4 if bm * bn <= 4096 else 8,
+            num_stages=3,
+        )
 
     return launch

@@ -6,6 +6,7 @@ backward, the attention backward on the saved FP8 tensors (``fp8attn::dense_bwd`
 straight-through: the gradients are those with respect to the real values the FP8 tensors represent,
 rotated back when Q and K were Hadamard-rotated. See docs/api.md "Training (backward)".
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,15 +54,19 @@ def _validate(q, k, v, granularity, hadamard, fp8_backward, cu_seqlens_q, cu_seq
     for name, t in (("q", q), ("k", k), ("v", v)):
         C.check_tensor(name, t, ndim=3 if varlen else 4)
         if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise TypeError(f"{name}: expected bf16/fp16/fp32 (attention quantizes to FP8 itself), got {t.dtype}. "
-                            "Pass the unquantized tensors, or call flash_attn_func with FP8 tensors and descales.")
+            raise TypeError(
+                f"{name}: expected bf16/fp16/fp32 (attention quantizes to FP8 itself), got {t.dtype}. "
+                "Pass the unquantized tensors, or call flash_attn_func with FP8 tensors and descales."
+            )
     C.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     C.check_heads(q, k, v)
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"k: expected headdim {q.shape[-1]} (q's), got {k.shape[-1]}. Give q and k one head dim.")
     if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}. "
-                         "Pick per_head (FA3's descales), per_tensor or per_block.")
+        raise ValueError(
+            f"granularity: expected one of {GRANULARITIES}, got {granularity!r}. "
+            "Pick per_head (FA3's descales), per_tensor or per_block."
+        )
     if not isinstance(hadamard, bool):
         raise TypeError(f"hadamard: expected a bool, got {type(hadamard).__name__}. Pass True or False.")
     if fp8_backward is not None:
@@ -69,16 +74,22 @@ def _validate(q, k, v, granularity, hadamard, fp8_backward, cu_seqlens_q, cu_seq
     if not varlen:
         b = q.shape[0]
         if k.shape[0] != b or v.shape[0] != b or v.shape[1] != k.shape[1]:
-            raise ValueError(f"k/v: expected batch {b} and matching seqlen_k, got k {tuple(k.shape)} v "
-                             f"{tuple(v.shape)}. Give q, k and v the same batch and k, v the same seqlen.")
+            raise ValueError(
+                f"k/v: expected batch {b} and matching seqlen_k, got k {tuple(k.shape)} v "
+                f"{tuple(v.shape)}. Give q, k and v the same batch and k, v the same seqlen."
+            )
         for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if val is not None:
-                raise ValueError(f"{name}: expected None without cu_seqlens_q/cu_seqlens_k, got {val!r}. "
-                                 "Pass cu_seqlens for varlen inputs, or drop it.")
+                raise ValueError(
+                    f"{name}: expected None without cu_seqlens_q/cu_seqlens_k, got {val!r}. "
+                    "Pass cu_seqlens for varlen inputs, or drop it."
+                )
         return None
     if cu_seqlens_q is None or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
-        raise ValueError("cu_seqlens_q/cu_seqlens_k/max_seqlen_q/max_seqlen_k: expected all four for varlen "
-                         "(total, heads, dim) inputs, got some None. Pass all of them.")
+        raise ValueError(
+            "cu_seqlens_q/cu_seqlens_k/max_seqlen_q/max_seqlen_k: expected all four for varlen "
+            "(total, heads, dim) inputs, got some None. Pass all of them."
+        )
     C.check_leading_dims("k", k, "v", v, 1, "token count (total_k)")
     C.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], total_name="q")
     b = cu_seqlens_q.numel() - 1
@@ -88,9 +99,25 @@ def _validate(q, k, v, granularity, hadamard, fp8_backward, cu_seqlens_q, cu_seq
     return b
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              granularity="per_head", hadamard=False, fp8_backward=None, deterministic=False, cu_seqlens_q=None,
-              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, return_lse=False):
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    softcap=0.0,
+    granularity="per_head",
+    hadamard=False,
+    fp8_backward=None,
+    deterministic=False,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    return_lse=False,
+):
     """FP8 attention of 16-bit tensors, differentiable: the training entry.
 
     Dynamic quantization (``quantize_qkv``) -> FP8 forward -> (in the backward) the attention backward on the
@@ -118,8 +145,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     lse : float32 (batch, nheads_q, seqlen_q) / varlen (nheads_q, total_q), only with return_lse (no
         gradient flows through it).
     """
-    b = _validate(q, k, v, granularity, hadamard, fp8_backward, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                  max_seqlen_k)
+    b = _validate(q, k, v, granularity, hadamard, fp8_backward, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     window = _resolve_window(causal, window_size)
     mode = fp8_backward if fp8_backward is not None else ops.fp8_backward_mode()
     with torch.no_grad():  # (not differentiated: the Function below is straight-through)
@@ -129,8 +155,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if b is not None:
         vd = expand_descale(vd, b, k.shape[-2], q.device)
     rotation = _rotation(q.shape[-1], q.device) if hadamard else None
-    attn = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, C.check_softmax_scale(softmax_scale, q.shape[-1]), bool(causal),
-            window[0], window[1], float(softcap), _BLOCK if granularity == "per_block" else 0, mode,
-            bool(deterministic))
+    attn = (
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        C.check_softmax_scale(softmax_scale, q.shape[-1]),
+        bool(causal),
+        window[0],
+        window[1],
+        float(softcap),
+        _BLOCK if granularity == "per_block" else 0,
+        mode,
+        bool(deterministic),
+    )
     o, lse = ops.QuantizedAttention.apply(q, k, v, q8, k8, v8, qd, kd, vd, rotation, attn)
     return (o, lse) if return_lse else o

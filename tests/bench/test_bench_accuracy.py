@@ -1,4 +1,5 @@
 """`fp8attn bench accuracy` runs without a GPU (reference path) and its error budget adds up."""
+
 import json
 
 from fp8attn.bench.accuracy import run

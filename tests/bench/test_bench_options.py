@@ -1,5 +1,6 @@
 """`fp8attn bench <routine>` options: parsing, which routine takes which, where option runs write, the
 command stamped into the results, and the dense launcher's rule overrides (FP8ATTN_DENSE_RULES)."""
+
 import json
 import os
 import sys
@@ -15,14 +16,17 @@ def _err(capsys):
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["bench", "decode", "--shapes", "64x", "--name", "n"], "expected shapes"),
-    (["bench", "decode", "--shapes", "64x4096,1x2x3", "--name", "n"], "all of one rank"),
-    (["bench", "decode", "--splits", "0,-2", "--name", "n"], "non-negative"),
-    (["bench", "decode", "--configs", "{num_warps: 8}", "--name", "n"], "JSON"),
-    (["bench", "decode", "--configs", "[1, 2]", "--name", "n"], "list of objects"),
-    (["bench", "decode", "--splits", "0", "--name", "../up"], "file name"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["bench", "decode", "--shapes", "64x", "--name", "n"], "expected shapes"),
+        (["bench", "decode", "--shapes", "64x4096,1x2x3", "--name", "n"], "all of one rank"),
+        (["bench", "decode", "--splits", "0,-2", "--name", "n"], "non-negative"),
+        (["bench", "decode", "--configs", "{num_warps: 8}", "--name", "n"], "JSON"),
+        (["bench", "decode", "--configs", "[1, 2]", "--name", "n"], "list of objects"),
+        (["bench", "decode", "--splits", "0", "--name", "../up"], "file name"),
+    ],
+)
 def test_bad_option_values_are_usage_errors(capsys, argv, words):
     assert cli.main(argv) == 2
     assert words in _err(capsys)
@@ -49,7 +53,7 @@ def test_help_shows_the_routine_options(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for flag, (_, text) in cli.BENCH_OPTIONS.items():
         assert f"--{flag}" in out and " ".join(text.split()[:3]) in out, flag
-    assert "(default: None)" not in out[out.index("routine options"):]
+    assert "(default: None)" not in out[out.index("routine options") :]
 
 
 def _fake_routine(monkeypatch, tmp_path):
@@ -66,6 +70,7 @@ def _fake_routine(monkeypatch, tmp_path):
         path = out / "fake.json"
         path.write_text(json.dumps({"routine": "fake", "cases": []}))
         return path
+
     mod = types.ModuleType("fake_bench_routine")
     mod.run = run
     monkeypatch.setitem(sys.modules, "fake_bench_routine", mod)
@@ -78,8 +83,18 @@ def test_a_named_run_writes_beside_the_routine_file_and_stamps_its_command(monke
     seen = _fake_routine(monkeypatch, tmp_path)
     (tmp_path / "fake.json").write_text("committed")
     (tmp_path / "fake.png").write_bytes(b"committed")
-    argv = ["bench", "fake", "--out-dir", str(tmp_path), "--shapes", "2x64,1x128", "--splits", "0,3",
-            "--name", "fake-sweep"]
+    argv = [
+        "bench",
+        "fake",
+        "--out-dir",
+        str(tmp_path),
+        "--shapes",
+        "2x64,1x128",
+        "--splits",
+        "0,3",
+        "--name",
+        "fake-sweep",
+    ]
     assert cli.main(argv) == 0
     assert seen["shapes"] == ((2, 64), (1, 128)) and seen["splits"] == (0, 3) and seen["quick"] is False
     assert seen["out_dir"] != str(tmp_path)  # a scratch folder: the routine's own files are never rewritten

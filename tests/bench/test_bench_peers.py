@@ -1,5 +1,6 @@
 """The benchmark routines' optional FlashInfer peers (CPU parts): the page description handed to FlashInfer,
 and the peers' absence when flashinfer is not importable."""
+
 import sys
 
 import pytest
@@ -18,7 +19,7 @@ def test_flashinfer_pages_describe_the_used_pages(seqlen, page_size):
     assert indptr.dtype == indices.dtype == last.dtype == torch.int32
     assert indptr.tolist() == [0, pages, 2 * pages, 3 * pages]
     for b in range(3):
-        assert indices[indptr[b]:indptr[b + 1]].tolist() == pt[b, :pages].tolist()
+        assert indices[indptr[b] : indptr[b + 1]].tolist() == pt[b, :pages].tolist()
         assert int(last[b]) == seqlen - (pages - 1) * page_size and 1 <= int(last[b]) <= page_size
     assert indices.is_contiguous()
 
@@ -29,8 +30,12 @@ def test_flashinfer_peers_absent_without_flashinfer(monkeypatch):
     q = torch.zeros(1, 1, bp.HQ, bp.D)
     pt = torch.zeros(1, 1, dtype=torch.int32)
     assert bp._flashinfer_peers(q, None, None, [pt], 16, 16, 1) == {}
-    assert bp._flashinfer_prefill_peers(q, q, torch.zeros(1, 16, bp.HK, bp.D), None, pt,
-                                        torch.full((1,), 16, dtype=torch.int32), 1.0) == {}
+    assert (
+        bp._flashinfer_prefill_peers(
+            q, q, torch.zeros(1, 16, bp.HK, bp.D), None, pt, torch.full((1,), 16, dtype=torch.int32), 1.0
+        )
+        == {}
+    )
 
 
 def test_graph_step_falls_back_to_none_when_capture_fails():

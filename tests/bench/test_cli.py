@@ -1,4 +1,5 @@
 """The `fp8attn` command: info and accuracy-demo."""
+
 import os
 import re
 import subprocess
@@ -11,8 +12,9 @@ API_FUNCTIONS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_k
 
 def _run(*args, timeout=120):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "fp8attn", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "fp8attn", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_info_module_entry_point():

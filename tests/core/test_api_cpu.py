@@ -4,14 +4,15 @@ Every result is compared with the independent float64 oracle (tests/helpers.py::
 computed from the dequantized inputs, with FA3's tolerance rule where the low-precision step is the
 output cast (bf16 for FP8 inputs).
 """
+
 import math
 
 import pytest
 import torch
-from helpers import assert_close_fa3, fp8_inputs, naive_attention, rand_descale
 
 from fp8attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from fp8attn.quant import quantize
+from helpers import assert_close_fa3, fp8_inputs, naive_attention, rand_descale
 
 E4M3 = torch.float8_e4m3fn
 F64 = torch.float64
@@ -52,8 +53,9 @@ def make(kind, b, sq, sk, hq, hk, d, dv=None):
     return q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), {}
 
 
-SEQLEN_PAIRS = [(1, 1), (239, 1), (1, 239), (113, 203), (1023, 1024)] + \
-    [(a, c) for a in (127, 128, 129) for c in (127, 128, 129)]
+SEQLEN_PAIRS = [(1, 1), (239, 1), (1, 239), (113, 203), (1023, 1024)] + [
+    (a, c) for a in (127, 128, 129) for c in (127, 128, 129)
+]
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
@@ -69,7 +71,7 @@ def test_dense_seqlen_grid(sq, sk, causal, kind):
     ref, ref_lse, lowp = oracle(q, k, v, causal=causal, **ds)
     check(out, lse, ref, ref_lse, lowp)
     if causal and sq > sk:  # the first sq - sk rows see nothing
-        assert (out[:, :sq - sk].float() == 0).all() and torch.isneginf(lse[:, :, :sq - sk]).all()
+        assert (out[:, : sq - sk].float() == 0).all() and torch.isneginf(lse[:, :, : sq - sk]).all()
 
 
 @pytest.mark.parametrize("hq,hk", [(4, 4), (4, 2), (6, 2), (8, 1), (16, 2), (3, 1)], ids=lambda x: str(x))
@@ -105,7 +107,12 @@ def test_sliding_window(window, sq, sk):
 
 def test_fully_masked_rows():
     q, k, v, ds = make("fp8", 2, 12, 4, 2, 1, 32)
-    for kw in (dict(causal=True), dict(window_size=(0, 0)), dict(window_size=(2, 0)), dict(causal=True, window_size=(1, -1))):
+    for kw in (
+        dict(causal=True),
+        dict(window_size=(0, 0)),
+        dict(window_size=(2, 0)),
+        dict(causal=True, window_size=(1, -1)),
+    ):
         out, lse = flash_attn_func(q, k, v, return_attn_probs=True, **kw, **ds)
         assert not torch.isnan(out.float()).any() and not torch.isnan(lse).any()
         assert (out[:, :8].float() == 0).all() and torch.isneginf(lse[:, :, :8]).all()
@@ -135,8 +142,10 @@ def test_descale_broadcasts(gran):
     ref = oracle(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
     check(out, lse, *ref)
     # the same values passed as a full (batch, nheads_k) tensor give identical results
-    full = [d.reshape(-1, 1).expand(b, h).contiguous() if d.numel() > 1 else d.reshape(1, 1).expand(b, h).contiguous()
-            for d in (qd, kd, vd)]
+    full = [
+        d.reshape(-1, 1).expand(b, h).contiguous() if d.numel() > 1 else d.reshape(1, 1).expand(b, h).contiguous()
+        for d in (qd, kd, vd)
+    ]
     assert torch.equal(flash_attn_func(q8, k8, v8, q_descale=full[0], k_descale=full[1], v_descale=full[2]), out)
 
 
@@ -252,7 +261,7 @@ def test_varlen_zero_length_sequences(causal, kind):
         if lq[i] == 0:
             continue
         qs, ks = slice(int(cq[i]), int(cq[i + 1])), slice(int(ck[i]), int(ck[i + 1]))
-        dsi = {n: t[i:i + 1] for n, t in ds.items()}
+        dsi = {n: t[i : i + 1] for n, t in ds.items()}
         ref, ref_lse, lowp = oracle(q[None, qs], k[None, ks], v[None, ks], causal=causal, **dsi)
         check(out[None, qs], lse[None, :, qs], ref, ref_lse, lowp, name=f"seq{i}")
         if lk[i] == 0:
@@ -266,19 +275,35 @@ def test_varlen_seqused():
     q, k, v = q[0], k[0], v[0]
     cq, ck = _cu(lq), _cu(lk)
     ds = {n: t.expand(3, 1) * rand_descale(3, 1, 0.5, 1.5) for n, t in ds.items()}
-    out, lse = flash_attn_varlen_func(q, k, v, cq, ck, 6, 8, seqused_q=torch.tensor(used_q, dtype=torch.int32),
-                                      seqused_k=torch.tensor(used_k, dtype=torch.int32), causal=True,
-                                      return_attn_probs=True, **ds)
+    out, lse = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cq,
+        ck,
+        6,
+        8,
+        seqused_q=torch.tensor(used_q, dtype=torch.int32),
+        seqused_k=torch.tensor(used_k, dtype=torch.int32),
+        causal=True,
+        return_attn_probs=True,
+        **ds,
+    )
     assert not torch.isnan(out.float()).any()
     for i in range(3):
         q0, k0 = int(cq[i]), int(ck[i])
         if used_q[i]:
-            dsi = {n: t[i:i + 1] for n, t in ds.items()}
-            ref, ref_lse, lowp = oracle(q[None, q0:q0 + used_q[i]], k[None, k0:k0 + used_k[i]],
-                                        v[None, k0:k0 + used_k[i]], causal=True, **dsi)
-            check(out[None, q0:q0 + used_q[i]], lse[None, :, q0:q0 + used_q[i]], ref, ref_lse, lowp)
+            dsi = {n: t[i : i + 1] for n, t in ds.items()}
+            ref, ref_lse, lowp = oracle(
+                q[None, q0 : q0 + used_q[i]],
+                k[None, k0 : k0 + used_k[i]],
+                v[None, k0 : k0 + used_k[i]],
+                causal=True,
+                **dsi,
+            )
+            check(out[None, q0 : q0 + used_q[i]], lse[None, :, q0 : q0 + used_q[i]], ref, ref_lse, lowp)
         # rows past seqused_q are not attended: 0 output
-        assert (out[q0 + used_q[i]:int(cq[i + 1])].float() == 0).all()
+        assert (out[q0 + used_q[i] : int(cq[i + 1])].float() == 0).all()
 
 
 def test_varlen_all_empty_batch():
@@ -298,14 +323,30 @@ def test_kvcache_contiguous_with_cache_batch_idx():
     q = torch.randn(2, 3, 4, d).bfloat16()
     idx = torch.tensor([3, 1], dtype=torch.int32)
     lens = torch.tensor([20, 7], dtype=torch.int32)
-    out, lse = flash_attn_with_kvcache(q, kc8, vc8, cache_seqlens=lens, cache_batch_idx=idx, k_descale=kd,
-                                       v_descale=vd, causal=True, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        kc8,
+        vc8,
+        cache_seqlens=lens,
+        cache_batch_idx=idx,
+        k_descale=kd,
+        v_descale=vd,
+        causal=True,
+        return_softmax_lse=True,
+    )
     for i in range(2):
         r = int(idx[i])
         # bf16 Q over an e4m3 cache: the paged kernel's fp16 dots (P rounded to fp16)
-        ref, ref_lse, lowp = oracle(q[i:i + 1], kc8[r:r + 1, :lens[i]], vc8[r:r + 1, :lens[i]], causal=True,
-                                    k_descale=kd, v_descale=vd, p_round=torch.float16)
-        check(out[i:i + 1], lse[i:i + 1], ref, ref_lse, lowp)
+        ref, ref_lse, lowp = oracle(
+            q[i : i + 1],
+            kc8[r : r + 1, : lens[i]],
+            vc8[r : r + 1, : lens[i]],
+            causal=True,
+            k_descale=kd,
+            v_descale=vd,
+            p_round=torch.float16,
+        )
+        check(out[i : i + 1], lse[i : i + 1], ref, ref_lse, lowp)
 
 
 def test_kvcache_v_seq_major_append_and_attend():
@@ -326,8 +367,18 @@ def test_kvcache_v_seq_major_append_and_attend():
         for step in (37, 1, 5):  # a prefill chunk, a decode token, a short chunk
             q = torch.randn(b, step, hq, d).bfloat16()
             k, v = torch.randn(b, step, hk, d).bfloat16(), torch.randn(b, step, hk, d).bfloat16()
-            o = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens, page_table=pt, causal=True,
-                                        k_descale=torch.tensor([[0.02]]), v_descale=torch.tensor([[0.03]]))
+            o = flash_attn_with_kvcache(
+                q,
+                kc,
+                vc,
+                k=k,
+                v=v,
+                cache_seqlens=lens,
+                page_table=pt,
+                causal=True,
+                k_descale=torch.tensor([[0.02]]),
+                v_descale=torch.tensor([[0.03]]),
+            )
             lens = lens + step
             outs.append(o)
         res.append(outs)
@@ -337,9 +388,15 @@ def test_kvcache_v_seq_major_append_and_attend():
     kc, vc = alloc_paged_cache(nb, ps, hk, d)
     bad = torch.empty(nb, ps, d, hk).permute(0, 1, 3, 2).to(vc.dtype)  # head dim strided by nheads_k
     with pytest.raises(ValueError, match="v_cache.*sequence-major"):
-        flash_attn_with_kvcache(torch.randn(b, 1, hq, d).bfloat16(), kc, bad, page_table=pt,
-                                cache_seqlens=torch.ones(b, dtype=torch.int32),
-                                k_descale=torch.tensor([[0.02]]), v_descale=torch.tensor([[0.03]]))
+        flash_attn_with_kvcache(
+            torch.randn(b, 1, hq, d).bfloat16(),
+            kc,
+            bad,
+            page_table=pt,
+            cache_seqlens=torch.ones(b, dtype=torch.int32),
+            k_descale=torch.tensor([[0.02]]),
+            v_descale=torch.tensor([[0.03]]),
+        )
 
 
 def test_kvcache_split_workspace():
@@ -354,29 +411,46 @@ def test_kvcache_split_workspace():
     lens = torch.tensor([40, 3, 17], dtype=torch.int32)
     k, v = torch.randn(b, 40, hk, d).bfloat16(), torch.randn(b, 40, hk, d).bfloat16()
     kw = dict(k_descale=torch.tensor([[0.02]]), v_descale=torch.tensor([[0.03]]), causal=True)
-    flash_attn_with_kvcache(torch.randn(b, 40, hq, d).bfloat16(), kc, vc, k=k, v=v, page_table=pt,
-                            cache_seqlens=torch.zeros(b, dtype=torch.int32), **kw)
+    flash_attn_with_kvcache(
+        torch.randn(b, 40, hq, d).bfloat16(),
+        kc,
+        vc,
+        k=k,
+        v=v,
+        page_table=pt,
+        cache_seqlens=torch.zeros(b, dtype=torch.int32),
+        **kw,
+    )
     q = torch.randn(b, 1, hq, d).bfloat16()
     ws = split_workspace(q, 5, d)
-    o1, l1 = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, num_splits=3,
-                                     return_softmax_lse=True, **kw)
-    o2, l2 = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, num_splits=3,
-                                     return_softmax_lse=True, split_workspace=ws, **kw)
+    o1, l1 = flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=lens, page_table=pt, num_splits=3, return_softmax_lse=True, **kw
+    )
+    o2, l2 = flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=lens, page_table=pt, num_splits=3, return_softmax_lse=True, split_workspace=ws, **kw
+    )
     assert torch.equal(o1, o2) and torch.equal(l1, l2) and not torch.isnan(o2.float()).any()
     qv = torch.randn(4, hq, d).bfloat16()  # varlen: decode rows and a 2-query chunk
     cu = torch.tensor([0, 1, 3, 4], dtype=torch.int32)
     vkw = dict(cache_seqlens=lens, page_table=pt, cu_seqlens_q=cu, max_seqlen_q=2, num_splits=2, **kw)
-    assert torch.equal(flash_attn_with_kvcache(qv, kc, vc, **vkw),
-                       flash_attn_with_kvcache(qv, kc, vc, split_workspace=split_workspace(qv, 2, d), **vkw))
+    assert torch.equal(
+        flash_attn_with_kvcache(qv, kc, vc, **vkw),
+        flash_attn_with_kvcache(qv, kc, vc, split_workspace=split_workspace(qv, 2, d), **vkw),
+    )
     call = dict(cache_seqlens=lens, page_table=pt, **kw)
-    bad = [(dict(num_splits=3, split_workspace=ws[0]), TypeError, "split_workspace: expected a tuple"),
-           (dict(num_splits=0, split_workspace=ws), ValueError, "explicit num_splits"),
-           (dict(num_splits=6, split_workspace=ws), ValueError, r"out_partial contiguous float32 \(>= 6"),
-           (dict(num_splits=2, split_workspace=split_workspace(q, 2, d + 1)), ValueError, "out_partial"),
-           (dict(num_splits=2, split_workspace=(ws[0], ws[1].double())), ValueError, "lse_partial.*float64"),
-           (dict(num_splits=2, split_workspace=(ws[0].transpose(1, 3).contiguous().transpose(1, 3), ws[1])),
-            ValueError, "not contiguous"),
-           (dict(num_splits=2, split_workspace=ws, attention_chunk=16), ValueError, "attention_chunk")]
+    bad = [
+        (dict(num_splits=3, split_workspace=ws[0]), TypeError, "split_workspace: expected a tuple"),
+        (dict(num_splits=0, split_workspace=ws), ValueError, "explicit num_splits"),
+        (dict(num_splits=6, split_workspace=ws), ValueError, r"out_partial contiguous float32 \(>= 6"),
+        (dict(num_splits=2, split_workspace=split_workspace(q, 2, d + 1)), ValueError, "out_partial"),
+        (dict(num_splits=2, split_workspace=(ws[0], ws[1].double())), ValueError, "lse_partial.*float64"),
+        (
+            dict(num_splits=2, split_workspace=(ws[0].transpose(1, 3).contiguous().transpose(1, 3), ws[1])),
+            ValueError,
+            "not contiguous",
+        ),
+        (dict(num_splits=2, split_workspace=ws, attention_chunk=16), ValueError, "attention_chunk"),
+    ]
     for extra, exc, msg in bad:
         with pytest.raises(exc, match=msg):
             flash_attn_with_kvcache(q, kc, vc, **call, **extra)
@@ -412,24 +486,26 @@ def test_cpu_path_rounds_p_like_the_kernels():
     q8, qd = quantize(torch.randn(2, 3, 4, d), "per_tensor")
     kw8 = dict(kw, q_descale=qd.reshape(1, 1))
     out = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
-    assert torch.equal(out, paged_attention_ref(q8, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16,
-                                                **kw8))
+    assert torch.equal(
+        out, paged_attention_ref(q8, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16, **kw8)
+    )
     vs = to_v_seq_major(vc)
     out = flash_attn_with_kvcache(q8, kc, vs, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
     assert torch.equal(out, paged_attention_ref(q8, kc, vc, pt, cs, out_dtype=torch.float32, quantize_p=True, **kw8))
     q8l, qdl = quantize(torch.randn(2, 9, 4, d), "per_tensor")  # 18 rows per kv head: small tiles
     kw8 = dict(kw, q_descale=qdl.reshape(1, 1))
     out = flash_attn_with_kvcache(q8l, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
-    assert torch.equal(out, paged_attention_ref(q8l, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16,
-                                                **kw8))
+    assert torch.equal(
+        out, paged_attention_ref(q8l, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16, **kw8)
+    )
     q8p, qdp = quantize(torch.randn(2, 9, 16, d), "per_tensor")  # 72 rows per kv head: prefill tiles, P in fp16
     kw8 = dict(kw, q_descale=qdp.reshape(1, 1))
     out = flash_attn_with_kvcache(q8p, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
-    assert torch.equal(out, paged_attention_ref(q8p, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16,
-                                                **kw8))
+    assert torch.equal(
+        out, paged_attention_ref(q8p, kc, vc, pt, cs, out_dtype=torch.float32, p_dtype=torch.float16, **kw8)
+    )
     out = flash_attn_with_kvcache(q8p, kc, vs, cache_seqlens=cs, page_table=pt, out_dtype=torch.float32, **kw8)
-    assert torch.equal(out, paged_attention_ref(q8p, kc, vc, pt, cs, out_dtype=torch.float32, quantize_p=True,
-                                                **kw8))
+    assert torch.equal(out, paged_attention_ref(q8p, kc, vc, pt, cs, out_dtype=torch.float32, quantize_p=True, **kw8))
 
 
 def test_cpu_path_rounds_p_like_the_paged_tma_kernel():
@@ -449,20 +525,30 @@ def test_cpu_path_rounds_p_like_the_paged_tma_kernel():
     kw = dict(q_descale=qd.reshape(1, 1), k_descale=kd.reshape(1, 1), v_descale=vd.reshape(1, 1), causal=True)
 
     def ref(q, p8, **extra):
-        return paged_attention_ref(q, kc, vc, pt, cs, **{"out_dtype": torch.bfloat16, **kw, **extra},
-                                   **(dict(quantize_p=True) if p8 else dict(p_dtype=torch.float16)))
+        return paged_attention_ref(
+            q,
+            kc,
+            vc,
+            pt,
+            cs,
+            **{"out_dtype": torch.bfloat16, **kw, **extra},
+            **(dict(quantize_p=True) if p8 else dict(p_dtype=torch.float16)),
+        )
+
     out = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.bfloat16, **kw)
     assert torch.equal(out, ref(q8, True))
     for extra in (dict(window_size=(64, 0)), dict(num_splits=2), dict(out_dtype=torch.float32)):
-        out = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, **{"out_dtype": torch.bfloat16,
-                                                                                      **kw, **extra})
+        out = flash_attn_with_kvcache(
+            q8, kc, vc, cache_seqlens=cs, page_table=pt, **{"out_dtype": torch.bfloat16, **kw, **extra}
+        )
         assert torch.equal(out, ref(q8, False, **{k: v for k, v in extra.items() if k != "num_splits"})), extra
     # varlen: a 130-query chunk (e4m3 P) beside a 3-query chunk (fp16 P)
     qv = q8.reshape(-1, hq, d)[:133]
     cu = torch.tensor([0, 130, 133], dtype=torch.int32)
     vkw = dict(cu_seqlens_q=cu, max_seqlen_q=130)
-    out = flash_attn_with_kvcache(qv, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.bfloat16,
-                                  cu_seqlens_q=cu, max_seqlen_q=130, **kw)
+    out = flash_attn_with_kvcache(
+        qv, kc, vc, cache_seqlens=cs, page_table=pt, out_dtype=torch.bfloat16, cu_seqlens_q=cu, max_seqlen_q=130, **kw
+    )
     assert torch.equal(out[:130], ref(qv, True, **vkw)[:130])
     assert torch.equal(out[130:], ref(qv, False, **vkw)[130:])
     assert not torch.equal(out[:130], ref(qv, False, **vkw)[:130])

@@ -1,11 +1,11 @@
 """FA3's flash_attn_qkvpacked_func and get_scheduler_metadata: packed Q/K/V runs flash_attn_func on views of
 the packed tensor; the metadata's split count reaches flash_attn_with_kvcache."""
+
 import pytest
 import torch
 
-from helpers import assert_close_fa3, raises_naming
-
 import fp8attn
+from helpers import assert_close_fa3, raises_naming
 
 E4M3 = torch.float8_e4m3fn
 
@@ -22,8 +22,9 @@ def test_qkvpacked_5d_equals_flash_attn_func(fp8, causal):
     else:
         qkv = qkv.bfloat16()
     out, lse = fp8attn.flash_attn_qkvpacked_func(qkv, causal=causal, return_attn_probs=True, **kw)
-    ref, ref_lse = fp8attn.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal,
-                                           return_attn_probs=True, **kw)
+    ref, ref_lse = fp8attn.flash_attn_func(
+        qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal, return_attn_probs=True, **kw
+    )
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     assert out.shape == (2, 37, 4, 64) and lse.shape == (2, 4, 37)
 
@@ -69,20 +70,25 @@ def _paged_call(g):
 def test_scheduler_metadata_sets_the_split_count(splits):
     g = torch.Generator().manual_seed(6)
     q, kc, vc, pt, lens = _paged_call(g)
-    meta = fp8attn.get_scheduler_metadata(2, 1, 64, 4, 2, 64, lens, qkv_dtype=torch.bfloat16, page_size=16,
-                                          causal=True, num_splits=splits)
+    meta = fp8attn.get_scheduler_metadata(
+        2, 1, 64, 4, 2, 64, lens, qkv_dtype=torch.bfloat16, page_size=16, causal=True, num_splits=splits
+    )
     assert meta.dtype == torch.int32 and meta.shape == (splits,) and meta.device == lens.device
-    out, lse = fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True,
-                                               scheduler_metadata=meta, return_softmax_lse=True)
-    ref, ref_lse = fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True,
-                                                   num_splits=splits, return_softmax_lse=True)
+    out, lse = fp8attn.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True, scheduler_metadata=meta, return_softmax_lse=True
+    )
+    ref, ref_lse = fp8attn.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True, num_splits=splits, return_softmax_lse=True
+    )
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
-    agreeing = fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True,
-                                               scheduler_metadata=meta, num_splits=splits)
+    agreeing = fp8attn.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=lens, page_table=pt, causal=True, scheduler_metadata=meta, num_splits=splits
+    )
     assert torch.equal(agreeing, ref)
     # chunked-local attention, as FA3 code runs it: the same attention_chunk to both calls
-    meta = fp8attn.get_scheduler_metadata(2, 1, 64, 4, 2, 64, lens, page_size=16, causal=True, attention_chunk=32,
-                                          num_splits=splits)
+    meta = fp8attn.get_scheduler_metadata(
+        2, 1, 64, 4, 2, 64, lens, page_size=16, causal=True, attention_chunk=32, num_splits=splits
+    )
     chunked = dict(cache_seqlens=lens, page_table=pt, causal=True, attention_chunk=32)
     out = fp8attn.flash_attn_with_kvcache(q, kc, vc, scheduler_metadata=meta, **chunked)
     ref = fp8attn.flash_attn_with_kvcache(q, kc, vc, num_splits=splits, **chunked)
@@ -94,23 +100,44 @@ def test_scheduler_metadata_bad_inputs_name_the_argument():
     q, kc, vc, pt, lens = _paged_call(g)
     meta = fp8attn.get_scheduler_metadata(2, 1, 64, 4, 2, 64, lens, num_splits=3)
     call = dict(cache_seqlens=lens, page_table=pt, causal=True)
-    raises_naming(ValueError, "num_splits", fp8attn.flash_attn_with_kvcache, q, kc, vc, scheduler_metadata=meta, num_splits=2,
-            **call)
-    raises_naming(ValueError, "scheduler_metadata", fp8attn.flash_attn_with_kvcache, q, kc, vc,
-            scheduler_metadata=torch.zeros(3, dtype=torch.int64), **call)
-    raises_naming(ValueError, "scheduler_metadata", fp8attn.flash_attn_with_kvcache, q, kc, vc, scheduler_metadata=[0, 0],
-            **call)
+    raises_naming(
+        ValueError,
+        "num_splits",
+        fp8attn.flash_attn_with_kvcache,
+        q,
+        kc,
+        vc,
+        scheduler_metadata=meta,
+        num_splits=2,
+        **call,
+    )
+    raises_naming(
+        ValueError,
+        "scheduler_metadata",
+        fp8attn.flash_attn_with_kvcache,
+        q,
+        kc,
+        vc,
+        scheduler_metadata=torch.zeros(3, dtype=torch.int64),
+        **call,
+    )
+    raises_naming(
+        ValueError, "scheduler_metadata", fp8attn.flash_attn_with_kvcache, q, kc, vc, scheduler_metadata=[0, 0], **call
+    )
     raises_naming(ValueError, "num_splits", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens, num_splits=-1)
     raises_naming(ValueError, "max_seqlen_k", fp8attn.get_scheduler_metadata, 2, 1, "64", 4, 2, 64, lens)
     raises_naming(ValueError, "batch_size", fp8attn.get_scheduler_metadata, 2.0, 1, 64, 4, 2, 64, lens)
     assert fp8attn.get_scheduler_metadata(torch.tensor(2), 1, 64, 4, 2, 64, lens, num_splits=2).shape == (2,)
     raises_naming(TypeError, "cache_seqlens", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, [50, 61])
     # attention_chunk: checked and accepted (FA3 code passes the call's value); the split count is num_splits's
-    assert torch.equal(fp8attn.get_scheduler_metadata(2, 1, 64, 4, 2, 64, lens, attention_chunk=32, num_splits=3),
-                       torch.zeros(3, dtype=torch.int32))
+    assert torch.equal(
+        fp8attn.get_scheduler_metadata(2, 1, 64, 4, 2, 64, lens, attention_chunk=32, num_splits=3),
+        torch.zeros(3, dtype=torch.int32),
+    )
     for bad in (-1, 2.5, True):
-        raises_naming(ValueError, "attention_chunk", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens,
-                attention_chunk=bad)
+        raises_naming(
+            ValueError, "attention_chunk", fp8attn.get_scheduler_metadata, 2, 1, 64, 4, 2, 64, lens, attention_chunk=bad
+        )
 
 
 def _chunk_oracle(q, k, v, chunk, causal, window, qd=None, kd=None, vd=None, dtype=torch.float64):
@@ -154,38 +181,56 @@ def _chunk_lowprec(q, k, v, chunk, causal, window, descales):
         k0, k1 = max(c * chunk, 0), min((c + 1) * chunk, sk)
         if q1 <= q0 or k1 <= k0:
             continue
-        out[:, q0:q1] = attention_ref(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal=causal, window_size=window,
-                                      quantize_p=True, compute_dtype=torch.float64, out_dtype=torch.float64,
-                                      **descales)
+        out[:, q0:q1] = attention_ref(
+            q[:, q0:q1],
+            k[:, k0:k1],
+            v[:, k0:k1],
+            causal=causal,
+            window_size=window,
+            quantize_p=True,
+            compute_dtype=torch.float64,
+            out_dtype=torch.float64,
+            **descales,
+        )
     return out
 
 
-@pytest.mark.parametrize("sq,sk,chunk,causal,window", [
-    (37, 37, 8, True, (-1, -1)),     # self-attention, a partial last chunk
-    (5, 50, 16, True, (-1, -1)),     # queries in the last chunk only (chunked prefill / decode shape)
-    (50, 20, 8, False, (-1, -1)),    # more queries than keys: the first rows lie before key 0 and see nothing
-    (30, 45, 7, False, (3, 2)),      # window and chunk intersect
-    (20, 100, 32, True, (10, 0)),
-    (40, 40, 64, True, (-1, -1)),    # one chunk holds everything: the plain call
-])
+@pytest.mark.parametrize(
+    "sq,sk,chunk,causal,window",
+    [
+        (37, 37, 8, True, (-1, -1)),  # self-attention, a partial last chunk
+        (5, 50, 16, True, (-1, -1)),  # queries in the last chunk only (chunked prefill / decode shape)
+        (50, 20, 8, False, (-1, -1)),  # more queries than keys: the first rows lie before key 0 and see nothing
+        (30, 45, 7, False, (3, 2)),  # window and chunk intersect
+        (20, 100, 32, True, (10, 0)),
+        (40, 40, 64, True, (-1, -1)),  # one chunk holds everything: the plain call
+    ],
+)
 @pytest.mark.parametrize("fp8", [False, True])
 def test_attention_chunk_matches_the_masked_oracle(sq, sk, chunk, causal, window, fp8):
 
     g = torch.Generator().manual_seed(9)
-    q, k, v = torch.randn(2, sq, 4, 32, generator=g), torch.randn(2, sk, 2, 32, generator=g), \
-        torch.randn(2, sk, 2, 32, generator=g)
+    q, k, v = (
+        torch.randn(2, sq, 4, 32, generator=g),
+        torch.randn(2, sk, 2, 32, generator=g),
+        torch.randn(2, sk, 2, 32, generator=g),
+    )
     kw = {}
     if fp8:
         q, k, v = (x.to(E4M3) for x in (q, k, v))
         kw = {n: torch.rand(2, 2, generator=g) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
     else:
         q, k, v = (x.bfloat16() for x in (q, k, v))
-    out, lse = fp8attn.flash_attn_func(q, k, v, causal=causal, window_size=window, attention_chunk=chunk,
-                                       return_attn_probs=True, **kw)
+    out, lse = fp8attn.flash_attn_func(
+        q, k, v, causal=causal, window_size=window, attention_chunk=chunk, return_attn_probs=True, **kw
+    )
     descales = [kw.get(n) for n in ("q_descale", "k_descale", "v_descale")]
     ref, ref_lse = _chunk_oracle(q, k, v, chunk, causal, window, *descales)
-    low = _chunk_lowprec(q, k, v, chunk, causal, window, kw) if fp8 else \
-        _chunk_oracle(q, k, v, chunk, causal, window, dtype=torch.bfloat16)[0]
+    low = (
+        _chunk_lowprec(q, k, v, chunk, causal, window, kw)
+        if fp8
+        else _chunk_oracle(q, k, v, chunk, causal, window, dtype=torch.bfloat16)[0]
+    )
     assert out.shape == (2, sq, 4, 32) and lse.shape == (2, 4, sq)
     assert_close_fa3(out.float(), ref, low.float(), floor=1e-3)
     seen = torch.isfinite(ref_lse)
@@ -213,8 +258,20 @@ def test_attention_chunk_bad_values_and_unsupported_calls():
     raises_naming(ValueError, "attention_chunk", fp8attn.flash_attn_func, q, q, q, attention_chunk=-1)
     raises_naming(ValueError, "attention_chunk", fp8attn.flash_attn_func, q, q, q, attention_chunk=2.5)
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    raises_naming(NotImplementedError, "seqused_k", fp8attn.flash_attn_varlen_func, q[0], q[0], q[0], cu, cu, 8, 8,
-            seqused_k=torch.tensor([6], dtype=torch.int32), attention_chunk=4)
+    raises_naming(
+        NotImplementedError,
+        "seqused_k",
+        fp8attn.flash_attn_varlen_func,
+        q[0],
+        q[0],
+        q[0],
+        cu,
+        cu,
+        8,
+        8,
+        seqused_k=torch.tensor([6], dtype=torch.int32),
+        attention_chunk=4,
+    )
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -234,18 +291,23 @@ def test_attention_chunk_varlen_equals_each_sequence_alone(fp8):
         kw = {n: torch.rand(len(lens), 2, generator=g) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
     else:
         q, k, v = (x.bfloat16() for x in (q, k, v))
-    out, lse = fp8attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 25, 70, causal=True, attention_chunk=16,
-                                              return_attn_probs=True, **kw)
-    for i, (lq, lk) in enumerate(lens):
+    out, lse = fp8attn.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, 25, 70, causal=True, attention_chunk=16, return_attn_probs=True, **kw
+    )
+    for i, (lq, _lk) in enumerate(lens):
         if lq == 0:
             continue
         qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-        ds = {n: t[i:i + 1] for n, t in kw.items()}
+        ds = {n: t[i : i + 1] for n, t in kw.items()}
         args = (q[None, qs], k[None, ks], v[None, ks])
-        ref, ref_lse = _chunk_oracle(*args, 16, True, (-1, -1), *[ds.get(n) for n in ("q_descale", "k_descale",
-                                                                                     "v_descale")])
-        low = _chunk_lowprec(*args, 16, True, (-1, -1), ds) if fp8 else \
-            _chunk_oracle(*args, 16, True, (-1, -1), dtype=torch.bfloat16)[0]
+        ref, ref_lse = _chunk_oracle(
+            *args, 16, True, (-1, -1), *[ds.get(n) for n in ("q_descale", "k_descale", "v_descale")]
+        )
+        low = (
+            _chunk_lowprec(*args, 16, True, (-1, -1), ds)
+            if fp8
+            else _chunk_oracle(*args, 16, True, (-1, -1), dtype=torch.bfloat16)[0]
+        )
         assert_close_fa3(out[None, qs].float(), ref, low.float(), floor=1e-3)
         seen = torch.isfinite(ref_lse[0])
         assert torch.equal(torch.isfinite(lse[:, qs]), seen)
@@ -257,8 +319,9 @@ def test_gpu_attention_chunk_matches_the_masked_oracle():
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, 1536, 8, 128, generator=g).to(E4M3) for _ in range(3))
     ds = {n: torch.rand(2, 8, generator=g) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
-    out = fp8attn.flash_attn_func(q.cuda(), k.cuda(), v.cuda(), causal=True, attention_chunk=512,
-                                  **{n: t.cuda() for n, t in ds.items()})
+    out = fp8attn.flash_attn_func(
+        q.cuda(), k.cuda(), v.cuda(), causal=True, attention_chunk=512, **{n: t.cuda() for n, t in ds.items()}
+    )
     descales = [ds[n] for n in ("q_descale", "k_descale", "v_descale")]
     ref, _ = _chunk_oracle(q, k, v, 512, True, (-1, -1), *descales)
     low = _chunk_lowprec(q, k, v, 512, True, (-1, -1), ds)
@@ -296,23 +359,32 @@ def test_attention_chunk_over_a_cache(layout, sq, device="cpu"):
     dev = {n: t.to(device) for n, t in (("kc", kc), ("vc", vc), ("q", q), ("kn", kn), ("vn", vn), ("lens", lens))}
     assert dev["vc"].stride() == vc.stride()  # (.to keeps the sequence-major strides)
     pt_dev = pt.to(device) if pt is not None else None
-    out = fp8attn.flash_attn_with_kvcache(dev["q"], dev["kc"], dev["vc"], k=dev["kn"], v=dev["vn"],
-                                          cache_seqlens=dev["lens"], page_table=pt_dev, causal=True,
-                                          attention_chunk=CH, **{n: t.to(device) for n, t in kw.items()})
+    out = fp8attn.flash_attn_with_kvcache(
+        dev["q"],
+        dev["kc"],
+        dev["vc"],
+        k=dev["kn"],
+        v=dev["vn"],
+        cache_seqlens=dev["lens"],
+        page_table=pt_dev,
+        causal=True,
+        attention_chunk=CH,
+        **{n: t.to(device) for n, t in kw.items()},
+    )
     out = out.cpu()
     kc, vc = dev["kc"].cpu(), dev["vc"].cpu()  # with the appended tokens (the same tensors on the CPU)
     for b in range(B):
         n = int(lens[b]) + sq
         if pt is None:
-            kb, vb = kc[b:b + 1, :n], vc[b:b + 1, :n]
+            kb, vb = kc[b : b + 1, :n], vc[b : b + 1, :n]
         else:
             kb, vb = _gather_keys(kc, pt[b], n, PS), _gather_keys(vc, pt[b], n, PS)
-        ds = [None, kw["k_descale"][b:b + 1], kw["v_descale"][b:b + 1]] if kw else [None, None, None]
+        ds = [None, kw["k_descale"][b : b + 1], kw["v_descale"][b : b + 1]] if kw else [None, None, None]
         if kw:  # q is 16-bit: its descale is 1
             ds[0] = torch.ones(1, HK)
-        ref, _ = _chunk_oracle(q[b:b + 1], kb, vb, CH, True, (-1, -1), *ds)
-        low, _ = _chunk_oracle(q[b:b + 1], kb, vb, CH, True, (-1, -1), *ds, dtype=torch.bfloat16)
-        assert_close_fa3(out[b:b + 1].float(), ref, low.float(), floor=2e-3)
+        ref, _ = _chunk_oracle(q[b : b + 1], kb, vb, CH, True, (-1, -1), *ds)
+        low, _ = _chunk_oracle(q[b : b + 1], kb, vb, CH, True, (-1, -1), *ds, dtype=torch.bfloat16)
+        assert_close_fa3(out[b : b + 1].float(), ref, low.float(), floor=2e-3)
 
 
 @pytest.mark.gpu
@@ -333,13 +405,32 @@ def test_attention_chunk_mixed_batch_equals_its_sequences_alone():
     cu = torch.tensor([0, 1, 2, 32, 33], dtype=torch.int32)
     q = torch.randn(33, 4, 32, generator=g).bfloat16()
     kd, vd = torch.rand(4, 2, generator=g) + 0.5, torch.rand(4, 2, generator=g) + 0.5
-    out = fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, cu_seqlens_q=cu,
-                                          max_seqlen_q=30, causal=True, attention_chunk=32, k_descale=kd, v_descale=vd)
+    out = fp8attn.flash_attn_with_kvcache(
+        q,
+        kc,
+        vc,
+        cache_seqlens=lens,
+        page_table=pt,
+        cu_seqlens_q=cu,
+        max_seqlen_q=30,
+        causal=True,
+        attention_chunk=32,
+        k_descale=kd,
+        v_descale=vd,
+    )
     for b in range(4):
         rows = slice(int(cu[b]), int(cu[b + 1]))
-        alone = fp8attn.flash_attn_with_kvcache(q[None, rows], kc, vc, cache_seqlens=lens[b:b + 1],
-                                                page_table=pt[b:b + 1], causal=True, attention_chunk=32,
-                                                k_descale=kd[b:b + 1], v_descale=vd[b:b + 1])
+        alone = fp8attn.flash_attn_with_kvcache(
+            q[None, rows],
+            kc,
+            vc,
+            cache_seqlens=lens[b : b + 1],
+            page_table=pt[b : b + 1],
+            causal=True,
+            attention_chunk=32,
+            k_descale=kd[b : b + 1],
+            v_descale=vd[b : b + 1],
+        )
         torch.testing.assert_close(out[rows].float(), alone[0].float(), atol=1e-2, rtol=1e-2)
     assert qlens == [int(cu[i + 1] - cu[i]) for i in range(4)]
 
@@ -349,17 +440,54 @@ def test_attention_chunk_in_kvcache_rejects_what_it_cannot_run():
     pt = torch.arange(8, dtype=torch.int32).view(2, 4)
     lens = torch.tensor([20, 30], dtype=torch.int32)
     q2 = torch.zeros(2, 2, 4, 32, dtype=torch.bfloat16)  # two queries per sequence, not causal
-    raises_naming(NotImplementedError, "causal", fp8attn.flash_attn_with_kvcache, q2, kc, kc.clone(),
-            cache_seqlens=lens, page_table=pt, causal=False, attention_chunk=32)
+    raises_naming(
+        NotImplementedError,
+        "causal",
+        fp8attn.flash_attn_with_kvcache,
+        q2,
+        kc,
+        kc.clone(),
+        cache_seqlens=lens,
+        page_table=pt,
+        causal=False,
+        attention_chunk=32,
+    )
     q1 = q2[:, :1]
-    raises_naming(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, kc, kc.clone(),
-            cache_seqlens=lens, page_table=pt, causal=True, attention_chunk=24)  # not a multiple of the page
-    raises_naming(ValueError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, kc, kc.clone(),
-            cache_seqlens=lens, page_table=pt, attention_chunk=-4)
+    raises_naming(
+        NotImplementedError,
+        "attention_chunk",
+        fp8attn.flash_attn_with_kvcache,
+        q1,
+        kc,
+        kc.clone(),
+        cache_seqlens=lens,
+        page_table=pt,
+        causal=True,
+        attention_chunk=24,
+    )  # not a multiple of the page
+    raises_naming(
+        ValueError,
+        "attention_chunk",
+        fp8attn.flash_attn_with_kvcache,
+        q1,
+        kc,
+        kc.clone(),
+        cache_seqlens=lens,
+        page_table=pt,
+        attention_chunk=-4,
+    )
     contiguous = torch.zeros(2, 48, 2, 32, dtype=torch.bfloat16)
-    raises_naming(NotImplementedError, "attention_chunk", fp8attn.flash_attn_with_kvcache, q1, contiguous,
-            contiguous.clone(), cache_seqlens=lens, cache_leftpad=torch.tensor([1, 2], dtype=torch.int32),
-            attention_chunk=16)
+    raises_naming(
+        NotImplementedError,
+        "attention_chunk",
+        fp8attn.flash_attn_with_kvcache,
+        q1,
+        contiguous,
+        contiguous.clone(),
+        cache_seqlens=lens,
+        cache_leftpad=torch.tensor([1, 2], dtype=torch.int32),
+        attention_chunk=16,
+    )
 
 
 def test_attention_chunk_over_a_cache_writes_out():

@@ -1,10 +1,11 @@
 """Per-block Q/K descales through the public API (quantize_qkv(granularity="per_block") -> flash_attn_*)."""
+
 import pytest
 import torch
-from helpers import rel_err
 
 import fp8attn
 from fp8attn.reference import attention_ref, varlen_attention_ref
+from helpers import rel_err
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -19,8 +20,9 @@ def test_per_block_equals_per_head_when_blocks_agree(device, causal):
     qb = qd.repeat_interleave(2, dim=1)[:, :, None].expand(2, 4, 4).contiguous()
     kb = kd[:, :, None].expand(2, 2, 5).contiguous()
     a = fp8attn.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
-    b = fp8attn.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qb, k_descale=kb, v_descale=vd,
-                                descale_block_size=32)
+    b = fp8attn.flash_attn_func(
+        q8, k8, v8, causal=causal, q_descale=qb, k_descale=kb, v_descale=vd, descale_block_size=32
+    )
     # The two paths apply the same descales in a different order (per head vs per token), so a last-bit
     # difference can move an element of P to the next e4m3 value: bit equality held with one CPU build
     # of torch (2.13) and not with another (2.11 on the H200 host), so both devices use the GPU's tolerance.
@@ -51,10 +53,23 @@ def test_varlen_per_block_matches_reference(device):
     cu_k = torch.tensor([0, 90, 100, 230], dtype=torch.int32, device=device)
     q, k, v = (torch.randn(n, h, 64, generator=g).to(device) for n, h in ((150, 4), (230, 2), (230, 2)))
     q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(q, k, v, granularity="per_block", block_size=32)
-    o = fp8attn.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, 80, 130, causal=True, q_descale=qd, k_descale=kd,
-                                       v_descale=vd.expand(3, 2), descale_block_size=32)
-    ref = varlen_attention_ref(q.double(), k.double(), v.double(), cu_q, cu_k, 80, 130, causal=True,
-                               compute_dtype=torch.float64)
+    o = fp8attn.flash_attn_varlen_func(
+        q8,
+        k8,
+        v8,
+        cu_q,
+        cu_k,
+        80,
+        130,
+        causal=True,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd.expand(3, 2),
+        descale_block_size=32,
+    )
+    ref = varlen_attention_ref(
+        q.double(), k.double(), v.double(), cu_q, cu_k, 80, 130, causal=True, compute_dtype=torch.float64
+    )
     assert not torch.isnan(o).any()
     assert rel_err(o, ref) < 0.08
 
@@ -85,11 +100,39 @@ def test_kernel_varlen_per_block_indexes_packed_tokens():
     q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(q, k, v, granularity="per_block", block_size=16)
     out = torch.empty(90, 2, 64, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(2, 90, device=dev)
-    launch_dense_fwd(q8, k8, v8, out, lse, softmax_scale=0.125, causal=True, window_size=(-1, 0), softcap=0.0,
-                     q_descale=qd, k_descale=kd, v_descale=vd.expand(3, 1), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                     max_seqlen_q=50, max_seqlen_k=80, descale_block_q=16, descale_block_k=16)
-    ref = fp8attn.flash_attn_varlen_func(q8.cpu(), k8.cpu(), v8.cpu(), cu_q.cpu(), cu_k.cpu(), 50, 80, causal=True,
-                                         q_descale=qd.cpu(), k_descale=kd.cpu(), v_descale=vd.cpu().expand(3, 1),
-                                         descale_block_size=16)
+    launch_dense_fwd(
+        q8,
+        k8,
+        v8,
+        out,
+        lse,
+        softmax_scale=0.125,
+        causal=True,
+        window_size=(-1, 0),
+        softcap=0.0,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd.expand(3, 1),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=50,
+        max_seqlen_k=80,
+        descale_block_q=16,
+        descale_block_k=16,
+    )
+    ref = fp8attn.flash_attn_varlen_func(
+        q8.cpu(),
+        k8.cpu(),
+        v8.cpu(),
+        cu_q.cpu(),
+        cu_k.cpu(),
+        50,
+        80,
+        causal=True,
+        q_descale=qd.cpu(),
+        k_descale=kd.cpu(),
+        v_descale=vd.cpu().expand(3, 1),
+        descale_block_size=16,
+    )
     err = (out.cpu().float() - ref.float()).abs().max().item()
     assert err < 0.05, err

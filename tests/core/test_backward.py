@@ -9,13 +9,14 @@ to the dequantized one; opcheck with autograd; torch.compile(fullgraph=True) of 
 "gradients through fp8attn.attention within 2x the forward output's own relative error".
 GPU (``gpu`` marker): the same against the Triton backward kernel, determinism, compiled forward + backward.
 """
+
 import pytest
 import torch
-from helpers import rel_err
 
 import fp8attn
 from fp8attn import ops
 from fp8attn import reference as R
+from helpers import rel_err
 
 E4M3 = torch.float8_e4m3fn
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -36,12 +37,16 @@ def _fp8_allclose(monkeypatch):
 
 def _fp8_inputs(b, sq, sk, hq, hk, d, dv, device="cpu"):
     """FP8 q/k/v (per-tensor quantized) with random per-(batch, head) descales, and their float64 real values."""
-    q8, k8, v8 = (torch.randn(shape, device=device).to(E4M3) for shape in ((b, sq, hq, d), (b, sk, hk, d),
-                                                                             (b, sk, hk, dv)))
+    q8, k8, v8 = (
+        torch.randn(shape, device=device).to(E4M3) for shape in ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, dv))
+    )
     qd, kd, vd = ((torch.rand(b, hk, device=device) * 0.5 + 0.75) for _ in range(3))
     g = hq // hk
-    real = (q8.double() * qd.double().repeat_interleave(g, 1)[:, None, :, None],
-            k8.double() * kd.double()[:, None, :, None], v8.double() * vd.double()[:, None, :, None])
+    real = (
+        q8.double() * qd.double().repeat_interleave(g, 1)[:, None, :, None],
+        k8.double() * kd.double()[:, None, :, None],
+        v8.double() * vd.double()[:, None, :, None],
+    )
     return (q8, k8, v8), (qd, kd, vd), real
 
 
@@ -76,8 +81,20 @@ def test_reference_backward_vs_float64_autograd(name):
     win = _window(causal, window)
     do = torch.randn(b, sq, hq, dv)
     o, lse, want = _oracle(real, do, causal=causal, window_size=win, softcap=softcap, softmax_scale=0.3)
-    got = R.attention_bwd_ref(do, *fp8, o.float(), lse, q_descale=qd, k_descale=kd, v_descale=vd, softmax_scale=0.3,
-                              causal=causal, window_left=win[0], window_right=win[1], softcap=softcap)
+    got = R.attention_bwd_ref(
+        do,
+        *fp8,
+        o.float(),
+        lse,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        softmax_scale=0.3,
+        causal=causal,
+        window_left=win[0],
+        window_right=win[1],
+        softcap=softcap,
+    )
     for g, w, what in zip(got, want, "qkv"):
         assert g.dtype == torch.float32 and g.shape == w.shape and g.is_contiguous()
         assert rel_err(g, w) < 2e-5, f"d{what}: relative error {rel_err(g, w):.2e}"
@@ -96,16 +113,33 @@ def test_reference_backward_varlen_empty_sequences():
     qd, kd, vd = ((torch.rand(4, hk) * 0.5 + 0.75) for _ in range(3))
     seq_q = torch.repeat_interleave(torch.arange(4), torch.tensor(lq))
     seq_k = torch.repeat_interleave(torch.arange(4), torch.tensor(lk))
-    real = (q8.double() * qd.double().repeat_interleave(2, 1)[seq_q][..., None],
-            k8.double() * kd.double()[seq_k][..., None], v8.double() * vd.double()[seq_k][..., None])
+    real = (
+        q8.double() * qd.double().repeat_interleave(2, 1)[seq_q][..., None],
+        k8.double() * kd.double()[seq_k][..., None],
+        v8.double() * vd.double()[seq_k][..., None],
+    )
     leaves = tuple(x.clone().requires_grad_(True) for x in real)
     o, lse = R.varlen_attention_ref(*leaves, cq, ck, 4, 5, causal=True, compute_dtype=torch.float64, return_lse=True)
     lse = lse.detach()
     do = torch.randn(sum(lq), hq, d)
     want = torch.autograd.grad(o, leaves, do.double())
-    got = R.attention_bwd_ref(do, q8, k8, v8, o.detach().float(), lse, q_descale=qd, k_descale=kd, v_descale=vd,
-                              causal=True, window_right=0, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=4,
-                              max_seqlen_k=5)
+    got = R.attention_bwd_ref(
+        do,
+        q8,
+        k8,
+        v8,
+        o.detach().float(),
+        lse,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        causal=True,
+        window_right=0,
+        cu_seqlens_q=cq,
+        cu_seqlens_k=ck,
+        max_seqlen_q=4,
+        max_seqlen_k=5,
+    )
     for g, w in zip(got, want):
         assert g.shape == w.shape and rel_err(g, w) < 2e-5
     assert torch.isneginf(lse[:, 3:7]).all() and not got[0][3:7].any()  # sequence 2: queries, no keys
@@ -118,8 +152,9 @@ def test_fp8_mode_error_next_to_dequantized():
     o, lse, want = _oracle(real, do, causal=True)
     errs = {}
     for mode in ("dequantized", "fp8"):
-        got = R.attention_bwd_ref(do, *fp8, o.float(), lse, q_descale=qd, k_descale=kd, v_descale=vd, causal=True,
-                                  window_right=0, mode=mode)
+        got = R.attention_bwd_ref(
+            do, *fp8, o.float(), lse, q_descale=qd, k_descale=kd, v_descale=vd, causal=True, window_right=0, mode=mode
+        )
         errs[mode] = [rel_err(g, w) for g, w in zip(got, want)]
     print("relative gradient error (dq, dk, dv):", errs)
     for deq, f8 in zip(errs["dequantized"], errs["fp8"]):
@@ -135,12 +170,12 @@ def test_flash_attn_func_bf16_grads_within_2x_sdpa():
     leaves = [x.bfloat16().requires_grad_(True) for x in real]
     out = fp8attn.flash_attn_func(*leaves, causal=True)
     ours = torch.autograd.grad(out, leaves, do.bfloat16())
-    sd = [x.bfloat16().transpose(1, 2).repeat_interleave(hq // x.shape[2], 1).detach().requires_grad_(True)
-          for x in real]
+    sd = [
+        x.bfloat16().transpose(1, 2).repeat_interleave(hq // x.shape[2], 1).detach().requires_grad_(True) for x in real
+    ]
     o_sdpa = torch.nn.functional.scaled_dot_product_attention(*sd, is_causal=True)
     g_sdpa = torch.autograd.grad(o_sdpa, sd, do.bfloat16().transpose(1, 2))
-    g_sdpa = [g_sdpa[0].transpose(1, 2)] + [g.transpose(1, 2).reshape(b, s, hk, hq // hk, d).sum(3)
-                                            for g in g_sdpa[1:]]
+    g_sdpa = [g_sdpa[0].transpose(1, 2)] + [g.transpose(1, 2).reshape(b, s, hk, hq // hk, d).sum(3) for g in g_sdpa[1:]]
     for o_, s_, w in zip(ours, g_sdpa, want):
         assert o_.dtype == torch.bfloat16
         assert rel_err(o_, w) <= 2 * rel_err(s_, w) + 1e-4, (rel_err(o_, w), rel_err(s_, w))
@@ -178,10 +213,10 @@ def test_fp8_leaf_grads_cast_by_autograd():
     out = fp8attn.flash_attn_func(*leaves, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, do)
-    o, lse = fp8attn.flash_attn_func(*fp8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True,
-                                     return_attn_probs=True)
-    want = R.attention_bwd_ref(do, *fp8, o, lse, q_descale=qd, k_descale=kd, v_descale=vd, causal=True,
-                               window_right=0)
+    o, lse = fp8attn.flash_attn_func(
+        *fp8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True, return_attn_probs=True
+    )
+    want = R.attention_bwd_ref(do, *fp8, o, lse, q_descale=qd, k_descale=kd, v_descale=vd, causal=True, window_right=0)
     for g, w, x in zip(grads, want, fp8):
         assert g.dtype == E4M3 and g.shape == x.shape
         assert torch.equal(g.view(torch.uint8), w.to(E4M3).view(torch.uint8))
@@ -247,9 +282,26 @@ def test_opcheck_dense_bwd(varlen, dtype, mode):
     args = (do, q, k, v, o, lse, cq, ck, mq, mk, 0.2, True, -1, 0, 0.0, qd, kd, vd, 0, mode, False, gdt)
     torch.library.opcheck(ops.OPS["dense_bwd"], args, test_utils=OPCHECK_TESTS)
     got = ops.OPS["dense_bwd"](*args)
-    want = R.attention_bwd_ref(do, q, k, v, o, lse, q_descale=qd, k_descale=kd, v_descale=vd, softmax_scale=0.2,
-                               causal=True, window_right=0, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq,
-                               max_seqlen_k=mk, mode=mode, grad_dtype=gdt)
+    want = R.attention_bwd_ref(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        softmax_scale=0.2,
+        causal=True,
+        window_right=0,
+        cu_seqlens_q=cq,
+        cu_seqlens_k=ck,
+        max_seqlen_q=mq,
+        max_seqlen_k=mk,
+        mode=mode,
+        grad_dtype=gdt,
+    )
     for g, w in zip(got, want):
         assert g.dtype == gdt and torch.equal(g, w)
 
@@ -333,13 +385,18 @@ def test_compiled_attention_forward_backward_fullgraph():
 # GPU: the Triton backward kernel (fp8attn.kernels.backward) on an sm90 device
 # --------------------------------------------------------------------------------------------
 
-GPU_CASES = [(1, 1024, 1024, 16, 16, 128, True), (2, 1000, 1200, 16, 4, 64, False),
-             (1, 513, 513, 8, 1, 256, True), (1, 700, 700, 8, 8, 192, False)]
+GPU_CASES = [
+    (1, 1024, 1024, 16, 16, 128, True),
+    (2, 1000, 1200, 16, 4, 64, False),
+    (1, 513, 513, 8, 1, 256, True),
+    (1, 700, 700, 8, 8, 192, False),
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=[f"d{c[5]} S{c[1]}x{c[2]} h{c[3]}/{c[4]} causal={c[6]}"
-                                                 for c in GPU_CASES])
+@pytest.mark.parametrize(
+    "case", GPU_CASES, ids=[f"d{c[5]} S{c[1]}x{c[2]} h{c[3]}/{c[4]} causal={c[6]}" for c in GPU_CASES]
+)
 @pytest.mark.parametrize("mode", ["dequantized"])  # (fp8: refused on CUDA, tests/kernels/test_kernel_backward.py)
 def test_gpu_kernel_backward_vs_reference(case, mode):
     b, sq, sk, hq, hk, d, causal = case
@@ -347,12 +404,43 @@ def test_gpu_kernel_backward_vs_reference(case, mode):
     fp8, (qd, kd, vd), real = _fp8_inputs(b, sq, sk, hq, hk, d, dv, device="cuda")
     do = torch.randn(b, sq, hq, dv, device="cuda").bfloat16()
     with torch.no_grad():
-        o, lse = fp8attn.flash_attn_func(*fp8, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal,
-                                         return_attn_probs=True)
-    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd, softmax_scale=d ** -0.5, causal=causal, window_left=-1,
-              window_right=0 if causal else -1, softcap=0.0, mode=mode, deterministic=False)
-    got = ops.OPS["dense_bwd"](do, *fp8, o, lse, None, None, None, None, d ** -0.5, causal, -1, 0 if causal else -1,
-                               0.0, qd, kd, vd, 0, mode, False, torch.float32)
+        o, lse = fp8attn.flash_attn_func(
+            *fp8, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal, return_attn_probs=True
+        )
+    kw = dict(
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        softmax_scale=d**-0.5,
+        causal=causal,
+        window_left=-1,
+        window_right=0 if causal else -1,
+        softcap=0.0,
+        mode=mode,
+        deterministic=False,
+    )
+    got = ops.OPS["dense_bwd"](
+        do,
+        *fp8,
+        o,
+        lse,
+        None,
+        None,
+        None,
+        None,
+        d**-0.5,
+        causal,
+        -1,
+        0 if causal else -1,
+        0.0,
+        qd,
+        kd,
+        vd,
+        0,
+        mode,
+        False,
+        torch.float32,
+    )
     want = R.attention_bwd_ref(do, *fp8, o, lse, **kw)
     want64 = R.attention_bwd_ref(do, *fp8, o, lse, **{**kw, "mode": "dequantized"}, compute_dtype=torch.float64)
     for g, w, w64 in zip(got, want, want64):

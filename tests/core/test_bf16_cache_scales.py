@@ -1,4 +1,5 @@
 """Per-token-head KV-cache scales stored in bfloat16 (half the scale bytes), torch and Triton paths."""
+
 import pytest
 import torch
 
@@ -22,9 +23,11 @@ def _write(path, scale_dtype):
     if path == "triton":
         pytest.importorskip("triton")
         from fp8attn.kernels.cache import launch_write_kv_cache
+
         launch_write_kv_cache(k, v, kc, vc, slots, k_cache_scales=ks, v_cache_scales=vs)
     else:
         from fp8attn.ops import _write_kv_cache_torch
+
         _write_kv_cache_torch(k, v, kc, vc, slots, None, None, None, ks, vs)
     return k, v, kc, vc, ks, vs, slots, ps
 
@@ -37,7 +40,7 @@ def test_bf16_scales_never_clip_and_round_trip(path):
         stored = s[blk, off].float()  # (n, hk)
         exact = x.abs().amax(-1) / 448.0
         assert (stored >= exact).all(), "a stored descale below amax/448 would clip the largest element"
-        assert (stored <= exact * (1 + 2 ** -6)).all()
+        assert (stored <= exact * (1 + 2**-6)).all()
         assert (c[blk, off].float().abs().amax(-1) <= 448).all()
         deq = c[blk, off].float() * stored[..., None]
         rel = ((deq - x).norm() / x.norm()).item()
@@ -49,7 +52,7 @@ def test_torch_and_triton_write_agree():
     b = [t.cpu() if isinstance(t, torch.Tensor) else t for t in _write("triton", torch.bfloat16)]
     blk, off = a[6] // a[7], a[6] % a[7]
     # the CPU interpreter's bf16 cast truncates where the GPU rounds: allow one bf16 ulp in the scale
-    torch.testing.assert_close(a[4][blk, off].float(), b[4][blk, off].float(), rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(a[4][blk, off].float(), b[4][blk, off].float(), rtol=2**-7, atol=0)
     deq_a = a[2][blk, off].float() * a[4][blk, off].float()[..., None]
     deq_b = b[2][blk, off].float() * b[4][blk, off].float()[..., None]
     assert ((deq_a - deq_b).abs() / a[0].abs().amax()).max() < 0.07  # at most one e4m3 step apart
@@ -71,18 +74,42 @@ def test_attention_with_bf16_scales_matches_fp32_scales():
         ks = torch.full((nb, ps, hk), float("nan"), dtype=sdt)
         vs = ks.clone()
         outs[sdt] = fp8attn.flash_attn_with_kvcache(
-            q, kc, vc, k=k, v=v, cache_seqlens=torch.zeros(B, dtype=torch.int32), page_table=pt, cu_seqlens_q=cu,
-            cu_seqlens_k_new=cu, max_seqlen_q=70, causal=True, k_cache_scales=ks, v_cache_scales=vs)
+            q,
+            kc,
+            vc,
+            k=k,
+            v=v,
+            cache_seqlens=torch.zeros(B, dtype=torch.int32),
+            page_table=pt,
+            cu_seqlens_q=cu,
+            cu_seqlens_k_new=cu,
+            max_seqlen_q=70,
+            causal=True,
+            k_cache_scales=ks,
+            v_cache_scales=vs,
+        )
         # bf16 Q with per-token-head V scales: the kernel multiplies in bf16 (P rounded to bf16)
-        ref = paged_attention_ref(q, kc, vc, pt, torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu,
-                                  max_seqlen_q=70, k_cache_scales=ks, v_cache_scales=vs, causal=True,
-                                  p_dtype=torch.bfloat16)
+        ref = paged_attention_ref(
+            q,
+            kc,
+            vc,
+            pt,
+            torch.tensor(lens, dtype=torch.int32),
+            cu_seqlens_q=cu,
+            max_seqlen_q=70,
+            k_cache_scales=ks,
+            v_cache_scales=vs,
+            causal=True,
+            p_dtype=torch.bfloat16,
+        )
         assert not torch.isnan(outs[sdt]).any()
         torch.testing.assert_close(outs[sdt].float(), ref.float(), atol=1e-2, rtol=0)
     # against attention over the unquantized K/V, bf16 scale storage costs (almost) nothing in accuracy
     from fp8attn.reference import varlen_attention_ref
-    exact = varlen_attention_ref(q.double(), k.double(), v.double(), cu, cu, 70, 70, causal=True,
-                                 compute_dtype=torch.float64)
+
+    exact = varlen_attention_ref(
+        q.double(), k.double(), v.double(), cu, cu, 70, 70, causal=True, compute_dtype=torch.float64
+    )
     err = {sdt: ((o.double() - exact).norm() / exact.norm()).item() for sdt, o in outs.items()}
     assert err[torch.bfloat16] <= 1.15 * err[torch.float32] + 1e-3, err
 
@@ -101,8 +128,15 @@ def test_bad_scale_dtype_is_rejected_with_the_argument_named():
     kc, vc = alloc_paged_cache(4, 16, 2, 64)
     bad = torch.ones(4, 16, 2, dtype=torch.float16)
     with pytest.raises(ValueError, match="k_cache_scales"):
-        fp8attn.write_kv_cache(torch.randn(3, 2, 64), torch.randn(3, 2, 64), kc, vc, torch.arange(3),
-                               k_cache_scales=bad, v_cache_scales=bad)
+        fp8attn.write_kv_cache(
+            torch.randn(3, 2, 64),
+            torch.randn(3, 2, 64),
+            kc,
+            vc,
+            torch.arange(3),
+            k_cache_scales=bad,
+            v_cache_scales=bad,
+        )
 
 
 def test_storage_pad_rule():

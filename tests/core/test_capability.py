@@ -5,6 +5,7 @@ There is no CUDA here, so the device is simulated: ``capability._facts`` (device
 triton installed) is replaced, which makes CPU tensors take the CUDA dispatch path; a fallback then runs the
 reference on them, exactly what a CUDA fallback runs.
 """
+
 import os
 import subprocess
 import sys
@@ -25,9 +26,11 @@ E4M3 = torch.float8_e4m3fn
 def machine(monkeypatch):
     """``machine(cc, triton=True)``: make this process look like a CUDA device of compute capability ``cc``
     (every tensor's device reports it); decisions and answers are recomputed."""
+
     def simulate(cc, triton=True):
         monkeypatch.setattr(cap, "_facts", lambda device: ("cuda", cc, triton))
         cap._clear_caches()
+
     monkeypatch.delenv("FP8ATTN_FORCE_REFERENCE", raising=False)
     monkeypatch.delenv("FP8ATTN_FALLBACK", raising=False)
     yield simulate
@@ -45,7 +48,7 @@ def _paged(seed=0, batch=2, page=4, pages=3, hk=2, d=16, dtype=E4M3):
     g = torch.Generator().manual_seed(seed)
     nb = batch * pages + 1
     k_cache, v_cache = (torch.randn(nb, page, hk, d, generator=g).to(dtype) for _ in range(2))
-    pt = torch.randperm(nb, generator=g)[:batch * pages].view(batch, pages).to(torch.int32)
+    pt = torch.randperm(nb, generator=g)[: batch * pages].view(batch, pages).to(torch.int32)
     return k_cache, v_cache, pt
 
 
@@ -53,21 +56,27 @@ def _paged(seed=0, batch=2, page=4, pages=3, hk=2, d=16, dtype=E4M3):
 # the decision rule
 # ---------------------------------------------------------------------------------------------
 
+
 def test_decide_names_each_cause():
     assert cap.decide("cpu", None, True, False) == (False, None, cap.decide("cpu", None, True, False).message)
     assert cap.decide("cpu", None, False, True).reason is None  # CPU tensors never fall back
     assert cap.decide("cuda", (9, 0), True, False).ok
     assert cap.decide("cuda", (8, 9), True, False).ok
-    cases = {"force_reference": cap.decide("cuda", (9, 0), True, True),
-             "no_triton": cap.decide("cuda", (9, 0), False, False),
-             "old_gpu": cap.decide("cuda", (8, 0), True, False),
-             "kernel_import:dense": cap.decide("cuda", (9, 0), True, False, "ImportError: boom", kernel="dense")}
+    cases = {
+        "force_reference": cap.decide("cuda", (9, 0), True, True),
+        "no_triton": cap.decide("cuda", (9, 0), False, False),
+        "old_gpu": cap.decide("cuda", (8, 0), True, False),
+        "kernel_import:dense": cap.decide("cuda", (9, 0), True, False, "ImportError: boom", kernel="dense"),
+    }
     for key, d in cases.items():
         assert not d.ok and d.reason == key, (key, d)
     assert "FP8ATTN_FORCE_REFERENCE" in cases["force_reference"].message
     assert "install triton" in cases["no_triton"].message
     assert "sm80" in cases["old_gpu"].message and "sm89" in cases["old_gpu"].message
-    assert "fp8attn.kernels.dense" in cases["kernel_import:dense"].message and "boom" in cases["kernel_import:dense"].message
+    assert (
+        "fp8attn.kernels.dense" in cases["kernel_import:dense"].message
+        and "boom" in cases["kernel_import:dense"].message
+    )
 
 
 def test_cpu_tensors_never_warn(monkeypatch):
@@ -83,6 +92,7 @@ def test_cpu_tensors_never_warn(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # fallbacks: reported first, then the reference (equal to the CPU path's result)
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("cause", ["old_gpu", "no_triton", "force_reference", "kernel_import"])
 def test_simulated_fallback_warns_and_equals_the_reference(machine, monkeypatch, cause):
@@ -116,11 +126,11 @@ def test_error_mode_raises_before_any_write(machine, monkeypatch):
     lens = torch.tensor([3, 5], dtype=torch.int32)
     ds = torch.full((1,), 0.05)
     with pytest.raises(cap.FallbackError, match="old_gpu"):
-        fp8attn.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, cache_seqlens=lens, page_table=pt,
-                                        k_descale=ds, v_descale=ds)
+        fp8attn.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=kn, v=vn, cache_seqlens=lens, page_table=pt, k_descale=ds, v_descale=ds
+        )
     with pytest.raises(cap.FallbackError):
-        fp8attn.write_kv_cache(kn[:, 0], vn[:, 0], k_cache, v_cache, torch.tensor([0, 9]), k_descale=ds,
-                               v_descale=ds)
+        fp8attn.write_kv_cache(kn[:, 0], vn[:, 0], k_cache, v_cache, torch.tensor([0, 9]), k_descale=ds, v_descale=ds)
     assert torch.equal(k_cache.view(torch.uint8), before[0]) and torch.equal(v_cache.view(torch.uint8), before[1])
     assert issubclass(cap.FallbackError, NotImplementedError)
 
@@ -130,14 +140,30 @@ def test_attention_fallback_is_reported_before_the_append(machine, monkeypatch):
     machine((9, 0))
     monkeypatch.setenv("FP8ATTN_FALLBACK", "error")
     writes = []
-    monkeypatch.setattr(cap, "_import_kernel", lambda kernel: (lambda *a, **k: writes.append(kernel), None)
-                        if kernel == "cache" else (None, "ImportError: no paged kernel"))
+    monkeypatch.setattr(
+        cap,
+        "_import_kernel",
+        lambda kernel: (
+            (lambda *a, **k: writes.append(kernel), None)
+            if kernel == "cache"
+            else (None, "ImportError: no paged kernel")
+        ),
+    )
     k_cache, v_cache, pt = _paged()
     q = torch.randn(2, 1, 4, 16).to(torch.bfloat16)
     kn, vn = (torch.randn(2, 1, 2, 16, dtype=torch.bfloat16) for _ in range(2))
     with pytest.raises(cap.FallbackError, match="kernel_import:paged"):
-        fp8attn.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, cache_seqlens=torch.tensor([3, 5]).int(),
-                                        page_table=pt, k_descale=torch.ones(1), v_descale=torch.ones(1))
+        fp8attn.flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k=kn,
+            v=vn,
+            cache_seqlens=torch.tensor([3, 5]).int(),
+            page_table=pt,
+            k_descale=torch.ones(1),
+            v_descale=torch.ones(1),
+        )
     assert writes == []
 
 
@@ -164,16 +190,19 @@ def test_every_dispatch_reports(machine, monkeypatch):
     calls = {
         "flash_attn_func": lambda: fp8attn.flash_attn_func(**_fp8_call()),
         "flash_attn_with_kvcache": lambda: fp8attn.flash_attn_with_kvcache(
-            torch.randn(2, 1, 2, 16).to(E4M3), k_cache, v_cache, cache_seqlens=torch.tensor([3, 5]).int(),
-            page_table=pt),
+            torch.randn(2, 1, 2, 16).to(E4M3), k_cache, v_cache, cache_seqlens=torch.tensor([3, 5]).int(), page_table=pt
+        ),
         "flash_attn_combine": lambda: fp8attn.flash_attn_combine(torch.randn(3, 2, 4, 2, 16), torch.randn(3, 2, 4, 2)),
-        "write_kv_cache": lambda: fp8attn.write_kv_cache(x[0], x[0], k_cache, v_cache, torch.tensor([0, 1, 2, 3]),
-                                                         k_descale=torch.ones(1), v_descale=torch.ones(1)),
+        "write_kv_cache": lambda: fp8attn.write_kv_cache(
+            x[0], x[0], k_cache, v_cache, torch.tensor([0, 1, 2, 3]), k_descale=torch.ones(1), v_descale=torch.ones(1)
+        ),
         "quantize_qkv": lambda: fp8attn.quantize_qkv(x, x, x),
         "quant_fp8_static": lambda: ops.quant_fp8_static(x, torch.ones(1)),
-        "scaled_bmm": lambda: ops.scaled_bmm(x[0].to(E4M3), x[0].transpose(1, 2).to(E4M3), torch.ones(1), torch.ones(1)),
+        "scaled_bmm": lambda: ops.scaled_bmm(
+            x[0].to(E4M3), x[0].transpose(1, 2).to(E4M3), torch.ones(1), torch.ones(1)
+        ),
     }
-    for name, call in calls.items():
+    for _name, call in calls.items():
         with pytest.raises(cap.FallbackError, match="old_gpu"):
             call()
 
@@ -213,6 +242,7 @@ def test_one_warning_per_process_and_reason():
 # a kernel that raised is never retried on another path
 # ---------------------------------------------------------------------------------------------
 
+
 def _raise(*args, **kwargs):
     raise RuntimeError("injected kernel failure")
 
@@ -224,7 +254,9 @@ def test_kernel_error_propagates_unretried(machine, monkeypatch, entry):
     ref_calls = []
     for name in ("attention_ref", "varlen_attention_ref", "paged_attention_ref", "combine_ref"):
         real = getattr(reference, name)
-        monkeypatch.setattr(reference, name, lambda *a, _real=real, _n=name, **k: ref_calls.append(_n) or _real(*a, **k))
+        monkeypatch.setattr(
+            reference, name, lambda *a, _real=real, _n=name, **k: ref_calls.append(_n) or _real(*a, **k)
+        )
     from fp8attn import ops
 
     monkeypatch.setattr(ops, "_write_kv_cache_torch", lambda *a: ref_calls.append("write"))
@@ -236,13 +268,25 @@ def test_kernel_error_propagates_unretried(machine, monkeypatch, entry):
             if entry == "dense":
                 fp8attn.flash_attn_func(**_fp8_call())
             elif entry == "paged":
-                fp8attn.flash_attn_with_kvcache(torch.randn(2, 1, 2, 16).to(E4M3), k_cache, v_cache,
-                                                cache_seqlens=torch.tensor([3, 5]).int(), page_table=pt)
+                fp8attn.flash_attn_with_kvcache(
+                    torch.randn(2, 1, 2, 16).to(E4M3),
+                    k_cache,
+                    v_cache,
+                    cache_seqlens=torch.tensor([3, 5]).int(),
+                    page_table=pt,
+                )
             elif entry == "combine":
                 fp8attn.flash_attn_combine(torch.randn(3, 2, 4, 2, 16), torch.randn(3, 2, 4, 2))
             else:
-                fp8attn.write_kv_cache(torch.randn(2, 2, 16), torch.randn(2, 2, 16), k_cache, v_cache,
-                                       torch.tensor([0, 1]), k_descale=torch.ones(1), v_descale=torch.ones(1))
+                fp8attn.write_kv_cache(
+                    torch.randn(2, 2, 16),
+                    torch.randn(2, 2, 16),
+                    k_cache,
+                    v_cache,
+                    torch.tensor([0, 1]),
+                    k_descale=torch.ones(1),
+                    v_descale=torch.ones(1),
+                )
     assert ref_calls == []
     assert torch.equal(k_cache.view(torch.uint8), before)
 
@@ -250,6 +294,7 @@ def test_kernel_error_propagates_unretried(machine, monkeypatch, entry):
 # ---------------------------------------------------------------------------------------------
 # supports()
 # ---------------------------------------------------------------------------------------------
+
 
 def test_supports_cpu_tensors_and_bad_entry():
     kw = _fp8_call()
@@ -268,8 +313,13 @@ def test_supports_simulated_fallbacks(machine, cc, triton, want):
     for entry in cap.ENTRIES:
         s = cap.supports(entry, device="cuda:0")
         assert s.kernel is None and want in s.reason, (entry, s)
-    s = cap.supports("flash_attn_func", device="cuda:0", q=((1, 128, 2, 64), E4M3), k=((1, 128, 2, 64), E4M3),
-                     v=((1, 128, 2, 64), E4M3))
+    s = cap.supports(
+        "flash_attn_func",
+        device="cuda:0",
+        q=((1, 128, 2, 64), E4M3),
+        k=((1, 128, 2, 64), E4M3),
+        v=((1, 128, 2, 64), E4M3),
+    )
     assert s.kernel is None and want in s.reason
 
 
@@ -285,8 +335,8 @@ def _shape_call(b=1, sq=256, sk=256, hq=4, hk=2, d=128, dtype=E4M3):
 
 def test_supports_simulated_sm90_and_sm89(machine, monkeypatch):
     pytest.importorskip("triton")
-    from fp8attn.kernels.hopper import dense_launch
     from fp8attn.kernels import paged as kp
+    from fp8attn.kernels.hopper import dense_launch
 
     if not dense_launch.HAS_GLUON:
         pytest.skip("triton without Gluon")
@@ -300,8 +350,11 @@ def test_supports_simulated_sm90_and_sm89(machine, monkeypatch):
     s = cap.supports("flash_attn_func", device=dev, causal=True, **_shape_call())
     assert s.kernel == "hopper", s
     assert cap.supports("flash_attn_func", device=dev, return_attn_probs=True, **_shape_call(d=64)).kernel == "hopper"
-    for over, why in [(dict(window_size=(32, -1)), "window"), (dict(softcap=5.0), "softcap"),
-                      (dict(out_dtype=torch.float16), "bfloat16")]:
+    for over, why in [
+        (dict(window_size=(32, -1)), "window"),
+        (dict(softcap=5.0), "softcap"),
+        (dict(out_dtype=torch.float16), "bfloat16"),
+    ]:
         s = cap.supports("flash_attn_func", device=dev, **_shape_call(), **over)
         assert s.kernel == "triton" and why in s.reason, (over, s)
     s = cap.supports("flash_attn_func", device=dev, **_shape_call(sq=200))
@@ -318,14 +371,24 @@ def test_supports_simulated_sm90_and_sm89(machine, monkeypatch):
     assert s.kernel == "triton" and "contiguous" in s.reason
     # varlen: the Hopper kernel from 1024 queries (dense_launch.varlen_preferred)
     cu = torch.tensor([0, 1024, 2048], dtype=torch.int32)
-    var = dict(q=((2048, 4, 128), E4M3), k=((2048, 2, 128), E4M3), v=((2048, 2, 128), E4M3), cu_seqlens_q=cu,
-               cu_seqlens_k=cu, max_seqlen_k=1024)
+    var = dict(
+        q=((2048, 4, 128), E4M3),
+        k=((2048, 2, 128), E4M3),
+        v=((2048, 2, 128), E4M3),
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_k=1024,
+    )
     assert cap.supports("flash_attn_varlen_func", device=dev, max_seqlen_q=1024, **var).kernel == "hopper"
     s = cap.supports("flash_attn_varlen_func", device=dev, max_seqlen_q=512, **var)
     assert s.kernel == "triton" and "varlen" in s.reason
     # paged: decode on the Triton kernel, a 128-query FP8 prefill chunk over 64-key pages on the Hopper kernel
-    paged = dict(k_cache=((64, 64, 2, 128), E4M3), v_cache=((64, 64, 2, 128), E4M3),
-                 page_table=((2, 32), torch.int32), cache_seqlens=((2,), torch.int32))
+    paged = dict(
+        k_cache=((64, 64, 2, 128), E4M3),
+        v_cache=((64, 64, 2, 128), E4M3),
+        page_table=((2, 32), torch.int32),
+        cache_seqlens=((2,), torch.int32),
+    )
     s = cap.supports("flash_attn_with_kvcache", device=dev, q=((2, 1, 4, 128), E4M3), **paged)
     assert s.kernel == "triton" and "decode" in s.reason
     s = cap.supports("flash_attn_with_kvcache", device=dev, q=((2, 128, 4, 128), E4M3), causal=True, **paged)
@@ -344,6 +407,7 @@ def test_supports_simulated_sm90_and_sm89(machine, monkeypatch):
 # GPU: supports() agrees with the launcher that actually runs
 # ---------------------------------------------------------------------------------------------
 
+
 def _gpu_calls():
     """(entry, kwargs) of dense / varlen / packed / paged calls on the GPU; FP8 with random descales."""
     dev = "cuda"
@@ -356,28 +420,60 @@ def _gpu_calls():
         return torch.rand(b, h, device=dev, generator=g) + 0.5
 
     calls = []
-    for d, s, over in [(128, 256, {}), (64, 128, dict(causal=True)), (128, 256, dict(window_size=(64, -1))),
-                       (128, 200, {}), (256, 128, dict(return_attn_probs=True))]:
+    for d, s, over in [
+        (128, 256, {}),
+        (64, 128, dict(causal=True)),
+        (128, 256, dict(window_size=(64, -1))),
+        (128, 200, {}),
+        (256, 128, dict(return_attn_probs=True)),
+    ]:
         q, k, v = t(2, s, 4, d), t(2, s, 2, d), t(2, s, 2, d)
-        calls.append(("flash_attn_func", dict(q=q, k=k, v=v, q_descale=ds(2, 2), k_descale=ds(2, 2),
-                                              v_descale=ds(2, 2), **over)))
+        calls.append(
+            ("flash_attn_func", dict(q=q, k=k, v=v, q_descale=ds(2, 2), k_descale=ds(2, 2), v_descale=ds(2, 2), **over))
+        )
     q = t(2, 256, 4, 128, dtype=torch.bfloat16)
-    calls.append(("flash_attn_func", dict(q=q, k=t(2, 256, 2, 128, dtype=torch.bfloat16),
-                                          v=t(2, 256, 2, 128, dtype=torch.bfloat16))))
+    calls.append(
+        (
+            "flash_attn_func",
+            dict(q=q, k=t(2, 256, 2, 128, dtype=torch.bfloat16), v=t(2, 256, 2, 128, dtype=torch.bfloat16)),
+        )
+    )
     calls.append(("flash_attn_qkvpacked_func", dict(qkv=t(1, 128, 3, 2, 64), causal=True)))
     for lens in ([1024, 1100], [300, 500]):
         cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=dev)
         tot = sum(lens)
-        calls.append(("flash_attn_varlen_func", dict(q=t(tot, 4, 128), k=t(tot, 2, 128), v=t(tot, 2, 128),
-                                                     cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
-                                                     max_seqlen_k=max(lens), causal=True, q_descale=ds(2, 2),
-                                                     k_descale=ds(2, 2), v_descale=ds(2, 2))))
+        calls.append(
+            (
+                "flash_attn_varlen_func",
+                dict(
+                    q=t(tot, 4, 128),
+                    k=t(tot, 2, 128),
+                    v=t(tot, 2, 128),
+                    cu_seqlens_q=cu,
+                    cu_seqlens_k=cu,
+                    max_seqlen_q=max(lens),
+                    max_seqlen_k=max(lens),
+                    causal=True,
+                    q_descale=ds(2, 2),
+                    k_descale=ds(2, 2),
+                    v_descale=ds(2, 2),
+                ),
+            )
+        )
     nb, ps, hk, d = 48, 64, 2, 128
     k_cache, v_cache = t(nb, ps, hk, d), t(nb, ps, hk, d)
     pt = torch.randperm(nb, device=dev)[:32].view(2, 16).to(torch.int32)
     lens = torch.tensor([700, 1000], dtype=torch.int32, device=dev)
-    base = dict(k_cache=k_cache, v_cache=v_cache, page_table=pt, cache_seqlens=lens, causal=True,
-                q_descale=ds(2, hk), k_descale=ds(2, hk), v_descale=ds(2, hk))
+    base = dict(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        page_table=pt,
+        cache_seqlens=lens,
+        causal=True,
+        q_descale=ds(2, hk),
+        k_descale=ds(2, hk),
+        v_descale=ds(2, hk),
+    )
     for sq, over in [(128, {}), (1, {}), (128, dict(num_splits=2)), (256, dict(softcap=10.0))]:
         calls.append(("flash_attn_with_kvcache", dict(q=t(2, sq, 4, d), **base, **over)))
     cu = torch.tensor([0, 1, 257], dtype=torch.int32, device=dev)  # a mixed batch: one decode row, one chunk
@@ -419,8 +515,14 @@ def test_gpu_forced_reference_is_a_reported_fallback(monkeypatch):
     q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.bfloat16)
     kn = torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.bfloat16)
     pt = torch.arange(4, device="cuda", dtype=torch.int32).view(2, 2)
-    args = dict(k=kn, v=kn, cache_seqlens=torch.tensor([3, 7], device="cuda", dtype=torch.int32), page_table=pt,
-                k_descale=torch.full((1,), 0.05, device="cuda"), v_descale=torch.full((1,), 0.05, device="cuda"))
+    args = dict(
+        k=kn,
+        v=kn,
+        cache_seqlens=torch.tensor([3, 7], device="cuda", dtype=torch.int32),
+        page_table=pt,
+        k_descale=torch.full((1,), 0.05, device="cuda"),
+        v_descale=torch.full((1,), 0.05, device="cuda"),
+    )
     monkeypatch.setenv("FP8ATTN_FORCE_REFERENCE", "1")
     monkeypatch.setenv("FP8ATTN_FALLBACK", "error")
     assert cap.supports("flash_attn_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, **args).kernel is None

@@ -14,6 +14,7 @@ GPU: CUDA-graph replay (mode="reduce-overhead") equals eager, also for a decode 
 FP8 cache and outputs FP8 (bit for bit); the fused epilogue is bit-exact against
 clamp(out_fp32 / s).to(e4m3) for power-of-two scales and within one ulp otherwise.
 """
+
 from collections import Counter
 
 import pytest
@@ -31,10 +32,12 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 def ulp_distance(a, b):
     """Distance in e4m3fn code points (sign-magnitude bytes mapped to a monotonic integer line)."""
+
     def line(x):
         u = x.view(torch.uint8).int()
         mag = u & 0x7F
         return torch.where(u >= 0x80, -mag, mag)
+
     return (line(a) - line(b)).abs()
 
 
@@ -54,8 +57,7 @@ def fusion(monkeypatch):
     fcompile.enable_output_quant_fusion()
     torch._dynamo.reset()
     # a cached compiled graph would skip the post-grad passes (and the recording)
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         yield records
     fcompile.disable_output_quant_fusion()
     torch._dynamo.reset()
@@ -119,7 +121,7 @@ def _paged_args(b=3, sq=2, hq=4, hk=2, d=64, ps=8, pages=3):
     q8, _ = quantize(torch.randn(b, sq, hq, d), "per_tensor")
     kc = torch.randn(pool, ps, hk, d).to(E4M3)
     vc = torch.randn(pool, ps, hk, d).to(E4M3)
-    pt = torch.randperm(pool)[:b * pages].view(b, pages).to(torch.int32)
+    pt = torch.randperm(pool)[: b * pages].view(b, pages).to(torch.int32)
     lens = torch.tensor([5, ps * pages, 11][:b], dtype=torch.int32)
     qd, kd, vd = (torch.rand(b, hk) * 0.5 + 0.75 for _ in range(3))
     return q8, kc, vc, pt, lens, qd, kd, vd
@@ -148,15 +150,31 @@ def attn_reshape_quant_op(q, k, v, qd, kd, vd, s):
 
 def attn_zeros_out_quant_op(q, k, v, qd, kd, vd, s):
     out = torch.zeros(q.shape[0], q.shape[1], q.shape[2] * v.shape[3], dtype=torch.bfloat16, device=q.device)
-    fp8attn.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
-                            out=out.view(q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+    fp8attn.flash_attn_func(
+        q,
+        k,
+        v,
+        causal=True,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        out=out.view(q.shape[0], q.shape[1], q.shape[2], v.shape[3]),
+    )
     return ops.quant_fp8_static(out, s)
 
 
 def attn_zeros_out_plain(q, k, v, qd, kd, vd, s):
     out = torch.zeros(q.shape[0], q.shape[1], q.shape[2] * v.shape[3], dtype=torch.bfloat16, device=q.device)
-    fp8attn.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
-                            out=out.view(q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+    fp8attn.flash_attn_func(
+        q,
+        k,
+        v,
+        causal=True,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        out=out.view(q.shape[0], q.shape[1], q.shape[2], v.shape[3]),
+    )
     return _plain_quant(out, s)
 
 
@@ -191,8 +209,9 @@ def attn_per_token_quant(q, k, v, qd, kd, vd, s):
 
 
 def _paged(q, kc, vc, pt, lens, qd, kd, vd, **kw):
-    return fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, q_descale=qd, k_descale=kd,
-                                           v_descale=vd, causal=True, **kw)
+    return fp8attn.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=lens, page_table=pt, q_descale=qd, k_descale=kd, v_descale=vd, causal=True, **kw
+    )
 
 
 def paged_plain(q, kc, vc, pt, lens, qd, kd, vd, s):
@@ -272,13 +291,20 @@ def test_fusion_pass_graph_and_numerics(fusion, fn, make_inputs, fused, removed)
     assert comp.dtype == E4M3 and comp.shape == eager.shape
     assert len(fusion) == 1
     before, after, stats, before_nodes, after_nodes = fusion[0]
-    quant_targets = ("aten.div.Tensor", "aten.clamp_min.default", "aten.clamp_max.default",
-                     "prims.convert_element_type.default", "fp8attn.quant_fp8_static.default")
+    quant_targets = (
+        "aten.div.Tensor",
+        "aten.clamp_min.default",
+        "aten.clamp_max.default",
+        "prims.convert_element_type.default",
+        "fp8attn.quant_fp8_static.default",
+    )
     n_before = sum(before[t] for t in quant_targets)
     n_after = sum(after[t] for t in quant_targets)
-    print(f"\n{fn.__name__}: quant nodes {n_before} -> {n_after}; fused attention ops "
-          f"{before['attn_with_out_scale']} -> {after['attn_with_out_scale']}; stats {stats}"
-          f"\n  before: {before_nodes}\n  after:  {after_nodes}")
+    print(
+        f"\n{fn.__name__}: quant nodes {n_before} -> {n_after}; fused attention ops "
+        f"{before['attn_with_out_scale']} -> {after['attn_with_out_scale']}; stats {stats}"
+        f"\n  before: {before_nodes}\n  after:  {after_nodes}"
+    )
     if fused:
         assert stats.get("fused") == 1 and stats.get("removed_quant_nodes") == removed, stats
         assert n_before == removed and n_after == 0
@@ -294,8 +320,16 @@ def test_fusion_pass_graph_and_numerics(fusion, fn, make_inputs, fused, removed)
 def test_fused_output_quant_supported_and_explicit_requests():
     assert fp8attn.compile.fused_output_quant_supported("static_per_tensor")
     assert fp8attn.compile.fused_output_quant_supported("static")
-    for kind in ("dynamic_per_tensor", "per_token", "dynamic_per_token", "static_per_token", "per_group",
-                 "group", "per_channel", "mx"):
+    for kind in (
+        "dynamic_per_tensor",
+        "per_token",
+        "dynamic_per_token",
+        "static_per_token",
+        "per_group",
+        "group",
+        "per_channel",
+        "mx",
+    ):
         assert not fp8attn.compile.fused_output_quant_supported(kind)
         with pytest.raises(NotImplementedError, match="static_per_tensor"):
             fp8attn.compile.enable_output_quant_fusion(kinds=("static_per_tensor", kind))
@@ -336,15 +370,29 @@ def model_step(x, wq, wk, wv, k_cache, v_cache, page_table, cache_seqlens, cu_se
     q = (x @ wq).view(t, HQ, D)
     k = (x @ wk).view(t, HK, D)
     v = (x @ wv).view(t, HK, D)
-    o = fp8attn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
-                                        page_table=page_table, cu_seqlens_q=cu_seqlens, cu_seqlens_k_new=cu_seqlens,
-                                        max_seqlen_q=max_seqlen_q, k_descale=kd, v_descale=vd, causal=True)
+    o = fp8attn.flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k=k,
+        v=v,
+        cache_seqlens=cache_seqlens,
+        page_table=page_table,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k_new=cu_seqlens,
+        max_seqlen_q=max_seqlen_q,
+        k_descale=kd,
+        v_descale=vd,
+        causal=True,
+    )
     return o.reshape(t, HQ * D) * s
 
 
 def _model(device=DEV, hidden=32):
     g = torch.Generator().manual_seed(1)
-    w = [(torch.randn(hidden, n, generator=g) / hidden ** 0.5).to(device, torch.bfloat16) for n in (HQ * D, HK * D, HK * D)]
+    w = [
+        (torch.randn(hidden, n, generator=g) / hidden**0.5).to(device, torch.bfloat16) for n in (HQ * D, HK * D, HK * D)
+    ]
     pool = 96
     kc = torch.empty(pool, PS, HK, D, dtype=torch.uint8, device=device).fill_(0x7F).view(E4M3)  # NaN poison
     vc = torch.empty(pool, PS, HK, D, dtype=torch.uint8, device=device).fill_(0x7F).view(E4M3)
@@ -383,7 +431,7 @@ def _run_schedule(step, device=DEV, hidden=32):
     w, kc, vc, kd, vd = _model(device, hidden)
     nseq, max_pages = 5, 12
     perm = torch.randperm(kc.shape[0], generator=torch.Generator().manual_seed(2)).to(torch.int32)
-    page_table = perm[:nseq * max_pages].view(nseq, max_pages)
+    page_table = perm[: nseq * max_pages].view(nseq, max_pages)
     lens = torch.zeros(nseq, dtype=torch.int32)
     s = torch.tensor(0.5, device=device, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(3)
@@ -394,8 +442,21 @@ def _run_schedule(step, device=DEV, hidden=32):
         pages = -(-int((lens[:b] + new).max()) // PS)  # the page table as wide as the longest context needs
         x = torch.randn(t, hidden, generator=g).to(device, torch.bfloat16)
         cu = torch.nn.functional.pad(new.cumsum(0), (1, 0)).to(torch.int32).to(device)
-        outs.append(step(x, *w, kc, vc, page_table[:b, :pages].contiguous().to(device), lens[:b].clone().to(device),
-                         cu, int(new.max()), kd, vd, s))
+        outs.append(
+            step(
+                x,
+                *w,
+                kc,
+                vc,
+                page_table[:b, :pages].contiguous().to(device),
+                lens[:b].clone().to(device),
+                cu,
+                int(new.max()),
+                kd,
+                vd,
+                s,
+            )
+        )
         shapes.append((b, t, pages))
         lens[:b] += new
     return outs, shapes, kc
@@ -418,7 +479,7 @@ def test_model_step_compiles_once_without_recompiles():
     for i, (a, b) in enumerate(zip(eager, comp)):
         assert a.shape == b.shape
         assert torch.isfinite(b.float()).all(), f"step {i}"
-        torch.testing.assert_close(b.float(), a.float(), rtol=2 ** -7, atol=1e-3, msg=f"step {i}")
+        torch.testing.assert_close(b.float(), a.float(), rtol=2**-7, atol=1e-3, msg=f"step {i}")
     torch._dynamo.reset()
 
 
@@ -426,9 +487,19 @@ def test_model_step_compiles_once_without_recompiles():
 # GPU (H200)
 # ---------------------------------------------------------------------------------------------
 
+
 def decode_attn(q, k_cache, v_cache, page_table, cache_seqlens, qd, kd, vd, s):
-    o = fp8attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
-                                        q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    o = fp8attn.flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=cache_seqlens,
+        page_table=page_table,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        causal=True,
+    )
     return o.flatten(1) * s
 
 
@@ -448,7 +519,7 @@ def test_gpu_cuda_graph_replay_equals_eager():
     g = torch.Generator(device="cuda").manual_seed(0)
     for b in (4, 4, 4, 4, 8, 8, 8):
         q = torch.randn(b, 1, HQ, D, device="cuda", generator=g).to(E4M3)
-        pt = torch.randperm(kc.shape[0], device="cuda", generator=g)[:b * 8].view(b, 8).to(torch.int32)
+        pt = torch.randperm(kc.shape[0], device="cuda", generator=g)[: b * 8].view(b, 8).to(torch.int32)
         lens = torch.randint(1, 8 * PS + 1, (b,), device="cuda", generator=g, dtype=torch.int32)
         want = decode_attn(q, kc, vc, pt, lens, qd, kd, vd, s)
         got = comp(q, kc, vc, pt, lens, qd, kd, vd, s).clone()
@@ -460,9 +531,20 @@ def test_gpu_cuda_graph_replay_equals_eager():
 def decode_write_attn(q, k, v, k_cache, v_cache, page_table, cache_seqlens, qd, kd, vd, s):
     """A decode step's attention: append the new K/V (quantized with kd / vd) at ``cache_seqlens``, attend
     over the cache, write the output in e4m3fn (``out_scale``)."""
-    return fp8attn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
-                                           page_table=page_table, q_descale=qd, k_descale=kd, v_descale=vd,
-                                           causal=True, out_scale=s)
+    return fp8attn.flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k=k,
+        v=v,
+        cache_seqlens=cache_seqlens,
+        page_table=page_table,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        causal=True,
+        out_scale=s,
+    )
 
 
 @pytest.mark.gpu
@@ -493,7 +575,7 @@ def test_gpu_cuda_graph_decode_cache_write_out_scale():
         q = torch.randn(b, 1, HQ, D, device="cuda", generator=g).to(E4M3)
         k = torch.randn(b, 1, HK, D, device="cuda", generator=g, dtype=torch.bfloat16)
         v = torch.randn(b, 1, HK, D, device="cuda", generator=g, dtype=torch.bfloat16)
-        pt = torch.randperm(kc_e.shape[0], device="cuda", generator=g)[:b * max_pages].view(b, -1).to(torch.int32)
+        pt = torch.randperm(kc_e.shape[0], device="cuda", generator=g)[: b * max_pages].view(b, -1).to(torch.int32)
         lens = torch.randint(0, max_pages * PS, (b,), device="cuda", generator=g, dtype=torch.int32)  # room for 1
         want = decode_write_attn(q, k, v, kc_e, vc_e, pt, lens, qd, kd, vd, s)
         torch.compiler.cudagraph_mark_step_begin()
@@ -518,15 +600,16 @@ def test_gpu_fused_epilogue_bit_exact(kind):
         v8, vd = quantize(torch.randn(b, 300, hk, d, device="cuda"), "per_tensor")
 
         def run(**kw):
-            return fp8attn.flash_attn_func(q8, k8, v8, causal=True, q_descale=qd.view(1, 1), k_descale=kd.view(1, 1),
-                                           v_descale=vd.view(1, 1), **kw)
+            return fp8attn.flash_attn_func(
+                q8, k8, v8, causal=True, q_descale=qd.view(1, 1), k_descale=kd.view(1, 1), v_descale=vd.view(1, 1), **kw
+            )
     else:
         ps, L = 16, 1000
         pool = b * (L // ps + 1) * 2
         kc = torch.empty(pool, ps, hk, d, device="cuda", dtype=torch.uint8).fill_(0x7F).view(E4M3)
         vc = torch.empty(pool, ps, hk, d, device="cuda", dtype=torch.uint8).fill_(0x7F).view(E4M3)
         npg = L // ps + 1
-        pt = torch.randperm(pool, device="cuda")[:b * npg].view(b, npg).to(torch.int32)
+        pt = torch.randperm(pool, device="cuda")[: b * npg].view(b, npg).to(torch.int32)
         lens = torch.tensor([L, 1, 513, 77], device="cuda", dtype=torch.int32)
         for i, n in enumerate(lens.tolist()):
             for t0 in range(0, n, ps):
@@ -543,8 +626,19 @@ def test_gpu_fused_epilogue_bit_exact(kind):
         splits = 3 if kind == "paged_split" else 1
 
         def run(**kw):
-            return fp8attn.flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=lens, page_table=pt, causal=True,
-                                                   q_descale=qd.view(1, 1), num_splits=splits, **extra, **kw)
+            return fp8attn.flash_attn_with_kvcache(
+                q8,
+                kc,
+                vc,
+                cache_seqlens=lens,
+                page_table=pt,
+                causal=True,
+                q_descale=qd.view(1, 1),
+                num_splits=splits,
+                **extra,
+                **kw,
+            )
+
     o32 = run(out_dtype=torch.float32)
     for s in (0.0078125, 0.013):  # a power of two (exact reciprocal) and a general scale
         st = torch.tensor([s], device="cuda")
@@ -556,7 +650,7 @@ def test_gpu_fused_epilogue_bit_exact(kind):
             # the dense kernel autotunes with OUT_FP8 in the key: the fp32 and FP8 runs may use other
             # tiles (another P-quantization grouping), so compare in value space: one e4m3 ulp of the
             # value (2**-3 relative) plus 2% of the output's largest magnitude (P-grouping noise).
-            tol = want.float().abs() * 2 ** -3 * 1.001 + 0.02 * (o32 / st).abs().max()
+            tol = want.float().abs() * 2**-3 * 1.001 + 0.02 * (o32 / st).abs().max()
             assert ((fused.float() - want.float()).abs() <= tol).all(), kind
         elif s == 0.0078125:
             assert d_ulp.max().item() == 0, kind
@@ -569,7 +663,9 @@ def test_gpu_fused_epilogue_bit_exact(kind):
 
 @pytest.mark.gpu
 def test_gpu_fusion_pass_inductor_cuda(fusion):
-    q, k, v, (qd, kd, vd) = (t.cuda() if torch.is_tensor(t) else [x.cuda() for x in t] for t in _dense_inputs(b=4, sq=128, sk=384))
+    q, k, v, (qd, kd, vd) = (
+        t.cuda() if torch.is_tensor(t) else [x.cuda() for x in t] for t in _dense_inputs(b=4, sq=128, sk=384)
+    )
     s = torch.tensor(0.0123, device="cuda")
     for fn in (attn_reshape_plain, attn_zeros_out_quant_op):
         eager = fn(q, k, v, qd, kd, vd, s)

@@ -6,16 +6,17 @@ Caches are NaN-poisoned outside the written slots, page tables random over a poo
 random per (sequence, KV head). The process groups are forked (no re-import) under a collective timeout
 and a deadline, so a hang fails the test instead of stalling the suite.
 """
+
 import datetime
 
 import pytest
 import torch
-from helpers import check_vs_oracle, naive_attention, page_table_3x, poisoned_cache, rand_descale, scatter_dense
 
 import fp8attn.distributed as D
 from fp8attn import flash_attn_combine, flash_attn_with_kvcache, write_kv_cache
 from fp8attn.paged_cache import packed_token_seqs, slot_mapping_for, to_v_seq_major
 from fp8attn.quant import quantize
+from helpers import check_vs_oracle, naive_attention, page_table_3x, poisoned_cache, rand_descale, scatter_dense
 
 E4M3 = torch.float8_e4m3fn
 TIMEOUT = datetime.timedelta(seconds=20)  # each collective; launch_local's deadline bounds the whole run
@@ -44,15 +45,34 @@ def _problem(lens, ps=16, hq=4, hk=2, d=64, qkind="bf16", sq=1, spare_pages=0, s
 
 
 def _single(p, **kw):
-    return flash_attn_with_kvcache(p["q"], p["kc"], p["vc"], cache_seqlens=p["cs"], page_table=p["pt"],
-                                   q_descale=p["qd"], k_descale=p["kd"], v_descale=p["vd"], return_softmax_lse=True,
-                                   **kw)
+    return flash_attn_with_kvcache(
+        p["q"],
+        p["kc"],
+        p["vc"],
+        cache_seqlens=p["cs"],
+        page_table=p["pt"],
+        q_descale=p["qd"],
+        k_descale=p["kd"],
+        v_descale=p["vd"],
+        return_softmax_lse=True,
+        **kw,
+    )
 
 
 def _oracle(p, causal=False):
     b, sq = p["q"].shape[:2]
-    return naive_attention(p["q"], p["k8"], p["v8"], seqlens_q=torch.full((b,), sq), seqlens_k=p["cs"], causal=causal,
-                           q_descale=p["qd"], k_descale=p["kd"], v_descale=p["vd"], p_round=torch.float16)
+    return naive_attention(
+        p["q"],
+        p["k8"],
+        p["v8"],
+        seqlens_q=torch.full((b,), sq),
+        seqlens_k=p["cs"],
+        causal=causal,
+        q_descale=p["qd"],
+        k_descale=p["kd"],
+        v_descale=p["vd"],
+        p_round=torch.float16,
+    )
 
 
 def _assert_matches(out, lse, p, single=None, causal=False):
@@ -76,9 +96,12 @@ def _dense_tokens(cache, pt, n, b):
 def _with_dense(p, cs):
     """``p`` at lengths ``cs``, with the dense K/V (for the oracle) read back from its paged cache."""
     L, (hk, d) = int(cs.max()), p["kc"].shape[2:]
-    dense = lambda c: torch.stack([torch.cat([_dense_tokens(c, p["pt"], n, b).view(E4M3),
-                                              torch.zeros(L - n, hk, d, dtype=E4M3)])
-                                   for b, n in enumerate(cs.tolist())])
+    dense = lambda c: torch.stack(
+        [
+            torch.cat([_dense_tokens(c, p["pt"], n, b).view(E4M3), torch.zeros(L - n, hk, d, dtype=E4M3)])
+            for b, n in enumerate(cs.tolist())
+        ]
+    )
     return dict(p, cs=cs, k8=dense(p["kc"]), v8=dense(p["vc"]))
 
 
@@ -134,17 +157,27 @@ def test_simulated_shards_equal_the_single_decode(layout):
             assert torch.equal(_tokens_of_shards(plan, shards, b, n), _dense_tokens(p["kc"], p["pt"], n, b))
         single = _single(p)
         for s in shards:  # unused slots of the shard pools are NaN too (a shard's partial page is copied whole)
-            s.k_cache.view(torch.uint8)[s.page_table.max() + 1:] = 0x7F
-        out, lse = D.simulate_cp_decode(p["q"], shards, q_descale=p["qd"], k_descale=p["kd"], v_descale=p["vd"],
-                                        return_softmax_lse=True)
+            s.k_cache.view(torch.uint8)[s.page_table.max() + 1 :] = 0x7F
+        out, lse = D.simulate_cp_decode(
+            p["q"], shards, q_descale=p["qd"], k_descale=p["kd"], v_descale=p["vd"], return_softmax_lse=True
+        )
         assert out.shape == single[0].shape and out.dtype == torch.bfloat16 and lse.shape == single[1].shape
         _assert_matches(out, lse, p, single)
         assert (out[0].float() == 0).all() and torch.isneginf(lse[0]).all()
         # out= and a workspace, fp32 output, causal with one query (it sees every key either way)
         ws = D.CPWorkspace(p["q"], p["vc"].shape[-1], world)
         buf = torch.full_like(out, float("nan"), dtype=torch.float32)
-        got = D.simulate_cp_decode(p["q"], shards, q_descale=p["qd"], k_descale=p["kd"], v_descale=p["vd"], out=buf,
-                                   out_dtype=torch.float32, workspace=ws, causal=sq == 1)
+        got = D.simulate_cp_decode(
+            p["q"],
+            shards,
+            q_descale=p["qd"],
+            k_descale=p["kd"],
+            v_descale=p["vd"],
+            out=buf,
+            out_dtype=torch.float32,
+            workspace=ws,
+            causal=sq == 1,
+        )
         assert got is buf
         torch.testing.assert_close(buf.bfloat16(), out, atol=1e-2, rtol=0)
 
@@ -154,11 +187,23 @@ def test_simulated_shards_with_token_scales_and_fused_fp8_output():
     nb, ps, hk = p["kc"].shape[:3]
     ks, vs = torch.rand(nb, ps, hk) + 0.5, torch.rand(nb, ps, hk) + 0.5
     plan = D.CPShardPlan(2, ps, p["pt"].shape[1], "round_robin")
-    shards = [D.shard_paged_cache(p["kc"], p["vc"], p["pt"], p["cs"], plan, r, k_cache_scales=ks, v_cache_scales=vs,
-                                  num_blocks=40) for r in range(2)]
+    shards = [
+        D.shard_paged_cache(
+            p["kc"], p["vc"], p["pt"], p["cs"], plan, r, k_cache_scales=ks, v_cache_scales=vs, num_blocks=40
+        )
+        for r in range(2)
+    ]
     assert shards[0].k_cache.shape[0] == 40 and shards[0].k_cache_scales.shape == (40, ps, hk)
-    single = flash_attn_with_kvcache(p["q"], p["kc"], p["vc"], cache_seqlens=p["cs"], page_table=p["pt"],
-                                     k_cache_scales=ks, v_cache_scales=vs, out_dtype=torch.float32)
+    single = flash_attn_with_kvcache(
+        p["q"],
+        p["kc"],
+        p["vc"],
+        cache_seqlens=p["cs"],
+        page_table=p["pt"],
+        k_cache_scales=ks,
+        v_cache_scales=vs,
+        out_dtype=torch.float32,
+    )
     got = D.simulate_cp_decode(p["q"], shards, out_dtype=torch.float32)
     torch.testing.assert_close(got, single, atol=2e-3, rtol=2e-3)
     osc = torch.tensor(0.05)
@@ -207,20 +252,38 @@ def test_route_new_tokens_writes_on_the_owner_only(layout):
             kw = dict(cu_seqlens_k_new=torch.nn.functional.pad(n_new.cumsum(0), (1, 0)).to(torch.int32))
         # the single-process cache appends through the attention call
         if step < 2:
-            flash_attn_with_kvcache(p["q"], p["kc"], p["vc"], k=k, v=v, cache_seqlens=cs, page_table=p["pt"],
-                                    k_descale=p["kd"], v_descale=p["vd"])
+            flash_attn_with_kvcache(
+                p["q"],
+                p["kc"],
+                p["vc"],
+                k=k,
+                v=v,
+                cache_seqlens=cs,
+                page_table=p["pt"],
+                k_descale=p["kd"],
+                v_descale=p["vd"],
+            )
         else:
             cu = kw["cu_seqlens_k_new"]
             seq, tok = packed_token_seqs(cu, k.shape[0])
             live = seq < b
             seq_c = seq.clamp(max=b - 1)
             slots = slot_mapping_for(p["pt"], ps, seq_c, cs.long()[seq_c] + tok - cu.long()[seq_c])
-            write_kv_cache(k, v, p["kc"], p["vc"], torch.where(live, slots, -1), k_descale=p["kd"], v_descale=p["vd"],
-                      token_seq_idx=seq_c.to(torch.int32))
+            write_kv_cache(
+                k,
+                v,
+                p["kc"],
+                p["vc"],
+                torch.where(live, slots, -1),
+                k_descale=p["kd"],
+                v_descale=p["vd"],
+                token_seq_idx=seq_c.to(torch.int32),
+            )
         written = 0
         for r, s in enumerate(shards):
-            slots = D.route_new_tokens(k, v, s.k_cache, s.v_cache, s.page_table, cs, plan, r, k_descale=p["kd"],
-                                       v_descale=p["vd"], **kw)
+            slots = D.route_new_tokens(
+                k, v, s.k_cache, s.v_cache, s.page_table, cs, plan, r, k_descale=p["kd"], v_descale=p["vd"], **kw
+            )
             written += int((slots >= 0).sum())
         assert written == int(n_new.sum())  # each token written once, on its owner
         cs = cs + n_new
@@ -261,8 +324,10 @@ def test_local_argument_errors():
         D.shard_paged_cache(p["kc"], p["vc"], bad, p["cs"], D.CPShardPlan(1, 16, p["pt"].shape[1]), 0)
     with pytest.raises(ValueError, match="^rank"):
         D.shard_paged_cache(p["kc"], p["vc"], p["pt"], p["cs"], D.CPShardPlan(2, 16, p["pt"].shape[1]), 2)
-    shards = [D.shard_paged_cache(p["kc"], p["vc"], p["pt"], p["cs"], D.CPShardPlan(2, 16, p["pt"].shape[1]), r)
-              for r in range(2)]
+    shards = [
+        D.shard_paged_cache(p["kc"], p["vc"], p["pt"], p["cs"], D.CPShardPlan(2, 16, p["pt"].shape[1]), r)
+        for r in range(2)
+    ]
     with pytest.raises(NotImplementedError, match="causal=True with seqlen_q > 1"):
         D.simulate_cp_decode(p["q"].expand(2, 3, 4, 64).contiguous(), shards, causal=True)
     with pytest.raises(ValueError, match="^workspace"):
@@ -313,19 +378,32 @@ def _two_rank_worker(rank, world, probs):
             outs = []
             for _ in range(3):
                 k, v = torch.randn(cs.numel(), 1, hk, d, generator=g), torch.randn(cs.numel(), 1, hk, d, generator=g)
-                D.route_new_tokens(k, v, s.k_cache, s.v_cache, s.page_table, cs, plan, rank, k_descale=p["kd"],
-                                   v_descale=p["vd"])
+                D.route_new_tokens(
+                    k, v, s.k_cache, s.v_cache, s.page_table, cs, plan, rank, k_descale=p["kd"], v_descale=p["vd"]
+                )
                 cs = cs + 1
-                outs.append(D.cp_decode(p["q"], s.k_cache, s.v_cache, s.page_table, plan.local_seqlens(cs, rank),
-                                        return_softmax_lse=True, **kw))
+                outs.append(
+                    D.cp_decode(
+                        p["q"],
+                        s.k_cache,
+                        s.v_cache,
+                        s.page_table,
+                        plan.local_seqlens(cs, rank),
+                        return_softmax_lse=True,
+                        **kw,
+                    )
+                )
             res["append/outs"] = outs
     return res
 
 
 def test_cp_decode_two_gloo_ranks():
-    probs = {"contig": (_problem([0, 5, 37, 70]), "contiguous"), "rr": (_problem([1, 16, 17, 90], ps=8), "round_robin"),
-             "fp8q": (_problem([3, 64, 65], qkind="fp8", ps=16), "round_robin"),
-             "append": (_problem([0, 6, 15], ps=4, spare_pages=1), "contiguous")}
+    probs = {
+        "contig": (_problem([0, 5, 37, 70]), "contiguous"),
+        "rr": (_problem([1, 16, 17, 90], ps=8), "round_robin"),
+        "fp8q": (_problem([3, 64, 65], qkind="fp8", ps=16), "round_robin"),
+        "append": (_problem([0, 6, 15], ps=4, spare_pages=1), "contiguous"),
+    }
     res = D.launch_local(_two_rank_worker, 2, probs, timeout=TIMEOUT, deadline_s=DEADLINE)
     for name, (p, _) in probs.items():
         single = _single(p)
@@ -355,8 +433,17 @@ def test_cp_decode_two_gloo_ranks():
     cs = p["cs"].clone()
     for step in range(3):
         k, v = torch.randn(cs.numel(), 1, hk, d, generator=g), torch.randn(cs.numel(), 1, hk, d, generator=g)
-        flash_attn_with_kvcache(p["q"], p["kc"], p["vc"], k=k, v=v, cache_seqlens=cs, page_table=p["pt"],
-                                k_descale=p["kd"], v_descale=p["vd"])
+        flash_attn_with_kvcache(
+            p["q"],
+            p["kc"],
+            p["vc"],
+            k=k,
+            v=v,
+            cache_seqlens=cs,
+            page_table=p["pt"],
+            k_descale=p["kd"],
+            v_descale=p["vd"],
+        )
         cs = cs + 1
         q = _with_dense(p, cs)
         for r in range(2):
@@ -373,9 +460,17 @@ def _two_by_two_worker(rank, world, p):
     plan = D.CPShardPlan(cp, p["kc"].shape[1], p["pt"].shape[1], "round_robin")
     kc, vc = p["kc"][:, :, sk_].contiguous(), p["vc"][:, :, sk_].contiguous()
     s = D.shard_paged_cache(kc, vc, p["pt"], p["cs"], plan, grp.cp_rank)
-    out, lse = D.cp_decode(p["q"][:, :, sq_].contiguous(), s.k_cache, s.v_cache, s.page_table, s.cache_seqlens,
-                           k_descale=p["kd"][:, sk_], v_descale=p["vd"][:, sk_], group=grp.cp_group,
-                           return_softmax_lse=True)
+    out, lse = D.cp_decode(
+        p["q"][:, :, sq_].contiguous(),
+        s.k_cache,
+        s.v_cache,
+        s.page_table,
+        s.cache_seqlens,
+        k_descale=p["kd"][:, sk_],
+        v_descale=p["vd"][:, sk_],
+        group=grp.cp_group,
+        return_softmax_lse=True,
+    )
     # the heads back together over the TP group (as an engine's output projection would reduce them)
     parts = [torch.empty_like(out) for _ in range(tp)]
     torch.distributed.all_gather(parts, out.contiguous(), group=grp.tp_group)
@@ -384,8 +479,16 @@ def _two_by_two_worker(rank, world, p):
     # a bad input on one rank raises on the ranks of its CP group (rank 3's CP peer is rank 1)
     try:
         bad_cs = s.cache_seqlens[:1] if rank == 3 else s.cache_seqlens
-        D.cp_decode(p["q"][:, :, sq_].contiguous(), s.k_cache, s.v_cache, s.page_table, bad_cs,
-                    k_descale=p["kd"][:, sk_], v_descale=p["vd"][:, sk_], group=grp.cp_group)
+        D.cp_decode(
+            p["q"][:, :, sq_].contiguous(),
+            s.k_cache,
+            s.v_cache,
+            s.page_table,
+            bad_cs,
+            k_descale=p["kd"][:, sk_],
+            v_descale=p["vd"][:, sk_],
+            group=grp.cp_group,
+        )
         err = None
     except ValueError as e:
         err = str(e)
@@ -408,7 +511,10 @@ def test_cp_with_head_parallel_two_by_two():
 # ------------------------------------------------------------------------------------------------- GPU
 def _gpu_problem(b=2, L=8192, ps=64, seed=0):
     """A 32/8-head d128 decode over an e4m3 cache with sequence-major V pages, on cuda:0 values."""
-    from fp8attn.bench.cp import D as HD, HK as NK, HQ as NQ  # the benchmark's head shape
+    from fp8attn.bench.cp import HK as NK
+    from fp8attn.bench.cp import HQ as NQ
+    from fp8attn.bench.cp import D as HD  # the benchmark's head shape
+
     g = torch.Generator().manual_seed(seed)
     lens = [L, L // 3 + 5][:b]
     k8, kd = quantize(torch.randn(b, L, NK, HD, generator=g), "per_head")
@@ -418,8 +524,15 @@ def _gpu_problem(b=2, L=8192, ps=64, seed=0):
     scatter_dense(kc, pt, k8, lens)
     scatter_dense(vc, pt, v8, lens)
     q = torch.randn(b, 1, NQ, HD, generator=g).bfloat16()
-    return dict(q=q, kd=kd * rand_descale(b, NK, 0.8, 1.25), vd=vd, kc=kc, vc=to_v_seq_major(vc), pt=pt,
-                cs=torch.tensor(lens, dtype=torch.int32))
+    return dict(
+        q=q,
+        kd=kd * rand_descale(b, NK, 0.8, 1.25),
+        vd=vd,
+        kc=kc,
+        vc=to_v_seq_major(vc),
+        pt=pt,
+        cs=torch.tensor(lens, dtype=torch.int32),
+    )
 
 
 @pytest.mark.gpu
@@ -427,12 +540,14 @@ def _gpu_problem(b=2, L=8192, ps=64, seed=0):
 def test_gpu_simulated_shards_equal_the_single_decode(layout):
     """The ``bench cp-simulate`` path on one GPU: 2 shards through the kernels, merged == one decode."""
     from fp8attn.reference import paged_attention_ref
+
     p = {k: v.cuda() for k, v in _gpu_problem().items()}
     plan = D.CPShardPlan(2, p["kc"].shape[1], p["pt"].shape[1], layout)
     shards = [D.shard_paged_cache(p["kc"], p["vc"], p["pt"], p["cs"], plan, r) for r in range(2)]
     kw = dict(k_descale=p["kd"], v_descale=p["vd"])
-    single = flash_attn_with_kvcache(p["q"], p["kc"], p["vc"], cache_seqlens=p["cs"], page_table=p["pt"],
-                                     return_softmax_lse=True, **kw)
+    single = flash_attn_with_kvcache(
+        p["q"], p["kc"], p["vc"], cache_seqlens=p["cs"], page_table=p["pt"], return_softmax_lse=True, **kw
+    )
     ws = D.CPWorkspace(p["q"], 128, 2)
     out = torch.empty_like(single[0])
     got, lse = D.simulate_cp_decode(p["q"], shards, out=out, workspace=ws, return_softmax_lse=True, **kw)
@@ -501,12 +616,14 @@ def test_gpu_cp_decode_two_nccl_ranks():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
     import os
+
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     p = _gpu_problem()
     res = D.launch_local(_nccl_worker, 2, p, backend="nccl", deadline_s=300.0)
     pc = {k: v.cuda() for k, v in p.items()}
-    single = flash_attn_with_kvcache(pc["q"], pc["kc"], pc["vc"], cache_seqlens=pc["cs"], page_table=pc["pt"],
-                                     k_descale=pc["kd"], v_descale=pc["vd"]).cpu()
+    single = flash_attn_with_kvcache(
+        pc["q"], pc["kc"], pc["vc"], cache_seqlens=pc["cs"], page_table=pc["pt"], k_descale=pc["kd"], v_descale=pc["vd"]
+    ).cpu()
     for eager, graphed, err in res:
         torch.testing.assert_close(eager.float(), single.float(), atol=2e-2, rtol=2e-2)
         assert torch.equal(graphed, eager)

@@ -1,4 +1,5 @@
 """Every relative link in the README and docs/*.md points at a file that exists in the repository."""
+
 import pathlib
 import re
 
@@ -25,6 +26,13 @@ def test_relative_links_resolve(page):
 
 def test_design_document_is_in_the_repository():
     text = (ROOT / "docs" / "design.md").read_text()
-    for section in ("## Numerics", "## API conventions", "## Validation and nothing lost", "## Testing",
-                    "## Benchmarks", "### Results format", "## Real model and data"):
+    for section in (
+        "## Numerics",
+        "## API conventions",
+        "## Validation and nothing lost",
+        "## Testing",
+        "## Benchmarks",
+        "### Results format",
+        "## Real model and data",
+    ):
         assert section in text, f"docs/design.md lacks the section {section!r} that the code cites"

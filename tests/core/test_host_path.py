@@ -1,5 +1,6 @@
 """The eager host path of every public entry point: no host sync on CUDA (validate=False), and the
 `bench host` routine's entries all run (their timing lives in benchmarks/results, never here)."""
+
 import pytest
 import torch
 
@@ -97,8 +98,9 @@ def test_eager_plan_not_taken_for_grad_or_other_signatures(monkeypatch):
     # a bad descale value on a GPU: unchecked on both paths (validate=True checks it)
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND")
     with pytest.raises(ValueError, match="q_descale"):
-        fp8attn.flash_attn_func(q8, k8, v8, causal=True, q_descale=qd * float("nan"), k_descale=kd, v_descale=vd,
-                                validate=True)
+        fp8attn.flash_attn_func(
+            q8, k8, v8, causal=True, q_descale=qd * float("nan"), k_descale=kd, v_descale=vd, validate=True
+        )
 
 
 @pytest.mark.parametrize("q_fp8", [False, True])
@@ -116,11 +118,19 @@ def test_eager_plan_paged_decode_equals_checked_path(q_fp8):
     pt = make_page_table([L] * b, ps, nb, generator=torch.Generator().manual_seed(1)).cuda()
     seqlens = torch.tensor([L, 1, 257, 128], dtype=torch.int32, device="cuda")
     desc = torch.rand(b, hk, device="cuda") * 0.1 + 0.01
-    fp8attn.write_kv_cache(torch.randn(b * L, hk, d, device="cuda"), torch.randn(b * L, hk, d, device="cuda"), kc, vc,
-                           (pt.long()[:, :, None] * ps + torch.arange(ps, device="cuda")).reshape(b, -1)[:, :L]
-                           .reshape(-1).masked_fill(torch.arange(L, device="cuda").repeat(b) >= seqlens.repeat_interleave(L), -1),
-                           k_descale=desc, v_descale=desc,
-                           token_seq_idx=torch.arange(b, device="cuda", dtype=torch.int32).repeat_interleave(L))
+    fp8attn.write_kv_cache(
+        torch.randn(b * L, hk, d, device="cuda"),
+        torch.randn(b * L, hk, d, device="cuda"),
+        kc,
+        vc,
+        (pt.long()[:, :, None] * ps + torch.arange(ps, device="cuda"))
+        .reshape(b, -1)[:, :L]
+        .reshape(-1)
+        .masked_fill(torch.arange(L, device="cuda").repeat(b) >= seqlens.repeat_interleave(L), -1),
+        k_descale=desc,
+        v_descale=desc,
+        token_seq_idx=torch.arange(b, device="cuda", dtype=torch.int32).repeat_interleave(L),
+    )
     q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
     kw = dict(cache_seqlens=seqlens, page_table=pt, k_descale=desc, v_descale=desc)
     if q_fp8:
@@ -147,17 +157,31 @@ def test_eager_plan_triton_kernel_calls_equal_checked_path(causal):
     plan.clear()
     q8, k8, v8, qd, kd, vd = _fp8_inputs(b=3, s=192, d=64)
     cu = torch.tensor([0, 100, 150, 576], dtype=torch.int32, device="cuda")
-    args = (q8.reshape(-1, *q8.shape[2:]), k8.reshape(-1, *k8.shape[2:]), v8.reshape(-1, *v8.shape[2:]), cu, cu, 426,
-            426)
-    kw = dict(causal=causal, q_descale=qd[:1].expand(3, -1).contiguous(), k_descale=kd[:1].expand(3, -1).contiguous(),
-              v_descale=vd[:1].expand(3, -1).contiguous())
+    args = (
+        q8.reshape(-1, *q8.shape[2:]),
+        k8.reshape(-1, *k8.shape[2:]),
+        v8.reshape(-1, *v8.shape[2:]),
+        cu,
+        cu,
+        426,
+        426,
+    )
+    kw = dict(
+        causal=causal,
+        q_descale=qd[:1].expand(3, -1).contiguous(),
+        k_descale=kd[:1].expand(3, -1).contiguous(),
+        v_descale=vd[:1].expand(3, -1).contiguous(),
+    )
     ref = fp8attn.flash_attn_varlen_func(*args, validate=True, **kw)
     got = [fp8attn.flash_attn_varlen_func(*args, **kw) for _ in range(3)]
     qb, kb, vb = (torch.randn(2, 200, h, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
-    ref16 = fp8attn.flash_attn_func(qb, kb, vb, causal=causal, window_size=(64, 0) if causal else (-1, -1),
-                                    validate=True)
-    got16 = [fp8attn.flash_attn_func(qb, kb, vb, causal=causal, window_size=(64, 0) if causal else (-1, -1))
-             for _ in range(3)]
+    ref16 = fp8attn.flash_attn_func(
+        qb, kb, vb, causal=causal, window_size=(64, 0) if causal else (-1, -1), validate=True
+    )
+    got16 = [
+        fp8attn.flash_attn_func(qb, kb, vb, causal=causal, window_size=(64, 0) if causal else (-1, -1))
+        for _ in range(3)
+    ]
     assert len(plan._PLANS) == 2
     for x in got:
         assert torch.equal(x, ref)

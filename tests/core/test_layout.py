@@ -1,5 +1,6 @@
 """Package layout: the core loads without the serving, benchmark, integration and command-line packages, and
 the import paths that moved in this release still resolve to the same objects."""
+
 import importlib
 import subprocess
 import sys
@@ -29,16 +30,22 @@ def test_core_never_loads_serving_bench_integrations_or_cli():
     assert int(n) >= 10 and loaded.strip() == "[]", r.stdout
 
 
-@pytest.mark.parametrize("old, new, names", [
-    ("fp8attn.engine", "fp8attn.serving.engine", ("LLMEngine", "EngineConfig", "PagedKVCache", "SamplingParams")),
-    ("fp8attn.engine.bench", "fp8attn.bench.engine", ("main", "run", "time_decode")),
-    ("fp8attn.models", "fp8attn.serving.models", ("LlamaModel", "LlamaConfig", "load_pretrained", "require")),
-    ("fp8attn.demo", "fp8attn.serving.demo", ("demo_main", "drive_main", "DEMO_PACKAGES")),
-    ("fp8attn.data", "fp8attn.serving.data", ("sample_prompts", "load_first_turns", "sharegpt_path")),
-    ("fp8attn.paged", "fp8attn.paged_cache", ("alloc_paged_cache", "is_v_seq_major", "make_page_table",
-                                             "split_workspace")),
-    ("fp8attn.qkv", "fp8attn.quant", ("quantize_one", "descale_shape", "empty_seq_major")),
-])
+@pytest.mark.parametrize(
+    "old, new, names",
+    [
+        ("fp8attn.engine", "fp8attn.serving.engine", ("LLMEngine", "EngineConfig", "PagedKVCache", "SamplingParams")),
+        ("fp8attn.engine.bench", "fp8attn.bench.engine", ("main", "run", "time_decode")),
+        ("fp8attn.models", "fp8attn.serving.models", ("LlamaModel", "LlamaConfig", "load_pretrained", "require")),
+        ("fp8attn.demo", "fp8attn.serving.demo", ("demo_main", "drive_main", "DEMO_PACKAGES")),
+        ("fp8attn.data", "fp8attn.serving.data", ("sample_prompts", "load_first_turns", "sharegpt_path")),
+        (
+            "fp8attn.paged",
+            "fp8attn.paged_cache",
+            ("alloc_paged_cache", "is_v_seq_major", "make_page_table", "split_workspace"),
+        ),
+        ("fp8attn.qkv", "fp8attn.quant", ("quantize_one", "descale_shape", "empty_seq_major")),
+    ],
+)
 def test_moved_modules_keep_their_old_import_paths(old, new, names):
     o, n = importlib.import_module(old), importlib.import_module(new)
     for name in names:

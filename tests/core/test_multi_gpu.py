@@ -4,6 +4,7 @@ Triton launches on the current device; the ops make the inputs' device current a
 (``capability.launch_device``). GPU, two devices: every kernel-backed entry point gives on cuda:1,
 with cuda:0 current, exactly what it gives with cuda:1 current.
 """
+
 import pytest
 import torch
 
@@ -39,11 +40,17 @@ def _calls(dev):
     cs = torch.full((b,), s // 2, device=dev, dtype=torch.int32)
     qd1 = x[0][:, :1]
     ones = torch.ones(b, h, device=dev)
-    dec = fp8attn.flash_attn_with_kvcache(qd1, kc, vc, cache_seqlens=cs, page_table=pt, causal=True,
-                                         k_descale=ones, v_descale=ones, num_splits=3)
+    dec = fp8attn.flash_attn_with_kvcache(
+        qd1, kc, vc, cache_seqlens=cs, page_table=pt, causal=True, k_descale=ones, v_descale=ones, num_splits=3
+    )
     a8 = q8[0].transpose(0, 1).contiguous()  # (heads, seqlen, d) as a batch of matrices
-    bmm = fp8attn.ops.scaled_bmm(a8, k8[0].permute(1, 2, 0), qd[0].reshape(h, 1, 1).expand(h, s, 1).contiguous(),
-                                 kd[0].reshape(h, 1, 1).contiguous(), torch.bfloat16)
+    bmm = fp8attn.ops.scaled_bmm(
+        a8,
+        k8[0].permute(1, 2, 0),
+        qd[0].reshape(h, 1, 1).expand(h, s, 1).contiguous(),
+        kd[0].reshape(h, 1, 1).contiguous(),
+        torch.bfloat16,
+    )
     return [q8, k8, v8, qd, kd, vd, dense, kc, vc, dec, bmm]
 
 

@@ -7,14 +7,22 @@ the expected TypeError / ValueError / NotImplementedError (nothing else may esca
 the argument, and afterwards every tensor argument holds the same bytes (compared as uint8, so NaN-poisoned
 slots compare equal). CPU path: every value check runs.
 """
+
 import math
 import re
 
 import pytest
 import torch
 
-from fp8attn import (flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
-                     quantize_qkv, split_workspace, write_kv_cache)
+from fp8attn import (
+    flash_attn_combine,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    quantize_qkv,
+    split_workspace,
+    write_kv_cache,
+)
 from fp8attn.paged_cache import alloc_paged_cache
 
 E4M3 = torch.float8_e4m3fn
@@ -28,11 +36,19 @@ def _append():
     kc, vc = alloc_paged_cache(8, 4, 2, 32, poison_nan=True)
     q = torch.randn(2, 2, 4, 32, dtype=BF16)
     return flash_attn_with_kvcache, dict(
-        q=q, k_cache=kc, v_cache=vc, k=torch.randn(2, 2, 2, 32, dtype=BF16), v=torch.randn(2, 2, 2, 32, dtype=BF16),
+        q=q,
+        k_cache=kc,
+        v_cache=vc,
+        k=torch.randn(2, 2, 2, 32, dtype=BF16),
+        v=torch.randn(2, 2, 2, 32, dtype=BF16),
         cache_seqlens=torch.tensor([3, 5], dtype=torch.int32),
         page_table=torch.tensor([[6, 1, -1], [0, 4, 2]], dtype=torch.int32),
-        k_descale=torch.tensor([[0.5, 0.25], [0.75, 0.5]]), v_descale=torch.tensor([[0.5, 1.0], [0.25, 0.5]]),
-        causal=True, return_softmax_lse=True, out=torch.full((2, 2, 4, 32), NAN, dtype=BF16))
+        k_descale=torch.tensor([[0.5, 0.25], [0.75, 0.5]]),
+        v_descale=torch.tensor([[0.5, 1.0], [0.25, 0.5]]),
+        causal=True,
+        return_softmax_lse=True,
+        out=torch.full((2, 2, 4, 32), NAN, dtype=BF16),
+    )
 
 
 def _append_split():
@@ -47,60 +63,107 @@ def _append_varlen_rotary():
     kc = torch.full((3, 16, 2, 32), NAN, dtype=BF16)
     vc = torch.full((3, 16, 2, 32), NAN, dtype=BF16)
     return flash_attn_with_kvcache, dict(
-        q=torch.randn(3, 4, 32, dtype=BF16), k_cache=kc, v_cache=vc, k=torch.randn(3, 2, 32, dtype=BF16),
-        v=torch.randn(3, 2, 32, dtype=BF16), cache_seqlens=torch.tensor([4, 2], dtype=torch.int32),
+        q=torch.randn(3, 4, 32, dtype=BF16),
+        k_cache=kc,
+        v_cache=vc,
+        k=torch.randn(3, 2, 32, dtype=BF16),
+        v=torch.randn(3, 2, 32, dtype=BF16),
+        cache_seqlens=torch.tensor([4, 2], dtype=torch.int32),
         cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32), max_seqlen_q=2,
+        cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32),
+        max_seqlen_q=2,
         cu_seqlens_k_new=torch.tensor([0, 1, 3], dtype=torch.int32),
-        rotary_cos=torch.rand(16, 8), rotary_sin=torch.rand(16, 8), causal=True,
-        out=torch.full((3, 4, 32), NAN, dtype=BF16))
+        rotary_cos=torch.rand(16, 8),
+        rotary_sin=torch.rand(16, 8),
+        causal=True,
+        out=torch.full((3, 4, 32), NAN, dtype=BF16),
+    )
 
 
 def _write():
     """write_kv_cache with per-(sequence, head) descales."""
     kc, vc = alloc_paged_cache(4, 4, 2, 32, poison_nan=True)
-    return write_kv_cache, dict(k=torch.randn(4, 2, 32), v=torch.randn(4, 2, 32), k_cache=kc, v_cache=vc,
-                                slot_mapping=torch.tensor([0, 5, -1, 14]),
-                                k_descale=torch.tensor([[0.5, 0.25], [0.75, 0.5]]),
-                                v_descale=torch.tensor([[0.5], [0.25]]),
-                                token_seq_idx=torch.tensor([0, 0, 1, 1], dtype=torch.int32))
+    return write_kv_cache, dict(
+        k=torch.randn(4, 2, 32),
+        v=torch.randn(4, 2, 32),
+        k_cache=kc,
+        v_cache=vc,
+        slot_mapping=torch.tensor([0, 5, -1, 14]),
+        k_descale=torch.tensor([[0.5, 0.25], [0.75, 0.5]]),
+        v_descale=torch.tensor([[0.5], [0.25]]),
+        token_seq_idx=torch.tensor([0, 0, 1, 1], dtype=torch.int32),
+    )
 
 
 def _write_dynamic():
     """write_kv_cache with per-token-head scales stored beside the cache."""
     kc, vc, ks, vs = alloc_paged_cache(4, 4, 2, 32, poison_nan=True, with_scales=True)
-    return write_kv_cache, dict(k=torch.randn(3, 2, 32), v=torch.randn(3, 2, 32), k_cache=kc, v_cache=vc,
-                                slot_mapping=torch.tensor([2, 9, 3]), k_cache_scales=ks, v_cache_scales=vs)
+    return write_kv_cache, dict(
+        k=torch.randn(3, 2, 32),
+        v=torch.randn(3, 2, 32),
+        k_cache=kc,
+        v_cache=vc,
+        slot_mapping=torch.tensor([2, 9, 3]),
+        k_cache_scales=ks,
+        v_cache_scales=vs,
+    )
 
 
 def _combine():
-    return flash_attn_combine, dict(out_partial=torch.randn(3, 2, 5, 4, 32), lse_partial=torch.randn(3, 2, 5, 4),
-                                    out=torch.full((2, 5, 4, 32), NAN))
+    return flash_attn_combine, dict(
+        out_partial=torch.randn(3, 2, 5, 4, 32), lse_partial=torch.randn(3, 2, 5, 4), out=torch.full((2, 5, 4, 32), NAN)
+    )
 
 
 def _dense():
     q, k, v = (torch.randn(2, 5, h, 32).to(E4M3) for h in (4, 2, 2))
-    return flash_attn_func, dict(q=q, k=k, v=v, q_descale=torch.rand(2, 2) + .5, k_descale=torch.rand(2, 2) + .5,
-                                 v_descale=torch.rand(2, 2) + .5, causal=True,
-                                 out=torch.full((2, 5, 4, 32), NAN, dtype=BF16))
+    return flash_attn_func, dict(
+        q=q,
+        k=k,
+        v=v,
+        q_descale=torch.rand(2, 2) + 0.5,
+        k_descale=torch.rand(2, 2) + 0.5,
+        v_descale=torch.rand(2, 2) + 0.5,
+        causal=True,
+        out=torch.full((2, 5, 4, 32), NAN, dtype=BF16),
+    )
 
 
 def _varlen():
     q, k, v = torch.randn(7, 4, 32).to(E4M3), torch.randn(9, 2, 32).to(E4M3), torch.randn(9, 2, 32).to(E4M3)
     return flash_attn_varlen_func, dict(
-        q=q, k=k, v=v, cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32),
-        cu_seqlens_k=torch.tensor([0, 4, 9], dtype=torch.int32), max_seqlen_q=4, max_seqlen_k=5,
-        seqused_k=torch.tensor([4, 3], dtype=torch.int32), k_descale=torch.rand(2, 2) + .5,
-        out=torch.full((7, 4, 32), NAN, dtype=BF16))
+        q=q,
+        k=k,
+        v=v,
+        cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 4, 9], dtype=torch.int32),
+        max_seqlen_q=4,
+        max_seqlen_k=5,
+        seqused_k=torch.tensor([4, 3], dtype=torch.int32),
+        k_descale=torch.rand(2, 2) + 0.5,
+        out=torch.full((7, 4, 32), NAN, dtype=BF16),
+    )
 
 
 def _quantize():
-    return quantize_qkv, dict(q=torch.randn(2, 16, 4, 32, dtype=BF16), k=torch.randn(2, 16, 2, 32, dtype=BF16),
-                              v=torch.randn(2, 16, 2, 32, dtype=BF16))
+    return quantize_qkv, dict(
+        q=torch.randn(2, 16, 4, 32, dtype=BF16),
+        k=torch.randn(2, 16, 2, 32, dtype=BF16),
+        v=torch.randn(2, 16, 2, 32, dtype=BF16),
+    )
 
 
-CALLS = dict(append=_append, append_split=_append_split, append_varlen_rotary=_append_varlen_rotary, write=_write,
-             write_dynamic=_write_dynamic, combine=_combine, dense=_dense, varlen=_varlen, quantize=_quantize)
+CALLS = dict(
+    append=_append,
+    append_split=_append_split,
+    append_varlen_rotary=_append_varlen_rotary,
+    write=_write,
+    write_dynamic=_write_dynamic,
+    combine=_combine,
+    dense=_dense,
+    varlen=_varlen,
+    quantize=_quantize,
+)
 
 
 # ------------------------------------------------------------------------------------- bad inputs
@@ -109,6 +172,7 @@ def _with_nan(name, pos=0, value=NAN):
         t = kw[name].clone()
         t.view(-1)[pos] = value
         return {name: t}
+
     return f
 
 
@@ -160,58 +224,127 @@ _CACHE = [  # flash_attn_with_kvcache with an append
     ("k_descale zero", _with_nan("k_descale", 1, 0.0), ValueError, "k_descale"),
     ("v_descale shape", _set(v_descale=torch.ones(2, 3)), ValueError, "v_descale"),
     ("v_descale float64", lambda kw: {"v_descale": kw["v_descale"].double()}, TypeError, "v_descale"),
-    ("cache_seqlens past capacity", _set(cache_seqlens=torch.tensor([3, 11], dtype=torch.int32)), ValueError,
-     "cache_seqlens"),
-    ("cache_seqlens negative", _set(cache_seqlens=torch.tensor([-1, 5], dtype=torch.int32)), ValueError,
-     "cache_seqlens"),
+    (
+        "cache_seqlens past capacity",
+        _set(cache_seqlens=torch.tensor([3, 11], dtype=torch.int32)),
+        ValueError,
+        "cache_seqlens",
+    ),
+    (
+        "cache_seqlens negative",
+        _set(cache_seqlens=torch.tensor([-1, 5], dtype=torch.int32)),
+        ValueError,
+        "cache_seqlens",
+    ),
     ("cache_seqlens int64", _set(cache_seqlens=torch.tensor([3, 5])), TypeError, "cache_seqlens"),
-    ("cache_seqlens wrong batch", _set(cache_seqlens=torch.tensor([3], dtype=torch.int32)), ValueError,
-     "cache_seqlens"),
-    ("page id past the pool", _set(page_table=torch.tensor([[6, 8, -1], [0, 4, 2]], dtype=torch.int32)), ValueError,
-     "page_table"),
-    ("page id -1 in use", _set(page_table=torch.tensor([[6, -1, -1], [0, 4, 2]], dtype=torch.int32)), ValueError,
-     "page_table"),
-    ("two appends, one slot", _set(page_table=torch.tensor([[6, 1, -1], [0, 1, 2]], dtype=torch.int32),
-                                   cache_seqlens=torch.tensor([5, 5], dtype=torch.int32)), ValueError, "page_table"),
+    (
+        "cache_seqlens wrong batch",
+        _set(cache_seqlens=torch.tensor([3], dtype=torch.int32)),
+        ValueError,
+        "cache_seqlens",
+    ),
+    (
+        "page id past the pool",
+        _set(page_table=torch.tensor([[6, 8, -1], [0, 4, 2]], dtype=torch.int32)),
+        ValueError,
+        "page_table",
+    ),
+    (
+        "page id -1 in use",
+        _set(page_table=torch.tensor([[6, -1, -1], [0, 4, 2]], dtype=torch.int32)),
+        ValueError,
+        "page_table",
+    ),
+    (
+        "two appends, one slot",
+        _set(
+            page_table=torch.tensor([[6, 1, -1], [0, 1, 2]], dtype=torch.int32),
+            cache_seqlens=torch.tensor([5, 5], dtype=torch.int32),
+        ),
+        ValueError,
+        "page_table",
+    ),
     ("new k fp8", lambda kw: {"k": kw["k"].to(E4M3), "v": kw["v"].to(E4M3)}, TypeError, "k"),
     ("new k heads", lambda kw: {"k": kw["k"][:, :, :1], "v": kw["v"][:, :, :1]}, ValueError, "k"),
     ("new v missing", _set(v=None), ValueError, "k/v"),
     ("num_splits negative", _set(num_splits=-1), ValueError, "num_splits"),
     ("sm_margin", _set(sm_margin=2), NotImplementedError, "sm_margin"),
     ("attention_chunk negative", _set(attention_chunk=-16), ValueError, "attention_chunk"),
-    ("k_cache_scales alone", lambda kw: {"k_cache_scales": torch.ones(kw["k_cache"].shape[:3]), "k_descale": None},
-     ValueError, "k_cache_scales/v_cache_scales"),
+    (
+        "k_cache_scales alone",
+        lambda kw: {"k_cache_scales": torch.ones(kw["k_cache"].shape[:3]), "k_descale": None},
+        ValueError,
+        "k_cache_scales/v_cache_scales",
+    ),
 ]
 
 _SPLIT = [
-    ("workspace too few splits", lambda kw: {"split_workspace": split_workspace(kw["q"], 1, 32)}, ValueError,
-     "split_workspace"),
+    (
+        "workspace too few splits",
+        lambda kw: {"split_workspace": split_workspace(kw["q"], 1, 32)},
+        ValueError,
+        "split_workspace",
+    ),
     ("workspace without num_splits", _set(num_splits=0), ValueError, "split_workspace"),
-    ("workspace bf16", lambda kw: {"split_workspace": tuple(t.to(BF16) for t in kw["split_workspace"])}, ValueError,
-     "split_workspace"),
+    (
+        "workspace bf16",
+        lambda kw: {"split_workspace": tuple(t.to(BF16) for t in kw["split_workspace"])},
+        ValueError,
+        "split_workspace",
+    ),
 ]
 
 _CACHE_VARLEN = [
-    ("rotary rows too few", lambda kw: {"rotary_cos": kw["rotary_cos"][:4], "rotary_sin": kw["rotary_sin"][:4]},
-     ValueError, "rotary_cos"),
+    (
+        "rotary rows too few",
+        lambda kw: {"rotary_cos": kw["rotary_cos"][:4], "rotary_sin": kw["rotary_sin"][:4]},
+        ValueError,
+        "rotary_cos",
+    ),
     ("rotary_seqlens int64", _set(rotary_seqlens=torch.tensor([1, 2])), TypeError, "rotary_seqlens"),
-    ("rotary_seqlens wrong batch", _set(rotary_seqlens=torch.tensor([1], dtype=torch.int32)), ValueError,
-     "rotary_seqlens"),
-    ("cache_batch_idx out of range", _set(cache_batch_idx=torch.tensor([3, 0], dtype=torch.int32)), ValueError,
-     "cache_batch_idx"),
-    ("two appends, one slot", _set(cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32),
-                                   cache_seqlens=torch.tensor([2, 2], dtype=torch.int32)), ValueError, "cache_batch_idx"),
-    ("cu_seqlens_k_new past k", _set(cu_seqlens_k_new=torch.tensor([0, 2, 4], dtype=torch.int32)), ValueError,
-     "cu_seqlens_k_new"),
-    ("cu_seqlens_k_new decreasing", _set(cu_seqlens_k_new=torch.tensor([0, 2, 1], dtype=torch.int32)), ValueError,
-     "cu_seqlens_k_new"),
-    ("cu_seqlens_q past q", _set(cu_seqlens_q=torch.tensor([0, 1, 4], dtype=torch.int32)), ValueError,
-     "cu_seqlens_q"),
+    (
+        "rotary_seqlens wrong batch",
+        _set(rotary_seqlens=torch.tensor([1], dtype=torch.int32)),
+        ValueError,
+        "rotary_seqlens",
+    ),
+    (
+        "cache_batch_idx out of range",
+        _set(cache_batch_idx=torch.tensor([3, 0], dtype=torch.int32)),
+        ValueError,
+        "cache_batch_idx",
+    ),
+    (
+        "two appends, one slot",
+        _set(
+            cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32),
+            cache_seqlens=torch.tensor([2, 2], dtype=torch.int32),
+        ),
+        ValueError,
+        "cache_batch_idx",
+    ),
+    (
+        "cu_seqlens_k_new past k",
+        _set(cu_seqlens_k_new=torch.tensor([0, 2, 4], dtype=torch.int32)),
+        ValueError,
+        "cu_seqlens_k_new",
+    ),
+    (
+        "cu_seqlens_k_new decreasing",
+        _set(cu_seqlens_k_new=torch.tensor([0, 2, 1], dtype=torch.int32)),
+        ValueError,
+        "cu_seqlens_k_new",
+    ),
+    ("cu_seqlens_q past q", _set(cu_seqlens_q=torch.tensor([0, 1, 4], dtype=torch.int32)), ValueError, "cu_seqlens_q"),
     ("max_seqlen_q below", _set(max_seqlen_q=1), ValueError, "max_seqlen_q"),
     ("max_seqlen_q bool", _set(max_seqlen_q=True), TypeError, "max_seqlen_q"),
     ("k_descale for a bf16 cache", _set(k_descale=torch.ones(2, 2)), ValueError, "k_descale"),
-    ("cache_leftpad past the length", _set(cache_leftpad=torch.tensor([5, 0], dtype=torch.int32)), ValueError,
-     "cache_leftpad"),
+    (
+        "cache_leftpad past the length",
+        _set(cache_leftpad=torch.tensor([5, 0], dtype=torch.int32)),
+        ValueError,
+        "cache_leftpad",
+    ),
 ]
 
 _WRITE = [
@@ -219,21 +352,41 @@ _WRITE = [
     ("duplicate slots", _set(slot_mapping=torch.tensor([0, 5, -1, 5])), ValueError, "slot_mapping"),
     ("slots float", _set(slot_mapping=torch.tensor([0.0, 5.0, -1.0, 14.0])), TypeError, "slot_mapping"),
     ("slots too few", _set(slot_mapping=torch.tensor([0, 5, -1])), ValueError, "slot_mapping"),
-    ("token_seq_idx past the descales", _set(token_seq_idx=torch.tensor([0, 2, 1, 1], dtype=torch.int32)), ValueError,
-     "token_seq_idx"),
-    ("token_seq_idx negative", _set(token_seq_idx=torch.tensor([0, -1, 1, 1], dtype=torch.int32)), ValueError,
-     "token_seq_idx"),
-    ("token_seq_idx too short", _set(token_seq_idx=torch.tensor([0, 1], dtype=torch.int32)), ValueError,
-     "token_seq_idx"),
+    (
+        "token_seq_idx past the descales",
+        _set(token_seq_idx=torch.tensor([0, 2, 1, 1], dtype=torch.int32)),
+        ValueError,
+        "token_seq_idx",
+    ),
+    (
+        "token_seq_idx negative",
+        _set(token_seq_idx=torch.tensor([0, -1, 1, 1], dtype=torch.int32)),
+        ValueError,
+        "token_seq_idx",
+    ),
+    (
+        "token_seq_idx too short",
+        _set(token_seq_idx=torch.tensor([0, 1], dtype=torch.int32)),
+        ValueError,
+        "token_seq_idx",
+    ),
     ("token_seq_idx missing", _set(token_seq_idx=None), ValueError, "token_seq_idx"),
     ("k_descale heads", _set(k_descale=torch.ones(2, 3)), ValueError, "k_descale"),
     ("k_descale 3-D", _set(k_descale=torch.ones(2, 2, 1)), ValueError, "k_descale"),
     ("k_descale nan", _with_nan("k_descale"), ValueError, "k_descale"),
     ("v_descale negative", _with_nan("v_descale", 1, -1.0), ValueError, "v_descale"),
-    ("descales for a bf16 cache", lambda kw: {"k_cache": kw["k_cache"].to(BF16), "v_cache": kw["v_cache"].to(BF16)},
-     ValueError, "k_descale"),
-    ("int8 cache", lambda kw: {"k_cache": kw["k_cache"].view(torch.int8), "v_cache": kw["v_cache"].view(torch.int8)},
-     TypeError, "k_cache"),
+    (
+        "descales for a bf16 cache",
+        lambda kw: {"k_cache": kw["k_cache"].to(BF16), "v_cache": kw["v_cache"].to(BF16)},
+        ValueError,
+        "k_descale",
+    ),
+    (
+        "int8 cache",
+        lambda kw: {"k_cache": kw["k_cache"].view(torch.int8), "v_cache": kw["v_cache"].view(torch.int8)},
+        TypeError,
+        "k_cache",
+    ),
     ("caches of two dtypes", lambda kw: {"v_cache": kw["v_cache"].to(torch.float8_e5m2)}, TypeError, "v_cache"),
     ("new k fp8", lambda kw: {"k": kw["k"].to(E4M3)}, TypeError, "k"),
     ("new v tokens differ", lambda kw: {"v": kw["v"][:3]}, ValueError, "v"),
@@ -244,22 +397,34 @@ _WRITE = [
 _WRITE_DYNAMIC = [
     ("scales and a descale", _set(k_descale=torch.tensor(0.5)), ValueError, "k_descale"),
     ("one scale tensor", _set(v_cache_scales=None), ValueError, "k_cache_scales/v_cache_scales"),
-    ("scales of a 16-bit cache", lambda kw: {"k_cache": kw["k_cache"].to(BF16), "v_cache": kw["v_cache"].to(BF16)},
-     ValueError, "k_cache_scales"),
+    (
+        "scales of a 16-bit cache",
+        lambda kw: {"k_cache": kw["k_cache"].to(BF16), "v_cache": kw["v_cache"].to(BF16)},
+        ValueError,
+        "k_cache_scales",
+    ),
     ("scales shape", lambda kw: {"k_cache_scales": kw["k_cache_scales"][:, :2]}, ValueError, "k_cache_scales"),
     ("scales a list", _set(k_cache_scales=[1.0]), TypeError, "k_cache_scales"),
     ("duplicate slots", _set(slot_mapping=torch.tensor([2, 9, 2])), ValueError, "slot_mapping"),
 ]
 
 _COMBINE = [
-    ("no splits", lambda kw: {"out_partial": kw["out_partial"][:0], "lse_partial": kw["lse_partial"][:0]},
-     ValueError, "out_partial"),
+    (
+        "no splits",
+        lambda kw: {"out_partial": kw["out_partial"][:0], "lse_partial": kw["lse_partial"][:0]},
+        ValueError,
+        "out_partial",
+    ),
     ("lse nan", _with_nan("lse_partial", 7), ValueError, "lse_partial"),
     ("lse +inf", _with_nan("lse_partial", 7, INF), ValueError, "lse_partial"),
     ("out_scale zero", _out_scale(0.0), ValueError, "out_scale"),
     ("out_scale nan", _out_scale(NAN), ValueError, "out_scale"),
-    ("out_scale with out_dtype", lambda kw: {"out_scale": torch.tensor(1.0), "out_dtype": BF16, **_fp8_out(kw)},
-     ValueError, "out_dtype"),
+    (
+        "out_scale with out_dtype",
+        lambda kw: {"out_scale": torch.tensor(1.0), "out_dtype": BF16, **_fp8_out(kw)},
+        ValueError,
+        "out_dtype",
+    ),
     ("out dtype", lambda kw: {"out": kw["out"].to(BF16)}, TypeError, "out"),
     ("out shape", lambda kw: {"out": kw["out"][:1]}, ValueError, "out"),
     ("lse shape", lambda kw: {"lse_partial": kw["lse_partial"][:, :, :2]}, ValueError, "lse_partial"),
@@ -281,10 +446,18 @@ _VARLEN = [
     ("seqused_q wrong batch", _set(seqused_q=torch.tensor([1, 1, 1], dtype=torch.int32)), ValueError, "seqused_q"),
     ("seqused_q 2-D", _set(seqused_q=torch.ones(2, 1, dtype=torch.int32)), ValueError, "seqused_q"),
     ("seqused_q past the sequence", _set(seqused_q=torch.tensor([4, 1], dtype=torch.int32)), ValueError, "seqused_q"),
-    ("cu_seqlens_k decreasing", _set(cu_seqlens_k=torch.tensor([0, 5, 4], dtype=torch.int32)), ValueError,
-     "cu_seqlens_k"),
-    ("v_descale for bf16 v", lambda kw: {**_bf16_qkv(kw), "k_descale": None, "v_descale": torch.ones(2, 2)},
-     ValueError, "v_descale"),
+    (
+        "cu_seqlens_k decreasing",
+        _set(cu_seqlens_k=torch.tensor([0, 5, 4], dtype=torch.int32)),
+        ValueError,
+        "cu_seqlens_k",
+    ),
+    (
+        "v_descale for bf16 v",
+        lambda kw: {**_bf16_qkv(kw), "k_descale": None, "v_descale": torch.ones(2, 2)},
+        ValueError,
+        "v_descale",
+    ),
     ("max_seqlen_k float", _set(max_seqlen_k=5.0), TypeError, "max_seqlen_k"),
 ]
 
@@ -304,8 +477,15 @@ _QUANTIZE = [
 
 _ATTN = {"append", "append_split", "append_varlen_rotary", "dense", "varlen"}
 GRID = {
-    "append": _CACHE, "append_split": _SPLIT, "append_varlen_rotary": _CACHE_VARLEN, "write": _WRITE,
-    "write_dynamic": _WRITE_DYNAMIC, "combine": _COMBINE, "dense": _DENSE, "varlen": _VARLEN, "quantize": _QUANTIZE,
+    "append": _CACHE,
+    "append_split": _SPLIT,
+    "append_varlen_rotary": _CACHE_VARLEN,
+    "write": _WRITE,
+    "write_dynamic": _WRITE_DYNAMIC,
+    "combine": _COMBINE,
+    "dense": _DENSE,
+    "varlen": _VARLEN,
+    "quantize": _QUANTIZE,
 }
 CASES = [(call, *m) for call in CALLS for m in (_OPTIONS if call in _ATTN else []) + GRID[call]]
 
@@ -441,8 +621,18 @@ def test_quantize_nan_descale_makes_attention_nan():
     k8, kd = ops.OPS["quantize_fp8"](k, "per_head", 1, False, 0, 64, False, False)
     q8 = torch.randn(1, 4, 1, 32).to(E4M3)
     one = torch.ones(1, 1)
-    out, _ = ops.dense_fwd(q8, k8, k8, softmax_scale=0.2, causal=False, window_size=(-1, -1), softcap=0.0,
-                           q_descale=one, k_descale=kd, v_descale=kd)
+    out, _ = ops.dense_fwd(
+        q8,
+        k8,
+        k8,
+        softmax_scale=0.2,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        q_descale=one,
+        k_descale=kd,
+        v_descale=kd,
+    )
     assert torch.isnan(kd).all() and torch.isnan(out.float()).all()
 
 
@@ -463,8 +653,12 @@ def test_descales_describe_fp8_tensors_only():
 
 def test_no_raw_torch_error_from_helpers():
     """Allocation helpers refuse bad sizes and dtypes by name (they used to allocate, or raise from torch)."""
-    for kw, exc, arg in ((dict(num_blocks=-1), ValueError, "num_blocks"), (dict(page_size=0), ValueError, "page_size"),
-                         (dict(dtype=torch.int8), TypeError, "dtype"), (dict(headdim=2.5), TypeError, "headdim")):
+    for kw, exc, arg in (
+        (dict(num_blocks=-1), ValueError, "num_blocks"),
+        (dict(page_size=0), ValueError, "page_size"),
+        (dict(dtype=torch.int8), TypeError, "dtype"),
+        (dict(headdim=2.5), TypeError, "headdim"),
+    ):
         args = {**dict(num_blocks=2, page_size=4, nheads_k=1, headdim=32), **kw}
         with pytest.raises(exc, match=arg):
             alloc_paged_cache(**args)
@@ -486,10 +680,12 @@ def test_unchecked_bad_slots_are_skipped_by_the_kernel_and_the_torch_path():
     from fp8attn.kernels.cache import launch_write_kv_cache
     from fp8attn.ops import _write_kv_cache_torch
 
-    for write in (lambda *a, **kw: launch_write_kv_cache(*a, **kw),
-                  lambda k, v, kc, vc, s, **kw: _write_kv_cache_torch(k, v, kc, vc, s, kw["k_descale"],
-                                                                        kw["v_descale"], kw["token_seq_idx"], None,
-                                                                        None)):
+    for write in (
+        lambda *a, **kw: launch_write_kv_cache(*a, **kw),
+        lambda k, v, kc, vc, s, **kw: _write_kv_cache_torch(
+            k, v, kc, vc, s, kw["k_descale"], kw["v_descale"], kw["token_seq_idx"], None, None
+        ),
+    ):
         kc, vc = alloc_paged_cache(2, 4, 1, 16, poison_nan=True)
         k = torch.randn(4, 1, 16, dtype=BF16)
         d = torch.tensor([[0.5], [0.25]])
@@ -519,8 +715,15 @@ def test_gpu_unchecked_values_never_write_out_of_bounds():
     group's descale NaN."""
     kc, vc = alloc_paged_cache(2, 4, 1, 16, poison_nan=True, device="cuda")
     k = torch.randn(3, 1, 16, dtype=BF16, device="cuda")
-    write_kv_cache(k, k, kc, vc, torch.tensor([1, 8, 3], device="cuda"), k_descale=torch.tensor(0.5, device="cuda"),
-                   v_descale=torch.tensor(0.5, device="cuda"))
+    write_kv_cache(
+        k,
+        k,
+        kc,
+        vc,
+        torch.tensor([1, 8, 3], device="cuda"),
+        k_descale=torch.tensor(0.5, device="cuda"),
+        v_descale=torch.tensor(0.5, device="cuda"),
+    )
     written = ~torch.isnan(kc.float()).reshape(8, 16).all(dim=1)
     assert written.cpu().tolist() == [False, True, False, True, False, False, False, False]
     with pytest.raises(ValueError, match="slot_mapping"):

@@ -5,6 +5,7 @@ dispatch dynamic) at small shapes on the reference path; fakes must match the re
 dtypes and strides (LSE included); the Python entry points must give the same results as the
 reference; importing twice / reloading must not register anything twice.
 """
+
 import importlib
 import subprocess
 import sys
@@ -45,7 +46,7 @@ def _paged_case(varlen=False, out_scale=None, out_dtype=None, return_lse=True):
     lens = torch.tensor([5, 1, 11], dtype=torch.int32)
     for i, n in enumerate(lens.tolist()):
         np_ = -(-n // ps)
-        pt[i, :np_] = perm[i * npages:i * npages + np_]
+        pt[i, :np_] = perm[i * npages : i * npages + np_]
         for t in range(n):
             kc[pt[i, t // ps], t % ps] = torch.randn(hk, d).to(E4M3)
             vc[pt[i, t // ps], t % ps] = torch.randn(hk, d).to(E4M3)
@@ -57,8 +58,29 @@ def _paged_case(varlen=False, out_scale=None, out_dtype=None, return_lse=True):
     else:
         cu, msq = None, None
         q = torch.randn(b, 1, hq, d).to(E4M3)
-    args = (q, kc, vc, pt, lens, cu, msq, 0.17, True, -1, 0, 0.0, _descale(b, hk), _descale(b, hk),
-            _descale(b, hk), None, None, out_scale, out_dtype, 0, return_lse)
+    args = (
+        q,
+        kc,
+        vc,
+        pt,
+        lens,
+        cu,
+        msq,
+        0.17,
+        True,
+        -1,
+        0,
+        0.0,
+        _descale(b, hk),
+        _descale(b, hk),
+        _descale(b, hk),
+        None,
+        None,
+        out_scale,
+        out_dtype,
+        0,
+        return_lse,
+    )
     return args
 
 
@@ -77,8 +99,25 @@ def _dense_case(varlen=False, out_scale=None, out_dtype=None, return_lse=True):
         k = torch.randn(b, sk, hk, d).to(E4M3)
         v = torch.randn(b, sk, hk, d).to(E4M3)
         extra = (None, None, None, None, None, None)
-    return (q, k, v) + extra + (0.2, True, -1, 0, 0.0, _descale(b, hk), _descale(b, hk), _descale(b, hk),
-                                out_scale, out_dtype, False, 0, return_lse)
+    return (
+        (q, k, v)
+        + extra
+        + (
+            0.2,
+            True,
+            -1,
+            0,
+            0.0,
+            _descale(b, hk),
+            _descale(b, hk),
+            _descale(b, hk),
+            out_scale,
+            out_dtype,
+            False,
+            0,
+            return_lse,
+        )
+    )
 
 
 OSCALE = torch.tensor(0.013)
@@ -114,8 +153,11 @@ def _cases():
 def _out_for(name, args):
     fn = {"dense_fwd": ops._dense_fake, "paged_fwd": ops._paged_fake}[name]
     o, _ = fn(*args)
-    return torch.full(o.shape, float("nan")).to(o.dtype) if o.dtype != E4M3 else \
-        torch.empty(o.shape, dtype=torch.uint8).fill_(0x7F).view(E4M3)
+    return (
+        torch.full(o.shape, float("nan")).to(o.dtype)
+        if o.dtype != E4M3
+        else torch.empty(o.shape, dtype=torch.uint8).fill_(0x7F).view(E4M3)
+    )
 
 
 @pytest.mark.parametrize("name,args,tag", _cases(), ids=[c[2] + " " + c[0] for c in _cases()])
@@ -139,12 +181,27 @@ def test_opcheck_paged_with_split_workspace(varlen):
     lse = ops.OPS["paged_fwd_out"](*args, out, *ws)
     o2, lse2 = ops.OPS["paged_fwd"](*args)
     assert torch.equal(out.view(torch.uint8), o2.view(torch.uint8)) and torch.equal(lse, lse2)
-    names = ("cu_seqlens_q", "max_seqlen_q", "softmax_scale", "causal", "window_size", "softcap", "q_descale",
-             "k_descale", "v_descale", "k_cache_scales", "v_cache_scales", "out_scale", "out_dtype", "num_splits")
+    names = (
+        "cu_seqlens_q",
+        "max_seqlen_q",
+        "softmax_scale",
+        "causal",
+        "window_size",
+        "softcap",
+        "q_descale",
+        "k_descale",
+        "v_descale",
+        "k_cache_scales",
+        "v_cache_scales",
+        "out_scale",
+        "out_dtype",
+        "num_splits",
+    )
     kw = dict(zip(names, args[5:9] + ((args[9], args[10]),) + args[11:20]))
 
     def entry(*a):
         return ops.paged_fwd(*a, **kw, split_workspace=ws)
+
     o3, lse3 = entry(*args[:5])
     o4, lse4 = torch.compile(entry, fullgraph=True, backend="aot_eager")(*args[:5])
     for o_, l_ in ((o3, lse3), (o4, lse4)):
@@ -174,9 +231,23 @@ def test_out_variant_writes_in_place_and_matches_functional():
     # Python entry point with out= returns the very buffer
     q, k, v = args[:3]
     buf = torch.empty(o.shape, dtype=torch.bfloat16)
-    res, _ = ops.dense_fwd(q, k, v, cu_seqlens_q=args[3], cu_seqlens_k=args[4], max_seqlen_q=5, max_seqlen_k=7,
-                           softmax_scale=0.2, causal=True, window_size=(-1, 0), softcap=0.0, q_descale=args[14],
-                           k_descale=args[15], v_descale=args[16], out=buf)
+    res, _ = ops.dense_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q=args[3],
+        cu_seqlens_k=args[4],
+        max_seqlen_q=5,
+        max_seqlen_k=7,
+        softmax_scale=0.2,
+        causal=True,
+        window_size=(-1, 0),
+        softcap=0.0,
+        q_descale=args[14],
+        k_descale=args[15],
+        v_descale=args[16],
+        out=buf,
+    )
     assert res is buf
 
 
@@ -184,10 +255,23 @@ def test_paged_op_matches_reference_with_fused_output():
     args = _paged_case(varlen=True, out_scale=OSCALE)
     q, kc, vc, pt, lens, cu, msq = args[:7]
     o, lse = ops.OPS["paged_fwd"](*args)
-    ref = reference.paged_attention_ref(q, kc, vc, pt, lens, cu_seqlens_q=cu, max_seqlen_q=msq, softmax_scale=0.17,
-                                        causal=True, window_size=(-1, 0), q_descale=args[12], k_descale=args[13],
-                                        v_descale=args[14], out_scale=OSCALE,
-                                        p_dtype=torch.float16)  # small tiles over FA3's V: 16-bit path
+    ref = reference.paged_attention_ref(
+        q,
+        kc,
+        vc,
+        pt,
+        lens,
+        cu_seqlens_q=cu,
+        max_seqlen_q=msq,
+        softmax_scale=0.17,
+        causal=True,
+        window_size=(-1, 0),
+        q_descale=args[12],
+        k_descale=args[13],
+        v_descale=args[14],
+        out_scale=OSCALE,
+        p_dtype=torch.float16,
+    )  # small tiles over FA3's V: 16-bit path
     assert o.dtype == E4M3 and lse.shape == (q.shape[1], q.shape[0])
     assert torch.equal(o.view(torch.uint8), ref.view(torch.uint8))
     assert torch.isfinite(o.float()).all()
@@ -212,16 +296,18 @@ def test_api_without_lse_matches_api_with_lse():
     """flash_attn_with_kvcache / flash_attn_func ask their op for an LSE only when it is returned."""
     args = _paged_case(varlen=False)
     q, kc, vc, pt, lens = args[:5]
-    kw = dict(cache_seqlens=lens, page_table=pt, q_descale=args[12], k_descale=args[13], v_descale=args[14],
-              causal=True)
+    kw = dict(
+        cache_seqlens=lens, page_table=pt, q_descale=args[12], k_descale=args[13], v_descale=args[14], causal=True
+    )
     o = fp8attn.flash_attn_with_kvcache(q, kc, vc, **kw)
     o2, lse = fp8attn.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **kw)
     assert torch.equal(o, o2) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     q, k, v = _dense_case()[:3]
     d = _descale(q.shape[0], k.shape[2])
     o = fp8attn.flash_attn_func(q, k, v, causal=True, q_descale=d, k_descale=d, v_descale=d)
-    o2, lse = fp8attn.flash_attn_func(q, k, v, causal=True, q_descale=d, k_descale=d, v_descale=d,
-                                      return_attn_probs=True)
+    o2, lse = fp8attn.flash_attn_func(
+        q, k, v, causal=True, q_descale=d, k_descale=d, v_descale=d, return_attn_probs=True
+    )
     assert torch.equal(o, o2) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
 
 
@@ -251,8 +337,9 @@ def test_opcheck_write_kv_cache():
         ks = torch.ones(nb, ps, hk) if scales else None
         vs = torch.ones(nb, ps, hk) if scales else None
         kd = None if scales else torch.tensor([[0.02]])
-        torch.library.opcheck(ops.OPS["write_kv_cache"], (k, v, kc, vc, slots, kd, kd, None, ks, vs),
-                              test_utils=OPCHECK_TESTS)
+        torch.library.opcheck(
+            ops.OPS["write_kv_cache"], (k, v, kc, vc, slots, kd, kd, None, ks, vs), test_utils=OPCHECK_TESTS
+        )
     kc = torch.zeros(nb, ps, hk, d, dtype=E4M3)
     vc = torch.zeros(nb, ps, hk, d, dtype=E4M3)
     ops.write_kv_cache(k, v, kc, vc, slots, k_descale=torch.tensor([[0.02]]), v_descale=torch.tensor([[0.02]]))
@@ -279,8 +366,19 @@ def test_opcheck_append_kv_cache():
         kd = None if scales else torch.rand(2, hk) * 0.05 + 0.01
         args = (k, v, kc, vc, pt, cached, cu, kd, kd, ks, vs)
         torch.library.opcheck(ops.OPS["append_kv_cache"], args, test_utils=OPCHECK_TESTS)
-        total = ops.append_kv_cache(k, v, kc, vc, pt, cached, cu_seqlens_k_new=cu, k_descale=kd, v_descale=kd,
-                                    k_cache_scales=ks, v_cache_scales=vs)
+        total = ops.append_kv_cache(
+            k,
+            v,
+            kc,
+            vc,
+            pt,
+            cached,
+            cu_seqlens_k_new=cu,
+            k_descale=kd,
+            v_descale=kd,
+            k_cache_scales=ks,
+            v_cache_scales=vs,
+        )
         assert total.dtype == torch.int32 and total.tolist() == ([5, 5] if varlen else [4, 6])
         assert kc[3, 2].view(torch.uint8).count_nonzero() > 0  # sequence 0's first new token: page 3, offset 2
 
@@ -294,8 +392,11 @@ def test_opcheck_quant_and_scaled_bmm():
     assert y.float().abs().max() == 448  # saturates
     a = torch.randn(2, 5, 32).to(E4M3)
     b = torch.randn(2, 32, 6).to(E4M3)
-    torch.library.opcheck(ops.OPS["scaled_bmm"], (a, b, torch.rand(2, 5) + 0.5, torch.rand(2, 1, 6) + 0.5,
-                                                  torch.bfloat16), test_utils=OPCHECK_TESTS)
+    torch.library.opcheck(
+        ops.OPS["scaled_bmm"],
+        (a, b, torch.rand(2, 5) + 0.5, torch.rand(2, 1, 6) + 0.5, torch.bfloat16),
+        test_utils=OPCHECK_TESTS,
+    )
 
 
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_block"])
@@ -342,8 +443,9 @@ def test_opcheck_16bit_inputs_and_autograd():
     with pytest.raises(NotImplementedError, match="no backward"):
         o.sum().backward()
     with torch.no_grad():
-        assert not fp8attn.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([9], dtype=torch.int32),
-                                                   page_table=pt).requires_grad
+        assert not fp8attn.flash_attn_with_kvcache(
+            q, kc, kc, cache_seqlens=torch.tensor([9], dtype=torch.int32), page_table=pt
+        ).requires_grad
     with pytest.raises(NotImplementedError, match="out="):
         fp8attn.flash_attn_func(q, q, q, out=torch.empty(1, 3, 2, 32))
 
@@ -366,12 +468,14 @@ def test_reload_does_not_reregister():
 
 
 def test_import_twice_in_fresh_process_warning_free():
-    code = ("import warnings, sys, importlib; warnings.simplefilter('error');"
-            "import fp8attn, fp8attn.ops, fp8attn.compile;"
-            "[sys.modules.pop(m) for m in list(sys.modules) if m.startswith('fp8attn')];"
-            "import fp8attn, fp8attn.ops; importlib.reload(fp8attn.ops);"
-            "import torch; q = torch.randn(2, 3, 2, 32).to(torch.float8_e4m3fn); fp8attn.flash_attn_func(q, q, q);"
-            "print('ok')")
+    code = (
+        "import warnings, sys, importlib; warnings.simplefilter('error');"
+        "import fp8attn, fp8attn.ops, fp8attn.compile;"
+        "[sys.modules.pop(m) for m in list(sys.modules) if m.startswith('fp8attn')];"
+        "import fp8attn, fp8attn.ops; importlib.reload(fp8attn.ops);"
+        "import torch; q = torch.randn(2, 3, 2, 32).to(torch.float8_e4m3fn); fp8attn.flash_attn_func(q, q, q);"
+        "print('ok')"
+    )
     r = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
     assert "Overriding a previously registered kernel" not in r.stderr

@@ -4,16 +4,24 @@ granularities, write_kv_cache, flash_attn_combine.
 Every paged cache is NaN-poisoned (e4m3fn NaN byte 0x7f) outside the written slots, page tables are
 random permutations of a pool 3x larger than needed, and unused table entries hold -1.
 """
+
 import math
 
 import pytest
 import torch
-from helpers import (check_vs_oracle, fp8_inputs, naive_attention, page_table_3x, poisoned_cache, rand_descale,
-                     scatter_dense)
 
 from fp8attn import flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
 from fp8attn.paged_cache import slot_mapping_for, to_v_seq_major
 from fp8attn.quant import quantize, saturating_cast
+from helpers import (
+    check_vs_oracle,
+    fp8_inputs,
+    naive_attention,
+    page_table_3x,
+    poisoned_cache,
+    rand_descale,
+    scatter_dense,
+)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -45,13 +53,33 @@ def test_paged_equals_dense(ps, qkind):
     else:
         q, qd = torch.randn(b, sq, hq, d).bfloat16(), None
     for causal in (False, True):
-        out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, page_table=pt, q_descale=qd, k_descale=kd,
-                                           v_descale=vd, causal=causal, return_softmax_lse=True)
+        out, lse = flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            cache_seqlens=cs,
+            page_table=pt,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+            causal=causal,
+            return_softmax_lse=True,
+        )
         assert out.shape == (b, sq, hq, d) and out.dtype == torch.bfloat16 and lse.shape == (b, hq, sq)
         # P as the paged kernel rounds it: fp16 (bf16 Q over the e4m3 cache; FP8 Q in decode / small tiles
         # over FA3's V layout, as here: 6 query rows per kv head)
-        ref, ref_lse, lowp = naive_attention(q, k8, v8, seqlens_q=torch.full((b,), sq), seqlens_k=cs, causal=causal,
-                                             q_descale=qd, k_descale=kd, v_descale=vd, p_round=torch.float16)
+        ref, ref_lse, lowp = naive_attention(
+            q,
+            k8,
+            v8,
+            seqlens_q=torch.full((b,), sq),
+            seqlens_k=cs,
+            causal=causal,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+            p_round=torch.float16,
+        )
         check_vs_oracle(out, lse, ref, ref_lse, lowp)
         # cache_seqlens = 0: output 0 and lse -inf, no NaN from the poisoned pool
         assert (out[0].float() == 0).all() and torch.isneginf(lse[0]).all()
@@ -59,12 +87,28 @@ def test_paged_equals_dense(ps, qkind):
         # over sequence-major V runs FP8 MMAs (P in e4m3) as the dense kernel does (one-slot pages have no
         # sequence-major order)
         if qkind == "fp8" and ps > 1:
-            out8 = flash_attn_with_kvcache(q, kc, to_v_seq_major(vc), cache_seqlens=cs, page_table=pt,
-                                           q_descale=qd, k_descale=kd, v_descale=vd, causal=causal)
+            out8 = flash_attn_with_kvcache(
+                q,
+                kc,
+                to_v_seq_major(vc),
+                cache_seqlens=cs,
+                page_table=pt,
+                q_descale=qd,
+                k_descale=kd,
+                v_descale=vd,
+                causal=causal,
+            )
             for i in range(1, b):
-                od = flash_attn_func(q[i:i + 1], k8[i:i + 1, :lens[i]], v8[i:i + 1, :lens[i]], causal=causal,
-                                     q_descale=qd, k_descale=kd[i:i + 1], v_descale=vd[i:i + 1])
-                torch.testing.assert_close(out8[i:i + 1], od, atol=1e-2, rtol=1e-2)
+                od = flash_attn_func(
+                    q[i : i + 1],
+                    k8[i : i + 1, : lens[i]],
+                    v8[i : i + 1, : lens[i]],
+                    causal=causal,
+                    q_descale=qd,
+                    k_descale=kd[i : i + 1],
+                    v_descale=vd[i : i + 1],
+                )
+                torch.testing.assert_close(out8[i : i + 1], od, atol=1e-2, rtol=1e-2)
 
 
 def test_paged_gqa_ratios_and_head_dims():
@@ -80,8 +124,9 @@ def test_paged_gqa_ratios_and_head_dims():
         scatter_dense(vc, pt, v8, lens)
         q = torch.randn(b, 2, hq, d).bfloat16()
         cs = torch.tensor(lens, dtype=torch.int32)
-        out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, page_table=pt, k_descale=kd, v_descale=vd,
-                                           causal=True, return_softmax_lse=True)
+        out, lse = flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=cs, page_table=pt, k_descale=kd, v_descale=vd, causal=True, return_softmax_lse=True
+        )
         assert out.shape == (b, 2, hq, dv)
         check_vs_oracle(out, lse, *naive_attention(q, k8, v8, seqlens_k=cs, causal=True, k_descale=kd, v_descale=vd))
 
@@ -115,8 +160,17 @@ def test_num_splits_same_result(num_splits):
     scatter_dense(vc, pt, v8, lens)
     q = torch.randn(3, 1, 8, d).bfloat16()
     cs = torch.tensor(lens, dtype=torch.int32)
-    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, page_table=pt, k_descale=kd, v_descale=vd,
-                                       num_splits=num_splits, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        kc,
+        vc,
+        cache_seqlens=cs,
+        page_table=pt,
+        k_descale=kd,
+        v_descale=vd,
+        num_splits=num_splits,
+        return_softmax_lse=True,
+    )
     check_vs_oracle(out, lse, *naive_attention(q, k8, v8, seqlens_k=cs, k_descale=kd, v_descale=vd))
 
 
@@ -148,14 +202,33 @@ def test_chunked_prefill_equals_single_shot(scales):
     kc2, vc2 = kc.clone(), vc.clone()
     outs, pos = [], 0
     for c in chunks:
-        o = flash_attn_with_kvcache(q[:, pos:pos + c], kc, vc, k=k[:, pos:pos + c], v=v[:, pos:pos + c],
-                                    cache_seqlens=torch.full((b,), pos, dtype=torch.int32), page_table=pt, causal=True,
-                                    **kw, **extra((ks1, vs1) if scales == "per_token_head" else None))
+        o = flash_attn_with_kvcache(
+            q[:, pos : pos + c],
+            kc,
+            vc,
+            k=k[:, pos : pos + c],
+            v=v[:, pos : pos + c],
+            cache_seqlens=torch.full((b,), pos, dtype=torch.int32),
+            page_table=pt,
+            causal=True,
+            **kw,
+            **extra((ks1, vs1) if scales == "per_token_head" else None),
+        )
         outs.append(o)
         pos += c
     chunked = torch.cat(outs, dim=1)
-    single = flash_attn_with_kvcache(q, kc2, vc2, k=k, v=v, cache_seqlens=0, page_table=pt, causal=True,
-                                     **kw, **extra((ks2, vs2) if scales == "per_token_head" else None))
+    single = flash_attn_with_kvcache(
+        q,
+        kc2,
+        vc2,
+        k=k,
+        v=v,
+        cache_seqlens=0,
+        page_table=pt,
+        causal=True,
+        **kw,
+        **extra((ks2, vs2) if scales == "per_token_head" else None),
+    )
     # the caches hold the same bytes, and the attention results agree
     assert torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), vc2.view(torch.uint8))
@@ -168,8 +241,9 @@ def test_chunked_prefill_equals_single_shot(scales):
         vd_tok = torch.stack([gather_dense(vs1, pt, i, L)[0] for i in range(b)])
     kdense = torch.cat([gather_dense(kc, pt, i, L) for i in range(b)])
     vdense = torch.cat([gather_dense(vc, pt, i, L) for i in range(b)])
-    ref, _ = naive_attention(q, kdense, vdense, causal=True, k_token_descale=kd_tok, v_token_descale=vd_tok,
-                             **{n: t for n, t in kw.items()})
+    ref, _ = naive_attention(
+        q, kdense, vdense, causal=True, k_token_descale=kd_tok, v_token_descale=vd_tok, **{n: t for n, t in kw.items()}
+    )
     check_vs_oracle(single, None, ref, None)
     # the dequantized cache is the input within e4m3 rounding
     if cdt == E4M3:
@@ -180,7 +254,7 @@ def test_chunked_prefill_equals_single_shot(scales):
             kd_ = kw["k_descale"]
             kdq = kdq * (kd_.reshape(1, 1) if kd_.numel() == 1 else kd_)[:, None, :, None]
         err = (kdq - k.float()).abs()
-        assert (err <= 2 ** -4 * k.float().abs() + 1e-3).all()
+        assert (err <= 2**-4 * k.float().abs() + 1e-3).all()
 
 
 def test_chunked_prefill_varlen_chunks_with_cu_seqlens_k_new():
@@ -199,20 +273,35 @@ def test_chunked_prefill_varlen_chunks_with_cu_seqlens_k_new():
     for step in range(4):
         n = [plans[i][step] for i in range(b)]
         cu = torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32)
-        qv = torch.cat([q[i, pos[i]:pos[i] + n[i]] for i in range(b)])
-        kv = torch.cat([k[i, pos[i]:pos[i] + n[i]] for i in range(b)])
-        vv = torch.cat([v[i, pos[i]:pos[i] + n[i]] for i in range(b)])
-        o, lse = flash_attn_with_kvcache(qv, kc, vc, k=kv, v=vv, cache_seqlens=torch.tensor(pos, dtype=torch.int32),
-                                         page_table=pt, cu_seqlens_q=cu, cu_seqlens_k_new=cu, max_seqlen_q=max(max(n), 1),
-                                         k_descale=kd, v_descale=vd, causal=True, return_softmax_lse=True)
+        qv = torch.cat([q[i, pos[i] : pos[i] + n[i]] for i in range(b)])
+        kv = torch.cat([k[i, pos[i] : pos[i] + n[i]] for i in range(b)])
+        vv = torch.cat([v[i, pos[i] : pos[i] + n[i]] for i in range(b)])
+        o, lse = flash_attn_with_kvcache(
+            qv,
+            kc,
+            vc,
+            k=kv,
+            v=vv,
+            cache_seqlens=torch.tensor(pos, dtype=torch.int32),
+            page_table=pt,
+            cu_seqlens_q=cu,
+            cu_seqlens_k_new=cu,
+            max_seqlen_q=max(max(n), 1),
+            k_descale=kd,
+            v_descale=vd,
+            causal=True,
+            return_softmax_lse=True,
+        )
         assert o.shape == (sum(n), hq, d) and lse.shape == (hq, sum(n))
         for i in range(b):
-            got[i].append(o[int(cu[i]):int(cu[i + 1])])
+            got[i].append(o[int(cu[i]) : int(cu[i + 1])])
             pos[i] += n[i]
     for i in range(b):
         out_i = torch.cat(got[i])[None]
         kdn, vdn = gather_dense(kc, pt, i, lens[i]), gather_dense(vc, pt, i, lens[i])
-        ref, _ = naive_attention(q[i:i + 1, :lens[i]], kdn, vdn, causal=True, k_descale=kd[i:i + 1], v_descale=vd[i:i + 1])
+        ref, _ = naive_attention(
+            q[i : i + 1, : lens[i]], kdn, vdn, causal=True, k_descale=kd[i : i + 1], v_descale=vd[i : i + 1]
+        )
         check_vs_oracle(out_i, None, ref, None)
 
 
@@ -238,20 +327,52 @@ def test_mixed_batch_equals_separate_calls():
     cu = torch.tensor([0, 1, 2, 22], dtype=torch.int32)
     kc_sep, vc_sep = kc.clone(), vc.clone()
     cs = torch.tensor(prefix, dtype=torch.int32)
-    out, lse = flash_attn_with_kvcache(q8, kc, vc, k=kn, v=vn, cache_seqlens=cs, page_table=pt, cu_seqlens_q=cu,
-                                       cu_seqlens_k_new=cu, max_seqlen_q=20, q_descale=qd, k_descale=kd, v_descale=vd,
-                                       causal=True, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(
+        q8,
+        kc,
+        vc,
+        k=kn,
+        v=vn,
+        cache_seqlens=cs,
+        page_table=pt,
+        cu_seqlens_q=cu,
+        cu_seqlens_k_new=cu,
+        max_seqlen_q=20,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        causal=True,
+        return_softmax_lse=True,
+    )
     for i in range(b):
         s = slice(int(cu[i]), int(cu[i + 1]))
-        o_i, l_i = flash_attn_with_kvcache(q8[s][None], kc_sep, vc_sep, k=kn[s][None], v=vn[s][None],
-                                           cache_seqlens=cs[i:i + 1], page_table=pt[i:i + 1], q_descale=qd,
-                                           k_descale=kd[i:i + 1], v_descale=vd[i:i + 1], causal=True,
-                                           return_softmax_lse=True)
+        o_i, l_i = flash_attn_with_kvcache(
+            q8[s][None],
+            kc_sep,
+            vc_sep,
+            k=kn[s][None],
+            v=vn[s][None],
+            cache_seqlens=cs[i : i + 1],
+            page_table=pt[i : i + 1],
+            q_descale=qd,
+            k_descale=kd[i : i + 1],
+            v_descale=vd[i : i + 1],
+            causal=True,
+            return_softmax_lse=True,
+        )
         torch.testing.assert_close(out[s], o_i[0], atol=0, rtol=0)
         torch.testing.assert_close(lse[:, s], l_i[0], atol=1e-6, rtol=1e-6)
         kdn, vdn = gather_dense(kc, pt, i, total[i]), gather_dense(vc, pt, i, total[i])
-        ref, ref_lse, lowp = naive_attention(q8[s][None], kdn, vdn, causal=True, q_descale=qd,
-                                             k_descale=kd[i:i + 1], v_descale=vd[i:i + 1], p_round="e4m3")
+        ref, ref_lse, lowp = naive_attention(
+            q8[s][None],
+            kdn,
+            vdn,
+            causal=True,
+            q_descale=qd,
+            k_descale=kd[i : i + 1],
+            v_descale=vd[i : i + 1],
+            p_round="e4m3",
+        )
         check_vs_oracle(out[s][None], lse[:, s][None], ref, ref_lse, lowp)
     assert torch.equal(kc.view(torch.uint8), kc_sep.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), vc_sep.view(torch.uint8))
@@ -274,17 +395,33 @@ def test_mixed_batch_fp8q_equals_separate_calls_per_precision():
     cs = torch.tensor(lens, dtype=torch.int32)
     cu = torch.tensor([0, 1, 41, 43], dtype=torch.int32)
     kw = dict(q_descale=qd, causal=True, return_softmax_lse=True)
-    out, lse = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, cu_seqlens_q=cu, max_seqlen_q=40,
-                                       k_descale=kd, v_descale=vd, **kw)
+    out, lse = flash_attn_with_kvcache(
+        q8, kc, vc, cache_seqlens=cs, page_table=pt, cu_seqlens_q=cu, max_seqlen_q=40, k_descale=kd, v_descale=vd, **kw
+    )
     for i in range(3):
         s = slice(int(cu[i]), int(cu[i + 1]))
-        o_i, l_i = flash_attn_with_kvcache(q8[s][None], kc, vc, cache_seqlens=cs[i:i + 1], page_table=pt[i:i + 1],
-                                           k_descale=kd[i:i + 1], v_descale=vd[i:i + 1], **kw)
+        o_i, l_i = flash_attn_with_kvcache(
+            q8[s][None],
+            kc,
+            vc,
+            cache_seqlens=cs[i : i + 1],
+            page_table=pt[i : i + 1],
+            k_descale=kd[i : i + 1],
+            v_descale=vd[i : i + 1],
+            **kw,
+        )
         assert torch.equal(out[s], o_i[0]), i
         torch.testing.assert_close(lse[:, s], l_i[0], atol=1e-6, rtol=1e-6)
-        ref, ref_lse, lowp = naive_attention(q8[s][None], k8[i:i + 1, :lens[i]], v8[i:i + 1, :lens[i]], causal=True,
-                                             q_descale=qd, k_descale=kd[i:i + 1], v_descale=vd[i:i + 1],
-                                             p_round="e4m3" if qlens[i] == 40 else torch.float16)
+        ref, ref_lse, lowp = naive_attention(
+            q8[s][None],
+            k8[i : i + 1, : lens[i]],
+            v8[i : i + 1, : lens[i]],
+            causal=True,
+            q_descale=qd,
+            k_descale=kd[i : i + 1],
+            v_descale=vd[i : i + 1],
+            p_round="e4m3" if qlens[i] == 40 else torch.float16,
+        )
         check_vs_oracle(out[s][None], lse[:, s][None], ref, ref_lse, lowp)
 
 
@@ -302,12 +439,29 @@ def test_mixed_batch_without_append():
     q = torch.randn(sum(nq), hq, d).bfloat16()
     cu = torch.tensor([0, 1, 2, 9], dtype=torch.int32)
     cs = torch.tensor(lens, dtype=torch.int32)
-    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, page_table=pt, cu_seqlens_q=cu, max_seqlen_q=7,
-                                       k_descale=kd, v_descale=vd, causal=True, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        kc,
+        vc,
+        cache_seqlens=cs,
+        page_table=pt,
+        cu_seqlens_q=cu,
+        max_seqlen_q=7,
+        k_descale=kd,
+        v_descale=vd,
+        causal=True,
+        return_softmax_lse=True,
+    )
     for i in range(b):
         s = slice(int(cu[i]), int(cu[i + 1]))
-        ref, ref_lse = naive_attention(q[s][None], k8[i:i + 1, :lens[i]], v8[i:i + 1, :lens[i]], causal=True,
-                                       k_descale=kd[i:i + 1], v_descale=vd[i:i + 1])
+        ref, ref_lse = naive_attention(
+            q[s][None],
+            k8[i : i + 1, : lens[i]],
+            v8[i : i + 1, : lens[i]],
+            causal=True,
+            k_descale=kd[i : i + 1],
+            v_descale=vd[i : i + 1],
+        )
         check_vs_oracle(out[s][None], lse[:, s][None], ref, ref_lse)
 
 
@@ -330,14 +484,42 @@ def test_per_token_head_scales_with_fp8_q():
     qd = qd.view(b, hk, 2).amax(-1) * rand_descale(b, hk, 1.0, 1.3)  # (batch, nheads_k), non-unit
     q8 = saturating_cast(torch.randn(b, 2, hq, d) / qd.repeat_interleave(2, 1)[:, None, :, None] * 0.01)
     cs = torch.tensor(lens, dtype=torch.int32)
-    out, lse = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, q_descale=qd, k_cache_scales=kcs,
-                                       v_cache_scales=vcs, causal=True, return_softmax_lse=True)
-    ref, ref_lse = naive_attention(q8, k8, v8, seqlens_q=torch.full((b,), 2), seqlens_k=cs, causal=True, q_descale=qd,
-                                   k_token_descale=ks, v_token_descale=vs)
+    out, lse = flash_attn_with_kvcache(
+        q8,
+        kc,
+        vc,
+        cache_seqlens=cs,
+        page_table=pt,
+        q_descale=qd,
+        k_cache_scales=kcs,
+        v_cache_scales=vcs,
+        causal=True,
+        return_softmax_lse=True,
+    )
+    ref, ref_lse = naive_attention(
+        q8,
+        k8,
+        v8,
+        seqlens_q=torch.full((b,), 2),
+        seqlens_k=cs,
+        causal=True,
+        q_descale=qd,
+        k_token_descale=ks,
+        v_token_descale=vs,
+    )
     check_vs_oracle(out, lse, ref, ref_lse)
     # the per-token scales matter: a uniform scale gives a different answer
-    wrong = flash_attn_with_kvcache(q8, kc, vc, cache_seqlens=cs, page_table=pt, q_descale=qd,
-                                    k_cache_scales=torch.ones_like(kcs), v_cache_scales=vcs, causal=True)
+    wrong = flash_attn_with_kvcache(
+        q8,
+        kc,
+        vc,
+        cache_seqlens=cs,
+        page_table=pt,
+        q_descale=qd,
+        k_cache_scales=torch.ones_like(kcs),
+        v_cache_scales=vcs,
+        causal=True,
+    )
     assert (wrong.float() - out.float()).abs().max() > 1e-2
 
 
@@ -357,8 +539,10 @@ def test_write_kv_cache_round_trip_and_negative_slots():
             continue
         for cache, x, dsc in ((kc, k, kd), (vc, v, vd)):
             got = cache[s // ps, s % ps].float() * dsc.reshape(())
-            assert (got - x[t]).abs().le(2 ** -4 * x[t].abs() + 2 ** -10 * dsc + 1e-7).all()
-            assert torch.equal(cache[s // ps, s % ps].view(torch.uint8), saturating_cast(x[t] / dsc.reshape(())).view(torch.uint8))
+            assert (got - x[t]).abs().le(2**-4 * x[t].abs() + 2**-10 * dsc + 1e-7).all()
+            assert torch.equal(
+                cache[s // ps, s % ps].view(torch.uint8), saturating_cast(x[t] / dsc.reshape(())).view(torch.uint8)
+            )
     for s in range(nb * ps):
         if s not in written:  # negative slots are skipped: every other slot is still poisoned
             assert torch.isnan(kc[s // ps, s % ps].float()).all() and torch.isnan(vc[s // ps, s % ps].float()).all()
@@ -375,7 +559,9 @@ def test_write_kv_cache_per_seq_head_descale_and_dynamic_scales():
     write_kv_cache(k, v, kc, vc, slots, k_descale=kd, v_descale=vd, token_seq_idx=seq)
     for t in range(6):
         s, i = int(slots[t]), int(seq[t])
-        assert torch.equal(kc[s // ps, s % ps].view(torch.uint8), saturating_cast(k[t] / kd[i][:, None]).view(torch.uint8))
+        assert torch.equal(
+            kc[s // ps, s % ps].view(torch.uint8), saturating_cast(k[t] / kd[i][:, None]).view(torch.uint8)
+        )
         assert torch.equal(vc[s // ps, s % ps].view(torch.uint8), saturating_cast(v[t] / vd[i]).view(torch.uint8))
     # dynamic per-token-head: scales land beside the cache; dequantized values ~ input
     kc, vc = poisoned_cache(nb, ps, hk, d), poisoned_cache(nb, ps, hk, d)
@@ -385,9 +571,9 @@ def test_write_kv_cache_per_seq_head_descale_and_dynamic_scales():
     for t in range(6):
         s = int(slots[t])
         sc = ks[s // ps, s % ps]
-        torch.testing.assert_close(sc, (k[t].abs().amax(-1) / 448).clamp_min(2.0 ** -40))
+        torch.testing.assert_close(sc, (k[t].abs().amax(-1) / 448).clamp_min(2.0**-40))
         deq = kc[s // ps, s % ps].float() * sc[:, None]
-        assert ((deq - k[t]).abs() <= 2 ** -4 * k[t].abs() + 1e-6).all()
+        assert ((deq - k[t]).abs() <= 2**-4 * k[t].abs() + 1e-6).all()
     assert (ks[1, 1] > 0).all() and not torch.isnan(kc[1, 1].float()).any()
     assert torch.isnan(ks[3]).all()  # untouched
 
@@ -493,15 +679,24 @@ def test_varlen_matches_paged_for_same_tokens():
     kc, vc = poisoned_cache(nb, ps, hk, d), poisoned_cache(nb, ps, hk, d)
     scatter_dense(kc, pt, k8, lens_k)
     scatter_dense(vc, pt, v8, lens_k)
-    qv = torch.cat([q8[i, :lens_q[i]] for i in range(b)])
-    kv = torch.cat([k8[i, :lens_k[i]] for i in range(b)])
-    vv = torch.cat([v8[i, :lens_k[i]] for i in range(b)])
+    qv = torch.cat([q8[i, : lens_q[i]] for i in range(b)])
+    kv = torch.cat([k8[i, : lens_k[i]] for i in range(b)])
+    vv = torch.cat([v8[i, : lens_k[i]] for i in range(b)])
     cq = torch.tensor([0, 4, 34], dtype=torch.int32)
     ck = torch.tensor([0, 12, 42], dtype=torch.int32)
     o1 = flash_attn_varlen_func(qv, kv, vv, cq, ck, 30, 30, causal=True, **ds)
     # over sequence-major V the paged kernel runs FP8 MMAs (P in e4m3) as the varlen kernel does (over FA3's
     # V layout these small tiles, 60 query rows per kv head, would round P to fp16)
-    o2 = flash_attn_with_kvcache(qv, kc, to_v_seq_major(vc), cache_seqlens=torch.tensor(lens_k, dtype=torch.int32),
-                                 page_table=pt, cu_seqlens_q=cq, max_seqlen_q=30, causal=True, **ds)
+    o2 = flash_attn_with_kvcache(
+        qv,
+        kc,
+        to_v_seq_major(vc),
+        cache_seqlens=torch.tensor(lens_k, dtype=torch.int32),
+        page_table=pt,
+        cu_seqlens_q=cq,
+        max_seqlen_q=30,
+        causal=True,
+        **ds,
+    )
     torch.testing.assert_close(o1, o2, atol=1e-2, rtol=1e-2)
     assert not math.isnan(o1.float().sum().item())

@@ -1,5 +1,6 @@
 """The eager-plan signature on the CPU: which calls may select a plan and what tells two keys apart
 (the plans themselves run only on CUDA: tests/test_host_path.py)."""
+
 import pytest
 import torch
 
@@ -44,6 +45,7 @@ def test_plannable_only_plain_eager_signatures(window):
 
 def test_plannable_refuses_what_the_checks_tell_apart(monkeypatch):
     """With the device test opened, only exact bools and int pairs select a plan."""
+
     class Cuda(torch.Tensor):
         pass
 
@@ -52,13 +54,31 @@ def test_plannable_refuses_what_the_checks_tell_apart(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert plan.plannable(q, False, True, False, False, (-1, -1))
     ok = {"validate": False, "causal": True, "return_lse": False, "flag": False, "window_size": (-1, -1)}
-    for bad in [{"validate": True}, {"causal": 1}, {"return_lse": 0}, {"flag": None}, {"window_size": [-1, -1]},
-                {"window_size": (True, 0)}, {"window_size": (1.0, 0)}, {"window_size": (-1, -1, -1)}]:
+    for bad in [
+        {"validate": True},
+        {"causal": 1},
+        {"return_lse": 0},
+        {"flag": None},
+        {"window_size": [-1, -1]},
+        {"window_size": (True, 0)},
+        {"window_size": (1.0, 0)},
+        {"window_size": (-1, -1, -1)},
+    ]:
         assert not plan.plannable(q, **{**ok, **bad}), bad
 
 
-@pytest.mark.parametrize("chunk,sq,sk,split", [(0, 8, 8, False), (16, 8, 8, False), (16, 16, 16, False),
-                                               (16, 8, 17, True), (16, 17, 16, True), (4, 1, 5, True),
-                                               (4, 0, 9, False), (4, 3, 0, False)])
+@pytest.mark.parametrize(
+    "chunk,sq,sk,split",
+    [
+        (0, 8, 8, False),
+        (16, 8, 8, False),
+        (16, 16, 16, False),
+        (16, 8, 17, True),
+        (16, 17, 16, True),
+        (4, 1, 5, True),
+        (4, 0, 9, False),
+        (4, 3, 0, False),
+    ],
+)
 def test_splits_into_chunks(chunk, sq, sk, split):
     assert local_attention.splits_into_chunks(chunk, sq, sk) is split

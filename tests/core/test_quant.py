@@ -1,4 +1,5 @@
 """fp8attn.quant: formats, saturating casts, NaN encodings, granularities, floors, static vs dynamic."""
+
 import math
 
 import pytest
@@ -6,14 +7,22 @@ import torch
 
 import fp8attn
 from fp8attn import quant
-from fp8attn.quant import (DESCALE_FLOOR, compute_descale, dequantize, descale_for_tokens, expand_descale, fp8_max,
-                           quantize, saturating_cast)
+from fp8attn.quant import (
+    DESCALE_FLOOR,
+    compute_descale,
+    dequantize,
+    descale_for_tokens,
+    expand_descale,
+    fp8_max,
+    quantize,
+    saturating_cast,
+)
 
 E4M3, E5M2, FNUZ = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz
 FORMATS = [E4M3, E5M2, FNUZ]
 # relative half-ulp of normal numbers (mantissa bits 3, 2, 3) and the smallest subnormal step
-HALF_ULP = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3, FNUZ: 2.0 ** -4}
-SUBNORMAL_STEP = {E4M3: 2.0 ** -9, E5M2: 2.0 ** -16, FNUZ: 2.0 ** -10}
+HALF_ULP = {E4M3: 2.0**-4, E5M2: 2.0**-3, FNUZ: 2.0**-4}
+SUBNORMAL_STEP = {E4M3: 2.0**-9, E5M2: 2.0**-16, FNUZ: 2.0**-10}
 
 
 def bytes_of(x):
@@ -105,12 +114,21 @@ def _amax_by_loops(x, gran, block=16):
     if gran == "per_token_head":
         return torch.tensor([[[a[i, t, j].max() for j in range(h)] for t in range(s)] for i in range(b)])
     nb = math.ceil(s / block)
-    return torch.tensor([[[a[i, n * block:(n + 1) * block, j].max() for n in range(nb)] for j in range(h)]
-                         for i in range(b)])
+    return torch.tensor(
+        [[[a[i, n * block : (n + 1) * block, j].max() for n in range(nb)] for j in range(h)] for i in range(b)]
+    )
 
 
-@pytest.mark.parametrize("gran,shape", [("per_tensor", ()), ("per_head", (2, 3)), ("per_sequence", (2, 1)),
-                                        ("per_token_head", (2, 37, 3)), ("per_block", (2, 3, 3))])
+@pytest.mark.parametrize(
+    "gran,shape",
+    [
+        ("per_tensor", ()),
+        ("per_head", (2, 3)),
+        ("per_sequence", (2, 1)),
+        ("per_token_head", (2, 37, 3)),
+        ("per_block", (2, 3, 3)),
+    ],
+)
 @pytest.mark.parametrize("fmt", [E4M3, FNUZ])
 def test_granularity_shape_and_values(gran, shape, fmt):
     x = torch.randn(2, 37, 3, 8) * 5
@@ -142,7 +160,7 @@ def test_zero_amax_floor():
         torch.testing.assert_close(d, torch.full_like(d, DESCALE_FLOOR))
         x8, _ = quantize(z, gran)
         assert (x8.float() == 0).all()
-    assert DESCALE_FLOOR > 0 and DESCALE_FLOOR <= 2.0 ** -30
+    assert DESCALE_FLOOR > 0 and DESCALE_FLOOR <= 2.0**-30
     # a partly-zero tensor: only the zero heads are floored
     x = torch.randn(1, 4, 2, 8)
     x[:, :, 1] = 0
@@ -157,8 +175,9 @@ def test_zero_k_causal_attention_gives_no_nan():
     q8, qd = quantize(torch.randn(b, sq, h, d), "per_head")
     k8, kd = quantize(torch.zeros(b, sk, h, d), "per_head")
     v8, vd = quantize(torch.randn(b, sk, h, d), "per_head")
-    o, lse = fp8attn.flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
-                                     return_attn_probs=True)
+    o, lse = fp8attn.flash_attn_func(
+        q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True
+    )
     assert not torch.isnan(o.float()).any() and not torch.isnan(lse).any()
     assert (o[0, :3].float() == 0).all() and torch.isneginf(lse[0, :, :3]).all()
     # visible rows: all logits are 0 -> uniform average of the visible dequantized V rows

@@ -1,4 +1,5 @@
 """quantize_qkv: Triton kernel (interpreter on CPU) vs the torch path vs fp8attn.quant; Hadamard."""
+
 import math
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from fp8attn import hadamard as had
 from fp8attn.qkv import quantize_qkv
-from fp8attn.quant import dequantize, quantize
+from fp8attn.quant import quantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -40,11 +41,11 @@ def test_triton_matches_torch(granularity, hadamard):
     for a, b_ in zip(t[3:], c[3:]):
         assert a.shape == b_.shape
         torch.testing.assert_close(a, b_, rtol=1e-5, atol=0)
-    for a, b_, ds in zip(t[:3], c[:3], c[3:]):
+    for a, b_, _ds in zip(t[:3], c[:3], c[3:]):
         assert a.dtype == torch.float8_e4m3fn and a.shape == b_.shape
         # identical up to one e4m3 ulp (the rotation's fp32 sums may round differently)
         fa, fb = a.float(), b_.float()
-        ulp = torch.exp2(torch.floor(torch.log2(fb.abs().clamp_min(2.0 ** -6))) - 3)
+        ulp = torch.exp2(torch.floor(torch.log2(fb.abs().clamp_min(2.0**-6))) - 3)
         assert ((fa - fb).abs() <= ulp).all()
 
 
@@ -111,7 +112,7 @@ def test_gpu_triton_matches_torch(granularity, d):
             torch.testing.assert_close(a, b_, rtol=1e-5, atol=0)
         for a, b_ in zip(t[:3], c[:3]):
             fa, fb = a.float(), b_.float()
-            ulp = torch.exp2(torch.floor(torch.log2(fb.abs().clamp_min(2.0 ** -6))) - 3)
+            ulp = torch.exp2(torch.floor(torch.log2(fb.abs().clamp_min(2.0**-6))) - 3)
             assert ((fa - fb).abs() <= ulp).all()
 
 

@@ -1,4 +1,5 @@
 """The README's quickstart runs as written (CPU path) and prints what its comment says."""
+
 import contextlib
 import io
 import pathlib

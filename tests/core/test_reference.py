@@ -3,15 +3,15 @@
 ``helpers.naive_attention`` is the oracle, used by the CPU API tests too: a per-row loop in float64 that
 shares no code with the library (it dequantizes, masks and normalizes one query row at a time).
 """
+
 import math
 
 import pytest
 import torch
 
-from helpers import fp8_inputs, naive_attention
-
 from fp8attn.quant import quantize
-from fp8attn.reference import (attention_ref, combine_ref, paged_attention_ref, varlen_attention_ref)
+from fp8attn.reference import attention_ref, combine_ref, paged_attention_ref, varlen_attention_ref
+from helpers import fp8_inputs, naive_attention
 
 F64 = torch.float64
 E4M3 = torch.float8_e4m3fn
@@ -38,7 +38,7 @@ CASES = [
     # b, sq, sk, hq, hk, d, dv, causal, window, softcap
     (1, 1, 1, 1, 1, 16, 16, False, (-1, -1), 0.0),
     (2, 7, 13, 4, 2, 32, 32, True, (-1, -1), 0.0),
-    (2, 13, 7, 3, 1, 16, 24, True, (-1, -1), 0.0),   # sq > sk: fully masked rows
+    (2, 13, 7, 3, 1, 16, 24, True, (-1, -1), 0.0),  # sq > sk: fully masked rows
     (1, 9, 9, 6, 2, 16, 16, False, (3, 1), 0.0),
     (2, 5, 11, 2, 2, 32, 16, True, (4, -1), 30.0),
     (1, 17, 17, 8, 1, 16, 16, False, (-1, -1), 5.0),  # MQA + softcap
@@ -46,14 +46,25 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}q{c[1]}k{c[2]}h{c[3]}/{c[4]}d{c[5]}/{c[6]}c{int(c[7])}w{c[8]}s{c[9]}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"b{c[0]}q{c[1]}k{c[2]}h{c[3]}/{c[4]}d{c[5]}/{c[6]}c{int(c[7])}w{c[8]}s{c[9]}"
+)
 @pytest.mark.parametrize("cdt", [torch.float32, torch.float64])
 def test_ref_fp32_fp64_vs_oracle(case, cdt):
     b, sq, sk, hq, hk, d, dv, causal, window, softcap = case
     q, k, v = torch.randn(b, sq, hq, d), torch.randn(b, sk, hk, d), torch.randn(b, sk, hk, dv)
     scale = 0.7 / math.sqrt(d)
-    o, lse = attention_ref(q.to(cdt), k.to(cdt), v.to(cdt), softmax_scale=scale, causal=causal, window_size=window,
-                           softcap=softcap, compute_dtype=cdt, return_lse=True)
+    o, lse = attention_ref(
+        q.to(cdt),
+        k.to(cdt),
+        v.to(cdt),
+        softmax_scale=scale,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        compute_dtype=cdt,
+        return_lse=True,
+    )
     ro, rlse = naive_attention(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
     tol = 1e-12 if cdt == F64 else 2e-6
     assert o.dtype == cdt and lse.dtype == torch.float32
@@ -70,8 +81,9 @@ def test_ref_fp8_descaled_vs_oracle(fmt, causal):
     b, sq, sk, hq, hk, d = 2, 11, 19, 4, 2, 32
     q8, k8, v8, qd, kd, vd = fp8_inputs(b, sq, sk, hq, hk, d, fmt=fmt)
     ro, rlse = naive_attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
-    o, lse = attention_ref(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True,
-                           out_dtype=torch.float32)
+    o, lse = attention_ref(
+        q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True, out_dtype=torch.float32
+    )
     torch.testing.assert_close(o.to(F64), ro, atol=2e-5, rtol=1e-5)
     fin = torch.isfinite(rlse)
     torch.testing.assert_close(lse[fin].to(F64), rlse[fin], atol=1e-4, rtol=1e-5)
@@ -84,9 +96,9 @@ def test_ref_seqlens_padding_ignores_nan_padding():
     q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, h, d), torch.randn(b, sk, h, d)
     lq, lk = torch.tensor([6, 2, 0]), torch.tensor([9, 0, 4])
     for bi in range(b):  # poison the padding
-        q[bi, lq[bi]:] = float("nan")
-        k[bi, lk[bi]:] = float("nan")
-        v[bi, lk[bi]:] = float("nan")
+        q[bi, lq[bi] :] = float("nan")
+        k[bi, lk[bi] :] = float("nan")
+        v[bi, lk[bi] :] = float("nan")
     o, lse = attention_ref(q, k, v, seqlens_q=lq, seqlens_k=lk, causal=True, return_lse=True)
     ro, rlse = naive_attention(q, k, v, seqlens_q=lq, seqlens_k=lk, causal=True)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
@@ -116,8 +128,17 @@ def test_hand_one_query_two_keys_fp8():
     k8 = torch.tensor([[2.0, 0.0], [0.0, 0.0]]).view(1, 2, 1, 2).to(E4M3)
     v8 = torch.tensor([[3.0, 1.0], [-1.0, 1.0]]).view(1, 2, 1, 2).to(E4M3)
     one = lambda x: torch.tensor([[x]], dtype=torch.float32)
-    o, lse = attention_ref(q8, k8, v8, softmax_scale=4.0, q_descale=one(0.5), k_descale=one(0.25), v_descale=one(2.0),
-                           out_dtype=torch.float32, return_lse=True)
+    o, lse = attention_ref(
+        q8,
+        k8,
+        v8,
+        softmax_scale=4.0,
+        q_descale=one(0.5),
+        k_descale=one(0.25),
+        v_descale=one(2.0),
+        out_dtype=torch.float32,
+        return_lse=True,
+    )
     e = math.e
     expect0 = (3 * e - 1) / (e + 1) * 2
     assert o[0, 0, 0, 0].item() == pytest.approx(expect0, rel=1e-6)
@@ -142,7 +163,9 @@ def test_hand_quantize_p_rounding():
     # p0 = 1 -> 256 is exact in e4m3: quantizing P does not change a one-hot row.
     v2 = torch.zeros(1, 2, 1, 16)
     v2[0, 0, 0, :] = 1.0
-    assert attention_ref(q, k, v2, softmax_scale=scale, quantize_p=True)[0, 0, 0, 0].item() == pytest.approx(1 / 1.3, rel=1e-5)
+    assert attention_ref(q, k, v2, softmax_scale=scale, quantize_p=True)[0, 0, 0, 0].item() == pytest.approx(
+        1 / 1.3, rel=1e-5
+    )
 
 
 def test_quantize_p_matches_manual_emulation():

@@ -1,4 +1,5 @@
 """Rotary embeddings in flash_attn_with_kvcache (FA3 semantics) against an explicit loop."""
+
 import pytest
 import torch
 
@@ -39,8 +40,19 @@ def test_rotary_append_equals_prerotated_inputs(interleaved, causal):
     old_k = torch.randn(nb, ps, hk, d, generator=g).bfloat16()
     old_v = torch.randn(nb, ps, hk, d, generator=g).bfloat16()
     kc, vc = old_k.clone(), old_v.clone()
-    out = fp8attn.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=prev,
-                                          page_table=pt, causal=causal, rotary_interleaved=interleaved)
+    out = fp8attn.flash_attn_with_kvcache(
+        q,
+        kc,
+        vc,
+        k=k,
+        v=v,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        cache_seqlens=prev,
+        page_table=pt,
+        causal=causal,
+        rotary_interleaved=interleaved,
+    )
     # expected: rotate by hand, write by hand, attend without rotary
     qr, kr = q.clone(), k.clone()
     for b in range(B):
@@ -77,16 +89,42 @@ def test_rotary_varlen_positions_and_fp8_cache():
     slots = pt[1].long()[torch.arange(9) // ps] * ps + torch.arange(9) % ps
     fp8attn.write_kv_cache(pre, pre, kc, vc, slots)
     fp8attn.write_kv_cache(pre, pre, kc2, vc2, slots)
-    out = fp8attn.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=prev,
-                                          page_table=pt, cu_seqlens_q=cu, cu_seqlens_k_new=cu, max_seqlen_q=4,
-                                          causal=True, rotary_interleaved=False)
+    out = fp8attn.flash_attn_with_kvcache(
+        q,
+        kc,
+        vc,
+        k=k,
+        v=v,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        cache_seqlens=prev,
+        page_table=pt,
+        cu_seqlens_q=cu,
+        cu_seqlens_k_new=cu,
+        max_seqlen_q=4,
+        causal=True,
+        rotary_interleaved=False,
+    )
     qpos = [0, 1, 2, 3, 9]
-    qr = torch.stack([torch.stack([_rot_loop(q[t, h].float(), cos, sin, qpos[t], False) for h in range(hq)])
-                      for t in range(5)]).bfloat16()
-    kr = torch.stack([torch.stack([_rot_loop(k[t, h].float(), cos, sin, qpos[t], False) for h in range(hk)])
-                      for t in range(5)]).bfloat16()
-    exp = fp8attn.flash_attn_with_kvcache(qr, kc2, vc2, k=kr, v=v, cache_seqlens=prev, page_table=pt, cu_seqlens_q=cu,
-                                          cu_seqlens_k_new=cu, max_seqlen_q=4, causal=True)
+    qr = torch.stack(
+        [torch.stack([_rot_loop(q[t, h].float(), cos, sin, qpos[t], False) for h in range(hq)]) for t in range(5)]
+    ).bfloat16()
+    kr = torch.stack(
+        [torch.stack([_rot_loop(k[t, h].float(), cos, sin, qpos[t], False) for h in range(hk)]) for t in range(5)]
+    ).bfloat16()
+    exp = fp8attn.flash_attn_with_kvcache(
+        qr,
+        kc2,
+        vc2,
+        k=kr,
+        v=v,
+        cache_seqlens=prev,
+        page_table=pt,
+        cu_seqlens_q=cu,
+        cu_seqlens_k_new=cu,
+        max_seqlen_q=4,
+        causal=True,
+    )
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.float(), exp.float(), atol=3e-2, rtol=0)
 
@@ -100,12 +138,22 @@ def test_rotary_bad_inputs_name_the_argument():
         fp8attn.flash_attn_with_kvcache(q, kc, vc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=3, page_table=pt)
     k = torch.randn(1, 1, 1, 64).bfloat16()
     with pytest.raises(ValueError, match="rotary_cos"):  # table too short for position 20
-        fp8attn.flash_attn_with_kvcache(q, kc, vc, k=k, v=k, rotary_cos=cos, rotary_sin=sin, cache_seqlens=20,
-                                        page_table=pt)
+        fp8attn.flash_attn_with_kvcache(
+            q, kc, vc, k=k, v=k, rotary_cos=cos, rotary_sin=sin, cache_seqlens=20, page_table=pt
+        )
     with pytest.raises(NotImplementedError, match="rotary_cos"):
-        fp8attn.flash_attn_with_kvcache(q.float().to(torch.float8_e4m3fn), kc.to(torch.float8_e4m3fn),
-                                        vc.to(torch.float8_e4m3fn), k=k, v=k, rotary_cos=cos, rotary_sin=sin,
-                                        cache_seqlens=2, page_table=pt)
+        fp8attn.flash_attn_with_kvcache(
+            q.float().to(torch.float8_e4m3fn),
+            kc.to(torch.float8_e4m3fn),
+            vc.to(torch.float8_e4m3fn),
+            k=k,
+            v=k,
+            rotary_cos=cos,
+            rotary_sin=sin,
+            cache_seqlens=2,
+            page_table=pt,
+        )
     with pytest.raises(ValueError, match="rotary_seqlens"):
-        fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, page_table=pt,
-                                        rotary_seqlens=torch.tensor([1], dtype=torch.int32))
+        fp8attn.flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=2, page_table=pt, rotary_seqlens=torch.tensor([1], dtype=torch.int32)
+        )

@@ -47,7 +47,7 @@ def test_cpu_vs_float64(gran, shape, dts):
     assert (out32.double() - ref).abs().max().item() <= tol + 1e-12
     out16 = ops.scaled_bmm(a, bb, sa, sb, torch.bfloat16)
     assert out16.dtype == torch.bfloat16
-    assert torch.allclose(out16.double(), ref, rtol=2 ** -8, atol=1e-6 * ref.abs().max().item())
+    assert torch.allclose(out16.double(), ref, rtol=2**-8, atol=1e-6 * ref.abs().max().item())
 
 
 def test_per_row_scales_are_not_per_tensor():
@@ -98,6 +98,6 @@ def test_gpu_vs_float64(gran, shape):
     # relative measured); tiles are summed in fp32. Bound: 2**-12 of the |a| @ |b| magnitude.
     san, sbn = normalize_scales(a, bb, sa, sb)
     mag = ((a.double().abs() * san.double()[:, :, None]) @ (bb.double().abs() * sbn.double()[:, None, :])).max().item()
-    assert err <= 2 ** -12 * mag, (err, mag)
+    assert err <= 2**-12 * mag, (err, mag)
     out16 = ops.scaled_bmm(a, bb.transpose(1, 2).contiguous().transpose(1, 2), sa, sb, torch.bfloat16)
-    assert torch.allclose(out16.double(), ref, rtol=2 ** -8, atol=2 ** -12 * mag)
+    assert torch.allclose(out16.double(), ref, rtol=2**-8, atol=2**-12 * mag)

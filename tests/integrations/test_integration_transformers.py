@@ -1,8 +1,10 @@
 """transformers integration: attn_implementation="fp8attn" and FP8Cache on tiny random models (CPU, no download)."""
+
 import warnings
 
 import pytest
 import torch
+
 from helpers import rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -15,17 +17,35 @@ VOCAB = 96
 
 
 def _llama_cfg(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     base.update(kw)
     return transformers.LlamaConfig(**base)
 
 
 def _qwen2_sliding_cfg(window=True):
     # layer 0 full attention, layer 1 a sliding window of 5 tokens
-    return transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
-                                    use_sliding_window=window, sliding_window=5, max_window_layers=1)
+    return transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        use_sliding_window=window,
+        sliding_window=5,
+        max_window_layers=1,
+    )
 
 
 def _pair(cfg_fn, impl="fp8attn", ref="sdpa"):
@@ -141,10 +161,12 @@ def test_softcap_and_scale_match_the_reference():
     out, w = fx.fp8attn_attention_forward(M(), q, k, v, None, scaling=1.0, softcap=2.0)
     assert w is None and out.shape == (2, 9, 4, 16) and out.dtype == q.dtype
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    ref = attention_ref(qt.double(), kt.double(), vt.double(), causal=True, softmax_scale=1.0, softcap=2.0,
-                        compute_dtype=torch.float64)
-    no_cap = attention_ref(qt.double(), kt.double(), vt.double(), causal=True, softmax_scale=1.0,
-                           compute_dtype=torch.float64)
+    ref = attention_ref(
+        qt.double(), kt.double(), vt.double(), causal=True, softmax_scale=1.0, softcap=2.0, compute_dtype=torch.float64
+    )
+    no_cap = attention_ref(
+        qt.double(), kt.double(), vt.double(), causal=True, softmax_scale=1.0, compute_dtype=torch.float64
+    )
     err = rel_err(out, ref)
     assert err < 0.05, err
     assert rel_err(no_cap, ref) > 3 * err
@@ -175,8 +197,17 @@ def test_options_context_and_config(llama):
 def _generate(model, ids, mask, cache=None, n=6, **kw):
     extra = {} if cache is None else {"cache": cache}
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, output_scores=True,
-                              return_dict_in_generate=True, pad_token_id=0, **extra, **kw)
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **extra,
+            **kw,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +224,7 @@ def test_generate_fp8_cache_matches_default_cache(llama, default_cache_run, scal
     kw = dict(max_batch_size=4, max_cache_len=32) if prealloc else {}
     cache = fx.FP8Cache(config=fp8.config, scale=scale, page_size=4, **kw)
     got = _generate(fp8, ids, mask, cache)
-    a, b = got.sequences[:, ids.shape[1]:], ref.sequences[:, ids.shape[1]:]
+    a, b = got.sequences[:, ids.shape[1] :], ref.sequences[:, ids.shape[1] :]
     assert (a == b).float().mean() >= 0.75, (a, b)
     # the first step's logits (prefill over the FP8 cache) are close to the 16-bit-cache ones
     assert rel_err(got.scores[0], ref.scores[0]) < 0.05
@@ -258,7 +289,7 @@ def test_beam_search_with_fp8_cache(llama):
     ids, mask = _left_padded(batch=2, seqlen=8, pads=(0, 2))
     ref = _generate(fp8, ids, mask, n=4, num_beams=2)
     got = _generate(fp8, ids, mask, fx.FP8Cache(config=fp8.config, page_size=4), n=4, num_beams=2)
-    a, b = got.sequences[:, ids.shape[1]:], ref.sequences[:, ids.shape[1]:]
+    a, b = got.sequences[:, ids.shape[1] :], ref.sequences[:, ids.shape[1] :]
     assert (a == b).float().mean() >= 0.7, (a, b)
 
 

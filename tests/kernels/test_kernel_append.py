@@ -21,8 +21,13 @@ HK, D, DV = 2, 16, 8
 
 
 def _bits(t):
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int16) if t.dtype.itemsize == 2 else \
-        t.view(torch.int32)
+    return (
+        t.view(torch.uint8)
+        if t.dtype.itemsize == 1
+        else t.view(torch.int16)
+        if t.dtype.itemsize == 2
+        else t.view(torch.int32)
+    )
 
 
 def _poisoned(shape, dtype, seq_major=False):
@@ -37,7 +42,7 @@ def _case(ps, varlen, dtype, scales, seq_major=False, d=D, dv=DV):
     cached = torch.tensor([0, 5, 17], dtype=torch.int32)
     if ps == 1:
         cached = torch.tensor([0, 1, 0], dtype=torch.int32)
-    pt = torch.randperm(nb)[:batch * max_pages].view(batch, max_pages).to(torch.int32)
+    pt = torch.randperm(nb)[: batch * max_pages].view(batch, max_pages).to(torch.int32)
     if varlen:
         new = torch.tensor([2, 0, 1], dtype=torch.int32)
         cu = torch.cat([torch.zeros(1, dtype=torch.int32), new.cumsum(0).to(torch.int32)])
@@ -54,12 +59,16 @@ def _case(ps, varlen, dtype, scales, seq_major=False, d=D, dv=DV):
     if scales == "per_tensor":
         kw = dict(k_descale=torch.tensor(0.37, device=DEV), v_descale=torch.tensor([[1.9]], device=DEV))
     elif scales == "per_seq_head":  # (batch, nheads_k) and a stride-0 per-sequence broadcast
-        kw = dict(k_descale=(torch.rand(batch, HK) * 0.05 + 0.005).to(DEV),
-                  v_descale=(torch.rand(batch, 1) * 0.05 + 0.005).to(DEV).expand(batch, HK))
+        kw = dict(
+            k_descale=(torch.rand(batch, HK) * 0.05 + 0.005).to(DEV),
+            v_descale=(torch.rand(batch, 1) * 0.05 + 0.005).to(DEV).expand(batch, HK),
+        )
     elif scales in ("dynamic", "dynamic_bf16"):
         sdt = torch.bfloat16 if scales == "dynamic_bf16" else torch.float32
-        kw = dict(k_cache_scales=torch.full((nb, ps, HK), float("nan"), device=DEV, dtype=sdt),
-                  v_cache_scales=torch.full((nb, ps, HK), float("nan"), device=DEV, dtype=sdt))
+        kw = dict(
+            k_cache_scales=torch.full((nb, ps, HK), float("nan"), device=DEV, dtype=sdt),
+            v_cache_scales=torch.full((nb, ps, HK), float("nan"), device=DEV, dtype=sdt),
+        )
     return k, v, kc, vc, pt.to(DEV), cached.to(DEV), cu if cu is None else cu.to(DEV), kw
 
 
@@ -99,17 +108,32 @@ def test_append_equals_explicit_slots_and_reference(scales, varlen):
     slots, seq = _explicit_slots(k, pt, cached, cu, kc)
     k3, v3 = k.reshape(-1, HK, D), v.reshape(-1, HK, DV)
     launch_write_kv_cache(k3, v3, kc2, vc2, slots, token_seq_idx=seq, **kw2)
-    _assert_same((kc, vc, kw.get("k_cache_scales"), kw.get("v_cache_scales")),
-                 (kc2, vc2, kw2.get("k_cache_scales"), kw2.get("v_cache_scales")))
+    _assert_same(
+        (kc, vc, kw.get("k_cache_scales"), kw.get("v_cache_scales")),
+        (kc2, vc2, kw2.get("k_cache_scales"), kw2.get("v_cache_scales")),
+    )
     new = (cu[1:] - cu[:-1]) if varlen else torch.full_like(cached, k.shape[1])
     assert total.dtype == torch.int32 and torch.equal(total, cached + new)
     # the op's CPU reference (torch slots + scatter) leaves the same bytes (bf16 scales aside: the interpreter's
     # bf16 cast truncates where torch rounds, which the storage pad covers, quant.scale_storage_pad)
     if DEV == "cpu" and scales != "dynamic_bf16":
-        total3 = ops._append_kv_cache_impl(k, v, kc3, vc3, pt, cached, cu, kw3.get("k_descale"),
-                                           kw3.get("v_descale"), kw3.get("k_cache_scales"), kw3.get("v_cache_scales"))
-        _assert_same((kc, vc, kw.get("k_cache_scales"), kw.get("v_cache_scales"), total),
-                     (kc3, vc3, kw3.get("k_cache_scales"), kw3.get("v_cache_scales"), total3))
+        total3 = ops._append_kv_cache_impl(
+            k,
+            v,
+            kc3,
+            vc3,
+            pt,
+            cached,
+            cu,
+            kw3.get("k_descale"),
+            kw3.get("v_descale"),
+            kw3.get("k_cache_scales"),
+            kw3.get("v_cache_scales"),
+        )
+        _assert_same(
+            (kc, vc, kw.get("k_cache_scales"), kw.get("v_cache_scales"), total),
+            (kc3, vc3, kw3.get("k_cache_scales"), kw3.get("v_cache_scales"), total3),
+        )
     # every written slot was poisoned before and holds a value now; the others are untouched (NaN)
     written = slots[slots >= 0]
     assert written.numel() == k3.shape[0]
@@ -146,8 +170,9 @@ def test_gpu_decode_append_is_one_launch_without_sync(scales):
     """flash_attn_with_kvcache with a one-token append (validate=False): the append is one kernel launch, the
     whole call runs under the sync debug mode "error" (no host sync), and the result equals a call without the
     append over the cache filled by the previous path."""
-    import fp8attn
     from torch.profiler import ProfilerActivity, profile
+
+    import fp8attn
 
     torch.manual_seed(0)
     hq, ps, d = 8, 16, 64
@@ -175,7 +200,9 @@ def test_gpu_decode_append_is_one_launch_without_sync(scales):
     # the previous path: explicit slots + write kernel, then attention over the grown cache
     slots, seq = _explicit_slots(k, pt, cached, None, kc)
     launch_write_kv_cache(k.reshape(-1, HK, d), v.reshape(-1, HK, d), kc2, vc2, slots, token_seq_idx=seq, **kw2)
-    _assert_same((kc, vc, kw.get("k_cache_scales"), kw.get("v_cache_scales")),
-                 (kc2, vc2, kw2.get("k_cache_scales"), kw2.get("v_cache_scales")))
+    _assert_same(
+        (kc, vc, kw.get("k_cache_scales"), kw.get("v_cache_scales")),
+        (kc2, vc2, kw2.get("k_cache_scales"), kw2.get("v_cache_scales")),
+    )
     ref = fp8attn.flash_attn_with_kvcache(q, kc2, vc2, cache_seqlens=cached + 1, page_table=pt, **kw2)
     assert torch.equal(out, ref)

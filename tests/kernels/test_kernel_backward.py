@@ -14,18 +14,17 @@ where ``lowprec`` is:
 
 The floor is 2e-3 of the oracle's largest magnitude (bf16 resolves 4e-3 relative).
 """
+
 import math
 import os
 
 import pytest
 import torch
-
-from helpers import assert_close_fa3
-
 import triton
 import triton.language as tl
 
 from fp8attn.kernels.backward import _tile_inv_scale, _to_e4m3, launch_attention_bwd
+from helpers import assert_close_fa3
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,34 +134,50 @@ def _make(seqs_q, seqs_k, hq, hk, d, dv, *, fp8=True, varlen=False, v_seq_major=
         seq_of_q = torch.repeat_interleave(torch.arange(b), torch.tensor(seqs_q))
         seq_of_k = torch.repeat_interleave(torch.arange(b), torch.tensor(seqs_k))
         g = hq // hk
-        deq = [x8[0][:sum(seqs_q)].double() * desc[0].double().repeat_interleave(g, 1)[seq_of_q][:, :, None],
-               x8[1][:sum(seqs_k)].double() * desc[1].double()[seq_of_k][:, :, None],
-               x8[2][:sum(seqs_k)].double() * desc[2].double()[seq_of_k][:, :, None]]
+        deq = [
+            x8[0][: sum(seqs_q)].double() * desc[0].double().repeat_interleave(g, 1)[seq_of_q][:, :, None],
+            x8[1][: sum(seqs_k)].double() * desc[1].double()[seq_of_k][:, :, None],
+            x8[2][: sum(seqs_k)].double() * desc[2].double()[seq_of_k][:, :, None],
+        ]
         q, k, v = x8
     else:
         desc = [None] * 3
         q, k, v = (torch.randn(n, h, dd).to(dtype) for n, h, dd in ((tq, hq, d), (tk, hk, d), (tk, hk, dv)))
-        deq = [q[:sum(seqs_q)].double(), k[:sum(seqs_k)].double(), v[:sum(seqs_k)].double()]
+        deq = [q[: sum(seqs_q)].double(), k[: sum(seqs_k)].double(), v[: sum(seqs_k)].double()]
     do = torch.randn(tq, hq, dv).to(torch.bfloat16)
     if varlen:
         for x, n in ((q, sum(seqs_q)), (k, sum(seqs_k)), (v, sum(seqs_k)), (do, sum(seqs_q))):
             x[n:] = float("nan")
     if v_seq_major:  # memory order (heads, dv, tokens), logical (tokens, heads, dv)
         v = v.permute(1, 2, 0).contiguous().permute(2, 0, 1)
-    return dict(q=q, k=k, v=v, do=do, desc=desc, deq=deq, cu_q=cu_q, cu_k=cu_k, seqs_q=seqs_q, seqs_k=seqs_k,
-                hq=hq, hk=hk, varlen=varlen)
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        do=do,
+        desc=desc,
+        deq=deq,
+        cu_q=cu_q,
+        cu_k=cu_k,
+        seqs_q=seqs_q,
+        seqs_k=seqs_k,
+        hq=hq,
+        hk=hk,
+        varlen=varlen,
+    )
 
 
 def _references(inp, scale, causal, wl, wr, softcap, mode):
     """Per-sequence float64 oracle, the low-precision reference and the forward's out/lse, concatenated
     in the varlen token layout: dict of (total, H, D) tensors and lse (Hq, total_q)."""
-    dq_q, dk_q, dv_q = [], [], []
     res = {n: [] for n in ("out", "lse", "dq", "dk", "dv", "lq", "lk", "lv")}
     oq = ok = 0
     for sq, sk in zip(inp["seqs_q"], inp["seqs_k"]):
-        q, k, v = (x.transpose(0, 1) for x in (inp["deq"][0][oq:oq + sq], inp["deq"][1][ok:ok + sk],
-                                               inp["deq"][2][ok:ok + sk]))
-        do = inp["do"][oq:oq + sq].transpose(0, 1).double()
+        q, k, v = (
+            x.transpose(0, 1)
+            for x in (inp["deq"][0][oq : oq + sq], inp["deq"][1][ok : ok + sk], inp["deq"][2][ok : ok + sk])
+        )
+        do = inp["do"][oq : oq + sq].transpose(0, 1).double()
         out, lse, dq, dk, dv = _grads_seq(q, k, v, do, scale, causal, wl, wr, softcap, torch.float64)
         out_lp = out.to(torch.bfloat16).double()
         lq, lk, lv = _emul_seq(q, k, v, do, out_lp, scale, causal, wl, wr, softcap, mode)
@@ -187,35 +202,59 @@ def _kernel_args(inp, ref, *, causal, wl, wr, softcap, mode, grad_dtype, lse_shi
     lse = torch.full((hq, tq), float("nan"))
     lse[:, :nq] = ref["lse"] + lse_shift
     q, k, v, do = inp["q"], inp["k"], inp["v"], inp["do"]
-    kw = dict(q_descale=inp["desc"][0], k_descale=inp["desc"][1], v_descale=inp["desc"][2], softmax_scale=d ** -0.5,
-              causal=causal, window_left=wl, window_right=wr, softcap=softcap, mode=mode)
+    kw = dict(
+        q_descale=inp["desc"][0],
+        k_descale=inp["desc"][1],
+        v_descale=inp["desc"][2],
+        softmax_scale=d**-0.5,
+        causal=causal,
+        window_left=wl,
+        window_right=wr,
+        softcap=softcap,
+        mode=mode,
+    )
     if inp["varlen"]:
-        kw.update(cu_seqlens_q=inp["cu_q"], cu_seqlens_k=inp["cu_k"], max_seqlen_q=max(inp["seqs_q"]),
-                  max_seqlen_k=max(inp["seqs_k"]))
+        kw.update(
+            cu_seqlens_q=inp["cu_q"],
+            cu_seqlens_k=inp["cu_k"],
+            max_seqlen_q=max(inp["seqs_q"]),
+            max_seqlen_k=max(inp["seqs_k"]),
+        )
         views = (do, q, k, v, out, lse)
     else:
         sq, sk = inp["seqs_q"][0], inp["seqs_k"][0]
-        views = (do.view(b, sq, hq, dv_dim), q.view(b, sq, hq, d), k.view(b, sk, hk, d),
-                 v.unflatten(0, (b, sk)), out.view(b, sq, hq, dv_dim), lse.view(hq, b, sq).transpose(0, 1))
+        views = (
+            do.view(b, sq, hq, dv_dim),
+            q.view(b, sq, hq, d),
+            k.view(b, sk, hk, d),
+            v.unflatten(0, (b, sk)),
+            out.view(b, sq, hq, dv_dim),
+            lse.view(hq, b, sq).transpose(0, 1),
+        )
     views = tuple(x.to(DEV) for x in views)
     kw = {n: (x.to(DEV) if torch.is_tensor(x) else x) for n, x in kw.items()}
     grads = [torch.full(x.shape, float("nan"), dtype=grad_dtype, device=DEV) for x in views[1:4]]
     return views, grads, kw
 
 
-def _run_and_check(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized", grad_dtype=torch.float32,
-                   rerun=False):
+def _run_and_check(
+    inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized", grad_dtype=torch.float32, rerun=False
+):
     ref = _references(inp, inp["q"].shape[-1] ** -0.5, causal, wl, wr, softcap, mode)
     nq, nk = sum(inp["seqs_q"]), sum(inp["seqs_k"])
-    views, grads, kw = _kernel_args(inp, ref, causal=causal, wl=wl, wr=wr, softcap=softcap, mode=mode,
-                                    grad_dtype=grad_dtype)
+    views, grads, kw = _kernel_args(
+        inp, ref, causal=causal, wl=wl, wr=wr, softcap=softcap, mode=mode, grad_dtype=grad_dtype
+    )
     launch_attention_bwd(*views, *grads, **kw)
     dq, dk, dv = (g.reshape(-1, *g.shape[-2:]).cpu() for g in grads)
     if inp["varlen"]:
         for g, n in ((dq, nq), (dk, nk), (dv, nk)):
             assert (g[n:] == 0).all(), "varlen rows after the last sequence must be zero"
-    for name, got, r, lo in (("dq", dq[:nq], ref["dq"], ref["lq"]), ("dk", dk[:nk], ref["dk"], ref["lk"]),
-                             ("dv", dv[:nk], ref["dv"], ref["lv"])):
+    for name, got, r, lo in (
+        ("dq", dq[:nq], ref["dq"], ref["lq"]),
+        ("dk", dk[:nk], ref["dk"], ref["lk"]),
+        ("dv", dv[:nk], ref["dv"], ref["lv"]),
+    ):
         floor = 2e-3 * r.abs().max().item() + 1e-6
         # the reference takes the kernel's last rounding too: the store in the gradient dtype
         assert_close_fa3(got.float(), r, lo.to(grad_dtype), floor=floor, name=name)
@@ -345,16 +384,18 @@ def test_fp8_mode_p_past_one_stays_finite(strict_e4m3_cast):
     # non-saturating cast a missed clamp gives NaN bytes (0x7F) and gradients that differ from the
     # saturating cast's bits, which a clamped kernel reproduces exactly.
     inp = _make([20], [20], 2, 1, 64, 64)
-    ref = _references(inp, 64 ** -0.5, False, -1, -1, 0.0, "fp8")
+    ref = _references(inp, 64**-0.5, False, -1, -1, 0.0, "fp8")
     shift = -4.0
     assert math.exp(-shift) / 20 * 256 > 464  # past 448 after rounding too
-    views, grads, kw = _kernel_args(inp, ref, causal=False, wl=-1, wr=-1, softcap=0.0, mode="fp8",
-                                    grad_dtype=torch.float32, lse_shift=shift)
+    views, grads, kw = _kernel_args(
+        inp, ref, causal=False, wl=-1, wr=-1, softcap=0.0, mode="fp8", grad_dtype=torch.float32, lse_shift=shift
+    )
     launch_attention_bwd(*views, *grads, **kw)
     for name, g in zip(("dq", "dk", "dv"), grads):
         assert torch.isfinite(g).all(), f"{name}: NaN/inf with P * 2**8 past 448"
     sat = [torch.empty_like(g) for g in grads]
     from triton.runtime import interpreter as ti
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ti.InterpreterBuilder, "create_fp_to_fp", strict_e4m3_cast)
         launch_attention_bwd(*views, *sat, **kw)
@@ -410,9 +451,11 @@ def _gpu_ref(inp, causal, wl, wr, softcap, mode):
     q, k, v = inp["q"], inp["k"], inp["v"]
     g = q.shape[2] // k.shape[2]
     f = torch.float32
-    deq = [q.to(f) * inp["desc"][0].repeat_interleave(g, 1)[:, None, :, None],
-           k.to(f) * inp["desc"][1][:, None, :, None],
-           v.to(f) * inp["desc"][2][:, None, :, None]]
+    deq = [
+        q.to(f) * inp["desc"][0].repeat_interleave(g, 1)[:, None, :, None],
+        k.to(f) * inp["desc"][1][:, None, :, None],
+        v.to(f) * inp["desc"][2][:, None, :, None],
+    ]
     res = [[] for _ in range(8)]
     scale = q.shape[-1] ** -0.5
     for bi in range(q.shape[0]):
@@ -430,9 +473,24 @@ def _gpu_launch(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantiz
         fwd = _gpu_ref(inp, causal, wl, wr, softcap, mode)
     out, lse = fwd[0].to(torch.bfloat16).contiguous(), fwd[1].float().contiguous()
     grads = [torch.empty(x.shape, device=GPU_DEV, dtype=torch.float32) for x in (inp["q"], inp["k"], inp["v"])]
-    launch_attention_bwd(inp["do"], inp["q"], inp["k"], inp["v"], out, lse, *grads, q_descale=inp["desc"][0],
-                         k_descale=inp["desc"][1], v_descale=inp["desc"][2], softmax_scale=inp["q"].shape[-1] ** -0.5,
-                         causal=causal, window_left=wl, window_right=wr, softcap=softcap, mode=mode)
+    launch_attention_bwd(
+        inp["do"],
+        inp["q"],
+        inp["k"],
+        inp["v"],
+        out,
+        lse,
+        *grads,
+        q_descale=inp["desc"][0],
+        k_descale=inp["desc"][1],
+        v_descale=inp["desc"][2],
+        softmax_scale=inp["q"].shape[-1] ** -0.5,
+        causal=causal,
+        window_left=wl,
+        window_right=wr,
+        softcap=softcap,
+        mode=mode,
+    )
     return grads
 
 

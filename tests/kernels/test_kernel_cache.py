@@ -37,7 +37,9 @@ def _untouched(c, slots):
     ps = c.shape[1]
     mask = torch.ones(c.shape[0] * ps, dtype=torch.bool, device=c.device)
     mask[slots[slots >= 0].long()] = False
-    flat = c.view(torch.uint8).reshape(c.shape[0] * ps, -1) if c.dtype in (E4M3, E5M2) else c.reshape(c.shape[0] * ps, -1)
+    flat = (
+        c.view(torch.uint8).reshape(c.shape[0] * ps, -1) if c.dtype in (E4M3, E5M2) else c.reshape(c.shape[0] * ps, -1)
+    )
     rest = flat[mask]
     return (rest == 0x7F).all() if c.dtype in (E4M3, E5M2) else rest.isnan().all()
 
@@ -48,8 +50,12 @@ def test_static_per_tensor(dtype):
     kd, vd = torch.tensor(0.37, device=DEV), torch.tensor([[1.9]], device=DEV)
     launch_write_kv_cache(k, v, kc, vc, slots, k_descale=kd, v_descale=vd)
     keep = slots >= 0
-    assert torch.equal(_gather(kc, slots).view(torch.uint8), saturating_cast(k[keep].float() / 0.37, dtype).view(torch.uint8))
-    assert torch.equal(_gather(vc, slots).view(torch.uint8), saturating_cast(v[keep].float() / vd.reshape(()), dtype).view(torch.uint8))
+    assert torch.equal(
+        _gather(kc, slots).view(torch.uint8), saturating_cast(k[keep].float() / 0.37, dtype).view(torch.uint8)
+    )
+    assert torch.equal(
+        _gather(vc, slots).view(torch.uint8), saturating_cast(v[keep].float() / vd.reshape(()), dtype).view(torch.uint8)
+    )
     assert _untouched(kc, slots) and _untouched(vc, slots)
 
 
@@ -84,8 +90,10 @@ def test_per_token_head_dynamic_round_trip():
         assert torch.equal(_gather(c, slots).view(torch.uint8), x8.view(torch.uint8))
         deq = _gather(c, slots).float() * sc[s // ps, s % ps][..., None]
         err = (deq - x[keep].float()).abs().max() / x.float().abs().max()
-        assert err <= 2 ** -4  # e4m3 relative precision
-    assert torch.isnan(ks.view(-1, 2)[torch.ones(ks.shape[0] * ps, dtype=torch.bool, device=DEV).index_fill_(0, s, False)]).all()
+        assert err <= 2**-4  # e4m3 relative precision
+    assert torch.isnan(
+        ks.view(-1, 2)[torch.ones(ks.shape[0] * ps, dtype=torch.bool, device=DEV).index_fill_(0, s, False)]
+    ).all()
     assert not torch.isnan(ks[s // ps, s % ps]).any()
 
 
@@ -101,7 +109,7 @@ def test_bf16_cache_plain_copy():
 def test_int64_offsets_large_cache():
     """A cache of more than 2**31 elements; writes land in the last pages."""
     ps, hk, d = 256, 8, 128
-    nb = (2 ** 31) // (ps * hk * d) + 2
+    nb = (2**31) // (ps * hk * d) + 2
     kc = torch.empty(nb, ps, hk, d, dtype=E4M3, device="cuda")
     vc = torch.empty(nb, ps, hk, d, dtype=E4M3, device="cuda")
     k = torch.randn(4, hk, d, device="cuda", dtype=torch.bfloat16)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from fp8attn.kernels.combine import combine_tiles, launch_combine
-from fp8attn.reference import combine_ref
 from fp8attn.quant import saturating_cast
+from fp8attn.reference import combine_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -19,7 +19,9 @@ def _partials(shape_rows, num_splits, d):
     return op, lp
 
 
-@pytest.mark.parametrize("num_splits,d", [(1, 40), (2, 40), (3, 40), (17, 40), (64, 128), (70, 128), (130, 40), (66, 96)])
+@pytest.mark.parametrize(
+    "num_splits,d", [(1, 40), (2, 40), (3, 40), (17, 40), (64, 128), (70, 128), (130, 40), (66, 96)]
+)
 @pytest.mark.parametrize("varlen", [False, True])
 def test_combine_matches_reference(num_splits, d, varlen):
     """70 splits at d128: four programs per row (head-dim slices of 32), one load of 128 split slots
@@ -34,19 +36,22 @@ def test_combine_matches_reference(num_splits, d, varlen):
     ro, rl = combine_ref(op, lp, out_dtype=torch.float32)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert (out[0, 1] == 0).all() and torch.isneginf(lse[0, 1]).all()
-    assert torch.allclose(out.float(), ro, atol=2 ** -7 * ro.abs().max().item() + 1e-6, rtol=0)
+    assert torch.allclose(out.float(), ro, atol=2**-7 * ro.abs().max().item() + 1e-6, rtol=0)
     fin = torch.isfinite(rl)
     assert torch.equal(fin, torch.isfinite(lse))
     assert torch.allclose(lse[fin], rl[fin], atol=1e-5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("num_splits,d,tiles", [
-    (2, 128, (128, 2, 2, 1)),     # few splits: one program per row, one load
-    (8, 128, (128, 8, 8, 1)),
-    (66, 128, (32, 128, 128, 4)),  # B1/L128k decode: head-dim slices of 32, all splits in one load
-    (130, 40, (32, 256, 128, 4)),  # more splits than one load holds: two chunks
-    (17, 256, (128, 32, 32, 4)),
-])
+@pytest.mark.parametrize(
+    "num_splits,d,tiles",
+    [
+        (2, 128, (128, 2, 2, 1)),  # few splits: one program per row, one load
+        (8, 128, (128, 8, 8, 1)),
+        (66, 128, (32, 128, 128, 4)),  # B1/L128k decode: head-dim slices of 32, all splits in one load
+        (130, 40, (32, 256, 128, 4)),  # more splits than one load holds: two chunks
+        (17, 256, (128, 32, 32, 4)),
+    ],
+)
 def test_combine_tiles(num_splits, d, tiles):
     block_d, block_splits, chunk, nw = combine_tiles(num_splits, d)
     assert (block_d, block_splits, chunk, nw) == tiles
@@ -67,10 +72,10 @@ def test_combine_strided_lse_and_fp8_out():
     assert torch.allclose(lse_bhs.transpose(1, 2)[fin], rl[fin], atol=1e-5)
     o, r = out.float(), ref8.float()
     if DEV == "cuda":  # exact up to one e4m3 ulp (<= 12.5% relative)
-        assert ((o - r).abs() <= 0.125 * r.abs() + 2 ** -9).all()
+        assert ((o - r).abs() <= 0.125 * r.abs() + 2**-9).all()
     else:  # the interpreter's e4m3 cast may drop a carry (a factor 2 on some values)
-        assert ((o - r).abs() <= 0.51 * r.abs() + 2 ** -9).all()
-        assert ((o - r).abs() <= 0.0626 * r.abs() + 2 ** -9).float().mean() > 0.8
+        assert ((o - r).abs() <= 0.51 * r.abs() + 2**-9).all()
+        assert ((o - r).abs() <= 0.0626 * r.abs() + 2**-9).float().mean() > 0.8
 
 
 def test_combine_zero_splits_row_count():
@@ -93,8 +98,8 @@ def test_combine_bf16_partials(num_splits):
     lse = torch.empty(rows, device=DEV)
     launch_combine(op16, lp, out, lse)
     ro, rl = combine_ref(op16.float(), lp, out_dtype=torch.float32)
-    assert torch.allclose(out.float(), ro, atol=2 ** -7 * ro.abs().max().item() + 1e-6, rtol=0)
+    assert torch.allclose(out.float(), ro, atol=2**-7 * ro.abs().max().item() + 1e-6, rtol=0)
     fin = torch.isfinite(rl)
     assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], rl[fin], atol=1e-5, rtol=1e-6)
     o2, _ = combine_ref(op16, lp)
-    assert o2.dtype == torch.bfloat16 and torch.allclose(o2.float(), ro, atol=2 ** -7 * ro.abs().max().item(), rtol=0)
+    assert o2.dtype == torch.bfloat16 and torch.allclose(o2.float(), ro, atol=2**-7 * ro.abs().max().item(), rtol=0)

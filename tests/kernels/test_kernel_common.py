@@ -6,11 +6,11 @@ loop range that need no mask at all. A key tile wrongly called "full" would let 
 NaN-poisoned slots past the length) into the softmax, so every full tile is checked against the
 visibility rule key by key, and the choice is checked to be tight (the tiles next to it do need masks).
 """
+
 import random
 
 import pytest
 import torch
-
 import triton
 import triton.language as tl
 
@@ -37,8 +37,9 @@ def _ranges_kernel(P, R, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N
     per_split = tl.cdiv(n_tiles, num_splits)
     start = kv_lo + split * per_split * BLOCK_N
     end = tl.minimum(kv_hi, start + per_split * BLOCK_N)
-    full_lo, full_hi = full_tile_range(tok_lo, tok_hi, seqlen_q, seqlen_k, wl, wr, CAUSAL, HAS_WINDOW, BLOCK_N,
-                                       start, end)
+    full_lo, full_hi = full_tile_range(
+        tok_lo, tok_hi, seqlen_q, seqlen_k, wl, wr, CAUSAL, HAS_WINDOW, BLOCK_N, start, end
+    )
     tl.store(R + i * 6 + 0, kv_lo)
     tl.store(R + i * 6 + 1, kv_hi)
     tl.store(R + i * 6 + 2, start)
@@ -86,7 +87,7 @@ def test_full_tile_range_is_exact(block_n, causal, has_window):
         kv_lo, kv_hi, start, end, full_lo, full_hi = r
         rows = range(tok_lo, tok_hi + 1)
 
-        def tile_full(t0):
+        def tile_full(t0, sq=sq, sk=sk, wl=wl, wr=wr, rows=rows):
             return all(_visible(j, i, sq, sk, causal, wl, wr) for j in range(t0, t0 + block_n) for i in rows)
 
         # kv_range covers every visible key

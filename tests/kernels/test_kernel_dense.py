@@ -3,15 +3,15 @@
 CPU: the Triton kernel under TRITON_INTERPRET=1 at small shapes. GPU (`gpu` marker): the full grid
 of docs/design.md (Testing), LSE, determinism, and a varlen batch whose K/V pass 2**31 elements.
 """
+
 import math
 
 import pytest
 import torch
 
-from helpers import assert_close_fa3, check_dense, dense_descales, fp8_randn, run_dense
-
 from fp8attn.kernels.dense import transpose_v_kmajor
 from fp8attn.reference import attention_ref, varlen_attention_ref
+from helpers import assert_close_fa3, check_dense, dense_descales, fp8_randn, run_dense
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,8 +33,9 @@ def test_seqlens_causal(sq, sk, causal):
         assert (lse[:, :, : sq - sk] == float("-inf")).all()
 
 
-@pytest.mark.parametrize("hq,hk,pack", [(3, 3, False), (4, 2, False), (4, 2, True), (6, 2, True),
-                                        (8, 1, False), (8, 1, True)])
+@pytest.mark.parametrize(
+    "hq,hk,pack", [(3, 3, False), (4, 2, False), (4, 2, True), (6, 2, True), (8, 1, False), (8, 1, True)]
+)
 def test_gqa_mqa_pack(hq, hk, pack):
     b, sq, sk, d = 2, 19, 37, 64
     q, k, v = fp8_randn((b, sq, hq, d)), fp8_randn((b, sk, hk, d)), fp8_randn((b, sk, hk, d))
@@ -108,9 +109,9 @@ def test_fused_fp8_output():
     want = (o32 / out_scale).clamp(-448, 448).to(E4M3).float()
     got = out8.float()
     # equality within one e4m3 ulp (3 mantissa bits)
-    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2.0 ** -6))) - 3)
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2.0**-6))) - 3)
     assert ((got - want).abs() <= ulp + 1e-12).all()
-    assert (out8.float().abs().max() > 1.0)
+    assert out8.float().abs().max() > 1.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -132,8 +133,9 @@ def test_per_block_descales():
     qd = torch.rand(b, hq, math.ceil(sq / blk), device=DEV) * 0.3 + 0.02
     kd = torch.rand(b, hk, math.ceil(sk / blk), device=DEV) * 0.3 + 0.02
     vd = torch.rand(b, hk, device=DEV) + 0.5
-    out, lse, args = run_dense(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
-                          descale_block_q=blk, descale_block_k=blk)
+    out, lse, args = run_dense(
+        q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, descale_block_q=blk, descale_block_k=blk
+    )
     # reference from the dequantized inputs (exact in fp32)
     qf = q.float() * qd[:, :, torch.arange(sq, device=DEV) // blk].transpose(1, 2)[..., None]
     kf = k.float() * kd[:, :, torch.arange(sk, device=DEV) // blk].transpose(1, 2)[..., None]
@@ -154,19 +156,37 @@ def test_varlen_seqused_nan_poison(causal):
     q, k, v = fp8_randn((sum(lens_q), hq, d)), fp8_randn((sum(lens_k), hk, d)), fp8_randn((sum(lens_k), hk, d))
     used_k = torch.tensor([9, 3, 11, 50], dtype=torch.int32, device=DEV)
     # poison the unused key slots with NaN: the kernel must never read them
-    for bi, (s, u, n) in enumerate(zip(cu_k[:-1].tolist(), used_k.tolist(), lens_k)):
-        k[s + u: s + n] = float("nan")
-        v[s + u: s + n] = float("nan")
+    for _bi, (s, u, n) in enumerate(zip(cu_k[:-1].tolist(), used_k.tolist(), lens_k)):
+        k[s + u : s + n] = float("nan")
+        v[s + u : s + n] = float("nan")
     qd, kd, vd = dense_descales(len(lens_q), hk)
-    out, lse, args = run_dense(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
-                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k,
-                          max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), pack_gqa=causal)
-    kw = dict(softmax_scale=args["softmax_scale"], causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
-              out_dtype=torch.float32)
-    ref, ref_lse = varlen_attention_ref(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seqused_k=used_k,
-                                        return_lse=True, **kw)
-    lowp = varlen_attention_ref(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seqused_k=used_k,
-                                quantize_p=True, **kw)
+    out, lse, args = run_dense(
+        q,
+        k,
+        v,
+        causal=causal,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        seqused_k=used_k,
+        max_seqlen_q=max(lens_q),
+        max_seqlen_k=max(lens_k),
+        pack_gqa=causal,
+    )
+    kw = dict(
+        softmax_scale=args["softmax_scale"],
+        causal=causal,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        out_dtype=torch.float32,
+    )
+    ref, ref_lse = varlen_attention_ref(
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seqused_k=used_k, return_lse=True, **kw
+    )
+    lowp = varlen_attention_ref(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seqused_k=used_k, quantize_p=True, **kw)
     assert_close_fa3(out, ref, lowp, floor=2e-3 * ref.abs().max().item())
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
 
@@ -209,8 +229,18 @@ def test_gpu_gqa_features(hq, hk, pack, window, softcap):
     b, sq, sk, d = 2, 300, 517, 128
     q, k, v = fp8_randn((b, sq, hq, d)), fp8_randn((b, sk, hk, d)), fp8_randn((b, sk, hk, d))
     qd, kd, vd = dense_descales(b, hk)
-    out, lse, args = run_dense(q, k, v, causal=True, window_size=window, softcap=softcap,
-                          q_descale=qd, k_descale=kd, v_descale=vd, pack_gqa=pack)
+    out, lse, args = run_dense(
+        q,
+        k,
+        v,
+        causal=True,
+        window_size=window,
+        softcap=softcap,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        pack_gqa=pack,
+    )
     check_dense(q, k, v, out, lse, args)
 
 
@@ -225,8 +255,9 @@ def test_gpu_vlayout_outdtype(v_kmajor, out_dtype):
     vt3 = transpose_v_kmajor(v[0])
     assert vt3.stride(0) == 1 and torch.equal(vt3.float(), v[0].float())
     qd, kd, vd = dense_descales(b, h)
-    out, lse, args = run_dense(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, v_kmajor=v_kmajor,
-                          out_dtype=out_dtype)
+    out, lse, args = run_dense(
+        q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, v_kmajor=v_kmajor, out_dtype=out_dtype
+    )
     check_dense(q, k, v, out, lse, args, floor_rel=8e-3)
 
 
@@ -250,8 +281,7 @@ def test_gpu_16bit_and_determinism():
 def test_gpu_varlen_over_2pow31_elements():
     hk, hq, d = 8, 8, 128
     lens_k = [(1 << 21) - 64, 1088]
-    lens_q = [64, 64]
-    assert sum(lens_k) * hk * d > 2 ** 31
+    assert sum(lens_k) * hk * d > 2**31
     cu_q = torch.tensor([0, 64, 128], dtype=torch.int32, device=DEV)
     cu_k = torch.tensor([0, lens_k[0], sum(lens_k)], dtype=torch.int32, device=DEV)
     q = fp8_randn((128, hq, d))
@@ -259,13 +289,30 @@ def test_gpu_varlen_over_2pow31_elements():
     v = torch.empty(sum(lens_k), hk, d, device=DEV, dtype=E4M3)
     for t in (k, v):
         for s in range(0, t.shape[0], 1 << 18):
-            t[s: s + (1 << 18)] = fp8_randn(t[s: s + (1 << 18)].shape)
+            t[s : s + (1 << 18)] = fp8_randn(t[s : s + (1 << 18)].shape)
     qd, kd, vd = dense_descales(2, hk)
-    out, lse, args = run_dense(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
-                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=64, max_seqlen_k=lens_k[0])
+    out, lse, args = run_dense(
+        q,
+        k,
+        v,
+        causal=True,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=64,
+        max_seqlen_k=lens_k[0],
+    )
     s0 = lens_k[0]
-    kw = dict(softmax_scale=args["softmax_scale"], causal=True, q_descale=qd[1:], k_descale=kd[1:],
-              v_descale=vd[1:], out_dtype=torch.float32)
+    kw = dict(
+        softmax_scale=args["softmax_scale"],
+        causal=True,
+        q_descale=qd[1:],
+        k_descale=kd[1:],
+        v_descale=vd[1:],
+        out_dtype=torch.float32,
+    )
     # the second sequence lives past element 2**31 of K and V
     q1, k1, v1 = q[None, 64:], k[None, s0:], v[None, s0:]
     ref, ref_lse = attention_ref(q1, k1, v1, return_lse=True, **kw)

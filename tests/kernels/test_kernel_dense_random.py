@@ -6,13 +6,14 @@ of this generator passed on the CPU when it was written). Query counts start at 
 the mean error is a coin toss over a single row, and the interpreter truncates fp32 -> bf16 (16-bit inputs are
 covered by the grid tests with their own tolerance).
 """
+
 import random
 
 import pytest
 import torch
 
-from helpers import DEV, assert_close_fa3, check_dense, dense_descales, fp8_randn, run_dense
 from fp8attn.reference import varlen_attention_ref
+from helpers import DEV, assert_close_fa3, check_dense, dense_descales, fp8_randn, run_dense
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -23,8 +24,11 @@ def test_random_feature_combinations(seed):
     hq, hk = rnd.choice([(4, 1), (6, 2), (2, 2)])
     d = rnd.choice([32, 64])
     dv = rnd.choice([d, d, 32])
-    kw = dict(causal=rnd.random() < 0.6, window_size=rnd.choice([(-1, -1), (-1, -1), (8, 0), (20, 5)]),
-              softcap=rnd.choice([0.0, 0.0, 15.0]))
+    kw = dict(
+        causal=rnd.random() < 0.6,
+        window_size=rnd.choice([(-1, -1), (-1, -1), (8, 0), (20, 5)]),
+        softcap=rnd.choice([0.0, 0.0, 15.0]),
+    )
     varlen = rnd.random() < 0.4
     if varlen:
         lq = [rnd.choice([0, 17, 33, 64]) for _ in range(b)]
@@ -44,8 +48,9 @@ def test_random_feature_combinations(seed):
         out, lse, args = run_dense(q, k, v, **kw, **ds)
         check_dense(q, k, v, out, lse, args)
         return
-    out, lse, args = run_dense(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(lq), max_seqlen_k=max(lk),
-                          **kw, **ds)
+    out, lse, args = run_dense(
+        q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(lq), max_seqlen_k=max(lk), **kw, **ds
+    )
     rkw = dict(softmax_scale=args["softmax_scale"], out_dtype=torch.float32, **kw, **ds)
     ref, ref_lse = varlen_attention_ref(q, k, v, cq, ck, max(lq), max(lk), return_lse=True, **rkw)
     lowp = varlen_attention_ref(q, k, v, cq, ck, max(lq), max(lk), quantize_p=True, **rkw)

@@ -9,6 +9,7 @@ kernel's (at most one e4m3 code apart) and against the reference, and under CUDA
 changed out_scale; qk 192 / v 128 against the reference (GQA, Sq != Sk causal, with and without an LSE, dense
 and varlen) and its switch.
 """
+
 import math
 import os
 import subprocess
@@ -17,16 +18,14 @@ import sys
 import pytest
 import torch
 
-
 pytest.importorskip("triton")
-
-from helpers import assert_close_fa3, assert_row_scaled, dense_descales, fp8_randn
 
 from fp8attn.kernels import dense as dense_mod
 from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor
 from fp8attn.kernels.hopper import dense_launch
 from fp8attn.kernels.hopper.dense_launch import varlen_v_kmajor
 from fp8attn.reference import attention_ref
+from helpers import assert_close_fa3, assert_row_scaled, dense_descales, fp8_randn
 
 E4M3 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,7 +33,11 @@ SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 
 
 def _case(b=2, sq=256, sk=256, hq=8, hk=2, d=128, device="cpu"):
-    q, k, v = fp8_randn((b, sq, hq, d), device=device), fp8_randn((b, sk, hk, d), device=device), fp8_randn((b, sk, hk, d), device=device)
+    q, k, v = (
+        fp8_randn((b, sq, hq, d), device=device),
+        fp8_randn((b, sk, hk, d), device=device),
+        fp8_randn((b, sk, hk, d), device=device),
+    )
     qd, kd, vd = dense_descales(b, hk, device)
     out = torch.empty(b, sq, hq, d, device=device, dtype=torch.bfloat16)
     lse = torch.empty(b, hq, sq, device=device)
@@ -49,8 +52,19 @@ def _codes(x):
 
 
 def _kw(qd, kd, vd, lse, **over):
-    kw = dict(causal=False, window_size=(-1, -1), softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd,
-              out_scale=None, cu_seqlens_q=None, descale_block_q=None, descale_block_k=None, lse=lse)
+    kw = dict(
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        out_scale=None,
+        cu_seqlens_q=None,
+        descale_block_q=None,
+        descale_block_k=None,
+        lse=lse,
+    )
     kw.update(over)
     return kw
 
@@ -83,7 +97,7 @@ def _check_block_list(dev):
                 want = _want_block_list(qlens, klens, min_len, keys_cumulative)
                 n = got[0].item()
                 assert got.numel() == 8 * (1 + cap) and n == len(want) <= cap, (n, len(want), cap)
-                entries = got[8:8 + 8 * n].view(n, 8)[:, :6]
+                entries = got[8 : 8 + 8 * n].view(n, 8)[:, :6]
                 assert [tuple(e) for e in entries.tolist()] == want
 
 
@@ -118,8 +132,10 @@ def test_varlen_v_kmajor_layout(path, token_major):
     for b, L in enumerate(lens):
         c0 = 16 * (int(cu[b]) // 16 + b)
         assert c0 % 16 == 0 and c0 >= end
-        assert torch.equal(vt[:, :, c0:c0 + L].view(torch.uint8), v[int(cu[b]):int(cu[b + 1])].permute(1, 2, 0).view(torch.uint8))
-        used[c0:c0 + L] = True
+        assert torch.equal(
+            vt[:, :, c0 : c0 + L].view(torch.uint8), v[int(cu[b]) : int(cu[b + 1])].permute(1, 2, 0).view(torch.uint8)
+        )
+        used[c0 : c0 + L] = True
         end = c0 + L
     if path == "torch":
         assert not vt.view(torch.uint8)[:, :, ~used].any()
@@ -249,11 +265,13 @@ def test_supported_rejects_on_gpu():
     assert dense_launch.supported(q, k, vt, out, **_kw(qd, kd, vd, lse))
     assert not dense_launch.supported(q, k, v, out, **_kw(qd, kd, vd, lse))  # V not sequence-contiguous
     q2, k2, v2, qd2, kd2, vd2, out2, lse2 = _case(sq=200, sk=200, device="cuda")
-    assert "multiples of 128" in dense_launch.unsupported_reason(q2, k2, transpose_v_kmajor(v2), out2,
-                                                              **_kw(qd2, kd2, vd2, lse2))
+    assert "multiples of 128" in dense_launch.unsupported_reason(
+        q2, k2, transpose_v_kmajor(v2), out2, **_kw(qd2, kd2, vd2, lse2)
+    )
     q3, k3, v3, qd3, kd3, vd3, out3, lse3 = _case(d=96, device="cuda")
-    assert "head dim" in dense_launch.unsupported_reason(q3, k3, transpose_v_kmajor(v3), out3,
-                                                      **_kw(qd3, kd3, vd3, lse3))
+    assert "head dim" in dense_launch.unsupported_reason(
+        q3, k3, transpose_v_kmajor(v3), out3, **_kw(qd3, kd3, vd3, lse3)
+    )
     q6, k6, v6, qd6, kd6, vd6, out6, lse6 = _case(d=256, device="cuda")
     assert dense_launch.supported(q6, k6, transpose_v_kmajor(v6), out6, **_kw(qd6, kd6, vd6, lse6))
     q5, k5, v5, qd5, kd5, vd5, out5, lse5 = _case(d=64, device="cuda")
@@ -261,8 +279,9 @@ def test_supported_rejects_on_gpu():
     out8 = torch.empty(out5.shape, dtype=E4M3, device="cuda")
     osc = torch.tensor([0.01], device="cuda")
     assert dense_launch.supported(q5, k5, transpose_v_kmajor(v5), out8, **_kw(qd5, kd5, vd5, lse5, out_scale=osc))
-    assert "device" in dense_launch.unsupported_reason(q5, k5, transpose_v_kmajor(v5), out8,
-                                                    **_kw(qd5, kd5, vd5, lse5, out_scale=osc.cpu()))
+    assert "device" in dense_launch.unsupported_reason(
+        q5, k5, transpose_v_kmajor(v5), out8, **_kw(qd5, kd5, vd5, lse5, out_scale=osc.cpu())
+    )
     q4, k4, v4, qd4, kd4, vd4, out4, lse4 = _case(sq=512, sk=256, device="cuda")
     assert not dense_launch.supported(q4, k4, transpose_v_kmajor(v4), out4, **_kw(qd4, kd4, vd4, lse4, causal=True))
 
@@ -344,16 +363,23 @@ def _run_sm90_snippet(snippet):
     if not dense_launch.HAS_GLUON:
         pytest.skip("triton without gluon")
     try:
-        from triton.backends.nvidia.compiler import CUDABackend
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401 -- the probe
     except Exception as e:  # pragma: no cover
         pytest.skip(f"no NVIDIA compiler backend: {e}")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", snippet.format(src=os.path.abspath(SRC),
-                                                             tests=os.path.dirname(os.path.abspath(__file__)))],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            snippet.format(src=os.path.abspath(SRC), tests=os.path.dirname(os.path.abspath(__file__))),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     out = r.stdout + r.stderr
-    if "no nvdisasm" in out or (r.returncode != 0 and "ptxas" in out and
-                                ("not found" in out or "No such file" in out)):
+    if "no nvdisasm" in out or (r.returncode != 0 and "ptxas" in out and ("not found" in out or "No such file" in out)):
         pytest.skip("no sm90 toolchain (ptxas / nvdisasm)")
     assert r.returncode == 0, out[-3000:]
     return out
@@ -375,11 +401,14 @@ def sass_of(k):
         return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
 """
 
-_FP8_STORE_SNIPPET = _SASS_PRELUDE + """
+_FP8_STORE_SNIPPET = (
+    _SASS_PRELUDE
+    + """
 for out_fp8 in (False, True):
     sass = sass_of(dense_launch._aot_compile(False, write_lse=True, head_dim=128, out_fp8=out_fp8))
     print("counts", out_fp8, sass.count("STSM."), sass.count("STS.U16"), sass.count("STS.U8"))
 """
+)
 
 
 def test_sm90_fp8_output_tile_is_stored_with_stmatrix():
@@ -387,21 +416,25 @@ def test_sm90_fp8_output_tile_is_stored_with_stmatrix():
     stores (the wgmma accumulator holds byte pairs 8 columns apart; ``_fp8_store_layout`` regroups them in
     registers first): sm90 SASS of the d128 warp-specialized kernel, compiled without a GPU."""
     out = _run_sm90_snippet(_FP8_STORE_SNIPPET)
-    counts = {line.split()[1]: [int(x) for x in line.split()[2:]] for line in out.splitlines()
-              if line.startswith("counts ")}
+    counts = {
+        line.split()[1]: [int(x) for x in line.split()[2:]] for line in out.splitlines() if line.startswith("counts ")
+    }
     assert set(counts) == {"False", "True"}, out[-3000:]
     stsm_bf16, stsm_fp8 = counts["False"][0], counts["True"][0]
     assert stsm_bf16 > 0 and stsm_fp8 > 0, counts
     assert counts["True"][1:] == [0, 0], counts  # no 2- or 1-byte shared stores of the e4m3 tile
 
 
-_V_ROWS_REGS_SNIPPET = _SASS_PRELUDE + """
+_V_ROWS_REGS_SNIPPET = (
+    _SASS_PRELUDE
+    + """
 for box in (16, 64):
     sass = sass_of(dense_launch._aot_compile(True, write_lse=True, mode=dense_launch.MODE_PAGED, head_dim=128,
                                           v_rows=True, box=box))
     regs = sorted({{int(x, 16) for x in re.findall(r"USETMAXREG\\.\\S+\\s+(0x[0-9a-f]+)", sass)}})
     print("regs", box, *regs)
 """
+)
 
 
 def test_sm90_v_rows_register_split():
@@ -409,8 +442,11 @@ def test_sm90_v_rows_register_split():
     transposing producer runs at 24 registers so both consumer warpgroups get 240 (at 32 the second got
     232); with 16-key boxes (page 16) the producer keeps 32. sm90 SASS (``USETMAXREG``), no GPU."""
     out = _run_sm90_snippet(_V_ROWS_REGS_SNIPPET)
-    regs = {int(line.split()[1]): {int(x) for x in line.split()[2:]} for line in out.splitlines()
-            if line.startswith("regs ")}
+    regs = {
+        int(line.split()[1]): {int(x) for x in line.split()[2:]}
+        for line in out.splitlines()
+        if line.startswith("regs ")
+    }
     assert set(regs) == {16, 64}, out[-3000:]
     assert {24, 240} <= regs[64] and 32 not in regs[64] and 232 not in regs[64], regs
     assert 32 in regs[16] and 24 not in regs[16], regs
@@ -425,17 +461,16 @@ def _need_sm90():
 
 
 def _reference_check(q, k, v, qd, kd, vd, out, lse, causal, scale, out_scale=None):
-    kw = dict(softmax_scale=scale, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
-              out_dtype=torch.float32)
+    kw = dict(softmax_scale=scale, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32)
     ref, ref_lse = attention_ref(q, k, v, return_lse=True, **kw)
     lowp = attention_ref(q, k, v, quantize_p=True, **kw)
     if out_scale is None:
         # bf16 output: half an ulp of bf16 at the output's magnitude on top of the rule's floor
-        floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2 ** -8
+        floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2**-8
         assert_close_fa3(out.float(), ref, lowp, floor=floor)
     else:
         # e4m3 output, dequantized: half an ulp of e4m3 at the output's magnitude on top of the floor
-        floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2 ** -4
+        floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2**-4
         assert_close_fa3(out.float() * out_scale.float(), ref, lowp, floor=floor)
     if lse is not None:
         assert torch.isfinite(lse).all()
@@ -455,8 +490,20 @@ def test_gpu_tma_vs_reference(sq, sk, causal, d, monkeypatch):
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     scale = 1.0 / math.sqrt(d)
-    launch_dense_fwd(q, k, v, out, lse, softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0,
-                     q_descale=qd, k_descale=kd, v_descale=vd)
+    launch_dense_fwd(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        softmax_scale=scale,
+        causal=causal,
+        window_size=(-1, -1),
+        softcap=0.0,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+    )
     _reference_check(q, k, v, qd, kd, vd, out, lse, causal, scale)
 
 
@@ -474,12 +521,14 @@ def test_gpu_tma_broadcast_descales_strided_lse_no_lse(d):
     vt = transpose_v_kmajor(v)
     assert dense_launch.supported(q, k, vt, out, **_kw(qd, kd, vd, lse, causal=True))
     scale = 0.07
-    dense_launch.launch_dense_fwd_tma(q, k, vt, out, lse, softmax_scale=scale, causal=True,
-                                   q_descale=qd, k_descale=kd, v_descale=vd)
+    dense_launch.launch_dense_fwd_tma(
+        q, k, vt, out, lse, softmax_scale=scale, causal=True, q_descale=qd, k_descale=kd, v_descale=vd
+    )
     _reference_check(q, k, v, qd, kd, vd, out, lse, True, scale)
     out2 = torch.empty_like(out)
-    dense_launch.launch_dense_fwd_tma(q, k, vt, out2, None, softmax_scale=scale, causal=True,
-                                   q_descale=qd, k_descale=kd, v_descale=vd)
+    dense_launch.launch_dense_fwd_tma(
+        q, k, vt, out2, None, softmax_scale=scale, causal=True, q_descale=qd, k_descale=kd, v_descale=vd
+    )
     if d == 64:  # causal without an LSE at d64: the row sums from the tensor core
         assert_row_scaled(out2, out)
     else:
@@ -494,8 +543,15 @@ def test_gpu_tma_deterministic_and_backend_switch(causal, d, monkeypatch):
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND", raising=False)  # the default dispatch
     q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=1024, sk=1024, hq=8, hk=2, d=d, device="cuda")
     assert dense_launch.supported(q, k, transpose_v_kmajor(v), out, **_kw(qd, kd, vd, lse, causal=causal))
-    kw = dict(softmax_scale=1.0 / math.sqrt(d), causal=causal, window_size=(-1, -1), softcap=0.0,
-              q_descale=qd, k_descale=kd, v_descale=vd)
+    kw = dict(
+        softmax_scale=1.0 / math.sqrt(d),
+        causal=causal,
+        window_size=(-1, -1),
+        softcap=0.0,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+    )
     launch_dense_fwd(q, k, v, out, lse, **kw)
     for _ in range(3):
         o2, l2 = torch.empty_like(out), torch.empty_like(lse)
@@ -524,8 +580,17 @@ def test_gpu_flash_attn_func_takes_fast_path(monkeypatch):
     out = fp8attn.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
     out = out[0] if isinstance(out, tuple) else out
     assert out.dtype == torch.bfloat16
-    ref = attention_ref(q, k, v, softmax_scale=1.0 / math.sqrt(128), causal=True, q_descale=qd, k_descale=kd,
-                        v_descale=vd, out_dtype=torch.float32)
+    ref = attention_ref(
+        q,
+        k,
+        v,
+        softmax_scale=1.0 / math.sqrt(128),
+        causal=True,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        out_dtype=torch.float32,
+    )
     assert (out.float() - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
 
 
@@ -540,16 +605,19 @@ def test_gpu_tma_fp8_out(sq, sk, causal, d, monkeypatch):
     _need_sm90()
     q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=sq, sk=sk, hq=8, hk=2, d=d, device="cuda")
     scale = 1.0 / math.sqrt(d)
-    kw = dict(softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0,
-              q_descale=qd, k_descale=kd, v_descale=vd)
-    ref = attention_ref(q, k, v, softmax_scale=scale, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
-                        out_dtype=torch.float32)
+    kw = dict(
+        softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd
+    )
+    ref = attention_ref(
+        q, k, v, softmax_scale=scale, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32
+    )
     calibrated = (ref.abs().max() / 448.0).reshape(1).float()
     for osc in (calibrated, calibrated * 0.25):  # the second one saturates the largest outputs
         out8 = torch.full(out.shape, float("nan"), device="cuda").to(E4M3)
         lse.fill_(float("nan"))
-        assert dense_launch.supported(q, k, transpose_v_kmajor(v), out8, **_kw(qd, kd, vd, lse, causal=causal,
-                                                                             out_scale=osc))
+        assert dense_launch.supported(
+            q, k, transpose_v_kmajor(v), out8, **_kw(qd, kd, vd, lse, causal=causal, out_scale=osc)
+        )
         monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")  # raises if the fast path were not taken
         launch_dense_fwd(q, k, v, out8, lse, out_scale=osc, **kw)
         monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "triton")
@@ -559,7 +627,7 @@ def test_gpu_tma_fp8_out(sq, sk, causal, d, monkeypatch):
         # The Triton kernel may tile the keys differently (BLOCK_N 64 vs 128), which moves the running
         # max and so the e4m3 rounding of P: the two agree within FP8 attention error, not bit-wise.
         # Bit-level agreement is checked against this kernel's own bf16-output path below.
-        both = ref.abs().max().item() * (2e-3 + 2 ** -3)
+        both = ref.abs().max().item() * (2e-3 + 2**-3)
         assert (out8.float() - ot8.float()).abs().max().item() * osc.item() <= both
         torch.testing.assert_close(lt, lse, atol=1e-3, rtol=1e-4)
         if osc is calibrated:
@@ -614,15 +682,30 @@ def test_gpu_fp8_out_bits_equal_the_epilogue_formula(d, backend, varlen, with_ls
         if varlen:
             cu = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
             cuk = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
-            res = fp8attn.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cuk, sq, sk,
-                                                 q_descale=qd, k_descale=kd, v_descale=vd, out_scale=st,
-                                                 return_attn_probs=with_lse)
+            res = fp8attn.flash_attn_varlen_func(
+                q.flatten(0, 1),
+                k.flatten(0, 1),
+                v.flatten(0, 1),
+                cu,
+                cuk,
+                sq,
+                sk,
+                q_descale=qd,
+                k_descale=kd,
+                v_descale=vd,
+                out_scale=st,
+                return_attn_probs=with_lse,
+            )
         else:
-            res = fp8attn.flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, out_scale=st,
-                                          return_attn_probs=with_lse)
+            res = fp8attn.flash_attn_func(
+                q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, out_scale=st, return_attn_probs=with_lse
+            )
         out = (res[0] if with_lse else res).reshape(b, sq, hq, d)
         assert out.dtype == E4M3
-        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), (osc, (_codes(out) - _codes(want)).abs().max())
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), (
+            osc,
+            (_codes(out) - _codes(want)).abs().max(),
+        )
     assert want.float().abs().max().item() == 448.0  # the last scale saturates
 
 
@@ -633,8 +716,15 @@ def test_gpu_tma_fp8_out_cuda_graph(d, monkeypatch):
     _need_sm90()
     monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "tma")
     q, k, v, qd, kd, vd, out, lse = _case(b=2, sq=512, sk=512, hq=8, hk=2, d=d, device="cuda")
-    kw = dict(softmax_scale=1.0 / math.sqrt(d), causal=True, window_size=(-1, -1), softcap=0.0,
-              q_descale=qd, k_descale=kd, v_descale=vd)
+    kw = dict(
+        softmax_scale=1.0 / math.sqrt(d),
+        causal=True,
+        window_size=(-1, -1),
+        softcap=0.0,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+    )
     osc = torch.tensor([0.002], device="cuda")
     out8 = torch.empty(out.shape, device="cuda", dtype=E4M3)
     launch_dense_fwd(q, k, v, out8, lse, out_scale=osc, **kw)  # compile outside the capture
@@ -665,10 +755,20 @@ def test_gpu_flash_attn_func_fp8_out_takes_fast_path(monkeypatch):
         out = fp8attn.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_scale=osc)
         out = out[0] if isinstance(out, tuple) else out
         assert out.dtype == E4M3
-        ref = attention_ref(q, k, v, softmax_scale=1.0 / math.sqrt(d), causal=True, q_descale=qd, k_descale=kd,
-                            v_descale=vd, out_dtype=torch.float32)
-        assert (out.float() * 0.003 - ref.clamp(-448 * 0.003, 448 * 0.003)).abs().max().item() \
-            <= 0.12 * ref.abs().max().item()  # e4m3 rounding (2^-4 relative) + the FP8 attention error
+        ref = attention_ref(
+            q,
+            k,
+            v,
+            softmax_scale=1.0 / math.sqrt(d),
+            causal=True,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+            out_dtype=torch.float32,
+        )
+        assert (
+            out.float() * 0.003 - ref.clamp(-448 * 0.003, 448 * 0.003)
+        ).abs().max().item() <= 0.12 * ref.abs().max().item()  # e4m3 rounding (2^-4 relative) + the FP8 attention error
 
 
 @pytest.mark.gpu
@@ -703,9 +803,17 @@ def test_gpu_varlen_and_triton_paths_take_quantize_qkv_v(monkeypatch):
         x = [torch.randn(818, h, d, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2)]
         q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(*x, granularity="per_tensor")
         v8_rows = fp8attn.quantize_qkv(*x, granularity="per_tensor", v_layout="contiguous")[2]
-        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=True,
-                  q_descale=qd.reshape(-1)[:1], k_descale=kd.reshape(-1)[:1], v_descale=vd.reshape(-1)[:1],
-                  window_size=(128, 0))
+        kw = dict(
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=max(lens),
+            max_seqlen_k=max(lens),
+            causal=True,
+            q_descale=qd.reshape(-1)[:1],
+            k_descale=kd.reshape(-1)[:1],
+            v_descale=vd.reshape(-1)[:1],
+            window_size=(128, 0),
+        )
         row = fp8attn.flash_attn_varlen_func(q8, k8, v8_rows, **kw)
         with monkeypatch.context() as m:
             m.setattr(dense_mod, "transpose_v_kmajor", lambda v: pytest.fail("V transposed"))
@@ -713,11 +821,18 @@ def test_gpu_varlen_and_triton_paths_take_quantize_qkv_v(monkeypatch):
         assert torch.equal(seq.view(torch.int16), row.view(torch.int16))
         for i in range(len(lens)):  # each sequence against the reference on its slice
             s0, s1 = int(cu[i]), int(cu[i + 1])
-            one = dict(softmax_scale=d ** -0.5, causal=True, window_size=(128, 0), q_descale=qd.reshape(-1)[:1],
-                       k_descale=kd.reshape(-1)[:1], v_descale=vd.reshape(-1)[:1], out_dtype=torch.float32)
+            one = dict(
+                softmax_scale=d**-0.5,
+                causal=True,
+                window_size=(128, 0),
+                q_descale=qd.reshape(-1)[:1],
+                k_descale=kd.reshape(-1)[:1],
+                v_descale=vd.reshape(-1)[:1],
+                out_dtype=torch.float32,
+            )
             ref = attention_ref(q8[None, s0:s1], k8[None, s0:s1], v8[None, s0:s1], **one)
             lowp = attention_ref(q8[None, s0:s1], k8[None, s0:s1], v8[None, s0:s1], quantize_p=True, **one)
-            floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2 ** -8
+            floor = 2e-3 * ref.abs().max().item() + ref.abs().max().item() * 2**-8
             assert_close_fa3(seq[None, s0:s1].float(), ref, lowp, floor=floor)
 
 
@@ -769,8 +884,7 @@ def test_gpu_tma_row_sums_without_lse(d):
     vt = transpose_v_kmajor(v)
     for causal in (False, True):
         for out_scale in (None, torch.tensor([0.21], device="cuda")):
-            kw = dict(softmax_scale=0.088, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
-                      out_scale=out_scale)
+            kw = dict(softmax_scale=0.088, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, out_scale=out_scale)
             dt = E4M3 if out_scale is not None else torch.bfloat16
             o_lse, o_rs = (torch.full(out.shape, float("nan"), device="cuda").to(dt) for _ in range(2))
             dense_launch.launch_dense_fwd_tma(q, k, vt, o_lse, lse, **kw)
@@ -805,8 +919,9 @@ def test_gpu_tma_three_consumers_d64(sq, sk, monkeypatch):
         dt = E4M3 if out_scale is not None else torch.bfloat16
         runs = {}
         for consumers in (3, 2):
-            monkeypatch.setattr(dense_launch, "ws_config",
-                                lambda d, c, n=None, consumers=consumers: default(d, c, consumers))
+            monkeypatch.setattr(
+                dense_launch, "ws_config", lambda d, c, n=None, consumers=consumers: default(d, c, consumers)
+            )
             for with_lse in (True, False):
                 o = torch.full(out.shape, float("nan"), device="cuda").to(dt)
                 ls = torch.full_like(lse, float("nan")) if with_lse else None
@@ -853,8 +968,19 @@ def test_gpu_tma_warp_specialized_equals_8warp_kernel(causal, sq, sk, d, monkeyp
     for out_scale in (None, torch.tensor([0.21], device="cuda")):
         o = torch.empty_like(out, dtype=E4M3 if out_scale is not None else torch.bfloat16)
         (o_ws, l_ws), (o_8w, l_8w) = _on_both_kernels(
-            monkeypatch, q, k, vt, o, lse, softmax_scale=0.088, causal=causal, q_descale=qd, k_descale=kd,
-            v_descale=vd, out_scale=out_scale)
+            monkeypatch,
+            q,
+            k,
+            vt,
+            o,
+            lse,
+            softmax_scale=0.088,
+            causal=causal,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+            out_scale=out_scale,
+        )
         assert torch.equal(o_ws.view(torch.uint8), o_8w.view(torch.uint8)) and torch.equal(l_ws, l_8w)
         _reference_check(q, k, v, qd, kd, vd, o_ws, l_ws, causal, 0.088, out_scale=out_scale)
 
@@ -879,8 +1005,18 @@ def test_gpu_tma_persistent_schedule_equals_8warp_kernel(causal, num_sms, d, mon
         monkeypatch.setattr(dense_launch, "_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q", max_persistent)
         monkeypatch.setattr(dense_launch, "_WS_PERSISTENT_CAUSAL_HEAD_DIMS", () if max_persistent == 0 else (64,))
         (o_ws, l_ws), (o_8w, l_8w) = _on_both_kernels(
-            monkeypatch, q, k, vt, out, lse, softmax_scale=0.088, causal=causal, q_descale=qd, k_descale=kd,
-            v_descale=vd)
+            monkeypatch,
+            q,
+            k,
+            vt,
+            out,
+            lse,
+            softmax_scale=0.088,
+            causal=causal,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+        )
         assert not torch.isnan(o_ws).any() and not torch.isnan(l_ws).any(), "a query block was not written"
         if dense_launch.kperm_on(d, 2, causal, True):
             # K key-permuted: the fp32 row sums add in another order, so l (and the LSE) may differ in its
@@ -895,7 +1031,7 @@ def _assert_within_ulps(o, o_ref, lse, lse_ref):
     """bf16 outputs at most one bf16 ulp apart, LSEs within 1e-5 (the key-permuted box moved them by up to
     1.4e-6 on the H200: its fp32 row sums add in another order)."""
     diff = (o.float() - o_ref.float()).abs()
-    assert bool((diff <= o_ref.float().abs() * 2 ** -7).all()), diff.max().item()
+    assert bool((diff <= o_ref.float().abs() * 2**-7).all()), diff.max().item()
     torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=0)
 
 
@@ -917,8 +1053,9 @@ def test_gpu_tma_kperm_matches_plain_box(causal, with_lse, fp8_out, monkeypatch)
         monkeypatch.setattr(dense_launch, "kperm_on", lambda *args, f=forced: f)
         o = torch.full(out.shape, float("nan"), device="cuda").to(E4M3 if fp8_out else torch.bfloat16)
         ls = torch.full_like(lse, float("nan")) if with_lse else None
-        dense_launch.launch_dense_fwd_tma(q, k, vt, o, ls, softmax_scale=0.088, causal=causal, q_descale=qd,
-                                       k_descale=kd, v_descale=vd, out_scale=osc)
+        dense_launch.launch_dense_fwd_tma(
+            q, k, vt, o, ls, softmax_scale=0.088, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, out_scale=osc
+        )
         res.append((o, ls))
     (o_p, l_p), (o_n, l_n) = res
     if with_lse:
@@ -981,7 +1118,10 @@ def _varlen_case(lens_q, lens_k, hq=8, hk=2, d=128, dv=None):
     cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     b = len(lens_q)
-    q, k, v = (fp8_randn((int(cu[-1]), h, w), device="cuda") for cu, h, w in ((cu_q, hq, d), (cu_k, hk, d), (cu_k, hk, dv or d)))
+    q, k, v = (
+        fp8_randn((int(cu[-1]), h, w), device="cuda")
+        for cu, h, w in ((cu_q, hq, d), (cu_k, hk, d), (cu_k, hk, dv or d))
+    )
     qd = torch.rand(b, hk, device="cuda") * 0.28 + 0.02
     kd = torch.rand(b, hk, device="cuda") * 0.28 + 0.02
     vd = torch.rand(b, hk, device="cuda") * 1.5 + 0.5
@@ -1003,9 +1143,24 @@ def _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=True, with_l
     old = os.environ.get("FP8ATTN_DENSE_BACKEND")
     os.environ["FP8ATTN_DENSE_BACKEND"] = "tma" if expect_tma else "triton"  # (auto prefers Triton below 2k)
     try:
-        launch_dense_fwd(q, k, v, out, lse, softmax_scale=q.shape[-1] ** -0.5, causal=causal, window_size=(-1, -1),
-                         softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                         max_seqlen_q=int(lens_q.max()), max_seqlen_k=int(lens_k.max()))
+        launch_dense_fwd(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            softmax_scale=q.shape[-1] ** -0.5,
+            causal=causal,
+            window_size=(-1, -1),
+            softcap=0.0,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=int(lens_q.max()),
+            max_seqlen_k=int(lens_k.max()),
+        )
     finally:
         dense_launch._launch_varlen = real
         if old is None:
@@ -1031,8 +1186,8 @@ def test_gpu_tma_varlen_vs_reference_and_triton(d, causal):
         q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
         if q1 == q0:
             continue
-        one = (q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], qd[i:i + 1], kd[i:i + 1], vd[i:i + 1])
-        _reference_check(*one, out[None, q0:q1], lse[None, :, q0:q1], causal, d ** -0.5)
+        one = (q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], qd[i : i + 1], kd[i : i + 1], vd[i : i + 1])
+        _reference_check(*one, out[None, q0:q1], lse[None, :, q0:q1], causal, d**-0.5)
     out2, lse2 = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2)
     tri, tri_lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=False)
@@ -1051,9 +1206,18 @@ def test_gpu_tma_varlen_bits_equal_dense(causal):
     out, lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
     od = torch.empty(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
     ld = torch.empty(b, hq, sq, device="cuda")
-    dense_launch.launch_dense_fwd_tma(q.view(b, sq, hq, d), k.view(b, sk, hk, d), transpose_v_kmajor(v.view(b, sk, hk, d)),
-                                   od, ld, softmax_scale=d ** -0.5, causal=causal, q_descale=qd, k_descale=kd,
-                                   v_descale=vd)
+    dense_launch.launch_dense_fwd_tma(
+        q.view(b, sq, hq, d),
+        k.view(b, sk, hk, d),
+        transpose_v_kmajor(v.view(b, sk, hk, d)),
+        od,
+        ld,
+        softmax_scale=d**-0.5,
+        causal=causal,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+    )
     assert torch.equal(out.view(b, sq, hq, d).view(torch.int16), od.view(torch.int16))
     assert torch.equal(lse.view(hq, b, sq).transpose(0, 1), ld)
 
@@ -1072,7 +1236,7 @@ def test_gpu_varlen_v_kmajor_matches_cpu():
     for b, L in enumerate(lens):
         c0 = 16 * (int(cu[b]) // 16 + b)
         for g in (got, got_t):
-            assert torch.equal(g[:, :, c0:c0 + L].cpu().view(torch.uint8), ref[:, :, c0:c0 + L].view(torch.uint8))
+            assert torch.equal(g[:, :, c0 : c0 + L].cpu().view(torch.uint8), ref[:, :, c0 : c0 + L].view(torch.uint8))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1080,7 +1244,11 @@ def test_gpu_varlen_v_kmajor_matches_cpu():
 # ---------------------------------------------------------------------------------------------
 def _case_qk192(b=2, sq=256, sk=256, hq=8, hk=2, device="cpu"):
     """``_case`` with q/k head dim 192, v/out head dim 128, V sequence-contiguous (``vt``) as well."""
-    q, k, v = fp8_randn((b, sq, hq, 192), device=device), fp8_randn((b, sk, hk, 192), device=device), fp8_randn((b, sk, hk, 128), device=device)
+    q, k, v = (
+        fp8_randn((b, sq, hq, 192), device=device),
+        fp8_randn((b, sk, hk, 192), device=device),
+        fp8_randn((b, sk, hk, 128), device=device),
+    )
     qd = torch.rand(b, hk, device=device) * 0.28 + 0.02
     kd = torch.rand(b, hk, device=device) * 0.28 + 0.02
     vd = torch.rand(b, hk, device=device) * 1.5 + 0.5
@@ -1123,7 +1291,11 @@ def test_qk192_rules(monkeypatch):
     out192 = torch.empty(2, 256, 8, 192, dtype=torch.bfloat16)
     assert "shape mismatch" in dense_launch.unsupported_reason(q, k, vt, out192, **kw)
     for dq, dk, dv in ((192, 192, 192), (192, 192, 64), (128, 128, 192), (192, 128, 128), (256, 256, 128)):
-        qx, kx, vx = fp8_randn((2, 256, 8, dq), device="cpu"), fp8_randn((2, 256, 2, dk), device="cpu"), fp8_randn((2, 256, 2, dv), device="cpu")
+        qx, kx, vx = (
+            fp8_randn((2, 256, 8, dq), device="cpu"),
+            fp8_randn((2, 256, 2, dk), device="cpu"),
+            fp8_randn((2, 256, 2, dv), device="cpu"),
+        )
         ox = torch.empty(2, 256, 8, dv, dtype=torch.bfloat16)
         assert "head dim" in dense_launch.unsupported_reason(qx, kx, vx, ox, **kw), (dq, dk, dv)
     # varlen: the bounded kernel (by default from 1024 queries, as head dim 128), also behind the switch
@@ -1133,8 +1305,9 @@ def test_qk192_rules(monkeypatch):
     assert dense_launch.unsupported_reason(*vargs, **kv) == "inputs must be CUDA tensors"
     assert dense_launch.varlen_preferred(192, 1024) and not dense_launch.varlen_preferred(192, 1023)
     assert "shape mismatch" in dense_launch.unsupported_reason(*vargs[:3], out.view(512, 8, 128)[:, :4], **kv)
-    assert "head dim" in dense_launch.unsupported_reason(*vargs[:2], k.view(512, 2, 192), out.view(512, 8, 128)
-                                                      .new_empty(512, 8, 192), **kv)
+    assert "head dim" in dense_launch.unsupported_reason(
+        *vargs[:2], k.view(512, 2, 192), out.view(512, 8, 128).new_empty(512, 8, 192), **kv
+    )
     monkeypatch.setenv("FP8ATTN_TMA_QK192", "0")
     assert "FP8ATTN_TMA_QK192=0" in dense_launch.unsupported_reason(*vargs, **kv)
     monkeypatch.delenv("FP8ATTN_TMA_QK192")
@@ -1147,7 +1320,9 @@ def test_qk192_rules(monkeypatch):
         dense_launch.ws_config(192, False, 3, head_dim_v=128)
 
 
-_QK192_AOT_SNIPPET = _SASS_PRELUDE + """
+_QK192_AOT_SNIPPET = (
+    _SASS_PRELUDE
+    + """
 for mode in (None, dense_launch.MODE_VARLEN):
     for causal in (False, True):
         for lse in (False, True):
@@ -1157,6 +1332,7 @@ for mode in (None, dense_launch.MODE_VARLEN):
             print("qk192", mode, int(causal), int(lse), k.metadata.shared, len(re.findall(r"\\bSTL", sass)),
                   len(re.findall(r"\\bLDL", sass)), *regs)
 """
+)
 
 
 def test_aot_compile_sm90_qk192():
@@ -1178,9 +1354,18 @@ def test_aot_compile_sm90_qk192():
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_lse", [True, False])
 @pytest.mark.parametrize("hq,hk", [(4, 4), (8, 4)])
-@pytest.mark.parametrize("sq,sk,causal", [(128, 128, False), (128, 128, True), (1024, 1024, False),
-                                          (1024, 1024, True), (1024, 4096, True), (1024, 4096, False),
-                                          (4096, 4096, True)])
+@pytest.mark.parametrize(
+    "sq,sk,causal",
+    [
+        (128, 128, False),
+        (128, 128, True),
+        (1024, 1024, False),
+        (1024, 1024, True),
+        (1024, 4096, True),
+        (1024, 4096, False),
+        (4096, 4096, True),
+    ],
+)
 def test_gpu_tma_qk192_vs_reference(sq, sk, causal, hq, hk, with_lse, monkeypatch):
     """qk 192 / v 128 through ``launch_dense_fwd``'s default dispatch takes the warp-specialized kernel (the
     launch is spied on: head dim 192, V / O 128 wide) and matches the reference from the dequantized inputs
@@ -1199,14 +1384,16 @@ def test_gpu_tma_qk192_vs_reference(sq, sk, causal, hq, hk, with_lse, monkeypatc
         return real(d, ws, grid, descs, args, consts, **kw)
 
     monkeypatch.setattr(dense_launch, "_launch", spy)
-    scale = 192 ** -0.5
-    kw = dict(softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd, k_descale=kd,
-              v_descale=vd)
+    scale = 192**-0.5
+    kw = dict(
+        softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd
+    )
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     launch_dense_fwd(q, k, v, out, lse, **kw)
-    assert launches == [(192, True, (causal, True, False, dense_launch.NUM_STAGES, 192, 2, 128), [128, 128],
-                         [64, 128])], launches
+    assert launches == [
+        (192, True, (causal, True, False, dense_launch.NUM_STAGES, 192, 2, 128), [128, 128], [64, 128])
+    ], launches
     _reference_check(q, k, v, qd, kd, vd, out, lse, causal, scale)
     if not with_lse:
         o2 = torch.full_like(out, float("nan"))
@@ -1230,8 +1417,9 @@ def test_gpu_tma_qk192_switch_and_triton(causal, monkeypatch):
 
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND", raising=False)
     q, k, v, _, qd, kd, vd, out, lse = _case_qk192(b=1, sq=1024, sk=2048, hq=16, hk=16, device="cuda")
-    kw = dict(softmax_scale=0.1, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd, k_descale=kd,
-              v_descale=vd)
+    kw = dict(
+        softmax_scale=0.1, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd
+    )
     calls = []
     real = dense_launch.launch_dense_fwd_tma
 
@@ -1256,8 +1444,7 @@ def test_gpu_tma_qk192_switch_and_triton(causal, monkeypatch):
         launch_dense_fwd(q, k, v, ot, lt, **kw)
     monkeypatch.delenv("FP8ATTN_TMA_QK192")
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND")
-    of = fp8attn.flash_attn_func(q, k, v, softmax_scale=0.1, causal=causal, q_descale=qd, k_descale=kd,
-                                 v_descale=vd)
+    of = fp8attn.flash_attn_func(q, k, v, softmax_scale=0.1, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
     of = of[0] if isinstance(of, tuple) else of
     assert len(calls) == 3 and of.shape == out.shape
     assert (of.float() - out.float()).abs().max().item() <= 0.05 * out.float().abs().max().item()
@@ -1288,8 +1475,8 @@ def test_gpu_tma_qk192_varlen_vs_reference_and_triton(causal, hq, hk, with_lse, 
         q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
         if q1 == q0:
             continue
-        one = (q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], qd[i:i + 1], kd[i:i + 1], vd[i:i + 1])
-        _reference_check(*one, out[None, q0:q1], lse[None, :, q0:q1], causal, 192 ** -0.5)
+        one = (q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], qd[i : i + 1], kd[i : i + 1], vd[i : i + 1])
+        _reference_check(*one, out[None, q0:q1], lse[None, :, q0:q1], causal, 192**-0.5)
     out2, lse2 = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2)
     tri, tri_lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal, expect_tma=False)
@@ -1307,8 +1494,19 @@ def test_gpu_tma_qk192_varlen_vs_reference_and_triton(causal, hq, hk, with_lse, 
     monkeypatch.setattr(dense_launch, "_launch_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND", raising=False)
     o4 = torch.empty_like(out)
-    kw = dict(softmax_scale=192 ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd,
-              k_descale=kd, v_descale=vd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1024, max_seqlen_k=1024)
+    kw = dict(
+        softmax_scale=192**-0.5,
+        causal=causal,
+        window_size=(-1, -1),
+        softcap=0.0,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=1024,
+        max_seqlen_k=1024,
+    )
     launch_dense_fwd(q, k, v, o4, torch.empty_like(lse), **kw)
     assert calls == [1] and torch.equal(o4.view(torch.int16), out.view(torch.int16))
     monkeypatch.setenv("FP8ATTN_TMA_QK192", "0")
@@ -1327,9 +1525,18 @@ def test_gpu_tma_qk192_varlen_bits_equal_dense(causal):
     out, lse = _varlen_run(q, k, v, qd, kd, vd, cu_q, cu_k, causal)
     od = torch.empty(b, sq, hq, 128, device="cuda", dtype=torch.bfloat16)
     ld = torch.empty(b, hq, sq, device="cuda")
-    dense_launch.launch_dense_fwd_tma(q.view(b, sq, hq, 192), k.view(b, sk, hk, 192),
-                                   transpose_v_kmajor(v.view(b, sk, hk, 128)), od, ld, softmax_scale=192 ** -0.5,
-                                   causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    dense_launch.launch_dense_fwd_tma(
+        q.view(b, sq, hq, 192),
+        k.view(b, sk, hk, 192),
+        transpose_v_kmajor(v.view(b, sk, hk, 128)),
+        od,
+        ld,
+        softmax_scale=192**-0.5,
+        causal=causal,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+    )
     assert torch.equal(out.view(b, sq, hq, 128).view(torch.int16), od.view(torch.int16))
     assert torch.equal(lse.view(hq, b, sq).transpose(0, 1), ld)
 
@@ -1339,29 +1546,57 @@ def test_qk192_launch_views(monkeypatch):
     (rows, heads * 192) in 64-wide boxes, V sequence-major as (heads * 128, keys) in 128 x 128 boxes, O as
     (rows, heads * 128) in 64 x 128 boxes; HEAD_DIM 192 with HEAD_DIM_V 128, dense and varlen."""
     seen = []
-    monkeypatch.setattr(dense_launch, "_launch", lambda d, ws, grid, descs, args, consts, **kw: seen.append(
-        (d, ws, [(list(shape), list(strides), box) for _, shape, strides, box in descs], consts, kw)))
+    monkeypatch.setattr(
+        dense_launch,
+        "_launch",
+        lambda d, ws, grid, descs, args, consts, **kw: seen.append(
+            (d, ws, [(list(shape), list(strides), box) for _, shape, strides, box in descs], consts, kw)
+        ),
+    )
     monkeypatch.setattr(dense_launch, "_num_sms", lambda index: 132)
     b, sq, sk, hq, hk = 2, 256, 384, 8, 2
     q, k, v, vt, qd, kd, vd, out, lse = _case_qk192(b=b, sq=sq, sk=sk, hq=hq, hk=hk)
-    dense_launch.launch_dense_fwd_tma(q, k, vt, out, None, softmax_scale=0.1, causal=True, q_descale=qd, k_descale=kd,
-                                   v_descale=vd)
+    dense_launch.launch_dense_fwd_tma(
+        q, k, vt, out, None, softmax_scale=0.1, causal=True, q_descale=qd, k_descale=kd, v_descale=vd
+    )
     d, ws, views, consts, kw = seen.pop()
     assert (d, ws, consts) == (192, True, (True, False, False, dense_launch.NUM_STAGES, 192, 2, 128))
-    assert views == [([b * sq, hq * 192], [hq * 192, 1], [64, 64]), ([b * sk, hk * 192], [hk * 192, 1], [128, 64]),
-                     ([b * hk * 128, sk], [sk, 1], [128, 128]), ([b * sq, hq * 128], [hq * 128, 1], [64, 128])]
+    assert views == [
+        ([b * sq, hq * 192], [hq * 192, 1], [64, 64]),
+        ([b * sk, hk * 192], [hk * 192, 1], [128, 64]),
+        ([b * hk * 128, sk], [sk, 1], [128, 128]),
+        ([b * sq, hq * 128], [hq * 128, 1], [64, 128]),
+    ]
     assert kw == dict(tiles=(64, 64, 128, 128))
     if not (dense_mod.INTERPRET or torch.cuda.is_available()):
         pytest.skip("the varlen block list needs CUDA or the interpreter")
     cu = torch.tensor([0, 100, 356], dtype=torch.int32)
     tq = 356
-    dense_launch.launch_dense_fwd_tma(q.view(-1, hq, 192)[:tq], k.view(-1, hk, 192)[:tq], v.view(-1, hk, 128)[:tq],
-                                   out.view(-1, hq, 128)[:tq], torch.empty(hq, tq), softmax_scale=0.1, causal=False,
-                                   q_descale=qd, k_descale=kd, v_descale=vd, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    dense_launch.launch_dense_fwd_tma(
+        q.view(-1, hq, 192)[:tq],
+        k.view(-1, hk, 192)[:tq],
+        v.view(-1, hk, 128)[:tq],
+        out.view(-1, hq, 128)[:tq],
+        torch.empty(hq, tq),
+        softmax_scale=0.1,
+        causal=False,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+    )
     d, ws, views, consts, kw = seen.pop()
     cols = 16 * (tq // 16 + b + 1)
-    assert (d, ws, consts) == (192, True, (False, True, False, dense_launch.NUM_STAGES, 192, dense_launch.MODE_VARLEN,
-                                           False, 128))
-    assert views == [([tq, hq * 192], [hq * 192, 1], [64, 64]), ([tq, hk * 192], [hk * 192, 1], [128, 64]),
-                     ([hk * 128, cols], [cols, 1], [128, 128]), ([tq, hq * 128], [hq * 128, 1], [64, 128])]
+    assert (d, ws, consts) == (
+        192,
+        True,
+        (False, True, False, dense_launch.NUM_STAGES, 192, dense_launch.MODE_VARLEN, False, 128),
+    )
+    assert views == [
+        ([tq, hq * 192], [hq * 192, 1], [64, 64]),
+        ([tq, hk * 192], [hk * 192, 1], [128, 64]),
+        ([hk * 128, cols], [cols, 1], [128, 128]),
+        ([tq, hq * 128], [hq * 128, 1], [64, 128]),
+    ]
     assert kw == dict(bounded=True, tiles=(64, 64, 128, 128))

@@ -10,13 +10,22 @@ capture/replay, a cache over 2**31 elements and bit-identical repeated runs.
 import pytest
 import torch
 
-from helpers import (check_paged, cu_from_lens, make_cache, paged_refs, poison_, rand_descale, replay_at_lengths,
-                     run_paged, v_seq_major_cache)
 from fp8attn.kernels.paged import launch_paged_fwd
 from fp8attn.kernels.planning import choose_num_splits, paged_config
 from fp8attn.paged_cache import split_workspace, to_v_seq_major
 from fp8attn.quant import saturating_cast
 from fp8attn.reference import paged_attention_ref
+from helpers import (
+    check_paged,
+    cu_from_lens,
+    make_cache,
+    paged_refs,
+    poison_,
+    rand_descale,
+    replay_at_lengths,
+    run_paged,
+    v_seq_major_cache,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
@@ -48,12 +57,25 @@ def test_fp8q_fp8kv_prefill_tiles(v_seq_major):
     c = make_cache(seqlens, 16, hk, d)
     c = v_seq_major_cache(c) if v_seq_major else c
     q8 = saturating_cast(torch.randn(3, 9, hq, d, device=DEV) * 2, E4M3)
-    kw = dict(q_descale=rand_descale(3, hk, 0.5, 2.0, DEV), k_descale=rand_descale(3, hk, 0.5, 2.0, DEV), v_descale=rand_descale(3, hk, 0.5, 2.0, DEV))
+    kw = dict(
+        q_descale=rand_descale(3, hk, 0.5, 2.0, DEV),
+        k_descale=rand_descale(3, hk, 0.5, 2.0, DEV),
+        v_descale=rand_descale(3, hk, 0.5, 2.0, DEV),
+    )
     out, lse = run_paged(q8, c, **kw)
     ref, ref_lse, lp = paged_refs(q8, c, quantize_p=v_seq_major, causal=True, **kw)
     if not v_seq_major:
-        lp = paged_attention_ref(q8, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"],
-                                 out_dtype=torch.bfloat16, p_dtype=torch.float16, causal=True, **kw)
+        lp = paged_attention_ref(
+            q8,
+            c["k_cache"],
+            c["v_cache"],
+            c["page_table"],
+            c["cache_seqlens"],
+            out_dtype=torch.bfloat16,
+            p_dtype=torch.float16,
+            causal=True,
+            **kw,
+        )
         check_paged(out, lse, ref, ref_lse, lp)
         # closer to P rounded to fp16 than to P rounded to e4m3
         args = (q8, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"])
@@ -75,23 +97,52 @@ def test_fp8q_small_tiles_fa3_v_run_16bit(qlen, hq, hk, num_splits):
     seqlens, d = [70, 5, 129], 32
     c = make_cache(seqlens, 16, hk, d)
     q8 = saturating_cast(torch.randn(3, qlen, hq, d, device=DEV) * 2, E4M3)
-    kw = dict(q_descale=rand_descale(3, hk, 0.5, 2.0, DEV), k_descale=rand_descale(3, hk, 0.5, 2.0, DEV), v_descale=rand_descale(3, hk, 0.5, 2.0, DEV))
+    kw = dict(
+        q_descale=rand_descale(3, hk, 0.5, 2.0, DEV),
+        k_descale=rand_descale(3, hk, 0.5, 2.0, DEV),
+        v_descale=rand_descale(3, hk, 0.5, 2.0, DEV),
+    )
     out, lse = run_paged(q8, c, num_splits=num_splits, **kw)
     ref, ref_lse, _ = paged_refs(q8, c, quantize_p=False, causal=True, **kw)
-    lp16 = paged_attention_ref(q8, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"],
-                               out_dtype=torch.bfloat16, p_dtype=torch.float16, causal=True, **kw)
+    lp16 = paged_attention_ref(
+        q8,
+        c["k_cache"],
+        c["v_cache"],
+        c["page_table"],
+        c["cache_seqlens"],
+        out_dtype=torch.bfloat16,
+        p_dtype=torch.float16,
+        causal=True,
+        **kw,
+    )
     check_paged(out, lse, ref, ref_lse, lp16)
     if DEV == "cpu":  # the interpreter runs the fp16 dots as the reference rounds them: one bf16 ulp, plus
         # P's fp16 roundings that flip with the exp2's last bit (small absolute changes)
-        lp16 = paged_attention_ref(q8, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"],
-                                   out_dtype=torch.float32, p_dtype=torch.float16, causal=True, **kw)
-        assert ((out.float() - lp16).abs() <= 2.0 ** -7 * lp16.abs() + 2.0 ** -9 * lp16.abs().max()).all()
+        lp16 = paged_attention_ref(
+            q8,
+            c["k_cache"],
+            c["v_cache"],
+            c["page_table"],
+            c["cache_seqlens"],
+            out_dtype=torch.float32,
+            p_dtype=torch.float16,
+            causal=True,
+            **kw,
+        )
+        assert ((out.float() - lp16).abs() <= 2.0**-7 * lp16.abs() + 2.0**-9 * lp16.abs().max()).all()
     c16 = dict(c, k_cache=c["k_cache"], v_cache=to_v_seq_major(c["v_cache"]))
     out_s, lse_s = run_paged(q8, c16, num_splits=num_splits, **kw)
     ref8, _, lp8 = paged_refs(q8, c, quantize_p=True, causal=True, **kw)
     loose = DEV == "cpu"  # the interpreter's e4m3 cast of P drops carries (docs/design.md, Testing)
-    check_paged(out_s, lse_s, ref8, ref_lse, lp8, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
-          lse_tol=0.05 if loose else 1e-3)
+    check_paged(
+        out_s,
+        lse_s,
+        ref8,
+        ref_lse,
+        lp8,
+        floor=0.06 * ref.abs().max().item() if loose else 2e-3,
+        lse_tol=0.05 if loose else 1e-3,
+    )
 
 
 @pytest.mark.parametrize("dtype", [E5M2, torch.bfloat16])
@@ -99,7 +150,11 @@ def test_other_cache_dtypes(dtype):
     seqlens = [45, 17]
     c = make_cache(seqlens, 16, 2, 32, dtype=dtype)
     q = torch.randn(2, 2, 4, 32, device=DEV).to(torch.float16 if dtype == E5M2 else torch.bfloat16)
-    kw = dict(k_descale=rand_descale(2, 2, 0.5, 2.0, DEV), v_descale=rand_descale(2, 2, 0.5, 2.0, DEV)) if dtype == E5M2 else {}
+    kw = (
+        dict(k_descale=rand_descale(2, 2, 0.5, 2.0, DEV), v_descale=rand_descale(2, 2, 0.5, 2.0, DEV))
+        if dtype == E5M2
+        else {}
+    )
     out, lse = run_paged(q, c, **kw)
     ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True, **kw)
     check_paged(out, lse, ref, ref_lse, lp)
@@ -197,17 +252,26 @@ def test_mixed_batch_equals_separate(num_splits, two_class, decode_first):
     cu = cu_from_lens(qlens)
     q = torch.randn(sum(qlens), hq, d, device=DEV).to(torch.bfloat16)
     kd, vd = rand_descale(6, hk, 0.5, 2.0, DEV), rand_descale(6, hk, 0.5, 2.0, DEV)
-    out, lse = run_paged(q, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), k_descale=kd, v_descale=vd,
-                         num_splits=num_splits, config={"two_class": two_class, "decode_first": decode_first})
-    ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens),
-                            k_descale=kd, v_descale=vd)
+    out, lse = run_paged(
+        q,
+        c,
+        cu_seqlens_q=cu,
+        max_seqlen_q=max(qlens),
+        k_descale=kd,
+        v_descale=vd,
+        num_splits=num_splits,
+        config={"two_class": two_class, "decode_first": decode_first},
+    )
+    ref, ref_lse, lp = paged_refs(
+        q, c, quantize_p=False, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens), k_descale=kd, v_descale=vd
+    )
     check_paged(out, lse, ref, ref_lse, lp)
     for b in range(6):
         if qlens[b] == 0:
             continue
         s, e = cu[b].item(), cu[b + 1].item()
-        cb = dict(c, page_table=c["page_table"][b:b + 1], cache_seqlens=c["cache_seqlens"][b:b + 1])
-        ob, lb = run_paged(q[None, s:e], cb, k_descale=kd[b:b + 1], v_descale=vd[b:b + 1])
+        cb = dict(c, page_table=c["page_table"][b : b + 1], cache_seqlens=c["cache_seqlens"][b : b + 1])
+        ob, lb = run_paged(q[None, s:e], cb, k_descale=kd[b : b + 1], v_descale=vd[b : b + 1])
         assert (ob[0].float() - out[s:e].float()).abs().max().item() <= 1e-2
         assert (lb[0] - lse[:, s:e]).abs().max().item() <= 1e-4
 
@@ -223,18 +287,33 @@ def test_mixed_batch_fp8q_fa3_layout(two_class):
     c = make_cache(seqlens, 16, hk, d)
     cu = cu_from_lens(qlens)
     q = saturating_cast(torch.randn(sum(qlens), hq, d, device=DEV) * 2, E4M3)
-    kw = dict(q_descale=rand_descale(4, hk, 0.5, 2.0, DEV), k_descale=rand_descale(4, hk, 0.5, 2.0, DEV), v_descale=rand_descale(4, hk, 0.5, 2.0, DEV))
-    out, lse = run_paged(q, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), config={"two_class": two_class,
-                                                                                 "tma": False}, **kw)
+    kw = dict(
+        q_descale=rand_descale(4, hk, 0.5, 2.0, DEV),
+        k_descale=rand_descale(4, hk, 0.5, 2.0, DEV),
+        v_descale=rand_descale(4, hk, 0.5, 2.0, DEV),
+    )
+    out, lse = run_paged(
+        q, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), config={"two_class": two_class, "tma": False}, **kw
+    )
     ref, ref_lse, _ = paged_refs(q, c, quantize_p=False, causal=True, cu_seqlens_q=cu, max_seqlen_q=max(qlens), **kw)
-    lp = paged_attention_ref(q, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"], cu_seqlens_q=cu,
-                             max_seqlen_q=max(qlens), out_dtype=torch.bfloat16, p_dtype=torch.float16, causal=True,
-                             **kw)
+    lp = paged_attention_ref(
+        q,
+        c["k_cache"],
+        c["v_cache"],
+        c["page_table"],
+        c["cache_seqlens"],
+        cu_seqlens_q=cu,
+        max_seqlen_q=max(qlens),
+        out_dtype=torch.bfloat16,
+        p_dtype=torch.float16,
+        causal=True,
+        **kw,
+    )
     check_paged(out, lse, ref, ref_lse, lp)
     for b in (0, 3):  # the decode rows against decode calls of their own (the 16-bit path)
         s, e = cu[b].item(), cu[b + 1].item()
-        cb = dict(c, page_table=c["page_table"][b:b + 1], cache_seqlens=c["cache_seqlens"][b:b + 1])
-        ob, _ = run_paged(q[None, s:e], cb, **{k: v[b:b + 1] for k, v in kw.items()})
+        cb = dict(c, page_table=c["page_table"][b : b + 1], cache_seqlens=c["cache_seqlens"][b : b + 1])
+        ob, _ = run_paged(q[None, s:e], cb, **{k: v[b : b + 1] for k, v in kw.items()})
         diff = (ob[0].float() - out[s:e].float()).abs().max().item()
         assert diff <= (1e-6 if two_class else 1e-2), diff
 
@@ -247,8 +326,8 @@ def _wide_page_table(c, fill):
     that a page id read past a row's pages (and used) would address outside the pool."""
     pt = c["page_table"]
     wide = torch.full((pt.shape[0], pt.shape[1] + 3), fill, dtype=torch.int32, device=pt.device)
-    wide[:, :pt.shape[1]] = pt
-    return dict(c, page_table=wide[:, :pt.shape[1]])
+    wide[:, : pt.shape[1]] = pt
+    return dict(c, page_table=wide[:, : pt.shape[1]])
 
 
 @pytest.mark.parametrize("page_size", [64, 256])
@@ -288,16 +367,37 @@ def test_tile_path_chunked_prefill_fp8(pv_fp16):
     c = make_cache(seqlens, 64, hk, d)
     cu = cu_from_lens(qlens)
     q8 = saturating_cast(torch.randn(sum(qlens), hq, d, device=DEV) * 2, E4M3)
-    qd, kd, vd = rand_descale(2, hk, 0.5, 2.0, DEV), rand_descale(2, hk, 0.5, 2.0, DEV), rand_descale(2, hk, 0.5, 2.0, DEV)
+    qd, kd, vd = (
+        rand_descale(2, hk, 0.5, 2.0, DEV),
+        rand_descale(2, hk, 0.5, 2.0, DEV),
+        rand_descale(2, hk, 0.5, 2.0, DEV),
+    )
     cfg = {"block_m": 64, "block_n": 64, "pv_fp16": pv_fp16}
-    out, lse = run_paged(q8, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), q_descale=qd, k_descale=kd,
-                         v_descale=vd, config=cfg)
-    ref, ref_lse, lp = paged_refs(q8, c, quantize_p=not pv_fp16, causal=True, cu_seqlens_q=cu,
-                            max_seqlen_q=max(qlens), q_descale=qd, k_descale=kd, v_descale=vd)
+    out, lse = run_paged(
+        q8, c, cu_seqlens_q=cu, max_seqlen_q=max(qlens), q_descale=qd, k_descale=kd, v_descale=vd, config=cfg
+    )
+    ref, ref_lse, lp = paged_refs(
+        q8,
+        c,
+        quantize_p=not pv_fp16,
+        causal=True,
+        cu_seqlens_q=cu,
+        max_seqlen_q=max(qlens),
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+    )
     # as in test_fp8q_fp8kv_mma_path: the interpreter's e4m3 cast of P drops carries (docs/design.md, Testing)
     loose = DEV == "cpu" and not pv_fp16
-    check_paged(out, lse, ref, ref_lse, lp, floor=0.06 * ref.abs().max().item() if loose else 2e-3,
-          lse_tol=0.05 if loose else 1e-3)
+    check_paged(
+        out,
+        lse,
+        ref,
+        ref_lse,
+        lp,
+        floor=0.06 * ref.abs().max().item() if loose else 2e-3,
+        lse_tol=0.05 if loose else 1e-3,
+    )
 
 
 # ---- sequence-major V pages (memory order (num_blocks, nheads_k, headdim, page_size))
@@ -328,7 +428,7 @@ def test_v_seq_major_cache(page_size, fp8_q, num_splits):
     loose = DEV == "cpu" and fp8_q  # the interpreter's e4m3 cast of P drops carries (docs/design.md, Testing)
     floor = 0.06 * ref.abs().max().item() if loose else 2e-3
     check_paged(out_s, lse_s, ref, ref_lse, lp, floor=floor, lse_tol=0.05 if loose else 1e-3)
-    assert (out_s.float() - out.float()).abs().max().item() <= 2 * floor + 2.0 ** -6 * ref.abs().max().item()
+    assert (out_s.float() - out.float()).abs().max().item() <= 2 * floor + 2.0**-6 * ref.abs().max().item()
 
 
 def test_v_seq_major_tile_config():
@@ -380,17 +480,32 @@ def test_prefill_split_rule():
     assert choose_prefill_splits(160, 132, 1024) == 1 and choose_prefill_splits(280, 132, 1024) == 2
 
     def grid(qlen, batch=1, varlen=False, mma_fp8=False, v_seq_major=False, headdim=128, num_splits=0):
-        return paged_grid(batch=batch, nheads_k=8, qg=4, headdim=headdim, max_seqlen_q=qlen,
-                          q_rows=qlen * (batch if varlen else 1), varlen=varlen, page_size=64, capacity=8192,
-                          mma_fp8=mma_fp8, mma_fp8_s=False, v_seq_major=v_seq_major, fp8_cache=True,
-                          token_scales=False, num_splits=num_splits, num_sms=132)
+        return paged_grid(
+            batch=batch,
+            nheads_k=8,
+            qg=4,
+            headdim=headdim,
+            max_seqlen_q=qlen,
+            q_rows=qlen * (batch if varlen else 1),
+            varlen=varlen,
+            page_size=64,
+            capacity=8192,
+            mma_fp8=mma_fp8,
+            mma_fp8_s=False,
+            v_seq_major=v_seq_major,
+            fp8_cache=True,
+            token_scales=False,
+            num_splits=num_splits,
+            num_sms=132,
+        )
 
     assert grid(600)[0][:3] == (128, 64, 4) and grid(600)[5] == 3  # 152 programs unsplit
     assert grid(300, batch=2)[5] == 3 and grid(1000)[5] == 1 and grid(1100)[5] == 4
     assert grid(2048)[5] == 1  # 512 programs: unsplit, as before
     assert grid(600, num_splits=2)[5] == 2  # an explicit count is kept
-    assert grid(300, batch=2, varlen=True)[5] == choose_num_splits(2, 8, 8192, 132, num_q_blocks=grid(
-        300, batch=2, varlen=True)[4] // 2)  # varlen: the decode heuristic
+    assert grid(300, batch=2, varlen=True)[5] == choose_num_splits(
+        2, 8, 8192, 132, num_q_blocks=grid(300, batch=2, varlen=True)[4] // 2
+    )  # varlen: the decode heuristic
     seq_major_fp8 = grid(600, mma_fp8=True, v_seq_major=True)  # FP8 P@V tiles: 8 warps, the decode heuristic
     assert seq_major_fp8[0][2] == 8 and seq_major_fp8[5] == 2
     assert grid(600, headdim=64)[5] == 2
@@ -402,7 +517,11 @@ def test_prefill_split_rule():
 def _gpu_case(seqlens, qlens, page_size, q_dtype, hq=32, hk=8, d=128, num_splits=1, varlen=True):
     c = make_cache(seqlens, page_size, hk, d, device="cuda")
     b = len(seqlens)
-    qd, kd, vd = rand_descale(b, hk, 0.5, 2.0, "cuda"), rand_descale(b, hk, 0.5, 2.0, "cuda"), rand_descale(b, hk, 0.5, 2.0, "cuda")
+    qd, kd, vd = (
+        rand_descale(b, hk, 0.5, 2.0, "cuda"),
+        rand_descale(b, hk, 0.5, 2.0, "cuda"),
+        rand_descale(b, hk, 0.5, 2.0, "cuda"),
+    )
     if varlen:
         cu = cu_from_lens(qlens, "cuda")
         q = torch.randn(sum(qlens), hq, d, device="cuda")
@@ -422,13 +541,20 @@ def _gpu_case(seqlens, qlens, page_size, q_dtype, hq=32, hk=8, d=128, num_splits
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,q_dtype,num_splits", [
-    (1, torch.bfloat16, 1), (16, torch.bfloat16, 5), (64, E4M3, 1), (64, E4M3, 5), (256, torch.bfloat16, 1),
-    (256, E4M3, 17)])
+@pytest.mark.parametrize(
+    "page_size,q_dtype,num_splits",
+    [
+        (1, torch.bfloat16, 1),
+        (16, torch.bfloat16, 5),
+        (64, E4M3, 1),
+        (64, E4M3, 5),
+        (256, torch.bfloat16, 1),
+        (256, E4M3, 17),
+    ],
+)
 def test_gpu_decode(page_size, q_dtype, num_splits):
     seqlens = [4096, 1, 0, 1777, 300, 2049, 64, 3000]
-    out, lse, ref, ref_lse, lp, _ = _gpu_case(seqlens, [1] * 8, page_size, q_dtype, num_splits=num_splits,
-                                              varlen=False)
+    out, lse, ref, ref_lse, lp, _ = _gpu_case(seqlens, [1] * 8, page_size, q_dtype, num_splits=num_splits, varlen=False)
     check_paged(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
 
 
@@ -453,7 +579,7 @@ def test_gpu_fused_fp8_output_and_determinism():
         o8, _ = run_paged(q, c, **kw, **dk, out_scale=osc, num_splits=splits)
         ob, _ = run_paged(q, c, **kw, **dk, num_splits=splits)
         r8 = saturating_cast(ob.float() / 0.01).float()
-        assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2 ** -9).all()  # one e4m3 ulp
+        assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2**-9).all()  # one e4m3 ulp
 
 
 @pytest.mark.gpu
@@ -470,9 +596,23 @@ def test_gpu_cuda_graph_capture_short_replay_long():
     seq_buf = torch.tensor([10, 5, 17, 1], dtype=torch.int32, device="cuda")
 
     def launch():
-        launch_paged_fwd(q, c["k_cache"], c["v_cache"], c["page_table"], seq_buf, out, lse, max_seqlen_q=1,
-                         softmax_scale=d ** -0.5, causal=True, k_descale=kd, v_descale=vd, num_splits=splits,
-                         out_partial=op, lse_partial=lp)
+        launch_paged_fwd(
+            q,
+            c["k_cache"],
+            c["v_cache"],
+            c["page_table"],
+            seq_buf,
+            out,
+            lse,
+            max_seqlen_q=1,
+            softmax_scale=d**-0.5,
+            causal=True,
+            k_descale=kd,
+            v_descale=vd,
+            num_splits=splits,
+            out_partial=op,
+            lse_partial=lp,
+        )
 
     replay_at_lengths(launch, seq_buf, c["cache_seqlens"])
     eo, el = run_paged(q, c, k_descale=kd, v_descale=vd, num_splits=splits)
@@ -500,9 +640,22 @@ def test_gpu_public_call_with_append_and_split_workspace_in_a_graph():
     res = {}
 
     def call(kc=kc, vc=vc, lens=seq_buf, o=out, **kw):
-        return flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, page_table=pt, k_descale=kd,
-                                       v_descale=vd, causal=True, num_splits=splits, return_softmax_lse=True,
-                                       out=o, **kw)
+        return flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            k=kn,
+            v=vn,
+            cache_seqlens=lens,
+            page_table=pt,
+            k_descale=kd,
+            v_descale=vd,
+            causal=True,
+            num_splits=splits,
+            return_softmax_lse=True,
+            out=o,
+            **kw,
+        )
 
     def launch():
         res["lse"] = call(split_workspace=ws)[1]
@@ -527,7 +680,7 @@ def test_gpu_public_call_with_append_and_split_workspace_in_a_graph():
 @pytest.mark.gpu
 def test_gpu_cache_over_2_31_elements():
     hq, hk, d, ps = 8, 8, 128, 256
-    nb = (2 ** 31) // (ps * hk * d) + 3
+    nb = (2**31) // (ps * hk * d) + 3
     kc = torch.empty(nb, ps, hk, d, dtype=E4M3, device="cuda")
     vc = torch.empty(nb, ps, hk, d, dtype=E4M3, device="cuda")
     pages = [nb - 1, nb - 3, 0, nb - 2]
@@ -536,9 +689,11 @@ def test_gpu_cache_over_2_31_elements():
     for t in (kc, vc):
         for p in pages + [5]:
             t[p] = saturating_cast(torch.randn(ps, hk, d, device="cuda"))
-        t[0, 700 - 512:].view(torch.uint8).fill_(0x7F)  # NaN tail of the last page
-        t[5, 300 - 256:].view(torch.uint8).fill_(0x7F)
-    c = dict(k_cache=kc, v_cache=vc, page_table=pt, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
+        t[0, 700 - 512 :].view(torch.uint8).fill_(0x7F)  # NaN tail of the last page
+        t[5, 300 - 256 :].view(torch.uint8).fill_(0x7F)
+    c = dict(
+        k_cache=kc, v_cache=vc, page_table=pt, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    )
     q = torch.randn(2, 1, hq, d, device="cuda").to(torch.bfloat16)
     out, lse = run_paged(q, c)
     ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True)
@@ -566,7 +721,7 @@ def test_mixed_batch_launch_fills_the_tma_block_list():
     entries = slice(dense_launch.ENTRY, dense_launch.ENTRY * (1 + n))
     got, ref = (x[entries].view(n, dense_launch.ENTRY)[:, :6] for x in (filled, want))
     assert torch.equal(got, ref), (got, ref)
-    assert (filled[dense_launch.ENTRY * (1 + n):] == -7).all()  # nothing past the count
+    assert (filled[dense_launch.ENTRY * (1 + n) :] == -7).all()  # nothing past the count
 
 
 @pytest.mark.parametrize("split_at", [32, 200])
@@ -579,8 +734,12 @@ def test_mixed_batch_split_leaves_long_sequences(split_at):
     c = make_cache(seqlens, 64, hk, d)
     cu = cu_from_lens(qlens)
     q = torch.randn(sum(qlens), hq, d, device=DEV).to(torch.bfloat16)
-    kw = dict(cu_seqlens_q=cu, max_seqlen_q=max(qlens), k_descale=rand_descale(6, hk, 0.5, 2.0, DEV),
-              v_descale=rand_descale(6, hk, 0.5, 2.0, DEV))
+    kw = dict(
+        cu_seqlens_q=cu,
+        max_seqlen_q=max(qlens),
+        k_descale=rand_descale(6, hk, 0.5, 2.0, DEV),
+        v_descale=rand_descale(6, hk, 0.5, 2.0, DEV),
+    )
     part, part_lse = run_paged(q, c, **kw, config={"split_at": split_at})
     ref, ref_lse, lp = paged_refs(q, c, quantize_p=False, causal=True, **kw)
     rows = torch.zeros(sum(qlens), dtype=torch.bool)

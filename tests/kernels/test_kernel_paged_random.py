@@ -6,15 +6,26 @@ output, over NaN-poisoned caches with
 randomly permuted page tables. The grid tests in test_kernel_paged.py vary one feature at a time; here each
 seed draws all of them (470 seeds of this generator passed on the CPU when it was written).
 """
+
 import math
 import random
 
 import pytest
 import torch
 
-from helpers import (DEV, E4M3, E5M2, check_paged, cu_from_lens, make_cache, paged_refs, rand_descale, run_paged,
-                     v_seq_major_cache)
 from fp8attn.quant import saturating_cast
+from helpers import (
+    DEV,
+    E4M3,
+    E5M2,
+    check_paged,
+    cu_from_lens,
+    make_cache,
+    paged_refs,
+    rand_descale,
+    run_paged,
+    v_seq_major_cache,
+)
 
 
 def _draw(seed, large):
@@ -28,11 +39,18 @@ def _draw(seed, large):
     hq, hk = rnd.choice([(4, 1), (6, 2), (2, 2), (8, 2)])
     d = rnd.choice([32, 64])
     kv_dtype = rnd.choice([E4M3, E4M3, E5M2, torch.bfloat16])
-    q_dtype = {E4M3: rnd.choice([torch.bfloat16, E4M3]), E5M2: rnd.choice([E5M2, torch.bfloat16]),
-               torch.bfloat16: torch.bfloat16}[kv_dtype]
+    q_dtype = {
+        E4M3: rnd.choice([torch.bfloat16, E4M3]),
+        E5M2: rnd.choice([E5M2, torch.bfloat16]),
+        torch.bfloat16: torch.bfloat16,
+    }[kv_dtype]
     varlen = rnd.random() < 0.5
-    kw = dict(causal=rnd.random() < 0.7, window_size=rnd.choice([(-1, -1), (-1, -1), (16, 0), (40, 8)]),
-              softcap=rnd.choice([0.0, 0.0, 20.0]), num_splits=rnd.choice([1, 1, 2, 3, 0]))
+    kw = dict(
+        causal=rnd.random() < 0.7,
+        window_size=rnd.choice([(-1, -1), (-1, -1), (16, 0), (40, 8)]),
+        softcap=rnd.choice([0.0, 0.0, 20.0]),
+        num_splits=rnd.choice([1, 1, 2, 3, 0]),
+    )
     token_scales = kv_dtype == E4M3 and rnd.random() < 0.25
     seq_major = kv_dtype != torch.bfloat16 and not token_scales and page >= 16 and rnd.random() < 0.3
     c = make_cache(seqlens, page, hk, d, dtype=kv_dtype, device=DEV, per_token_scales=token_scales)
@@ -71,4 +89,4 @@ def test_random_feature_combinations(seed):
         osc = torch.tensor(0.02, device=DEV)
         o8, _ = run_paged(q, c, num_splits=splits, out_scale=osc, **kw)
         r8 = saturating_cast(out.float() / osc).float()
-        assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2 ** -9).all(), "fused e4m3 output"
+        assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2**-9).all(), "fused e4m3 output"

@@ -12,18 +12,29 @@ the TMA rows equal the fixed-length launch of the same sequence. Both V layouts 
 FA3's, transposed in the kernel, with pages of 16 to 256 keys): the same checks, and the bits of one
 layout equal the other's.
 """
+
 import math
 
 import pytest
 import torch
 
-from helpers import (assert_row_scaled, check_paged, cu_from_lens, make_cache, paged_refs, poison_, rand_descale,
-                     replay_at_lengths, run_paged, v_seq_major_cache)
-from fp8attn.kernels.hopper import dense_launch, paged_launch
 from fp8attn.kernels.dense import transpose_v_kmajor
+from fp8attn.kernels.hopper import dense_launch, paged_launch
 from fp8attn.paged_cache import empty_paged
 from fp8attn.quant import saturating_cast
 from fp8attn.reference import gather_paged
+from helpers import (
+    assert_row_scaled,
+    check_paged,
+    cu_from_lens,
+    make_cache,
+    paged_refs,
+    poison_,
+    rand_descale,
+    replay_at_lengths,
+    run_paged,
+    v_seq_major_cache,
+)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -34,19 +45,33 @@ def _inputs(seqlens, sq, page_size, hq, hk, d, device, v_rows=False):
     c = c if v_rows else v_seq_major_cache(c)
     b = len(seqlens)
     q = saturating_cast(torch.randn(b, sq, hq, d, device=device) * 2, E4M3)
-    dk = dict(q_descale=rand_descale(b, hk, 0.5, 2.0, device), k_descale=rand_descale(b, hk, 0.5, 2.0, device),
-              v_descale=rand_descale(b, hk, 0.5, 2.0, device))
+    dk = dict(
+        q_descale=rand_descale(b, hk, 0.5, 2.0, device),
+        k_descale=rand_descale(b, hk, 0.5, 2.0, device),
+        v_descale=rand_descale(b, hk, 0.5, 2.0, device),
+    )
     return q, c, dk
 
 
 def _reason(q, c, *, out=None, lse=None, causal=True, **kw):
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device) if out is None else out
-    args = dict(cu_seqlens_q=None, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=None,
-                k_descale=None, v_descale=None, k_cache_scales=None, v_cache_scales=None, out_scale=None,
-                num_splits=1)
+    args = dict(
+        cu_seqlens_q=None,
+        causal=causal,
+        window_size=(-1, -1),
+        softcap=0.0,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
+        k_cache_scales=None,
+        v_cache_scales=None,
+        out_scale=None,
+        num_splits=1,
+    )
     args.update(kw)
-    return paged_launch.unsupported_reason(q, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"], out, lse,
-                                        **args)
+    return paged_launch.unsupported_reason(
+        q, c["k_cache"], c["v_cache"], c["page_table"], c["cache_seqlens"], out, lse, **args
+    )
 
 
 # ------------------------------------------------------------------------------------------ CPU
@@ -72,7 +97,9 @@ def test_unsupported_reasons_name_the_rule():
     assert "float8_e4m3fn" in _reason(q.to(torch.bfloat16), c)
     assert "seqlen_q (200)" in _reason(q[:, :200], c)
     assert "page_size (32)" in _reason(q, v_seq_major_cache(make_cache([300, 700], 32, 2, 64, device="cpu")))
-    assert _reason(q, v_seq_major_cache(make_cache([300, 700], 64, 2, 64, device="cpu"))) == "inputs must be CUDA tensors"
+    assert (
+        _reason(q, v_seq_major_cache(make_cache([300, 700], 64, 2, 64, device="cpu"))) == "inputs must be CUDA tensors"
+    )
     assert [paged_launch.block_n(p) for p in (64, 128, 192, 256)] == [64, 128, 64, 128]
     assert [paged_launch.box_rows(p, False) for p in (64, 128, 192, 256)] == [64, 128, 64, 128]
     # FA3's V layout: 128-key tiles in boxes of up to one page
@@ -103,6 +130,7 @@ def test_varlen_unsupported_reasons():
         args = dict(cu_seqlens_q=cu, out=out, **dk)
         args.update(kw)
         return _reason(qv, c, **args)
+
     assert reason() == "inputs must be CUDA tensors"  # every shape rule passed
     assert reason(lse=torch.empty(4, sum(qlens))) == "inputs must be CUDA tensors"
     assert "(nheads_q, total_q)" in reason(lse=torch.empty(1, 4, sum(qlens)))
@@ -173,8 +201,16 @@ def test_gpu_bits_equal_dense_tma(d, causal, monkeypatch):
     vg, _ = gather_paged(c["v_cache"], c["page_table"], c["cache_seqlens"], L)
     od = torch.empty_like(out)
     ld = torch.empty_like(lse)
-    dense_launch.launch_dense_fwd_tma(q, kg.contiguous(), transpose_v_kmajor(vg), od, ld, softmax_scale=d ** -0.5,
-                                   causal=causal, **{k: v for k, v in dk.items()})
+    dense_launch.launch_dense_fwd_tma(
+        q,
+        kg.contiguous(),
+        transpose_v_kmajor(vg),
+        od,
+        ld,
+        softmax_scale=d**-0.5,
+        causal=causal,
+        **{k: v for k, v in dk.items()},
+    )
     assert torch.equal(out.view(torch.int16), od.view(torch.int16))
     assert torch.equal(lse, ld)
 
@@ -223,8 +259,11 @@ def test_gpu_v_rows_bits_equal_seq_major(page_size):
     seqlens, sq = [256, 333, 1256, 100, 0], 256
     c = make_cache(seqlens, page_size, 2, 128, device="cuda", extra_pages=0)
     q = saturating_cast(torch.randn(len(seqlens), sq, 8, 128, device="cuda") * 2, E4M3)
-    dk = dict(q_descale=rand_descale(len(seqlens), 2, 0.5, 2.0, "cuda"), k_descale=rand_descale(len(seqlens), 2, 0.5, 2.0, "cuda"),
-              v_descale=rand_descale(len(seqlens), 2, 0.5, 2.0, "cuda"))
+    dk = dict(
+        q_descale=rand_descale(len(seqlens), 2, 0.5, 2.0, "cuda"),
+        k_descale=rand_descale(len(seqlens), 2, 0.5, 2.0, "cuda"),
+        v_descale=rand_descale(len(seqlens), 2, 0.5, 2.0, "cuda"),
+    )
     ref = v_seq_major_cache(_repaged(c, 128))
     for causal in (True, False):
         a, la = _run(q, c, dk, causal)
@@ -233,8 +272,11 @@ def test_gpu_v_rows_bits_equal_seq_major(page_size):
     qv = saturating_cast(torch.randn(sum(_QLENS), 8, 128, device="cuda") * 2, E4M3)
     cv = make_cache(_SEQLENS, page_size, 2, 128, device="cuda", extra_pages=0)
     vk = dict(cu_seqlens_q=cu_from_lens(_QLENS, "cuda"), max_seqlen_q=max(_QLENS))
-    dv = dict(q_descale=rand_descale(len(_QLENS), 2, 0.5, 2.0, "cuda"), k_descale=rand_descale(len(_QLENS), 2, 0.5, 2.0, "cuda"),
-              v_descale=rand_descale(len(_QLENS), 2, 0.5, 2.0, "cuda"))
+    dv = dict(
+        q_descale=rand_descale(len(_QLENS), 2, 0.5, 2.0, "cuda"),
+        k_descale=rand_descale(len(_QLENS), 2, 0.5, 2.0, "cuda"),
+        v_descale=rand_descale(len(_QLENS), 2, 0.5, 2.0, "cuda"),
+    )
     a, la = _run(qv, cv, dv, True, **vk)
     b, lb = _run(qv, v_seq_major_cache(_repaged(cv, 128)), dv, True, **vk)
     rows = torch.cat([torch.full((n,), n >= paged_launch.VARLEN_MIN_Q) for n in _QLENS]).cuda()
@@ -261,7 +303,7 @@ def test_gpu_fused_fp8_output():
     ob, _ = _run(q, c, dk, True)
     o8, _ = _run(q, c, dk, True, out_scale=torch.tensor(0.01, device="cuda"))
     r8 = saturating_cast(ob.float() / 0.01).float()
-    assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2 ** -9).all()  # one e4m3 ulp
+    assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2**-9).all()  # one e4m3 ulp
 
 
 @pytest.mark.gpu
@@ -275,8 +317,9 @@ def test_gpu_cuda_graph_capture_short_replay_long(v_rows):
     seq_buf = torch.tensor([300, 256, 600], dtype=torch.int32, device="cuda")
 
     def launch():
-        paged_launch.launch_paged_prefill_tma(q, c["k_cache"], c["v_cache"], c["page_table"], seq_buf, out, lse,
-                                           softmax_scale=d ** -0.5, causal=True, **dk)
+        paged_launch.launch_paged_prefill_tma(
+            q, c["k_cache"], c["v_cache"], c["page_table"], seq_buf, out, lse, softmax_scale=d**-0.5, causal=True, **dk
+        )
 
     replay_at_lengths(launch, seq_buf, c["cache_seqlens"])
     eo, el = _run(q, c, dk, True)
@@ -287,7 +330,7 @@ def test_gpu_cuda_graph_capture_short_replay_long(v_rows):
 @pytest.mark.parametrize("v_rows", [False, True])
 def test_gpu_cache_over_2_31_elements(v_rows):
     hq, hk, d, ps, sq = 8, 8, 128, 128, 128
-    nb = (2 ** 31) // (ps * hk * d) + 3
+    nb = (2**31) // (ps * hk * d) + 3
     kc = poison_(torch.empty(nb, ps, hk, d, dtype=E4M3, device="cuda"))
     vc = poison_(empty_paged((nb, ps, hk, d), E4M3, "cuda", seq_major=not v_rows))
     pt = torch.tensor([[nb - 1, nb - 3, 0, -1], [nb - 2, 5, -1, -1]], dtype=torch.int32, device="cuda")
@@ -297,11 +340,15 @@ def test_gpu_cache_over_2_31_elements(v_rows):
             n = min(ps, L - i * ps)
             kc[pt[b, i], :n] = saturating_cast(torch.randn(n, hk, d, device="cuda"))
             vc[pt[b, i], :n] = saturating_cast(torch.randn(n, hk, d, device="cuda"))
-    c = dict(k_cache=kc, v_cache=vc, page_table=pt, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32,
-                                                                                device="cuda"))
+    c = dict(
+        k_cache=kc, v_cache=vc, page_table=pt, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    )
     q = saturating_cast(torch.randn(2, sq, hq, d, device="cuda"))
-    dk = dict(q_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"), k_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"),
-              v_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"))
+    dk = dict(
+        q_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"),
+        k_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"),
+        v_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"),
+    )
     out, lse = _run(q, c, dk, True)
     ref, ref_lse, lp = paged_refs(q, c, quantize_p=True, causal=True, **dk)
     check_paged(out, lse, ref, ref_lse, lp, lse_tol=2e-3)
@@ -315,8 +362,11 @@ def _varlen_inputs(seqlens, qlens, page_size, hq, hk, d, v_rows=False):
     c = c if v_rows else v_seq_major_cache(c)
     b = len(seqlens)
     q = saturating_cast(torch.randn(sum(qlens), hq, d, device="cuda") * 2, E4M3)
-    dk = dict(q_descale=rand_descale(b, hk, 0.5, 2.0, "cuda"), k_descale=rand_descale(b, hk, 0.5, 2.0, "cuda"),
-              v_descale=rand_descale(b, hk, 0.5, 2.0, "cuda"))
+    dk = dict(
+        q_descale=rand_descale(b, hk, 0.5, 2.0, "cuda"),
+        k_descale=rand_descale(b, hk, 0.5, 2.0, "cuda"),
+        v_descale=rand_descale(b, hk, 0.5, 2.0, "cuda"),
+    )
     return q, c, dk, dict(cu_seqlens_q=cu_from_lens(qlens, "cuda"), max_seqlen_q=max(qlens))
 
 
@@ -357,8 +407,11 @@ def test_gpu_p_rounding_is_the_cpu_paths(qlens, varlen):
     c = make_cache([130, 140], 16, hk, d, device="cuda")
     q = saturating_cast(torch.randn(sum(qlens), hq, d, device="cuda") * 2, E4M3)
     q = q if varlen else q.view(2, qlens[0], hq, d)
-    dk = dict(q_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"), k_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"),
-              v_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"))
+    dk = dict(
+        q_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"),
+        k_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"),
+        v_descale=rand_descale(2, hk, 0.5, 2.0, "cuda"),
+    )
     vk = dict(cu_seqlens_q=cu_from_lens(qlens, "cuda"), max_seqlen_q=max(qlens)) if varlen else {}
     args = (q, c["k_cache"], c["v_cache"])
     kw = dict(cache_seqlens=c["cache_seqlens"], page_table=c["page_table"], causal=True, **dk, **vk)
@@ -393,8 +446,8 @@ def test_gpu_varlen_rows_equal_fixed_length_launch(causal):
     cu = vk["cu_seqlens_q"].tolist()
     for b in (1, 3, 4):
         s, e = cu[b], cu[b + 1]
-        cb = dict(c, page_table=c["page_table"][b:b + 1].contiguous(), cache_seqlens=c["cache_seqlens"][b:b + 1])
-        ob, lb = _run(q[None, s:e].contiguous(), cb, {k: v[b:b + 1] for k, v in dk.items()}, causal)
+        cb = dict(c, page_table=c["page_table"][b : b + 1].contiguous(), cache_seqlens=c["cache_seqlens"][b : b + 1])
+        ob, lb = _run(q[None, s:e].contiguous(), cb, {k: v[b : b + 1] for k, v in dk.items()}, causal)
         assert torch.equal(ob[0].view(torch.int16), out[s:e].view(torch.int16)), b
         assert torch.equal(lb[0], lse[:, s:e]), b
 
@@ -405,13 +458,14 @@ def test_gpu_varlen_fused_fp8_output():
     ob, _ = _run(q, c, dk, True, **vk)
     o8, _ = _run(q, c, dk, True, **vk, out_scale=torch.tensor(0.01, device="cuda"))
     r8 = saturating_cast(ob.float() / 0.01).float()
-    assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2 ** -9).all()  # one e4m3 ulp
+    assert ((o8.float() - r8).abs() <= 0.125 * r8.abs() + 2**-9).all()  # one e4m3 ulp
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("v_rows", [False, True])
 def test_gpu_varlen_cuda_graph_capture_short_replay_long(v_rows):
     from fp8attn.kernels.paged import launch_paged_fwd
+
     hq, hk, d = 8, 2, 128
     qlens = [1, 256, 1, 300]
     seqlens = [3000, 1300, 700, 4000]
@@ -421,8 +475,19 @@ def test_gpu_varlen_cuda_graph_capture_short_replay_long(v_rows):
     seq_buf = torch.tensor([300, 256, 1, 400], dtype=torch.int32, device="cuda")
 
     def launch():
-        launch_paged_fwd(q, c["k_cache"], c["v_cache"], c["page_table"], seq_buf, out, lse, softmax_scale=d ** -0.5,
-                         causal=True, **vk, **dk)
+        launch_paged_fwd(
+            q,
+            c["k_cache"],
+            c["v_cache"],
+            c["page_table"],
+            seq_buf,
+            out,
+            lse,
+            softmax_scale=d**-0.5,
+            causal=True,
+            **vk,
+            **dk,
+        )
 
     replay_at_lengths(launch, seq_buf, c["cache_seqlens"])
     eo, el = _run(q, c, dk, True, **vk)

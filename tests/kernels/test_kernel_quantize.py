@@ -54,12 +54,13 @@ def test_hadamard_one_and_two_launch_forms_agree(gran):
     assert torch.equal(_bits(y1), _bits(y2)) and torch.equal(d1, d2)
     yt, dt = quant._torch_path(x, gran, 1, True, 7, 16)
     torch.testing.assert_close(d1, dt, rtol=1e-5, atol=0)
-    ulp = torch.exp2(torch.floor(torch.log2(yt.float().abs().clamp_min(2.0 ** -6))) - 3)
+    ulp = torch.exp2(torch.floor(torch.log2(yt.float().abs().clamp_min(2.0**-6))) - 3)
     assert ((y1.float() - yt.float()).abs() <= ulp).all()
 
 
-@pytest.mark.parametrize("gran,bad", [("per_tensor", float("inf")), ("per_head", float("nan")),
-                                      ("per_block", float("-inf"))])
+@pytest.mark.parametrize(
+    "gran,bad", [("per_tensor", float("inf")), ("per_head", float("nan")), ("per_block", float("-inf"))]
+)
 def test_non_finite_poisons_only_its_group(gran, bad):
     """A NaN / Inf in (batch 1, head 3, token 20) makes its group's descale NaN and all its values NaN; the
     other groups keep the bits of the clean input (the group: everything per tensor; batch 1's KV head 1 per
@@ -115,8 +116,9 @@ def test_opcheck_quantize_fp8_triton():
     x = _x(b=1, s=20, h=2, d=16).cpu()
     for gran, rotate, seq_major in (("per_head", False, True),):
         args = (x, gran, 1, rotate, 7, 16, seq_major, True)
-        torch.library.opcheck(ops.OPS["quantize_fp8"], args,
-                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+        torch.library.opcheck(
+            ops.OPS["quantize_fp8"], args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
+        )
         real = ops.quantize_fp8(*args)
         with FakeTensorMode() as mode:
             fake = ops.OPS["quantize_fp8"](mode.from_tensor(x), *args[1:])
@@ -131,8 +133,9 @@ def test_opcheck_quantize_fp8_triton():
 def test_gpu_quantize_qkv_launches_and_no_sync(gran, hadamard, s):
     """quantize_qkv on the GPU: at most 6 kernel launches (2 per input), no host sync (sync debug mode
     "error"), the same results as a call outside the profiler, and bit-identical one/two-launch forms."""
-    import fp8attn
     from torch.profiler import ProfilerActivity, profile
+
+    import fp8attn
 
     q = torch.randn(1, s, 8, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, s, 2, 128, device="cuda", dtype=torch.bfloat16)

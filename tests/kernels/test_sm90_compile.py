@@ -10,6 +10,7 @@ FA3's layout (bf16 Q; FP8 Q, whose P@V runs in fp16 there) reads its V operand f
 values, not byte by byte (LDS.U8: the cast moved after the operand read; docs/decisions.md, Paged
 decode).
 """
+
 import os
 import re
 import subprocess
@@ -33,8 +34,14 @@ def _ptxas_available() -> bool:
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is needed for the sm90 compile")
 def test_paged_launches_fit_shared_memory():
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "src"))
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "aot_paged_sm90.py")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "aot_paged_sm90.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [ln for ln in r.stdout.splitlines() if " cfg=" in ln or " FAILED " in ln]
     assert r.returncode == 0, r.stderr[-2000:]
     assert not [ln for ln in lines if " FAILED " in ln], "\n".join(lines)
@@ -44,8 +51,9 @@ def test_paged_launches_fit_shared_memory():
     assert not too_big, f"shared memory over {H200_SMEM_PER_BLOCK} bytes per block: {too_big}"
     lds_u8 = {ln.split(" cfg=")[0].strip(): int(re.search(r"LDS\.U8=(\d+)", ln).group(1)) for ln in lines}
     # 16-bit P@V over an FP8 cache in FA3's layout: bf16 Q, and FP8 Q (its P@V runs in fp16 there)
-    fa3_16bit = [k for k in lds_u8 if (k.startswith("decode bf16q") or "e4m3q" in k) and "bf16kv" not in k
-                 and "vseq" not in k]
+    fa3_16bit = [
+        k for k in lds_u8 if (k.startswith("decode bf16q") or "e4m3q" in k) and "bf16kv" not in k and "vseq" not in k
+    ]
     assert len(fa3_16bit) >= 9, lines
     byte_reads = {k: lds_u8[k] for k in fa3_16bit if lds_u8[k]}
     assert not byte_reads, f"byte-wise shared reads of V (LDS.U8 per kernel): {byte_reads}"
@@ -57,8 +65,14 @@ def test_backward_default_configs_compile():
     mode), run their products on wgmma (QGMMA in the SASS: the e4m3 operand layouts were accepted), fit
     the H200's shared memory and barely spill (register-file overflow, which the interpreter cannot show)."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "src"))
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "aot_backward_sm90.py"), "--quick"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "aot_backward_sm90.py"), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [ln for ln in r.stdout.splitlines() if " cfg=" in ln]
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert len(lines) == 4, r.stdout

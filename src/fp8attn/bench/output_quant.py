@@ -20,6 +20,7 @@ function called directly, on a tiny problem so the GPU never limits the loop; ``
 op - launch. ``noop_op_hop_us``: the dispatcher alone, a do-nothing op of the same schema vs a plain
 Python call of the same function (its floor for any Python-implemented op with these 24 arguments).
 """
+
 from __future__ import annotations
 
 import time
@@ -56,13 +57,20 @@ def _case_decode(quick):
     q, kc, vc, pt, lens, (qd, kd, vd) = _paged_inputs(b, L, hq, hk, d, ps, "cuda")
 
     def attn(**kw):
-        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, q_descale=qd, k_descale=kd,
-                                       v_descale=vd, causal=True, **kw)
+        return flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=lens, page_table=pt, q_descale=qd, k_descale=kd, v_descale=vd, causal=True, **kw
+        )
+
     kv_bytes = 2 * b * L * hk * d
     out_elems = b * hq * d
-    return ("decode B64 L4096 hq32 hk8 d128 page64", attn, out_elems, kv_bytes + q.numel(),
-            dict(batch=b, seqlen_q=1, seqlen_k=L, nheads_q=hq, nheads_k=hk, headdim=d, page_size=ps, causal=True),
-            attn_flops(b, hq, 1, L, d))
+    return (
+        "decode B64 L4096 hq32 hk8 d128 page64",
+        attn,
+        out_elems,
+        kv_bytes + q.numel(),
+        dict(batch=b, seqlen_q=1, seqlen_k=L, nheads_q=hq, nheads_k=hk, headdim=d, page_size=ps, causal=True),
+        attn_flops(b, hq, 1, L, d),
+    )
 
 
 def _case_prefill(causal):
@@ -74,9 +82,15 @@ def _case_prefill(causal):
 
     def attn(**kw):
         return flash_attn_func(q, k, v, causal=causal, q_descale=desc[0], k_descale=desc[1], v_descale=desc[2], **kw)
-    return (f"prefill B4 S4096 h16 d128 causal={int(causal)}", attn, b * s * h * d, 3 * b * s * h * d,
-            dict(batch=b, seqlen_q=s, seqlen_k=s, nheads_q=h, nheads_k=h, headdim=d, causal=causal),
-            attn_flops(b, h, s, s, d, causal=causal))
+
+    return (
+        f"prefill B4 S4096 h16 d128 causal={int(causal)}",
+        attn,
+        b * s * h * d,
+        3 * b * s * h * d,
+        dict(batch=b, seqlen_q=s, seqlen_k=s, nheads_q=h, nheads_k=h, headdim=d, causal=causal),
+        attn_flops(b, h, s, s, d, causal=causal),
+    )
 
 
 def _measure(case):
@@ -93,6 +107,7 @@ def _measure(case):
     def unfused():
         attn(out=out16)
         return quant_fp8_static(out16, s)
+
     f8 = fused().clone()
     u8 = unfused()
     max_ulp = int((_ulp_line(f8) - _ulp_line(u8)).abs().max().item())
@@ -100,6 +115,7 @@ def _measure(case):
     # CUDA-graph replays: a decode call is shorter than its host launch path, so eager timing would
     # measure the host (``bench.common.graph_replay`` falls back to eager calls if capture fails).
     from .common import graph_replay
+
     graphed = True
     calls = []
     for fn in (fused, unfused, lambda: attn(out=out16)):
@@ -114,9 +130,14 @@ def _measure(case):
     bytes_u = in_bytes + 2 * out_elems + 2 * out_elems + out_elems
     row = {
         "case": name,
-        "params": {**params, "max_ulp_vs_unfused": max_ulp, "speedup_vs_unfused": round(t_u / t_f, 4),
-                   "bf16_attention_only_ms": t_bf16, "cuda_graph": graphed,
-                   "rounds_ms_fused_unfused_bf16": rounds},
+        "params": {
+            **params,
+            "max_ulp_vs_unfused": max_ulp,
+            "speedup_vs_unfused": round(t_u / t_f, 4),
+            "bf16_attention_only_ms": t_bf16,
+            "cuda_graph": graphed,
+            "rounds_ms_fused_unfused_bf16": rounds,
+        },
         "ours": {"ms": t_f, "tflops": flops / t_f / 1e9, "gbps": bytes_f / t_f / 1e6, "err": err},
         "peers": {"unfused": {"ms": t_u, "tflops": flops / t_u / 1e9, "gbps": bytes_u / t_u / 1e6}},
     }
@@ -151,8 +172,9 @@ def _dispatcher_floor(op_args):
         lib.impl("noop", torch.library.fallthrough_kernel, "Autograd")
         _FLOOR_LIB.append(lib)
     noop_op = torch.ops.fp8attn_bench.noop.default
-    diffs = sorted(_host_us(lambda: noop_op(*op_args), 2000) - _host_us(lambda: _noop(*op_args), 2000)
-                   for _ in range(11))
+    diffs = sorted(
+        _host_us(lambda: noop_op(*op_args), 2000) - _host_us(lambda: _noop(*op_args), 2000) for _ in range(11)
+    )
     return {"noop_op_hop_us": diffs[len(diffs) // 2]}
 
 
@@ -170,9 +192,30 @@ def _dispatch_overhead():
     q, kc, vc, pt, lens, (qd, kd, vd) = _paged_inputs(b, L, hq, hk, d, ps, "cuda")
     qd, kd, vd = (x.expand(b, hk) for x in (qd[:1, :1], kd[:1, :1], vd[:1, :1]))
     out = torch.empty(b, 1, hq, d, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(b, hq, 1, dtype=torch.float32, device="cuda")
-    op_args = (q, kc, vc, pt, lens, None, None, d ** -0.5, True, -1, 0, 0.0, qd, kd, vd, None, None, None, None, 1,
-               True, out)
+    op_args = (
+        q,
+        kc,
+        vc,
+        pt,
+        lens,
+        None,
+        None,
+        d**-0.5,
+        True,
+        -1,
+        0,
+        0.0,
+        qd,
+        kd,
+        vd,
+        None,
+        None,
+        None,
+        None,
+        1,
+        True,
+        out,
+    )
     op = OPS["paged_fwd_out"]
 
     def via_op():
@@ -180,8 +223,24 @@ def _dispatch_overhead():
 
     def via_launch():
         lse_ = torch.empty(b, hq, 1, dtype=torch.float32, device="cuda")  # the op allocates its LSE too
-        launch_paged_fwd(q, kc, vc, pt, lens, out, lse_, max_seqlen_q=1, softmax_scale=d ** -0.5, causal=True,
-                         window_size=(-1, 0), softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd, num_splits=1)
+        launch_paged_fwd(
+            q,
+            kc,
+            vc,
+            pt,
+            lens,
+            out,
+            lse_,
+            max_seqlen_q=1,
+            softmax_scale=d**-0.5,
+            causal=True,
+            window_size=(-1, 0),
+            softcap=0.0,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+            num_splits=1,
+        )
 
     from ..ops import _paged_impl
 
@@ -194,13 +253,29 @@ def _dispatch_overhead():
         fop(*op_args[:-1])
 
     def via_api():
-        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=pt, q_descale=qd, k_descale=kd,
-                                v_descale=vd, causal=True, num_splits=1, out=out)
-    del lse
+        flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            cache_seqlens=lens,
+            page_table=pt,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+            causal=True,
+            num_splits=1,
+            out=out,
+        )
+
     res = {}
     for _ in range(3):  # best of 3 rounds, interleaved
-        for k, fn in (("launch_us", via_launch), ("impl_us", via_impl), ("op_us", via_op),
-                      ("functional_op_us", via_functional_op), ("api_us", via_api)):
+        for k, fn in (
+            ("launch_us", via_launch),
+            ("impl_us", via_impl),
+            ("op_us", via_op),
+            ("functional_op_us", via_functional_op),
+            ("api_us", via_api),
+        ):
             res[k] = min(res.get(k, 1e9), _host_us(fn))
     # The overhead itself: back-to-back pairs (direct launch, op), the median of the per-pair
     # differences; the host's timing drifts between rounds by more than the quantity measured.
@@ -209,10 +284,12 @@ def _dispatch_overhead():
     res["overhead_us_quartiles"] = [diffs[len(diffs) // 4], diffs[3 * len(diffs) // 4]]
     res["overhead_us_best_of_rounds"] = res["op_us"] - res["launch_us"]
     res.update(_dispatcher_floor(op_args))
-    return {"case": "dispatch paged_fwd_out tiny decode (host us/call)",
-            "params": {"batch": b, "seqlen_k": L, "nheads_q": hq, "nheads_k": hk, "headdim": d, **res},
-            "ours": {"ms": res["op_us"] / 1e3, "tflops": None, "gbps": None, "err": None},
-            "peers": {"direct_launch": {"ms": res["launch_us"] / 1e3, "tflops": None, "gbps": None}}}
+    return {
+        "case": "dispatch paged_fwd_out tiny decode (host us/call)",
+        "params": {"batch": b, "seqlen_k": L, "nheads_q": hq, "nheads_k": hk, "headdim": d, **res},
+        "ours": {"ms": res["op_us"] / 1e3, "tflops": None, "gbps": None, "err": None},
+        "peers": {"direct_launch": {"ms": res["launch_us"] / 1e3, "tflops": None, "gbps": None}},
+    }
 
 
 def run(out_dir=None, quick=False):
@@ -230,12 +307,16 @@ def run(out_dir=None, quick=False):
     print(f"{'case':<48}{'fused ms':>10}{'unfused ms':>12}{'speedup':>9}{'max ulp':>9}{'err':>10}")
     for r in doc["cases"][:-1]:
         p = r["params"]
-        print(f"{r['case']:<48}{r['ours']['ms']:>10.4f}{r['peers']['unfused']['ms']:>12.4f}"
-              f"{p['speedup_vs_unfused']:>9.3f}{p['max_ulp_vs_unfused']:>9d}{r['ours']['err']:>10.2e}")
+        print(
+            f"{r['case']:<48}{r['ours']['ms']:>10.4f}{r['peers']['unfused']['ms']:>12.4f}"
+            f"{p['speedup_vs_unfused']:>9.3f}{p['max_ulp_vs_unfused']:>9d}{r['ours']['err']:>10.2e}"
+        )
     p = doc["cases"][-1]["params"]
-    print(f"dispatch: launch {p['launch_us']:.2f} us, impl {p['impl_us']:.2f} us, op {p['op_us']:.2f} us, "
-          f"functional op {p['functional_op_us']:.2f} us, api {p['api_us']:.2f} us, "
-          f"op overhead {p['overhead_us']:.2f} us/call (median of 21 pairs; quartiles "
-          f"{p['overhead_us_quartiles'][0]:.2f}..{p['overhead_us_quartiles'][1]:.2f}); a do-nothing op of "
-          f"the same schema costs {p['noop_op_hop_us']:.2f} us over a Python call")
+    print(
+        f"dispatch: launch {p['launch_us']:.2f} us, impl {p['impl_us']:.2f} us, op {p['op_us']:.2f} us, "
+        f"functional op {p['functional_op_us']:.2f} us, api {p['api_us']:.2f} us, "
+        f"op overhead {p['overhead_us']:.2f} us/call (median of 21 pairs; quartiles "
+        f"{p['overhead_us_quartiles'][0]:.2f}..{p['overhead_us_quartiles'][1]:.2f}); a do-nothing op of "
+        f"the same schema costs {p['noop_op_hop_us']:.2f} us over a Python call"
+    )
     return path

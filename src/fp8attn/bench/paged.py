@@ -31,6 +31,7 @@ docs/benchmarks.md).
 Inputs larger than L2 are used as is; small working sets rotate over several page tables / cache
 copies (>= 256 MiB in all) so that timings measure HBM, not L2.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,16 +63,16 @@ def _paged_pool(batch, ctx, page_size, n_rot, device="cuda", d=D):
         step = 1 << 28
         for s in range(0, flat.numel(), step):
             n = min(step, flat.numel() - s)
-            flat[s:s + n] = torch.randn(n, device=device, dtype=torch.bfloat16).to(E4M3).view(torch.uint8)
+            flat[s : s + n] = torch.randn(n, device=device, dtype=torch.bfloat16).to(E4M3).view(torch.uint8)
     perm = torch.randperm(nb, device=device, dtype=torch.int64).to(torch.int32)
-    pts = [perm[r * batch * pages:(r + 1) * batch * pages].view(batch, pages).contiguous() for r in range(n_rot)]
+    pts = [perm[r * batch * pages : (r + 1) * batch * pages].view(batch, pages).contiguous() for r in range(n_rot)]
     return kc, vc, pts
 
 
 def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=False, d=D):
     """Time torch SDPA (cuDNN / flash) bf16 with GQA on contiguous (B, HK, L, D) K/V."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     L = ctx if kv_len is None else kv_len
     peers = {}
@@ -83,11 +84,14 @@ def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=Fals
     kv_bytes = 2 * batch * HK * L * d * 2
     for name, be in (("sdpa_cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash_bf16", SDPBackend.FLASH_ATTENTION)):
         try:
+
             def mk(r):
                 def f():
                     with sdpa_kernel([be]):
                         F.scaled_dot_product_attention(q_bhsd, ks[r], vs[r], is_causal=causal, enable_gqa=True)
+
                 return f
+
             fns = [mk(r) for r in range(n_rot)]
             fns[0]()
             torch.cuda.synchronize()
@@ -98,7 +102,7 @@ def _sdpa_peers(q_bhsd, batch, ctx, n_rot, causal=False, kv_len=None, graph=Fals
                 peers[name]["ms_step"] = graph_step_ms(fns)
         except Exception as e:  # backend unavailable for this shape
             peers[name] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:120]}"}
-    del ks, vs
+    ks = vs = None
     torch.cuda.empty_cache()
     return peers
 
@@ -136,11 +140,26 @@ def _flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot, ref_fn=None):
             for r in range(n_rot):
                 indptr, indices, last = _flashinfer_pages(pts[r], L, page_size)
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), kv_layout="NHD", use_cuda_graph=True,
-                    use_tensor_cores=tc, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
-                    paged_kv_last_page_len_buffer=last)
-                w.plan(indptr, indices, last, HQ, HK, D, page_size, q_data_type=torch.bfloat16,
-                       kv_data_type=E4M3, sm_scale=D ** -0.5)
+                    torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+                    kv_layout="NHD",
+                    use_cuda_graph=True,
+                    use_tensor_cores=tc,
+                    paged_kv_indptr_buffer=indptr,
+                    paged_kv_indices_buffer=indices,
+                    paged_kv_last_page_len_buffer=last,
+                )
+                w.plan(
+                    indptr,
+                    indices,
+                    last,
+                    HQ,
+                    HK,
+                    D,
+                    page_size,
+                    q_data_type=torch.bfloat16,
+                    kv_data_type=E4M3,
+                    sm_scale=D**-0.5,
+                )
                 o = torch.empty(b, HQ, D, device="cuda", dtype=torch.bfloat16)
                 qq = q[:, 0].contiguous()
                 fns.append(lambda w=w, o=o, qq=qq: w.run(qq, (kc, vc), k_scale=k_scale, v_scale=v_scale, out=o))
@@ -152,8 +171,15 @@ def _flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot, ref_fn=None):
                 err = _rel_err(outs[0], ref_fn(k_scale, v_scale)[:, 0])
             call, graphed = graph_replay(fns)
             ms = time_ms(call)
-            peers[name] = {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": err, "cuda_graph": graphed,
-                           "ms_step": graph_step_ms(fns), "version": flashinfer.__version__}
+            peers[name] = {
+                "ms": ms,
+                "tflops": None,
+                "gbps": kv_bytes / ms / 1e6,
+                "err": err,
+                "cuda_graph": graphed,
+                "ms_step": graph_step_ms(fns),
+                "version": flashinfer.__version__,
+            }
         except Exception as e:
             peers[name] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         torch.cuda.empty_cache()
@@ -176,17 +202,34 @@ def _flashinfer_prefill_peers(q8, qb, kc, vc, pt, seqlens, flops, ref=None):
     peers = {}
     for name, q in (("flashinfer_fp8", q8), ("flashinfer_bf16q", qb)):
         try:
-            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
-                                                               kv_layout="NHD")
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), kv_layout="NHD"
+            )
             qo_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * chunk
             d = q.shape[-1]
-            w.plan(qo_indptr, kv_indptr, kv_indices, last, HQ, HK, d, ps, causal=True,
-                   sm_scale=d ** -0.5, q_data_type=q.dtype, kv_data_type=E4M3, o_data_type=torch.bfloat16)
+            w.plan(
+                qo_indptr,
+                kv_indptr,
+                kv_indices,
+                last,
+                HQ,
+                HK,
+                d,
+                ps,
+                causal=True,
+                sm_scale=d**-0.5,
+                q_data_type=q.dtype,
+                kv_data_type=E4M3,
+                o_data_type=torch.bfloat16,
+            )
             qf = q.reshape(b * chunk, HQ, d)
             o = torch.empty(b * chunk, HQ, d, device="cuda", dtype=torch.bfloat16)
             fp8_q = q.dtype == E4M3
-            fn = (lambda: w.run(qf, (kc, vc), q_scale=1.0, k_scale=1.0, v_scale=1.0, out=o)) if fp8_q else \
-                (lambda: w.run(qf, (kc, vc), k_scale=1.0, v_scale=1.0, out=o))
+            fn = (
+                (lambda: w.run(qf, (kc, vc), q_scale=1.0, k_scale=1.0, v_scale=1.0, out=o))
+                if fp8_q
+                else (lambda: w.run(qf, (kc, vc), k_scale=1.0, v_scale=1.0, out=o))
+            )
             fn()
             torch.cuda.synchronize()
             err = _rel_err(o[:chunk], ref[0]) if ref is not None else None
@@ -206,8 +249,7 @@ def run_decode_fp8q(out_dir=None, quick=False, shapes=None, splits=None, configs
     """``run_decode`` with e4m3 Q (``decode_fp8q.json``): ours = e4m3 Q over the FA3-layout cache, peers the
     same call with bf16 Q (``bf16_q``), e4m3 Q over sequence-major V and torch SDPA bf16. Options as
     ``run_decode``'s (e.g. ``configs`` ``[{"pv_fp16": false}]``: the FP8 P@V path beside the default fp16 one)."""
-    return run_decode(out_dir, quick, q_fp8=True, shapes=shapes, splits=splits, configs=configs,
-                      page_sizes=page_sizes)
+    return run_decode(out_dir, quick, q_fp8=True, shapes=shapes, splits=splits, configs=configs, page_sizes=page_sizes)
 
 
 def run_leftpad(out_dir=None, quick=False):
@@ -231,19 +273,36 @@ def run_leftpad(out_dir=None, quick=False):
         kw = dict(k_descale=dd, v_descale=dd, causal=True, out=out)
         full = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
         timed = {}
-        for name, fn in (("leftpad", lambda: fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=pad + ctx,
-                                                                              cache_leftpad=pad, **kw)),
-                         ("no_pad", lambda: fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=full, **kw))):
+        for name, fn in (
+            (
+                "leftpad",
+                lambda: fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=pad + ctx, cache_leftpad=pad, **kw),
+            ),
+            ("no_pad", lambda: fp8attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=full, **kw)),
+        ):
             call, graphed = graph_replay([fn])
             timed[name] = (min(time_ms(call) for _ in range(2)), graphed)
         kv_bytes = 2 * batch * ctx * HK * D
         (ms, g), (ms_n, g_n) = timed["leftpad"], timed["no_pad"]
-        doc["cases"].append({
-            "case": f"d128 B{batch} L{ctx} q{sq}",
-            "params": {"batch": batch, "seqlen_q": sq, "seqlen_k": ctx, "nheads_q": HQ, "nheads_k": HK, "headdim": D,
-                       "causal": True, "q_dtype": "bf16", "kv_dtype": "e4m3", "max_leftpad": 255},
-            "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": None, "cuda_graph": g},
-            "peers": {"no_pad": {"ms": ms_n, "gbps": kv_bytes / ms_n / 1e6, "cuda_graph": g_n}}})
+        doc["cases"].append(
+            {
+                "case": f"d128 B{batch} L{ctx} q{sq}",
+                "params": {
+                    "batch": batch,
+                    "seqlen_q": sq,
+                    "seqlen_k": ctx,
+                    "nheads_q": HQ,
+                    "nheads_k": HK,
+                    "headdim": D,
+                    "causal": True,
+                    "q_dtype": "bf16",
+                    "kv_dtype": "e4m3",
+                    "max_leftpad": 255,
+                },
+                "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": None, "cuda_graph": g},
+                "peers": {"no_pad": {"ms": ms_n, "gbps": kv_bytes / ms_n / 1e6, "cuda_graph": g_n}},
+            }
+        )
         print(f"leftpad B{batch} L{ctx} q{sq}: {ms * 1e3:.1f} us, without a pad {ms_n * 1e3:.1f} us", flush=True)
         torch.cuda.empty_cache()
     return write_results(doc, out_dir)
@@ -256,8 +315,17 @@ def run_decode_large(out_dir=None, quick=False):
     return run_decode(out_dir, quick, cells=((256, 131072),))
 
 
-def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None, shapes=None, splits=None,
-               page_sizes=None, read_ceiling=False):
+def run_decode(
+    out_dir=None,
+    quick=False,
+    configs=None,
+    q_fp8=False,
+    cells=None,
+    shapes=None,
+    splits=None,
+    page_sizes=None,
+    read_ceiling=False,
+):
     """Decode over an FP8 paged cache; returns the results path. ``q_fp8``: e4m3 Q (``run_decode_fp8q``).
     ``cells``: only these (batch, context) pairs (``run_decode_large``), peers that fit in memory.
 
@@ -282,7 +350,7 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None,
     page_sizes = list(page_sizes or (16, 64))
     splits_opt = tuple(splits or ())
     nsm = _num_sms()
-    scale = D ** -0.5
+    scale = D**-0.5
     for page_size in page_sizes:
         for b in batches:
             for L in ctxs:
@@ -311,61 +379,126 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None,
                         fp8 = cfg["q_fp8"]
                         cfg = {k_: v_ for k_, v_ in cfg.items() if k_ != "q_fp8"}
                     n, o_p, l_p = (splits, op, lp) if ns is None else (ns, *sweep_ws(ns))
-                    return lambda: launch_paged_fwd(q8 if fp8 else q, kc, v_cache, pts[r], seqlens, out, lse,
-                                                    max_seqlen_q=1, softmax_scale=scale, causal=True,
-                                                    q_descale=qd if fp8 else None, k_descale=kd, v_descale=vd,
-                                                    num_splits=n, out_partial=o_p, lse_partial=l_p,
-                                                    config=cfg or None)
+                    return lambda: launch_paged_fwd(
+                        q8 if fp8 else q,
+                        kc,
+                        v_cache,
+                        pts[r],
+                        seqlens,
+                        out,
+                        lse,
+                        max_seqlen_q=1,
+                        softmax_scale=scale,
+                        causal=True,
+                        q_descale=qd if fp8 else None,
+                        k_descale=kd,
+                        v_descale=vd,
+                        num_splits=n,
+                        out_partial=o_p,
+                        lse_partial=l_p,
+                        config=cfg or None,
+                    )
 
                 def sweep_ws(ns):  # the split workspace of a swept count (0: the heuristic's)
                     ns = ns or splits
                     return split_workspace(q, ns, D) if ns > 1 else (None, None)
+
                 fns = [mk(r) for r in range(n_rot)]
                 fns[0]()
                 torch.cuda.synchronize()
                 err = None
                 if b * L <= (1 << 17):
                     qr, qdr = (q8, qd) if q_fp8 else (q, None)
-                    ref = paged_attention_ref(qr, kc, vc, pts[0], seqlens, softmax_scale=scale, causal=True,
-                                              q_descale=qdr, k_descale=kd, v_descale=vd, out_dtype=torch.float32)
+                    ref = paged_attention_ref(
+                        qr,
+                        kc,
+                        vc,
+                        pts[0],
+                        seqlens,
+                        softmax_scale=scale,
+                        causal=True,
+                        q_descale=qdr,
+                        k_descale=kd,
+                        v_descale=vd,
+                        out_dtype=torch.float32,
+                    )
                     err = _rel_err(out, ref)
                 call, graphed = graph_replay(fns)
                 ms = time_ms(call)
                 ms_step = graph_step_ms(fns)
-                case = {"case": f"d128 B{b} L{L} page{page_size}",
-                        "params": {"batch": b, "seqlen_q": 1, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
-                                   "headdim": D, "page_size": page_size, "causal": True, "num_splits": splits,
-                                   "q_dtype": "e4m3" if q_fp8 else "bf16", "kv_dtype": "e4m3"},
-                        "ours": {"ms": ms, "tflops": None, "gbps": kv_bytes / ms / 1e6, "err": err,
-                                 "cuda_graph": graphed, "ms_step": ms_step,
-                                 "gbps_step": kv_bytes / ms_step / 1e6 if ms_step else None},
-                        "peers": {}}
+                case = {
+                    "case": f"d128 B{b} L{L} page{page_size}",
+                    "params": {
+                        "batch": b,
+                        "seqlen_q": 1,
+                        "seqlen_k": L,
+                        "nheads_q": HQ,
+                        "nheads_k": HK,
+                        "headdim": D,
+                        "page_size": page_size,
+                        "causal": True,
+                        "num_splits": splits,
+                        "q_dtype": "e4m3" if q_fp8 else "bf16",
+                        "kv_dtype": "e4m3",
+                    },
+                    "ours": {
+                        "ms": ms,
+                        "tflops": None,
+                        "gbps": kv_bytes / ms / 1e6,
+                        "err": err,
+                        "cuda_graph": graphed,
+                        "ms_step": ms_step,
+                        "gbps_step": kv_bytes / ms_step / 1e6 if ms_step else None,
+                    },
+                    "peers": {},
+                }
                 sweep_v = {"fa3": vc}
                 if page_size >= 64 and b * L >= (1 << 17) and (splits_opt or configs):
                     sweep_v["v_seq_major"] = to_v_seq_major(vc)
                 if configs and (cells or (b, L) in ((64, 4096), (1, 131072), (8, 32768), (16, 32768))):
                     case["config_sweep_ms"] = {
-                        lay: {str(cfg): _sweep_timing([mk(r, cfg, v_cache=v_) for r in range(n_rot)])
-                              for cfg in configs} for lay, v_ in sweep_v.items()}
+                        lay: {
+                            str(cfg): _sweep_timing([mk(r, cfg, v_cache=v_) for r in range(n_rot)]) for cfg in configs
+                        }
+                        for lay, v_ in sweep_v.items()
+                    }
                 if splits_opt:
                     case["split_sweep"] = {
-                        lay: {(str(ns) if ns else f"0 (heuristic: {splits})"): _sweep_timing([mk(r, v_cache=v_, ns=ns) for r in range(n_rot)],
-                                                               kv_bytes) for ns in splits_opt}
-                        for lay, v_ in sweep_v.items()}
-                del sweep_v
+                        lay: {
+                            (str(ns) if ns else f"0 (heuristic: {splits})"): _sweep_timing(
+                                [mk(r, v_cache=v_, ns=ns) for r in range(n_rot)], kv_bytes
+                            )
+                            for ns in splits_opt
+                        }
+                        for lay, v_ in sweep_v.items()
+                    }
+                sweep_v = None
                 if read_ceiling:
                     case["peers"]["read_ceiling"] = _read_ceiling_peer(kc, vc, kv_bytes)
+
                 def ref_fn(ks, vs):  # per-tensor descales, as FlashInfer takes them
                     one = torch.ones(b, HK, device="cuda")
-                    return paged_attention_ref(q, kc, vc, pts[0], seqlens, softmax_scale=scale, causal=True,
-                                               k_descale=one * ks, v_descale=one * vs, out_dtype=torch.float32)
+                    return paged_attention_ref(
+                        q,
+                        kc,
+                        vc,
+                        pts[0],
+                        seqlens,
+                        softmax_scale=scale,
+                        causal=True,
+                        k_descale=one * ks,
+                        v_descale=one * vs,
+                        out_dtype=torch.float32,
+                    )
+
                 if q_fp8:  # the same call with bf16 Q, in the same run
                     fns_b = [mk(r, fp8=False) for r in range(n_rot)]
                     ms_b = time_ms(graph_replay(fns_b)[0])
                     case["peers"]["bf16_q"] = {"ms": ms_b, "gbps": kv_bytes / ms_b / 1e6}
                 else:  # FlashInfer's decode takes bf16 Q
-                    case["peers"].update(_flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot,
-                                                           ref_fn if b * L <= (1 << 17) else None))
+                    case["peers"].update(
+                        _flashinfer_peers(q, kc, vc, pts, L, page_size, n_rot, ref_fn if b * L <= (1 << 17) else None)
+                    )
                 if page_size >= 64 and b * L >= (1 << 17):  # same cache, V sequence-major inside each page
                     vs = to_v_seq_major(vc)
                     fns_s = [mk(r, v_cache=vs) for r in range(n_rot)]
@@ -374,24 +507,31 @@ def run_decode(out_dir=None, quick=False, configs=None, q_fp8=False, cells=None,
                     ms_s = time_ms(graph_replay(fns_s)[0])
                     ms_s_step = graph_step_ms(fns_s)
                     case["peers"]["paged_v_seq_major"] = {
-                        "ms": ms_s, "gbps": kv_bytes / ms_s / 1e6, "ms_step": ms_s_step,
-                        "gbps_step": kv_bytes / ms_s_step / 1e6 if ms_s_step else None}
-                    del vs
-                del kc, vc, pts
+                        "ms": ms_s,
+                        "gbps": kv_bytes / ms_s / 1e6,
+                        "ms_step": ms_s_step,
+                        "gbps_step": kv_bytes / ms_s_step / 1e6 if ms_s_step else None,
+                    }
+                    vs = None
+                kc = vc = pts = None
                 torch.cuda.empty_cache()
                 if page_size == page_sizes[0]:
                     need = 2 * kv_bytes * n_rot  # contiguous bf16 K and V
                     if need < 0.85 * torch.cuda.mem_get_info()[0]:
                         case["peers"].update(_sdpa_peers(q.transpose(1, 2), b, L, n_rot, graph=True))
                     else:
-                        why = (f"a contiguous bf16 K/V cache of {need / 1e9:.0f} GB does not fit in the GPU's "
-                               f"{torch.cuda.mem_get_info()[0] / 1e9:.0f} GB of free memory")
+                        why = (
+                            f"a contiguous bf16 K/V cache of {need / 1e9:.0f} GB does not fit in the GPU's "
+                            f"{torch.cuda.mem_get_info()[0] / 1e9:.0f} GB of free memory"
+                        )
                         case["peers_skipped"] = {"sdpa_cudnn_bf16": why, "sdpa_flash_bf16": why}
                 doc["cases"].append(case)
-                print(f"decode {case['case']:28s} splits={splits:3d} ours {ms * 1e3:8.1f} us "
-                      f"{kv_bytes / ms / 1e6:7.0f} GB/s "
-                      + " ".join(f"{k}={v['ms'] * 1e3:.1f}us" for k, v in case["peers"].items() if v and v.get("ms")),
-                      flush=True)
+                print(
+                    f"decode {case['case']:28s} splits={splits:3d} ours {ms * 1e3:8.1f} us "
+                    f"{kv_bytes / ms / 1e6:7.0f} GB/s "
+                    + " ".join(f"{k}={v['ms'] * 1e3:.1f}us" for k, v in case["peers"].items() if v and v.get("ms")),
+                    flush=True,
+                )
     return write_results(doc, out_dir)
 
 
@@ -434,23 +574,36 @@ def _read_ceiling_peer(kc, vc, kv_bytes):
         return {"ms": None, "skipped": f"K/V of {kv_bytes >> 20} MiB: below {ROTATE_BYTES >> 20} MiB, read from L2"}
     # each cache's first kv_bytes / 2 bytes (the pool is one allocation; a case with rotating page tables
     # holds more): the same byte count as the case reads, in address order
-    flat = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())[:kv_bytes // 2]
-            .view(torch.int32) for t in (kc, vc)]
+    flat = [
+        torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())[: kv_bytes // 2].view(torch.int32)
+        for t in (kc, vc)
+    ]
     best = None
-    for chunk, block, warps in ((1 << 15, 2048, 4), (1 << 16, 2048, 4), (1 << 16, 4096, 8), (1 << 17, 4096, 8),
-                                (1 << 18, 4096, 8)):
+    for chunk, block, warps in (
+        (1 << 15, 2048, 4),
+        (1 << 16, 2048, 4),
+        (1 << 16, 4096, 8),
+        (1 << 17, 4096, 8),
+        (1 << 18, 4096, 8),
+    ):
         fns = [read_fn(f, chunk, block, warps) for f in flat]
 
         def call(fns=fns):
             for f in fns:
                 f()
+
         ms = min(time_ms(graph_replay([call])[0]) for _ in range(2))
         if best is None or ms < best[0]:
             best = (ms, {"chunk_words": chunk, "block": block, "warps": warps}, call)
     ms, cfg, call = best
     step = graph_step_ms([call])
-    return {"ms": ms, "gbps": kv_bytes / ms / 1e6, "ms_step": step, "gbps_step": kv_bytes / step / 1e6 if step else None,
-            "config": cfg}
+    return {
+        "ms": ms,
+        "gbps": kv_bytes / ms / 1e6,
+        "ms_step": step,
+        "gbps_step": kv_bytes / step / 1e6 if step else None,
+        "config": cfg,
+    }
 
 
 def _chunk_inputs(batch, prefix, chunk, page_size, q_dtype, d=D):
@@ -475,8 +628,17 @@ def _sweep(launch, configs):
     return res
 
 
-def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, configs=None, shapes=None, splits=None,
-                        page_sizes=None, headdims=None):
+def run_prefill_chunked(
+    out_dir=None,
+    quick=False,
+    chunk=2048,
+    prefix=8192,
+    configs=None,
+    shapes=None,
+    splits=None,
+    page_sizes=None,
+    headdims=None,
+):
     """A 2k chunk over an 8k cached prefix vs the dense FP8 forward on the same pairs.
 
     Options (``fp8attn bench prefill-chunked --help``): ``shapes`` ((batch, keys, queries), ...: the queries
@@ -494,12 +656,18 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
         cases = [tuple(s) for s in shapes]
     for c in cases:  # (before any case runs)
         if len(c) != 3 or c[2] > c[1]:
-            raise ValueError(f"shapes: expected batch x keys x queries with queries <= keys, got "
-                             f"{'x'.join(map(str, c))}. Give e.g. 1x10240x2048 (2048 queries, the last of 10240 keys).")
-    grid = [(d, ps, c) for d in (headdims or (D,)) for ps in (page_sizes or ([16, 32, 64, 128] if not quick else [64]))
-            for c in cases]
+            raise ValueError(
+                f"shapes: expected batch x keys x queries with queries <= keys, got "
+                f"{'x'.join(map(str, c))}. Give e.g. 1x10240x2048 (2048 queries, the last of 10240 keys)."
+            )
+    grid = [
+        (d, ps, c)
+        for d in (headdims or (D,))
+        for ps in (page_sizes or ([16, 32, 64, 128] if not quick else [64]))
+        for c in cases
+    ]
     for d, page_size, (batch, L, chunk) in grid:
-        scale = d ** -0.5
+        scale = d**-0.5
         prefix = L - chunk
         kc, vc, pt, q8, seqlens = _chunk_inputs(batch, prefix, chunk, page_size, E4M3, d)
         qd = torch.rand(batch, HK, device="cuda") + 0.5
@@ -513,17 +681,42 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
         # Every timed path writes the output alone (no LSE), as the dense and peer kernels do; the LSE's
         # cost is recorded separately (params.ms_with_lse).
         def ours(cfg=None, q_=q8, v_cache=vc, o=out, lse_=None):
-            launch_paged_fwd(q_, kc, v_cache, pt, seqlens, o, lse_, max_seqlen_q=chunk, softmax_scale=scale,
-                             causal=True, q_descale=qd if q_.dtype == E4M3 else None, k_descale=kd,
-                             v_descale=vd, config=cfg)
+            launch_paged_fwd(
+                q_,
+                kc,
+                v_cache,
+                pt,
+                seqlens,
+                o,
+                lse_,
+                max_seqlen_q=chunk,
+                softmax_scale=scale,
+                causal=True,
+                q_descale=qd if q_.dtype == E4M3 else None,
+                k_descale=kd,
+                v_descale=vd,
+                config=cfg,
+            )
+
         ours()
         torch.cuda.synchronize()
         err = None
         if batch == 1:
-            ref = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=qd,
-                                      k_descale=kd, v_descale=vd, out_dtype=torch.float32)
+            ref = paged_attention_ref(
+                q8,
+                kc,
+                vc,
+                pt,
+                seqlens,
+                softmax_scale=scale,
+                causal=True,
+                q_descale=qd,
+                k_descale=kd,
+                v_descale=vd,
+                out_dtype=torch.float32,
+            )
             err = _rel_err(out, ref)
-            del ref
+            ref = None
         ms = time_ms(ours)
         ms_lse = time_ms(lambda: ours(lse_=lse))
         peers = {}
@@ -532,6 +725,7 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
 
         def ours_bf16():
             ours(q_=qb, o=out_b, lse_=None)
+
         ours_bf16()
         ms_b = time_ms(ours_bf16)
         peers["paged_bf16q"] = {"ms": ms_b, "tflops": flops / ms_b / 1e9}
@@ -539,29 +733,50 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
 
         def ours_triton():  # the same FA3-layout cache on the Triton kernel (ours runs on paged_tma)
             ours({"tma": False}, o=out_t, lse_=None)
+
         ours_triton()
         torch.cuda.synchronize()
         ms_t = time_ms(ours_triton)
-        peers["paged_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9,
-                                 "max_abs_diff_vs_paged": (out_t.float() - out.float()).abs().max().item()}
-        del out_t
+        peers["paged_triton"] = {
+            "ms": ms_t,
+            "tflops": flops / ms_t / 1e9,
+            "max_abs_diff_vs_paged": (out_t.float() - out.float()).abs().max().item(),
+        }
+        out_t = None
         try:
             from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
             from ..reference import gather_paged
+
             kg, _ = gather_paged(kc, pt, seqlens, L)
             vg, _ = gather_paged(vc, pt, seqlens, L)
             vg = transpose_v_kmajor(vg)
             out_d = torch.empty_like(out)
 
             def dense():
-                launch_dense_fwd(q8, kg, vg, out_d, None, softmax_scale=scale, causal=True, window_size=(-1, -1),
-                                 softcap=0.0, q_descale=qd, k_descale=kd, v_descale=vd)
+                launch_dense_fwd(
+                    q8,
+                    kg,
+                    vg,
+                    out_d,
+                    None,
+                    softmax_scale=scale,
+                    causal=True,
+                    window_size=(-1, -1),
+                    softcap=0.0,
+                    q_descale=qd,
+                    k_descale=kd,
+                    v_descale=vd,
+                )
+
             dense()
             torch.cuda.synchronize()
             ms_d = time_ms(dense)
-            peers["dense_fp8"] = {"ms": ms_d, "tflops": flops / ms_d / 1e9,
-                                  "max_abs_diff_vs_paged": (out_d.float() - out.float()).abs().max().item()}
-            del kg, vg
+            peers["dense_fp8"] = {
+                "ms": ms_d,
+                "tflops": flops / ms_d / 1e9,
+                "max_abs_diff_vs_paged": (out_d.float() - out.float()).abs().max().item(),
+            }
+            kg = vg = None
         except Exception as e:
             peers["dense_fp8"] = {"ms": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
         if page_size >= 64:  # the same cache with V sequence-major inside each page (K-major FP8 P@V)
@@ -570,32 +785,49 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
 
             def ours_v_seq_major():
                 ours(v_cache=vs, o=out_s, lse_=None)
+
             ours_v_seq_major()
             torch.cuda.synchronize()
             ms_s = time_ms(ours_v_seq_major)
-            peers["paged_v_seq_major"] = {"ms": ms_s, "tflops": flops / ms_s / 1e9,
-                                          "max_abs_diff_vs_paged": (out_s.float() - out.float()).abs().max().item()}
+            peers["paged_v_seq_major"] = {
+                "ms": ms_s,
+                "tflops": flops / ms_s / 1e9,
+                "max_abs_diff_vs_paged": (out_s.float() - out.float()).abs().max().item(),
+            }
             if page_size % 64 == 0:  # the row above ran on the TMA kernel (paged_tma): the Triton one too
+
                 def triton_v_seq_major():
                     ours({"tma": False}, v_cache=vs, o=out_s, lse_=None)
+
                 triton_v_seq_major()
                 torch.cuda.synchronize()
                 ms_t = time_ms(triton_v_seq_major)
                 peers["paged_v_seq_major"]["kernel"] = "paged_tma (warp-specialized, TMA)"
                 peers["paged_v_seq_major_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9}
-            del vs, out_s
+            vs = out_s = None
         ref1 = None
         if batch == 1:  # unit descales, as FlashInfer gets them
             one = torch.ones(batch, HK, device="cuda")
-            ref1 = paged_attention_ref(q8, kc, vc, pt, seqlens, softmax_scale=scale, causal=True, q_descale=one,
-                                       k_descale=one, v_descale=one, out_dtype=torch.float32)
+            ref1 = paged_attention_ref(
+                q8,
+                kc,
+                vc,
+                pt,
+                seqlens,
+                softmax_scale=scale,
+                causal=True,
+                q_descale=one,
+                k_descale=one,
+                v_descale=one,
+                out_dtype=torch.float32,
+            )
         peers.update(_flashinfer_prefill_peers(q8, qb, kc, vc, pt, seqlens, flops, ref1))
-        del ref1
+        ref1 = None
         if page_size == 64:
             sp = _sdpa_peers(qb.transpose(1, 2), batch, L, 1, causal=False, kv_len=L, d=d)
             # SDPA's causal is top-left aligned; a chunk over a prefix needs bottom-right, so the
             # peers run non-causal over all L keys: their tflops use the full Sq*L pairs.
-            for k_, v_ in sp.items():
+            for v_ in sp.values():
                 if v_ and v_.get("ms"):
                     v_["tflops"] = attn_flops(batch, HQ, chunk, L, d) / v_["ms"] / 1e9
                     v_["note"] = "non-causal over all keys (full pairs)"
@@ -607,27 +839,57 @@ def run_prefill_chunked(out_dir=None, quick=False, chunk=2048, prefix=8192, conf
                 o_sw = torch.empty_like(out)
                 for ns in splits or (0,):
                     for cfg in configs or (None,):
+
                         def swept(q_=q_, ns=ns, cfg=cfg):
-                            launch_paged_fwd(q_, kc, vc, pt, seqlens, o_sw, None, max_seqlen_q=chunk,
-                                             softmax_scale=scale, causal=True,
-                                             q_descale=qd if q_.dtype == E4M3 else None, k_descale=kd,
-                                             v_descale=vd, num_splits=ns, config=cfg)
+                            launch_paged_fwd(
+                                q_,
+                                kc,
+                                vc,
+                                pt,
+                                seqlens,
+                                o_sw,
+                                None,
+                                max_seqlen_q=chunk,
+                                softmax_scale=scale,
+                                causal=True,
+                                q_descale=qd if q_.dtype == E4M3 else None,
+                                k_descale=kd,
+                                v_descale=vd,
+                                num_splits=ns,
+                                config=cfg,
+                            )
+
                         split_sweep[f"{q_name} splits={ns} config={json.dumps(cfg)}"] = _best_replay(swept)
-                del o_sw
-        case = {"case": f"d{d} B{batch} chunk{chunk} prefix{prefix} page{page_size}",
-                "params": {"batch": batch, "seqlen_q": chunk, "seqlen_k": L, "nheads_q": HQ, "nheads_k": HK,
-                           "headdim": d, "page_size": page_size, "causal": True, "q_dtype": "e4m3",
-                           "kv_dtype": "e4m3", "ms_with_lse": ms_lse},
-                "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None, "err": err},
-                "peers": peers}
+                o_sw = None
+        case = {
+            "case": f"d{d} B{batch} chunk{chunk} prefix{prefix} page{page_size}",
+            "params": {
+                "batch": batch,
+                "seqlen_q": chunk,
+                "seqlen_k": L,
+                "nheads_q": HQ,
+                "nheads_k": HK,
+                "headdim": d,
+                "page_size": page_size,
+                "causal": True,
+                "q_dtype": "e4m3",
+                "kv_dtype": "e4m3",
+                "ms_with_lse": ms_lse,
+            },
+            "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None, "err": err},
+            "peers": peers,
+        }
         if sweep:
             case["config_sweep_ms"] = sweep
         if split_sweep:
             case["split_config_sweep"] = split_sweep
         doc["cases"].append(case)
-        print(f"prefill {case['case']:40s} ours {ms:.3f} ms {flops / ms / 1e9:6.0f} TF/s | "
-              + " ".join(f"{k}={v['ms']:.3f}ms" for k, v in peers.items() if v and v.get("ms")), flush=True)
-        del kc, vc
+        print(
+            f"prefill {case['case']:40s} ours {ms:.3f} ms {flops / ms / 1e9:6.0f} TF/s | "
+            + " ".join(f"{k}={v['ms']:.3f}ms" for k, v in peers.items() if v and v.get("ms")),
+            flush=True,
+        )
+        kc = vc = None
         torch.cuda.empty_cache()
     return write_results(doc, out_dir)
 
@@ -638,9 +900,15 @@ def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=204
     from ..paged_cache import to_v_seq_major
 
     doc = results_header("mixed")
-    scale = D ** -0.5
-    layouts = [(16, E4M3, False), (16, torch.bfloat16, False), (64, E4M3, False), (64, torch.bfloat16, False),
-               (64, E4M3, True), (128, E4M3, True)]
+    scale = D**-0.5
+    layouts = [
+        (16, E4M3, False),
+        (16, torch.bfloat16, False),
+        (64, E4M3, False),
+        (64, torch.bfloat16, False),
+        (64, E4M3, True),
+        (128, E4M3, True),
+    ]
     if quick:
         layouts = [(64, E4M3, False), (64, E4M3, True)]
     for page_size, q_dtype, seq_major in layouts:
@@ -651,8 +919,8 @@ def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=204
         kc, vc, pts = _paged_pool(1, n_decode * pages_d * page_size + pages_c * page_size, page_size, 1)
         flat = pts[0].view(-1)
         pt = torch.full((b, pages_c), -1, dtype=torch.int32, device="cuda")
-        pt[:n_decode, :pages_d] = flat[:n_decode * pages_d].view(n_decode, pages_d)
-        pt[n_decode, :] = flat[n_decode * pages_d:n_decode * pages_d + pages_c]
+        pt[:n_decode, :pages_d] = flat[: n_decode * pages_d].view(n_decode, pages_d)
+        pt[n_decode, :] = flat[n_decode * pages_d : n_decode * pages_d + pages_c]
         if seq_major:
             vc = to_v_seq_major(vc)
         seqlens = torch.tensor([decode_ctx] * n_decode + [L_chunk], dtype=torch.int32, device="cuda")
@@ -668,8 +936,22 @@ def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=204
         lse = torch.empty(HQ, sum(qlens), device="cuda")
 
         def mixed(cfg=None, lse_out=None):
-            launch_paged_fwd(q, kc, vc, pt, seqlens, out, lse_out, cu_seqlens_q=cu, max_seqlen_q=chunk,
-                             softmax_scale=scale, causal=True, config=cfg, **dsc)
+            launch_paged_fwd(
+                q,
+                kc,
+                vc,
+                pt,
+                seqlens,
+                out,
+                lse_out,
+                cu_seqlens_q=cu,
+                max_seqlen_q=chunk,
+                softmax_scale=scale,
+                causal=True,
+                config=cfg,
+                **dsc,
+            )
+
         qd_ = q[:n_decode].view(n_decode, 1, HQ, D)
         qc_ = q[n_decode:].view(1, chunk, HQ, D)
         od = torch.empty(n_decode, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -680,21 +962,52 @@ def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=204
         dsc_c = {k: v[n_decode:] for k, v in dsc.items()}
 
         def separate(with_lse=False):
-            launch_paged_fwd(qd_, kc, vc, pt[:n_decode], seqlens[:n_decode], od, lse_d if with_lse else None,
-                             max_seqlen_q=1, softmax_scale=scale, causal=True, **dsc_d)
-            launch_paged_fwd(qc_, kc, vc, pt[n_decode:], seqlens[n_decode:], oc, lse_c if with_lse else None,
-                             max_seqlen_q=chunk, softmax_scale=scale, causal=True, **dsc_c)
+            launch_paged_fwd(
+                qd_,
+                kc,
+                vc,
+                pt[:n_decode],
+                seqlens[:n_decode],
+                od,
+                lse_d if with_lse else None,
+                max_seqlen_q=1,
+                softmax_scale=scale,
+                causal=True,
+                **dsc_d,
+            )
+            launch_paged_fwd(
+                qc_,
+                kc,
+                vc,
+                pt[n_decode:],
+                seqlens[n_decode:],
+                oc,
+                lse_c if with_lse else None,
+                max_seqlen_q=chunk,
+                softmax_scale=scale,
+                causal=True,
+                **dsc_c,
+            )
+
         mixed(lse_out=lse)
         separate(True)
         torch.cuda.synchronize()
-        diff = max((out[:n_decode].float() - od.view(n_decode, HQ, D).float()).abs().max().item(),
-                   (out[n_decode:].float() - oc.view(chunk, HQ, D).float()).abs().max().item())
-        lse_diff = max((lse[:, :n_decode] - lse_d[:, :, 0].t()).abs().max().item(),
-                       (lse[:, n_decode:] - lse_c[0]).abs().max().item())
+        diff = max(
+            (out[:n_decode].float() - od.view(n_decode, HQ, D).float()).abs().max().item(),
+            (out[n_decode:].float() - oc.view(chunk, HQ, D).float()).abs().max().item(),
+        )
+        lse_diff = max(
+            (lse[:, :n_decode] - lse_d[:, :, 0].t()).abs().max().item(),
+            (lse[:, n_decode:] - lse_c[0]).abs().max().item(),
+        )
         # Both paths write the same outputs (LSE in both or in neither) and are timed as CUDA-graph
         # replays (the GPU time; eager times of the same calls in params).
-        timed = {"mixed": mixed, "separate": separate, "mixed_lse": lambda: mixed(lse_out=lse),
-                 "separate_lse": lambda: separate(True)}
+        timed = {
+            "mixed": mixed,
+            "separate": separate,
+            "mixed_lse": lambda: mixed(lse_out=lse),
+            "separate_lse": lambda: separate(True),
+        }
         graph_ms, graphed = {}, True
         for name, fn in timed.items():
             call, g = graph_replay([fn])
@@ -709,25 +1022,49 @@ def run_mixed(out_dir=None, quick=False, n_decode=32, decode_ctx=4096, chunk=204
         if seq_major:
             ms_t = time_ms(graph_replay([lambda: mixed({"tma": False})])[0])
             peers["one_launch_triton"] = {"ms": ms_t, "tflops": flops / ms_t / 1e9, "gbps": kv_bytes / ms_t / 1e6}
-        case = {"case": f"d128 {n_decode}x decode L{decode_ctx} + chunk{chunk} prefix{prefix} page{page_size} "
-                        f"q={'e4m3' if q_dtype == E4M3 else 'bf16'}" + (" v_seq_major" if seq_major else ""),
-                "params": {"batch": b, "seqlen_q": chunk, "seqlen_k": L_chunk, "nheads_q": HQ, "nheads_k": HK,
-                           "headdim": D, "page_size": page_size, "causal": True, "n_decode": n_decode,
-                           "decode_ctx": decode_ctx, "q_dtype": "e4m3" if q_dtype == E4M3 else "bf16",
-                           "kv_dtype": "e4m3", "v_layout": "seq_major" if seq_major else "fa3",
-                           "cuda_graph": graphed, "graph_ms": graph_ms, "eager_ms": eager_ms,
-                           "speed_vs_separate": ms_s / ms,
-                           "speed_vs_separate_with_lse": graph_ms["separate_lse"] / graph_ms["mixed_lse"]},
-                "ours": {"ms": ms, "tflops": flops / ms / 1e9, "gbps": kv_bytes / ms / 1e6, "err": None,
-                         "max_abs_diff_vs_separate": diff, "max_lse_diff_vs_separate": lse_diff},
-                "peers": peers}
+        case = {
+            "case": f"d128 {n_decode}x decode L{decode_ctx} + chunk{chunk} prefix{prefix} page{page_size} "
+            f"q={'e4m3' if q_dtype == E4M3 else 'bf16'}" + (" v_seq_major" if seq_major else ""),
+            "params": {
+                "batch": b,
+                "seqlen_q": chunk,
+                "seqlen_k": L_chunk,
+                "nheads_q": HQ,
+                "nheads_k": HK,
+                "headdim": D,
+                "page_size": page_size,
+                "causal": True,
+                "n_decode": n_decode,
+                "decode_ctx": decode_ctx,
+                "q_dtype": "e4m3" if q_dtype == E4M3 else "bf16",
+                "kv_dtype": "e4m3",
+                "v_layout": "seq_major" if seq_major else "fa3",
+                "cuda_graph": graphed,
+                "graph_ms": graph_ms,
+                "eager_ms": eager_ms,
+                "speed_vs_separate": ms_s / ms,
+                "speed_vs_separate_with_lse": graph_ms["separate_lse"] / graph_ms["mixed_lse"],
+            },
+            "ours": {
+                "ms": ms,
+                "tflops": flops / ms / 1e9,
+                "gbps": kv_bytes / ms / 1e6,
+                "err": None,
+                "max_abs_diff_vs_separate": diff,
+                "max_lse_diff_vs_separate": lse_diff,
+            },
+            "peers": peers,
+        }
         if configs:
             case["config_sweep_ms"] = _sweep(mixed, configs)
         doc["cases"].append(case)
-        print(f"mixed {case['case']:72s} one call {ms:.3f} ms | separate {ms_s:.3f} ms | with LSE "
-              f"{graph_ms['mixed_lse']:.3f} / {graph_ms['separate_lse']:.3f} | eager {eager_ms['mixed']:.3f} / "
-              f"{eager_ms['separate']:.3f} | diff {diff:.2e} | "
-              + " ".join(f"{k}={v['ms']:.3f}" for k, v in peers.items() if k != "separate"), flush=True)
-        del kc, vc
+        print(
+            f"mixed {case['case']:72s} one call {ms:.3f} ms | separate {ms_s:.3f} ms | with LSE "
+            f"{graph_ms['mixed_lse']:.3f} / {graph_ms['separate_lse']:.3f} | eager {eager_ms['mixed']:.3f} / "
+            f"{eager_ms['separate']:.3f} | diff {diff:.2e} | "
+            + " ".join(f"{k}={v['ms']:.3f}" for k, v in peers.items() if k != "separate"),
+            flush=True,
+        )
+        kc = vc = None
         torch.cuda.empty_cache()
     return write_results(doc, out_dir)

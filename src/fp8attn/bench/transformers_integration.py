@@ -21,6 +21,7 @@ bf16. Prefill of a batch of 8 x 4096 tokens into the cache, and decode steps of 
 4096-token context, through ``model(...)``: fp8attn + FP8Cache against sdpa + the default cache (and
 fp8attn over the default cache for prefill). Tokens/s and peak memory (``max_memory_allocated``).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,7 @@ __all__ = ["run_accuracy", "run_speed", "teacher_forced_scores"]
 
 def _batches(seqs, size):
     for i in range(0, len(seqs), size):
-        yield seqs[i:i + size]
+        yield seqs[i : i + size]
 
 
 def _left_pad(seqs, pad_id, device):
@@ -45,8 +46,8 @@ def _left_pad(seqs, pad_id, device):
     ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), n), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, n - len(s):] = torch.tensor(s)
-        mask[i, n - len(s):] = 1
+        ids[i, n - len(s) :] = torch.tensor(s)
+        mask[i, n - len(s) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -57,9 +58,16 @@ def _greedy(model, prompts, new_tokens, pad_id, batch, cache_fn=None):
         ids, mask = _left_pad(chunk, pad_id, model.device)
         kw = {} if cache_fn is None else {"cache": cache_fn(model)}
         with torch.no_grad():
-            g = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                               do_sample=False, pad_token_id=pad_id, **kw)
-        outs += g[:, ids.shape[1]:].tolist()
+            g = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+                **kw,
+            )
+        outs += g[:, ids.shape[1] :].tolist()
     return outs
 
 
@@ -75,17 +83,23 @@ def teacher_forced_scores(model, prompts, conts, pad_id, batch, cache_fn=None):
         pos = (mask.cumsum(-1) - 1).clamp_min(0)  # positions as generate() numbers them (padding skipped)
         with torch.no_grad():
             if cache_fn is None:
-                logits = model(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[:, -n - 1:-1]
+                logits = model(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[:, -n - 1 : -1]
                 logits = logits.float()
             else:
                 cache, steps = cache_fn(model), []
                 pre = ids.shape[1] - n
-                out = model(ids[:, :pre], attention_mask=mask[:, :pre], position_ids=pos[:, :pre], cache=cache,
-                            use_cache=True)
+                out = model(
+                    ids[:, :pre], attention_mask=mask[:, :pre], position_ids=pos[:, :pre], cache=cache, use_cache=True
+                )
                 steps.append(out.logits[:, -1:].float())
                 for t in range(pre, ids.shape[1] - 1):
-                    out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
-                                cache=cache, use_cache=True)
+                    out = model(
+                        ids[:, t : t + 1],
+                        attention_mask=mask[:, : t + 1],
+                        position_ids=pos[:, t : t + 1],
+                        cache=cache,
+                        use_cache=True,
+                    )
                     steps.append(out.logits[:, -1:].float())
                 logits = torch.cat(steps, 1)
         lp = torch.log_softmax(logits, -1)
@@ -110,8 +124,8 @@ def _load_smollm(device):
 
 def run_accuracy(out_dir=None, quick=False, num_prompts=32, new_tokens=64, seed=0, batch=32):
     """SmolLM2-135M accuracy of fp8attn and FP8Cache against sdpa (see the module docstring)."""
-    from ..serving.data import sample_prompts
     from ..integrations import transformers as fx
+    from ..serving.data import sample_prompts
 
     if quick:
         num_prompts, new_tokens = 8, 16
@@ -144,29 +158,55 @@ def run_accuracy(out_dir=None, quick=False, num_prompts=32, new_tokens=64, seed=
     ours_w = [f"{w.category.__name__}: {w.message}" for w in caught]
     ref_ppl = math.exp(-ref_lp.double().mean().item())
     doc = results_header("transformers_accuracy")
-    params = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32 weights)", "prompts": len(prompts),
-              "new_tokens": new_tokens, "seed": seed, "granularity": "per_head", "hadamard": False,
-              "reference": "attn_implementation='sdpa', default cache", "device": dev,
-              "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))]}
+    params = {
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32 weights)",
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "seed": seed,
+        "granularity": "per_head",
+        "hadamard": False,
+        "reference": "attn_implementation='sdpa', default cache",
+        "device": dev,
+        "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+    }
     for name, (lp, top, secs) in res.items():
         ppl = math.exp(-lp.double().mean().item())
-        case = {"case": name, "params": dict(params, kv_cache="FP8Cache per_seq_head" if "Cache" in name
-                                             else "default (16-bit)", teacher_forcing="decode steps" if "Cache"
-                                             in name else "one forward"),
-                "ours": {"ms": None, "tflops": None, "gbps": None,
-                         "top1_agreement": float((top == ref_top).float().mean()),
-                         "ppl": ppl, "ppl_rel_diff": ppl / ref_ppl - 1.0,
-                         "max_abs_logprob_diff": float((lp - ref_lp).abs().max()), "seconds": round(secs, 1)},
-                "peers": {"sdpa": {"ppl": ref_ppl}}}
+        case = {
+            "case": name,
+            "params": dict(
+                params,
+                kv_cache="FP8Cache per_seq_head" if "Cache" in name else "default (16-bit)",
+                teacher_forcing="decode steps" if "Cache" in name else "one forward",
+            ),
+            "ours": {
+                "ms": None,
+                "tflops": None,
+                "gbps": None,
+                "top1_agreement": float((top == ref_top).float().mean()),
+                "ppl": ppl,
+                "ppl_rel_diff": ppl / ref_ppl - 1.0,
+                "max_abs_logprob_diff": float((lp - ref_lp).abs().max()),
+                "seconds": round(secs, 1),
+            },
+            "peers": {"sdpa": {"ppl": ref_ppl}},
+        }
         doc["cases"].append(case)
     same = [a == b for g, c in zip(gen, conts) for a, b in zip(g, c)]
     prefix = [next((i for i, (a, b) in enumerate(zip(g, c)) if a != b), len(c)) for g, c in zip(gen, conts)]
-    doc["generate"] = {"kv_cache": "FP8Cache per_seq_head", "sequences": len(gen),
-                       "tokens": sum(map(len, gen)), "token_agreement_with_sdpa": sum(same) / len(same),
-                       "mean_matching_prefix": sum(prefix) / len(prefix), "seconds": round(gen_s, 1)}
+    doc["generate"] = {
+        "kv_cache": "FP8Cache per_seq_head",
+        "sequences": len(gen),
+        "tokens": sum(map(len, gen)),
+        "token_agreement_with_sdpa": sum(same) / len(same),
+        "mean_matching_prefix": sum(prefix) / len(prefix),
+        "seconds": round(gen_s, 1),
+    }
     doc["warnings"] = ours_w
-    doc["seconds"] = {"load": round(load_s, 1), "sdpa_generate_and_score": round(ref_s, 1),
-                      "total": round(time.perf_counter() - t0, 1)}
+    doc["seconds"] = {
+        "load": round(load_s, 1),
+        "sdpa_generate_and_score": round(ref_s, 1),
+        "total": round(time.perf_counter() - t0, 1),
+    }
     path = write_results(doc, out_dir)
     print(f"{'case':20s} {'top-1 agree':>11s} {'ppl':>9s} {'vs sdpa':>8s}")
     print(f"{'sdpa':20s} {'':>11s} {ref_ppl:9.4f}")
@@ -174,8 +214,10 @@ def run_accuracy(out_dir=None, quick=False, num_prompts=32, new_tokens=64, seed=
         o = c["ours"]
         print(f"{c['case']:20s} {o['top1_agreement']:11.4f} {o['ppl']:9.4f} {100 * o['ppl_rel_diff']:+7.2f}%")
     g = doc["generate"]
-    print(f"generate with FP8Cache: {g['tokens']} tokens in {g['seconds']}s, token agreement with sdpa "
-          f"{g['token_agreement_with_sdpa']:.4f}, mean matching prefix {g['mean_matching_prefix']:.1f}")
+    print(
+        f"generate with FP8Cache: {g['tokens']} tokens in {g['seconds']}s, token agreement with sdpa "
+        f"{g['token_agreement_with_sdpa']:.4f}, mean matching prefix {g['mean_matching_prefix']:.1f}"
+    )
     print(f"warnings: {len(ours_w)}" + "".join(f"\n  {w}" for w in ours_w))
     return path
 
@@ -184,10 +226,19 @@ def run_accuracy(out_dir=None, quick=False, num_prompts=32, new_tokens=64, seed=
 def _llama3_8b_config():
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                    head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                                    max_position_embeddings=8192, tie_word_embeddings=False)
+    return transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
 
 
 def _peak(fn):
@@ -196,7 +247,7 @@ def _peak(fn):
     torch.cuda.reset_peak_memory_stats()
     r = fn()
     torch.cuda.synchronize()
-    return r, torch.cuda.max_memory_allocated() / 2 ** 30
+    return r, torch.cuda.max_memory_allocated() / 2**30
 
 
 def _median_ms(fn, reps):
@@ -225,11 +276,12 @@ def _fill_cache(model, cache, batch, ctx, gen):
             cache.update(k, v, i, kwargs=kw)
             layer = kw["fp8attn_cache"][0]
             q = torch.randn(batch, ctx, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-            layer.attend(q, k.transpose(1, 2), v.transpose(1, 2), None, scale=d ** -0.5, causal=True,
-                         window=(-1, -1), softcap=0.0)
+            layer.attend(
+                q, k.transpose(1, 2), v.transpose(1, 2), None, scale=d**-0.5, causal=True, window=(-1, -1), softcap=0.0
+            )
         else:
             cache.update(k, v, i)
-        del k, v
+        k = v = None
 
 
 def run_speed(out_dir=None, quick=False, prefill_batch=8, prefill_len=4096, decode_batch=64, decode_ctx=4096):
@@ -245,15 +297,26 @@ def run_speed(out_dir=None, quick=False, prefill_batch=8, prefill_len=4096, deco
     cfg = _llama3_8b_config()
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
-                                                              attn_implementation="sdpa").eval()
+        model = transformers.AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).eval()
     gen = torch.Generator(device="cuda").manual_seed(0)
     doc = results_header("transformers")
-    kv_gib = lambda c: sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() *  # noqa: E731
-                           layer.values.element_size() for layer in c.layers if layer.keys is not None) / 2 ** 30
-    impls = {"fp8attn+FP8Cache": ("fp8attn", lambda: fx.FP8Cache(config=model.config)),
-             "sdpa+DynamicCache": ("sdpa", lambda: transformers.DynamicCache(config=model.config)),
-             "fp8attn+DynamicCache": ("fp8attn", lambda: transformers.DynamicCache(config=model.config))}
+    kv_gib = lambda c: (
+        sum(
+            layer.keys.numel() * layer.keys.element_size()
+            + layer.values.numel()  # noqa: E731
+            * layer.values.element_size()
+            for layer in c.layers
+            if layer.keys is not None
+        )
+        / 2**30
+    )
+    impls = {
+        "fp8attn+FP8Cache": ("fp8attn", lambda: fx.FP8Cache(config=model.config)),
+        "sdpa+DynamicCache": ("sdpa", lambda: transformers.DynamicCache(config=model.config)),
+        "fp8attn+DynamicCache": ("fp8attn", lambda: transformers.DynamicCache(config=model.config)),
+    }
     # --- prefill
     ids = torch.randint(0, cfg.vocab_size, (prefill_batch, prefill_len), device="cuda", generator=gen)
     pre = {}
@@ -265,18 +328,37 @@ def run_speed(out_dir=None, quick=False, prefill_batch=8, prefill_len=4096, deco
             with torch.no_grad():
                 model(ids, cache=c, use_cache=True, logits_to_keep=1)
             return c
+
         step()  # warm-up (autotuning, plans)
         c, peak = _peak(step)
         ms = _median_ms(step, 3 if quick else 5)
-        pre[name] = {"ms": ms, "tokens_per_s": prefill_batch * prefill_len / ms * 1e3, "peak_gib": peak,
-                     "kv_cache_gib": kv_gib(c)}
-        del c
+        pre[name] = {
+            "ms": ms,
+            "tokens_per_s": prefill_batch * prefill_len / ms * 1e3,
+            "peak_gib": peak,
+            "kv_cache_gib": kv_gib(c),
+        }
+        c = None
         torch.cuda.empty_cache()
-    p = {"model": "Llama-3-8B shape, random weights, bf16", "batch": prefill_batch, "seqlen_q": prefill_len,
-         "seqlen_k": prefill_len, "nheads_q": 32, "nheads_k": 8, "headdim": 128, "causal": True}
+    p = {
+        "model": "Llama-3-8B shape, random weights, bf16",
+        "batch": prefill_batch,
+        "seqlen_q": prefill_len,
+        "seqlen_k": prefill_len,
+        "nheads_q": 32,
+        "nheads_k": 8,
+        "headdim": 128,
+        "causal": True,
+    }
     o = pre.pop("fp8attn+FP8Cache")
-    doc["cases"].append({"case": f"prefill B{prefill_batch} S{prefill_len}", "params": dict(p, phase="prefill"),
-                         "ours": {"ms": o["ms"], "tflops": None, "gbps": None, **o}, "peers": pre})
+    doc["cases"].append(
+        {
+            "case": f"prefill B{prefill_batch} S{prefill_len}",
+            "params": dict(p, phase="prefill"),
+            "ours": {"ms": o["ms"], "tflops": None, "gbps": None, **o},
+            "peers": pre,
+        }
+    )
     # --- decode
     dec = {}
     for name in ("fp8attn+FP8Cache", "sdpa+DynamicCache"):
@@ -291,21 +373,29 @@ def run_speed(out_dir=None, quick=False, prefill_batch=8, prefill_len=4096, deco
             with torch.no_grad():
                 model(tok, cache=cache, position_ids=pos, use_cache=True)
             cache.crop(-1)  # back to the same context: every timed step decodes at decode_ctx
+
         for _ in range(3):
             step()
         _, peak = _peak(step)
         ms = _median_ms(step, 10 if quick else 30)
         dec[name] = {"ms": ms, "tokens_per_s": decode_batch / ms * 1e3, "peak_gib": peak, "kv_cache_gib": kv_gib(cache)}
-        del cache
+        cache = None
         torch.cuda.empty_cache()
     o = dec.pop("fp8attn+FP8Cache")
-    doc["cases"].append({"case": f"decode B{decode_batch} ctx{decode_ctx}",
-                         "params": dict(p, batch=decode_batch, seqlen_q=1, seqlen_k=decode_ctx, phase="decode"),
-                         "ours": {"ms": o["ms"], "tflops": None, "gbps": None, **o}, "peers": dec})
+    doc["cases"].append(
+        {
+            "case": f"decode B{decode_batch} ctx{decode_ctx}",
+            "params": dict(p, batch=decode_batch, seqlen_q=1, seqlen_k=decode_ctx, phase="decode"),
+            "ours": {"ms": o["ms"], "tflops": None, "gbps": None, **o},
+            "peers": dec,
+        }
+    )
     path = write_results(doc, out_dir)
     print(f"{'case':24s} {'impl':22s} {'ms':>9s} {'tok/s':>10s} {'peak GiB':>9s} {'KV GiB':>7s}")
     for c in doc["cases"]:
         for name, r in [("fp8attn+FP8Cache", c["ours"])] + list(c["peers"].items()):
-            print(f"{c['case']:24s} {name:22s} {r['ms']:9.2f} {r['tokens_per_s']:10.0f} {r['peak_gib']:9.2f} "
-                  f"{r['kv_cache_gib']:7.2f}")
+            print(
+                f"{c['case']:24s} {name:22s} {r['ms']:9.2f} {r['tokens_per_s']:10.0f} {r['peak_gib']:9.2f} "
+                f"{r['kv_cache_gib']:7.2f}"
+            )
     return path

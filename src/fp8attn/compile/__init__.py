@@ -9,10 +9,16 @@ and folds ``attention -> view/reshape -> static per-tensor FP8 quant`` into the 
 ``out_scale=`` (the kernel writes e4m3fn directly; the 16-bit intermediate disappears). Only static
 per-tensor quantization fuses; :func:`fused_output_quant_supported` says which kinds do.
 """
+
 from __future__ import annotations
 
-__all__ = ["enable_output_quant_fusion", "disable_output_quant_fusion", "output_quant_fusion_enabled",
-           "fused_output_quant_supported", "QUANT_KINDS"]
+__all__ = [
+    "enable_output_quant_fusion",
+    "disable_output_quant_fusion",
+    "output_quant_fusion_enabled",
+    "fused_output_quant_supported",
+    "QUANT_KINDS",
+]
 
 # kind -> fuses into the attention epilogue?
 QUANT_KINDS = {
@@ -25,10 +31,19 @@ QUANT_KINDS = {
     "per_channel": False,
     "mx": False,
 }
-_ALIASES = {"static": "static_per_tensor", "per_tensor": "static_per_tensor", "dynamic": "dynamic_per_tensor",
-            "per_token": "dynamic_per_token", "group": "per_group", "block": "per_block", "mxfp8": "mx"}
-_WHY = ("the attention epilogue has one static scale per output tensor; {kind} needs a scale computed "
-        "from (or varying over) the output, so quantize the output separately")
+_ALIASES = {
+    "static": "static_per_tensor",
+    "per_tensor": "static_per_tensor",
+    "dynamic": "dynamic_per_tensor",
+    "per_token": "dynamic_per_token",
+    "group": "per_group",
+    "block": "per_block",
+    "mxfp8": "mx",
+}
+_WHY = (
+    "the attention epilogue has one static scale per output tensor; {kind} needs a scale computed "
+    "from (or varying over) the output, so quantize the output separately"
+)
 
 
 def _canon(kind: str) -> str:
@@ -79,7 +94,9 @@ def enable_output_quant_fusion(kinds=("static_per_tensor",)):
         if not QUANT_KINDS[k]:
             raise NotImplementedError(
                 f"output quantization kind {kind!r} does not fuse into fp8attn's attention kernels: "
-                + _WHY.format(kind=k) + ". Only 'static_per_tensor' fuses.")
+                + _WHY.format(kind=k)
+                + ". Only 'static_per_tensor' fuses."
+            )
     import torch._inductor.config as ic
 
     from .output_quant import OutputQuantFusionPass

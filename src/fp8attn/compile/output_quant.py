@@ -26,6 +26,7 @@ other FP8 formats, and outputs (or intermediate views) that have other users.
 The fused output skips the 16-bit rounding of the unfused path, so results agree with the unfused
 graph to within one e4m3 ulp (usually exactly).
 """
+
 from __future__ import annotations
 
 import operator
@@ -45,10 +46,20 @@ prims = torch.ops.prims
 STATS: Counter = Counter()
 
 _VIEW_OPS = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
-    aten.flatten.using_ints, aten.permute.default, aten.transpose.int, aten.t.default,
-    aten.as_strided.default, aten.expand.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.alias.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.unsqueeze.default,
+    aten.flatten.using_ints,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.as_strided.default,
+    aten.expand.default,
 }
 _CONVERTS = {prims.convert_element_type.default, aten._to_copy.default}
 
@@ -90,6 +101,7 @@ def _single_user(n):
 # ---------------------------------------------------------------------------------------------
 # Matching the quantization
 # ---------------------------------------------------------------------------------------------
+
 
 def _match_quant(node):
     """If ``node`` ends a static-per-tensor-shaped quant, return (x, scale, quant_nodes); else None.
@@ -176,6 +188,7 @@ def _walk_views(x):
 # Rewriting
 # ---------------------------------------------------------------------------------------------
 
+
 def _fake_mode(graph):
     from torch._guards import detect_fake_mode
 
@@ -198,8 +211,9 @@ def _scale_node(graph, scale, before, device, fake_mode):
                 return scale
             n = graph.call_function(prims.convert_element_type.default, (scale, torch.float32))
         else:
-            n = graph.call_function(aten.full.default, ([], float(scale)),
-                                    {"dtype": torch.float32, "device": device, "pin_memory": False})
+            n = graph.call_function(
+                aten.full.default, ([], float(scale)), {"dtype": torch.float32, "device": device, "pin_memory": False}
+            )
     return _set_val(n, fake_mode)
 
 
@@ -236,8 +250,13 @@ def _mirror_getitems(graph, old, new, fake_mode):
 def _fuse_functional(graph, attn, getitem0, views, quant_nodes, scale, fake_mode):
     op = attn.target
     names = [a.name for a in op._schema.arguments]
-    args = list(attn.args) + [a.default_value if a.has_default_value() else None  # (dense_fwd's bwd_mode has one)
-                              for a in op._schema.arguments[len(attn.args):]]
+    args = (
+        list(attn.args)
+        + [
+            a.default_value if a.has_default_value() else None  # (dense_fwd's bwd_mode has one)
+            for a in op._schema.arguments[len(attn.args) :]
+        ]
+    )
     for k, v in attn.kwargs.items():
         args[names.index(k)] = v
     dev = _val(getitem0).device
@@ -288,7 +307,9 @@ def _fuse_out_variant(graph, af, base_getitem, views, quant_nodes, scale, fake_m
     for old, g in repl.items():
         if old is not base_getitem:
             old.replace_all_uses_with(g)
-    _erase(graph, quant_nodes + list(reversed(views)) + [base_getitem] + [u for u in repl if u is not base_getitem] + [af])
+    _erase(
+        graph, quant_nodes + list(reversed(views)) + [base_getitem] + [u for u in repl if u is not base_getitem] + [af]
+    )
     buf.replace_all_uses_with(nb)
     _erase(graph, [buf])
     return len(quant_nodes)
@@ -298,8 +319,14 @@ def fuse_output_quant(graph: fx.Graph) -> dict:
     """Apply the fusion to ``graph`` in place. Returns {"fused": n, "removed_quant_nodes": m,
     "skipped": k} for this graph (also added to :data:`STATS`)."""
     functional, out_variants = _attn_ops()
-    af_targets = {t for t in (getattr(torch.ops.higher_order, "auto_functionalized", None),
-                              getattr(torch.ops.higher_order, "auto_functionalized_v2", None)) if t is not None}
+    af_targets = {
+        t
+        for t in (
+            getattr(torch.ops.higher_order, "auto_functionalized", None),
+            getattr(torch.ops.higher_order, "auto_functionalized_v2", None),
+        )
+        if t is not None
+    }
     stats = Counter()
     fake_mode = None
     for node in list(graph.nodes):
@@ -315,8 +342,12 @@ def fuse_output_quant(graph: fx.Graph) -> dict:
         parent, idx = src.args
         if _is_call(parent, functional) and idx == 0:
             kind = "functional"
-        elif _is_call(parent, af_targets) and parent.args[0] in out_variants and idx == 1 \
-                and "_all_bases" in parent.kwargs:
+        elif (
+            _is_call(parent, af_targets)
+            and parent.args[0] in out_variants
+            and idx == 1
+            and "_all_bases" in parent.kwargs
+        ):
             kind = "out"
         else:
             continue

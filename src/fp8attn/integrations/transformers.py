@@ -22,6 +22,7 @@ forward and backward).
 :class:`FP8Cache` stores K/V in a paged e4m3 cache (half the bytes of a bf16 cache) and decodes through
 :func:`fp8attn.flash_attn_with_kvcache`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,19 +33,29 @@ from dataclasses import dataclass
 import torch
 
 try:
-    import transformers
+    import transformers  # noqa: F401 -- the availability probe: ImportError here means the extra is missing
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("fp8attn.integrations.transformers needs transformers 5.x (pip install 'fp8attn[transformers]'); "
-                      f"importing it failed: {e}") from e
+    raise ImportError(
+        "fp8attn.integrations.transformers needs transformers 5.x (pip install 'fp8attn[transformers]'); "
+        f"importing it failed: {e}"
+    ) from e
 
 import fp8attn
 from fp8attn import quant
 
-__all__ = ["ATTN_IMPLEMENTATION", "register", "fp8attn_attention_forward", "fp8attn_options", "FP8Cache",
-           "FP8CacheLayer", "GRANULARITIES", "CACHE_SCALES"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "register",
+    "fp8attn_attention_forward",
+    "fp8attn_options",
+    "FP8Cache",
+    "FP8CacheLayer",
+    "GRANULARITIES",
+    "CACHE_SCALES",
+]
 
 ATTN_IMPLEMENTATION = "fp8attn"
 GRANULARITIES = ("per_tensor", "per_head", "per_block")
@@ -65,8 +76,10 @@ _OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("fp8attn_options", de
 
 def _check_granularity(name, g):
     if g not in GRANULARITIES:
-        raise ValueError(f"{name}: expected one of {GRANULARITIES}, got {g!r}. per_head is FA3's (batch, kv head) "
-                         "descales; per_tensor one descale; per_block one per 128 tokens and head.")
+        raise ValueError(
+            f"{name}: expected one of {GRANULARITIES}, got {g!r}. per_head is FA3's (batch, kv head) "
+            "descales; per_tensor one descale; per_block one per 128 tokens and head."
+        )
     return g
 
 
@@ -108,8 +121,10 @@ def _options(module) -> _Options:
     over = _OVERRIDE.get() or {}
     g = over.get("granularity", getattr(cfg, "fp8attn_granularity", None) or "per_head")
     h = over.get("hadamard", getattr(cfg, "fp8attn_hadamard", None))
-    return _Options(_check_granularity("config.fp8attn_granularity", g),
-                    False if h is None else _check_hadamard("config.fp8attn_hadamard", h))
+    return _Options(
+        _check_granularity("config.fp8attn_granularity", g),
+        False if h is None else _check_hadamard("config.fp8attn_hadamard", h),
+    )
 
 
 # ====================================================================== varlen metadata
@@ -160,8 +175,14 @@ def _from_mask(mask: torch.Tensor, sq: int) -> _Varlen:
         return _Varlen(None, idx_k, cu_q, _cu(lens_k), 1, max_k)
     mq = m[:, -sq:]
     lens_q = mq.sum(-1, dtype=torch.int32)
-    return _Varlen(torch.nonzero(mq.flatten()).flatten(), idx_k, _cu(lens_q), _cu(lens_k),
-                   int(lens_q.max()) if lens_q.numel() else 0, max_k)
+    return _Varlen(
+        torch.nonzero(mq.flatten()).flatten(),
+        idx_k,
+        _cu(lens_q),
+        _cu(lens_k),
+        int(lens_q.max()) if lens_q.numel() else 0,
+        max_k,
+    )
 
 
 def _from_position_ids(pos: torch.Tensor) -> _Varlen | None:
@@ -189,7 +210,8 @@ class _NoBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         raise NotImplementedError(
             "attn_implementation='fp8attn': this fp8attn build has no FP8 backward (fp8attn.attention), so the "
-            "attention gradients cannot be computed. Update fp8attn, or train with another attn_implementation.")
+            "attention gradients cannot be computed. Update fp8attn, or train with another attn_implementation."
+        )
 
 
 def _wants_grad(*ts) -> bool:
@@ -220,24 +242,41 @@ def _fp8_attention(q, k, v, vl: _Varlen | None, *, scale, causal, window, softca
     grad = _wants_grad(q, k, v)
     common = dict(causal=causal, softmax_scale=scale, window_size=window, softcap=softcap)
     if grad and attn is not None:
-        kw = {} if vl is None else dict(cu_seqlens_q=vl.cu_q, cu_seqlens_k=vl.cu_k, max_seqlen_q=vl.max_q,
-                                         max_seqlen_k=vl.max_k)
+        kw = (
+            {}
+            if vl is None
+            else dict(cu_seqlens_q=vl.cu_q, cu_seqlens_k=vl.cu_k, max_seqlen_q=vl.max_q, max_seqlen_k=vl.max_k)
+        )
         out = attn(q, k, v, granularity=opts.granularity, hadamard=opts.hadamard, **common, **kw)
         return out if out.dtype == q.dtype else out.to(q.dtype)
-    q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(q, k, v, granularity=opts.granularity, hadamard=opts.hadamard,
-                                                  block_size=_BLOCK)
+    q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(
+        q, k, v, granularity=opts.granularity, hadamard=opts.hadamard, block_size=_BLOCK
+    )
     blk = _BLOCK if opts.granularity == "per_block" else None
     if vl is None:
-        out = fp8attn.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=out_dtype,
-                                      descale_block_size=blk, **common)
+        out = fp8attn.flash_attn_func(
+            q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=out_dtype, descale_block_size=blk, **common
+        )
     else:
         nseq = vl.cu_q.numel() - 1
         if blk is None:  # varlen quantization gives one descale per KV head over the batch's real tokens
             qd, kd = qd.expand(nseq, -1), kd.expand(nseq, -1)
         vd = vd.expand(nseq, -1)
-        out = fp8attn.flash_attn_varlen_func(q8, k8, v8, vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, q_descale=qd,
-                                             k_descale=kd, v_descale=vd, out_dtype=out_dtype,
-                                             descale_block_size=blk, **common)
+        out = fp8attn.flash_attn_varlen_func(
+            q8,
+            k8,
+            v8,
+            vl.cu_q,
+            vl.cu_k,
+            vl.max_q,
+            vl.max_k,
+            q_descale=qd,
+            k_descale=kd,
+            v_descale=vd,
+            out_dtype=out_dtype,
+            descale_block_size=blk,
+            **common,
+        )
     if grad:
         out = _NoBackward.apply(out, q, k, v)
     return out
@@ -245,11 +284,15 @@ def _fp8_attention(q, k, v, vl: _Varlen | None, *, scale, causal, window, softca
 
 def _validate_call(query, key, value, attention_mask, dropout, kwargs):
     if kwargs.get("output_attentions", False):
-        raise NotImplementedError("attn_implementation='fp8attn' does not return attention weights "
-                                  "(output_attentions=True); use attn_implementation='eager' for them.")
+        raise NotImplementedError(
+            "attn_implementation='fp8attn' does not return attention weights "
+            "(output_attentions=True); use attn_implementation='eager' for them."
+        )
     if dropout:
-        raise NotImplementedError(f"attn_implementation='fp8attn': attention dropout {dropout} is not supported; "
-                                  "set config.attention_dropout = 0.0.")
+        raise NotImplementedError(
+            f"attn_implementation='fp8attn': attention dropout {dropout} is not supported; "
+            "set config.attention_dropout = 0.0."
+        )
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("attn_implementation='fp8attn': attention sinks (s_aux) are not supported.")
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -260,14 +303,24 @@ def _validate_call(query, key, value, attention_mask, dropout, kwargs):
         raise NotImplementedError(
             f"attention_mask: attn_implementation='fp8attn' takes the 2-D (batch, seqlen_k) padding mask that its "
             f"registered mask function builds, got {shape}. Call fp8attn.integrations.transformers.register() "
-            "before building the model, and pass a 2-D attention_mask (no custom 4-D masks).")
+            "before building the model, and pass a 2-D attention_mask (no custom 4-D masks)."
+        )
 
 
-def fp8attn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                              value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                              scaling: float | None = None, sliding_window: int | None = None,
-                              softcap: float | None = None, is_causal: bool | None = None,
-                              fp8attn_cache=None, **kwargs):
+def fp8attn_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    fp8attn_cache=None,
+    **kwargs,
+):
     """transformers attention function of ``attn_implementation="fp8attn"``.
 
     Parameters
@@ -298,8 +351,10 @@ def fp8attn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if fp8attn_cache is not None:
         layer, staged = fp8attn_cache
         if staged is not key:
-            raise RuntimeError("FP8Cache: the keys given to the attention function are not the ones the cache "
-                               "stored for this layer; the model changed them between Cache.update and attention.")
+            raise RuntimeError(
+                "FP8Cache: the keys given to the attention function are not the ones the cache "
+                "stored for this layer; the model changed them between Cache.update and attention."
+            )
         out = layer.attend(q, k, v, attention_mask, scale=scale, causal=causal, window=window, softcap=cap)
         return out, None
     b, sq = q.shape[:2]
@@ -309,15 +364,21 @@ def fp8attn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if attention_mask is not None:
         if k.shape[1] > attention_mask.shape[1]:  # a static cache's unused tail
-            k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]
+            k, v = k[:, : attention_mask.shape[1]], v[:, : attention_mask.shape[1]]
         elif k.shape[1] < attention_mask.shape[1]:
-            attention_mask = attention_mask[:, -k.shape[1]:]
+            attention_mask = attention_mask[:, -k.shape[1] :]
         vl = _memo(attention_mask, (sq, k.shape[1]), lambda: _from_mask(attention_mask, sq))
     elif cu_q is not None and cu_k is not None and kwargs.get("max_length_q") is not None:
         n = q.shape[0] * q.shape[1]
         idx = torch.arange(n, device=q.device)
-        vl = _Varlen(idx, idx, cu_q.to(torch.int32), cu_k.to(torch.int32), int(kwargs["max_length_q"]),
-                     int(kwargs["max_length_k"] if kwargs.get("max_length_k") is not None else kwargs["max_length_q"]))
+        vl = _Varlen(
+            idx,
+            idx,
+            cu_q.to(torch.int32),
+            cu_k.to(torch.int32),
+            int(kwargs["max_length_q"]),
+            int(kwargs["max_length_k"] if kwargs.get("max_length_k") is not None else kwargs["max_length_q"]),
+        )
     elif b == 1 and sq > 1 and sq == k.shape[1] and kwargs.get("position_ids") is not None:
         pos = kwargs["position_ids"]
         vl = _memo(pos, ("pos", sq), lambda: _from_position_ids(pos))
@@ -366,8 +427,10 @@ class FP8CacheLayer(CacheLayerMixin):
         c = self.cache
         b, hk, _, d = key_states.shape
         if c.batch_capacity is not None and b > c.batch_capacity:
-            raise ValueError(f"FP8Cache: expected a batch of at most max_batch_size={c.batch_capacity}, got {b}. "
-                             "Create the cache with a larger max_batch_size.")
+            raise ValueError(
+                f"FP8Cache: expected a batch of at most max_batch_size={c.batch_capacity}, got {b}. "
+                "Create the cache with a larger max_batch_size."
+            )
         self.device = key_states.device
         self.batch, self.nheads_k, self.head_dim, self.head_dim_v = b, hk, d, value_states.shape[-1]
         self.pages = 0
@@ -411,14 +474,18 @@ class FP8CacheLayer(CacheLayerMixin):
             self.v_scales = s.clone() if self.pages == 0 else torch.cat([self.v_scales, s.clone()])
         self.pages = pages
         j = torch.arange(pages, dtype=torch.int32, device=self.device)
-        self.page_table = (j[None, :] * b + torch.arange(b, dtype=torch.int32, device=self.device)[:, None]).contiguous()
+        self.page_table = (
+            j[None, :] * b + torch.arange(b, dtype=torch.int32, device=self.device)[:, None]
+        ).contiguous()
 
     def _reserve(self, new_tokens: int) -> None:
         c = self.cache
         need = self.seen + new_tokens
         if c.length_capacity is not None and need > c.length_capacity:
-            raise ValueError(f"FP8Cache: {need} tokens exceed max_cache_len={c.length_capacity} "
-                             f"(cached {self.seen}, new {new_tokens}). Create the cache with a larger max_cache_len.")
+            raise ValueError(
+                f"FP8Cache: {need} tokens exceed max_cache_len={c.length_capacity} "
+                f"(cached {self.seen}, new {new_tokens}). Create the cache with a larger max_cache_len."
+            )
         pages = _page_count(need, c.page_size)
         if pages > self.pages:  # grow geometrically: few reallocations over a generation
             self._alloc(max(pages, 2 * self.pages))
@@ -428,13 +495,16 @@ class FP8CacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch:
-            raise ValueError(f"FP8Cache: expected batch {self.batch} (the cache's), got {key_states.shape[0]}. "
-                             "Use a new cache (or cache.reset()) for a different batch.")
+            raise ValueError(
+                f"FP8Cache: expected batch {self.batch} (the cache's), got {key_states.shape[0]}. "
+                "Use a new cache (or cache.reset()) for a different batch."
+            )
         if self._staged is not None:
             raise RuntimeError(
                 f"FP8Cache: layer {self.layer_idx} was updated twice without attending through "
                 "attn_implementation='fp8attn' in between: its previous step ran another attention implementation "
-                "over incomplete keys. Load the model with attn_implementation='fp8attn'.")
+                "over incomplete keys. Load the model with attn_implementation='fp8attn'."
+            )
         self._reserve(key_states.shape[2])
         self.seen += key_states.shape[2]
         self._staged = key_states
@@ -470,8 +540,13 @@ class FP8CacheLayer(CacheLayerMixin):
             self.lens.fill_(keep)
             self._valid = [(keep, None)] if keep else []
         else:
-            m = torch.cat([torch.ones(self.batch, s, dtype=torch.bool, device=self.device) if x is None else x
-                           for s, x in self._valid], dim=1)[:, :keep]
+            m = torch.cat(
+                [
+                    torch.ones(self.batch, s, dtype=torch.bool, device=self.device) if x is None else x
+                    for s, x in self._valid
+                ],
+                dim=1,
+            )[:, :keep]
             self.lens.copy_(m.sum(1, dtype=torch.int32))
             self._valid = [(keep, m)] if keep else []
         self.seen = keep
@@ -575,15 +650,29 @@ class FP8CacheLayer(CacheLayerMixin):
         out_dtype = _out_dtype(q.dtype)
         # 16-bit Q over FP8 K/V: fp32 queries go to fp16, whose 10 mantissa bits keep more of them than bf16
         qq = q if q.dtype in (torch.bfloat16, torch.float16) else q.to(torch.float16)
-        common = dict(cache_seqlens=self.lens, page_table=self.page_table, softmax_scale=scale, causal=causal,
-                      window_size=window, softcap=softcap, out_dtype=out_dtype, **akw)
+        common = dict(
+            cache_seqlens=self.lens,
+            page_table=self.page_table,
+            softmax_scale=scale,
+            causal=causal,
+            window_size=window,
+            softcap=softcap,
+            out_dtype=out_dtype,
+            **akw,
+        )
         if new_mask is None or s == 1:
             # every new token real (or one query per row, whose pad output is ignored): a dense call, no sync
             return fp8attn.flash_attn_with_kvcache(qq, self.keys, self.values, **common)
         idx = torch.nonzero(new_mask.reshape(-1)).flatten()
         cu_q = _cu(new_mask.sum(1, dtype=torch.int32))
-        o = fp8attn.flash_attn_with_kvcache(qq.reshape(b * s, *q.shape[2:]).index_select(0, idx), self.keys,
-                                            self.values, cu_seqlens_q=cu_q, max_seqlen_q=s, **common)
+        o = fp8attn.flash_attn_with_kvcache(
+            qq.reshape(b * s, *q.shape[2:]).index_select(0, idx),
+            self.keys,
+            self.values,
+            cu_seqlens_q=cu_q,
+            max_seqlen_q=s,
+            **common,
+        )
         out = o.new_zeros((b * s, *o.shape[1:])).index_copy(0, idx, o)
         return out.view(b, s, *o.shape[1:])
 
@@ -637,12 +726,24 @@ class FP8Cache(Cache):
     (``is_compileable`` is False: per-row lengths and page growth are bookkept on the host).
     """
 
-    def __init__(self, config=None, max_batch_size: int | None = None, max_cache_len: int | None = None, *,
-                 scale: str = "per_seq_head", page_size: int = 64, k_descale=None, v_descale=None,
-                 calib_margin: float = 1.0, **kwargs):
+    def __init__(
+        self,
+        config=None,
+        max_batch_size: int | None = None,
+        max_cache_len: int | None = None,
+        *,
+        scale: str = "per_seq_head",
+        page_size: int = 64,
+        k_descale=None,
+        v_descale=None,
+        calib_margin: float = 1.0,
+        **kwargs,
+    ):
         if config is None or not hasattr(config, "get_text_config"):
-            raise TypeError(f"FP8Cache: expected config=<the model's PretrainedConfig>, got {type(config).__name__}. "
-                            "Pass config=model.config.")
+            raise TypeError(
+                f"FP8Cache: expected config=<the model's PretrainedConfig>, got {type(config).__name__}. "
+                "Pass config=model.config."
+            )
         if kwargs:
             raise TypeError(f"FP8Cache: unexpected arguments {sorted(kwargs)}.")
         if scale not in CACHE_SCALES:
@@ -669,7 +770,7 @@ class FP8Cache(Cache):
         self.k_descale, self.v_descale = k_descale, v_descale
         self.calib_margin = float(calib_margin)
         text = config.get_text_config(decoder=True)
-        n = int(getattr(text, "num_hidden_layers"))
+        n = int(text.num_hidden_layers)
         super().__init__(layers=[FP8CacheLayer(self, i) for i in range(n)])
 
     def _check_attention(self) -> None:
@@ -681,10 +782,10 @@ class FP8Cache(Cache):
             raise ValueError(
                 f"FP8Cache holds FP8 keys and values that only attn_implementation='{ATTN_IMPLEMENTATION}' reads, "
                 f"but this model attends with {text_impl!r}. Load it with attn_implementation='{ATTN_IMPLEMENTATION}' "
-                f"(or call model.set_attn_implementation('{ATTN_IMPLEMENTATION}')), or use the default cache.")
+                f"(or call model.set_attn_implementation('{ATTN_IMPLEMENTATION}')), or use the default cache."
+            )
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, kwargs=None,
-               **extra):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, kwargs=None, **extra):
         """Stage the new 16-bit K/V of ``layer_idx``; the fp8attn attention function writes them into the
         FP8 pool and attends. Returns the new K/V unchanged (never the cache)."""
         self._check_attention()
@@ -692,7 +793,8 @@ class FP8Cache(Cache):
             raise RuntimeError(
                 "FP8Cache: this model's attention does not pass its attention kwargs to Cache.update "
                 "(cache.update(k, v, layer_idx, kwargs=kwargs)), so the cache cannot reach the attention function. "
-                "FP8Cache supports the transformers 5.x models that do (Llama, Mistral, Qwen2, ...).")
+                "FP8Cache supports the transformers 5.x models that do (Llama, Mistral, Qwen2, ...)."
+            )
         layer = self.layers[layer_idx]
         k, v = layer.update(key_states, value_states)
         kwargs["fp8attn_cache"] = (layer, k)  # handed to fp8attn_attention_forward through the same kwargs

@@ -635,7 +635,7 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}; pass 'dequantized' or 'fp8'")
     if mode == "fp8" and dq.is_cuda:
         # On an H200 the compiled fp8-mode dK/dV pass wrote NaN into dV where the interpreter's run of the
-        # same kernel is finite (tests/test_kernel_backward.py); it stays off the GPU until that is found.
+        # same kernel is finite (tests/kernels/test_kernel_backward.py); it stays off the GPU until that is found.
         raise NotImplementedError("fp8_backward='fp8' (FP8 backward matmuls) is not available on CUDA devices yet: "
                                   "use the default fp8_backward='dequantized' (its CPU form runs through the "
                                   "reference and the Triton interpreter).")

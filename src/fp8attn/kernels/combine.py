@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LOG2E, LN2, cdiv, next_pow2, output_epilogue
+from .common import INTERPRET, LN2, LOG2E, cdiv, next_pow2, output_epilogue
 
 __all__ = ["launch_combine", "combine_tiles"]
 

@@ -51,9 +51,20 @@ import triton
 import triton.language as tl
 
 from .combine import launch_combine
-from .common import (INTERPRET, causal_window_mask, fill_varlen_block_list, finalize_rows, find_seq,
-                     full_tile_range, kv_range, next_pow2, online_softmax_step, output_epilogue, scale_logits,
-                     upcast_fp8_in_place)
+from .common import (
+    INTERPRET,
+    causal_window_mask,
+    fill_varlen_block_list,
+    finalize_rows,
+    find_seq,
+    full_tile_range,
+    kv_range,
+    next_pow2,
+    online_softmax_step,
+    output_epilogue,
+    scale_logits,
+    upcast_fp8_in_place,
+)
 from .hopper import dense_launch, paged_launch
 from .planning import CPU_NUM_SMS, is_v_seq_major, paged_grid, paged_precisions, split_partials, window_flags
 

@@ -11,4 +11,5 @@ package: it is a user of the library, not a part of it, so the attention API loa
 ``demo``           ``demo_main`` (``fp8attn demo``) and ``drive_main`` (``fp8attn drive``)
 =================  ==================================================================================
 """
+
 __all__ = ["engine", "models", "data", "demo"]

@@ -3,6 +3,7 @@
 The JSON format is ShareGPT_V3: a list of ``{"id": ..., "conversations": [{"from": "human" | "gpt",
 "value": "..."}, ...]}``. The prompt of a conversation is its first human turn.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,9 @@ def _parse_conversations(p: Path) -> list:
                 raise ValueError(f"{p}: not ShareGPT-format JSON (could not decode the first conversation)") from None
             import warnings
 
-            warnings.warn(f"{p}: file ends inside conversation {len(out)}; using the {len(out)} complete ones",
-                          stacklevel=3)
+            warnings.warn(
+                f"{p}: file ends inside conversation {len(out)}; using the {len(out)} complete ones", stacklevel=3
+            )
             break
         out.append(obj)
     return out
@@ -91,14 +93,23 @@ def load_first_turns(dataset_path=None) -> list[tuple[int, str]]:
 def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
     """Token ids of ``text`` as a single user turn (chat template with the generation prompt)."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        r = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          return_dict=True)
+        r = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+        )
         return list(r["input_ids"])
     return list(tokenizer(text)["input_ids"])
 
 
-def sample_prompts(tokenizer, n: int, *, dataset_path=None, seed: int = 0, min_tokens: int = 4,
-                   max_tokens: int = 256, chat_template: bool = True) -> list[Prompt]:
+def sample_prompts(
+    tokenizer,
+    n: int,
+    *,
+    dataset_path=None,
+    seed: int = 0,
+    min_tokens: int = 4,
+    max_tokens: int = 256,
+    chat_template: bool = True,
+) -> list[Prompt]:
     """``n`` prompts drawn in a seeded random order, keeping those of ``min_tokens..max_tokens`` tokens
     (counted after the chat template). Raises ValueError if the file has fewer such prompts."""
     turns = load_first_turns(dataset_path)

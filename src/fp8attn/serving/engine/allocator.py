@@ -1,4 +1,5 @@
 """Paged KV-cache block allocator: a free list of fixed-size blocks and per-sequence block tables."""
+
 from __future__ import annotations
 
 from collections import deque

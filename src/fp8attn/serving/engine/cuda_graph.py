@@ -1,4 +1,5 @@
 """CUDA graphs for pure-decode steps (one new token per sequence), captured per batch-size bucket."""
+
 from __future__ import annotations
 
 import warnings
@@ -53,10 +54,16 @@ class DecodeGraphs:
         self.disabled = False
 
     def _meta(self, b: int) -> StepInputs:
-        return StepInputs(cu_seqlens_q=self.cu[:b + 1], max_seqlen_q=1, cache_seqlens=self.seqlens[:b],
-                          page_table=self.page_table[:b], slot_mapping=self.slots[:b], token_seq_idx=self.seq_idx[:b],
-                          k_descale=self.kd[:, :b] if self.per_seq else None,
-                          v_descale=self.vd[:, :b] if self.per_seq else None)
+        return StepInputs(
+            cu_seqlens_q=self.cu[: b + 1],
+            max_seqlen_q=1,
+            cache_seqlens=self.seqlens[:b],
+            page_table=self.page_table[:b],
+            slot_mapping=self.slots[:b],
+            token_seq_idx=self.seq_idx[:b],
+            k_descale=self.kd[:, :b] if self.per_seq else None,
+            v_descale=self.vd[:, :b] if self.per_seq else None,
+        )
 
     def _reset_padding(self):
         ps = self.eng.cache.page_size
@@ -100,7 +107,9 @@ class DecodeGraphs:
             try:
                 self._capture(b)
             except Exception as e:  # pragma: no cover - GPU only
-                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); running decode eagerly")
+                warnings.warn(
+                    f"CUDA graph capture failed ({type(e).__name__}: {e}); running decode eagerly", stacklevel=2
+                )
                 self.disabled = True
                 torch.cuda.synchronize()
                 return None

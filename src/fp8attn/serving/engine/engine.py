@@ -1,4 +1,5 @@
 """Continuous-batching inference engine over the compact Llama and a paged (optionally FP8) KV cache."""
+
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ import torch
 
 from .allocator import BlockAllocator, blocks_needed
 from .kv_cache import KV_DTYPES, PagedKVCache, StepInputs
-from .scheduler import SamplingParams, Scheduler, SchedulerOutput, Sequence, SeqStatus
+from .scheduler import SamplingParams, Scheduler, SchedulerOutput, SeqStatus, Sequence
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "PromptTooLong"]
 
@@ -18,9 +19,11 @@ class PromptTooLong(ValueError):
     """A prompt does not fit the context limit (and truncation was not asked for)."""
 
     def __init__(self, index: int, length: int, limit: int):
-        super().__init__(f"prompt {index} has {length} tokens, more than the context limit of {limit} "
-                         f"tokens allows (max_context_len={limit}); shorten it, raise --max-context-len, "
-                         f"or pass --truncate to keep its last tokens")
+        super().__init__(
+            f"prompt {index} has {length} tokens, more than the context limit of {limit} "
+            f"tokens allows (max_context_len={limit}); shorten it, raise --max-context-len, "
+            f"or pass --truncate to keep its last tokens"
+        )
         self.index, self.length, self.limit = index, length, limit
 
 
@@ -93,12 +96,18 @@ class RequestOutput:
 def _finish_output(seq: Sequence, t0: float) -> RequestOutput:
     tt = seq.token_times
     return RequestOutput(
-        index=seq.index, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
+        index=seq.index,
+        prompt_ids=list(seq.prompt_ids),
+        output_ids=list(seq.output_ids),
         finish_reason=seq.finish_reason,
         ttft=(seq.first_token_time - t0) if seq.first_token_time is not None else None,
-        itl=[b - a for a, b in zip(tt[:-1], tt[1:])], latency=(tt[-1] - t0) if tt else None,
-        num_preemptions=seq.num_preemptions, forced_logprobs=list(seq.forced_logprobs),
-        forced_argmax=list(seq.forced_argmax), output_logprobs=list(getattr(seq, "output_logprobs", [])))
+        itl=[b - a for a, b in zip(tt[:-1], tt[1:])],
+        latency=(tt[-1] - t0) if tt else None,
+        num_preemptions=seq.num_preemptions,
+        forced_logprobs=list(seq.forced_logprobs),
+        forced_argmax=list(seq.forced_argmax),
+        output_logprobs=list(getattr(seq, "output_logprobs", [])),
+    )
 
 
 class LLMEngine:
@@ -116,8 +125,14 @@ class LLMEngine:
         mc = model.cfg
         if cfg.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_DTYPES)}, got {cfg.kv_cache_dtype!r}")
-        bpt = PagedKVCache.bytes_per_token_for(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                               cfg.kv_cache_dtype, cfg.kv_scale, cfg.kv_scale_dtype)
+        bpt = PagedKVCache.bytes_per_token_for(
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            cfg.kv_cache_dtype,
+            cfg.kv_scale,
+            cfg.kv_scale_dtype,
+        )
         if cfg.num_blocks is not None:
             nb = int(cfg.num_blocks)
         elif cfg.kv_memory_bytes is not None:
@@ -125,8 +140,10 @@ class LLMEngine:
         else:
             nb = cfg.max_batch_size * blocks_needed(cfg.max_context_len, cfg.page_size)
         if nb < 1:
-            raise ValueError(f"KV cache budget holds no block of {cfg.page_size} tokens "
-                             f"({bpt * cfg.page_size} bytes each); raise kv_memory_bytes/num_blocks")
+            raise ValueError(
+                f"KV cache budget holds no block of {cfg.page_size} tokens "
+                f"({bpt * cfg.page_size} bytes each); raise kv_memory_bytes/num_blocks"
+            )
         self.device = model.device
         self.max_pages = blocks_needed(cfg.max_context_len, cfg.page_size)
         self.v_seq_major = cfg.kv_cache_dtype.startswith("fp8") if cfg.v_seq_major is None else bool(cfg.v_seq_major)
@@ -135,14 +152,25 @@ class LLMEngine:
         # one extra block, owned by no sequence, for the padding rows of CUDA-graph decode batches
         self.scratch_block = nb if use_graphs else None
         self.cache = PagedKVCache(
-            mc.num_hidden_layers, nb + (1 if use_graphs else 0), cfg.page_size, mc.num_key_value_heads, mc.head_dim, cfg.kv_cache_dtype,
-            cfg.kv_scale, k_descale=cfg.static_k_descale if static else None,
+            mc.num_hidden_layers,
+            nb + (1 if use_graphs else 0),
+            cfg.page_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            cfg.kv_cache_dtype,
+            cfg.kv_scale,
+            k_descale=cfg.static_k_descale if static else None,
             v_descale=(cfg.static_v_descale if cfg.static_v_descale is not None else cfg.static_k_descale)
-            if static else None, calib_margin=cfg.calib_margin, device=self.device, poison=cfg.poison_cache,
-            scale_dtype=cfg.kv_scale_dtype, v_seq_major=self.v_seq_major)
+            if static
+            else None,
+            calib_margin=cfg.calib_margin,
+            device=self.device,
+            poison=cfg.poison_cache,
+            scale_dtype=cfg.kv_scale_dtype,
+            v_seq_major=self.v_seq_major,
+        )
         self.allocator = BlockAllocator(nb, cfg.page_size)
-        self.scheduler = Scheduler(self.allocator, cfg.max_batch_size, cfg.max_batched_tokens,
-                                   cfg.prefill_chunk_size)
+        self.scheduler = Scheduler(self.allocator, cfg.max_batch_size, cfg.max_batched_tokens, cfg.prefill_chunk_size)
         self._next_id = 0
         self.num_steps = 0
         self.step_log: list[dict] = []
@@ -153,8 +181,9 @@ class LLMEngine:
             self.graphs = DecodeGraphs(self)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, forced_ids=None,
-                    index: int | None = None) -> Sequence:
+    def add_request(
+        self, prompt_ids, params: SamplingParams | None = None, forced_ids=None, index: int | None = None
+    ) -> Sequence:
         """Queue a request. ``forced_ids`` turns it into a scoring request (teacher forcing)."""
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
@@ -168,8 +197,13 @@ class LLMEngine:
                 raise PromptTooLong(idx, len(prompt_ids), limit)
             keep = max(1, limit - max(1, params.max_new_tokens))
             prompt_ids = prompt_ids[-keep:]
-        seq = Sequence(self._next_id, prompt_ids, params, forced_ids=list(forced_ids) if forced_ids is not None else None,
-                       index=idx)
+        seq = Sequence(
+            self._next_id,
+            prompt_ids,
+            params,
+            forced_ids=list(forced_ids) if forced_ids is not None else None,
+            index=idx,
+        )
         seq.output_logprobs = []
         if params.temperature > 0:
             seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + idx
@@ -199,14 +233,14 @@ class LLMEngine:
             pos.extend(range(a, e))
             slots.extend(bt[t // ps] * ps + t % ps for t in range(a, e))
             seq_idx.extend([b] * c.num_tokens)
-            page_table[b, :len(bt)] = bt
+            page_table[b, : len(bt)] = bt
             cu.append(cu[-1] + c.num_tokens)
             lens.append(e)
             if s.forced_ids is not None:
                 lo = max(a, s.prompt_len - 1)
                 hi = min(e, len(s.tokens) - 1)
                 if hi > lo:
-                    forced_rows.append((s, len(logits_rows), s.tokens[lo + 1:hi + 1]))
+                    forced_rows.append((s, len(logits_rows), s.tokens[lo + 1 : hi + 1]))
                     logits_rows.extend(range(row + lo - a, row + hi - a))
             elif c.sample:
                 sample_rows.append((s, len(logits_rows)))
@@ -214,9 +248,13 @@ class LLMEngine:
             row += c.num_tokens
         to = lambda t: t.to(dev, non_blocking=True)
         meta = StepInputs(
-            cu_seqlens_q=to(torch.tensor(cu, dtype=torch.int32)), max_seqlen_q=max(c.num_tokens for c in out.chunks),
-            cache_seqlens=to(torch.tensor(lens, dtype=torch.int32)), page_table=to(torch.from_numpy(page_table)),
-            slot_mapping=to(torch.tensor(slots, dtype=torch.int64)), token_seq_idx=to(torch.tensor(seq_idx, dtype=torch.int32)))
+            cu_seqlens_q=to(torch.tensor(cu, dtype=torch.int32)),
+            max_seqlen_q=max(c.num_tokens for c in out.chunks),
+            cache_seqlens=to(torch.tensor(lens, dtype=torch.int32)),
+            page_table=to(torch.from_numpy(page_table)),
+            slot_mapping=to(torch.tensor(slots, dtype=torch.int64)),
+            token_seq_idx=to(torch.tensor(seq_idx, dtype=torch.int32)),
+        )
         cache = self.cache
         if cache.is_fp8 and cache.scale_mode == "per_seq_head":
             L, H = cache.num_layers, cache.nheads_k
@@ -268,8 +306,13 @@ class LLMEngine:
         self.cache.meta = meta
         logits = None
         used_graph = False
-        if (self.graphs is not None and out.is_pure_decode and len(sample_rows) == len(out.chunks)
-                and not meta.calib_tensor and meta.calib_rows is None):
+        if (
+            self.graphs is not None
+            and out.is_pure_decode
+            and len(sample_rows) == len(out.chunks)
+            and not meta.calib_tensor
+            and meta.calib_rows is None
+        ):
             logits = self.graphs.run(input_ids, positions, meta)
             used_graph = logits is not None
         if logits is None:
@@ -298,7 +341,11 @@ class LLMEngine:
             srows = [r for _, r in sample_rows]
             sl = logits[torch.tensor(srows, device=logits.device)]
             toks = self._sample(sl, sample_seqs)
-            lps = torch.log_softmax(sl.float(), -1).gather(1, torch.tensor(toks, device=sl.device)[:, None])[:, 0].tolist()
+            lps = (
+                torch.log_softmax(sl.float(), -1)
+                .gather(1, torch.tensor(toks, device=sl.device)[:, None])[:, 0]
+                .tolist()
+            )
             now = time.perf_counter()
             for s, t, lpv in zip(sample_seqs, toks, lps):
                 s.tokens.append(int(t))
@@ -315,12 +362,21 @@ class LLMEngine:
         if self.config.record_steps:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
-            self.step_log.append({
-                "step": self.num_steps - 1, "start_s": t_start, "ms": (time.perf_counter() - t_start) * 1e3,
-                "num_seqs": len(out.chunks), "num_tokens": out.num_tokens,
-                "prefill_tokens": sum(c.num_tokens for c in out.chunks if c.num_tokens > 1 or c.start < c.seq.prompt_len),
-                "decode_seqs": sum(1 for c in out.chunks if c.num_tokens == 1 and c.start >= c.seq.prompt_len),
-                "preempted": len(out.preempted), "graph": bool(used_graph)})
+            self.step_log.append(
+                {
+                    "step": self.num_steps - 1,
+                    "start_s": t_start,
+                    "ms": (time.perf_counter() - t_start) * 1e3,
+                    "num_seqs": len(out.chunks),
+                    "num_tokens": out.num_tokens,
+                    "prefill_tokens": sum(
+                        c.num_tokens for c in out.chunks if c.num_tokens > 1 or c.start < c.seq.prompt_len
+                    ),
+                    "decode_seqs": sum(1 for c in out.chunks if c.num_tokens == 1 and c.start >= c.seq.prompt_len),
+                    "preempted": len(out.preempted),
+                    "graph": bool(used_graph),
+                }
+            )
         for c in out.chunks:
             s = c.seq
             if s.forced_ids is not None and s.num_computed == len(s.tokens) and s.status is not SeqStatus.FINISHED:
@@ -329,8 +385,13 @@ class LLMEngine:
         return finished
 
     # ------------------------------------------------------------------ batch APIs
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 forced: list[list[int]] | None = None, progress=None) -> tuple[list[RequestOutput], dict]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        forced: list[list[int]] | None = None,
+        progress=None,
+    ) -> tuple[list[RequestOutput], dict]:
         """Run every prompt to completion (all arrive at once).
 
         Returns (outputs in input order, stats). Ctrl-C stops cleanly: unfinished requests are dropped,
@@ -358,8 +419,12 @@ class LLMEngine:
                 for s in self.step():
                     done[s.index] = _finish_output(s, t0)
                 if progress is not None:  # finished requests, and tokens produced so far / at most
-                    progress(len(done), len(prompts), sum(len(x.output_ids) for x in seqs),
-                             sum(x.params.max_new_tokens for x in seqs))
+                    progress(
+                        len(done),
+                        len(prompts),
+                        sum(len(x.output_ids) for x in seqs),
+                        sum(x.params.max_new_tokens for x in seqs),
+                    )
         except KeyboardInterrupt:
             interrupted = True
             self.scheduler.abort_all()
@@ -367,10 +432,15 @@ class LLMEngine:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         outs = [done[i] for i in sorted(done)]
-        stats = {"elapsed_s": elapsed, "num_steps": self.num_steps - steps0,
-                 "num_preemptions": self.scheduler.num_preemptions - pre0, "interrupted": interrupted,
-                 "generated_tokens": sum(len(o.output_ids) for o in outs),
-                 "kv_cache_bytes": self.cache.total_bytes, "kv_bytes_per_token": self.cache.bytes_per_token}
+        stats = {
+            "elapsed_s": elapsed,
+            "num_steps": self.num_steps - steps0,
+            "num_preemptions": self.scheduler.num_preemptions - pre0,
+            "interrupted": interrupted,
+            "generated_tokens": sum(len(o.output_ids) for o in outs),
+            "kv_cache_bytes": self.cache.total_bytes,
+            "kv_bytes_per_token": self.cache.bytes_per_token,
+        }
         stats["tokens_per_s"] = stats["generated_tokens"] / elapsed if elapsed > 0 else 0.0
         return outs, stats
 

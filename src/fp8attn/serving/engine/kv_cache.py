@@ -1,4 +1,5 @@
 """Paged KV cache (bf16 / fp16 / fp32 / FP8) with FP8 scale management; the model's attention callable."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,16 +11,24 @@ from ...paged_cache import alloc_paged_cache
 
 __all__ = ["PagedKVCache", "StepInputs", "KV_DTYPES", "SCALE_MODES"]
 
-KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-             "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 SCALE_MODES = ("per_tensor", "per_seq_head", "per_token_head")
 SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _scale_dtype(name: str) -> torch.dtype:
     if name not in SCALE_DTYPES:
-        raise ValueError(f"scale_dtype (kv_scale_dtype) must be one of {sorted(SCALE_DTYPES)}, got {name!r}. "
-                         "Use 'bfloat16' to halve the per-token-head scale bytes.")
+        raise ValueError(
+            f"scale_dtype (kv_scale_dtype) must be one of {sorted(SCALE_DTYPES)}, got {name!r}. "
+            "Use 'bfloat16' to halve the per-token-head scale bytes."
+        )
     return SCALE_DTYPES[name]
 
 
@@ -85,10 +94,23 @@ class PagedKVCache:
         token clips (``quant.round_descale_for_storage``, applied by ``write_kv_cache``).
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, page_size: int, nheads_k: int, head_dim: int,
-                 kv_dtype: str = "bf16", scale_mode: str = "per_tensor", k_descale=None, v_descale=None,
-                 calib_margin: float = 1.0, device="cpu", poison: bool = False, scale_dtype: str = "float32",
-                 v_seq_major: bool = False):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        page_size: int,
+        nheads_k: int,
+        head_dim: int,
+        kv_dtype: str = "bf16",
+        scale_mode: str = "per_tensor",
+        k_descale=None,
+        v_descale=None,
+        calib_margin: float = 1.0,
+        device="cpu",
+        poison: bool = False,
+        scale_dtype: str = "float32",
+        v_seq_major: bool = False,
+    ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         if scale_mode not in SCALE_MODES:
@@ -106,14 +128,29 @@ class PagedKVCache:
         self.fp8_max = quant.fp8_max(self.dtype) if self.is_fp8 else None
         shape = (num_blocks, page_size, nheads_k, head_dim)
 
-        layers = [alloc_paged_cache(num_blocks, page_size, nheads_k, head_dim, self.dtype, self.device,
-                                    poison_nan=poison, v_seq_major=v_seq_major) for _ in range(num_layers)]
+        layers = [
+            alloc_paged_cache(
+                num_blocks,
+                page_size,
+                nheads_k,
+                head_dim,
+                self.dtype,
+                self.device,
+                poison_nan=poison,
+                v_seq_major=v_seq_major,
+            )
+            for _ in range(num_layers)
+        ]
         self.k = [k for k, _ in layers]
         self.v = [v for _, v in layers]
         self.k_scales = self.v_scales = None
         if self.scale_mode == "per_token_head":
-            self.k_scales = [torch.ones(shape[:3], device=self.device, dtype=self.scale_dtype) for _ in range(num_layers)]
-            self.v_scales = [torch.ones(shape[:3], device=self.device, dtype=self.scale_dtype) for _ in range(num_layers)]
+            self.k_scales = [
+                torch.ones(shape[:3], device=self.device, dtype=self.scale_dtype) for _ in range(num_layers)
+            ]
+            self.v_scales = [
+                torch.ones(shape[:3], device=self.device, dtype=self.scale_dtype) for _ in range(num_layers)
+            ]
         # per-tensor descales (num_layers, 1)
         self.k_descale = torch.ones(num_layers, 1, device=self.device)
         self.v_descale = torch.ones(num_layers, 1, device=self.device)
@@ -137,16 +174,23 @@ class PagedKVCache:
     @property
     def bytes_per_token(self) -> int:
         """K + V bytes of one token over all layers (plus per-token scales when used)."""
-        return self.bytes_per_token_for(self.num_layers, self.nheads_k, self.head_dim, self.kv_dtype,
-                                        self.scale_mode or "per_tensor", self.scale_dtype_name)
+        return self.bytes_per_token_for(
+            self.num_layers,
+            self.nheads_k,
+            self.head_dim,
+            self.kv_dtype,
+            self.scale_mode or "per_tensor",
+            self.scale_dtype_name,
+        )
 
     @property
     def total_bytes(self) -> int:
         return self.bytes_per_token * self.num_blocks * self.page_size
 
     @staticmethod
-    def bytes_per_token_for(num_layers, nheads_k, head_dim, kv_dtype, scale_mode="per_tensor",
-                            scale_dtype="float32") -> int:
+    def bytes_per_token_for(
+        num_layers, nheads_k, head_dim, kv_dtype, scale_mode="per_tensor", scale_dtype="float32"
+    ) -> int:
         dt = KV_DTYPES[kv_dtype]
         b = 2 * num_layers * nheads_k * head_dim * dt.itemsize
         if quant.is_fp8(dt) and scale_mode == "per_token_head":
@@ -182,8 +226,9 @@ class PagedKVCache:
                     d.copy_(torch.where(m.calib_rows[:, None], self.descale_from_amax(amax), d))
             write_kv_cache(k, v, kc, vc, m.slot_mapping, k_descale=kd, v_descale=vd, token_seq_idx=m.token_seq_idx)
         elif self.is_fp8:  # per_token_head
-            write_kv_cache(k, v, kc, vc, m.slot_mapping, k_cache_scales=self.k_scales[li],
-                           v_cache_scales=self.v_scales[li])
+            write_kv_cache(
+                k, v, kc, vc, m.slot_mapping, k_cache_scales=self.k_scales[li], v_cache_scales=self.v_scales[li]
+            )
             extra = {"k_cache_scales": self.k_scales[li], "v_cache_scales": self.v_scales[li]}
         else:
             write_kv_cache(k, v, kc, vc, m.slot_mapping)
@@ -191,7 +236,17 @@ class PagedKVCache:
             q = q.to(self.dtype)
         elif self.is_fp8 and q.dtype == torch.float32:
             q = q.to(torch.bfloat16)  # 16-bit queries over an FP8 cache
-        out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=m.cache_seqlens, page_table=m.page_table,
-                                      cu_seqlens_q=m.cu_seqlens_q, max_seqlen_q=m.max_seqlen_q, causal=True,
-                                      k_descale=kd, v_descale=vd, **extra)
+        out = flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            cache_seqlens=m.cache_seqlens,
+            page_table=m.page_table,
+            cu_seqlens_q=m.cu_seqlens_q,
+            max_seqlen_q=m.max_seqlen_q,
+            causal=True,
+            k_descale=kd,
+            v_descale=vd,
+            **extra,
+        )
         return out

@@ -1,4 +1,5 @@
 """Serving metrics (TTFT / ITL percentiles as vLLM defines them) and FP8-vs-reference accuracy."""
+
 from __future__ import annotations
 
 import math
@@ -25,9 +26,12 @@ def latency_summary(outputs) -> dict:
     of one request, pooled over all requests (vLLM benchmark_serving definitions). Milliseconds."""
     ttft = [o.ttft * 1e3 for o in outputs if o.ttft is not None]
     itl = [x * 1e3 for o in outputs for x in o.itl]
-    return {"ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl),
-            "ttft_mean_ms": sum(ttft) / len(ttft) if ttft else None,
-            "itl_mean_ms": sum(itl) / len(itl) if itl else None}
+    return {
+        "ttft_ms": percentiles(ttft),
+        "itl_ms": percentiles(itl),
+        "ttft_mean_ms": sum(ttft) / len(ttft) if ttft else None,
+        "itl_mean_ms": sum(itl) / len(itl) if itl else None,
+    }
 
 
 def agreement(ref_outputs: list[list[int]], outputs: list[list[int]]) -> dict:
@@ -53,8 +57,13 @@ def agreement(ref_outputs: list[list[int]], outputs: list[list[int]]) -> dict:
         tot += max(m, 1)
         pre += d
         reftot += max(len(a), 1)
-    return {"identical_share": ident / n, "mean_first_divergence": sum(firsts) / n, "token_share": eq / tot,
-            "prefix_share": pre / reftot, "first_divergence": firsts}
+    return {
+        "identical_share": ident / n,
+        "mean_first_divergence": sum(firsts) / n,
+        "token_share": eq / tot,
+        "prefix_share": pre / reftot,
+        "first_divergence": firsts,
+    }
 
 
 def perplexity(logprob_lists) -> float:

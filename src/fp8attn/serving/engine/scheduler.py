@@ -6,6 +6,7 @@ A step processes ``tokens[num_computed : num_computed + n]`` of each scheduled s
 chunked prefill, decode (n == 1) and recompute after preemption are the same operation. When a chunk
 reaches the end of ``tokens`` the step samples the next token.
 """
+
 from __future__ import annotations
 
 import time
@@ -78,7 +79,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len:] if self.forced_ids is None else []
+        return self.tokens[self.prompt_len :] if self.forced_ids is None else []
 
     @property
     def num_output(self) -> int:
@@ -137,8 +138,9 @@ class Scheduler:
     ``num_computed = 0`` (its prompt and generated tokens are recomputed when it is readmitted).
     """
 
-    def __init__(self, allocator: BlockAllocator, max_batch_size: int, max_batched_tokens: int,
-                 prefill_chunk_size: int):
+    def __init__(
+        self, allocator: BlockAllocator, max_batch_size: int, max_batched_tokens: int, prefill_chunk_size: int
+    ):
         if min(max_batch_size, max_batched_tokens, prefill_chunk_size) <= 0:
             raise ValueError("max_batch_size, max_batched_tokens and prefill_chunk_size must be positive")
         self.alloc = allocator
@@ -156,7 +158,8 @@ class Scheduler:
             raise ValueError(
                 f"sequence {seq.index} needs up to {seq.max_total_len()} tokens = {need} blocks but the "
                 f"KV cache has only {self.alloc.num_blocks} blocks; raise the KV memory budget or lower "
-                f"max_new_tokens / the prompt length")
+                f"max_new_tokens / the prompt length"
+            )
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 

