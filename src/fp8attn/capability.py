@@ -509,18 +509,20 @@ def _dense_reason(entry, kw, cc):
     cu_q, cu_k, max_q = kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"), kw.get("max_seqlen_q")
     if not varlen:
         b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-        if chunk and sq and sk and ((sk - 1) // chunk > 0 or sq > sk):  # interface._chunked_dense
+        if chunk and sq and sk and ((sk - 1) // chunk > 0 or sq > sk):  # local_attention.chunked_dense
             pieces = (max(sk - 1, 0) // chunk) + (sq // chunk + 1) + 1
             q, k, v = (_meta((x.shape[0] * x.shape[1],) + tuple(x.shape[2:]), x.dtype) for x in (q, k, v))
             cu_q = cu_k = _meta((b * pieces + 1,), torch.int32)
             max_q, varlen, batch = min(chunk, sq), True, b * pieces
-            out = out if out is None or out.is_contiguous() else None  # (interface._packed_out: a view, else fresh)
+            out = (
+                out if out is None or out.is_contiguous() else None
+            )  # (local_attention._packed_out: a view, else fresh)
             out = out.reshape(q.shape[0], hq, v.shape[-1]) if out is not None else None
         else:
             batch = b
     else:
         batch = cu_q.shape[0] - 1
-        if chunk:  # interface._chunked_varlen
+        if chunk:  # local_attention.chunked_varlen
             max_k = int(kw["max_seqlen_k"])
             pieces = (max(max_k - 1, 0) // chunk) + (int(max_q) // chunk + 1) + 1
             cu_q = cu_k = _meta((batch * pieces + 1,), torch.int32)
@@ -588,7 +590,7 @@ def _paged_reason(kw, dev, cc):
             pt = _meta((batch, 1), torch.int32)
     out_scale, out = kw.get("out_scale"), kw.get("out")
     dt = attention_out_dtype(q.dtype, kw.get("out_dtype"), out_scale)
-    if chunk:  # interface._chunked_cache_call: one varlen call over chunk pieces
+    if chunk:  # local_attention.chunked_cache_call: one varlen call over chunk pieces
         pieces = max_q // chunk + 2
         width = min(pt.shape[1], chunk // k_cache.shape[1])
         if not varlen:

@@ -84,7 +84,7 @@ SCALE_STORAGE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def round_descale_for_storage(d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The float32 value a descale takes once stored in ``dtype`` (padded up first, see above)."""
+    """The float32 value a descale takes once stored in ``dtype`` (padded up first: ``scale_storage_pad``)."""
     if dtype == torch.float32:
         return d.float()
     return (d.float() * scale_storage_pad(dtype)).to(dtype).float()
@@ -421,34 +421,8 @@ def quant_fp8_static_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 @functools.lru_cache(None)
 def launch_quant_fp8_static():
-    """Return the CUDA launch function ``launch(x, scale, y)`` of the standalone static quantization (None
-    without triton). One read of ``x``, one FP8 write, through ``kernels.common.output_epilogue``, the
-    epilogue the attention kernels fuse with ``out_scale=``, so the fused and unfused paths round the same
-    way; it is the unfused peer the ``fp8attn.compile`` fusion pass removes."""
-    try:
-        import triton
-        import triton.language as tl
+    """The CUDA launch function ``launch(x, scale, y)`` of the standalone static quantization
+    (``kernels.quantize.launch_quant_static``), or None without triton."""
+    from .kernels import quantize as kq
 
-        from .kernels.common import cdiv, output_epilogue
-    except ImportError:
-        return None
-
-    @triton.jit
-    def _quant_kernel(X, Y, S, n, BLOCK: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.load(S)
-        tl.store(Y + offs, output_epilogue(x, inv, True, tl.float8e4nv), mask=m)
-
-    def launch(x: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> None:
-        """x: any shape 16/32-bit; scale: float32 one element; y: e4m3fn contiguous, x's shape."""
-        xc = x if x.is_contiguous() else x.contiguous()
-        n = xc.numel()
-        if n == 0:
-            return
-        block = 2048
-        _quant_kernel[(cdiv(n, block),)](xc, y, scale, n, BLOCK=block, num_warps=8)
-
-    return launch
+    return kq.launch_quant_static if kq.HAS_TRITON else None

@@ -161,3 +161,17 @@ def test_gpu_quantize_qkv_launches_and_no_sync(gran, hadamard, s):
     if not hadamard:  # the descale is quant.descale_from_amax of the exact group amax
         want_d = quant._torch_path(q, gran, 2, False, 7, 128 if gran == "per_block" else 64)[1]
         assert torch.equal(got[3], want_d.expand(got[3].shape) if gran == "per_tensor" else want_d)
+
+
+def test_static_quant_kernel_matches_torch():
+    """The standalone static quantization kernel (the unfused peer of ``out_scale=``) writes the bytes of the
+    torch path, saturation included, for a strided input."""
+    from fp8attn.kernels.quantize import launch_quant_static
+    from fp8attn.quant import quant_fp8_static_torch
+
+    x = (torch.randn(3, 7, 5, device=DEV) * 300).transpose(1, 2)
+    s = torch.tensor([0.37], device=DEV)
+    y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=DEV)
+    launch_quant_static(x, s, y)
+    assert torch.equal(y.view(torch.uint8), quant_fp8_static_torch(x, s).view(torch.uint8))
+    assert y.float().abs().max() == 448

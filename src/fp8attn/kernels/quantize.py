@@ -32,7 +32,7 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
-__all__ = ["launch_quantize", "HAS_TRITON", "SINGLE_MAX_TILES"]
+__all__ = ["launch_quantize", "launch_quant_static", "HAS_TRITON", "SINGLE_MAX_TILES"]
 
 E4M3_MAX = 448.0
 # Largest group one program quantizes alone (one launch): its tiles are read twice by one SM, which stays
@@ -224,3 +224,32 @@ def launch_quantize(x4, y, r, r_scale, ds, *, granularity, nheads_k, rotate, blo
     tpp = min(next_pow2(cdiv(tiles, _PARTIALS_PER_TILE)), next_pow2(nb))
     _quantize_kernel[(cdiv(nb, tpp), b, h)](x4, y, r, partials, ds, *common, *dstr, MODE=MODE_QUANT, TPP=tpp,
                                             BLOCK_P=min(next_pow2(tiles), 1024), num_stages=1, **meta)
+
+
+if HAS_TRITON:
+    from .common import output_epilogue
+
+    @triton.jit
+    def _quant_static_kernel(X, Y, S, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.load(S)
+        tl.store(Y + offs, output_epilogue(x, inv, True, tl.float8e4nv), mask=m)
+
+
+def launch_quant_static(x: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> None:
+    """Static FP8 quantization ``y = saturate(x / scale)`` in one launch: one read of ``x``, one e4m3 write,
+    through ``common.output_epilogue``, the epilogue the attention kernels fuse with ``out_scale=``, so the
+    fused and unfused paths round the same way (it is the unfused peer the ``fp8attn.compile`` fusion pass
+    removes).
+
+    x : any shape, 16/32-bit; scale : float32, one element; y : float8_e4m3fn, contiguous, x's shape.
+    """
+    xc = x if x.is_contiguous() else x.contiguous()
+    n = xc.numel()
+    if n == 0:
+        return
+    block = 2048
+    _quant_static_kernel[(cdiv(n, block),)](xc, y, scale, n, BLOCK=block, num_warps=8)
