@@ -345,21 +345,28 @@ else:  # without an LSE: the row sums on the tensor core (softmax._row_sum_issue
 @pytest.mark.parametrize("causal", [False, True])
 def test_aot_compile_sm90(causal):
     """Every variant of the Gluon kernels (head dim 64/128/256, the warp-specialized and the 8-warp kernels,
-    x bf16/e4m3 output; at 64 with an LSE the key-permuted K box when causal), and the paged-cache kernel at head dims 64 and 128 (and with 64-key
-    tiles, and with V in K's layout in boxes of a tile or of a smaller page), in varlen mode and varlen over
-    pages, and non-causal without an LSE (row sums on the tensor core) and with three consumers, compiles for
-    sm90 without a GPU (in a clean process: no interpreter mode). One process per mask, so that each stays
-    well inside the subprocess timeout on a loaded machine."""
-    out = _run_sm90_snippet(_AOT_SNIPPET.replace("CAUSAL", str(causal)))
+    x bf16/e4m3 output; at 64 with an LSE the key-permuted K box when causal), and the paged-cache kernel at
+    head dims 64 and 128 (and with 64-key tiles, and with V in K's layout in boxes of a tile or of a smaller
+    page), in varlen mode and varlen over pages, and non-causal without an LSE (row sums on the tensor core)
+    and with three consumers, compiles for sm90 without a GPU (in a clean process: no interpreter mode).
+    One process per mask; the first of the two tests starts both, so that they compile side by side on a
+    machine with two cores."""
+    if not _AOT_PROCS:
+        for c in (False, True):
+            _AOT_PROCS[c] = _start_sm90_snippet(_AOT_SNIPPET.replace("CAUSAL", str(c)))
+    out = _finish_sm90_snippet(_AOT_PROCS[causal])
     # non-causal without an LSE: the row sums on the tensor core (8 more variants)
     # non-causal: also the three-consumer variant, with and without an LSE (2 more)
     # causal: d64 without an LSE (1 more)
     assert out.count("ok ") == (37 if causal else 46), out[-3000:]
 
 
-def _run_sm90_snippet(snippet):
-    """Run ``snippet`` (formatted with ``src`` and ``tests``, the test directory) in a clean process without interpreter mode; its output.
-    Skips without Gluon or the sm90 toolchain (ptxas, nvdisasm: the snippet prints "no nvdisasm")."""
+_AOT_PROCS: dict = {}  # causal -> the compiling process (test_aot_compile_sm90)
+
+
+def _start_sm90_snippet(snippet):
+    """Start ``snippet`` (formatted with ``src`` and ``tests``, the test directory) in a clean process without
+    interpreter mode. Skips without Gluon or the NVIDIA compiler backend."""
     if not dense_launch.HAS_GLUON:
         pytest.skip("triton without gluon")
     try:
@@ -367,22 +374,32 @@ def _run_sm90_snippet(snippet):
     except Exception as e:  # pragma: no cover
         pytest.skip(f"no NVIDIA compiler backend: {e}")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            snippet.format(src=os.path.abspath(SRC), tests=os.path.dirname(os.path.abspath(__file__))),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
+    code = snippet.format(src=os.path.abspath(SRC), tests=os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
-    out = r.stdout + r.stderr
-    if "no nvdisasm" in out or (r.returncode != 0 and "ptxas" in out and ("not found" in out or "No such file" in out)):
+
+
+def _finish_sm90_snippet(proc, timeout=420):
+    """The output of a process from ``_start_sm90_snippet``, once it exits (killed after ``timeout`` s).
+    Skips without the sm90 toolchain (ptxas, nvdisasm: the snippet prints "no nvdisasm")."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"sm90 compile snippet still running after {timeout} s: {out[-3000:]}")
+    if "no nvdisasm" in out or (
+        proc.returncode != 0 and "ptxas" in out and ("not found" in out or "No such file" in out)
+    ):
         pytest.skip("no sm90 toolchain (ptxas / nvdisasm)")
-    assert r.returncode == 0, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
     return out
+
+
+def _run_sm90_snippet(snippet):
+    """Run ``snippet`` in a clean process without interpreter mode (``_start_sm90_snippet``); its output."""
+    return _finish_sm90_snippet(_start_sm90_snippet(snippet), timeout=300)
 
 
 # The start of a snippet that reads sm90 SASS: ``sass_of(kernel)`` disassembles a compiled kernel.
