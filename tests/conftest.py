@@ -25,6 +25,13 @@ except ImportError:  # pragma: no cover
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_collection_finish(session):
+    # the sm90 compile jobs of the selected tests start now, on a second core (tests/background.py)
+    import background
+
+    background.start(session.items)
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_slow = pytest.mark.skip(reason="slow; set FP8ATTN_SLOW=1")

@@ -12,7 +12,6 @@ and varlen) and its switch.
 
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import background
 from fp8attn.kernels import dense as dense_mod
 from fp8attn.kernels.dense import launch_dense_fwd, transpose_v_kmajor
 from fp8attn.kernels.hopper import dense_launch
@@ -342,64 +342,62 @@ else:  # without an LSE: the row sums on the tensor core (softmax._row_sum_issue
 """
 
 
+def _sm90_skip_reason():
+    """Why the sm90 compile snippets cannot run here (no Gluon, no NVIDIA compiler backend), or None."""
+    if not dense_launch.HAS_GLUON:
+        return "triton without gluon"
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401 -- the probe
+    except Exception as e:  # pragma: no cover
+        return f"no NVIDIA compiler backend: {e}"
+    return None
+
+
+def _snippet_job(snippet, timeout):
+    """``(argv, subprocess kwargs)`` running ``snippet`` (formatted with ``src`` and ``tests``, the test
+    directory) in a clean process without interpreter mode."""
+    code = snippet.format(src=os.path.abspath(SRC), tests=os.path.dirname(os.path.abspath(__file__)))
+    return [sys.executable, "-c", code], dict(env=dict(os.environ, TRITON_INTERPRET="0"), timeout=timeout)
+
+
+def _sm90_jobs(**snippets):
+    """``background.jobs`` for the sm90 snippets ``key=snippet`` (none where they would skip)."""
+    return lambda: {} if _sm90_skip_reason() else {k: _snippet_job(v, 420) for k, v in snippets.items()}
+
+
+def _run_sm90_snippet(snippet, key=None, timeout=300):
+    """Run ``snippet`` (``_snippet_job``; the background job ``key`` where one was started); its output.
+    Skips without Gluon or the sm90 toolchain (ptxas, nvdisasm: the snippet prints "no nvdisasm")."""
+    reason = _sm90_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    argv, kw = _snippet_job(snippet, timeout)
+    r = background.result(key or snippet, argv, **kw)
+    out = r.stdout + r.stderr
+    if "no nvdisasm" in out or (r.returncode != 0 and "ptxas" in out and ("not found" in out or "No such file" in out)):
+        pytest.skip("no sm90 toolchain (ptxas / nvdisasm)")
+    assert r.returncode == 0, out[-3000:]
+    return out
+
+
+def _aot_snippet(causal):
+    return _AOT_SNIPPET.replace("CAUSAL", str(causal))
+
+
+@background.jobs(_sm90_jobs(aot_False=_aot_snippet(False), aot_True=_aot_snippet(True)))
 @pytest.mark.parametrize("causal", [False, True])
 def test_aot_compile_sm90(causal):
     """Every variant of the Gluon kernels (head dim 64/128/256, the warp-specialized and the 8-warp kernels,
     x bf16/e4m3 output; at 64 with an LSE the key-permuted K box when causal), and the paged-cache kernel at
     head dims 64 and 128 (and with 64-key tiles, and with V in K's layout in boxes of a tile or of a smaller
     page), in varlen mode and varlen over pages, and non-causal without an LSE (row sums on the tensor core)
-    and with three consumers, compiles for sm90 without a GPU (in a clean process: no interpreter mode).
-    One process per mask; the first of the two tests starts both, so that they compile side by side on a
-    machine with two cores."""
-    if not _AOT_PROCS:
-        for c in (False, True):
-            _AOT_PROCS[c] = _start_sm90_snippet(_AOT_SNIPPET.replace("CAUSAL", str(c)))
-    out = _finish_sm90_snippet(_AOT_PROCS[causal])
+    and with three consumers, compiles for sm90 without a GPU (in a clean process: no interpreter mode; one
+    process per mask, started early by tests/background.py)."""
+    out = _run_sm90_snippet(_aot_snippet(causal), key=f"aot_{causal}", timeout=420)
     # non-causal without an LSE: the row sums on the tensor core (8 more variants)
     # non-causal: also the three-consumer variant, with and without an LSE (2 more)
     # causal: d64 without an LSE (1 more)
     assert out.count("ok ") == (37 if causal else 46), out[-3000:]
-
-
-_AOT_PROCS: dict = {}  # causal -> the compiling process (test_aot_compile_sm90)
-
-
-def _start_sm90_snippet(snippet):
-    """Start ``snippet`` (formatted with ``src`` and ``tests``, the test directory) in a clean process without
-    interpreter mode. Skips without Gluon or the NVIDIA compiler backend."""
-    if not dense_launch.HAS_GLUON:
-        pytest.skip("triton without gluon")
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401 -- the probe
-    except Exception as e:  # pragma: no cover
-        pytest.skip(f"no NVIDIA compiler backend: {e}")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    code = snippet.format(src=os.path.abspath(SRC), tests=os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-
-
-def _finish_sm90_snippet(proc, timeout=420):
-    """The output of a process from ``_start_sm90_snippet``, once it exits (killed after ``timeout`` s).
-    Skips without the sm90 toolchain (ptxas, nvdisasm: the snippet prints "no nvdisasm")."""
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"sm90 compile snippet still running after {timeout} s: {out[-3000:]}")
-    if "no nvdisasm" in out or (
-        proc.returncode != 0 and "ptxas" in out and ("not found" in out or "No such file" in out)
-    ):
-        pytest.skip("no sm90 toolchain (ptxas / nvdisasm)")
-    assert proc.returncode == 0, out[-3000:]
-    return out
-
-
-def _run_sm90_snippet(snippet):
-    """Run ``snippet`` in a clean process without interpreter mode (``_start_sm90_snippet``); its output."""
-    return _finish_sm90_snippet(_start_sm90_snippet(snippet), timeout=300)
 
 
 # The start of a snippet that reads sm90 SASS: ``sass_of(kernel)`` disassembles a compiled kernel.
@@ -428,11 +426,12 @@ for out_fp8 in (False, True):
 )
 
 
+@background.jobs(_sm90_jobs(fp8_store=_FP8_STORE_SNIPPET))
 def test_sm90_fp8_output_tile_is_stored_with_stmatrix():
     """The fused e4m3 output goes to shared memory as the bf16 output does, with stmatrix, not 1- or 2-byte
     stores (the wgmma accumulator holds byte pairs 8 columns apart; ``_fp8_store_layout`` regroups them in
     registers first): sm90 SASS of the d128 warp-specialized kernel, compiled without a GPU."""
-    out = _run_sm90_snippet(_FP8_STORE_SNIPPET)
+    out = _run_sm90_snippet(_FP8_STORE_SNIPPET, key="fp8_store")
     counts = {
         line.split()[1]: [int(x) for x in line.split()[2:]] for line in out.splitlines() if line.startswith("counts ")
     }
@@ -454,11 +453,12 @@ for box in (16, 64):
 )
 
 
+@background.jobs(_sm90_jobs(v_rows=_V_ROWS_REGS_SNIPPET))
 def test_sm90_v_rows_register_split():
     """The FA3-layout paged kernel's 12 warps share a 64512-register pool: with boxes of 64+ keys the
     transposing producer runs at 24 registers so both consumer warpgroups get 240 (at 32 the second got
     232); with 16-key boxes (page 16) the producer keeps 32. sm90 SASS (``USETMAXREG``), no GPU."""
-    out = _run_sm90_snippet(_V_ROWS_REGS_SNIPPET)
+    out = _run_sm90_snippet(_V_ROWS_REGS_SNIPPET, key="v_rows")
     regs = {
         int(line.split()[1]): {int(x) for x in line.split()[2:]}
         for line in out.splitlines()
@@ -1352,6 +1352,7 @@ for mode in (None, dense_launch.MODE_VARLEN):
 )
 
 
+@background.jobs(_sm90_jobs(qk192=_QK192_AOT_SNIPPET))
 def test_aot_compile_sm90_qk192():
     """qk 192 / v 128 on the warp-specialized kernel (dense, and varlen on the bounded kernel) compiles for
     sm90 without a GPU, causal or not, with or without an LSE: the 240 / 24 register split of head dim 128,
@@ -1359,7 +1360,7 @@ def test_aot_compile_sm90_qk192():
     loop over KV tiles but for one pair per tile as at head dim 128 (sm_90a, causal with an LSE: dense 20 / 30
     against head dim 128's 14 / 18; varlen non-causal without one 46 / 47 against 30 / 33). An accumulator
     spilled in the loop would be hundreds."""
-    out = _run_sm90_snippet(_QK192_AOT_SNIPPET)
+    out = _run_sm90_snippet(_QK192_AOT_SNIPPET, key="qk192")
     rows = [line.split()[1:] for line in out.splitlines() if line.startswith("qk192 ")]
     assert len(rows) == 8, out[-3000:]
     for mode, causal, lse, smem, stl, ldl, *regs in rows:

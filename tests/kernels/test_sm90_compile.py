@@ -13,11 +13,12 @@ decode).
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import background
 
 ROOT = Path(__file__).resolve().parents[2]
 H200_SMEM_PER_BLOCK = 232448  # bytes of dynamic shared memory one block may use on sm90
@@ -31,17 +32,22 @@ def _ptxas_available() -> bool:
     return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is needed for the sm90 compile")
-def test_paged_launches_fit_shared_memory():
+def _tool_job(*argv, timeout):
+    """``(argv, subprocess kwargs)`` running a tools/ script without interpreter mode."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "src"))
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "aot_paged_sm90.py")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return [sys.executable, str(ROOT / "tools" / argv[0]), *argv[1:]], dict(cwd=ROOT, env=env, timeout=timeout)
+
+
+def _tool_jobs(key, *argv, timeout):
+    """``background.jobs`` for one tools/ script (none without ptxas: the test skips)."""
+    return lambda: {key: _tool_job(*argv, timeout=timeout)} if _ptxas_available() else {}
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is needed for the sm90 compile")
+@background.jobs(_tool_jobs("aot_paged", "aot_paged_sm90.py", timeout=600))
+def test_paged_launches_fit_shared_memory():
+    argv, kw = _tool_job("aot_paged_sm90.py", timeout=600)
+    r = background.result("aot_paged", argv, **kw)
     lines = [ln for ln in r.stdout.splitlines() if " cfg=" in ln or " FAILED " in ln]
     assert r.returncode == 0, r.stderr[-2000:]
     assert not [ln for ln in lines if " FAILED " in ln], "\n".join(lines)
@@ -60,19 +66,13 @@ def test_paged_launches_fit_shared_memory():
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is needed for the sm90 compile")
+@background.jobs(_tool_jobs("aot_backward", "aot_backward_sm90.py", "--quick", timeout=900))
 def test_backward_default_configs_compile():
     """The default launch configurations of both main kernels compile for sm90 (d64 dequantized, d128 fp8
     mode), run their products on wgmma (QGMMA in the SASS: the e4m3 operand layouts were accepted), fit
     the H200's shared memory and barely spill (register-file overflow, which the interpreter cannot show)."""
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "src"))
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "aot_backward_sm90.py"), "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    argv, kw = _tool_job("aot_backward_sm90.py", "--quick", timeout=900)
+    r = background.result("aot_backward", argv, **kw)
     lines = [ln for ln in r.stdout.splitlines() if " cfg=" in ln]
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert len(lines) == 4, r.stdout
