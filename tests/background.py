@@ -7,12 +7,20 @@ spot when nothing started it (a test run alone)."""
 
 from __future__ import annotations
 
+import atexit
 import subprocess
 import threading
 
 _JOBS: dict = {}  # key -> [argv, kwargs, threading.Event, CompletedProcess | BaseException | None]
 _QUEUE: list = []
 _LOCK = threading.Lock()
+_RUNNING: set = set()  # the worker's live processes: killed at exit (a run stopped early leaves no compile behind)
+
+
+@atexit.register
+def _kill_running():
+    for proc in list(_RUNNING):
+        proc.kill()
 
 
 def jobs(fn):
@@ -26,10 +34,23 @@ def jobs(fn):
 
 
 def _run(argv, kw):
+    """``subprocess.run(argv, capture_output=True, text=True, **kw)``, its exception returned, not raised."""
+    kw = dict(kw)
+    timeout = kw.pop("timeout", None)
     try:
-        return subprocess.run(argv, capture_output=True, text=True, **kw)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
     except BaseException as e:  # (the test re-raises it)
         return e
+    _RUNNING.add(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        proc.kill()
+        proc.communicate()
+        return e
+    finally:
+        _RUNNING.discard(proc)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def _worker():
