@@ -13,7 +13,7 @@ dim is contiguous (``v_kmajor=None``, the default, on CUDA) before the launch. A
 V that way already (``quantize_qkv``'s v8, or a cache written transposed) passes the view and no copy
 is made (the public API accepts V with a contiguous sequence dim). The cost
 of the copy and of the in-kernel alternative are measured in ``fp8attn bench dense`` and recorded in
-docs/perf-notes.md.
+docs/decisions.md.
 
 All offsets are computed in int64.
 """
@@ -56,7 +56,7 @@ DESCALE_BLOCK = 2  # q: (batch, nheads_q, nblocks_q), k: (batch, nheads_k, nbloc
 # Autotune configurations (kept next to the kernel).
 # ---------------------------------------------------------------------------------------------
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class. Chosen from sm90 AOT compiles
-# (registers / spills, see docs/perf-notes.md): at d256 only BLOCK_M=64 with 8 warps avoids
+# (registers / spills, see docs/decisions.md): at d256 only BLOCK_M=64 with 8 warps avoids
 # spilling the (BLOCK_M x 256) fp32 accumulator; the first entry is the untuned default.
 _CFGS_FP8 = {
     64: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3)],

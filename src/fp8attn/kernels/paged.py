@@ -15,7 +15,7 @@ Keys: ``cache_seqlens[b]`` valid tokens, queries being the last ``seqlen_q`` of 
 causal/window alignment). When ``page_size`` is a multiple of BLOCK_N (TILE_IN_PAGE) each KV tile
 lies in one page and reads one page id; otherwise page ids are looked up per key row
 (``page_table[b, j // page_size]``). Page ids are read one tile ahead and carried through the loop,
-which keeps the K/V async copies of later tiles in flight (docs/perf-notes.md).
+which keeps the K/V async copies of later tiles in flight (docs/decisions.md).
 Every K/V load is masked to ``j < kv_hi <= cache_seqlens[b]`` and page-table reads stay on the row's
 live pages (an empty range reads entry 0 and never uses it), so ``-1`` page entries and NaN-poisoned
 slots past the length are never used as addresses or read.
@@ -167,7 +167,7 @@ def _kv_loop(lo, hi, MASKED: tl.constexpr, end, last_pg, pt_row, q, tok, qlen, k
 
     Page ids are read one tile ahead and carried through the loop: a page-id load in the same
     iteration as the K/V loads it addresses makes the pipeliner wait for every copy in flight
-    (async_wait num = 0: no overlap of loads with MMAs, docs/perf-notes.md); carried, the K/V copies
+    (async_wait num = 0: no overlap of loads with MMAs, docs/decisions.md); carried, the K/V copies
     of later tiles stay in flight.
     """
     nxt = _page_ids(pt_row, lo, end, last_pg, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE)
@@ -348,7 +348,7 @@ def _paged_fwd_kernel(
         small_q = BLOCK_M_S // QG if TWO_CLASS else 0
         # DECODE_FIRST: the small class takes the first ``batch`` program ids instead of the last, so
         # the memory-bound decode rows stream beside the compute-bound prefill tiles instead of after
-        # them (faster on the H200 for decode rows beside a prefill chunk, bf16 and e4m3 Q; docs/perf-notes.md)
+        # them (faster on the H200 for decode rows beside a prefill chunk, bf16 and e4m3 Q; docs/decisions.md)
         big_off = batch if (TWO_CLASS and DECODE_FIRST) else 0
         small_off = 0 if DECODE_FIRST else n_big
         if BIG_CLASS:  # (a constexpr test: a small-class-only launch compiles no large-tile code)
@@ -541,7 +541,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if cfg.get("pv_fp16"):  # benchmarks: the fp16 P@V after FP8 QK^T over sequence-major V too
         p_fp8 = p_fp8_s = False
     # Mixed batches: decode rows get their own small-tile programs (one per sequence) instead of
-    # riding in the large prefill tiles (docs/perf-notes.md, paged mixed batches).
+    # riding in the large prefill tiles (docs/decisions.md, paged mixed batches).
     (bm, bn, nw, ns, maxnreg), small_cfg, block_q, two_class, grid0, num_splits = launch_grid(
         q, k_cache, v_cache, page_table, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
         precisions=((mma_fp8, p_fp8, cdt), (mma_fp8_s, p_fp8_s, cdt_s)), k_token_scales=has_ks, v_token_scales=has_vs,

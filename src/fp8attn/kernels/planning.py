@@ -210,7 +210,7 @@ def paged_precision(q_dtype, k_dtype, v_dtype, k_token_scales: bool, v_token_sca
     into e4m3's range (``fp8_pv``) where V is sequence-major inside its pages, i.e. K-major as FP8 wgmma
     wants it. Over V in FA3's layout P@V runs in fp16 instead (V upcast in registers, exact for e4m3, P
     rounded to fp16): an FP8 P@V would transpose V byte by byte in registers, and the fp16 one measured
-    faster on the H200 with a smaller error (docs/perf-notes.md). ``small`` (decode or small tiles,
+    faster on the H200 with a smaller error (docs/decisions.md). ``small`` (decode or small tiles,
     ``small_shaped``) over FA3's layout also runs QK^T in fp16: the whole 16-bit path below, faster in
     those tiles. The paged TMA kernel, which takes FP8 prefill chunks, multiplies P@V in FP8 in both
     layouts (``paged_tma_call_reason``).
@@ -253,7 +253,7 @@ def choose_num_splits(batch: int, nheads_k: int, max_context: int, num_sms: int 
     Below one program per SM, splits fill one wave of resident decode blocks:
     ``splits = floor(DECODE_BLOCKS_PER_SM * num_sms / programs)``, with at least ``min_tokens_per_split``
     context tokens per split. From one to three programs per SM it splits in two; from three per SM on it
-    does not split. Each rule beat its neighbours on the H200 (docs/perf-notes.md, the paged kernel's split
+    does not split. Each rule beat its neighbours on the H200 (docs/decisions.md, the paged kernel's split
     heuristic).
     """
     programs = max(1, batch * nheads_k * num_q_blocks)
@@ -281,7 +281,7 @@ def choose_prefill_splits(programs: int, num_sms: int = CPU_NUM_SMS, max_context
     A round holds ``PREFILL_BLOCKS_PER_SM * num_sms`` programs and each split divides a program's keys, so
     ``s`` splits take ``ceil(programs * s / round) / s`` of the unsplit round's time, plus ``_SPLIT_COST`` per
     split beyond the first; the cheapest of 1 to 4 splits wins (ties: fewer). The model picked the fastest
-    count of those measured on the H200 (32 q / 8 kv heads, page 64, chunks over 8k keys; docs/perf-notes.md).
+    count of those measured on the H200 (32 q / 8 kv heads, page 64, chunks over 8k keys; docs/decisions.md).
     """
     rnd = PREFILL_BLOCKS_PER_SM * num_sms
     cap = max(1, min(_PREFILL_MAX_SPLITS, max_context // min_tokens_per_split))
@@ -289,7 +289,7 @@ def choose_prefill_splits(programs: int, num_sms: int = CPU_NUM_SMS, max_context
     return min(cost, key=lambda s: (cost[s], s))
 
 
-# (block_m, block_n, num_warps, num_stages) by regime, the fastest measured on the H200 (docs/perf-notes.md).
+# (block_m, block_n, num_warps, num_stages) by regime, the fastest measured on the H200 (docs/decisions.md).
 _CONFIGS = {
     "decode": (16, 128, 4, 3),
     "small": (64, 64, 4, 3),

@@ -237,7 +237,7 @@ def _ws_attend(WG: gl.constexpr, qi, g0, k0, it, b, h, mw, shift, n_tiles, qk_sc
     tensor core (``_row_sum_issue`` on the ``ones`` tile, issued with each P V): the output is normalized by
     the sum of the e4m3 P that P V multiplied, and the softmax step has no fp32 sum chain (faster on the
     H200). With an LSE the sum is the fp32 one of the unrounded P, so the LSE is exact (and final
-    before the last P V, where it is stored); the other causal calls keep it too (docs/perf-notes.md).
+    before the last P V, where it is stored); the other causal calls keep it too (docs/decisions.md).
     KPERM: K's rows were loaded key-permuted (``kperm_box_on``): masks use the
     permuted key index and P is relabelled to key order, not exchanged across lanes (``_p_operand``).
     Q and K may come in NQK boxes per head (the ring's buffers per stage; qk 192: three 64-wide boxes,

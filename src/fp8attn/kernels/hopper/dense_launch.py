@@ -191,7 +191,7 @@ def _num_sms(index):
 
 
 # Head dims on the warp-specialized kernel: every one, faster than the 8-warp lockstep schedule at every length
-# and mask measured on the H200, with the same bits (docs/perf-notes.md).
+# and mask measured on the H200, with the same bits (docs/decisions.md).
 _WS_HEAD_DIMS = (64, 128, 256)
 _VARLEN_HEAD_DIMS = (64, 128)  # the bounded kernel's
 # The one pair of unequal head dims (qk, v) on the warp-specialized dense kernel: MLA prefill's (qk_nope 128 +
@@ -217,13 +217,13 @@ def qk192_enabled():
 # one block per CTA in the hardware's order works through about one head at a time (not measured).
 _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 8192
 # ... but the dense kernel's causal inputs at these head dims run persistent at any length: at d64 the
-# persistent grid measured faster beyond 8k on the H200, with an LSE or without (docs/perf-notes.md).
+# persistent grid measured faster beyond 8k on the H200, with an LSE or without (docs/decisions.md).
 _WS_PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
 
 # Head dim 256 on the warp-specialized kernel: a call without an LSE runs the LSE variant into a scratch
 # tensor (B * H * S float32, ~1 MB at 16k tokens and 16 heads). The two variants sum in fp32 and give the
 # same output bits, but ptxas compiles the one without an LSE into a slower consumer loop (fewer spills in
-# the sm_90a compile, yet slower on the H200; docs/perf-notes.md).
+# the sm_90a compile, yet slower on the H200; docs/decisions.md).
 _D256_LSE_SCRATCH = True
 
 
@@ -283,7 +283,7 @@ def varlen_preferred(head_dim, max_seqlen_q):
     unset): head dims 64 and 128, and q/k head dim 192 (qk 192 / v 128: not measured, taken as head dim 128 is;
     ``FP8ATTN_TMA_QK192=0`` turns it off), with sequences up to at least 1024 queries: there the TMA kernel
     measured faster than the Triton kernel on the H200 at both head dims, causal or not, V laid out by
-    ``varlen_v_kmajor`` in each call (docs/perf-notes.md); shorter batches were not measured."""
+    ``varlen_v_kmajor`` in each call (docs/decisions.md); shorter batches were not measured."""
     return (head_dim in _VARLEN_HEAD_DIMS or head_dim == QK192_V128[0]) and max_seqlen_q is not None \
         and int(max_seqlen_q) >= 1024
 
@@ -311,7 +311,7 @@ def ws_config(head_dim, causal, consumers=None, head_dim_v=None):
     causal mask): three over 192-row blocks and 64-key tiles in a 4-stage ring (with 128-key tiles their 160
     registers spill the accumulator in the loop). Not the default: on the H200 it ran slower than two
     consumers without an LSE (the tensor-core row sums lose their gain at 64-key tiles) and within noise with
-    one (docs/perf-notes.md). ``head_dim_v``: V's head dim
+    one (docs/decisions.md). ``head_dim_v``: V's head dim
     where it differs (qk 192 / v 128: two consumers, 128-key tiles, as head dim 128)."""
     if consumers in (None, 2):
         return 2, _tiles(head_dim, True, head_dim_v)[3], NUM_STAGES
@@ -394,7 +394,7 @@ def kperm_on(head_dim, consumers, causal, write_lse):
     the order of the wgmma accumulator's columns, so that P, relabelled to key order, is already the A
     operand of P V (``_p_operand``; sm_90a: the conversion's SHFL.IDX, SEL and cross-lane PRMT
     gone). Head dim 64 with two consumers, except non-causal calls with an LSE, the one case where it measured
-    slower on the H200 (docs/perf-notes.md). Without an LSE the output bits are the same as the plain box's;
+    slower on the H200 (docs/decisions.md). Without an LSE the output bits are the same as the plain box's;
     with one the fp32 row sums add in another order (the LSE moves in its last bits; the tests allow one
     bf16 ulp of output)."""
     return head_dim == 64 and consumers == 2 and (causal or not write_lse)
@@ -777,7 +777,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
     The first launch per (device, head dim, constexprs) goes through triton's JIT (compile, bind,
     specialize) and keeps the compiled kernel; later launches call it directly with the same argument
     list and lightweight descriptors, a fraction of the host time per launch (and no descriptor
-    construction; docs/perf-notes.md). Triton's own path is used whenever launch
+    construction; docs/decisions.md). Triton's own path is used whenever launch
     hooks are installed (profilers) or an integer argument needs 64 bits (a different signature).
 
     Parameters

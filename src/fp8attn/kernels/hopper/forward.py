@@ -54,7 +54,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 
     First, once, where the consumers take their row sums from the tensor core (``_rowsum_mma``): their
     tile of e4m3 ones (``ones_desc``) into ``ones`` (written by TMA: a tile stored from registers did not
-    read back correctly in the wgmma, see docs/perf-notes.md). The consumers wait for it
+    read back correctly in the wgmma, see docs/decisions.md). The consumers wait for it
     before their first block, so it has landed before the CTA exits.
 
     HEAD_DIM_V: V's and O's head dim where it differs from Q's and K's ``HEAD_DIM`` (0: the same; the
@@ -162,7 +162,7 @@ def _transpose_layout(D, num_warps):
     """``_ws_transpose_v``'s register layout of a (keys, D) chunk: 4 keys x 8 head-dim bytes per thread
     (8-byte loads, byte permutes, 4-byte stores), 8 x 4 threads per warp, warps along the head dim
     first: the transpose's cost over sequence-major V measured lowest on the H200 with this layout, against
-    4 x 4 bytes per thread (ldmatrix loads) or 8 x 4 (8-byte stores) (docs/perf-notes.md)."""
+    4 x 4 bytes per thread (ldmatrix loads) or 8 x 4 (8-byte stores) (docs/decisions.md)."""
     wd = min(num_warps, D // 32)
     return gl.BlockedLayout([4, 8], [8, 4], [num_warps // wd, wd], [1, 0])
 

@@ -74,7 +74,7 @@ def _rowsum_mma(causal, write_lse, head_dim, mode, out_fp8):
     without an LSE at head dims 64 and 128, non-causal, or causal at head dim 64 in the dense kernel (``mode``
     0), except the fused e4m3 output at head dim 128; the others sum in fp32, so an LSE is exact. Measured on
     the H200: causal at head dim 128 the sums from the tensor core ran even or slower (more spills), at 64
-    faster; with the e4m3 output at head dim 128 slower than fp32 sums (docs/perf-notes.md)."""
+    faster; with the e4m3 output at head dim 128 slower than fp32 sums (docs/decisions.md)."""
     return (not write_lse and head_dim != 256 and (not causal or (head_dim == 64 and mode == 0))
             and not (out_fp8 and head_dim == 128))
 
