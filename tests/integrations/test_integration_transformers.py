@@ -301,6 +301,19 @@ def test_fp8_cache_with_sdpa_raises_clearly():
             m(torch.randint(0, VOCAB, (1, 5)), cache=fx.FP8Cache(config=m.config))
 
 
+def test_fp8_cache_under_a_keyword_the_model_does_not_take_raises(llama, monkeypatch):
+    """A cache passed under a keyword the forward does not take reaches attention as a kwarg while the model
+    builds a cache of its own (older transformers named it past_key_values): refused, never run cacheless."""
+    fp8, _ = llama
+    assert fx.cache_keyword(fp8) == "cache"
+    with pytest.raises(TypeError, match="kv_cache=: an FP8Cache arrived as an attention kwarg"):
+        with torch.no_grad():
+            fp8(torch.randint(0, VOCAB, (1, 5)), kv_cache=fx.FP8Cache(config=fp8.config))
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(RuntimeError, match=r"transformers >= 5\.24.*this is transformers 5\.17\.0"):
+        fx.FP8Cache(config=fp8.config)
+
+
 def test_fp8_cache_bad_arguments(llama):
     fp8, _ = llama
     with pytest.raises(TypeError, match="config"):

@@ -41,6 +41,12 @@ def _batches(seqs, size):
         yield seqs[i : i + size]
 
 
+def _cache_keyword(model) -> str:
+    from ..integrations import transformers as fx
+
+    return fx.cache_keyword(model)
+
+
 def _left_pad(seqs, pad_id, device):
     n = max(map(len, seqs))
     ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
@@ -56,7 +62,7 @@ def _greedy(model, prompts, new_tokens, pad_id, batch, cache_fn=None):
     outs = []
     for chunk in _batches(prompts, batch):
         ids, mask = _left_pad(chunk, pad_id, model.device)
-        kw = {} if cache_fn is None else {"cache": cache_fn(model)}
+        kw = {} if cache_fn is None else {_cache_keyword(model): cache_fn(model)}
         with torch.no_grad():
             g = model.generate(
                 ids,
@@ -87,9 +93,14 @@ def teacher_forced_scores(model, prompts, conts, pad_id, batch, cache_fn=None):
                 logits = logits.float()
             else:
                 cache, steps = cache_fn(model), []
+                ckw = _cache_keyword(model)
                 pre = ids.shape[1] - n
                 out = model(
-                    ids[:, :pre], attention_mask=mask[:, :pre], position_ids=pos[:, :pre], cache=cache, use_cache=True
+                    ids[:, :pre],
+                    attention_mask=mask[:, :pre],
+                    position_ids=pos[:, :pre],
+                    **{ckw: cache},
+                    use_cache=True,
                 )
                 steps.append(out.logits[:, -1:].float())
                 for t in range(pre, ids.shape[1] - 1):
@@ -97,7 +108,7 @@ def teacher_forced_scores(model, prompts, conts, pad_id, batch, cache_fn=None):
                         ids[:, t : t + 1],
                         attention_mask=mask[:, : t + 1],
                         position_ids=pos[:, t : t + 1],
-                        cache=cache,
+                        **{ckw: cache},
                         use_cache=True,
                     )
                     steps.append(out.logits[:, -1:].float())
@@ -313,9 +324,13 @@ def run_speed(out_dir=None, quick=False, prefill_batch=8, prefill_len=4096, deco
         / 2**30
     )
     impls = {
-        "fp8attn+FP8Cache": ("fp8attn", lambda: fx.FP8Cache(config=model.config)),
-        "sdpa+DynamicCache": ("sdpa", lambda: transformers.DynamicCache(config=model.config)),
-        "fp8attn+DynamicCache": ("fp8attn", lambda: transformers.DynamicCache(config=model.config)),
+        # preallocated as generate() users size it (a growing cache doubles its pages when it runs out)
+        "fp8attn+FP8Cache": (
+            "fp8attn",
+            lambda b, n: fx.FP8Cache(config=model.config, max_batch_size=b, max_cache_len=n),
+        ),
+        "sdpa+DynamicCache": ("sdpa", lambda b, n: transformers.DynamicCache(config=model.config)),
+        "fp8attn+DynamicCache": ("fp8attn", lambda b, n: transformers.DynamicCache(config=model.config)),
     }
     # --- prefill
     ids = torch.randint(0, cfg.vocab_size, (prefill_batch, prefill_len), device="cuda", generator=gen)
@@ -324,9 +339,9 @@ def run_speed(out_dir=None, quick=False, prefill_batch=8, prefill_len=4096, deco
         model.set_attn_implementation(impl)
 
         def step():
-            c = mk()
+            c = mk(prefill_batch, prefill_len)
             with torch.no_grad():
-                model(ids, cache=c, use_cache=True, logits_to_keep=1)
+                model(ids, **{_cache_keyword(model): c}, use_cache=True, logits_to_keep=1)
             return c
 
         step()  # warm-up (autotuning, plans)
@@ -364,14 +379,14 @@ def run_speed(out_dir=None, quick=False, prefill_batch=8, prefill_len=4096, deco
     for name in ("fp8attn+FP8Cache", "sdpa+DynamicCache"):
         impl, mk = impls[name]
         model.set_attn_implementation(impl)
-        cache = mk()
+        cache = mk(decode_batch, decode_ctx + 1)
         _fill_cache(model, cache, decode_batch, decode_ctx, gen)
         tok = torch.randint(0, cfg.vocab_size, (decode_batch, 1), device="cuda", generator=gen)
         pos = torch.full((decode_batch, 1), decode_ctx, device="cuda", dtype=torch.long)
 
         def step():
             with torch.no_grad():
-                model(tok, cache=cache, position_ids=pos, use_cache=True)
+                model(tok, **{_cache_keyword(model): cache}, position_ids=pos, use_cache=True)
             cache.crop(-1)  # back to the same context: every timed step decodes at decode_ctx
 
         for _ in range(3):

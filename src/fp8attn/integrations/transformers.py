@@ -9,7 +9,7 @@ implementations: no dense 4-D mask is materialized)::
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="fp8attn")
     cache = FP8Cache(config=model.config, max_batch_size=8, max_cache_len=4096)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=64)
 
 The attention function quantizes the 16-bit Q/K/V of each call to e4m3 with dynamic descales
 (:func:`fp8attn.quantize_qkv`; granularity and Hadamard rotation from :func:`fp8attn_options` or the
@@ -55,12 +55,17 @@ __all__ = [
     "FP8CacheLayer",
     "GRANULARITIES",
     "CACHE_SCALES",
+    "CACHE_MIN_VERSION",
+    "cache_keyword",
 ]
 
 ATTN_IMPLEMENTATION = "fp8attn"
 GRANULARITIES = ("per_tensor", "per_head", "per_block")
 CACHE_SCALES = ("per_tensor", "per_seq_head", "per_token_head")
 _BLOCK = 128  # tokens per scale block of the per_block granularity
+# FP8Cache reaches the attention function through the attention kwargs that a model hands Cache.update, which
+# transformers does from 5.24 on (the extra's pin); older models never pass them
+CACHE_MIN_VERSION = (5, 24)
 _E4M3 = torch.float8_e4m3fn
 
 
@@ -307,6 +312,37 @@ def _validate_call(query, key, value, attention_mask, dropout, kwargs):
         )
 
 
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for p in text.split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward takes its cache under: ``"cache"`` (transformers >= 5.24) or
+    ``"past_key_values"`` (earlier). An unknown keyword would not fail in transformers: it would travel on as
+    an attention kwarg while the model built a cache of its own."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _refuse_unrouted_cache(kwargs) -> None:
+    """An FP8Cache among the attention kwargs (not routed through Cache.update) was passed under a keyword
+    the model's forward does not take, so the model attends over a cache of its own: refuse it."""
+    for name, val in kwargs.items():
+        if isinstance(val, FP8Cache):
+            raise TypeError(
+                f"{name}=: an FP8Cache arrived as an attention kwarg, so this model's forward does not take "
+                f"its cache under {name!r} and runs with a cache of its own (transformers "
+                f"{transformers.__version__}). Pass it as {'past_key_values' if name == 'cache' else 'cache'}=; "
+                f"FP8Cache needs transformers >= {'.'.join(map(str, CACHE_MIN_VERSION))}."
+            )
+
+
 def fp8attn_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -348,7 +384,9 @@ def fp8attn_attention_forward(
     window = _window(sliding_window, causal)
     cap = float(softcap or 0.0)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, dim)
-    if fp8attn_cache is not None:
+    if fp8attn_cache is None:
+        _refuse_unrouted_cache(kwargs)
+    else:
         layer, staged = fp8attn_cache
         if staged is not key:
             raise RuntimeError(
@@ -438,6 +476,10 @@ class FP8CacheLayer(CacheLayerMixin):
         self._alloc(pages)
         self.lens = torch.zeros(b, dtype=torch.int32, device=self.device)
         self._valid: list = []  # per update: (seqlen_new, (batch, seqlen_new) bool mask or None = all real)
+        # known on the host that every row holds a token (so per_seq_head has calibrated every row and
+        # skips its calibration ops); False while unknown
+        self._all_started = False
+        self._seq_rows: dict = {}
         f32 = dict(dtype=torch.float32, device=self.device)
         if c.scale == "per_tensor":
             self.k_descale = torch.ones(1, 1, **f32) if c.k_descale is None else self._static(c.k_descale, "k_descale")
@@ -523,6 +565,7 @@ class FP8CacheLayer(CacheLayerMixin):
         if self.is_initialized:
             self.lens.zero_()
             self._valid = []
+            self._all_started = False
             if self.cache.scale == "per_tensor" and self.cache.k_descale is None:
                 self.calibrated = False
         self.seen = 0
@@ -539,6 +582,7 @@ class FP8CacheLayer(CacheLayerMixin):
         if all(m is None for _, m in self._valid):
             self.lens.fill_(keep)
             self._valid = [(keep, None)] if keep else []
+            self._all_started = self._all_started and keep > 0
         else:
             m = torch.cat(
                 [
@@ -549,6 +593,7 @@ class FP8CacheLayer(CacheLayerMixin):
             )[:, :keep]
             self.lens.copy_(m.sum(1, dtype=torch.int32))
             self._valid = [(keep, m)] if keep else []
+            self._all_started = False  # (a left-padded row may keep no real token)
         self.seen = keep
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -634,7 +679,7 @@ class FP8CacheLayer(CacheLayerMixin):
             slot = torch.where(new_mask, slot, torch.full_like(slot, -1))
         if c.scale == "per_tensor" and not self.calibrated:
             self._calibrate(k, v, new_mask, None)
-        elif c.scale == "per_seq_head":
+        elif c.scale == "per_seq_head" and not self._all_started:
             self._calibrate(k, v, new_mask, (self.lens == 0) & (torch.as_tensor(n_new, device=dev) > 0))
         kf, vf = k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:])
         wkw, akw = {}, {}
@@ -643,10 +688,12 @@ class FP8CacheLayer(CacheLayerMixin):
         else:
             akw = wkw = dict(k_descale=self.k_descale, v_descale=self.v_descale)
             if c.scale == "per_seq_head":
-                wkw = dict(wkw, token_seq_idx=torch.arange(b, device=dev, dtype=torch.int32).repeat_interleave(s))
+                wkw = dict(wkw, token_seq_idx=self._token_rows(b, s))
         fp8attn.write_kv_cache(kf.detach(), vf.detach(), self.keys, self.values, slot.reshape(-1), **wkw)
         self.lens = self.lens + n_new
         self._valid.append((s, new_mask))
+        if new_mask is None and s > 0:
+            self._all_started = True
         out_dtype = _out_dtype(q.dtype)
         # 16-bit Q over FP8 K/V: fp32 queries go to fp16, whose 10 mantissa bits keep more of them than bf16
         qq = q if q.dtype in (torch.bfloat16, torch.float16) else q.to(torch.float16)
@@ -664,6 +711,8 @@ class FP8CacheLayer(CacheLayerMixin):
             # every new token real (or one query per row, whose pad output is ignored): a dense call, no sync
             return fp8attn.flash_attn_with_kvcache(qq, self.keys, self.values, **common)
         idx = torch.nonzero(new_mask.reshape(-1)).flatten()
+        # (this branch synchronizes for idx anyway: learn whether every row now holds a token)
+        self._all_started = bool((self.lens > 0).all())
         cu_q = _cu(new_mask.sum(1, dtype=torch.int32))
         o = fp8attn.flash_attn_with_kvcache(
             qq.reshape(b * s, *q.shape[2:]).index_select(0, idx),
@@ -675,6 +724,13 @@ class FP8CacheLayer(CacheLayerMixin):
         )
         out = o.new_zeros((b * s, *o.shape[1:])).index_copy(0, idx, o)
         return out.view(b, s, *o.shape[1:])
+
+    def _token_rows(self, b: int, s: int) -> torch.Tensor:
+        """int32 (b * s,): the row of each new token, kept per (b, s) (a decode step asks for the same one)."""
+        t = self._seq_rows.get((b, s))
+        if t is None:
+            t = self._seq_rows[(b, s)] = torch.arange(b, device=self.device, dtype=torch.int32).repeat_interleave(s)
+        return t
 
     @property
     def kv_bytes(self) -> int:
@@ -739,6 +795,12 @@ class FP8Cache(Cache):
         calib_margin: float = 1.0,
         **kwargs,
     ):
+        if _version(transformers.__version__) < CACHE_MIN_VERSION:
+            raise RuntimeError(
+                f"FP8Cache needs transformers >= {'.'.join(map(str, CACHE_MIN_VERSION))} (its models hand "
+                f"Cache.update the attention kwargs through which the cache reaches fp8attn's attention); "
+                f"this is transformers {transformers.__version__}. pip install 'fp8attn[transformers]'."
+            )
         if config is None or not hasattr(config, "get_text_config"):
             raise TypeError(
                 f"FP8Cache: expected config=<the model's PretrainedConfig>, got {type(config).__name__}. "
