@@ -13,6 +13,10 @@ is never checked on a GPU without ``validate=True`` on either path, so a plan ch
 are only used for eager calls of plain tensors outside torch.compile, tracing, torch-function or dispatch
 modes and functorch transforms, and never when an input requires grad (such a call records its backward
 through the op).
+
+A plan's launches are recorded on its first call and replayed on later ones (``kernels.replay``): the
+signature fixes every launch argument but the tensors' addresses, so the launcher's rules and triton's
+argument binding run once per signature. A call whose launches cannot be replayed keeps the launcher.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from .ops import _dense_shapes  # (the output and LSE shapes the ops give)
 
 __all__ = [
+    "Launches",
     "plannable",
     "call_key",
     "tensor_sig",
@@ -150,6 +155,28 @@ def clear() -> None:
     _PLANS.clear()
 
 
+class Launches:
+    """The launch part of a plan: ``fn(*slots)`` (a launcher call whose tensors are ``slots``, inputs and
+    outputs, None where absent) recorded on the first call and replayed after (``kernels.replay``)."""
+
+    __slots__ = ("fn", "replay", "recorded")
+
+    def __init__(self, fn):
+        self.fn, self.replay, self.recorded = fn, None, False
+
+    def __call__(self, *slots) -> None:
+        rp = self.replay
+        if rp is not None and rp.run(slots):
+            return
+        if self.recorded:
+            self.fn(*slots)
+            return
+        self.recorded = True
+        from .kernels import replay
+
+        _, self.replay = replay.record(lambda: self.fn(*slots), slots)
+
+
 def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal, window_size, softcap, return_lse):
     """The plan of a dense (4-D) FP8 call that the Hopper kernel serves with one launch, or None.
 
@@ -206,25 +233,31 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
     launch = dense_launch.launch_dense_fwd_tma
     dev = q.device
 
+    def launch_(q, k, v, q_descale, k_descale, v_descale, out_scale, o, lse):
+        launch(
+            q,
+            k,
+            v,
+            o,
+            lse,
+            softmax_scale=softmax_scale,
+            causal=kernel_causal,
+            q_descale=expand_descale(q_descale, b, hk, dev),
+            k_descale=expand_descale(k_descale, b, hk, dev),
+            v_descale=expand_descale(v_descale, b, hk, dev),
+            out_scale=out_scale,
+        )
+
+    launches = Launches(launch_)
+
     def run(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
         o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
         with launch_device(q):
-            launch(
-                q,
-                k,
-                v,
-                o,
-                lse,
-                softmax_scale=softmax_scale,
-                causal=kernel_causal,
-                q_descale=expand_descale(q_descale, b, hk, dev),
-                k_descale=expand_descale(k_descale, b, hk, dev),
-                v_descale=expand_descale(v_descale, b, hk, dev),
-                out_scale=out_scale,
-            )
+            launches(q, k, v, q_descale, k_descale, v_descale, out_scale, o, lse)
         return (o, lse) if return_lse else o
 
+    run.launches = launches  # type: ignore[attr-defined]
     return run
 
 
@@ -257,6 +290,30 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
         num_splits=int(num_splits),
     )
 
+    def launch_(*slots):
+        q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, qd, kd, vd, ks, vs, out_scale, o, lse = slots
+        launch(
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            cache_seqlens,
+            o,
+            lse,
+            cu_seqlens_q=cu_seqlens_q,
+            q_descale=expand_descale(qd, batch, hk, dev),
+            k_descale=expand_descale(kd, batch, hk, dev),
+            v_descale=expand_descale(vd, batch, hk, dev),
+            k_cache_scales=ks,
+            v_cache_scales=vs,
+            out_scale=out_scale,
+            out_partial=None,
+            lse_partial=None,
+            **kw,
+        )
+
+    launches = Launches(launch_)
+
     def run(
         q,
         k_cache,
@@ -276,27 +333,25 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
         o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
         with launch_device(q):
-            launch(
+            launches(
                 q,
                 k_cache,
                 v_cache,
                 page_table,
                 cache_seqlens,
+                cu_seqlens_q,
+                q_descale,
+                k_descale,
+                v_descale,
+                k_cache_scales,
+                v_cache_scales,
+                out_scale,
                 o,
                 lse,
-                cu_seqlens_q=cu_seqlens_q,
-                q_descale=expand_descale(q_descale, batch, hk, dev),
-                k_descale=expand_descale(k_descale, batch, hk, dev),
-                v_descale=expand_descale(v_descale, batch, hk, dev),
-                k_cache_scales=k_cache_scales,
-                v_cache_scales=v_cache_scales,
-                out_scale=out_scale,
-                out_partial=None,
-                lse_partial=None,
-                **kw,
             )
         return (o, lse) if return_lse else o
 
+    run.launches = launches  # type: ignore[attr-defined]
     return run
 
 
@@ -328,6 +383,26 @@ def dense_plan(q, k, v, *, batch, attn, varlen, max_seqlen_q=None, max_seqlen_k=
         descale_block_k=None,
     )
 
+    def launch_(q, k, v, qd, kd, vd, out_scale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, o, lse):
+        launch(
+            q,
+            k,
+            v,
+            o,
+            lse,
+            q_descale=expand_descale(qd, batch, hk, dev),
+            k_descale=expand_descale(kd, batch, hk, dev),
+            v_descale=expand_descale(vd, batch, hk, dev),
+            out_scale=out_scale,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            seqused_q=seqused_q,
+            seqused_k=seqused_k,
+            **kw,
+        )
+
+    launches = Launches(launch_)
+
     def run(
         q,
         k,
@@ -346,22 +421,22 @@ def dense_plan(q, k, v, *, batch, attn, varlen, max_seqlen_q=None, max_seqlen_k=
         o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
         with launch_device(q):
-            launch(
+            launches(
                 q,
                 k,
                 v,
+                q_descale,
+                k_descale,
+                v_descale,
+                out_scale,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                seqused_q,
+                seqused_k,
                 o,
                 lse,
-                q_descale=expand_descale(q_descale, batch, hk, dev),
-                k_descale=expand_descale(k_descale, batch, hk, dev),
-                v_descale=expand_descale(v_descale, batch, hk, dev),
-                out_scale=out_scale,
-                cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_k=cu_seqlens_k,
-                seqused_q=seqused_q,
-                seqused_k=seqused_k,
-                **kw,
             )
         return (o, lse) if return_lse else o
 
+    run.launches = launches  # type: ignore[attr-defined]
     return run

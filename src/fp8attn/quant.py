@@ -247,6 +247,22 @@ def dequantize(
     return (x8.to(torch.float32) * _broadcast(descale, x8.shape, granularity, block_size)).to(dtype)
 
 
+_ONES: dict = {}
+
+
+def _ones(device) -> torch.Tensor:
+    """A float32 one on ``device``; on a GPU, one kept per device (kernels only read descales), so that
+    calls without a descale pass the same memory each time (``kernels.replay`` constants)."""
+    t = _ONES.get(device)
+    if t is None:
+        t = torch.ones((), dtype=torch.float32, device=device)
+        if t.is_cuda:
+            from .kernels import replay
+
+            _ONES[device] = replay.constant(t)
+    return t
+
+
 def expand_descale(descale: torch.Tensor | None, batch: int, nheads_k: int, device=None) -> torch.Tensor:
     """Normalize a descale to FA3's (batch, nheads_k) float32 view (stride-0 for broadcasts).
 
@@ -254,7 +270,7 @@ def expand_descale(descale: torch.Tensor | None, batch: int, nheads_k: int, devi
     (batch, nheads_k). No copy is made for broadcasts.
     """
     if descale is None:
-        return torch.ones((), dtype=torch.float32, device=device).expand(batch, nheads_k)
+        return _ones(device).expand(batch, nheads_k)
     if descale.dtype == torch.float32 and descale.shape == (batch, nheads_k):
         return descale  # already FA3's form (the common case): no new view per call
     d = descale.float()

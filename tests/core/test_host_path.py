@@ -187,3 +187,64 @@ def test_eager_plan_triton_kernel_calls_equal_checked_path(causal):
         assert torch.equal(x, ref)
     for x in got16:
         assert torch.equal(x, ref16)
+
+
+def _replayed(plan):
+    """The stored plans' launch replays (``kernels.replay``): every plan with launches must have one."""
+    runs = [r for r in plan._PLANS.values() if hasattr(r, "launches")]
+    assert runs, "no plan with launches"
+    return [r.launches.replay for r in runs]
+
+
+@pytest.mark.parametrize("kind", ["dense_tma", "varlen_triton", "paged_split", "paged_no_descale"])
+def test_replayed_plans_follow_each_calls_tensors(kind):
+    """After the first call records a plan's launches, later calls replay them with *their* tensors: each
+    call gets new inputs (new addresses and values) and must equal the checked path on those inputs; a
+    k/v descale that was one tensor at recording and two tensors later must not reuse the recording."""
+    import fp8attn
+    from fp8attn import plan
+    from fp8attn.paged_cache import alloc_paged_cache, make_page_table
+
+    plan.clear()
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def call(i, **over):
+        if kind == "dense_tma":
+            q8, k8, v8, qd, kd, vd = _fp8_inputs(b=2, s=256, d=128)
+            kd = vd if i == 0 else kd  # aliased at recording only
+            kw = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+            return lambda **v: fp8attn.flash_attn_func(q8, k8, v8, **kw, **v)
+        if kind == "varlen_triton":
+            q8, k8, v8, qd, kd, vd = _fp8_inputs(b=3, s=192, d=64)
+            cu = torch.tensor([0, 100, 150, 576], dtype=torch.int32, device="cuda")
+            flat = [t.reshape(-1, *t.shape[2:]) for t in (q8, k8, v8)]
+            kw = dict(
+                causal=True, q_descale=qd[:1].expand(3, -1).contiguous(), k_descale=kd[:1].expand(3, -1).contiguous()
+            )
+            return lambda **v: fp8attn.flash_attn_varlen_func(*flat, cu, cu, 426, 426, **kw, **v)
+        b, hq, hk, d, ps, L = 2, 8, 2, 128, 16, 2000  # a long context over few rows: split-KV + combine
+        nb = b * (L // ps + 2)
+        kc, vc = alloc_paged_cache(nb, ps, hk, d, device="cuda", poison_nan=True, v_seq_major=True)
+        kc.copy_((torch.randn(kc.shape, device="cuda", generator=g) * 2).to(kc.dtype))
+        vc.copy_((torch.randn(vc.shape, device="cuda", generator=g) * 2).to(vc.dtype))
+        pt = make_page_table([L] * b, ps, nb, generator=torch.Generator().manual_seed(i)).cuda()
+        seqlens = torch.tensor([L, L - 37], dtype=torch.int32, device="cuda")
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        kw = dict(cache_seqlens=seqlens, page_table=pt)
+        if kind == "paged_split":
+            kw.update(
+                k_descale=torch.rand(b, hk, device="cuda", generator=g) + 0.5,
+                v_descale=torch.rand(b, hk, device="cuda", generator=g) + 0.5,
+            )
+        return lambda **v: fp8attn.flash_attn_with_kvcache(q, kc, vc, **kw, **v)
+
+    for i in range(4):
+        f = call(i)
+        got = f()
+        ref = f(validate=True)
+        assert not torch.isnan(ref).any()
+        assert torch.equal(got, ref), f"call {i}: the replayed plan differs from the checked path"
+    replays = _replayed(plan)
+    assert all(r is not None for r in replays), "a plan's launches were not recorded for replay"
+    if kind == "paged_split":
+        assert len(replays[0].entries) == 2, "expected the split-KV launch and its combine"

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .common import INTERPRET, cdiv, next_pow2
 from .planning import DESCALE_FLOOR, is_v_seq_major, scale_storage_pad
+from .replay import launch
 
 __all__ = ["launch_write_kv_cache", "launch_append_kv_cache"]
 
@@ -263,7 +264,7 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
     used = (d for d, on in ((k_descale, meta["HAS_KD"]), (v_descale, meta["HAS_VD"])) if on)
     seq_rows = [d.shape[0] for d in used if d.numel() != 1]
     page_size = k_cache.shape[1]
-    _write_kv_kernel[(num_tokens, head_blocks)](
+    launch(_write_kv_kernel, (num_tokens, head_blocks),
         k, v, *caches, slot_mapping, token_seq_idx if has_seq else slot_mapping, *scales,
         k.shape[1], page_size, k_cache.shape[0] * page_size, min(seq_rows) if seq_rows else 1,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides, HAS_SEQ_IDX=has_seq, **meta)
@@ -313,7 +314,7 @@ def launch_append_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tens
         kst, vst = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
     if batch == 0:
         return total
-    _append_kv_kernel[(max(num_tokens, 1), head_blocks)](
+    launch(_append_kv_kernel, (max(num_tokens, 1), head_blocks),
         k, v, *caches, page_table, cache_seqlens, cu_seqlens_k_new if varlen else total, total, *scales,
         batch, k.shape[-2], k_cache.shape[1], page_table.shape[1], k_cache.shape[0], seqlen_new, num_tokens,
         *kst, *vst, page_table.stride(0), page_table.stride(1), cache_seqlens.stride(0),

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .common import INTERPRET, LN2, LOG2E, cdiv, next_pow2, output_epilogue
+from .replay import launch
 
 __all__ = ["launch_combine", "combine_tiles"]
 
@@ -154,7 +155,7 @@ def launch_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: to
     lse_t = lse if lse is not None else lse_partial[0]
     block_d, block_splits, chunk, nw = combine_tiles(num_splits, d)
     grid = (rows, cdiv(d, block_d))
-    _combine_kernel[grid](
+    launch(_combine_kernel, grid,
         out_partial, lse_partial, out, lse_t, out_scale if out_fp8 else lse_partial,
         num_splits, seqlen, nheads,
         *out_partial.stride()[:4], *lse_partial.stride(), *out.stride()[:3], *lse_t.stride(),

@@ -41,6 +41,7 @@ from .common import (
 )
 from .hopper import dense_launch
 from .planning import window_flags
+from .replay import launch
 
 __all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor", "tma_reason", "dense_backend",
            "wants_kmajor_copy"]
@@ -362,7 +363,7 @@ def transpose_v_kmajor(v: torch.Tensor) -> torch.Tensor:
         bd = max(16, next_pow2(d))
         bs = 64 if bd <= 128 else 32
         grid = (cdiv(s, bs), b, h)
-        _transpose_sd_kernel[grid](v4.view(torch.uint8) if v.element_size() == 1 else v4,
+        launch(_transpose_sd_kernel, grid, v4.view(torch.uint8) if v.element_size() == 1 else v4,
                                    y.view(torch.uint8) if v.element_size() == 1 else y,
                                    s, d, v4.stride(0), v4.stride(1), v4.stride(2),
                                    y.stride(0), y.stride(1), y.stride(2), BLOCK_S=bs, BLOCK_D=bd, num_warps=4)
@@ -466,7 +467,7 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
         descale_block_k=descale_block_k, v_kmajor=v_kmajor)
     if INTERPRET or os.environ.get("FP8ATTN_NO_AUTOTUNE", "0") == "1":
         bm, bn, w, st = default_config(kwargs["BLOCK_D"], kwargs["BLOCK_DV"], kwargs["IS_FP8"])
-        _dense_fwd_kernel[grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+        launch(_dense_fwd_kernel, grid, *args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
     else:
         _dense_fwd_tuned[grid](*args, **kwargs)
     return out, lse

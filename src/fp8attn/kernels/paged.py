@@ -67,6 +67,7 @@ from .common import (
 )
 from .hopper import dense_launch, paged_launch
 from .planning import CPU_NUM_SMS, is_v_seq_major, paged_grid, paged_precisions, split_partials, window_flags
+from .replay import launch
 
 __all__ = ["launch_paged_fwd", "tma_reason", "launch_grid"]
 
@@ -616,7 +617,7 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for (bm_l, bn_l, nw_l, ns_l, maxnreg_l), two_class_l, big_class, grid0_l, (lo, hi), with_list in launches:
         grid0_l = grid0_l * hk if heads_inner else grid0_l
         grid = (grid0_l + with_list, 1 if heads_inner else hk, num_splits)
-        _paged_fwd_kernel[grid](
+        launch(_paged_fwd_kernel, grid,
             q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q if varlen else dummy, o_t, l_t,
             q_descale if has_qd else dummy, k_descale if has_kd else dummy, v_descale if has_vd else dummy,
             k_cache_scales if has_ks else dummy, v_cache_scales if has_vs else dummy,

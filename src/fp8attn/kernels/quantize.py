@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .planning import DESCALE_FLOOR
+from .replay import launch
 
 try:  # the package must import on machines without triton
     import triton
@@ -211,18 +212,18 @@ def launch_quantize(x4, y, r, r_scale, ds, *, granularity, nheads_k, rotate, blo
         ds.fill_(DESCALE_FLOOR)
         return
     if granularity == "per_block":
-        _quantize_kernel[(nb, b, h)](x4, y, r, ds, ds, *common, *dstr, MODE=MODE_BLOCK, TPP=1, BLOCK_P=16, **meta)
+        launch(_quantize_kernel, (nb, b, h), x4, y, r, ds, ds, *common, *dstr, MODE=MODE_BLOCK, TPP=1, BLOCK_P=16, **meta)
         return
     tiles = _group_tiles(granularity, b, h, nheads_k, nb)
     if single if single is not None else tiles <= SINGLE_MAX_TILES:
         groups = 1 if granularity == "per_tensor" else b * nheads_k
-        _quantize_kernel[(groups,)](x4, y, r, ds, ds, *common, *dstr, MODE=MODE_SINGLE, TPP=1, BLOCK_P=16,
+        launch(_quantize_kernel, (groups,), x4, y, r, ds, ds, *common, *dstr, MODE=MODE_SINGLE, TPP=1, BLOCK_P=16,
                                     num_stages=1, **meta)
         return
     partials = torch.empty(b * h * nb, device=x4.device, dtype=torch.float32)
-    _quantize_kernel[(nb, b, h)](x4, y, r, partials, ds, *common, *dstr, MODE=MODE_PARTIAL, TPP=1, BLOCK_P=16, **meta)
+    launch(_quantize_kernel, (nb, b, h), x4, y, r, partials, ds, *common, *dstr, MODE=MODE_PARTIAL, TPP=1, BLOCK_P=16, **meta)
     tpp = min(next_pow2(cdiv(tiles, _PARTIALS_PER_TILE)), next_pow2(nb))
-    _quantize_kernel[(cdiv(nb, tpp), b, h)](x4, y, r, partials, ds, *common, *dstr, MODE=MODE_QUANT, TPP=tpp,
+    launch(_quantize_kernel, (cdiv(nb, tpp), b, h), x4, y, r, partials, ds, *common, *dstr, MODE=MODE_QUANT, TPP=tpp,
                                             BLOCK_P=min(next_pow2(tiles), 1024), num_stages=1, **meta)
 
 
@@ -252,4 +253,4 @@ def launch_quant_static(x: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -
     if n == 0:
         return
     block = 2048
-    _quant_static_kernel[(cdiv(n, block),)](xc, y, scale, n, BLOCK=block, num_warps=8)
+    launch(_quant_static_kernel, (cdiv(n, block),), xc, y, scale, n, BLOCK=block, num_warps=8)

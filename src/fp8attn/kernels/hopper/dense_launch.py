@@ -65,6 +65,7 @@ except ImportError:  # triton without Gluon: the fast path is simply unavailable
 
 from ..common import INTERPRET, cdiv, fill_varlen_block_list, find_seq, next_pow2
 from ..planning import tma_options_reason, window_flags
+from ..replay import launch
 
 # the kernels' signature; MODE_* and ENTRY are also read here by the paged launchers and the tests
 from .signature import (
@@ -154,7 +155,7 @@ def varlen_v_kmajor(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor
         one_byte = v.element_size() == 1
         y = torch.empty(hk, d, cols, device=v.device, dtype=torch.uint8 if one_byte else v.dtype)
         bs = 128  # one 128-byte row of Y per head-dim index and tile
-        _varlen_v_layout_kernel[(total_k // bs + batch, hk)](
+        launch(_varlen_v_layout_kernel, (total_k // bs + batch, hk),
             v.view(torch.uint8) if one_byte else v, y, cu_seqlens_k, batch, d, *v.stride(), y.stride(0), y.stride(1),
             BLOCK_S=bs, BLOCK_D=max(16, next_pow2(d)), num_warps=4)
         return y.view(v.dtype)
@@ -728,7 +729,7 @@ def varlen_block_list(cu_seqlens_q, keys, keys_cumulative, total_q, min_len_q=1)
     """
     batch = cu_seqlens_q.numel() - 1
     blocks = empty_block_list(cu_seqlens_q, total_q)
-    _block_list_kernel[(1,)](cu_seqlens_q, keys, blocks, batch, int(min_len_q), BM=BLOCK_M, BLOCK_B=256,
+    launch(_block_list_kernel, (1,), cu_seqlens_q, keys, blocks, batch, int(min_len_q), BM=BLOCK_M, BLOCK_B=256,
                              KEYS_CU=bool(keys_cumulative), ENTRY=ENTRY, num_warps=4)
     return blocks
 
@@ -805,7 +806,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
         names = _CONST_NAMES + (("MODE", "V_ROWS") if bounded else ("CONSUMERS",)) + ("HEAD_DIM_V",)
-        ck = kernel[grid](*tds, *args, **dict(zip(names, consts)), num_warps=num_warps)
+        ck = launch(kernel, grid, *tds, *args, **dict(zip(names, consts)), num_warps=num_warps)
         if _DIRECT_LAUNCH and not hasattr(ck, "result"):
             _COMPILED[key] = ck
         return

@@ -1,0 +1,242 @@
+"""Launch replay: the kernel launches of one call signature, recorded once, then replayed with new tensors.
+
+An eager call pays, besides its kernels, the host work that derives their launch arguments (tile rules,
+strides, grids) and triton's binding of those arguments to the compiled kernel (a specialization pass
+over every argument). For calls whose signature fixes every launch argument except the tensors'
+addresses -- an eager plan's signature does (``fp8attn.plan``) -- that work gives the same answer each
+time. ``record`` runs a launcher once, keeping what each launch passed; ``Replay.run`` later calls the
+same compiled kernels with the next call's tensors and nothing else.
+
+Only launches made through ``launch`` are recorded. A recording is refused (``record`` returns no
+replay, and the caller keeps its normal path) when anything but those launches reaches the GPU during
+it: another triton launch (counted through triton's launch hook), a torch operation other than an
+allocation or a view, a pointer argument that is neither one of the call's tensors, nor memory allocated
+during the launch (re-allocated on replay), nor a registered constant; a triton version whose launcher
+this module does not know; or launch hooks already installed (a profiler).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import triton
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["launch", "record", "constant", "hooks_installed", "Replay", "SUPPORTED"]
+
+# the compiled-kernel launcher's calling convention replayed here is triton 3.6's
+SUPPORTED = triton.__version__.startswith("3.6.")
+
+_STATE = threading.local()
+_CONSTANTS: dict = {}  # data_ptr -> tensor: persistent tensors kernels only read (``constant``)
+
+_aten = torch.ops.aten
+# torch operations a recorded call may run: allocations and views (nothing the replay would skip)
+_ALLOC = {_aten.empty.memory_format, _aten.empty_strided.default}
+_VIEWS = {
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.expand.default,
+    _aten.t.default,
+    _aten.transpose.int,
+    _aten.permute.default,
+    _aten.select.int,
+    _aten.slice.Tensor,
+    _aten.as_strided.default,
+    _aten.alias.default,
+    _aten.detach.default,
+    _aten.unsqueeze.default,
+    _aten.squeeze.dim,
+    _aten.squeeze.dims,
+    _aten._reshape_alias.default,
+}
+
+
+def hooks_installed() -> bool:
+    """Whether triton launch hooks (a profiler) are installed (triton 3.6 keeps a chain that may be empty)."""
+    rt = triton.knobs.runtime
+    return any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
+def constant(t: torch.Tensor) -> torch.Tensor:
+    """Register ``t`` as persistent and read-only for kernels (a launch passing it replays with it)."""
+    _CONSTANTS[t.data_ptr()] = t
+    return t
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``; under ``record``, also keeps the launch for replay."""
+    ck = kernel[grid](*args, **kwargs)
+    rec = getattr(_STATE, "rec", None)
+    if rec is not None:
+        rec.add(kernel, ck, grid, args, kwargs)
+    return ck
+
+
+class _HostDesc:
+    """The fields triton 3.6's launcher reads from a host tensor descriptor."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base, shape, strides, padding):
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
+
+
+class _Guard(TorchDispatchMode):
+    """Notes the allocations of a recorded call and whether any other torch operation ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocs: dict = {}  # data_ptr -> (shape, stride, dtype, device)
+        self.other: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOC:
+            if out.numel():
+                p, meta = out.data_ptr(), (tuple(out.shape), out.stride(), out.dtype, out.device)
+                # (an address allocated twice is not one buffer: refused where a launch passes it)
+                self.allocs[p] = meta if p not in self.allocs else "reused"
+        elif func not in _VIEWS:
+            self.other.append(str(func))
+        return out
+
+
+class _Recording:
+    def __init__(self, slots):
+        self.slots = slots
+        self.entries: list = []
+        self.refused: str | None = None
+        self.hook_launches = 0
+
+    def _hook(self, *_):
+        self.hook_launches += 1
+
+    def add(self, kernel, ck, grid, args, kwargs):
+        if self.refused:
+            return
+        why = self._add(kernel, ck, grid, args, kwargs)
+        if why:
+            self.refused = why
+
+    def _add(self, kernel, ck, grid, args, kwargs):
+        fn, extra = kernel, {}
+        if isinstance(kernel, triton.runtime.Autotuner):
+            if kernel.reset_to_zero or kernel.restore_value or kernel.best_config.pre_hook is not None:
+                return "an autotuned kernel with hooks"
+            fn, extra = kernel.fn, kernel.best_config.all_kwargs()
+        if not isinstance(fn, triton.runtime.JITFunction) or ck is None or not hasattr(ck, "packed_metadata"):
+            return "not a compiled triton kernel launch"
+        if callable(grid):
+            return "a grid function"
+        values = list(args)
+        for p in fn.params[len(args) :]:
+            if p.name in kwargs:
+                values.append(kwargs[p.name])
+            elif p.name in extra:
+                values.append(extra[p.name])
+            elif p.has_default:
+                values.append(p.default)
+            else:
+                return f"argument {p.name} unset"
+        sources = []
+        for i, v in enumerate(values):
+            desc = None
+            if not isinstance(v, torch.Tensor) and isinstance(getattr(v, "base", None), torch.Tensor):
+                desc = (list(v.shape), list(v.strides), getattr(v, "padding", "zero"))  # a host TMA descriptor
+                v = v.base
+            if isinstance(v, torch.Tensor):
+                src = self._source(v)
+                if src is None:
+                    return f"argument {fn.arg_names[i]}: memory of no known origin"
+                sources.append((i, src, desc))
+                values[i] = None  # (the replay holds no tensor of this call)
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        self.entries.append((ck, g, values, tuple(sources)))
+        return None
+
+    def _source(self, t):
+        """Where a pointer argument comes from: ("slot", indices), ("alloc", data_ptr) or ("const", t)."""
+        p = t.data_ptr()
+        hits = tuple(i for i, s in enumerate(self.slots) if isinstance(s, torch.Tensor) and s.data_ptr() == p)
+        if hits:
+            return ("slot", hits)
+        if self.guard.allocs.get(p, "reused") != "reused":
+            return ("alloc", p)
+        c = _CONSTANTS.get(p)
+        if c is not None:
+            return ("const", c)
+        return None
+
+
+def record(fn, slots):
+    """Run ``fn()`` (a launcher call whose tensors are ``slots``, the call's inputs and outputs) and return
+    ``(result, replay)``: ``replay`` is a ``Replay`` of its launches, or None when the call cannot be
+    replayed (the module docstring says when)."""
+    rt = triton.knobs.runtime
+    chain = rt.launch_enter_hook
+    if not SUPPORTED or getattr(_STATE, "rec", None) is not None or hooks_installed() or not hasattr(chain, "add"):
+        return fn(), None
+    rec = _Recording(slots)
+    rec.guard = guard = _Guard()
+    _STATE.rec = rec
+    chain.add(rec._hook)  # counts every triton launch of the call
+    try:
+        with guard:
+            result = fn()
+    finally:
+        _STATE.rec = None
+        chain.remove(rec._hook)
+    if rec.refused or guard.other or rec.hook_launches != len(rec.entries) or not rec.entries:
+        return result, None
+    return result, Replay(rec.entries, guard.allocs)
+
+
+class Replay:
+    """The recorded launches of one call signature; ``run(slots)`` replays them with a new call's tensors
+    (in the recorded order, on the current stream)."""
+
+    __slots__ = ("entries", "allocs", "checks")
+
+    def __init__(self, entries, allocs):
+        used = {src[1] for *_, sources in entries for _, src, _ in sources if src[0] == "alloc"}
+        self.allocs = tuple((p, allocs[p]) for p in sorted(used))
+        index = {p: j for j, (p, _) in enumerate(self.allocs)}
+        self.entries = []
+        checks = set()
+        for ck, grid, values, sources in entries:
+            subs = []
+            for i, (kind, ref), desc in sources:
+                if kind == "slot":
+                    if len(ref) > 1:  # aliased slots: the replay holds only while they still alias
+                        checks.add(ref)
+                    subs.append((i, 0, ref[0], desc))
+                elif kind == "alloc":
+                    subs.append((i, 1, index[ref], desc))
+                else:
+                    subs.append((i, 2, ref, desc))
+            self.entries.append((ck, grid, list(values), tuple(subs)))
+        self.checks = tuple(checks)
+
+    def run(self, slots) -> bool:
+        """Launch with ``slots`` (the new call's tensors, in the recorded order); False (nothing launched)
+        when slots that aliased at recording no longer do, or when launch hooks (a profiler, which a replay
+        would not report to) are installed."""
+        if hooks_installed():
+            return False
+        for ref in self.checks:
+            p = slots[ref[0]].data_ptr()
+            for i in ref[1:]:
+                if slots[i].data_ptr() != p:
+                    return False
+        bufs = [torch.empty_strided(sh, st, dtype=dt, device=dev) for _, (sh, st, dt, dev) in self.allocs]
+        drv = triton.runtime.driver.active
+        stream = drv.get_current_stream(drv.get_current_device())
+        for ck, (g0, g1, g2), values, subs in self.entries:
+            args = values.copy()
+            for i, kind, ref, desc in subs:
+                t = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
+                args[i] = t if desc is None else _HostDesc(t, *desc)
+            ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *args)
+        return True

@@ -1,0 +1,153 @@
+"""kernels.replay's recording rules on the CPU, with a stand-in for triton's compiled kernel (its launcher
+is the one thing a CPU cannot run): what a replay passes, and every case where it must refuse to exist."""
+
+import pytest
+import torch
+import triton
+
+from fp8attn.kernels import replay
+
+
+def _body(x_ptr, y_ptr, n, scale, BLOCK: triton.language.constexpr, MODE: triton.language.constexpr = 3):
+    pass
+
+
+class _Compiled:
+    """What ``kernel[grid](...)`` returns: the launcher ``run`` and the handles it is called with."""
+
+    function, packed_metadata = "fn-handle", "metadata"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, g0, g1, g2, stream, function, packed, launch_md, enter, exit_, *args):
+        self.log.append(((g0, g1, g2), args))
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """A real JITFunction whose JIT launch returns the stand-in (and fires the launch hook, as triton's
+    launcher does); the driver's stream lookup answers without a GPU."""
+    jf = triton.runtime.JITFunction(_body)
+    log: list = []
+    ck = _Compiled(log)
+
+    def run(*args, grid, warmup, **kwargs):
+        hook = triton.knobs.runtime.launch_enter_hook
+        if hook is not None:
+            hook(None)
+        log.append(("jit", grid, args, kwargs))
+        return ck
+
+    jf.run = run
+
+    class _Driver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, dev):
+            return 7
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Driver())
+    monkeypatch.setattr(replay, "SUPPORTED", True)
+    return jf, log
+
+
+def _launcher(jf, n=64):
+    def fn(x, y):
+        scratch = torch.empty(n, dtype=torch.float32)  # per-call scratch: re-allocated on replay
+        replay.launch(jf, (4, 2), x, scratch, n, 0.5, BLOCK=32)
+        replay.launch(jf, (1,), scratch, y.t(), n, 0.25, BLOCK=16, MODE=1)
+
+    return fn
+
+
+def test_replay_passes_the_new_tensors_and_the_recorded_rest(kernel):
+    jf, log = kernel
+    x, y = torch.randn(64), torch.randn(8, 8)
+    _, rp = replay.record(lambda: _launcher(jf)(x, y), (x, y))
+    assert rp is not None
+    assert [e[0] for e in log] == ["jit", "jit"]
+    # the replay keeps no tensor of the recorded call (it would pin their memory)
+    assert not any(isinstance(v, torch.Tensor) for _, _, values, _ in rp.entries for v in values)
+    log.clear()
+    x2, y2 = torch.randn(64), torch.randn(8, 8)
+    assert rp.run((x2, y2))
+    (g1, a1), (g2, a2) = log
+    assert g1 == (4, 2, 1) and g2 == (1, 1, 1)
+    assert a1[0] is x2 and a1[2:] == (64, 0.5, 32, 3)  # constexprs in signature order, the default filled in
+    assert a2[1] is y2 and a2[2:] == (64, 0.25, 16, 1)  # (a view is replaced by its slot: same address)
+    assert a1[1] is a2[0] and a1[1].shape == (64,) and a1[1].dtype == torch.float32  # one fresh scratch
+
+
+def test_replay_with_a_registered_constant(kernel):
+    jf, log = kernel
+    one = replay.constant(torch.ones(()))
+    x = torch.randn(64)
+    _, rp = replay.record(lambda: replay.launch(jf, (1,), x, one.expand(4), 1, 1.0, BLOCK=8), (x,))
+    assert rp is not None
+    log.clear()
+    x2 = torch.randn(64)
+    assert rp.run((x2,)) and log[0][1][1] is one
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["torch op", "unknown memory", "unrecorded launch", "hooks installed", "grid function", "no launch", "reused"],
+)
+def test_recording_refused(kernel, case, monkeypatch):
+    jf, log = kernel
+    x, y = torch.randn(64), torch.randn(64)
+    other = torch.randn(64)  # not a slot, not allocated during the call, not a constant
+
+    def fn():
+        if case == "torch op":
+            y.add_(1)  # work the replay would skip
+        if case == "unrecorded launch":
+            triton.knobs.runtime.launch_enter_hook(None)  # a launch made without replay.launch
+        if case == "no launch":
+            return
+        if case == "reused":  # one address allocated twice: two buffers the replay cannot tell apart
+            a = torch.empty(1024)
+            p = a.data_ptr()
+            del a
+            b = torch.empty(1024)
+            assert b.data_ptr() == p or pytest.skip("the allocator moved the second buffer")
+            replay.launch(jf, (1,), x, b, 1, 1.0, BLOCK=8)
+            return
+        arg = other if case == "unknown memory" else y
+        grid = (lambda meta: (1,)) if case == "grid function" else (1,)
+        replay.launch(jf, grid, x, arg, 1, 1.0, BLOCK=8)
+
+    if case == "hooks installed":
+        monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    chain = triton.knobs.runtime.launch_enter_hook
+    before = list(getattr(chain, "calls", []))
+    _, rp = replay.record(fn, (x, y))
+    assert rp is None
+    assert list(getattr(chain, "calls", [])) == before  # the recording's counter is gone
+
+
+def test_aliased_slots_replay_only_while_aliased(kernel):
+    jf, log = kernel
+    d = torch.rand(4)
+    x = torch.randn(64)
+    fn = lambda x, kd, vd: (  # noqa: E731
+        replay.launch(jf, (1,), x, kd, 1, 1.0, BLOCK=8),
+        replay.launch(jf, (1,), x, vd, 1, 1.0, BLOCK=8),
+    )
+    _, rp = replay.record(lambda: fn(x, d, d), (x, d, d))
+    assert rp is not None
+    log.clear()
+    kd, vd = torch.rand(4), torch.rand(4)
+    assert not rp.run((x, kd, vd)) and not log  # k and v descales no longer one tensor: nothing launched
+    assert rp.run((x, kd, kd)) and len(log) == 2
+
+
+def test_replay_not_run_under_launch_hooks(kernel, monkeypatch):
+    jf, log = kernel
+    x, y = torch.randn(64), torch.randn(8, 8)
+    _, rp = replay.record(lambda: _launcher(jf)(x, y), (x, y))
+    log.clear()
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    assert not rp.run((x, y)) and not log  # a profiler sees the launches: the caller's launcher runs
