@@ -2073,6 +2073,24 @@ def write_kv_cache(
     -------
     None : ``k_cache`` / ``v_cache`` (and the scales) are written in place.
     """
+    tensors = (
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_descale,
+        v_descale,
+        token_seq_idx,
+        k_cache_scales,
+        v_cache_scales,
+    )
+    key = None
+    if validate is False and type(k) is torch.Tensor and k.is_cuda:
+        key, run = _eager_plan("write_kv_cache", tensors, ())
+        if run is not None:
+            run(*tensors)
+            return
     _validate_write_kv_cache(
         k,
         v,
@@ -2086,6 +2104,9 @@ def write_kv_cache(
         v_cache_scales,
         validate,
     )
+    if key is not None and (run := _new_plan(key, tensors, plan.write_kv_plan, k)):
+        run(*tensors)
+        return
     ops.write_kv_cache(
         k,
         v,

@@ -41,6 +41,7 @@ __all__ = [
     "dense_tma_plan",
     "paged_plan",
     "dense_plan",
+    "write_kv_plan",
     "ENV_SWITCHES",
     "MAX_PLANS",
 ]
@@ -157,21 +158,23 @@ def clear() -> None:
 
 class Launches:
     """The launch part of a plan: ``fn(*slots)`` (a launcher call whose tensors are ``slots``, inputs and
-    outputs, None where absent) recorded on the first call and replayed after (``kernels.replay``)."""
+    outputs, None where absent) recorded on a call and replayed after (``kernels.replay``). A refused
+    recording is tried again on the next calls, up to ``RECORD_TRIES`` in all (a first call may autotune)."""
 
-    __slots__ = ("fn", "replay", "recorded")
+    __slots__ = ("fn", "replay", "tries")
+    RECORD_TRIES = 3
 
     def __init__(self, fn):
-        self.fn, self.replay, self.recorded = fn, None, False
+        self.fn, self.replay, self.tries = fn, None, 0
 
     def __call__(self, *slots) -> None:
         rp = self.replay
         if rp is not None and rp.run(slots):
             return
-        if self.recorded:
+        if rp is not None or self.tries >= self.RECORD_TRIES:
             self.fn(*slots)
             return
-        self.recorded = True
+        self.tries += 1
         from .kernels import replay
 
         _, self.replay = replay.record(lambda: self.fn(*slots), slots)
@@ -437,6 +440,39 @@ def dense_plan(q, k, v, *, batch, attn, varlen, max_seqlen_q=None, max_seqlen_k=
                 lse,
             )
         return (o, lse) if return_lse else o
+
+    run.launches = launches  # type: ignore[attr-defined]
+    return run
+
+
+def write_kv_plan(k):
+    """The plan of a validated ``write_kv_cache`` call on the cache kernel, or None (the torch path). The
+    plan's function takes the call's ten tensors in ``write_kv_cache``'s order and returns nothing."""
+    from .capability import kernel_for, launch_device
+
+    launch = kernel_for(k, "cache")
+    if launch is None:
+        return None
+
+    def launch_(k, v, k_cache, v_cache, slot_mapping, kd, vd, token_seq_idx, ks, vs):
+        launch(
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k_descale=kd,
+            v_descale=vd,
+            token_seq_idx=token_seq_idx,
+            k_cache_scales=ks,
+            v_cache_scales=vs,
+        )
+
+    launches = Launches(launch_)
+
+    def run(*tensors):
+        with launch_device(tensors[0]):
+            launches(*tensors)
 
     run.launches = launches  # type: ignore[attr-defined]
     return run

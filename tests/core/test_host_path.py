@@ -245,6 +245,40 @@ def test_replayed_plans_follow_each_calls_tensors(kind):
         assert not torch.isnan(ref).any()
         assert torch.equal(got, ref), f"call {i}: the replayed plan differs from the checked path"
     replays = _replayed(plan)
-    assert all(r is not None for r in replays), "a plan's launches were not recorded for replay"
+    from fp8attn.kernels import replay
+
+    assert all(r is not None for r in replays), f"a plan's launches were not recorded: {replay.last_refusal}"
     if kind == "paged_split":
         assert len(replays[0].entries) == 2, "expected the split-KV launch and its combine"
+
+
+@pytest.mark.parametrize("per_seq", [False, True])
+def test_replayed_write_kv_cache_follows_each_calls_tensors(per_seq):
+    """write_kv_cache's plan (recorded, then replayed) writes each call's tokens where and as the checked
+    path does: new K/V, slots and descales every call, into two caches compared bit for bit."""
+    import fp8attn
+    from fp8attn import plan
+    from fp8attn.kernels import replay
+    from fp8attn.paged_cache import alloc_paged_cache
+
+    plan.clear()
+    nb, ps, hk, d, n = 16, 16, 2, 128, 24
+    caches = [alloc_paged_cache(nb, ps, hk, d, device="cuda", poison_nan=True) for _ in range(2)]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for i in range(4):
+        k, v = (torch.randn(n, hk, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+        slots = torch.randperm(nb * ps, device="cuda", generator=g)[:n].to(torch.int32)
+        slots[i] = -1  # a skipped token
+        kw = dict(k_descale=torch.rand((), device="cuda", generator=g) + 0.05)
+        kw["v_descale"] = kw["k_descale"] * 2
+        if per_seq:
+            kw = dict(
+                k_descale=torch.rand(3, hk, device="cuda", generator=g) + 0.05,
+                v_descale=torch.rand(3, hk, device="cuda", generator=g) + 0.05,
+                token_seq_idx=torch.randint(0, 3, (n,), device="cuda", generator=g, dtype=torch.int32),
+            )
+        fp8attn.write_kv_cache(k, v, *caches[0], slots, **kw)
+        fp8attn.write_kv_cache(k, v, *caches[1], slots, validate=True, **kw)
+        for a, b in zip(*caches):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"call {i}"
+    assert all(r is not None for r in _replayed(plan)), replay.last_refusal

@@ -469,7 +469,7 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
         bm, bn, w, st = default_config(kwargs["BLOCK_D"], kwargs["BLOCK_DV"], kwargs["IS_FP8"])
         launch(_dense_fwd_kernel, grid, *args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
     else:
-        _dense_fwd_tuned[grid](*args, **kwargs)
+        launch(_dense_fwd_tuned, grid, *args, **kwargs)
     return out, lse
 
 

@@ -29,6 +29,7 @@ __all__ = ["launch", "record", "constant", "hooks_installed", "Replay", "SUPPORT
 SUPPORTED = triton.__version__.startswith("3.6.")
 
 _STATE = threading.local()
+last_refusal = ""  # why the last refused recording was refused (diagnostics, tests)
 _CONSTANTS: dict = {}  # data_ptr -> tensor: persistent tensors kernels only read (``constant``)
 
 _aten = torch.ops.aten
@@ -188,7 +189,16 @@ def record(fn, slots):
     finally:
         _STATE.rec = None
         chain.remove(rec._hook)
-    if rec.refused or guard.other or rec.hook_launches != len(rec.entries) or not rec.entries:
+    why = rec.refused or (
+        f"torch operations ran: {', '.join(sorted(set(guard.other)))}"
+        if guard.other
+        else f"{rec.hook_launches} triton launches, {len(rec.entries)} through replay.launch"
+        if rec.hook_launches != len(rec.entries) or not rec.entries
+        else None
+    )
+    if why:
+        global last_refusal
+        last_refusal = why
         return result, None
     return result, Replay(rec.entries, guard.allocs)
 

@@ -65,7 +65,7 @@ except ImportError:  # triton without Gluon: the fast path is simply unavailable
 
 from ..common import INTERPRET, cdiv, fill_varlen_block_list, find_seq, next_pow2
 from ..planning import tma_options_reason, window_flags
-from ..replay import launch
+from ..replay import constant, launch
 
 # the kernels' signature; MODE_* and ENTRY are also read here by the paged launchers and the tests
 from .signature import (
@@ -376,7 +376,7 @@ def _ones(device):
     if t is None:
         t = torch.ones(_ONES_ROWS, BLOCK_N, device=device, dtype=torch.float8_e4m3fn)
         if not torch.cuda.is_current_stream_capturing():
-            _ONES[device] = t
+            _ONES[device] = constant(t)  # (kernels only read it: a replayed launch passes it as recorded)
     return t
 
 
