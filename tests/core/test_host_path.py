@@ -140,7 +140,7 @@ def test_eager_plan_paged_decode_equals_checked_path(q_fp8):
     ref, ref_lse = fp8attn.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, validate=True, **kw)
     outs = [fp8attn.flash_attn_with_kvcache(q, kc, vc, **kw) for _ in range(3)]
     o, lse = fp8attn.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **kw)
-    assert len(plan._PLANS) == 2
+    assert sum(key[0] == "paged" for key in plan._PLANS) == 2  # (besides write_kv_cache's)
     assert not torch.isnan(ref).any()
     for x in (*outs, o):
         assert torch.equal(x, ref)

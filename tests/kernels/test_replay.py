@@ -57,7 +57,8 @@ def _launcher(jf, n=64):
     def fn(x, y):
         scratch = torch.empty(n, dtype=torch.float32)  # per-call scratch: re-allocated on replay
         replay.launch(jf, (4, 2), x, scratch, n, 0.5, BLOCK=32)
-        replay.launch(jf, (1,), scratch, y.t(), n, 0.25, BLOCK=16, MODE=1)
+        # a grid function sees the bound arguments, as triton's launch does
+        replay.launch(jf, lambda meta: (meta["n"] // meta["BLOCK"],), scratch, y.t(), n, 0.25, BLOCK=16, MODE=1)
 
     return fn
 
@@ -74,7 +75,7 @@ def test_replay_passes_the_new_tensors_and_the_recorded_rest(kernel):
     x2, y2 = torch.randn(64), torch.randn(8, 8)
     assert rp.run((x2, y2))
     (g1, a1), (g2, a2) = log
-    assert g1 == (4, 2, 1) and g2 == (1, 1, 1)
+    assert g1 == (4, 2, 1) and g2 == (4, 1, 1)
     assert a1[0] is x2 and a1[2:] == (64, 0.5, 32, 3)  # constexprs in signature order, the default filled in
     assert a2[1] is y2 and a2[2:] == (64, 0.25, 16, 1)  # (a view is replaced by its slot: same address)
     assert a1[1] is a2[0] and a1[1].shape == (64,) and a1[1].dtype == torch.float32  # one fresh scratch
@@ -93,7 +94,7 @@ def test_replay_with_a_registered_constant(kernel):
 
 @pytest.mark.parametrize(
     "case",
-    ["torch op", "unknown memory", "unrecorded launch", "hooks installed", "grid function", "no launch", "reused"],
+    ["torch op", "unknown memory", "unrecorded launch", "hooks installed", "no launch", "reused"],
 )
 def test_recording_refused(kernel, case, monkeypatch):
     jf, log = kernel
@@ -116,8 +117,7 @@ def test_recording_refused(kernel, case, monkeypatch):
             replay.launch(jf, (1,), x, b, 1, 1.0, BLOCK=8)
             return
         arg = other if case == "unknown memory" else y
-        grid = (lambda meta: (1,)) if case == "grid function" else (1,)
-        replay.launch(jf, grid, x, arg, 1, 1.0, BLOCK=8)
+        replay.launch(jf, (1,), x, arg, 1, 1.0, BLOCK=8)
 
     if case == "hooks installed":
         monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)

@@ -129,8 +129,6 @@ class _Recording:
             fn, extra = kernel.fn, kernel.best_config.all_kwargs()
         if not isinstance(fn, triton.runtime.JITFunction) or ck is None or not hasattr(ck, "packed_metadata"):
             return "not a compiled triton kernel launch"
-        if callable(grid):
-            return "a grid function"
         values = list(args)
         for p in fn.params[len(args) :]:
             if p.name in kwargs:
@@ -141,6 +139,9 @@ class _Recording:
                 values.append(p.default)
             else:
                 return f"argument {p.name} unset"
+        if callable(grid):  # (as triton evaluates it: on the bound arguments, config constexprs included)
+            grid = grid(dict(zip(fn.arg_names, values)))
+        g = tuple(grid) + (1,) * (3 - len(grid))
         sources = []
         for i, v in enumerate(values):
             desc = None
@@ -153,7 +154,6 @@ class _Recording:
                     return f"argument {fn.arg_names[i]}: memory of no known origin"
                 sources.append((i, src, desc))
                 values[i] = None  # (the replay holds no tensor of this call)
-        g = tuple(grid) + (1,) * (3 - len(grid))
         self.entries.append((ck, g, values, tuple(sources)))
         return None
 
