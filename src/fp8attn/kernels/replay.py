@@ -37,6 +37,7 @@ _aten = torch.ops.aten
 _ALLOC = {_aten.empty.memory_format, _aten.empty_strided.default}
 _VIEWS = {
     _aten.view.default,
+    _aten.view.dtype,
     _aten._unsafe_view.default,
     _aten.expand.default,
     _aten.t.default,
