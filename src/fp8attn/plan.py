@@ -180,6 +180,17 @@ class Launches:
         _, self.replay = replay.record(lambda: self.fn(*slots), slots)
 
 
+def _descales(qd, kd, vd, batch, nheads_k, device) -> dict:
+    """The q/k/v descale keywords of a launcher: each as FA3's (batch, nheads_k) float32 view."""
+    from .quant import expand_descale
+
+    return {
+        "q_descale": expand_descale(qd, batch, nheads_k, device),
+        "k_descale": expand_descale(kd, batch, nheads_k, device),
+        "v_descale": expand_descale(vd, batch, nheads_k, device),
+    }
+
+
 def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal, window_size, softcap, return_lse):
     """The plan of a dense (4-D) FP8 call that the Hopper kernel serves with one launch, or None.
 
@@ -229,7 +240,6 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
     if why is not None:
         return None
     from .capability import launch_device
-    from .quant import expand_descale
 
     hk = k.shape[2]
     kernel_causal = window_flags(causal, window_size)[0]
@@ -245,9 +255,7 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
             lse,
             softmax_scale=softmax_scale,
             causal=kernel_causal,
-            q_descale=expand_descale(q_descale, b, hk, dev),
-            k_descale=expand_descale(k_descale, b, hk, dev),
-            v_descale=expand_descale(v_descale, b, hk, dev),
+            **_descales(q_descale, k_descale, v_descale, b, hk, dev),
             out_scale=out_scale,
         )
 
@@ -273,7 +281,6 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
         return None
     from .capability import kernel_for, launch_device
     from .kernels.planning import attention_out_dtype
-    from .quant import expand_descale
 
     launch = kernel_for(q, "paged")
     if launch is None:
@@ -304,9 +311,7 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
             o,
             lse,
             cu_seqlens_q=cu_seqlens_q,
-            q_descale=expand_descale(qd, batch, hk, dev),
-            k_descale=expand_descale(kd, batch, hk, dev),
-            v_descale=expand_descale(vd, batch, hk, dev),
+            **_descales(qd, kd, vd, batch, hk, dev),
             k_cache_scales=ks,
             v_cache_scales=vs,
             out_scale=out_scale,
@@ -366,7 +371,6 @@ def dense_plan(q, k, v, *, batch, attn, varlen, max_seqlen_q=None, max_seqlen_k=
         return None
     from .capability import kernel_for, launch_device
     from .kernels.planning import attention_out_dtype
-    from .quant import expand_descale
 
     launch = kernel_for(q, "dense")
     if launch is None:
@@ -393,9 +397,7 @@ def dense_plan(q, k, v, *, batch, attn, varlen, max_seqlen_q=None, max_seqlen_k=
             v,
             o,
             lse,
-            q_descale=expand_descale(qd, batch, hk, dev),
-            k_descale=expand_descale(kd, batch, hk, dev),
-            v_descale=expand_descale(vd, batch, hk, dev),
+            **_descales(qd, kd, vd, batch, hk, dev),
             out_scale=out_scale,
             cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k,
