@@ -567,15 +567,7 @@ def _check_cp_call(
             "global positions); leave it at (-1, -1)."
         )
     C.check_out_dtype(out_dtype)
-    C.check_out_scale(out_scale, q.device)
-    if out_scale is not None and out_dtype is not None:
-        C._fail(
-            ValueError,
-            "out_dtype",
-            "None when out_scale is given (the output is float8_e4m3fn)",
-            str(out_dtype),
-            "Drop out_dtype or out_scale.",
-        )
+    C.check_out_scale(out_scale, q.device, out_dtype)
     C.check_out(out, (b, sq, hq, v_cache.shape[-1]), _out_dtype(q, out_dtype, out_scale), q.device)
     if workspace is not None:
         if not isinstance(workspace, CPWorkspace):

@@ -211,6 +211,8 @@ def test_simulated_shards_with_token_scales_and_fused_fp8_output():
     assert fp8.dtype == E4M3
     want = (got / osc).clamp(-448, 448).to(E4M3).float()
     assert ((fp8.float() - want).abs() <= want.abs() / 8 + 1e-6).all()  # within one e4m3 ulp
+    with pytest.raises(ValueError, match="^out_dtype: expected None when out_scale is given"):
+        D.simulate_cp_decode(p["q"], shards, out_scale=osc, out_dtype=torch.float32)
 
 
 def test_combine_weighs_empty_shards_zero():
