@@ -355,3 +355,39 @@ def test_training_step_gradient_close_to_sdpa():
         if q.grad.norm() > 0:
             cos = torch.nn.functional.cosine_similarity(p.grad.flatten().double(), q.grad.flatten().double(), dim=0)
             assert cos > 0.98, (name, cos.item())
+
+
+def test_fp8_cache_compiled_decode_steps():
+    """Decode steps through torch.compile(model.forward) with an FP8Cache (masks passed as generate passes
+    them): the logits equal the eager steps', the cache state stays in tensors (no recompile per step once
+    the step's shapes are seen), and a crop afterwards counts the same real tokens."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(_llama_cfg(), attn_implementation="fp8attn").eval()
+    ids = torch.randint(3, VOCAB, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    caches = [fx.FP8Cache(config=m.config, max_batch_size=2, max_cache_len=64, page_size=4) for _ in range(2)]
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    with torch.no_grad():
+        for c in caches:
+            m(ids, attention_mask=mask, position_ids=pos, cache=c)
+        step_fn = torch.compile(m.forward, backend="aot_eager")
+        tok = torch.randint(3, VOCAB, (2, 1))
+        for step in range(6):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            p = pos[:, -1:] + 1 + step
+            got = step_fn(tok, attention_mask=mask, position_ids=p, cache=caches[0]).logits
+            ref = m(tok, attention_mask=mask, position_ids=p, cache=caches[1]).logits
+            assert torch.equal(got, ref), step
+            graphs.append(counters["stats"]["unique_graphs"])
+            tok = ref[:, -1:].argmax(-1)
+    assert graphs[2:] == [graphs[2]] * 4, f"a recompile per decode step: {graphs}"
+    for c in caches:
+        c.crop(-4)
+    assert torch.equal(caches[0].layers[0].lens, caches[1].layers[0].lens)
+    assert caches[0].layers[0].lens.tolist() == [11, 8]

@@ -475,7 +475,9 @@ class FP8CacheLayer(CacheLayerMixin):
         pages = _page_count(c.length_capacity, c.page_size) if c.length_capacity is not None else 0
         self._alloc(pages)
         self.lens = torch.zeros(b, dtype=torch.int32, device=self.device)
-        self._valid: list = []  # per update: (seqlen_new, (batch, seqlen_new) bool mask or None = all real)
+        # which positions hold real tokens: None while all do, else (batch, >= seen) bool, updated in place
+        # (a compiled decode step mutates it without growing any Python state)
+        self._real: torch.Tensor | None = None
         # known on the host that every row holds a token (so per_seq_head has calibrated every row and
         # skips its calibration ops); False while unknown
         self._all_started = False
@@ -564,7 +566,7 @@ class FP8CacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.is_initialized:
             self.lens.zero_()
-            self._valid = []
+            self._real = None
             self._all_started = False
             if self.cache.scale == "per_tensor" and self.cache.k_descale is None:
                 self.calibrated = False
@@ -579,20 +581,11 @@ class FP8CacheLayer(CacheLayerMixin):
             raise ValueError(f"FP8Cache.crop: cannot remove {-tokens_to_remove} of {self.seen} cached tokens.")
         if not self.is_initialized or keep == self.seen:
             return
-        if all(m is None for _, m in self._valid):
+        if self._real is None:
             self.lens.fill_(keep)
-            self._valid = [(keep, None)] if keep else []
             self._all_started = self._all_started and keep > 0
         else:
-            m = torch.cat(
-                [
-                    torch.ones(self.batch, s, dtype=torch.bool, device=self.device) if x is None else x
-                    for s, x in self._valid
-                ],
-                dim=1,
-            )[:, :keep]
-            self.lens.copy_(m.sum(1, dtype=torch.int32))
-            self._valid = [(keep, m)] if keep else []
+            self.lens.copy_(self._real[:, :keep].sum(1, dtype=torch.int32))
             self._all_started = False  # (a left-padded row may keep no real token)
         self.seen = keep
 
@@ -628,7 +621,8 @@ class FP8CacheLayer(CacheLayerMixin):
         for n in tensors:
             _raw(getattr(self, n)).index_copy_(0, dst, _raw(data[n]))
         self.lens = self.lens.index_select(0, idx)
-        self._valid = [(s, None if m is None else m.index_select(0, idx)) for s, m in self._valid]
+        if self._real is not None:
+            self._real = self._real.index_select(0, idx)
         if self.cache.scale == "per_seq_head":
             self.k_descale = self.k_descale.index_select(0, idx)
             self.v_descale = self.v_descale.index_select(0, idx)
@@ -690,8 +684,8 @@ class FP8CacheLayer(CacheLayerMixin):
             if c.scale == "per_seq_head":
                 wkw = dict(wkw, token_seq_idx=self._token_rows(b, s))
         fp8attn.write_kv_cache(kf.detach(), vf.detach(), self.keys, self.values, slot.reshape(-1), **wkw)
-        self.lens = self.lens + n_new
-        self._valid.append((s, new_mask))
+        self.lens.add_(n_new)  # (in place: a compiled step rebinds no cache attribute)
+        self._mark_real(s, new_mask)
         if new_mask is None and s > 0:
             self._all_started = True
         out_dtype = _out_dtype(q.dtype)
@@ -724,6 +718,20 @@ class FP8CacheLayer(CacheLayerMixin):
         )
         out = o.new_zeros((b * s, *o.shape[1:])).index_copy(0, idx, o)
         return out.view(b, s, *o.shape[1:])
+
+    def _mark_real(self, s: int, new_mask: torch.Tensor | None) -> None:
+        """Record which of the last ``s`` positions hold real tokens (``crop`` recounts the rows from it)."""
+        if new_mask is None and self._real is None:
+            return
+        end = self.seen
+        if self._real is None or self._real.shape[1] < end:
+            real = torch.ones(
+                self.batch, max(end, self.pages * self.cache.page_size), dtype=torch.bool, device=self.device
+            )
+            if self._real is not None:
+                real[:, : self._real.shape[1]] = self._real
+            self._real = real
+        self._real[:, end - s : end] = True if new_mask is None else new_mask
 
     def _token_rows(self, b: int, s: int) -> torch.Tensor:
         """int32 (b * s,): the row of each new token, kept per (b, s) (a decode step asks for the same one)."""
