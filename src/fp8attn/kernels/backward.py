@@ -289,6 +289,52 @@ def _bwd_preprocess_kernel(Out, DO, Ws, Lse, cu_seqlens_q,
 
 
 @triton.jit
+def _dp_tile(do, do8, do_inv, v, vd, DO_FIRST: tl.constexpr, IS_FP8: tl.constexpr, MODE_FP8: tl.constexpr):
+    """dP = dO V^T (DO_FIRST; the dQ pass) or its transpose V dO^T (the dK pass), times the V descale: from
+    the e4m3 dO tile ``do8`` (scaled by ``do_inv``) in MODE_FP8, else from the 16-bit ``do``."""
+    # (one return: the two orientations have different shapes)
+    if MODE_FP8:
+        if IS_FP8:
+            a = do8
+        else:
+            a = do8.to(v.dtype)
+        if DO_FIRST:
+            dp = tl.dot(a, tl.trans(v)) * (vd / do_inv)
+        else:
+            dp = tl.dot(v, tl.trans(a)) * (vd / do_inv)
+    else:
+        if DO_FIRST:
+            dp = tl.dot(do, tl.trans(v.to(do.dtype))) * vd
+        else:
+            dp = tl.dot(v.to(do.dtype), tl.trans(do)) * vd
+    return dp
+
+
+@triton.jit
+def _ds_tile(p, dp, delta, t, SOFTCAP: tl.constexpr):
+    """dS = P * (dP - Delta) (``delta`` broadcast along the key axis), times the softcap's derivative."""
+    ds = p * (dp - delta)
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return ds
+
+
+@triton.jit
+def _ds_accumulate(acc, ds, x, DS_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, MODE_FP8: tl.constexpr):
+    """acc + dS X (dK += dS^T Q, dQ += dS K): in MODE_FP8 with dS scaled into e4m3 per tile."""
+    if MODE_FP8:
+        ds_inv = _tile_inv_scale(ds)
+        ds8 = _to_e4m3(ds, ds_inv)
+        if IS_FP8:
+            acc += tl.dot(ds8, x) * (1.0 / ds_inv)
+        else:
+            acc += tl.dot(ds8.to(x.dtype), x) * (1.0 / ds_inv)
+    else:
+        acc = tl.dot(ds.to(DS_DTYPE), x.to(DS_DTYPE), acc)
+    return acc
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, w_base, ws_lse_off, stride_qm, stride_qd, stride_dom, stride_dod,
                 offs_n, offs_d, offs_dv, lo, hi, seqlen_q, seqlen_k, head_dim, head_dim_v,
                 qk_scale, vd, softcap, window_left, window_right,
@@ -316,6 +362,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, w_base, ws_lse_off, stride_qm, st
         if MASKED:
             sT = _mask_t(sT, offs_n, offs_m, seqlen_q, seqlen_k, CAUSAL, window_left, window_right, HAS_WINDOW)
         pT = tl.exp2(sT - lse2[None, :])  # (BLOCK_N, BLOCK_M); 0 where masked or lse = -inf
+        do8, do_inv = do, 1.0  # (read only in MODE_FP8)
         if MODE_FP8:
             do_inv = _tile_inv_scale(do.to(tl.float32))
             do8 = _to_e4m3(do.to(tl.float32), do_inv)
@@ -328,25 +375,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, w_base, ws_lse_off, stride_qm, st
             else:
                 dv = tl.dot(pT.to(do.dtype), do, dv)
         if DO_DK:
-            if MODE_FP8:
-                if IS_FP8:
-                    dpT = tl.dot(v, tl.trans(do8)) * (vd / do_inv)
-                else:
-                    dpT = tl.dot(v, tl.trans(do8.to(v.dtype))) * (vd / do_inv)
-            else:
-                dpT = tl.dot(v.to(do.dtype), tl.trans(do)) * vd
-            dsT = pT * (dpT - delta[None, :])
-            if SOFTCAP:
-                dsT = dsT * (1.0 - t * t)
-            if MODE_FP8:
-                ds_inv = _tile_inv_scale(dsT)
-                ds8 = _to_e4m3(dsT, ds_inv)
-                if IS_FP8:
-                    dk += tl.dot(ds8, q) * (1.0 / ds_inv)
-                else:
-                    dk += tl.dot(ds8.to(q.dtype), q) * (1.0 / ds_inv)
-            else:
-                dk = tl.dot(dsT.to(DS_DTYPE), q.to(DS_DTYPE), dk)
+            dpT = _dp_tile(do, do8, do_inv, v, vd, False, IS_FP8, MODE_FP8)
+            dsT = _ds_tile(pT, dpT, delta[None, :], t, SOFTCAP)
+            dk = _ds_accumulate(dk, dsT, q, DS_DTYPE, IS_FP8, MODE_FP8)
     return dk, dv
 
 
@@ -445,25 +476,9 @@ def _dq_inner(dq, q, do, do8, do_inv, lse2, delta, k_base, v_base, stride_kn, st
         p = tl.exp2(s - lse2[:, None])
         # dP = dO V^T: B = V^T is K-major when V's head dim is contiguous; a sequence-major V is staged
         # through shared memory transposed by the compiler
-        if MODE_FP8:
-            if IS_FP8:
-                dp = tl.dot(do8, tl.trans(v)) * (vd / do_inv)
-            else:
-                dp = tl.dot(do8.to(v.dtype), tl.trans(v)) * (vd / do_inv)
-        else:
-            dp = tl.dot(do, tl.trans(v.to(do.dtype))) * vd
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        if MODE_FP8:
-            ds_inv = _tile_inv_scale(ds)
-            ds8 = _to_e4m3(ds, ds_inv)
-            if IS_FP8:
-                dq += tl.dot(ds8, k) * (1.0 / ds_inv)
-            else:
-                dq += tl.dot(ds8.to(k.dtype), k) * (1.0 / ds_inv)
-        else:
-            dq = tl.dot(ds.to(DS_DTYPE), k.to(DS_DTYPE), dq)
+        dp = _dp_tile(do, do8, do_inv, v, vd, True, IS_FP8, MODE_FP8)
+        ds = _ds_tile(p, dp, delta[:, None], t, SOFTCAP)
+        dq = _ds_accumulate(dq, ds, k, DS_DTYPE, IS_FP8, MODE_FP8)
     return dq
 
 
