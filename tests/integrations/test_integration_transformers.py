@@ -391,3 +391,40 @@ def test_fp8_cache_compiled_decode_steps():
         c.crop(-4)
     assert torch.equal(caches[0].layers[0].lens, caches[1].layers[0].lens)
     assert caches[0].layers[0].lens.tolist() == [11, 8]
+
+
+@pytest.mark.gpu
+def test_fp8_cache_compiled_decode_steps_gpu():
+    """The compiled decode step on a GPU (inductor, the default torch.compile backend, over fp8attn's paged
+    kernels): logits within float rounding of the eager steps' (the same tokens fed to both), one graph for
+    every step of one shape."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = transformers.AutoModelForCausalLM.from_config(
+            _llama_cfg(), attn_implementation="fp8attn", dtype=torch.bfloat16
+        ).eval()
+    ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
+    mask = torch.ones(2, 9, dtype=torch.long, device="cuda")
+    mask[1, :3] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    caches = [fx.FP8Cache(config=m.config, max_batch_size=2, max_cache_len=64) for _ in range(2)]
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    with torch.no_grad():
+        for c in caches:
+            m(ids, attention_mask=mask, position_ids=pos, cache=c)
+        step_fn = torch.compile(m.forward)
+        tok = torch.randint(3, VOCAB, (2, 1), device="cuda")
+        for step in range(6):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long, device="cuda")], 1)
+            p = pos[:, -1:] + 1 + step
+            got = step_fn(tok, attention_mask=mask, position_ids=p, cache=caches[0]).logits.float()
+            ref = m(tok, attention_mask=mask, position_ids=p, cache=caches[1]).logits.float()
+            assert rel_err(got, ref) < 2e-2, step
+            graphs.append(counters["stats"]["unique_graphs"])
+            tok = ref[:, -1:].argmax(-1)
+    assert graphs[2:] == [graphs[2]] * 4, f"a recompile per decode step: {graphs}"
+    assert torch.equal(caches[0].layers[0].lens, caches[1].layers[0].lens)

@@ -178,6 +178,13 @@ def _entries(shape: str, d: int):
             return fp8attn.flash_attn_func(q8, k8, v8, **fa)
 
     e["flash_attn_func grad-mode"] = with_grad
+    # the part of a planned flash_attn_func call before its allocation and launch: the signature, its lookup
+    # and the eager check (plan.cached), with the call's own tensors and arguments
+    from fp8attn import plan
+
+    tensors = (q8, k8, v8, qd, kd, vd, None, None)
+    sig_args = (None, True, (-1, -1), 0.0, 1, None, False, 0, False, None, None)
+    e["floor plan signature"] = lambda: plan.cached(plan.call_key("dense", tensors, sig_args), tensors)
     peers = {}
     for key, dims in (("dense", (b, s, hq, hk)), ("decode", (db, 1, dhq, dhk))):
         bb, ss, h1, h2 = dims
