@@ -23,7 +23,7 @@ import torch
 import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["launch", "record", "constant", "hooks_installed", "Replay", "SUPPORTED"]
+__all__ = ["launch", "record", "constant", "hooks_installed", "HostDesc", "Replay", "SUPPORTED"]
 
 # the compiled-kernel launcher's calling convention replayed here is triton 3.6's
 SUPPORTED = triton.__version__.startswith("3.6.")
@@ -76,12 +76,13 @@ def launch(kernel, grid, *args, **kwargs):
     return ck
 
 
-class _HostDesc:
-    """The fields triton 3.6's launcher reads from a host tensor descriptor."""
+class HostDesc:
+    """The fields triton 3.6's launcher reads from a host tensor descriptor (it encodes the CUtensorMap from
+    them on every launch); ``TensorDescriptor`` adds only checks its launcher already made."""
 
     __slots__ = ("base", "shape", "strides", "padding")
 
-    def __init__(self, base, shape, strides, padding):
+    def __init__(self, base, shape, strides, padding="zero"):
         self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
 
 
@@ -248,6 +249,6 @@ class Replay:
             args = values.copy()
             for i, kind, ref, desc in subs:
                 t = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
-                args[i] = t if desc is None else _HostDesc(t, *desc)
+                args[i] = t if desc is None else HostDesc(t, *desc)
             ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *args)
         return True

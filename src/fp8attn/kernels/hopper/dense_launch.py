@@ -65,7 +65,7 @@ except ImportError:  # triton without Gluon: the fast path is simply unavailable
 
 from ..common import INTERPRET, cdiv, fill_varlen_block_list, find_seq, next_pow2
 from ..planning import tma_options_reason, window_flags
-from ..replay import constant, launch
+from ..replay import SUPPORTED, HostDesc, constant, hooks_installed, launch
 
 # the kernels' signature; MODE_* and ENTRY are also read here by the paged launchers and the tests
 from .signature import (
@@ -748,26 +748,11 @@ def varlen_schedule(cu_seqlens_q, keys, keys_cumulative, total_q, nheads_q, lse,
     return blocks, ls, (out.stride(0), out.stride(1)), grid
 
 
-class _HostDesc:
-    """The fields triton 3.6's launcher reads from a host tensor descriptor (it encodes the CUtensorMap
-    from them on every launch); ``TensorDescriptor`` adds only checks that ``supported`` already made."""
-
-    __slots__ = ("base", "shape", "strides", "padding")
-
-    def __init__(self, base, shape, strides):
-        self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
-
-
 # (device, head dim, kernel, constexprs) -> triton's compiled kernel. The kernels specialize on nothing
 # else (``_INT_ARGS`` / ``_PTR_ARGS``; the descriptors' block types follow from head dim and output dtype).
 _COMPILED: dict = {}
 _CONST_NAMES = ("CAUSAL", "WRITE_LSE", "OUT_FP8", "NUM_STAGES", "HEAD_DIM")
-_DIRECT_LAUNCH = HAS_GLUON and triton.__version__.startswith("3.6.")
-
-
-def _launch_hooks_set():
-    rt = triton.knobs.runtime
-    return any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+_DIRECT_LAUNCH = HAS_GLUON and SUPPORTED  # (triton 3.6's launcher calling convention)
 
 
 def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
@@ -801,7 +786,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
         descs = (*descs, (_ones(descs[0][0].device), [_ONES_ROWS, BLOCK_N], [BLOCK_N, 1], [_ONES_ROWS, tiles[3]]))
     key = (dev, d, kernel, tiles, k_rows, kperm) + consts
     ck = _COMPILED.get(key)
-    if ck is None or _launch_hooks_set() or max(args[n_ptr:-1]) >= 2 ** 31:
+    if ck is None or hooks_installed() or max(args[n_ptr:-1]) >= 2 ** 31:
         layouts = _layouts(tiles, consts[2], bounded and consts[6], k_rows, kperm) + (_ones_layout(tiles[3]),)
         tds = [TensorDescriptor(t, shape, strides, block, layout)
                for (t, shape, strides, block), layout in zip(descs, layouts)]
@@ -811,7 +796,7 @@ def _launch(d, ws, grid, descs, args, consts, bounded=False, tiles=None):
             _COMPILED[key] = ck
         return
     ck.run(grid[0], grid[1], 1, drv.get_current_stream(dev), ck.function, ck.packed_metadata,
-           None, None, None, *[_HostDesc(t, shape, strides) for t, shape, strides, _ in descs], *args, *consts)
+           None, None, None, *[HostDesc(t, shape, strides) for t, shape, strides, _ in descs], *args, *consts)
 
 
 # ---------------------------------------------------------------------------------------------
