@@ -2091,19 +2091,7 @@ def write_kv_cache(
         if run is not None:
             run(*tensors)
             return
-    _validate_write_kv_cache(
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k_descale,
-        v_descale,
-        token_seq_idx,
-        k_cache_scales,
-        v_cache_scales,
-        validate,
-    )
+    _validate_write_kv_cache(*tensors, validate)  # (tensors: the call's, in its argument order)
     if key is not None and (run := _new_plan(key, tensors, plan.write_kv_plan, k)):
         run(*tensors)
         return
