@@ -481,7 +481,7 @@ class FP8CacheLayer(CacheLayerMixin):
         # known on the host that every row holds a token (so per_seq_head has calibrated every row and
         # skips its calibration ops); False while unknown
         self._all_started = False
-        self._seq_rows: dict = {}
+        self._seq_rows: tuple = ((0, 0), None)  # the last (b, s) asked for and its rows
         f32 = dict(dtype=torch.float32, device=self.device)
         if c.scale == "per_tensor":
             self.k_descale = torch.ones(1, 1, **f32) if c.k_descale is None else self._static(c.k_descale, "k_descale")
@@ -734,10 +734,12 @@ class FP8CacheLayer(CacheLayerMixin):
         self._real[:, end - s : end] = True if new_mask is None else new_mask
 
     def _token_rows(self, b: int, s: int) -> torch.Tensor:
-        """int32 (b * s,): the row of each new token, kept per (b, s) (a decode step asks for the same one)."""
-        t = self._seq_rows.get((b, s))
-        if t is None:
-            t = self._seq_rows[(b, s)] = torch.arange(b, device=self.device, dtype=torch.int32).repeat_interleave(s)
+        """int32 (b * s,): the row of each new token, kept for the last (b, s) asked for (decode steps ask for
+        the same one; prefills of other lengths replace it rather than accumulate)."""
+        key, t = self._seq_rows
+        if t is None or key != (b, s):
+            t = torch.arange(b, device=self.device, dtype=torch.int32).repeat_interleave(s)
+            self._seq_rows = ((b, s), t)
         return t
 
     @property
