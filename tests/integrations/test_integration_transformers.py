@@ -357,35 +357,49 @@ def test_training_step_gradient_close_to_sdpa():
             assert cos > 0.98, (name, cos.item())
 
 
+def _compiled_decode_steps(device, backend, dtype, page_size, steps=6):
+    """Prefill a left-padded batch into two FP8Caches, then decode ``steps`` tokens with masks as generate
+    passes them: through ``torch.compile(model.forward, backend=backend)`` on one cache and eagerly on the
+    other, both fed the eager step's tokens. Returns ([(compiled logits, eager logits)] per step, the compiled
+    graph count after each step, the two caches)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = transformers.AutoModelForCausalLM.from_config(
+            _llama_cfg(), attn_implementation="fp8attn", dtype=dtype
+        ).eval()
+    ids = torch.randint(3, VOCAB, (2, 9), device=device)
+    mask = torch.ones(2, 9, dtype=torch.long, device=device)
+    mask[1, :3] = 0  # left padding
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    caches = [fx.FP8Cache(config=m.config, max_batch_size=2, max_cache_len=64, page_size=page_size) for _ in range(2)]
+    torch._dynamo.reset()
+    counters.clear()
+    logits, graphs = [], []
+    with torch.no_grad():
+        for c in caches:
+            m(ids, attention_mask=mask, position_ids=pos, cache=c)
+        step_fn = torch.compile(m.forward, backend=backend)
+        tok = torch.randint(3, VOCAB, (2, 1), device=device)
+        for step in range(steps):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long, device=device)], 1)
+            p = pos[:, -1:] + 1 + step
+            got = step_fn(tok, attention_mask=mask, position_ids=p, cache=caches[0]).logits
+            ref = m(tok, attention_mask=mask, position_ids=p, cache=caches[1]).logits
+            logits.append((got, ref))
+            graphs.append(counters["stats"]["unique_graphs"])
+            tok = ref[:, -1:].argmax(-1)
+    return logits, graphs, caches
+
+
 def test_fp8_cache_compiled_decode_steps():
     """Decode steps through torch.compile(model.forward) with an FP8Cache (masks passed as generate passes
     them): the logits equal the eager steps', the cache state stays in tensors (no recompile per step once
     the step's shapes are seen), and a crop afterwards counts the same real tokens."""
-    from torch._dynamo.utils import counters
-
-    torch.manual_seed(0)
-    m = transformers.AutoModelForCausalLM.from_config(_llama_cfg(), attn_implementation="fp8attn").eval()
-    ids = torch.randint(3, VOCAB, (2, 9))
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, :3] = 0  # left padding
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    caches = [fx.FP8Cache(config=m.config, max_batch_size=2, max_cache_len=64, page_size=4) for _ in range(2)]
-    torch._dynamo.reset()
-    counters.clear()
-    graphs = []
-    with torch.no_grad():
-        for c in caches:
-            m(ids, attention_mask=mask, position_ids=pos, cache=c)
-        step_fn = torch.compile(m.forward, backend="aot_eager")
-        tok = torch.randint(3, VOCAB, (2, 1))
-        for step in range(6):
-            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-            p = pos[:, -1:] + 1 + step
-            got = step_fn(tok, attention_mask=mask, position_ids=p, cache=caches[0]).logits
-            ref = m(tok, attention_mask=mask, position_ids=p, cache=caches[1]).logits
-            assert torch.equal(got, ref), step
-            graphs.append(counters["stats"]["unique_graphs"])
-            tok = ref[:, -1:].argmax(-1)
+    logits, graphs, caches = _compiled_decode_steps("cpu", "aot_eager", torch.float32, page_size=4)
+    for step, (got, ref) in enumerate(logits):
+        assert torch.equal(got, ref), step
     assert graphs[2:] == [graphs[2]] * 4, f"a recompile per decode step: {graphs}"
     for c in caches:
         c.crop(-4)
@@ -398,33 +412,8 @@ def test_fp8_cache_compiled_decode_steps_gpu():
     """The compiled decode step on a GPU (inductor, the default torch.compile backend, over fp8attn's paged
     kernels): logits within float rounding of the eager steps' (the same tokens fed to both), one graph for
     every step of one shape."""
-    from torch._dynamo.utils import counters
-
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        m = transformers.AutoModelForCausalLM.from_config(
-            _llama_cfg(), attn_implementation="fp8attn", dtype=torch.bfloat16
-        ).eval()
-    ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
-    mask = torch.ones(2, 9, dtype=torch.long, device="cuda")
-    mask[1, :3] = 0
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    caches = [fx.FP8Cache(config=m.config, max_batch_size=2, max_cache_len=64) for _ in range(2)]
-    torch._dynamo.reset()
-    counters.clear()
-    graphs = []
-    with torch.no_grad():
-        for c in caches:
-            m(ids, attention_mask=mask, position_ids=pos, cache=c)
-        step_fn = torch.compile(m.forward)
-        tok = torch.randint(3, VOCAB, (2, 1), device="cuda")
-        for step in range(6):
-            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long, device="cuda")], 1)
-            p = pos[:, -1:] + 1 + step
-            got = step_fn(tok, attention_mask=mask, position_ids=p, cache=caches[0]).logits.float()
-            ref = m(tok, attention_mask=mask, position_ids=p, cache=caches[1]).logits.float()
-            assert rel_err(got, ref) < 2e-2, step
-            graphs.append(counters["stats"]["unique_graphs"])
-            tok = ref[:, -1:].argmax(-1)
+    logits, graphs, caches = _compiled_decode_steps("cuda", "inductor", torch.bfloat16, page_size=64)
+    for step, (got, ref) in enumerate(logits):
+        assert rel_err(got.float(), ref.float()) < 2e-2, step
     assert graphs[2:] == [graphs[2]] * 4, f"a recompile per decode step: {graphs}"
     assert torch.equal(caches[0].layers[0].lens, caches[1].layers[0].lens)
