@@ -1476,6 +1476,34 @@ def _paged_plan(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ma
     )
 
 
+def _paged_append_plan(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, return_lse, c):
+    """The eager plan of a validated paged call with an append of fixed-length new tokens (``c``: its
+    ``_CachePlan``), or None: the append must write the caller's cache through its page table from its int32
+    lengths, and the attention read the lengths the append leaves."""
+    if not (
+        c.pt is page_table
+        and c.k_cache is k_cache
+        and c.v_cache is v_cache
+        and c.cache_seqlens is cache_seqlens
+        and isinstance(cache_seqlens, torch.Tensor)
+        and cache_seqlens.dtype == torch.int32
+        and c.rotary is None
+    ):
+        return None
+    return plan.paged_plan(
+        q,
+        k_cache,
+        cu_seqlens_q,
+        max_seqlen_q,
+        v_cache,
+        batch=c.batch,
+        attn=c.attn,
+        num_splits=c.num_splits,
+        return_lse=return_lse,
+        append=True,
+    )
+
+
 def _rotate(q, kn, cos, sin, positions, interleaved):
     """q and the new keys rotated at their ``positions`` ``(q_pos, k_pos)`` (``_validate_rotary``)."""
     q_pos, k_pos = positions
@@ -1614,7 +1642,7 @@ def flash_attn_with_kvcache(
     out : q's shape with headdim_v, (batch, seqlen_q, nheads_q, headdim_v) or (total_q, nheads_q, headdim_v).
     lse : with return_softmax_lse, (batch, nheads_q, seqlen_q) or varlen (nheads_q, total_q) float32.
     """
-    tensors = (
+    tensors: tuple = (
         q,
         k_cache,
         v_cache,
@@ -1630,11 +1658,13 @@ def flash_attn_with_kvcache(
         out_scale,
     )
     key = run = None
-    # plans serve a paged cache read as it is: no append, rotary, left pad, row index, chunks or given schedule
+    # plans serve a paged cache read as it is, or after an append of fixed-length new tokens: no rotary, left
+    # pad, row index, chunks or given schedule
+    appends = k is not None or v is not None
+    if appends:
+        tensors = (*tensors, k, v)
     if (
-        k is None
-        and v is None
-        and qv is None
+        qv is None
         and rotary_cos is None
         and rotary_sin is None
         and rotary_seqlens is None
@@ -1649,7 +1679,7 @@ def flash_attn_with_kvcache(
         and plan.plannable(q, validate, causal, return_softmax_lse, rotary_interleaved, window_size)
     ):
         key, run = _eager_plan(
-            "paged",
+            "paged_append" if appends else "paged",
             tensors,
             (
                 max_seqlen_q,
@@ -1710,7 +1740,7 @@ def flash_attn_with_kvcache(
         run := _new_plan(
             key,
             tensors,
-            _paged_plan,
+            _paged_append_plan if appends else _paged_plan,
             q,
             k_cache,
             v_cache,

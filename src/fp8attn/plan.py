@@ -272,18 +272,21 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
     return run
 
 
-def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, num_splits, return_lse):
-    """The plan of a paged-cache call without an append (decode, chunked prefill over the cache), or None.
+def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, num_splits, return_lse, append=False):
+    """The plan of a paged-cache call (decode, chunked prefill over the cache), or None.
 
     ``attn``: the validated attention keywords (softmax_scale, causal, window_size, softcap, out_dtype,
-    out_scale). The plan launches the paged kernel as the op would, with the call's tensors."""
+    out_scale). The plan launches the paged kernel as the op would, with the call's tensors. ``append``: the
+    call also appends fixed-length new tokens (its ``k`` and ``v``, after the other tensors): the append
+    kernel writes them and the lengths after them, which the attention reads, as the checked path does."""
     if not q.is_cuda:
         return None
     from .capability import kernel_for, launch_device
     from .kernels.planning import attention_out_dtype
 
     launch = kernel_for(q, "paged")
-    if launch is None:
+    appender = kernel_for(q, "append") if append else None
+    if launch is None or (append and appender is None):
         return None
     varlen = cu_seqlens_q is not None
     oshape, lse_shape = _dense_shapes(q, v_cache, varlen)
@@ -301,7 +304,24 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
     )
 
     def launch_(*slots):
-        q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, qd, kd, vd, ks, vs, out_scale, o, lse = slots
+        q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, qd, kd, vd, ks, vs, out_scale, o, lse = slots[:14]
+        if append:
+            k, v = slots[14:]
+            dk = _descales(qd, kd, vd, batch, hk, dev)
+            assert appender is not None
+            cache_seqlens = appender(
+                k,
+                v,
+                k_cache,
+                v_cache,
+                page_table,
+                cache_seqlens,
+                None,
+                k_descale=dk["k_descale"] if kd is not None else None,
+                v_descale=dk["v_descale"] if vd is not None else None,
+                k_cache_scales=ks,
+                v_cache_scales=vs,
+            )
         launch(
             q,
             k_cache,
@@ -336,6 +356,7 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
         v_cache_scales,
         out,
         out_scale,
+        *new,
     ):
         odt = attention_out_dtype(q.dtype, attn["out_dtype"], out_scale)
         o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
@@ -356,6 +377,7 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
                 out_scale,
                 o,
                 lse,
+                *new,
             )
         return (o, lse) if return_lse else o
 

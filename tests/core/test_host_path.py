@@ -282,3 +282,47 @@ def test_replayed_write_kv_cache_follows_each_calls_tensors(per_seq):
         for a, b in zip(*caches):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"call {i}"
     assert all(r is not None for r in _replayed(plan)), replay.last_refusal
+
+
+@pytest.mark.parametrize("scales", ["static", "per_token_head"])
+def test_replayed_decode_with_append_follows_each_calls_tensors(scales):
+    """flash_attn_with_kvcache(k=, v=)'s plan (the append, then attention over the lengths it leaves;
+    recorded, then replayed) equals the checked path on every call: new queries and tokens each step, two
+    caches compared bit for bit after each append, outputs equal."""
+    import fp8attn
+    from fp8attn import plan
+    from fp8attn.kernels import replay
+    from fp8attn.paged_cache import alloc_paged_cache, make_page_table
+
+    plan.clear()
+    b, hq, hk, d, ps, L = 4, 8, 2, 128, 16, 200
+    nb = b * (L // ps + 4)
+    caches = [alloc_paged_cache(nb, ps, hk, d, device="cuda", poison_nan=True, v_seq_major=True) for _ in range(2)]
+    pt = make_page_table([L + 8] * b, ps, nb, generator=torch.Generator().manual_seed(5)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(4)
+    kw: dict = dict(page_table=pt)
+    if scales == "static":
+        kw.update(k_descale=torch.rand(b, hk, device="cuda", generator=g) * 0.05 + 0.01)
+        kw["v_descale"] = kw["k_descale"] * 1.5
+        sc = [{}, {}]
+    else:
+        sc = [
+            dict(
+                k_cache_scales=torch.ones(nb, ps, hk, device="cuda"),
+                v_cache_scales=torch.ones(nb, ps, hk, device="cuda"),
+            )
+            for _ in range(2)
+        ]
+    lens = torch.tensor([L - 3, 0, 57, L - 40], dtype=torch.int32, device="cuda")
+    for i in range(4):
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(b, 1, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        seq = lens + i
+        got = fp8attn.flash_attn_with_kvcache(q, *caches[0], k=k, v=v, cache_seqlens=seq, **kw, **sc[0])
+        ref = fp8attn.flash_attn_with_kvcache(q, *caches[1], k=k, v=v, cache_seqlens=seq, validate=True, **kw, **sc[1])
+        assert not torch.isnan(ref).any()
+        assert torch.equal(got, ref), f"call {i}"
+        for a, c in zip(caches[0], caches[1]):
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"call {i}: caches differ"
+    assert sum(key[0] == "paged_append" for key in plan._PLANS) == 1
+    assert all(r is not None for r in _replayed(plan)), replay.last_refusal
