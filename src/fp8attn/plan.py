@@ -42,6 +42,7 @@ __all__ = [
     "paged_plan",
     "dense_plan",
     "write_kv_plan",
+    "quantize_plan",
     "ENV_SWITCHES",
     "MAX_PLANS",
 ]
@@ -167,17 +168,20 @@ class Launches:
     def __init__(self, fn):
         self.fn, self.replay, self.tries = fn, None, 0
 
-    def __call__(self, *slots) -> None:
+    def __call__(self, *slots) -> tuple:
+        """Launch; returns ``fn``'s result as a tuple (``()`` for None, ``(t,)`` for one tensor)."""
         rp = self.replay
-        if rp is not None and rp.run(slots):
-            return
-        if rp is not None or self.tries >= self.RECORD_TRIES:
-            self.fn(*slots)
-            return
-        self.tries += 1
+        if rp is not None:
+            out = rp.run(slots)
+            if out is not None:
+                return out
         from .kernels import replay
 
-        _, self.replay = replay.record(lambda: self.fn(*slots), slots)
+        if rp is not None or self.tries >= self.RECORD_TRIES:
+            return replay.as_tuple(self.fn(*slots))
+        self.tries += 1
+        result, self.replay = replay.record(lambda: self.fn(*slots), slots)
+        return replay.as_tuple(result)
 
 
 def _descales(qd, kd, vd, batch, nheads_k, device) -> dict:
@@ -497,6 +501,35 @@ def write_kv_plan(k):
     def run(*tensors):
         with launch_device(tensors[0]):
             launches(*tensors)
+
+    run.launches = launches  # type: ignore[attr-defined]
+    return run
+
+
+def quantize_plan(q, k, granularity, nheads_k, rotate, seed, block_t, v_seq_major):
+    """The plan of a validated ``quantize_qkv`` call on the Triton kernels: ``run(q, k, v)`` returns its
+    ``(q8, k8, v8, q_descale, k_descale, v_descale)``. The quantized tensors and descales are allocated by
+    the launches, so a replayed call returns new memory of the recorded shapes and layouts."""
+    from .capability import launch_device
+    from .quant import _triton_path
+
+    vg = "per_head" if granularity == "per_block" else granularity
+    b = q.shape[0] if q.dim() == 4 else 1
+
+    def launch_(q, k, v):
+        q8, qd = _triton_path(q, granularity, nheads_k, rotate, seed, block_t)
+        k8, kd = _triton_path(k, granularity, nheads_k, rotate, seed, block_t)
+        v8, vd = _triton_path(v, vg, nheads_k, False, seed, 64, seq_major=v_seq_major)
+        return q8, k8, v8, qd, kd, vd
+
+    launches = Launches(launch_)
+
+    def run(q, k, v):
+        with launch_device(q):
+            q8, k8, v8, qd, kd, vd = launches(q, k, v)
+        if granularity == "per_tensor":  # one descale, as a stride-0 (batch, nheads_k) view
+            qd, kd, vd = (d.expand(b, nheads_k) for d in (qd, kd, vd))
+        return q8, k8, v8, qd, kd, vd
 
     run.launches = launches  # type: ignore[attr-defined]
     return run

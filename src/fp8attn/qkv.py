@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import hadamard as _had
-from . import ops
+from . import ops, plan
 from ._checks import check_finite, check_flag, check_same_device, describe
 from .capability import has_triton, kernel_for
 from .quant import descale_shape, empty_seq_major, quantize_one  # (re-exported: their home is fp8attn.quant)
@@ -142,10 +142,21 @@ def quantize_qkv(
         descales as above. With per_block, pass ``descale_block_size=block_size`` to flash_attn_func /
         flash_attn_varlen_func.
     """
+    args = (granularity, hadamard, block_size, seed, backend, v_layout)
+    key = None
+    if validate is False and type(q) is torch.Tensor and q.is_cuda and type(hadamard) is bool:
+        key = plan.call_key("quantize_qkv", (q, k, v), args)
+        run = plan.cached(key, (q, k, v))
+        if run is not None:
+            return run(q, k, v)
     bt = _validate(q, k, v, granularity, hadamard, block_size, seed, backend, v_layout, validate)
     hk = k.shape[-2]
     # auto: the Triton kernel on a CUDA device that can run it; a CUDA call that cannot reports the fallback
     use_triton = backend == "triton" or (backend == "auto" and kernel_for(q, "quantize") is not None)
+    if key is not None and use_triton and plan.eager_ok(q, k, v):
+        run = plan.quantize_plan(q, k, granularity, hk, hadamard, seed, bt, v_layout == "seq_major")
+        plan.store(key, run)
+        return run(q, k, v)
     op = ops.quantize_fp8  # one op per input: opaque to torch.compile, with an exact fake
     q8, qd = op(q, granularity, hk, bool(hadamard), int(seed), bt, False, use_triton)
     k8, kd = op(k, granularity, hk, bool(hadamard), int(seed), bt, False, use_triton)

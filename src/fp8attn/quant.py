@@ -365,6 +365,10 @@ def _padded_rotation(d, block_d, seed, device, dtype):
     then launches nothing but the quantize kernels (and copies nothing from the host)."""
     r = torch.zeros(block_d, block_d, device=device, dtype=dtype)  # ±1: exact in any dtype
     r[:d, :d] = _had.rotation_matrix(d, seed, device=device, dtype=dtype, normalized=False)
+    if r.is_cuda:  # (kernels only read it: a replayed launch passes it as recorded)
+        from .kernels import replay
+
+        replay.constant(r)
     return r
 
 

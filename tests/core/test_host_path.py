@@ -326,3 +326,31 @@ def test_replayed_decode_with_append_follows_each_calls_tensors(scales):
             assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), f"call {i}: caches differ"
     assert sum(key[0] == "paged_append" for key in plan._PLANS) == 1
     assert all(r is not None for r in _replayed(plan)), replay.last_refusal
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_block"])
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_replayed_quantize_qkv_follows_each_calls_tensors(granularity, hadamard):
+    """quantize_qkv's plan (recorded, then replayed: its outputs are memory the replay allocates) returns
+    what the checked path returns for each call's inputs, in the same layouts."""
+    import fp8attn
+    from fp8attn import plan
+    from fp8attn.kernels import replay
+
+    plan.clear()
+    g = torch.Generator(device="cuda").manual_seed(6)
+    outs = []
+    for i in range(4):
+        q, k, v = (
+            torch.randn(2, 300, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) * (i + 1) for h in (8, 2, 2)
+        )
+        got = fp8attn.quantize_qkv(q, k, v, granularity=granularity, hadamard=hadamard)
+        ref = fp8attn.quantize_qkv(q, k, v, granularity=granularity, hadamard=hadamard, validate=True)
+        for a, b in zip(got, ref):
+            assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            assert torch.equal(
+                a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b
+            ), f"call {i}"
+        outs.append(got)
+    assert outs[1][0].data_ptr() != outs[2][0].data_ptr()  # each call's own memory
+    assert all(r is not None for r in _replayed(plan)), replay.last_refusal

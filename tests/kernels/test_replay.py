@@ -73,7 +73,7 @@ def test_replay_passes_the_new_tensors_and_the_recorded_rest(kernel):
     assert not any(isinstance(v, torch.Tensor) for _, _, values, _ in rp.entries for v in values)
     log.clear()
     x2, y2 = torch.randn(64), torch.randn(8, 8)
-    assert rp.run((x2, y2))
+    assert rp.run((x2, y2)) == ()
     (g1, a1), (g2, a2) = log
     assert g1 == (4, 2, 1) and g2 == (4, 1, 1)
     assert a1[0] is x2 and a1[2:] == (64, 0.5, 32, 3)  # constexprs in signature order, the default filled in
@@ -85,11 +85,11 @@ def test_replay_with_a_registered_constant(kernel):
     jf, log = kernel
     one = replay.constant(torch.ones(()))
     x = torch.randn(64)
-    _, rp = replay.record(lambda: replay.launch(jf, (1,), x, one.expand(4), 1, 1.0, BLOCK=8), (x,))
+    _, rp = replay.record(lambda: [replay.launch(jf, (1,), x, one.expand(4), 1, 1.0, BLOCK=8)] and None, (x,))
     assert rp is not None
     log.clear()
     x2 = torch.randn(64)
-    assert rp.run((x2,)) and log[0][1][1] is one
+    assert rp.run((x2,)) == () and log[0][1][1] is one
 
 
 @pytest.mark.parametrize(
@@ -132,16 +132,17 @@ def test_aliased_slots_replay_only_while_aliased(kernel):
     jf, log = kernel
     d = torch.rand(4)
     x = torch.randn(64)
-    fn = lambda x, kd, vd: (  # noqa: E731
-        replay.launch(jf, (1,), x, kd, 1, 1.0, BLOCK=8),
-        replay.launch(jf, (1,), x, vd, 1, 1.0, BLOCK=8),
-    )
+
+    def fn(x, kd, vd):
+        replay.launch(jf, (1,), x, kd, 1, 1.0, BLOCK=8)
+        replay.launch(jf, (1,), x, vd, 1, 1.0, BLOCK=8)
+
     _, rp = replay.record(lambda: fn(x, d, d), (x, d, d))
     assert rp is not None
     log.clear()
     kd, vd = torch.rand(4), torch.rand(4)
-    assert not rp.run((x, kd, vd)) and not log  # k and v descales no longer one tensor: nothing launched
-    assert rp.run((x, kd, kd)) and len(log) == 2
+    assert rp.run((x, kd, vd)) is None and not log  # k and v descales no longer one tensor: nothing launched
+    assert rp.run((x, kd, kd)) is not None and len(log) == 2
 
 
 def test_replay_not_run_under_launch_hooks(kernel, monkeypatch):
@@ -150,4 +151,37 @@ def test_replay_not_run_under_launch_hooks(kernel, monkeypatch):
     _, rp = replay.record(lambda: _launcher(jf)(x, y), (x, y))
     log.clear()
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
-    assert not rp.run((x, y)) and not log  # a profiler sees the launches: the caller's launcher runs
+    assert rp.run((x, y)) is None and not log  # a profiler sees the launches: the caller's launcher runs
+
+
+def test_replay_rebuilds_the_result_on_the_new_call(kernel):
+    """A launcher that allocates and returns its outputs: the replay returns fresh memory of the same
+    shapes and views (an expanded view included), and the caller's own output tensors where it passed them."""
+    jf, log = kernel
+
+    def fn(x, out):
+        y = torch.empty(64, dtype=torch.float16)
+        d = torch.empty(4)
+        replay.launch(jf, (1,), x, y, 1, 1.0, BLOCK=8)
+        replay.launch(jf, (1,), y, d, 1, 1.0, BLOCK=8)
+        replay.launch(jf, (1,), x, out, 1, 1.0, BLOCK=8)
+        return y, d.expand(3, 4), None, out
+
+    x, out = torch.randn(64), torch.empty(8)
+    res, rp = replay.record(lambda: fn(x, out), (x, out))
+    assert rp is not None
+    log.clear()
+    x2, out2 = torch.randn(64), torch.empty(8)
+    y, d, none, o = rp.run((x2, out2))
+    assert none is None and o is out2
+    assert y.shape == (64,) and y.dtype == torch.float16 and y.data_ptr() != res[0].data_ptr()
+    assert d.shape == (3, 4) and d.stride() == (0, 1)
+    (_, a1), (_, a2), (_, a3) = log
+    assert a1[1] is y and a2[0] is y and a2[1].data_ptr() == d.data_ptr() and a3[1] is out2
+
+
+def test_result_of_unknown_origin_refused(kernel):
+    jf, _ = kernel
+    x, kept = torch.randn(64), torch.randn(4)
+    res, rp = replay.record(lambda: (replay.launch(jf, (1,), x, x, 1, 1.0, BLOCK=8), kept)[1], (x,))
+    assert rp is None and "neither an input nor memory the call allocated" in replay.last_refusal

@@ -23,7 +23,7 @@ import torch
 import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["launch", "record", "constant", "hooks_installed", "HostDesc", "Replay", "SUPPORTED"]
+__all__ = ["launch", "record", "constant", "hooks_installed", "as_tuple", "HostDesc", "Replay", "SUPPORTED"]
 
 # the compiled-kernel launcher's calling convention replayed here is triton 3.6's
 SUPPORTED = triton.__version__.startswith("3.6.")
@@ -173,10 +173,38 @@ class _Recording:
         return None
 
 
+def as_tuple(result) -> tuple:
+    return () if result is None else result if isinstance(result, tuple) else (result,)
+
+
+def _output_spec(result, slots, allocs):
+    """How a replay rebuilds ``fn``'s result (None, a tensor or a tuple of tensors and Nones): per item None,
+    ("slot", i), ("alloc", data_ptr, shape, strides) (memory the call allocated, possibly viewed) or ("empty",
+    shape, strides, dtype, device) (no elements); a string (the reason) when an item is none of these."""
+    spec = []
+    for t in as_tuple(result):
+        if t is None:
+            spec.append(None)
+        elif not isinstance(t, torch.Tensor):
+            return f"a result of type {type(t).__name__}"
+        elif t.numel() == 0:
+            spec.append(("empty", tuple(t.shape), t.stride(), t.dtype, t.device))
+        else:
+            hit = next((i for i, x in enumerate(slots) if x is t), None)
+            if hit is not None:
+                spec.append(("slot", hit))
+            elif allocs.get(t.data_ptr(), "reused") != "reused":
+                spec.append(("alloc", t.data_ptr(), tuple(t.shape), t.stride()))
+            else:
+                return "a result that is neither an input nor memory the call allocated"
+    return spec
+
+
 def record(fn, slots):
     """Run ``fn()`` (a launcher call whose tensors are ``slots``, the call's inputs and outputs) and return
-    ``(result, replay)``: ``replay`` is a ``Replay`` of its launches, or None when the call cannot be
-    replayed (the module docstring says when)."""
+    ``(result, replay)``: ``replay`` is a ``Replay`` of its launches (and of ``fn``'s result: the tensors it
+    returns, rebuilt on the replayed call's memory), or None when the call cannot be replayed (the module
+    docstring says when)."""
     rt = triton.knobs.runtime
     chain = rt.launch_enter_hook
     if not SUPPORTED or getattr(_STATE, "rec", None) is not None or hooks_installed() or not hasattr(chain, "add"):
@@ -198,23 +226,30 @@ def record(fn, slots):
         if rec.hook_launches != len(rec.entries) or not rec.entries
         else None
     )
+    spec = _output_spec(result, slots, guard.allocs) if not why else None
+    if isinstance(spec, str):
+        why = spec
     if why:
         global last_refusal
         last_refusal = why
         return result, None
-    return result, Replay(rec.entries, guard.allocs)
+    return result, Replay(rec.entries, guard.allocs, spec)
 
 
 class Replay:
     """The recorded launches of one call signature; ``run(slots)`` replays them with a new call's tensors
     (in the recorded order, on the current stream)."""
 
-    __slots__ = ("entries", "allocs", "checks")
+    __slots__ = ("entries", "allocs", "checks", "outputs")
 
-    def __init__(self, entries, allocs):
+    def __init__(self, entries, allocs, outputs=()):
         used = {src[1] for *_, sources in entries for _, src, _ in sources if src[0] == "alloc"}
+        used |= {o[1] for o in outputs if o is not None and o[0] == "alloc"}
         self.allocs = tuple((p, allocs[p]) for p in sorted(used))
         index = {p: j for j, (p, _) in enumerate(self.allocs)}
+        self.outputs = tuple(
+            None if o is None else ("alloc", index[o[1]], *o[2:]) if o[0] == "alloc" else o for o in outputs
+        )
         self.entries = []
         checks = set()
         for ck, grid, values, sources in entries:
@@ -231,17 +266,18 @@ class Replay:
             self.entries.append((ck, grid, list(values), tuple(subs)))
         self.checks = tuple(checks)
 
-    def run(self, slots) -> bool:
-        """Launch with ``slots`` (the new call's tensors, in the recorded order); False (nothing launched)
-        when slots that aliased at recording no longer do, or when launch hooks (a profiler, which a replay
-        would not report to) are installed."""
+    def run(self, slots) -> tuple | None:
+        """Launch with ``slots`` (the new call's tensors, in the recorded order) and return the recorded call's
+        result rebuilt on this call's memory, as a tuple (``()`` for None, ``(t,)`` for one tensor); None
+        (nothing launched) when slots that aliased at recording no longer do, or when launch hooks (a
+        profiler, which a replay would not report to) are installed."""
         if hooks_installed():
-            return False
+            return None
         for ref in self.checks:
             p = slots[ref[0]].data_ptr()
             for i in ref[1:]:
                 if slots[i].data_ptr() != p:
-                    return False
+                    return None
         bufs = [torch.empty_strided(sh, st, dtype=dt, device=dev) for _, (sh, st, dt, dev) in self.allocs]
         drv = triton.runtime.driver.active
         stream = drv.get_current_stream(drv.get_current_device())
@@ -251,4 +287,15 @@ class Replay:
                 t = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
                 args[i] = t if desc is None else HostDesc(t, *desc)
             ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *args)
-        return True
+        return tuple(self._output(o, slots, bufs) for o in self.outputs)
+
+    @staticmethod
+    def _output(o, slots, bufs):
+        if o is None:
+            return None
+        if o[0] == "slot":
+            return slots[o[1]]
+        if o[0] == "empty":
+            return torch.empty_strided(o[1], o[2], dtype=o[3], device=o[4])
+        buf, shape, stride = bufs[o[1]], o[2], o[3]
+        return buf if buf.shape == shape and buf.stride() == stride else buf.as_strided(shape, stride)
