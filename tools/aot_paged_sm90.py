@@ -119,9 +119,20 @@ def _specialize(fn, args, kwargs):
             constexprs[(i,)] = v
             continue
         signature[p.name] = ty
-        if isinstance(spec, str) and spec:
-            attrs[(i,)] = BaseBackend.parse_attr(spec)
+        _attrs_at((i,), v, ty, spec, constexprs, attrs)
     return signature, constexprs, attrs, opts
+
+
+def _attrs_at(path, v, ty, spec, constexprs, attrs):
+    """The constexprs and attributes of one argument at ``path``, a tuple's elements at their nested paths
+    (a bundle of arguments specializes element by element, as separate arguments would)."""
+    if isinstance(ty, tuple):
+        for j, (vj, tj, sj) in enumerate(zip(v, ty, spec)):
+            _attrs_at((*path, j), vj, tj, sj, constexprs, attrs)
+    elif ty == "constexpr":
+        constexprs[path] = v
+    elif isinstance(spec, str) and spec:
+        attrs[path] = BaseBackend.parse_attr(spec)
 
 
 def _res_usage(cubin: bytes) -> str:

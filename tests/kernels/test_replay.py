@@ -70,7 +70,7 @@ def test_replay_passes_the_new_tensors_and_the_recorded_rest(kernel):
     assert rp is not None
     assert [e[0] for e in log] == ["jit", "jit"]
     # the replay keeps no tensor of the recorded call (it would pin their memory)
-    assert not any(isinstance(v, torch.Tensor) for _, _, values, _ in rp.entries for v in values)
+    assert not any(replay._holds_tensor(v) for _, _, values, *_ in rp.entries for v in values)
     log.clear()
     x2, y2 = torch.randn(64), torch.randn(8, 8)
     assert rp.run((x2, y2)) == ()
@@ -185,3 +185,28 @@ def test_result_of_unknown_origin_refused(kernel):
     x, kept = torch.randn(64), torch.randn(4)
     res, rp = replay.record(lambda: (replay.launch(jf, (1,), x, x, 1, 1.0, BLOCK=8), kept)[1], (x,))
     assert rp is None and "neither an input nor memory the call allocated" in replay.last_refusal
+
+    assert not rp.run((x, y)) and not log  # a profiler sees the launches: the caller's launcher runs
+
+
+def test_bundled_arguments_replay_with_the_new_tensors(kernel):
+    """A kernel taking a tuple of pointers (a bundle): the replay rebuilds the tuple with the new call's
+    tensors in their places and keeps the rest of it."""
+    jf, log = kernel
+
+    def fn(x, y):
+        scratch = torch.empty(16)
+        replay.launch(jf, (1,), (x, scratch, y), (3, 1), 2.0, 0.5, BLOCK=8)
+
+    x, y = torch.randn(64), torch.randn(64)
+    _, rp = replay.record(lambda: fn(x, y), (x, y))
+    assert rp is not None
+    log.clear()
+    x2, y2 = torch.randn(64), torch.randn(64)
+    assert rp.run((x2, y2)) is not None
+    ((_, args),) = log
+    ptrs = args[0]
+    assert ptrs[0] is x2 and ptrs[2] is y2 and ptrs[1].shape == (16,) and args[1] == (3, 1)
+    # a tensor two tuples deep is refused (the replay rebuilds one level)
+    _, rp = replay.record(lambda: replay.launch(jf, (1,), ((x,),), 1, 1.0, 1.0, BLOCK=8), (x,))
+    assert rp is None and "inside a tuple" in replay.last_refusal

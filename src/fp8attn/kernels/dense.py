@@ -169,20 +169,7 @@ def _attn_inner(acc, m_i, l_i, q, qrow_scale, k_base, v_base, kds_base,
 
 @triton.jit
 def _dense_fwd_kernel(
-    Q, K, V, Out, Lse,
-    QDs, KDs, VDs, OutScale,
-    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_lb, stride_lh, stride_lm,
-    stride_qds_b, stride_qds_h, stride_qds_blk,
-    stride_kds_b, stride_kds_h, stride_kds_blk,
-    stride_vds_b, stride_vds_h,
-    seqlen_q_static, seqlen_k_static, nheads_q, nheads_k, head_dim, head_dim_v,
-    qgroup, softmax_scale, softcap, window_left, window_right, qds_block, kds_block,
-    max_seqlen_q_bucket,
+    ptrs, strides, sizes, scalars, max_seqlen_q_bucket,
     IS_FP8: tl.constexpr, P_FP8: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -191,6 +178,24 @@ def _dense_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """The dense / varlen forward. Run-time arguments come in bundles (``_build_launch`` builds them),
+    flattened by triton into the same kernel parameters in the same order as separate arguments:
+    ptrs (Q, K, V, Out, Lse, QDs, KDs, VDs, OutScale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
+    strides ((q: batch, token, head, dim), (k), (v), (out), (lse: batch, head, token), (q descale: batch,
+    head, block), (k descale), (v descale: batch, head)); sizes (seqlen_q, seqlen_k, nheads_q, nheads_k,
+    head_dim, head_dim_v, qgroup); scalars (softmax_scale, softcap, window_left, window_right, qds_block,
+    kds_block). ``max_seqlen_q_bucket`` and the constexprs stay separate: the autotuner keys on them."""
+    Q, K, V, Out, Lse, QDs, KDs, VDs, OutScale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ptrs
+    stride_qb, stride_qm, stride_qh, stride_qd = strides[0]
+    stride_kb, stride_kn, stride_kh, stride_kd = strides[1]
+    stride_vb, stride_vn, stride_vh, stride_vd = strides[2]
+    stride_ob, stride_om, stride_oh, stride_od = strides[3]
+    stride_lb, stride_lh, stride_lm = strides[4]
+    stride_qds_b, stride_qds_h, stride_qds_blk = strides[5]
+    stride_kds_b, stride_kds_h, stride_kds_blk = strides[6]
+    stride_vds_b, stride_vds_h = strides[7]
+    seqlen_q_static, seqlen_k_static, nheads_q, nheads_k, head_dim, head_dim_v, qgroup = sizes
+    softmax_scale, softcap, window_left, window_right, qds_block, kds_block = scalars
     pid_m = tl.program_id(0)
     if REVERSE_M:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -583,14 +588,13 @@ def _build_launch(q, k, v, out, lse, *, softmax_scale, causal, window_size, soft
         return (cdiv(rows, meta["BLOCK_M"]), batch, heads_grid)
 
     args = (
-        q, k, v, out, lse if lse is not None else dummy,
-        QDs, KDs, VDs, out_scale if out_scale is not None else dummy,
-        cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
-        seqused_q if seqused_q is not None else dummy, seqused_k if seqused_k is not None else dummy,
-        *qs, *ks, *vs, *os_, *ls, *qds, *kds, *vds,
-        sq_static, sk_static, nheads_q, nheads_k, d, dv,
-        qgroup, float(softmax_scale), float(softcap), wl, wr,
-        int(descale_block_q or 1), int(descale_block_k or 1),
+        (q, k, v, out, lse if lse is not None else dummy,
+         QDs, KDs, VDs, out_scale if out_scale is not None else dummy,
+         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+         seqused_q if seqused_q is not None else dummy, seqused_k if seqused_k is not None else dummy),
+        tuple(tuple(x) for x in (qs, ks, vs, os_, ls, qds, kds, vds)),
+        (sq_static, sk_static, nheads_q, nheads_k, d, dv, qgroup),
+        (float(softmax_scale), float(softcap), wl, wr, int(descale_block_q or 1), int(descale_block_k or 1)),
         _bucket(sq_static),
     )
     kwargs = dict(

@@ -183,30 +183,61 @@ def _kv_loop(lo, hi, MASKED: tl.constexpr, end, last_pg, pt_row, q, tok, qlen, k
     return m_i, l_i, acc
 
 
+# The constexpr bundles of ``_paged_fwd_kernel``, field by field (in order)
+PAGED_CFG = ("QG", "HEAD_DIM", "HEAD_DIM_V", "BLOCK_D", "BLOCK_DV", "PAGE_SIZE", "CAUSAL", "HAS_WINDOW", "SOFTCAP",
+             "HAS_QD", "HAS_KD", "HAS_VD", "HAS_KS", "HAS_VS", "STORE_LSE", "SPLIT", "OUT_FP8", "OUT_DTYPE",
+             "V_SEQ_MAJOR", "UNMASKED_TILES")
+PAGED_TILE = ("MMA_FP8", "CDT", "P_FP8", "BLOCK_M", "BLOCK_N", "BLOCK_Q", "TILE_IN_PAGE")
+PAGED_SCHED = ("VARLEN", "NUM_KV_HEADS", "HEADS_INNER", "TWO_CLASS", "BIG_CLASS", "DECODE_FIRST", "BLOCK_LIST",
+               "LIST_BM", "LIST_ENTRY")
+
+
 @triton.jit
-def _query_block(seq, q_start, qlen, qblk, kvh, split,
-    Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
-    s_qb, s_qt, s_qh,
-    s_kb, s_kp, s_kh, s_vb, s_vp, s_vh,
-    s_ptb,
-    s_ob, s_ot, s_oh, s_osp,
-    s_lb, s_lt, s_lh, s_lsp,
-    s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh,
-    s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
-    qk_scale, softcap, window_left, window_right, num_splits,
-    QG: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
-    HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr, CDT: tl.constexpr,
-    STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    P_FP8: tl.constexpr, V_SEQ_MAJOR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
-    UNMASKED_TILES: tl.constexpr,
-):
+def _query_block(seq, q_start, qlen, qblk, kvh, split, ptrs, strides, scalars, CFG: tl.constexpr,
+                 TILE: tl.constexpr):
     """One program's work: query block ``qblk`` (BLOCK_Q tokens x QG heads) of sequence ``seq`` against
-    kv head ``kvh``, KV split ``split``. Tile sizes are arguments so that one launch can hold two tile
-    classes (see the kernel)."""
+    kv head ``kvh``, KV split ``split``. The kernel's bundles (``_paged_fwd_kernel``); the tile class
+    ``TILE`` is an argument so that one launch can hold two classes (see the kernel)."""
+    Q, K, V, PT, SEQLENS, _cu_q, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, _blocks = ptrs
+    s_qb, s_qt, s_qh = strides[0]
+    s_kb, s_kp, s_kh = strides[1]
+    s_vb, s_vp, s_vh = strides[2]
+    s_ptb = strides[3]
+    s_ob, s_ot, s_oh, s_osp = strides[4]
+    s_lb, s_lt, s_lh, s_lsp = strides[5]
+    s_qdb, s_qdh = strides[6]
+    s_kdb, s_kdh = strides[7]
+    s_vdb, s_vdh = strides[8]
+    s_ksb, s_ksp, s_ksh = strides[9]
+    s_vsb, s_vsp, s_vsh = strides[10]
+    qk_scale, softcap, window_left, window_right, num_splits, _lo, _hi = scalars
+    QG: tl.constexpr = CFG[0]
+    HEAD_DIM: tl.constexpr = CFG[1]
+    HEAD_DIM_V: tl.constexpr = CFG[2]
+    BLOCK_D: tl.constexpr = CFG[3]
+    BLOCK_DV: tl.constexpr = CFG[4]
+    PAGE_SIZE: tl.constexpr = CFG[5]
+    CAUSAL: tl.constexpr = CFG[6]
+    HAS_WINDOW: tl.constexpr = CFG[7]
+    SOFTCAP: tl.constexpr = CFG[8]
+    HAS_QD: tl.constexpr = CFG[9]
+    HAS_KD: tl.constexpr = CFG[10]
+    HAS_VD: tl.constexpr = CFG[11]
+    HAS_KS: tl.constexpr = CFG[12]
+    HAS_VS: tl.constexpr = CFG[13]
+    STORE_LSE: tl.constexpr = CFG[14]
+    SPLIT: tl.constexpr = CFG[15]
+    OUT_FP8: tl.constexpr = CFG[16]
+    OUT_DTYPE: tl.constexpr = CFG[17]
+    V_SEQ_MAJOR: tl.constexpr = CFG[18]
+    UNMASKED_TILES: tl.constexpr = CFG[19]
+    MMA_FP8: tl.constexpr = TILE[0]
+    CDT: tl.constexpr = TILE[1]
+    P_FP8: tl.constexpr = TILE[2]
+    BLOCK_M: tl.constexpr = TILE[3]
+    BLOCK_N: tl.constexpr = TILE[4]
+    BLOCK_Q: tl.constexpr = TILE[5]
+    TILE_IN_PAGE: tl.constexpr = TILE[6]
     if qblk * BLOCK_Q < qlen:
         seq64 = seq.to(tl.int64)
         kv_len = tl.load(SEQLENS + seq)
@@ -294,31 +325,36 @@ def _query_block(seq, q_start, qlen, qblk, kvh, split,
 
 
 @triton.jit
-def _paged_fwd_kernel(
-    Q, K, V, PT, SEQLENS, CU_Q, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, BLOCKS,
-    batch, seqlen_q, list_min_q,
-    s_qb, s_qt, s_qh,
-    s_kb, s_kp, s_kh, s_vb, s_vp, s_vh,
-    s_ptb,
-    s_ob, s_ot, s_oh, s_osp,
-    s_lb, s_lt, s_lh, s_lsp,
-    s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh,
-    s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
-    qk_scale, softcap, window_left, window_right, num_splits, len_q_lo, len_q_hi,
-    QG: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
-    HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, MMA_FP8: tl.constexpr, CDT: tl.constexpr,
-    STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, OUT_FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    P_FP8: tl.constexpr, V_SEQ_MAJOR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
-    VARLEN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_INNER: tl.constexpr,
-    TWO_CLASS: tl.constexpr, BIG_CLASS: tl.constexpr, BLOCK_M_S: tl.constexpr, BLOCK_N_S: tl.constexpr,
-    MMA_FP8_S: tl.constexpr, CDT_S: tl.constexpr, P_FP8_S: tl.constexpr,
-    UNMASKED_TILES: tl.constexpr, DECODE_FIRST: tl.constexpr, BLOCK_LIST: tl.constexpr, LIST_BM: tl.constexpr,
-    LIST_ENTRY: tl.constexpr,
-):
+def _paged_fwd_kernel(ptrs, batch, seqlen_q, list_min_q, strides, scalars,
+                      CFG: tl.constexpr, TILE: tl.constexpr, TILE_S: tl.constexpr, SCHED: tl.constexpr):
+    """The paged forward. Its arguments are bundles (``paged_args`` builds them), flattened by triton into
+    the same kernel parameters in the same order as separate arguments would be:
+
+    ptrs : (Q, K, V, PT, SEQLENS, CU_Q, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, BLOCKS)
+    strides : ((q: batch, token, head), (k: page, row, head), (v: page, row, head), page table row,
+        (out: batch, token, head, split), (lse: batch, token, head, split), (q descale: batch, head),
+        (k descale), (v descale), (k cache scales: page, row, head), (v cache scales))
+    scalars : (qk_scale, softcap, window_left, window_right, num_splits, len_q_lo, len_q_hi)
+    CFG : ``_query_block``'s constants (``PAGED_CFG`` names them); TILE / TILE_S : the large and small tile
+        classes (``PAGED_TILE``); SCHED : the launch's schedule (``PAGED_SCHED``).
+    """
+    CU_Q = ptrs[5]
+    SEQLENS = ptrs[4]
+    BLOCKS = ptrs[14]
+    len_q_lo = scalars[5]
+    len_q_hi = scalars[6]
+    QG: tl.constexpr = CFG[0]
+    BLOCK_Q: tl.constexpr = TILE[5]
+    BLOCK_M_S: tl.constexpr = TILE_S[3]
+    VARLEN: tl.constexpr = SCHED[0]
+    NUM_KV_HEADS: tl.constexpr = SCHED[1]
+    HEADS_INNER: tl.constexpr = SCHED[2]
+    TWO_CLASS: tl.constexpr = SCHED[3]
+    BIG_CLASS: tl.constexpr = SCHED[4]
+    DECODE_FIRST: tl.constexpr = SCHED[5]
+    BLOCK_LIST: tl.constexpr = SCHED[6]
+    LIST_BM: tl.constexpr = SCHED[7]
+    LIST_ENTRY: tl.constexpr = SCHED[8]
     # BLOCK_LIST (a mixed batch's launch before its TMA kernel): one extra program, the last of axis 0,
     # writes the TMA kernel's query-block list (sequences of ``list_min_q`` queries or more) into BLOCKS
     # instead of a launch of its own.
@@ -360,42 +396,17 @@ def _paged_fwd_kernel(
                 qlen = tl.load(CU_Q + seq + 1) - q_start
                 qblk = pid - (q_start // BLOCK_Q + seq)
                 if (qlen > small_q) & (qlen >= len_q_lo) & (qlen <= len_q_hi):
-                    _query_block(seq, q_start, qlen, qblk, kvh, split,
-                                 Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
-                                 s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb,
-                                 s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp,
-                                 s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
-                                 qk_scale, softcap, window_left, window_right, num_splits,
-                                 QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-                                 HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8,
-                                 OUT_DTYPE, P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE, UNMASKED_TILES)
+                    _query_block(seq, q_start, qlen, qblk, kvh, split, ptrs, strides, scalars, CFG, TILE)
         if TWO_CLASS:  # compiled only with two classes: each _query_block instance holds its own rings
             if raw - small_off >= 0 and raw - small_off < batch:
                 seq = raw - small_off
                 q_start = tl.load(CU_Q + seq)
                 qlen = tl.load(CU_Q + seq + 1) - q_start
                 if qlen <= small_q:
-                    _query_block(seq, q_start, qlen, 0, kvh, split,
-                                 Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
-                                 s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb,
-                                 s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp,
-                                 s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
-                                 qk_scale, softcap, window_left, window_right, num_splits,
-                                 QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-                                 HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8_S, CDT_S, STORE_LSE, SPLIT, OUT_FP8,
-                                 OUT_DTYPE, P_FP8_S, V_SEQ_MAJOR, BLOCK_M_S, BLOCK_N_S, BLOCK_M_S // QG,
-                                 PAGE_SIZE % BLOCK_N_S == 0, UNMASKED_TILES)
+                    _query_block(seq, q_start, qlen, 0, kvh, split, ptrs, strides, scalars, CFG, TILE_S)
     else:
         nqb = tl.cdiv(seqlen_q, BLOCK_Q)
-        _query_block(raw // nqb, 0, seqlen_q, raw % nqb, kvh, split,
-                     Q, K, V, PT, SEQLENS, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE,
-                     s_qb, s_qt, s_qh, s_kb, s_kp, s_kh, s_vb, s_vp, s_vh, s_ptb,
-                     s_ob, s_ot, s_oh, s_osp, s_lb, s_lt, s_lh, s_lsp,
-                     s_qdb, s_qdh, s_kdb, s_kdh, s_vdb, s_vdh, s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
-                     qk_scale, softcap, window_left, window_right, num_splits,
-                     QG, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGE_SIZE, CAUSAL, HAS_WINDOW, SOFTCAP,
-                     HAS_QD, HAS_KD, HAS_VD, HAS_KS, HAS_VS, MMA_FP8, CDT, STORE_LSE, SPLIT, OUT_FP8, OUT_DTYPE,
-                     P_FP8, V_SEQ_MAJOR, BLOCK_M, BLOCK_N, BLOCK_Q, TILE_IN_PAGE, UNMASKED_TILES)
+        _query_block(raw // nqb, 0, seqlen_q, raw % nqb, kvh, split, ptrs, strides, scalars, CFG, TILE)
 
 
 def tma_reason(q, k_cache, v_cache, page_table, cache_seqlens, out, lse, *, cu_seqlens_q, max_seqlen_q, causal,
@@ -614,37 +625,31 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # unmasked full tiles need a second shared-memory ring: FP8 caches only (a 16-bit cache's
     # (16, 128, 4, 3) decode ring needed 264 KB of the 227 KB per block with both loops)
     unmasked_tiles = bool(cfg.get("unmasked_tiles", fp8_cache))
+    # the kernel's bundles (``_paged_fwd_kernel``): the same for every launch of the call but the tile class,
+    # the schedule, the query-count range and the block list
+    ptrs = (q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q if varlen else dummy, o_t, l_t,
+            q_descale if has_qd else dummy, k_descale if has_kd else dummy, v_descale if has_vd else dummy,
+            k_cache_scales if has_ks else dummy, v_cache_scales if has_vs else dummy, out_scale if out_fp8 else dummy)
+    strides = (tuple(s_q), tuple(k_cache.stride()[:3]), tuple(v_cache.stride()[:3]), page_table.stride(0),
+               tuple(s_o), tuple(s_l), tuple(paged_launch.descale_strides(q_descale)),
+               tuple(paged_launch.descale_strides(k_descale)), tuple(paged_launch.descale_strides(v_descale)),
+               tuple(kss), tuple(vss))
+    scalars = (float(qk_scale), float(softcap or 0.0), wl, wr, num_splits)
+    call_cfg = (qg, d, dv, next_pow2(d), next_pow2(dv), page_size, bool(causal), has_window,
+                bool(softcap and softcap > 0), has_qd, has_kd, has_vd, has_ks, has_vs, lse is not None, split, out_fp8,
+                _TL.get(out.dtype, tl.bfloat16), v_seq_major, unmasked_tiles)
+    tile_s = (mma_fp8_s, _TL[cdt_s], p_fp8_s, bm_s, bn_s, bm_s // qg, page_size % bn_s == 0)
+    decode_first = bool(cfg.get("decode_first", True))
     for (bm_l, bn_l, nw_l, ns_l, maxnreg_l), two_class_l, big_class, grid0_l, (lo, hi), with_list in launches:
         grid0_l = grid0_l * hk if heads_inner else grid0_l
         grid = (grid0_l + with_list, 1 if heads_inner else hk, num_splits)
-        launch(_paged_fwd_kernel, grid,
-            q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q if varlen else dummy, o_t, l_t,
-            q_descale if has_qd else dummy, k_descale if has_kd else dummy, v_descale if has_vd else dummy,
-            k_cache_scales if has_ks else dummy, v_cache_scales if has_vs else dummy,
-            out_scale if out_fp8 else dummy, block_list if with_list else dummy,
-            batch, seqlen_q, paged_launch.VARLEN_MIN_Q,
-            *s_q,
-            *k_cache.stride()[:3], *v_cache.stride()[:3],
-            page_table.stride(0),
-            *s_o, *s_l,
-            *paged_launch.descale_strides(q_descale), *paged_launch.descale_strides(k_descale),
-            *paged_launch.descale_strides(v_descale),
-            *kss, *vss,
-            float(qk_scale), float(softcap or 0.0), wl, wr, num_splits, lo, hi,
-            QG=qg, BLOCK_M=bm_l, BLOCK_N=bn_l, BLOCK_Q=max(1, bm_l // qg),
-            HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
-            PAGE_SIZE=page_size, VARLEN=varlen, CAUSAL=bool(causal), HAS_WINDOW=has_window,
-            SOFTCAP=bool(softcap and softcap > 0), HAS_QD=has_qd, HAS_KD=has_kd, HAS_VD=has_vd,
-            HAS_KS=has_ks, HAS_VS=has_vs, MMA_FP8=mma_fp8, CDT=_TL[cdt],
-            STORE_LSE=lse is not None, SPLIT=split, OUT_FP8=out_fp8,
-            OUT_DTYPE=_TL.get(out.dtype, tl.bfloat16),
-            TILE_IN_PAGE=page_size % bn_l == 0, P_FP8=p_fp8, NUM_KV_HEADS=hk, HEADS_INNER=heads_inner,
-            TWO_CLASS=two_class_l, BIG_CLASS=big_class, BLOCK_M_S=bm_s, BLOCK_N_S=bn_s, V_SEQ_MAJOR=v_seq_major,
-            MMA_FP8_S=mma_fp8_s, CDT_S=_TL[cdt_s], P_FP8_S=p_fp8_s,
-            UNMASKED_TILES=unmasked_tiles, DECODE_FIRST=bool(cfg.get("decode_first", True)),
-            BLOCK_LIST=with_list, LIST_BM=dense_launch.BLOCK_M, LIST_ENTRY=dense_launch.ENTRY, num_warps=nw_l,
-            num_stages=1 if INTERPRET else ns_l, maxnreg=maxnreg_l,  # the interpreter runs one stage
-        )
+        tile = (mma_fp8, _TL[cdt], p_fp8, bm_l, bn_l, max(1, bm_l // qg), page_size % bn_l == 0)
+        sched = (varlen, hk, heads_inner, two_class_l, big_class, decode_first, with_list, dense_launch.BLOCK_M,
+                 dense_launch.ENTRY)
+        launch(_paged_fwd_kernel, grid, (*ptrs, block_list if with_list else dummy), batch, seqlen_q,
+               paged_launch.VARLEN_MIN_Q, strides, (*scalars, lo, hi), CFG=call_cfg, TILE=tile, TILE_S=tile_s,
+               SCHED=sched, num_warps=nw_l,
+               num_stages=1 if INTERPRET else ns_l, maxnreg=maxnreg_l)  # (the interpreter runs one stage)
     if split:
         if varlen:
             lse_view = lse.t() if lse is not None else None

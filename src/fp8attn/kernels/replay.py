@@ -106,6 +106,14 @@ class _Guard(TorchDispatchMode):
         return out
 
 
+def _holds_tensor(x) -> bool:
+    return (
+        isinstance(x, torch.Tensor)
+        or isinstance(getattr(x, "base", None), torch.Tensor)
+        or (isinstance(x, tuple) and any(_holds_tensor(y) for y in x))
+    )
+
+
 class _Recording:
     def __init__(self, slots):
         self.slots = slots
@@ -146,6 +154,21 @@ class _Recording:
         g = tuple(grid) + (1,) * (3 - len(grid))
         sources = []
         for i, v in enumerate(values):
+            if isinstance(v, tuple) and any(_holds_tensor(x) for x in v):  # a bundle of arguments
+                items = list(v)
+                for j, x in enumerate(items):
+                    if isinstance(x, tuple) and any(_holds_tensor(y) for y in x):
+                        return f"argument {fn.arg_names[i]}: tensors in a tuple inside a tuple"
+                    if isinstance(x, torch.Tensor):
+                        src = self._source(x)
+                        if src is None:
+                            return f"argument {fn.arg_names[i]}[{j}]: memory of no known origin"
+                        sources.append(((i, j), src, None))
+                        items[j] = None
+                    elif _holds_tensor(x):
+                        return f"argument {fn.arg_names[i]}[{j}]: a descriptor in a tuple"
+                values[i] = tuple(items)
+                continue
             desc = None
             if not isinstance(v, torch.Tensor) and isinstance(getattr(v, "base", None), torch.Tensor):
                 desc = (list(v.shape), list(v.strides), getattr(v, "padding", "zero"))  # a host TMA descriptor
@@ -263,7 +286,12 @@ class Replay:
                     subs.append((i, 1, index[ref], desc))
                 else:
                     subs.append((i, 2, ref, desc))
-            self.entries.append((ck, grid, list(values), tuple(subs)))
+            # (substitutions into a bundle, grouped per argument: one tuple built per argument and call)
+            top = tuple(x for x in subs if isinstance(x[0], int))
+            bundles: dict = {}
+            for (i, j), kind, ref, _ in (x for x in subs if not isinstance(x[0], int)):
+                bundles.setdefault(i, []).append((j, kind, ref))
+            self.entries.append((ck, grid, list(values), top, tuple(bundles.items())))
         self.checks = tuple(checks)
 
     def run(self, slots) -> tuple | None:
@@ -281,11 +309,16 @@ class Replay:
         bufs = [torch.empty_strided(sh, st, dtype=dt, device=dev) for _, (sh, st, dt, dev) in self.allocs]
         drv = triton.runtime.driver.active
         stream = drv.get_current_stream(drv.get_current_device())
-        for ck, (g0, g1, g2), values, subs in self.entries:
+        for ck, (g0, g1, g2), values, subs, bundles in self.entries:
             args = values.copy()
             for i, kind, ref, desc in subs:
                 t = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
                 args[i] = t if desc is None else HostDesc(t, *desc)
+            for i, items in bundles:
+                b = list(values[i])
+                for j, kind, ref in items:
+                    b[j] = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
+                args[i] = tuple(b)
             ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *args)
         return tuple(self._output(o, slots, bufs) for o in self.outputs)
 
