@@ -383,22 +383,29 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, w_base, ws_lse_off, stride_qm, st
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, Ws, DK, DV, QDs, KDs, VDs, cu_seqlens_q, cu_seqlens_k,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_dob, stride_dom, stride_doh, stride_dod,
-    stride_wb, stride_wh, ws_lse_off,
-    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
-    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
-    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-    seqlen_q_static, seqlen_k_static, head_dim, head_dim_v, qgroup,
-    softmax_scale, softcap, window_left, window_right, seqlen_bucket,
+    ptrs, strides, sizes, scalars, seqlen_bucket,
     IS_FP8: tl.constexpr, MODE_FP8: tl.constexpr, IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DS_DTYPE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     DO_DK: tl.constexpr, DO_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """The dK/dV pass. Run-time arguments in bundles (``launch_attention_bwd`` builds them; triton flattens
+    them into the same parameters in the same order): ptrs (Q, K, V, DO, Ws, DK, DV, QDs, KDs, VDs,
+    cu_seqlens_q, cu_seqlens_k); strides ((q: batch, token, head, dim), (k), (v), (do), (workspace: batch,
+    head, LSE offset), (dk), (dv), (descales: q batch, q head, k batch, k head, v batch, v head)); sizes
+    (seqlen_q, seqlen_k, head_dim, head_dim_v, qgroup); scalars (softmax_scale, softcap, window_left,
+    window_right). ``seqlen_bucket`` and the constexprs stay separate: the tuning keys on them."""
+    Q, K, V, DO, Ws, DK, DV, QDs, KDs, VDs, cu_seqlens_q, cu_seqlens_k = ptrs
+    stride_qb, stride_qm, stride_qh, stride_qd = strides[0]
+    stride_kb, stride_kn, stride_kh, stride_kd = strides[1]
+    stride_vb, stride_vn, stride_vh, stride_vd = strides[2]
+    stride_dob, stride_dom, stride_doh, stride_dod = strides[3]
+    stride_wb, stride_wh, ws_lse_off = strides[4]
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd = strides[5]
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd = strides[6]
+    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h = strides[7]
+    seqlen_q_static, seqlen_k_static, head_dim, head_dim_v, qgroup = sizes
+    softmax_scale, softcap, window_left, window_right = scalars
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     hk = tl.program_id(2)
@@ -484,21 +491,24 @@ def _dq_inner(dq, q, do, do8, do_inv, lse2, delta, k_base, v_base, stride_kn, st
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, Ws, DQ, QDs, KDs, VDs, cu_seqlens_q, cu_seqlens_k,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_dob, stride_dom, stride_doh, stride_dod,
-    stride_wb, stride_wh, ws_lse_off,
-    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
-    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-    seqlen_q_static, seqlen_k_static, head_dim, head_dim_v, qgroup,
-    softmax_scale, softcap, window_left, window_right, seqlen_bucket,
+    ptrs, strides, sizes, scalars, seqlen_bucket,
     IS_FP8: tl.constexpr, MODE_FP8: tl.constexpr, IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DS_DTYPE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """The dQ pass; bundles as ``_bwd_dkdv_kernel``'s with DQ and its strides in place of DK, DV and
+    theirs: ptrs (Q, K, V, DO, Ws, DQ, QDs, KDs, VDs, cu_seqlens_q, cu_seqlens_k)."""
+    Q, K, V, DO, Ws, DQ, QDs, KDs, VDs, cu_seqlens_q, cu_seqlens_k = ptrs
+    stride_qb, stride_qm, stride_qh, stride_qd = strides[0]
+    stride_kb, stride_kn, stride_kh, stride_kd = strides[1]
+    stride_vb, stride_vn, stride_vh, stride_vd = strides[2]
+    stride_dob, stride_dom, stride_doh, stride_dod = strides[3]
+    stride_wb, stride_wh, ws_lse_off = strides[4]
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd = strides[5]
+    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h = strides[6]
+    seqlen_q_static, seqlen_k_static, head_dim, head_dim_v, qgroup = sizes
+    softmax_scale, softcap, window_left, window_right = scalars
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks see the most keys: start them first (less tail at the end)
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -691,17 +701,18 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
     else:
         descs = (dummy, dummy, dummy)
         ds_strides = (0,) * 6
-    common_in = (*_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(do, varlen),
-                 *w_strides, lse_off)
-    tail = (sq, sk, d, dv_dim, nheads_q // nheads_k, float(softmax_scale), float(softcap), wl, wr,
+    # the kernels' bundles (``_bwd_dkdv_kernel``)
+    common_in = (tuple(_strides4(q, varlen)), tuple(_strides4(k, varlen)), tuple(_strides4(v, varlen)),
+                 tuple(_strides4(do, varlen)), (*w_strides, lse_off))
+    tail = ((sq, sk, d, dv_dim, nheads_q // nheads_k), (float(softmax_scale), float(softcap), wl, wr),
             _bucket(max(sq, sk)))
     kwargs = dict(IS_FP8=is_fp8, MODE_FP8=mode == "fp8", IS_VARLEN=varlen, CAUSAL=bool(causal),
                   HAS_WINDOW=has_window, SOFTCAP=float(softcap) != 0.0,
                   DS_DTYPE=tl.bfloat16 if is_fp8 else _TL_DTYPE[q.dtype],
                   BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=block_d == d, EVEN_DV=block_dv == dv_dim)
 
-    args = (q, k, v, do, ws, dk, dv, *descs, cu_q, cu_k, *common_in, *_strides4(dk, varlen), *_strides4(dv, varlen),
-            *ds_strides, *tail)
+    args = ((q, k, v, do, ws, dk, dv, *descs, cu_q, cu_k),
+            (*common_in, tuple(_strides4(dk, varlen)), tuple(_strides4(dv, varlen)), tuple(ds_strides)), *tail)
     # At d256 the dK and dV accumulators together outgrow the register file (hundreds of spilled words in
     # every configuration): one launch per gradient there, each recomputing P (five GEMMs instead of four).
     split = _dclass(block_d, block_dv) == 256
@@ -709,6 +720,7 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
         _launch(_bwd_dkdv_kernel, _dkdv_tuned, _CFGS_DKDV,
                 lambda meta: (cdiv(sk, meta["BLOCK_N"]), batch, nheads_k), args,
                 dict(kwargs, DO_DK=do_dk, DO_DV=do_dv))
-    args = (q, k, v, do, ws, dq, *descs, cu_q, cu_k, *common_in, *_strides4(dq, varlen), *ds_strides, *tail)
+    args = ((q, k, v, do, ws, dq, *descs, cu_q, cu_k), (*common_in, tuple(_strides4(dq, varlen)), tuple(ds_strides)),
+            *tail)
     _launch(_bwd_dq_kernel, _dq_tuned, _CFGS_DQ,
             lambda meta: (cdiv(sq, meta["BLOCK_M"]), batch, nheads_q), args, kwargs)
