@@ -86,17 +86,26 @@ def _quant_store(X, C, CS, DS, t, seq, blk, off, heads, hmask,
 
 
 @triton.jit
-def _write_kv_kernel(K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS,
-                     nheads, page_size, num_slots, num_seqs,
-                     s_kt, s_kh, s_vt, s_vh,
-                     s_kcb, s_kcp, s_kch, s_kcd, s_vcb, s_vcp, s_vch, s_vcd,
-                     s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
-                     s_kdb, s_kdh, s_vdb, s_vdh,
+def _write_kv_kernel(ptrs, sizes, strides,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_H: tl.constexpr, MODE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
                      HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
                      FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, INTERP: tl.constexpr,
                      K_SCALE_PAD: tl.constexpr, V_SCALE_PAD: tl.constexpr):
+    """One token (program 0) x BLOCK_H heads (program 1) to its slot. Run-time arguments in bundles (triton
+    flattens them into the same parameters in the same order): ptrs (K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD,
+    KS, VS); sizes (nheads, page_size, num_slots, num_seqs); strides ((k: token, head), (v), then
+    ``_scale_args``'s cache, scale and descale strides)."""
+    K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS = ptrs
+    nheads, page_size, num_slots, num_seqs = sizes
+    s_kt, s_kh = strides[0]
+    s_vt, s_vh = strides[1]
+    s_kcb, s_kcp, s_kch, s_kcd = strides[2]
+    s_vcb, s_vcp, s_vch, s_vcd = strides[3]
+    s_ksb, s_ksp, s_ksh = strides[4]
+    s_vsb, s_vsp, s_vsh = strides[5]
+    s_kdb, s_kdh = strides[6]
+    s_vdb, s_vdh = strides[7]
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
     # negative slots are padding; slots past the cache and sequence rows past the descales (values the API checks
@@ -122,12 +131,7 @@ def _write_kv_kernel(K, V, KC, VC, SLOTS, SEQ_IDX, KD, VD, KS, VS,
 
 
 @triton.jit
-def _append_kv_kernel(K, V, KC, VC, PT, SEQLENS, CU, TOTAL, KD, VD, KS, VS,
-                      batch, nheads, page_size, max_pages, num_blocks, seqlen_new, num_tokens,
-                      s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ptb, s_ptc, s_len, s_cu,
-                      s_kcb, s_kcp, s_kch, s_kcd, s_vcb, s_vcp, s_vch, s_vcd,
-                      s_ksb, s_ksp, s_ksh, s_vsb, s_vsp, s_vsh,
-                      s_kdb, s_kdh, s_vdb, s_vdh,
+def _append_kv_kernel(ptrs, sizes, strides,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_B: tl.constexpr, MODE: tl.constexpr, VARLEN: tl.constexpr,
                       HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
@@ -135,7 +139,24 @@ def _append_kv_kernel(K, V, KC, VC, PT, SEQLENS, CU, TOTAL, KD, VD, KS, VS,
                       K_SCALE_PAD: tl.constexpr, V_SCALE_PAD: tl.constexpr):
     """One new token (program 0) x BLOCK_H heads (program 1). Token t of sequence b (its i-th new token)
     goes to position ``SEQLENS[b] + i``: page ``PT[b, pos // page_size]``, offset ``pos % page_size``.
-    Program (0, 0) also writes ``TOTAL[b] = SEQLENS[b] + new tokens of b``."""
+    Program (0, 0) also writes ``TOTAL[b] = SEQLENS[b] + new tokens of b``. Run-time arguments in bundles
+    (triton flattens them into the same parameters in the same order): ptrs (K, V, KC, VC, PT, SEQLENS, CU,
+    TOTAL, KD, VD, KS, VS); sizes (batch, nheads, page_size, max_pages, num_blocks, seqlen_new, num_tokens);
+    strides ((k: batch, token, head), (v), (page table: row, column), lengths, cu, then ``_scale_args``'s
+    cache, scale and descale strides)."""
+    K, V, KC, VC, PT, SEQLENS, CU, TOTAL, KD, VD, KS, VS = ptrs
+    batch, nheads, page_size, max_pages, num_blocks, seqlen_new, num_tokens = sizes
+    s_kb, s_kt, s_kh = strides[0]
+    s_vb, s_vt, s_vh = strides[1]
+    s_ptb, s_ptc = strides[2]
+    s_len = strides[3]
+    s_cu = strides[4]
+    s_kcb, s_kcp, s_kch, s_kcd = strides[5]
+    s_vcb, s_vcp, s_vch, s_vcd = strides[6]
+    s_ksb, s_ksp, s_ksh = strides[7]
+    s_vsb, s_vsp, s_vsh = strides[8]
+    s_kdb, s_kdh = strides[9]
+    s_vdb, s_vdh = strides[10]
     t = tl.program_id(0).to(tl.int64)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         for b0 in range(0, batch, BLOCK_B):
@@ -215,9 +236,9 @@ def _scale_args(k, v, k_cache, v_cache, k_descale, v_descale, k_cache_scales, v_
     tensors = (k_cache, v_cache)
     scales = (kd if kd is not None else dummy, vd if vd is not None else dummy,
               k_cache_scales if dyn else dummy, v_cache_scales if dyn else dummy)
-    strides = (*k_cache.stride(), *v_cache.stride(),
-               *(k_cache_scales.stride() if dyn else (0, 0, 0)), *(v_cache_scales.stride() if dyn else (0, 0, 0)),
-               *_descale_strides(kd), *_descale_strides(vd))
+    strides = (tuple(k_cache.stride()), tuple(v_cache.stride()),
+               tuple(k_cache_scales.stride()) if dyn else (0, 0, 0), tuple(v_cache_scales.stride()) if dyn else (0, 0, 0),
+               tuple(_descale_strides(kd)), tuple(_descale_strides(vd)))
     meta = dict(D=d, DV=dv, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), BLOCK_H=block_h, MODE=mode,
                 HAS_KD=kd is not None, HAS_VD=vd is not None,
                 FP8_MAX=_FP8_MAX.get(k_cache.dtype, 1.0), FLOOR=DESCALE_FLOOR, INTERP=INTERPRET,
@@ -259,15 +280,15 @@ def launch_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         return
     caches, scales, strides, meta, head_blocks = _scale_args(k, v, k_cache, v_cache, k_descale, v_descale,
                                                              k_cache_scales, v_cache_scales, slot_mapping)
-    s_kdb, s_vdb = strides[-4], strides[-2]
+    s_kdb, s_vdb = strides[-2][0], strides[-1][0]
     has_seq = meta["MODE"] == MODE_STATIC and (s_kdb != 0 or s_vdb != 0)
     used = (d for d, on in ((k_descale, meta["HAS_KD"]), (v_descale, meta["HAS_VD"])) if on)
     seq_rows = [d.shape[0] for d in used if d.numel() != 1]
     page_size = k_cache.shape[1]
     launch(_write_kv_kernel, (num_tokens, head_blocks),
-        k, v, *caches, slot_mapping, token_seq_idx if has_seq else slot_mapping, *scales,
-        k.shape[1], page_size, k_cache.shape[0] * page_size, min(seq_rows) if seq_rows else 1,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides, HAS_SEQ_IDX=has_seq, **meta)
+        (k, v, *caches, slot_mapping, token_seq_idx if has_seq else slot_mapping, *scales),
+        (k.shape[1], page_size, k_cache.shape[0] * page_size, min(seq_rows) if seq_rows else 1),
+        ((k.stride(0), k.stride(1)), (v.stride(0), v.stride(1)), *strides), HAS_SEQ_IDX=has_seq, **meta)
 
 
 def launch_append_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -315,9 +336,9 @@ def launch_append_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tens
     if batch == 0:
         return total
     launch(_append_kv_kernel, (max(num_tokens, 1), head_blocks),
-        k, v, *caches, page_table, cache_seqlens, cu_seqlens_k_new if varlen else total, total, *scales,
-        batch, k.shape[-2], k_cache.shape[1], page_table.shape[1], k_cache.shape[0], seqlen_new, num_tokens,
-        *kst, *vst, page_table.stride(0), page_table.stride(1), cache_seqlens.stride(0),
-        cu_seqlens_k_new.stride(0) if varlen else 0, *strides,
+        (k, v, *caches, page_table, cache_seqlens, cu_seqlens_k_new if varlen else total, total, *scales),
+        (batch, k.shape[-2], k_cache.shape[1], page_table.shape[1], k_cache.shape[0], seqlen_new, num_tokens),
+        (kst, vst, (page_table.stride(0), page_table.stride(1)), cache_seqlens.stride(0),
+         cu_seqlens_k_new.stride(0) if varlen else 0, *strides),
         BLOCK_B=min(next_pow2(batch), 256), VARLEN=varlen, **meta)
     return total
