@@ -193,13 +193,6 @@ def _validate_options(
     )
 
 
-def _eager_plan(kind, tensors, args):
-    """The eager-plan key of a call whose signature may select a plan (``plan.plannable``) and the stored
-    plan it may take, or None (``fp8attn.plan``)."""
-    key = plan.call_key(kind, tensors, args)
-    return key, plan.cached(key, tensors)
-
-
 def _new_plan(key, tensors, make, *args):
     """After the validation of a call with a plan ``key``: the plan ``make(*args)`` builds (stored under
     ``key``), or None (the call runs the checked dispatch; so does any call that may not take a plan)."""
@@ -454,7 +447,7 @@ def flash_attn_func(
         and qv is None
         and plan.plannable(q, validate, causal, return_attn_probs, deterministic, window_size)
     ):
-        key, run = _eager_plan(
+        key, run = plan.find(
             "dense",
             tensors,
             (
@@ -804,7 +797,7 @@ def flash_attn_varlen_func(
         and qv is None
         and plan.plannable(q, validate, causal, return_attn_probs, deterministic, window_size)
     ):
-        key, run = _eager_plan(
+        key, run = plan.find(
             "varlen",
             tensors,
             (
@@ -1678,7 +1671,7 @@ def flash_attn_with_kvcache(
         and split_workspace is None
         and plan.plannable(q, validate, causal, return_softmax_lse, rotary_interleaved, window_size)
     ):
-        key, run = _eager_plan(
+        key, run = plan.find(
             "paged_append" if appends else "paged",
             tensors,
             (
@@ -2117,7 +2110,7 @@ def write_kv_cache(
     )
     key = None
     if validate is False and type(k) is torch.Tensor and k.is_cuda:
-        key, run = _eager_plan("write_kv_cache", tensors, ())
+        key, run = plan.find("write_kv_cache", tensors, ())
         if run is not None:
             run(*tensors)
             return

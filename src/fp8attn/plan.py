@@ -142,6 +142,16 @@ def cached(key, tensors):
     return None
 
 
+def find(kind, tensors, args):
+    """``(key, plan)``: the ``call_key`` of a call and the stored plan it may take (``cached``), or None.
+    Under torch.compile ``(None, None)``, before any tensor's address is read (dynamo cannot trace that, and a
+    compiled call takes no plan)."""
+    if torch.compiler.is_compiling():
+        return None, None
+    key = call_key(kind, tensors, args)
+    return key, cached(key, tensors)
+
+
 def store(key, plan) -> None:
     if len(_PLANS) >= MAX_PLANS:  # a workload with unbounded signatures: start over rather than grow
         _PLANS.clear()

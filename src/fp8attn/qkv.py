@@ -145,8 +145,7 @@ def quantize_qkv(
     args = (granularity, hadamard, block_size, seed, backend, v_layout)
     key = None
     if validate is False and type(q) is torch.Tensor and q.is_cuda and type(hadamard) is bool:
-        key = plan.call_key("quantize_qkv", (q, k, v), args)
-        run = plan.cached(key, (q, k, v))
+        key, run = plan.find("quantize_qkv", (q, k, v), args)
         if run is not None:
             return run(q, k, v)
     bt = _validate(q, k, v, granularity, hadamard, block_size, seed, backend, v_layout, validate)

@@ -483,6 +483,35 @@ def test_model_step_compiles_once_without_recompiles():
     torch._dynamo.reset()
 
 
+def test_compiled_calls_take_no_eager_plan(monkeypatch):
+    """Under torch.compile a call never reads the eager-plan cache (its key holds tensor addresses, which
+    dynamo cannot trace): with every call made plannable, as CUDA calls are, the compiled dense and paged
+    calls trace in one graph and equal the eager ones."""
+    from fp8attn import plan
+
+    monkeypatch.setattr(plan, "plannable", lambda *a: True)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 24, h, D, generator=g).to(E4M3) for h in (HQ, HK, HK))
+    kc, vc = (torch.randn(8, PS, HK, D, generator=g).to(E4M3) for _ in range(2))
+    pt = torch.arange(8, dtype=torch.int32).view(2, 4)
+    lens = torch.tensor([19, 30], dtype=torch.int32)
+    ds = torch.full((2, HK), 0.05)
+
+    def fn(q, k, v, kc, vc, pt, lens, ds):
+        o1 = fp8attn.flash_attn_func(q, k, v, causal=True, q_descale=ds, k_descale=ds, v_descale=ds, validate=False)
+        o2 = fp8attn.flash_attn_with_kvcache(
+            q[:, -1:], kc, vc, cache_seqlens=lens, page_table=pt, k_descale=ds, v_descale=ds, validate=False
+        )
+        return o1, o2
+
+    want = fn(q, k, v, kc, vc, pt, lens, ds)
+    got = torch.compile(fn, backend="eager", fullgraph=True)(q, k, v, kc, vc, pt, lens, ds)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU (H200)
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,11 @@ def test_grad_mode_call_records_backward_or_raises():
     assert out.requires_grad and out.grad_fn is not None
 
 
+def _attention_plans(plan):
+    """How many stored plans are attention plans (quantize_qkv, which makes the inputs, stores its own)."""
+    return sum(key[0] != "quantize_qkv" for key in plan._PLANS)
+
+
 def _fp8_inputs(b=2, s=256, hq=4, hk=2, d=128, per_tensor=False):
     import fp8attn
 
@@ -67,7 +72,7 @@ def test_eager_plan_equals_checked_path(causal, per_tensor):
     ref_nolse = fp8attn.flash_attn_func(q8, k8, v8, validate=True, **kw)
     ref, ref_lse = fp8attn.flash_attn_func(q8, k8, v8, return_attn_probs=True, validate=True, **kw)
     first = fp8attn.flash_attn_func(q8, k8, v8, **kw)
-    assert len(plan._PLANS) == 1, "the Hopper-served call left no plan"
+    assert _attention_plans(plan) == 1, "the Hopper-served call left no plan"
     again = fp8attn.flash_attn_func(q8, k8, v8, **kw)
     o, lse = fp8attn.flash_attn_func(q8, k8, v8, return_attn_probs=True, **kw)
     out = torch.empty_like(ref)
@@ -76,7 +81,7 @@ def test_eager_plan_equals_checked_path(causal, per_tensor):
     for x in (first, again, o2):
         assert torch.equal(x, ref_nolse)
     assert torch.equal(o, ref) and torch.equal(lse, ref_lse)
-    assert len(plan._PLANS) == 3  # (no LSE, LSE, out=): one plan each
+    assert _attention_plans(plan) == 3  # (no LSE, LSE, out=): one plan each
 
 
 def test_eager_plan_not_taken_for_grad_or_other_signatures(monkeypatch):
@@ -87,14 +92,14 @@ def test_eager_plan_not_taken_for_grad_or_other_signatures(monkeypatch):
     q8, k8, v8, qd, kd, vd = _fp8_inputs()
     kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
     fp8attn.flash_attn_func(q8, k8, v8, causal=True, **kw)
-    assert len(plan._PLANS) == 1
+    assert _attention_plans(plan) == 1
     # a flag of another type is checked, not matched against causal=True's plan
     with pytest.raises(TypeError, match="causal"):
         fp8attn.flash_attn_func(q8, k8, v8, causal=1, **kw)
     # the environment switch of the dispatch is part of the signature
     monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "triton")
     fp8attn.flash_attn_func(q8, k8, v8, causal=True, **kw)
-    assert len(plan._PLANS) == 2  # its own plan (the Triton kernel's launcher), not the Hopper one
+    assert _attention_plans(plan) == 2  # its own plan (the Triton kernel's launcher), not the Hopper one
     # a bad descale value on a GPU: unchecked on both paths (validate=True checks it)
     monkeypatch.delenv("FP8ATTN_DENSE_BACKEND")
     with pytest.raises(ValueError, match="q_descale"):
@@ -182,7 +187,7 @@ def test_eager_plan_triton_kernel_calls_equal_checked_path(causal):
         fp8attn.flash_attn_func(qb, kb, vb, causal=causal, window_size=(64, 0) if causal else (-1, -1))
         for _ in range(3)
     ]
-    assert len(plan._PLANS) == 2
+    assert _attention_plans(plan) == 2
     for x in got:
         assert torch.equal(x, ref)
     for x in got16:
@@ -314,6 +319,15 @@ def test_replayed_decode_with_append_follows_each_calls_tensors(scales):
             for _ in range(2)
         ]
     lens = torch.tensor([L - 3, 0, 57, L - 40], dtype=torch.int32, device="cuda")
+    # the cached context (the slots past it stay NaN): the same tokens in both caches
+    pos = torch.arange(L, device="cuda")
+    slots = (pt.long()[:, pos // ps] * ps + pos % ps).masked_fill(pos >= lens[:, None], -1).reshape(-1)
+    ctx = [torch.randn(b * L, hk, d, device="cuda", generator=g) for _ in range(2)]
+    for c in range(2):
+        wkw = dict(sc[c]) if sc[c] else dict(k_descale=kw["k_descale"], v_descale=kw["v_descale"])
+        if not sc[c]:
+            wkw["token_seq_idx"] = torch.arange(b, device="cuda", dtype=torch.int32).repeat_interleave(L)
+        fp8attn.write_kv_cache(*ctx, *caches[c], slots, validate=True, **wkw)
     for i in range(4):
         q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
         k, v = (torch.randn(b, 1, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))

@@ -94,7 +94,7 @@ def test_replay_with_a_registered_constant(kernel):
 
 @pytest.mark.parametrize(
     "case",
-    ["torch op", "unknown memory", "unrecorded launch", "hooks installed", "no launch", "reused"],
+    ["torch op", "unknown memory", "unrecorded launch", "hooks installed", "no launch"],
 )
 def test_recording_refused(kernel, case, monkeypatch):
     jf, log = kernel
@@ -108,14 +108,6 @@ def test_recording_refused(kernel, case, monkeypatch):
             triton.knobs.runtime.launch_enter_hook(None)  # a launch made without replay.launch
         if case == "no launch":
             return
-        if case == "reused":  # one address allocated twice: two buffers the replay cannot tell apart
-            a = torch.empty(1024)
-            p = a.data_ptr()
-            del a
-            b = torch.empty(1024)
-            assert b.data_ptr() == p or pytest.skip("the allocator moved the second buffer")
-            replay.launch(jf, (1,), x, b, 1, 1.0, BLOCK=8)
-            return
         arg = other if case == "unknown memory" else y
         replay.launch(jf, (1,), x, arg, 1, 1.0, BLOCK=8)
 
@@ -126,6 +118,34 @@ def test_recording_refused(kernel, case, monkeypatch):
     _, rp = replay.record(fn, (x, y))
     assert rp is None
     assert list(getattr(chain, "calls", [])) == before  # the recording's counter is gone
+
+
+def test_an_address_allocated_twice_names_its_latest_buffer(kernel):
+    """A buffer freed during the call and its address handed to the next allocation (a scratch, then an
+    output): each launch replays with a buffer of its own allocation, and the result is the second one."""
+    jf, log = kernel
+    x = torch.randn(64)
+
+    def fn():
+        a = torch.empty(1024)
+        replay.launch(jf, (1,), x, a, 1, 1.0, BLOCK=8)
+        p = a.data_ptr()
+        log.clear()  # (the stand-in's log holds the launch's arguments)
+        del a
+        b = torch.empty(1024)
+        if b.data_ptr() != p:
+            pytest.skip("the allocator moved the second buffer")
+        replay.launch(jf, (1,), b, x, 1, 1.0, BLOCK=8)
+        return b
+
+    _, rp = replay.record(fn, (x,))
+    assert rp is not None and len(rp.allocs) == 2
+    log.clear()
+    x2 = torch.randn(64)
+    (out,) = rp.run((x2,))
+    (_, a1), (_, a2) = log
+    assert a1[0] is x2 and a2[1] is x2
+    assert a2[0] is out and a1[1] is not out and a1[1].shape == out.shape == (1024,)
 
 
 def test_aliased_slots_replay_only_while_aliased(kernel):

@@ -91,16 +91,18 @@ class _Guard(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.allocs: dict = {}  # data_ptr -> (shape, stride, dtype, device)
+        self.allocs: list = []  # (shape, stride, dtype, device) of each allocation, in order
+        self.live: dict = {}  # data_ptr -> index of the last allocation at that address
         self.other: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOC:
             if out.numel():
-                p, meta = out.data_ptr(), (tuple(out.shape), out.stride(), out.dtype, out.device)
-                # (an address allocated twice is not one buffer: refused where a launch passes it)
-                self.allocs[p] = meta if p not in self.allocs else "reused"
+                # (an address allocated again was freed first: from then on it names the new buffer, and a
+                # replay gives each allocation a buffer of its own)
+                self.live[out.data_ptr()] = len(self.allocs)
+                self.allocs.append((tuple(out.shape), out.stride(), out.dtype, out.device))
         elif func not in _VIEWS:
             self.other.append(str(func))
         return out
@@ -183,13 +185,14 @@ class _Recording:
         return None
 
     def _source(self, t):
-        """Where a pointer argument comes from: ("slot", indices), ("alloc", data_ptr) or ("const", t)."""
+        """Where a pointer argument comes from: ("slot", indices), ("alloc", allocation index) or ("const", t)."""
         p = t.data_ptr()
         hits = tuple(i for i, s in enumerate(self.slots) if isinstance(s, torch.Tensor) and s.data_ptr() == p)
         if hits:
             return ("slot", hits)
-        if self.guard.allocs.get(p, "reused") != "reused":
-            return ("alloc", p)
+        a = self.guard.live.get(p)
+        if a is not None:
+            return ("alloc", a)
         c = _CONSTANTS.get(p)
         if c is not None:
             return ("const", c)
@@ -200,9 +203,9 @@ def as_tuple(result) -> tuple:
     return () if result is None else result if isinstance(result, tuple) else (result,)
 
 
-def _output_spec(result, slots, allocs):
+def _output_spec(result, slots, live):
     """How a replay rebuilds ``fn``'s result (None, a tensor or a tuple of tensors and Nones): per item None,
-    ("slot", i), ("alloc", data_ptr, shape, strides) (memory the call allocated, possibly viewed) or ("empty",
+    ("slot", i), ("alloc", allocation index, shape, strides) (memory the call allocated, possibly viewed) or ("empty",
     shape, strides, dtype, device) (no elements); a string (the reason) when an item is none of these."""
     spec = []
     for t in as_tuple(result):
@@ -216,8 +219,8 @@ def _output_spec(result, slots, allocs):
             hit = next((i for i, x in enumerate(slots) if x is t), None)
             if hit is not None:
                 spec.append(("slot", hit))
-            elif allocs.get(t.data_ptr(), "reused") != "reused":
-                spec.append(("alloc", t.data_ptr(), tuple(t.shape), t.stride()))
+            elif t.data_ptr() in live:
+                spec.append(("alloc", live[t.data_ptr()], tuple(t.shape), t.stride()))
             else:
                 return "a result that is neither an input nor memory the call allocated"
     return spec
@@ -249,7 +252,7 @@ def record(fn, slots):
         if rec.hook_launches != len(rec.entries) or not rec.entries
         else None
     )
-    spec = _output_spec(result, slots, guard.allocs) if not why else None
+    spec = _output_spec(result, slots, guard.live) if not why else None
     if isinstance(spec, str):
         why = spec
     if why:
@@ -268,8 +271,8 @@ class Replay:
     def __init__(self, entries, allocs, outputs=()):
         used = {src[1] for *_, sources in entries for _, src, _ in sources if src[0] == "alloc"}
         used |= {o[1] for o in outputs if o is not None and o[0] == "alloc"}
-        self.allocs = tuple((p, allocs[p]) for p in sorted(used))
-        index = {p: j for j, (p, _) in enumerate(self.allocs)}
+        self.allocs = tuple(allocs[a] for a in sorted(used))
+        index = {a: j for j, a in enumerate(sorted(used))}
         self.outputs = tuple(
             None if o is None else ("alloc", index[o[1]], *o[2:]) if o[0] == "alloc" else o for o in outputs
         )
@@ -306,7 +309,7 @@ class Replay:
             for i in ref[1:]:
                 if slots[i].data_ptr() != p:
                     return None
-        bufs = [torch.empty_strided(sh, st, dtype=dt, device=dev) for _, (sh, st, dt, dev) in self.allocs]
+        bufs = [torch.empty_strided(sh, st, dtype=dt, device=dev) for sh, st, dt, dev in self.allocs]
         drv = triton.runtime.driver.active
         stream = drv.get_current_stream(drv.get_current_device())
         for ck, (g0, g1, g2), values, subs, bundles in self.entries:
