@@ -180,10 +180,11 @@ def compile_case(case, dump=None):
     nw = opts.get("num_warps", 4)
     per_warp = -(-regs * 32 // 256) * 256
     occ = min(65536 // (per_warp * nw), (228 * 1024) // max(1, k.metadata.shared + 1024), 64 // nw, 32)
+    tile = dict(zip(paged.PAGED_TILE, kwargs["TILE"]))
     row = {
         "case": case["name"],
-        "cfg": (kwargs["BLOCK_M"], kwargs["BLOCK_N"], opts.get("num_warps"), opts.get("num_stages")),
-        "tile_in_page": kwargs.get("TILE_IN_PAGE"),
+        "cfg": (tile["BLOCK_M"], tile["BLOCK_N"], opts.get("num_warps"), opts.get("num_stages")),
+        "tile_in_page": tile["TILE_IN_PAGE"],
         "async_copy": ttgir.count("async_copy_global_to_local"),
         "cp.async": len(re.findall(r"cp\.async\.(?:cg|ca)", ptx)),
         "ld.global": len(re.findall(r"\bld\.global", ptx)),
@@ -326,6 +327,16 @@ CASES = [
         "q": torch.bfloat16,
         "varlen": True,
         "v_seq_major": True,
+    },
+    {
+        # one page per sequence: the page table's row stride is 1, which triton specializes to a constexpr
+        "name": "mixed bf16q varlen p64 one page",
+        "batch": 2,
+        "qlen": 16,
+        "ctx": 64,
+        "page_size": 64,
+        "q": torch.bfloat16,
+        "varlen": True,
     },
     {"name": "decode bf16q B64 L4096 p1", "batch": 64, "qlen": 1, "ctx": 4096, "page_size": 1, "q": torch.bfloat16},
 ]

@@ -468,8 +468,6 @@ def test_gpu_attention_goal(granularity, hadamard):
     leaves = _bf16_qkv(1, 2048, 16, 16, 128, device="cuda")
     do = torch.randn(1, 2048, 16, 128, device="cuda").bfloat16()
     fwd, grads, _ = _attention_errors(leaves, do, granularity=granularity, hadamard=hadamard)
-    _, grads_fp8, _ = _attention_errors(leaves, do, granularity=granularity, hadamard=hadamard, fp8_backward="fp8")
-    print(f"{granularity} hadamard={hadamard}: out {fwd:.4f}, grads {grads} (fp8 backward: {grads_fp8})")
     assert max(grads) <= 2 * fwd, (fwd, grads)
 
 

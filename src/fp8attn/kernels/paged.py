@@ -199,17 +199,17 @@ def _query_block(seq, q_start, qlen, qblk, kvh, split, ptrs, strides, scalars, C
     kv head ``kvh``, KV split ``split``. The kernel's bundles (``_paged_fwd_kernel``); the tile class
     ``TILE`` is an argument so that one launch can hold two classes (see the kernel)."""
     Q, K, V, PT, SEQLENS, _cu_q, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, _blocks = ptrs
-    s_qb, s_qt, s_qh = strides[0]
-    s_kb, s_kp, s_kh = strides[1]
-    s_vb, s_vp, s_vh = strides[2]
-    s_ptb = strides[3]
-    s_ob, s_ot, s_oh, s_osp = strides[4]
-    s_lb, s_lt, s_lh, s_lsp = strides[5]
-    s_qdb, s_qdh = strides[6]
-    s_kdb, s_kdh = strides[7]
-    s_vdb, s_vdh = strides[8]
-    s_ksb, s_ksp, s_ksh = strides[9]
-    s_vsb, s_vsp, s_vsh = strides[10]
+    s_qb, s_qt, s_qh = strides[0:3]
+    s_kb, s_kp, s_kh = strides[3:6]
+    s_vb, s_vp, s_vh = strides[6:9]
+    s_ptb = strides[9]
+    s_ob, s_ot, s_oh, s_osp = strides[10:14]
+    s_lb, s_lt, s_lh, s_lsp = strides[14:18]
+    s_qdb, s_qdh = strides[18:20]
+    s_kdb, s_kdh = strides[20:22]
+    s_vdb, s_vdh = strides[22:24]
+    s_ksb, s_ksp, s_ksh = strides[24:27]
+    s_vsb, s_vsp, s_vsh = strides[27:30]
     qk_scale, softcap, window_left, window_right, num_splits, _lo, _hi = scalars
     QG: tl.constexpr = CFG[0]
     HEAD_DIM: tl.constexpr = CFG[1]
@@ -331,9 +331,9 @@ def _paged_fwd_kernel(ptrs, batch, seqlen_q, list_min_q, strides, scalars,
     the same kernel parameters in the same order as separate arguments would be:
 
     ptrs : (Q, K, V, PT, SEQLENS, CU_Q, O, LSE, QD, KD, VD, KS, VS, OUT_SCALE, BLOCKS)
-    strides : ((q: batch, token, head), (k: page, row, head), (v: page, row, head), page table row,
-        (out: batch, token, head, split), (lse: batch, token, head, split), (q descale: batch, head),
-        (k descale), (v descale), (k cache scales: page, row, head), (v cache scales))
+    strides : 30 ints, flat: q (batch, token, head), k (page, row, head), v (page, row, head), the page table
+        row, out (batch, token, head, split), lse (batch, token, head, split), q descale (batch, head),
+        k descale, v descale, k cache scales (page, row, head), v cache scales
     scalars : (qk_scale, softcap, window_left, window_right, num_splits, len_q_lo, len_q_hi)
     CFG : ``_query_block``'s constants (``PAGED_CFG`` names them); TILE / TILE_S : the large and small tile
         classes (``PAGED_TILE``); SCHED : the launch's schedule (``PAGED_SCHED``).
@@ -630,10 +630,11 @@ def launch_paged_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ptrs = (q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q if varlen else dummy, o_t, l_t,
             q_descale if has_qd else dummy, k_descale if has_kd else dummy, v_descale if has_vd else dummy,
             k_cache_scales if has_ks else dummy, v_cache_scales if has_vs else dummy, out_scale if out_fp8 else dummy)
-    strides = (tuple(s_q), tuple(k_cache.stride()[:3]), tuple(v_cache.stride()[:3]), page_table.stride(0),
-               tuple(s_o), tuple(s_l), tuple(paged_launch.descale_strides(q_descale)),
-               tuple(paged_launch.descale_strides(k_descale)), tuple(paged_launch.descale_strides(v_descale)),
-               tuple(kss), tuple(vss))
+    # (one flat tuple: triton 3.6 drops the constexpr elements -- strides of 1 -- of a tuple nested in a kernel
+    # argument once a run-time ``if`` has run, and the kernel calls ``_query_block`` after its schedule's)
+    strides = (*s_q, *k_cache.stride()[:3], *v_cache.stride()[:3], page_table.stride(0), *s_o, *s_l,
+               *paged_launch.descale_strides(q_descale), *paged_launch.descale_strides(k_descale),
+               *paged_launch.descale_strides(v_descale), *kss, *vss)
     scalars = (float(qk_scale), float(softcap or 0.0), wl, wr, num_splits)
     call_cfg = (qg, d, dv, next_pow2(d), next_pow2(dv), page_size, bool(causal), has_window,
                 bool(softcap and softcap > 0), has_qd, has_kd, has_vd, has_ks, has_vs, lse is not None, split, out_fp8,
