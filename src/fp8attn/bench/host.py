@@ -14,6 +14,7 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+import statistics
 import time
 from pathlib import Path
 
@@ -21,9 +22,10 @@ import torch
 
 from .common import results_header, write_results
 
-__all__ = ["run", "per_call_ms", "profile_counts"]
+__all__ = ["run", "per_call_ms", "interleaved_ms", "profile_counts"]
 
 WARMUP = 20
+ROUNDS = 7  # timed rounds per entry, interleaved with the peers' and the other entries' (medians reported)
 
 
 def per_call_ms(fn, calls: int = 300) -> tuple[float, float, float]:
@@ -45,6 +47,33 @@ def per_call_ms(fn, calls: int = 300) -> tuple[float, float, float]:
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     return cold, (t2 - t0) * 1e3 / calls, (t1 - t0) * 1e3 / calls
+
+
+def _timed(fn, calls: int) -> tuple[float, float]:
+    """(per_call_ms, issue_ms) of ``calls`` back-to-back calls and one synchronize (``per_call_ms``)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t2 - t0) * 1e3 / calls, (t1 - t0) * 1e3 / calls
+
+
+def interleaved_ms(fns: dict, calls: int = 300, rounds: int = ROUNDS, grad: frozenset = frozenset()) -> dict:
+    """name -> (per_call_ms, issue_ms): the median over ``rounds`` rounds, each timing every function of
+    ``fns`` once in turn (warmed up before), so that the host's speed drifting during a run (a clock ramp, a
+    neighbour's load) reaches every entry and its peers alike rather than whichever ran first. Names in
+    ``grad`` run with grad mode on."""
+    runs: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            with torch.enable_grad() if name in grad else torch.no_grad():
+                runs[name].append(_timed(fn, calls))
+    return {
+        name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for name, rs in runs.items()
+    }
 
 
 def profile_counts(fn, reps: int = 10) -> dict:
@@ -244,8 +273,9 @@ def _peer_key(entry: str) -> str:
 def run(out_dir=None, quick: bool = False, calls: int = 300, profile_dir: str | None = None):
     doc = results_header("host")
     doc["method"] = (
-        f"{WARMUP} warm-up calls, then {calls} back-to-back eager calls and one synchronize; "
-        "ms per call; cold_ms is the first call; launches / d2h_copies per call from the profiler"
+        f"{WARMUP} warm-up calls, then {calls} back-to-back eager calls and one synchronize, timed in {ROUNDS} rounds "
+        "that take every entry and peer of a shape in turn; ms per call, the median over the rounds; cold_ms is "
+        "the first call; launches / d2h_copies per call from the profiler"
     )
     shapes = ("tiny",) if quick else ("tiny", "real")
     dims = (64,) if quick else (64, 128)
@@ -256,19 +286,21 @@ def run(out_dir=None, quick: bool = False, calls: int = 300, profile_dir: str | 
                 entries, peers, params = _entries(shape, d)
                 if shape == "tiny":
                     entries.update(_floors(d))
-                peer_ms = {}
-                for name, fn in peers.items():
-                    peer_ms[name] = per_call_ms(fn, calls)[1:]
-                for name, fn in entries.items():
-                    grad = "grad-mode" in name
-                    ctx = torch.enable_grad() if grad else torch.no_grad()
-                    with ctx:
-                        cold, ms, issue = per_call_ms(fn, calls)
-                        counts = profile_counts(fn)
-                        if profile_dir:
-                            Path(profile_dir).mkdir(parents=True, exist_ok=True)
-                            fname = f"{shape}_d{d}_{name.replace(' ', '_').replace('=', '').replace('+', '_')}.txt"
-                            (Path(profile_dir) / fname).write_text(_python_profile(fn))
+                grad = frozenset(name for name in entries if "grad-mode" in name)
+                cold, counts = {}, {}
+                for name, fn in {**peers, **entries}.items():  # first calls, warm-up, profiler counts
+                    with torch.enable_grad() if name in grad else torch.no_grad():
+                        cold[name] = per_call_ms(fn, WARMUP)[0]
+                        if name in entries:
+                            counts[name] = profile_counts(fn)
+                            if profile_dir:
+                                Path(profile_dir).mkdir(parents=True, exist_ok=True)
+                                fname = f"{shape}_d{d}_{name.replace(' ', '_').replace('=', '').replace('+', '_')}.txt"
+                                (Path(profile_dir) / fname).write_text(_python_profile(fn))
+                timed = interleaved_ms({**peers, **entries}, calls, grad=grad)
+                peer_ms = {name: timed[name] for name in peers}
+                for name in entries:
+                    ms, issue = timed[name]
                     pk = _peer_key(name)
                     case = {
                         "case": f"{name} {shape} d{d}",
@@ -279,8 +311,8 @@ def run(out_dir=None, quick: bool = False, calls: int = 300, profile_dir: str | 
                             "gbps": None,
                             "err": None,
                             "issue_ms": round(issue, 5),
-                            "cold_ms": round(cold, 3),
-                            **counts,
+                            "cold_ms": round(cold[name], 3),
+                            **counts[name],
                         },
                         "peers": {
                             p: {"ms": round(peer_ms[f"{p} {pk}"][0], 5), "issue_ms": round(peer_ms[f"{p} {pk}"][1], 5)}
@@ -294,9 +326,9 @@ def run(out_dir=None, quick: bool = False, calls: int = 300, profile_dir: str | 
                             ms * 1e3,
                             issue * 1e3,
                             peer_ms[f"sdpa_bf16 {pk}"][0] * 1e3,
-                            counts["gpu_us"],
-                            counts["launches"],
-                            counts["d2h_copies"],
+                            counts[name]["gpu_us"],
+                            counts[name]["launches"],
+                            counts[name]["d2h_copies"],
                         )
                     )
     path = write_results(doc, out_dir)
