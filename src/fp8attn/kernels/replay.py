@@ -262,6 +262,74 @@ def record(fn, slots):
     return result, Replay(rec.entries, guard.allocs, spec)
 
 
+def _direct_launcher(ck):
+    """``(launch, cooperative, pdl, desc_meta)`` to call triton 3.6's compiled C launcher of ``ck`` directly,
+    or None where the kernel needs what its Python wrapper adds (scratch memory) or the wrapper is not the
+    one known here. ``desc_meta``: kernel argument index -> the TMA metadata of each tensor-descriptor
+    argument (None: the launcher takes the descriptor's fields), which the wrapper would encode per launch."""
+    run = ck.run
+    if type(run).__name__ != "CudaLauncher" or run.global_scratch_size or run.profile_scratch_size:
+        return None
+    launch, meta = run.launch, {}
+    code = getattr(launch, "__code__", None)
+    if code is not None:  # the tensor-descriptor wrapper (``wrap_handle_tensordesc``): read its closure
+        if code.co_name != "inner" or not launch.__closure__:
+            return None
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__)))
+        if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
+            return None
+        launch = cells["launcher"]
+        meta = dict(zip(sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"]))
+    return launch, run.launch_cooperative_grid, run.launch_pdl, meta
+
+
+def _desc_fill_args(meta, desc):
+    """The arguments of ``fill_tma_descriptor`` after the base address, and the kernel arguments that follow
+    the encoded descriptor, for a descriptor of ``desc = (shape, strides, padding)`` (triton 3.6's
+    ``make_tensordesc_arg``)."""
+    shape, strides, padding = list(desc[0]), list(desc[1]), desc[2]
+    if meta["fp4_padded"]:
+        shape[-1] *= 2
+    dtype = _TMA_DTYPE_TO_HOST.get(meta["elem_type"], meta["elem_type"])
+    fill = (meta["swizzle"], meta["elem_size"], dtype, meta["block_size"], shape, strides, 1 if padding == "nan" else 0)
+    return fill, [*shape, *strides]
+
+
+_TMA_DTYPE_TO_HOST = {8: 10, 9: 8, 10: 9}  # triton 3.6's device -> host TMA dtype enum (others equal)
+
+
+class _Direct:
+    """One recorded launch, called through the compiled C launcher: the argument list is built once, and a
+    replay writes into a copy only the stream, the new call's tensors and their TMA descriptors."""
+
+    __slots__ = ("launch", "template", "subs", "descs", "bundles")
+
+    def __init__(self, ck, grid, values, top, bundles, direct):
+        launch, coop, pdl, meta = direct
+        self.launch = launch
+        self.template = [*grid, None, ck.function, coop, pdl, None, None, ck.packed_metadata, None, None, None]
+        sub_at = {i: (kind, ref, desc) for i, kind, ref, desc in top}
+        self.subs, self.descs, self.bundles = [], [], []
+        bundle_at = dict(bundles)
+        for i, v in enumerate(values):
+            pos = len(self.template)
+            if i in meta and i in sub_at:
+                kind, ref, desc = sub_at[i]
+                if meta[i] is None:  # the launcher takes the base tensor and the fields
+                    self.template += [None, *desc[0], *desc[1], desc[2] == "nan", *desc[0], *desc[1]]
+                    self.subs.append((pos, kind, ref))
+                else:
+                    fill, rest = _desc_fill_args(meta[i], desc)
+                    self.template += [None, *rest]
+                    self.descs.append((pos, kind, ref, fill))
+                continue
+            self.template.append(v)
+            if i in sub_at:
+                self.subs.append((pos, *sub_at[i][:2]))
+            elif i in bundle_at:
+                self.bundles.append((pos, v, bundle_at[i]))
+
+
 class Replay:
     """The recorded launches of one call signature; ``run(slots)`` replays them with a new call's tensors
     (in the recorded order, on the current stream)."""
@@ -294,7 +362,11 @@ class Replay:
             bundles: dict = {}
             for (i, j), kind, ref, _ in (x for x in subs if not isinstance(x[0], int)):
                 bundles.setdefault(i, []).append((j, kind, ref))
-            self.entries.append((ck, grid, list(values), top, tuple(bundles.items())))
+            direct = _direct_launcher(ck)
+            if direct is not None and all(i in direct[3] for i, _, _, desc in top if desc is not None):
+                self.entries.append(_Direct(ck, grid, values, top, tuple(bundles.items()), direct))
+            else:
+                self.entries.append((ck, grid, list(values), top, tuple(bundles.items())))
         self.checks = tuple(checks)
 
     def run(self, slots) -> tuple | None:
@@ -312,7 +384,23 @@ class Replay:
         bufs = [torch.empty_strided(sh, st, dtype=dt, device=dev) for sh, st, dt, dev in self.allocs]
         drv = triton.runtime.driver.active
         stream = drv.get_current_stream(drv.get_current_device())
-        for ck, (g0, g1, g2), values, subs, bundles in self.entries:
+        for entry in self.entries:
+            if type(entry) is _Direct:
+                args = entry.template.copy()
+                args[3] = stream
+                for p, kind, ref in entry.subs:
+                    args[p] = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
+                for p, kind, ref, fill in entry.descs:
+                    t = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
+                    args[p] = drv.utils.fill_tma_descriptor(t.data_ptr(), *fill)
+                for p, base, items in entry.bundles:
+                    b = list(base)
+                    for j, kind, ref in items:
+                        b[j] = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
+                    args[p] = tuple(b)
+                entry.launch(*args)
+                continue
+            ck, (g0, g1, g2), values, subs, bundles = entry
             args = values.copy()
             for i, kind, ref, desc in subs:
                 t = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
