@@ -14,13 +14,24 @@ from fp8attn.kernels.planning import paged_config, window_flags
 E4M3 = torch.float8_e4m3fn
 
 
+def _named(kwargs):
+    """A paged launch's keywords with its constexpr bundles spelled out by field name (``KP.PAGED_CFG``,
+    ``PAGED_TILE``, the small class's tile fields suffixed ``_S``, ``PAGED_SCHED``)."""
+    out = {k: v for k, v in kwargs.items() if k not in ("CFG", "TILE", "TILE_S", "SCHED")}
+    out.update(zip(KP.PAGED_CFG, kwargs["CFG"]))
+    out.update(zip(KP.PAGED_TILE, kwargs["TILE"]))
+    out.update((f"{n}_S", v) for n, v in zip(KP.PAGED_TILE, kwargs["TILE_S"]))
+    out.update(zip(KP.PAGED_SCHED, kwargs["SCHED"]))
+    return out
+
+
 class _Capture:
     def __init__(self):
         self.kwargs = None
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.kwargs = kwargs
+            self.kwargs = _named(kwargs)
 
         return launch
 
@@ -164,7 +175,7 @@ class _Launches:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.calls.append((grid, args, kwargs))
+            self.calls.append((grid, args, _named(kwargs)))
 
         return launch
 
@@ -213,7 +224,8 @@ def test_paged_varlen_launch_plan(monkeypatch, case):
         num_splits=splits,
         config={"tma": False} if case == "tma_off" else None,
     )
-    plan = [(kw["TWO_CLASS"], kw["BIG_CLASS"], args[-2], args[-1]) for _, args, kw in kern.calls]
+    # (args: ptrs, batch, seqlen_q, list_min_q, strides, scalars; the scalars end with the query-count range)
+    plan = [(kw["TWO_CLASS"], kw["BIG_CLASS"], args[5][-2], args[5][-1]) for _, args, kw in kern.calls]
     if case == "split_with_tma":
         small_q = paged_config(1, hq // hk, d, True, None, page, True)[0] // (hq // hk)
         assert plan == [(True, False, 0, 0), (False, True, small_q + 1, 127)]
@@ -228,7 +240,7 @@ def test_paged_varlen_launch_plan(monkeypatch, case):
         assert (small[2]["BLOCK_LIST"], big[2]["BLOCK_LIST"]) == (False, True)
         capacity = sum(qlens) // (128 // (hq // hk)) + len(qlens)
         assert big[0] == (capacity * hk + 1, 1, 1)
-        assert big[1][14] is tma_calls[0]["block_list"] and big[1][14].numel() == 8 * (1 + sum(qlens) // 128 + 4)
+        assert big[1][0][14] is tma_calls[0]["block_list"] and big[1][0][14].numel() == 8 * (1 + sum(qlens) // 128 + 4)
     else:
         assert plan == [(True, True, 0, 2**31 - 1)] and tma_calls == []
         assert kern.calls[0][2]["SPLIT"] is (case == "num_splits")
@@ -250,7 +262,7 @@ def test_mixed_batch_decode_class_matches_the_cpu_rule(monkeypatch, hq, hk, d, v
 
     class _All(_Capture):
         def __getitem__(self, grid):
-            return lambda *a, **kw: launches.append(kw)
+            return lambda *a, **kw: launches.append(_named(kw))
 
     monkeypatch.setattr(KP, "_paged_fwd_kernel", _All())
     monkeypatch.setattr(KP, "launch_combine", lambda *a, **k: None)
