@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: timing, peer discovery, and the one results format (DESIGN §6)."""
+"""Shared benchmark plumbing: timing, peer discovery, and the one results format (docs/benchmarks.md,
+"Results format")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`fp8attn bench dense`: dense FP8 forward vs peers in one process (DESIGN §6).
+"""`fp8attn bench dense`: dense FP8 forward vs peers in one process (docs/benchmarks.md, "Results format").
 
 FA3's setup: 16 heads, batch * seqlen = 16k, seqlen 512..16k, head dims 64/128/256, causal on/off.
 ``ours`` times the public path (FP8 Q/K/V in (batch, seqlen, heads, dim), V's K-major copy included);
