@@ -157,17 +157,16 @@ def _ws_mma_layouts(NW, TN, DO):
     return s_layout, o_layout, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
 
 @gluon.jit
-def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready,
-                 k_empty, v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
-                 stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                 seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL: gl.constexpr,
-                 WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _ws_consumer(WG: gl.constexpr, ring, io, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
+                 CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, OUT_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
                  HEAD_DIM: gl.constexpr, SeqlensK, BlockList, Out, stride_om, stride_oh, v_clean,
                  MODE: gl.constexpr, V_ROWS: gl.constexpr = False, ones=None, ones_ready=None,
                  KPERM: gl.constexpr = False, HEAD_DIM_V: gl.constexpr = 0):
     """Consumer WG (4 warps) of ``q_ready.shape[0] // 2``: rows 64 WG .. 64 WG + 63 of each of this CTA's
     query blocks, walked in the producer's order; each block runs ``_ws_attend`` (head dims 64, 128) or
-    ``_ws_attend_d256``.
+    ``_ws_attend_d256``. ``ring``: the kernel's shared-memory buffers and barriers (q, k, v, o buffers; q
+    ready / empty, k ready, v ready, k empty, v empty; the MMA turn); ``io``: the output descriptor, the LSE,
+    descale and out-scale pointers and their strides (the kernel's, in its order).
     MODE != dense (head dims 64, 128; varlen also qk 192 / v 128): per-sequence bounds (``_ws_block``), the V
     tail barrier ``v_clean`` (``_ws_clean_v_tail``); varlen rows are stored through ``Out`` (row stride
     ``stride_om``, head stride ``stride_oh``) with a row mask. ``ones`` (ready on ``ones_ready``, loaded
@@ -175,6 +174,9 @@ def _ws_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_ready, q_em
     ``_ws_attend``). HEAD_DIM_V: V's and O's head dim where it differs from ``HEAD_DIM`` (0: the same; qk 192 /
     v 128 runs ``_ws_attend`` with Q and K in three boxes)."""
     gl.static_assert(gl.num_warps() == 4)
+    q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = ring
+    o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm, stride_qds_b, stride_qds_h, stride_kds_b, \
+        stride_kds_h, stride_vds_b, stride_vds_h = io
     DHV: gl.constexpr = HEAD_DIM if HEAD_DIM_V == 0 else HEAD_DIM_V
     MH: gl.constexpr = q_smem.shape[1]
     TN: gl.constexpr = k_smem.shape[1]

@@ -27,14 +27,14 @@ _WS_LOADER_REGS = gl.constexpr(24)
 _WS3_CONSUMER_REGS = gl.constexpr(160)  # three consumers: 3 x 128 x 160 + 32 x 24 <= 64K
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-               v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM: gl.constexpr,
+def _ws_loader(q_desc, k_desc, v_desc, ring, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM: gl.constexpr,
                CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, PageTable, SeqlensK, BlockList,
                stride_pt, page_size, MODE: gl.constexpr, v_raw=None, v_raw_ready=None,
                V_ROWS: gl.constexpr = False, ones_desc=None, ones=None, ones_ready=None,
                WRITE_LSE: gl.constexpr = True, KPERM: gl.constexpr = False, OUT_FP8: gl.constexpr = False,
                HEAD_DIM_V: gl.constexpr = 0):
-    """Producer warp: per query block, both consumers' Q rows into the free Q buffer, then its K/V tiles
+    """Producer warp (``ring``: the consumers' ``_ws_consumer`` bundle): per query block, both consumers' Q
+    rows into the free Q buffer, then its K/V tiles
     through the ring (one ring for all of the CTA's blocks, so the next block's first tiles load
     while the consumers finish the current one). A stage / Q buffer is refilled once its consumers
     arrived on its empty barrier. Boxes narrower than the head dim (256: Q/K halves, V quarters)
@@ -59,6 +59,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
 
     HEAD_DIM_V: V's and O's head dim where it differs from Q's and K's ``HEAD_DIM`` (0: the same; the
     dense kernel's qk 192 / v 128, ``_dense_fwd_tma_ws_kernel``)."""
+    q_smem, k_smem, v_smem, _o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, _turn = ring
     DHV: gl.constexpr = HEAD_DIM if HEAD_DIM_V == 0 else HEAD_DIM_V
     MH: gl.constexpr = q_desc.block_type.shape[0]
     KB: gl.constexpr = box_keys(k_desc.block_type.shape)
@@ -265,48 +266,35 @@ def _dense_fwd_tma_ws_kernel(
         ones_ready, _ = _ws_smem(q_desc, k_desc, v_desc, o_desc, ones_desc, NUM_STAGES, HEAD_DIM, CONSUMERS, False,
                                  False, HEAD_DIM_V)
 
-    # (the argument tuples are written out: a tuple held in a variable loses the constexpr flags)
+    ring = (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn)
+    io = (o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm, stride_qds_b, stride_qds_h,
+          stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h)
+    # (the shared-memory ring and the output's pointers and strides travel as bundles; the constexprs and
+    # the literal placeholders stay written out: a constexpr inside a tuple held in a variable loses its flag)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
-                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+            (_ws_consumer, (0, ring, io, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
+                            CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
                             ones_ready)),
-            (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
-                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+            (_ws_consumer, (1, ring, io, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
+                            CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
                             ones_ready)),
-            (_ws_consumer, (2, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
-                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+            (_ws_consumer, (2, ring, io, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
+                            CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
                             ones_ready)),
-            (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
+            (_ws_loader, (q_desc, k_desc, v_desc, ring, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
                           NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready,
                           WRITE_LSE, False, OUT_FP8)),
         ], [4, 4, 1], [_WS3_CONSUMER_REGS, _WS3_CONSUMER_REGS, _WS_LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
-                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+            (_ws_consumer, (0, ring, io, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
+                            CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
                             ones_ready, KPERM, HEAD_DIM_V)),
-            (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                            v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
-                            stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                            seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
-                            OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
+            (_ws_consumer, (1, ring, io, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, softmax_scale_log2,
+                            CAUSAL, WRITE_LSE, OUT_FP8, NUM_STAGES, HEAD_DIM, Lse, Lse, Lse, 0, 0, turn, 0, False, ones,
                             ones_ready, KPERM, HEAD_DIM_V)),
-            (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
+            (_ws_loader, (q_desc, k_desc, v_desc, ring, seqlen_q, seqlen_k, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
                           NUM_STAGES, Lse, Lse, Lse, 0, 1, 0, None, None, False, ones_desc, ones, ones_ready,
                           WRITE_LSE, KPERM, OUT_FP8, HEAD_DIM_V)),
         ], [4, 1], [_WS_CONSUMER_REGS, _WS_LOADER_REGS])
@@ -344,21 +332,17 @@ def _bounded_fwd_tma_ws_kernel(
     # rows and spilled at 24 (slower on the H200 there; pages of 64+ ran faster at 24).
     LOADER_REGS: gl.constexpr = _v_rows_loader_regs(k_desc.block_type.shape[0]) if V_ROWS else _WS_LOADER_REGS
 
+    ring = (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn)
+    io = (o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm, stride_qds_b, stride_qds_h,
+          stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h)
     gl.warp_specialize([
-        (_ws_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                        v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
-                        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                        seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+        (_ws_consumer, (0, ring, io, seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                         OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
                         v_clean, MODE, V_ROWS, ones, ones_ready, False, HEAD_DIM_V)),
-        (_ws_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                        v_empty, turn, o_desc, Lse, QDs, KDs, VDs, OutScale, stride_lb, stride_lh, stride_lm,
-                        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                        seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
+        (_ws_consumer, (1, ring, io, seqlen_q, 0, nheads_q, nheads_k, batch, softmax_scale_log2, CAUSAL, WRITE_LSE,
                         OUT_FP8, NUM_STAGES, HEAD_DIM, SeqlensK, BlockList, Out, stride_om, stride_oh,
                         v_clean, MODE, V_ROWS, ones, ones_ready, False, HEAD_DIM_V)),
-        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                      k_empty, v_empty, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
+        (_ws_loader, (q_desc, k_desc, v_desc, ring, seqlen_q, 0, nheads_q, nheads_k, batch, HEAD_DIM, CAUSAL,
                       NUM_STAGES, PageTable, SeqlensK, BlockList, stride_pt, page_size, MODE, v_raw, v_raw_ready,
                       V_ROWS, ones_desc, ones, ones_ready, WRITE_LSE, False, OUT_FP8, HEAD_DIM_V)),
     ], [4, LOADER_WARPS], [_WS_CONSUMER_REGS, LOADER_REGS])
