@@ -284,6 +284,7 @@ def _dense_plan(q, k, v, out, out_scale, c):
         causal=attn["causal"],
         window_size=attn["window_size"],
         softcap=attn["softcap"],
+        out_dtype=attn["out_dtype"],
         return_lse=attn["return_lse"],
     ) or plan.dense_plan(q, k, v, batch=q.shape[0], attn=attn, varlen=False, return_lse=attn["return_lse"])
 

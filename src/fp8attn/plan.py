@@ -205,7 +205,9 @@ def _descales(qd, kd, vd, batch, nheads_k, device) -> dict:
     }
 
 
-def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal, window_size, softcap, return_lse):
+def dense_tma_plan(
+    q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal, window_size, softcap, out_dtype, return_lse
+):
     """The plan of a dense (4-D) FP8 call that the Hopper kernel serves with one launch, or None.
 
     Called by the public path after validation, with its expanded descales; ``None`` when the call needs
@@ -224,7 +226,7 @@ def dense_tma_plan(q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal
     backend = kd_.dense_backend()
     if backend == "triton" or kd_.wants_kmajor_copy(v, True, None, True):
         return None
-    odt = attention_out_dtype(q.dtype, out.dtype if out is not None else None, out_scale)
+    odt = attention_out_dtype(q.dtype, out_dtype, out_scale)
     oshape, lse_shape = _dense_shapes(q, v, False)
     b, sq, hq, _ = q.shape
     probe_out = out if out is not None else torch.empty(oshape, dtype=odt, device=q.device)

@@ -84,6 +84,24 @@ def test_eager_plan_equals_checked_path(causal, per_tensor):
     assert _attention_plans(plan) == 3  # (no LSE, LSE, out=): one plan each
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_eager_plan_keeps_out_dtype(out_dtype):
+    """An out_dtype the Hopper kernel does not write: every call, the first (which builds the plan) and the
+    planned ones, returns it with the checked path's bits."""
+    import fp8attn
+    from fp8attn import plan
+
+    plan.clear()
+    q8, k8, v8, qd, kd, vd = _fp8_inputs()
+    kw = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=out_dtype)
+    ref = fp8attn.flash_attn_func(q8, k8, v8, validate=True, **kw)
+    assert ref.dtype == out_dtype
+    for i in range(3):
+        got = fp8attn.flash_attn_func(q8, k8, v8, **kw)
+        assert got.dtype == out_dtype and torch.equal(got, ref), f"call {i}"
+    assert _attention_plans(plan) == 1
+
+
 def test_eager_plan_not_taken_for_grad_or_other_signatures(monkeypatch):
     import fp8attn
     from fp8attn import plan
