@@ -1446,39 +1446,17 @@ def _validate_kvcache(
     )
 
 
-def _paged_plan(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, return_lse, c):
-    """The eager plan of a validated paged call without an append (``c``: its ``_CachePlan``), or None: the
-    call must read the caller's cache, page table and int32 lengths as they are."""
+def _paged_plan(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, return_lse, c, append):
+    """The eager plan of a validated paged call (``c``: its ``_CachePlan``), or None: the call must use the
+    caller's cache and page table and its int32 lengths as they are, without rotary. Without an append the
+    attention reads those lengths; with one (``append``: fixed-length new tokens) the append writes the cache
+    through the page table from them, and the attention reads the lengths the append leaves."""
+    lens = c.cache_seqlens if append else c.total_len
     if not (
         c.pt is page_table
         and c.k_cache is k_cache
         and c.v_cache is v_cache
-        and c.total_len is cache_seqlens
-        and cache_seqlens.dtype == torch.int32
-    ):
-        return None
-    return plan.paged_plan(
-        q,
-        k_cache,
-        cu_seqlens_q,
-        max_seqlen_q,
-        v_cache,
-        batch=c.batch,
-        attn=c.attn,
-        num_splits=c.num_splits,
-        return_lse=return_lse,
-    )
-
-
-def _paged_append_plan(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, return_lse, c):
-    """The eager plan of a validated paged call with an append of fixed-length new tokens (``c``: its
-    ``_CachePlan``), or None: the append must write the caller's cache through its page table from its int32
-    lengths, and the attention read the lengths the append leaves."""
-    if not (
-        c.pt is page_table
-        and c.k_cache is k_cache
-        and c.v_cache is v_cache
-        and c.cache_seqlens is cache_seqlens
+        and lens is cache_seqlens
         and isinstance(cache_seqlens, torch.Tensor)
         and cache_seqlens.dtype == torch.int32
         and c.rotary is None
@@ -1494,7 +1472,7 @@ def _paged_append_plan(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlen
         attn=c.attn,
         num_splits=c.num_splits,
         return_lse=return_lse,
-        append=True,
+        append=append,
     )
 
 
@@ -1734,7 +1712,7 @@ def flash_attn_with_kvcache(
         run := _new_plan(
             key,
             tensors,
-            _paged_append_plan if appends else _paged_plan,
+            _paged_plan,
             q,
             k_cache,
             v_cache,
@@ -1744,6 +1722,7 @@ def flash_attn_with_kvcache(
             max_seqlen_q,
             return_softmax_lse,
             c,
+            appends,
         )
     ):
         return run(*tensors)

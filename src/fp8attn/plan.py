@@ -205,6 +205,23 @@ def _descales(qd, kd, vd, batch, nheads_k, device) -> dict:
     }
 
 
+def _output_alloc(q, v, varlen, out_dtype, out_scale, return_lse):
+    """A plan's per-call outputs, ``alloc(out) -> (o, lse)``: ``out``, or a new tensor of the call's output
+    shape and dtype (which the signature fixes: q's dtype, out_dtype, whether out_scale is given), and a new
+    float32 LSE when the call returns one."""
+    from .kernels.planning import attention_out_dtype
+
+    oshape, lse_shape = _dense_shapes(q, v, varlen)
+    odt = attention_out_dtype(q.dtype, out_dtype, out_scale)
+    dev = q.device
+
+    def alloc(out):
+        o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
+        return o, (torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None)
+
+    return alloc
+
+
 def dense_tma_plan(
     q, k, v, qd, kd, vd, out, out_scale, *, softmax_scale, causal, window_size, softcap, out_dtype, return_lse
 ):
@@ -215,7 +232,6 @@ def dense_tma_plan(
     if not q.is_cuda or q.dtype != torch.float8_e4m3fn:
         return None
     from .capability import kernel_for
-    from .kernels.planning import attention_out_dtype
 
     if kernel_for(q, "dense") is None:
         return None
@@ -226,11 +242,9 @@ def dense_tma_plan(
     backend = kd_.dense_backend()
     if backend == "triton" or kd_.wants_kmajor_copy(v, True, None, True):
         return None
-    odt = attention_out_dtype(q.dtype, out_dtype, out_scale)
-    oshape, lse_shape = _dense_shapes(q, v, False)
+    alloc = _output_alloc(q, v, False, out_dtype, out_scale, return_lse)
     b, sq, hq, _ = q.shape
-    probe_out = out if out is not None else torch.empty(oshape, dtype=odt, device=q.device)
-    probe_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+    probe_out, probe_lse = alloc(out)
     why = kd_.tma_reason(
         q,
         k,
@@ -278,8 +292,7 @@ def dense_tma_plan(
     launches = Launches(launch_)
 
     def run(q, k, v, q_descale, k_descale, v_descale, out, out_scale):
-        o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
+        o, lse = alloc(out)
         with launch_device(q):
             launches(q, k, v, q_descale, k_descale, v_descale, out_scale, o, lse)
         return (o, lse) if return_lse else o
@@ -298,14 +311,13 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
     if not q.is_cuda:
         return None
     from .capability import kernel_for, launch_device
-    from .kernels.planning import attention_out_dtype
 
     launch = kernel_for(q, "paged")
     appender = kernel_for(q, "append") if append else None
     if launch is None or (append and appender is None):
         return None
     varlen = cu_seqlens_q is not None
-    oshape, lse_shape = _dense_shapes(q, v_cache, varlen)
+    alloc = _output_alloc(q, v_cache, varlen, attn["out_dtype"], attn["out_scale"], return_lse)
     msq = max_seqlen_q if max_seqlen_q is not None else (q.shape[0] if varlen else q.shape[1])
     hk = k_cache.shape[2]
     dev = q.device
@@ -374,9 +386,7 @@ def paged_plan(q, k_cache, cu_seqlens_q, max_seqlen_q, v_cache, *, batch, attn, 
         out_scale,
         *new,
     ):
-        odt = attention_out_dtype(q.dtype, attn["out_dtype"], out_scale)
-        o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
+        o, lse = alloc(out)
         with launch_device(q):
             launches(
                 q,
@@ -408,12 +418,11 @@ def dense_plan(q, k, v, *, batch, attn, varlen, max_seqlen_q=None, max_seqlen_k=
     if not q.is_cuda:
         return None
     from .capability import kernel_for, launch_device
-    from .kernels.planning import attention_out_dtype
 
     launch = kernel_for(q, "dense")
     if launch is None:
         return None
-    oshape, lse_shape = _dense_shapes(q, v, varlen)
+    alloc = _output_alloc(q, v, varlen, attn["out_dtype"], attn["out_scale"], return_lse)
     hk = k.shape[-2]
     dev = q.device
     kw = dict(
@@ -460,9 +469,7 @@ def dense_plan(q, k, v, *, batch, attn, varlen, max_seqlen_q=None, max_seqlen_k=
         seqused_q=None,
         seqused_k=None,
     ):
-        odt = attention_out_dtype(q.dtype, attn["out_dtype"], out_scale)
-        o = out if out is not None else torch.empty(oshape, dtype=odt, device=dev)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=dev) if return_lse else None
+        o, lse = alloc(out)
         with launch_device(q):
             launches(
                 q,

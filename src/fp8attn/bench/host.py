@@ -39,14 +39,7 @@ def per_call_ms(fn, calls: int = 300) -> tuple[float, float, float]:
     cold = (time.perf_counter() - t0) * 1e3
     for _ in range(WARMUP):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return cold, (t2 - t0) * 1e3 / calls, (t1 - t0) * 1e3 / calls
+    return (cold, *_timed(fn, calls))
 
 
 def _timed(fn, calls: int) -> tuple[float, float]:

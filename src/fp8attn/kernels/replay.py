@@ -287,15 +287,14 @@ def _desc_fill_args(meta, desc):
     """The arguments of ``fill_tma_descriptor`` after the base address, and the kernel arguments that follow
     the encoded descriptor, for a descriptor of ``desc = (shape, strides, padding)`` (triton 3.6's
     ``make_tensordesc_arg``)."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
     shape, strides, padding = list(desc[0]), list(desc[1]), desc[2]
     if meta["fp4_padded"]:
         shape[-1] *= 2
-    dtype = _TMA_DTYPE_TO_HOST.get(meta["elem_type"], meta["elem_type"])
+    dtype = TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]]
     fill = (meta["swizzle"], meta["elem_size"], dtype, meta["block_size"], shape, strides, 1 if padding == "nan" else 0)
     return fill, [*shape, *strides]
-
-
-_TMA_DTYPE_TO_HOST = {8: 10, 9: 8, 10: 9}  # triton 3.6's device -> host TMA dtype enum (others equal)
 
 
 class _Direct:
