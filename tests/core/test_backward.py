@@ -397,7 +397,7 @@ GPU_CASES = [
 @pytest.mark.parametrize(
     "case", GPU_CASES, ids=[f"d{c[5]} S{c[1]}x{c[2]} h{c[3]}/{c[4]} causal={c[6]}" for c in GPU_CASES]
 )
-@pytest.mark.parametrize("mode", ["dequantized"])  # (fp8: refused on CUDA, tests/kernels/test_kernel_backward.py)
+@pytest.mark.parametrize("mode", ["dequantized", "fp8"])
 def test_gpu_kernel_backward_vs_reference(case, mode):
     b, sq, sk, hq, hk, d, causal = case
     dv = 128 if d == 192 else d

@@ -164,9 +164,6 @@ def run(out_dir=None, quick=False):
                     except Exception as e:  # a missing peer is recorded, not fatal
                         errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
                 for mode in MODES:
-                    if mode == "fp8" and torch.cuda.is_available():  # (refused on CUDA: docs/api.md, Training)
-                        errors["ours_fp8"] = "fp8_backward='fp8' is not available on CUDA devices yet"
-                        continue
                     fwd = lambda *x, mode=mode: fp8attn.attention(*x, causal=causal, fp8_backward=mode)  # noqa: E731
                     step = lambda fwd=fwd: torch.autograd.grad(fwd(*leaves), leaves, do)  # noqa: E731
                     ours = _timed(step, flops["fwd_bwd"])

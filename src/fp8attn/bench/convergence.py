@@ -247,9 +247,6 @@ def run(out_dir=None, quick=False, shard=DEFAULT_SHARD, cfg: TrainConfig | None 
     losses = {}
     for name in names or RUNS:
         seed, opts = RUNS[name]
-        if opts and opts.get("fp8_backward") == "fp8" and torch.cuda.is_available():
-            doc.setdefault("skipped", {})[name] = "fp8_backward='fp8' is not available on CUDA devices yet"
-            continue
         t0 = time.time()
         print(f"{name} (seed {seed})", flush=True)
         loss = train(

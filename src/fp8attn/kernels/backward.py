@@ -7,7 +7,8 @@ Three kernels, no atomics, so every rerun is bit-identical (``deterministic`` ne
    there and the row contributes nothing), into one fp32 workspace.
 2. ``_bwd_dkdv_kernel``: one program per (key block, batch, kv head); it loops over the query heads of
    the group and their query blocks, so dK/dV are summed over the group in registers. At head dim 256
-   (and 192) it runs twice, once per gradient, as both fp32 accumulators do not fit in registers.
+   (and 192) it runs twice, once per gradient, as both fp32 accumulators do not fit in registers; in the
+   ``"fp8"`` mode too (the launcher says why).
 3. ``_bwd_dq_kernel``: one program per (query block, batch, query head), looping over key blocks.
 
 Both main kernels recompute ``P = exp2(s * scale * log2(e) - lse2)`` from Q, K and the saved LSE.
@@ -651,19 +652,14 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
 
     Notes
     -----
-    Three launches (preprocess, dK/dV, dQ; four at head dim 192/256, one per gradient for dK and dV).
+    Three launches (preprocess, dK/dV, dQ; four at head dim 192/256 and in the fp8 mode, one per gradient
+    for dK and dV).
     The main kernels autotune per (head dims, dtype, mode, masks, varlen, seqlen bucket) on the first eager
     call; during CUDA-graph capture they use the config an eager call picked, else the table's default
     (``FP8ATTN_NO_AUTOTUNE=1``: always the default).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}; pass 'dequantized' or 'fp8'")
-    if mode == "fp8" and dq.is_cuda:
-        # On an H200 the compiled fp8-mode dK/dV pass wrote NaN into dV where the interpreter's run of the
-        # same kernel is finite (tests/kernels/test_kernel_backward.py); it stays off the GPU until that is found.
-        raise NotImplementedError("fp8_backward='fp8' (FP8 backward matmuls) is not available on CUDA devices yet: "
-                                  "use the default fp8_backward='dequantized' (its CPU form runs through the "
-                                  "reference and the Triton interpreter).")
     del deterministic  # always deterministic (see module docstring)
     varlen = cu_seqlens_q is not None
     is_fp8 = q.dtype == torch.float8_e4m3fn
@@ -713,9 +709,12 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
 
     args = ((q, k, v, do, ws, dk, dv, *descs, cu_q, cu_k),
             (*common_in, tuple(_strides4(dk, varlen)), tuple(_strides4(dv, varlen)), tuple(ds_strides)), *tail)
-    # At d256 the dK and dV accumulators together outgrow the register file (hundreds of spilled words in
-    # every configuration): one launch per gradient there, each recomputing P (five GEMMs instead of four).
-    split = _dclass(block_d, block_dv) == 256
+    # One launch per gradient, each recomputing P (five GEMMs instead of four): at d256, where the dK and dV
+    # accumulators together outgrow the register file (hundreds of spilled words in every configuration),
+    # and in the fp8 mode, where the sm90 code of the fused form fed garbage e4m3 operands into dV (NaN or
+    # large errors in every configuration at d64/d128 on an H200) while each gradient's own launch is
+    # correct (docs/decisions.md, Backward; the GPU grid of tests/kernels/test_kernel_backward.py).
+    split = _dclass(block_d, block_dv) == 256 or mode == "fp8"
     for do_dk, do_dv in ((True, False), (False, True)) if split else ((True, True),):
         _launch(_bwd_dkdv_kernel, _dkdv_tuned, _CFGS_DKDV,
                 lambda meta: (cdiv(sk, meta["BLOCK_N"]), batch, nheads_k), args,
