@@ -263,13 +263,15 @@ def run_attention(seqlen, heads, rule_variants=()):
     Q/K (head dim 192 = NoPE 128 + RoPE 64) and V (128) with per-head descales, causal and not, per head count.
     ``ours``: the dense launcher on its default kernel for these head dims, the warp-specialized TMA kernel
     (``ms_lse``: writing the LSE too; ``kernel``: the kernels its call ran, from the profiler); peers
-    ``triton`` (the same call with ``FP8ATTN_DENSE_BACKEND=triton``) and ``sdpa_cudnn_bf16`` (torch SDPA's cuDNN
-    backend on the dequantized bf16 inputs). TF/s: 2 x visible pairs x (192 + 128) per head. ``err``:
+    ``triton`` (the same call with ``FP8ATTN_DENSE_BACKEND=triton``), ``varlen`` (the sequence as a one-sequence
+    varlen batch, the call ``mla.prefill`` makes for its new tokens, LSE included) and ``sdpa_cudnn_bf16``
+    (torch SDPA's cuDNN backend on the dequantized bf16 inputs). TF/s: 2 x visible pairs x (192 + 128) per head. ``err``:
     max |out - ref| / max |ref| on the first 2 heads against the float reference of the e4m3 inputs.
     ``rule_variants``: dense rule overrides (``FP8ATTN_DENSE_RULES``'s syntax, e.g. ``stages=3``,
     ``persistent=0``), each an extra peer ``rules:<value>`` (the same call under them, ``set_dense_rules``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from .. import mla
     from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
     from ..reference import attention_ref
     from .common import kernel_times_us
@@ -342,6 +344,35 @@ def run_attention(seqlen, heads, rule_variants=()):
 
             ms_t, err_t, k_t = _with_env("FP8ATTN_DENSE_BACKEND", "triton", triton_ms)
             peers = {"triton": {"ms": ms_t, "tflops": flops / ms_t / 1e9, "err": err_t, "kernel": k_t}}
+            # the same sequence as a one-sequence varlen batch, as mla.prefill attends its new tokens
+            cu = torch.tensor([0, seqlen], device="cuda", dtype=torch.int32)
+
+            def varlen():
+                mla._attend(
+                    q8[0],
+                    k8[0],
+                    v8[0],
+                    cu,
+                    cu,
+                    seqlen,
+                    seqlen,
+                    scale,
+                    causal,
+                    None,
+                    (qd, kd, vd),
+                    out[0],
+                    torch.bfloat16,
+                )
+
+            varlen()
+            torch.cuda.synchronize()
+            ms_v = time_ms(varlen)
+            peers["varlen"] = {
+                "ms": ms_v,
+                "tflops": flops / ms_v / 1e9,
+                "err": err(out),
+                "kernel": sorted(kernel_times_us(varlen, reps=2)),
+            }
             for var in rule_variants:
 
                 def rules_ms():
