@@ -530,12 +530,16 @@ def quantize_plan(q, k, granularity, nheads_k, rotate, seed, block_t, v_seq_majo
     ``(q8, k8, v8, q_descale, k_descale, v_descale)``. The quantized tensors and descales are allocated by
     the launches, so a replayed call returns new memory of the recorded shapes and layouts."""
     from .capability import launch_device
-    from .quant import _triton_path
+    from .quant import _triton_path, triton_qkv
 
     vg = "per_head" if granularity == "per_block" else granularity
     b = q.shape[0] if q.dim() == 4 else 1
 
     def launch_(q, k, v):
+        # one launch for the three where every scale group is small (the three launches' bits), else three
+        fused = triton_qkv(q, k, v, granularity, nheads_k, rotate, seed, block_t, v_seq_major)
+        if fused is not None:
+            return fused
         q8, qd = _triton_path(q, granularity, nheads_k, rotate, seed, block_t)
         k8, kd = _triton_path(k, granularity, nheads_k, rotate, seed, block_t)
         v8, vd = _triton_path(v, vg, nheads_k, False, seed, 64, seq_major=v_seq_major)

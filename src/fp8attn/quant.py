@@ -404,6 +404,51 @@ def _triton_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=Fals
     return (y.squeeze(0) if x.dim() == 3 else y), ds
 
 
+def triton_qkv(q, k, v, granularity, nheads_k, rotate, seed, block_t, v_seq_major):
+    """``quantize_qkv``'s three Triton quantizations in one launch, ``(q8, k8, v8, qd, kd, vd)`` as three
+    ``_triton_path`` calls return them (the same bits), or None where ``kernels.quantize.qkv_single_ok``
+    refuses the inputs (larger scale groups, per_block, mixed dtypes)."""
+    from .kernels.quantize import launch_quantize_qkv, qkv_single_ok
+
+    xs = tuple(_as4d(x) for x in (q, k, v))
+    if not qkv_single_ok(*xs, granularity, nheads_k, block_t):
+        return None
+    dev = q.device
+    ys = (
+        torch.empty(xs[0].shape, device=dev, dtype=torch.float8_e4m3fn),
+        torch.empty(xs[1].shape, device=dev, dtype=torch.float8_e4m3fn),
+        empty_seq_major(xs[2].shape, torch.float8_e4m3fn, dev)
+        if v_seq_major
+        else torch.empty(xs[2].shape, device=dev, dtype=torch.float8_e4m3fn),
+    )
+    dss = tuple(
+        torch.empty(descale_shape(x, granularity, nheads_k, block_t), device=dev, dtype=torch.float32) for x in xs
+    )
+    d, dv = xs[0].shape[-1], xs[2].shape[-1]
+    block_d, block_dv = (max(16, 1 << (n - 1).bit_length()) for n in (d, dv))
+    if rotate:
+        r = _padded_rotation(d, block_d, int(seed), dev, q.dtype)
+        r_scale = 1.0 / math.sqrt(_had.hadamard_block_size(d))
+    else:
+        r, r_scale = ys[0], 1.0
+    launch_quantize_qkv(
+        xs,
+        ys,
+        dss,
+        r,
+        r_scale,
+        granularity=granularity,
+        nheads_k=nheads_k,
+        rotate=rotate,
+        block_t=block_t,
+        block_d=block_d,
+        block_dv=block_dv,
+    )
+    if q.dim() == 3:
+        ys = tuple(y.squeeze(0) for y in ys)
+    return (*ys, *dss)
+
+
 def quantize_one(x, granularity, nheads_k, rotate, seed, block_t, seq_major, use_triton):
     """One input of ``quantize_qkv`` (the body of the ``fp8attn::quantize_fp8`` op): ``(x8, descale)`` with
     the descale in ``descale_shape`` (per_tensor: (1, 1); the caller broadcasts it)."""

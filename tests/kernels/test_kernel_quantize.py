@@ -126,6 +126,44 @@ def test_opcheck_quantize_fp8_triton():
             assert (tuple(r.shape), r.dtype, r.stride()) == (tuple(f.shape), f.dtype, f.stride())
 
 
+@pytest.mark.parametrize(
+    "shape,gran,rotate,seq_major",
+    [
+        ((1, 128, 128, 4, 4, 64, 64), "per_head", False, True),
+        ((2, 70, 33, 6, 2, 32, 16), "per_head", True, False),
+        ((None, 45, 9, 4, 1, 40, 24), "per_tensor", True, True),  # varlen, head dims padded
+    ],
+)
+def test_one_launch_qkv_equals_three_launches(shape, gran, rotate, seq_major):
+    """quant.triton_qkv (Q, K and V in one launch, what the quantize_qkv plan runs) returns what three
+    one-launch quantizations return, bit for bit, with their shapes and strides."""
+    b, sq, sk, hq, hk, d, dv = shape
+    lead = (lambda s: (s,)) if b is None else (lambda s: (b, s))
+    q = (torch.randn(*lead(sq), hq, d) * 3).to(DEV, torch.bfloat16)
+    k = torch.randn(*lead(sk), hk, d).to(DEV, torch.bfloat16)
+    v = (torch.randn(*lead(sk), hk, dv) * 0.1).to(DEV, torch.bfloat16)
+    got = quant.triton_qkv(q, k, v, gran, hk, rotate, 7, 64, seq_major)
+    assert got is not None
+    want = (
+        quant._triton_path(q, gran, hk, rotate, 7, 64, single=True),
+        quant._triton_path(k, gran, hk, rotate, 7, 64, single=True),
+        quant._triton_path(v, gran, hk, False, 7, 64, seq_major=seq_major, single=True),
+    )
+    for a, w in zip(got, [w[0] for w in want] + [w[1] for w in want]):
+        assert (a.shape, a.stride(), a.dtype) == (w.shape, w.stride(), w.dtype)
+        assert torch.equal(_bits(a), _bits(w)) if a.dtype == torch.float8_e4m3fn else torch.equal(a, w)
+
+
+def test_one_launch_qkv_refuses_large_groups_and_per_block():
+    """Groups of more than SINGLE_MAX_TILES tiles, per_block scales and mixed dtypes keep three launches."""
+    q = torch.randn(1, 64 * 9, 2, 16, device=DEV, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 64, 2, 16, device=DEV, dtype=torch.bfloat16)
+    assert quant.triton_qkv(q, k, v, "per_head", 2, False, 7, 64, True) is None
+    assert quant.triton_qkv(k, k, v, "per_block", 2, False, 7, 64, True) is None
+    assert quant.triton_qkv(k, k.float(), v, "per_head", 2, False, 7, 64, True) is None
+    assert quant.triton_qkv(k, k, v, "per_head", 2, False, 7, 64, True) is not None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gran", GRANS)
 @pytest.mark.parametrize("hadamard", [False, True])

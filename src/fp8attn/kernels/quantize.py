@@ -33,7 +33,8 @@ except Exception:  # pragma: no cover - exercised only without triton
     tl = None
     HAS_TRITON = False
 
-__all__ = ["launch_quantize", "launch_quant_static", "HAS_TRITON", "SINGLE_MAX_TILES"]
+__all__ = ["launch_quantize", "launch_quantize_qkv", "qkv_single_ok", "launch_quant_static", "HAS_TRITON",
+           "SINGLE_MAX_TILES"]
 
 E4M3_MAX = 448.0
 # Largest group one program quantizes alone (one launch): its tiles are read twice by one SM, which stays
@@ -93,6 +94,40 @@ if HAS_TRITON:
         return tl.where(amax != amax, amax, ds)
 
     @triton.jit
+    def _single_group(X, Y, R, DS, group, batch, seqlen, nheads, head_dim, nblocks, group_heads, r_scale,
+                      stride_xb, stride_xs, stride_xh, stride_xd, stride_yb, stride_ys, stride_yh, stride_yd,
+                      stride_db, stride_dh,
+                      PER_TENSOR: tl.constexpr, ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Scale group ``group`` in one program: reads its tiles twice (the amax, then the quantization)."""
+        if PER_TENSOR:
+            first = tl.zeros((), tl.int64)
+            count = batch * nheads * nblocks
+        else:
+            first = group.to(tl.int64) * group_heads * nblocks
+            count = group_heads * nblocks
+        amax = tl.zeros((), tl.float32)
+        bad = tl.zeros((), tl.int32)
+        # pass 1 (it < count) takes the amax of each tile, pass 2 quantizes them; one loop, so that the tile
+        # load (and its rotation's shared-memory buffers) exists once in the kernel
+        for it in range(0, 2 * count):
+            quant = it >= count
+            f = first + it - count * quant.to(tl.int64)
+            b = f // (nheads * nblocks)
+            h = (f // nblocks) % nheads
+            blk = f % nblocks
+            xf = _load_tile(X, R, b, h, blk, seqlen, head_dim, r_scale, stride_xb, stride_xs, stride_xh,
+                            stride_xd, ROTATE, BLOCK_T, BLOCK_D)
+            a = _tile_amax(xf)
+            bad += ((a != a) & (it < count)).to(tl.int32)
+            amax = tl.where(quant, amax, tl.maximum(amax, tl.where(a != a, 0.0, a)))
+            ds = _descale(tl.where(bad > 0, float("nan"), amax))
+            if quant:
+                if it == count:
+                    tl.store(DS + b * stride_db + (h // group_heads) * stride_dh, ds)
+                _store_tile(Y, xf, ds, b, h, blk, seqlen, head_dim, stride_yb, stride_ys, stride_yh, stride_yd,
+                            BLOCK_T, BLOCK_D)
+
+    @triton.jit
     def _quantize_kernel(X, Y, R, P, DS,
                          batch, seqlen, nheads, head_dim, nblocks, group_heads, r_scale,
                          stride_xb, stride_xs, stride_xh, stride_xd,
@@ -104,33 +139,9 @@ if HAS_TRITON:
         group is a run of ``group_tiles`` consecutive tiles from ``first``: per head, the ``group_heads`` heads
         of one KV head; per tensor, all of them."""
         if MODE == 2:  # one program per group
-            if PER_TENSOR:
-                first = tl.zeros((), tl.int64)
-                count = batch * nheads * nblocks
-            else:
-                first = tl.program_id(0).to(tl.int64) * group_heads * nblocks
-                count = group_heads * nblocks
-            amax = tl.zeros((), tl.float32)
-            bad = tl.zeros((), tl.int32)
-            # pass 1 (it < count) takes the amax of each tile, pass 2 quantizes them; one loop, so that the tile
-            # load (and its rotation's shared-memory buffers) exists once in the kernel
-            for it in range(0, 2 * count):
-                quant = it >= count
-                f = first + it - count * quant.to(tl.int64)
-                b = f // (nheads * nblocks)
-                h = (f // nblocks) % nheads
-                blk = f % nblocks
-                xf = _load_tile(X, R, b, h, blk, seqlen, head_dim, r_scale, stride_xb, stride_xs, stride_xh,
-                                stride_xd, ROTATE, BLOCK_T, BLOCK_D)
-                a = _tile_amax(xf)
-                bad += ((a != a) & (it < count)).to(tl.int32)
-                amax = tl.where(quant, amax, tl.maximum(amax, tl.where(a != a, 0.0, a)))
-                ds = _descale(tl.where(bad > 0, float("nan"), amax))
-                if quant:
-                    if it == count:
-                        tl.store(DS + b * stride_db + (h // group_heads) * stride_dh, ds)
-                    _store_tile(Y, xf, ds, b, h, blk, seqlen, head_dim, stride_yb, stride_ys, stride_yh, stride_yd,
-                                BLOCK_T, BLOCK_D)
+            _single_group(X, Y, R, DS, tl.program_id(0), batch, seqlen, nheads, head_dim, nblocks, group_heads,
+                          r_scale, stride_xb, stride_xs, stride_xh, stride_xd, stride_yb, stride_ys, stride_yh,
+                          stride_yd, stride_db, stride_dh, PER_TENSOR, ROTATE, BLOCK_T, BLOCK_D)
         else:
             blk0 = tl.program_id(0)
             b = tl.program_id(1).to(tl.int64)
@@ -174,6 +185,36 @@ if HAS_TRITON:
                     tl.store(DS + b * stride_db + h * stride_dh + blk0 * stride_dn, ds)
                     _store_tile(Y, xf, ds, b, h, blk0, seqlen, head_dim, stride_yb, stride_ys, stride_yh,
                                 stride_yd, BLOCK_T, BLOCK_D)
+
+    @triton.jit
+    def _quantize_qkv_single_kernel(
+            XQ, YQ, DSQ, XK, YK, DSK, XV, YV, DSV, R, r_scale, batch, head_dim, head_dim_v,
+            seqlen_q, nheads_q, nblocks_q, group_heads_q, seqlen_k, nheads_k, nblocks_k,
+            stride_qb, stride_qs, stride_qh, stride_qd, stride_q8b, stride_q8s, stride_q8h, stride_q8d,
+            stride_qdb, stride_qdh,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_k8b, stride_k8s, stride_k8h, stride_k8d,
+            stride_kdb, stride_kdh,
+            stride_vb, stride_vs, stride_vh, stride_vd, stride_v8b, stride_v8s, stride_v8h, stride_v8d,
+            stride_vdb, stride_vdh,
+            PER_TENSOR: tl.constexpr, ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_DV: tl.constexpr):
+        """Q, K and V of ``quantize_qkv`` in one launch: program (group, i) quantizes scale group ``group`` of
+        input i (0: Q, 1: K, 2: V) as ``_quantize_kernel``'s one-program-per-group mode does. The arguments are
+        flat: a tuple argument would lose its constexpr elements behind the run-time branch (triton 3.6)."""
+        group = tl.program_id(0)
+        which = tl.program_id(1)
+        if which == 0:
+            _single_group(XQ, YQ, R, DSQ, group, batch, seqlen_q, nheads_q, head_dim, nblocks_q, group_heads_q,
+                          r_scale, stride_qb, stride_qs, stride_qh, stride_qd, stride_q8b, stride_q8s, stride_q8h,
+                          stride_q8d, stride_qdb, stride_qdh, PER_TENSOR, ROTATE, BLOCK_T, BLOCK_D)
+        elif which == 1:
+            _single_group(XK, YK, R, DSK, group, batch, seqlen_k, nheads_k, head_dim, nblocks_k, 1,
+                          r_scale, stride_kb, stride_ks, stride_kh, stride_kd, stride_k8b, stride_k8s, stride_k8h,
+                          stride_k8d, stride_kdb, stride_kdh, PER_TENSOR, ROTATE, BLOCK_T, BLOCK_D)
+        else:
+            _single_group(XV, YV, R, DSV, group, batch, seqlen_k, nheads_k, head_dim_v, nblocks_k, 1,
+                          1.0, stride_vb, stride_vs, stride_vh, stride_vd, stride_v8b, stride_v8s, stride_v8h,
+                          stride_v8d, stride_vdb, stride_vdh, PER_TENSOR, False, BLOCK_T, BLOCK_DV)
 
     DESCALE_FLOOR_C = tl.constexpr(DESCALE_FLOOR)
     E4M3_MAX_C = tl.constexpr(E4M3_MAX)
@@ -225,6 +266,43 @@ def launch_quantize(x4, y, r, r_scale, ds, *, granularity, nheads_k, rotate, blo
     tpp = min(next_pow2(cdiv(tiles, _PARTIALS_PER_TILE)), next_pow2(nb))
     launch(_quantize_kernel, (cdiv(nb, tpp), b, h), x4, y, r, partials, ds, *common, *dstr, MODE=MODE_QUANT, TPP=tpp,
                                             BLOCK_P=min(next_pow2(tiles), 1024), num_stages=1, **meta)
+
+
+def qkv_single_ok(q4, k4, v4, granularity, nheads_k, block_t) -> bool:
+    """Whether ``launch_quantize_qkv`` can take these (batch, seqlen, heads, dim) inputs: per_tensor or
+    per_head scales, one dtype, q/k of one head dim, equal batches, and every scale group of at most
+    ``SINGLE_MAX_TILES`` tiles (the groups one program quantizes alone)."""
+    if granularity not in ("per_tensor", "per_head") or not (q4.dtype == k4.dtype == v4.dtype):
+        return False
+    b, sq, hq, d = q4.shape
+    if k4.shape[0] != b or v4.shape[0] != b or k4.shape[-1] != d or b * hq == 0 or b * k4.shape[2] == 0:
+        return False
+    return all(
+        _group_tiles(granularity, b, h, nheads_k, max(1, cdiv(s, block_t))) <= SINGLE_MAX_TILES
+        for s, h in ((sq, hq), (k4.shape[1], k4.shape[2]), (v4.shape[1], v4.shape[2]))
+    )
+
+
+def launch_quantize_qkv(xs, ys, dss, r, r_scale, *, granularity, nheads_k, rotate, block_t, block_d, block_dv):
+    """Quantize Q, K and V in one launch (inputs ``qkv_single_ok`` accepts): what three ``launch_quantize``
+    calls in their one-launch form write, bit for bit.
+
+    xs, ys : (q, k, v) (batch, seqlen, heads, dim) inputs and their float8_e4m3fn outputs (any strides).
+    dss : float32 descales, written: per_tensor (1, 1) each, per_head (batch, nheads_k) each.
+    r, r_scale : the rotation of Q and K when ``rotate`` (V is not rotated), as for ``launch_quantize``.
+    block_dv : V's head dim padded to a power of two >= 16.
+    """
+    (q4, k4, v4), (q8, k8, v8), (qd, kd, vd) = xs, ys, dss
+    b, sq, hq, d = q4.shape
+    sk, hk = k4.shape[1], k4.shape[2]
+    groups = 1 if granularity == "per_tensor" else b * nheads_k
+    launch(_quantize_qkv_single_kernel, (groups, 3), q4, q8, qd, k4, k8, kd, v4, v8, vd, r, r_scale, b, d,
+           v4.shape[-1], sq, hq, max(1, cdiv(sq, block_t)), hq // nheads_k if granularity == "per_head" else 1,
+           sk, hk, max(1, cdiv(sk, block_t)),
+           *q4.stride(), *q8.stride(), *qd.stride(), *k4.stride(), *k8.stride(), *kd.stride(),
+           *v4.stride(), *v8.stride(), *vd.stride(),
+           PER_TENSOR=granularity == "per_tensor", ROTATE=rotate, BLOCK_T=block_t, BLOCK_D=block_d,
+           BLOCK_DV=block_dv, num_warps=4, num_stages=1)
 
 
 if HAS_TRITON:
