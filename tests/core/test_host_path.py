@@ -362,9 +362,11 @@ def test_replayed_decode_with_append_follows_each_calls_tensors(scales):
 
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_block"])
 @pytest.mark.parametrize("hadamard", [False, True])
-def test_replayed_quantize_qkv_follows_each_calls_tensors(granularity, hadamard):
+@pytest.mark.parametrize("seqlen", [300, 128])
+def test_replayed_quantize_qkv_follows_each_calls_tensors(granularity, hadamard, seqlen):
     """quantize_qkv's plan (recorded, then replayed: its outputs are memory the replay allocates) returns
-    what the checked path returns for each call's inputs, in the same layouts."""
+    what the checked path returns for each call's inputs, in the same layouts. At 128 tokens every per-head
+    group is small, so the plan quantizes Q, K and V in one launch (the checked path: three)."""
     import fp8attn
     from fp8attn import plan
     from fp8attn.kernels import replay
@@ -374,7 +376,8 @@ def test_replayed_quantize_qkv_follows_each_calls_tensors(granularity, hadamard)
     outs = []
     for i in range(4):
         q, k, v = (
-            torch.randn(2, 300, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) * (i + 1) for h in (8, 2, 2)
+            torch.randn(2, seqlen, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) * (i + 1)
+            for h in (8, 2, 2)
         )
         got = fp8attn.quantize_qkv(q, k, v, granularity=granularity, hadamard=hadamard)
         ref = fp8attn.quantize_qkv(q, k, v, granularity=granularity, hadamard=hadamard, validate=True)
@@ -386,3 +389,8 @@ def test_replayed_quantize_qkv_follows_each_calls_tensors(granularity, hadamard)
         outs.append(got)
     assert outs[1][0].data_ptr() != outs[2][0].data_ptr()  # each call's own memory
     assert all(r is not None for r in _replayed(plan)), replay.last_refusal
+    launches = [len(r.entries) for r in _replayed(plan)]
+    if granularity == "per_head" and seqlen == 128:  # groups of 2 x 4 and 2 tiles (the per-tensor ones: 32)
+        assert launches == [1]
+    else:  # one or two launches per input
+        assert len(launches) == 1 and 3 <= launches[0] <= 6
