@@ -410,8 +410,8 @@ def triton_qkv(q, k, v, granularity, nheads_k, rotate, seed, block_t, v_seq_majo
     refuses the inputs (larger scale groups, per_block, mixed dtypes)."""
     from .kernels.quantize import launch_quantize_qkv, qkv_single_ok
 
-    xs = tuple(_as4d(x) for x in (q, k, v))
-    if not qkv_single_ok(*xs, granularity, nheads_k, block_t):
+    xs = (_as4d(q), _as4d(k), _as4d(v))
+    if not qkv_single_ok(xs[0], xs[1], xs[2], granularity, nheads_k, block_t):
         return None
     dev = q.device
     ys = (
@@ -445,7 +445,7 @@ def triton_qkv(q, k, v, granularity, nheads_k, rotate, seed, block_t, v_seq_majo
         block_dv=block_dv,
     )
     if q.dim() == 3:
-        ys = tuple(y.squeeze(0) for y in ys)
+        return (*(y.squeeze(0) for y in ys), *dss)
     return (*ys, *dss)
 
 
