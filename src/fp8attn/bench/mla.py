@@ -337,13 +337,18 @@ def run_attention(seqlen, heads, rule_variants=()):
             res["tflops"] = flops / res["ms"] / 1e9
             out.fill_(float("nan"))
 
-            def triton_ms():
-                ours()
+            def measured(fn):
+                fn()
                 torch.cuda.synchronize()
-                return time_ms(ours), err(out), sorted(kernel_times_us(ours, reps=2))
+                ms_ = time_ms(fn)
+                return {
+                    "ms": ms_,
+                    "tflops": flops / ms_ / 1e9,
+                    "err": err(out),
+                    "kernel": sorted(kernel_times_us(fn, reps=2)),
+                }
 
-            ms_t, err_t, k_t = _with_env("FP8ATTN_DENSE_BACKEND", "triton", triton_ms)
-            peers = {"triton": {"ms": ms_t, "tflops": flops / ms_t / 1e9, "err": err_t, "kernel": k_t}}
+            peers = {"triton": _with_env("FP8ATTN_DENSE_BACKEND", "triton", lambda: measured(ours))}
             # the same sequence as a one-sequence varlen batch, as mla.prefill attends its new tokens
             cu = torch.tensor([0, seqlen], device="cuda", dtype=torch.int32)
 
@@ -364,15 +369,7 @@ def run_attention(seqlen, heads, rule_variants=()):
                     torch.bfloat16,
                 )
 
-            varlen()
-            torch.cuda.synchronize()
-            ms_v = time_ms(varlen)
-            peers["varlen"] = {
-                "ms": ms_v,
-                "tflops": flops / ms_v / 1e9,
-                "err": err(out),
-                "kernel": sorted(kernel_times_us(varlen, reps=2)),
-            }
+            peers["varlen"] = measured(varlen)
             for var in rule_variants:
 
                 def rules_ms():
