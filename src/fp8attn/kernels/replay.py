@@ -58,7 +58,8 @@ _VIEWS = {
 def hooks_installed() -> bool:
     """Whether triton launch hooks (a profiler) are installed (triton 3.6 keeps a chain that may be empty)."""
     rt = triton.knobs.runtime
-    return any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
 def constant(t: torch.Tensor) -> torch.Tensor:
