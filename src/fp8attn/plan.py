@@ -96,7 +96,8 @@ def call_key(kind, tensors, args) -> tuple:
 
 
 def tensor_sig(t):
-    """The part of a tensor the validation and dispatch read: shape, strides, dtype, device, alignment."""
+    """The part of a tensor the validation and dispatch read: shape, strides, dtype, device, alignment.
+    (``call_key`` spells it inline for plain tensors; tests/core/test_plan_keys.py holds the two equal.)"""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):  # (the checked path refuses it: a key that is never stored)

@@ -372,21 +372,33 @@ def _padded_rotation(d, block_d, seed, device, dtype):
     return r
 
 
+def _block_d(d):
+    """A head dim padded to the kernels' block: a power of two, at least 16."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _empty_fp8(shape, device, seq_major):
+    """The e4m3 output of a (batch, seqlen, heads, dim) input: sequence-major when ``seq_major`` (the kernel
+    stores through its strides, so it is written that way in the same pass), else row-major."""
+    if seq_major:
+        return empty_seq_major(shape, torch.float8_e4m3fn, device)
+    return torch.empty(shape, device=device, dtype=torch.float8_e4m3fn)
+
+
+def _rotation_args(rotate, d, seed, device, dtype, unused):
+    """``(r, r_scale)`` of the quantize kernels: the padded +-1 rotation and its norm, or ``unused`` and 1.0."""
+    if not rotate:
+        return unused, 1.0
+    return _padded_rotation(d, _block_d(d), int(seed), device, dtype), 1.0 / math.sqrt(_had.hadamard_block_size(d))
+
+
 def _triton_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=False, single=None):
     from .kernels.quantize import launch_quantize
 
     x4 = _as4d(x)
-    b, s, h, d = x4.shape
-    block_d = max(16, 1 << (d - 1).bit_length())
-    if seq_major:  # the kernel stores through y's strides: written sequence-major in the same pass
-        y = empty_seq_major((b, s, h, d), torch.float8_e4m3fn, x.device)
-    else:
-        y = torch.empty(b, s, h, d, device=x.device, dtype=torch.float8_e4m3fn)
-    if rotate:
-        r = _padded_rotation(d, block_d, int(seed), x.device, x.dtype)
-        r_scale = 1.0 / math.sqrt(_had.hadamard_block_size(d))
-    else:
-        r, r_scale = y, 1.0
+    d = x4.shape[-1]
+    y = _empty_fp8(x4.shape, x.device, seq_major)
+    r, r_scale = _rotation_args(rotate, d, seed, x.device, x.dtype, y)
     ds = torch.empty(descale_shape(x4, granularity, nheads_k, block_t), device=x.device, dtype=torch.float32)
     launch_quantize(
         x4,
@@ -398,7 +410,7 @@ def _triton_path(x, granularity, nheads_k, rotate, seed, block_t, seq_major=Fals
         nheads_k=nheads_k,
         rotate=rotate,
         block_t=block_t,
-        block_d=block_d,
+        block_d=_block_d(d),
         single=single,
     )
     return (y.squeeze(0) if x.dim() == 3 else y), ds
@@ -414,23 +426,12 @@ def triton_qkv(q, k, v, granularity, nheads_k, rotate, seed, block_t, v_seq_majo
     if not qkv_single_ok(xs[0], xs[1], xs[2], granularity, nheads_k, block_t):
         return None
     dev = q.device
-    ys = (
-        torch.empty(xs[0].shape, device=dev, dtype=torch.float8_e4m3fn),
-        torch.empty(xs[1].shape, device=dev, dtype=torch.float8_e4m3fn),
-        empty_seq_major(xs[2].shape, torch.float8_e4m3fn, dev)
-        if v_seq_major
-        else torch.empty(xs[2].shape, device=dev, dtype=torch.float8_e4m3fn),
-    )
+    ys = tuple(_empty_fp8(x.shape, dev, seq_major) for x, seq_major in zip(xs, (False, False, v_seq_major)))
     dss = tuple(
         torch.empty(descale_shape(x, granularity, nheads_k, block_t), device=dev, dtype=torch.float32) for x in xs
     )
-    d, dv = xs[0].shape[-1], xs[2].shape[-1]
-    block_d, block_dv = (max(16, 1 << (n - 1).bit_length()) for n in (d, dv))
-    if rotate:
-        r = _padded_rotation(d, block_d, int(seed), dev, q.dtype)
-        r_scale = 1.0 / math.sqrt(_had.hadamard_block_size(d))
-    else:
-        r, r_scale = ys[0], 1.0
+    d = xs[0].shape[-1]
+    r, r_scale = _rotation_args(rotate, d, seed, dev, q.dtype, ys[0])
     launch_quantize_qkv(
         xs,
         ys,
@@ -441,8 +442,8 @@ def triton_qkv(q, k, v, granularity, nheads_k, rotate, seed, block_t, v_seq_majo
         nheads_k=nheads_k,
         rotate=rotate,
         block_t=block_t,
-        block_d=block_d,
-        block_dv=block_dv,
+        block_d=_block_d(d),
+        block_dv=_block_d(xs[2].shape[-1]),
     )
     if q.dim() == 3:
         return (*(y.squeeze(0) for y in ys), *dss)

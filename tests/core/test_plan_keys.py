@@ -35,6 +35,17 @@ def test_call_key_tells_equal_values_of_other_types_apart():
     assert plan.call_key("dense", ("q",), ()) != plan.call_key("dense", (None,), ())
 
 
+def test_call_key_holds_each_tensors_tensor_sig():
+    """call_key spells tensor_sig inline for plain tensors (a hot path): the two stay one definition."""
+    t = torch.zeros(2, 3, 4, 8)[:, 1:]
+
+    class Sub(torch.Tensor):
+        pass
+
+    tensors = (t, None, "q", t.as_subclass(Sub))
+    assert plan.call_key("dense", tensors, (1,))[2:6] == tuple(map(plan.tensor_sig, tensors))
+
+
 @pytest.mark.parametrize("window", [(-1, -1), (64, 0)])
 def test_plannable_only_plain_eager_signatures(window):
     q = torch.zeros(1, 4, 2, 8)

@@ -225,6 +225,12 @@ def _group_tiles(granularity, b, h, nheads_k, nb):
     return b * h * nb if granularity == "per_tensor" else (h // nheads_k) * nb
 
 
+def _one_program_per_group(granularity, b, s, h, nheads_k, block_t):
+    """Whether a (b, s, h, d) input's scale groups are small enough (at most ``SINGLE_MAX_TILES`` tiles) for one
+    program each to quantize alone."""
+    return _group_tiles(granularity, b, h, nheads_k, max(1, cdiv(s, block_t))) <= SINGLE_MAX_TILES
+
+
 def launch_quantize(x4, y, r, r_scale, ds, *, granularity, nheads_k, rotate, block_t, block_d, single=None):
     """Quantize x4 (batch, seqlen, heads, dim) into y with dynamic descales written to ds.
 
@@ -256,7 +262,7 @@ def launch_quantize(x4, y, r, r_scale, ds, *, granularity, nheads_k, rotate, blo
         launch(_quantize_kernel, (nb, b, h), x4, y, r, ds, ds, *common, *dstr, MODE=MODE_BLOCK, TPP=1, BLOCK_P=16, **meta)
         return
     tiles = _group_tiles(granularity, b, h, nheads_k, nb)
-    if single if single is not None else tiles <= SINGLE_MAX_TILES:
+    if single if single is not None else _one_program_per_group(granularity, b, s, h, nheads_k, block_t):
         groups = 1 if granularity == "per_tensor" else b * nheads_k
         launch(_quantize_kernel, (groups,), x4, y, r, ds, ds, *common, *dstr, MODE=MODE_SINGLE, TPP=1, BLOCK_P=16,
                                     num_stages=1, **meta)
@@ -277,10 +283,7 @@ def qkv_single_ok(q4, k4, v4, granularity, nheads_k, block_t) -> bool:
     b, sq, hq, d = q4.shape
     if k4.shape[0] != b or v4.shape[0] != b or k4.shape[-1] != d or b * hq == 0 or b * k4.shape[2] == 0:
         return False
-    return all(
-        _group_tiles(granularity, b, h, nheads_k, max(1, cdiv(s, block_t))) <= SINGLE_MAX_TILES
-        for s, h in ((sq, hq), (k4.shape[1], k4.shape[2]), (v4.shape[1], v4.shape[2]))
-    )
+    return all(_one_program_per_group(granularity, b, x.shape[1], x.shape[2], nheads_k, block_t) for x in (q4, k4, v4))
 
 
 def launch_quantize_qkv(xs, ys, dss, r, r_scale, *, granularity, nheads_k, rotate, block_t, block_d, block_dv):
