@@ -265,8 +265,9 @@ def run_attention(seqlen, heads, rule_variants=()):
     (``ms_lse``: writing the LSE too; ``kernel``: the kernels its call ran, from the profiler); peers
     ``triton`` (the same call with ``FP8ATTN_DENSE_BACKEND=triton``), ``varlen`` (the sequence as a one-sequence
     varlen batch, the call ``mla.prefill`` makes for its new tokens, LSE included) and ``sdpa_cudnn_bf16``
-    (torch SDPA's cuDNN backend on the dequantized bf16 inputs). TF/s: 2 x visible pairs x (192 + 128) per head. ``err``:
-    max |out - ref| / max |ref| on the first 2 heads against the float reference of the e4m3 inputs.
+    (torch SDPA's cuDNN backend on the dequantized bf16 inputs). TF/s: 2 x visible pairs x (192 + 128) per
+    head. ``err``: max |out - ref| / max |ref| on the first 2 heads against the float reference of the e4m3
+    inputs.
     ``rule_variants``: dense rule overrides (``FP8ATTN_DENSE_RULES``'s syntax, e.g. ``stages=3``,
     ``persistent=0``), each an extra peer ``rules:<value>`` (the same call under them, ``set_dense_rules``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
