@@ -289,5 +289,51 @@ def test_direct_launch_passes_what_the_launcher_would(kernel, monkeypatch, with_
         3, 2, 1, 7, "fn-handle", "metadata", None, None, None, x2, replay.HostDesc(y2, [256, 128], [128, 1]), 7, 16
     )
     wrapped = c_log.pop()
-    assert direct == wrapped
-    assert (direct[14][1] == y2.data_ptr()) if with_meta else (direct[14] is y2)
+    # the same arguments, each pointer as its address (the launcher reads an int as the address itself)
+    assert direct == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in wrapped)
+    assert any(isinstance(a, torch.Tensor) for a in wrapped)
+    assert not any(isinstance(a, torch.Tensor) for a in direct)
+    assert direct[14][1] == y2.data_ptr() if with_meta else direct[14] == y2.data_ptr()
+
+
+def _bundle_body(ptrs, c_ptr, n, BLOCK: triton.language.constexpr):
+    pass
+
+
+def test_direct_launch_bundles_and_constants_as_addresses(kernel, monkeypatch):
+    """Through the C launcher, a bundle's tensors and a registered constant reach it as their addresses: the
+    bundle rebuilt with the new call's tensors and this call's scratch, the constant's address fixed."""
+    jf = triton.runtime.JITFunction(_bundle_body)
+    c_log: list = []
+    sig = {"ptrs": "(*fp32, *fp32, *fp32)", "c_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    launcher = CudaLauncher(sig, None, c_log)
+
+    class _CLauncher:  # (no tensor descriptor: triton's wrapper returns the C launcher itself, no Python code)
+        def __call__(self, *a):
+            c_log.append(a)
+
+    launcher.launch = _CLauncher()
+
+    class _CK:
+        function, packed_metadata, run = "fn-handle", "metadata", launcher
+
+    def jit_run(*args, grid, warmup, **kwargs):
+        triton.knobs.runtime.launch_enter_hook(None)
+        return _CK()
+
+    jf.run = jit_run
+    const = replay.constant(torch.randn(8))
+
+    def fn(x, y):
+        scratch = torch.empty(16)
+        replay.launch(jf, (2,), (x, scratch, y), const, 5, BLOCK=8)
+
+    x, y = torch.randn(64), torch.randn(64)
+    _, rp = replay.record(lambda: fn(x, y), (x, y))
+    assert rp is not None and type(rp.entries[0]) is replay._Direct
+    x2, y2 = torch.randn(64), torch.randn(64)
+    rp.run((x2, y2))
+    args = c_log.pop()[13:]  # (after the grid, stream, function, flags, metadata and hook slots)
+    (px, pscratch, py), pc, n, block = args
+    assert (px, py, pc, n, block) == (x2.data_ptr(), y2.data_ptr(), const.data_ptr(), 5, 8)
+    assert isinstance(pscratch, int) and pscratch not in (0, x2.data_ptr(), y2.data_ptr(), const.data_ptr())

@@ -315,9 +315,9 @@ class _Direct:
             pos = len(self.template)
             if i in meta and i in sub_at:
                 kind, ref, desc = sub_at[i]
-                if meta[i] is None:  # the launcher takes the base tensor and the fields
+                if meta[i] is None:  # the launcher takes the base address and the fields
                     self.template += [None, *desc[0], *desc[1], desc[2] == "nan", *desc[0], *desc[1]]
-                    self.subs.append((pos, kind, ref))
+                    self._sub(pos, kind, ref)
                 else:
                     fill, rest = _desc_fill_args(meta[i], desc)
                     self.template += [None, *rest]
@@ -325,9 +325,24 @@ class _Direct:
                 continue
             self.template.append(v)
             if i in sub_at:
-                self.subs.append((pos, *sub_at[i][:2]))
+                self._sub(pos, *sub_at[i][:2])
             elif i in bundle_at:
-                self.bundles.append((pos, v, bundle_at[i]))
+                items = [(j, kind, ref) for j, kind, ref in bundle_at[i] if kind != 2]
+                v = list(v)
+                for j, kind, ref in bundle_at[i]:
+                    if kind == 2:
+                        v[j] = ref.data_ptr()
+                self.template[pos] = tuple(v)
+                if items:
+                    self.bundles.append((pos, tuple(v), items))
+
+    def _sub(self, pos, kind, ref):
+        # (pointers reach the launcher as addresses: an int skips its data_ptr call and its pointer-attribute
+        # query per argument; a constant's address is fixed, so it goes into the template once)
+        if kind == 2:
+            self.template[pos] = ref.data_ptr()
+        else:
+            self.subs.append((pos, kind, ref))
 
 
 class Replay:
@@ -389,14 +404,14 @@ class Replay:
                 args = entry.template.copy()
                 args[3] = stream
                 for p, kind, ref in entry.subs:
-                    args[p] = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
+                    args[p] = (slots[ref] if kind == 0 else bufs[ref]).data_ptr()
                 for p, kind, ref, fill in entry.descs:
                     t = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
                     args[p] = drv.utils.fill_tma_descriptor(t.data_ptr(), *fill)
                 for p, base, items in entry.bundles:
                     b = list(base)
                     for j, kind, ref in items:
-                        b[j] = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
+                        b[j] = (slots[ref] if kind == 0 else bufs[ref]).data_ptr()
                     args[p] = tuple(b)
                 entry.launch(*args)
                 continue
