@@ -1115,7 +1115,8 @@ def test_kperm_rule_and_box():
 def test_kernel_choice_by_head_dim_and_length(monkeypatch):
     """Every head dim runs the warp-specialized kernel at every length (the rule of ``_use_ws``); the grid is
     persistent except for causal inputs beyond ``_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q`` at head dims 128 and
-    256 (dense) or from the paged launcher, which passes no head dim."""
+    256 (dense) or from the paged launcher, which passes no head dim, and for causal inputs with more K/V
+    than ``_WS_PERSISTENT_CAUSAL_MAX_KV_BYTES``."""
     longest = dense_launch._WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
     for d in (64, 128, 256):
         assert all(dense_launch._use_ws(d, c, s) for c in (False, True) for s in (512, longest, 4 * longest))
@@ -1128,6 +1129,13 @@ def test_kernel_choice_by_head_dim_and_length(monkeypatch):
     assert grid(10_000, True, 4 * longest, 0, head_dim=64) == (n_sms, 1)
     assert grid(10_000, False, 4 * longest, 0, head_dim=128) == (n_sms, 1)
     assert grid(100, False, 512, 0, head_dim=128) == (100, 1)
+    # causal K/V beyond _WS_PERSISTENT_CAUSAL_MAX_KV_BYTES: one block per CTA at any length and head dim
+    # (qk 192 / v 128 at 8k tokens: 128 heads hold 320 MiB, 16 heads 40 MiB)
+    mla = lambda heads, causal=True: grid(10_000, causal, 8192, 0, head_dim=192, kv_bytes=8192 * heads * 320)  # noqa: E731
+    assert mla(128) == (10_000, 1) and mla(16) == (n_sms, 1) and mla(128, causal=False) == (n_sms, 1)
+    most = dense_launch._WS_PERSISTENT_CAUSAL_MAX_KV_BYTES
+    assert grid(10_000, True, 4 * longest, 0, head_dim=64, kv_bytes=most) == (n_sms, 1)
+    assert grid(10_000, True, 4 * longest, 0, head_dim=64, kv_bytes=most + 1) == (10_000, 1)
     assert dense_launch._kernel_for(256, True) == (dense_launch._dense_fwd_tma_ws_kernel, 4)
 
 

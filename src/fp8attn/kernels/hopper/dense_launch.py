@@ -220,6 +220,12 @@ _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q = 8192
 # ... but the dense kernel's causal inputs at these head dims run persistent at any length: at d64 the
 # persistent grid measured faster beyond 8k on the H200, with an LSE or without (docs/decisions.md).
 _WS_PERSISTENT_CAUSAL_HEAD_DIMS = (64,)
+# ... and causal inputs whose K/V (one sequence, all KV heads, e4m3) exceeds this run one block per CTA at any
+# length and head dim: qk 192 / v 128 at 8k tokens measured faster that way with 128 heads (320 MiB of K/V)
+# and slower with 16 heads (40 MiB); the dense grid's inputs up to 8k stay at or below 64 MiB
+# (docs/decisions.md). Consistent with the order explanation above: the more K/V the heads in flight hold,
+# the less of it the 50 MiB L2 keeps.
+_WS_PERSISTENT_CAUSAL_MAX_KV_BYTES = 128 << 20
 
 # Head dim 256 on the warp-specialized kernel: a call without an LSE runs the LSE variant into a scratch
 # tensor (B * H * S float32, ~1 MB at 16k tokens and 16 heads). The two variants sum in fp32 and give the
@@ -289,13 +295,17 @@ def varlen_preferred(head_dim, max_seqlen_q):
         and int(max_seqlen_q) >= 1024
 
 
-def ws_grid(n_blocks, causal, seqlen_q, device_index, head_dim=None, persistent=None):
+def ws_grid(n_blocks, causal, seqlen_q, device_index, head_dim=None, persistent=None, kv_bytes=0):
     """The warp-specialized kernels' grid for ``n_blocks`` query blocks: one CTA per SM (persistent), or
     one per block for causal inputs longer than ``_WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q`` unless ``head_dim``
-    (passed by the dense launcher) is in ``_WS_PERSISTENT_CAUSAL_HEAD_DIMS``; ``persistent`` overrides it."""
+    (passed by the dense launcher) is in ``_WS_PERSISTENT_CAUSAL_HEAD_DIMS``, and for causal inputs whose
+    ``kv_bytes`` (one sequence's K and V) exceed ``_WS_PERSISTENT_CAUSAL_MAX_KV_BYTES``; ``persistent``
+    overrides it."""
     if persistent is None:
-        persistent = (not causal or seqlen_q <= _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q
-                      or head_dim in _WS_PERSISTENT_CAUSAL_HEAD_DIMS)
+        persistent = not causal or (
+            (seqlen_q <= _WS_PERSISTENT_CAUSAL_MAX_SEQLEN_Q or head_dim in _WS_PERSISTENT_CAUSAL_HEAD_DIMS)
+            and kv_bytes <= _WS_PERSISTENT_CAUSAL_MAX_KV_BYTES
+        )
     return (min(n_blocks, _num_sms(device_index)) if persistent else n_blocks, 1)
 
 
@@ -663,7 +673,8 @@ def launch_dense_fwd_tma(q, k, v_kmajor, out, lse, *, softmax_scale, causal, q_d
             *v_descale.stride(), sq, sk, hq, hk, batch, float(softmax_scale) * _LOG2E)
     if ws:
         grid = ws_grid(cdiv(sq, nc * rows) * batch * hq, causal, sq, q.device.index, head_dim=d,
-                       persistent=None if "persistent" not in rules else bool(rules["persistent"]))
+                       persistent=None if "persistent" not in rules else bool(rules["persistent"]),
+                       kv_bytes=sk * hk * (d + d_v))
     else:
         grid = (sq // BLOCK_M, batch * hq)
     _launch(d, ws, grid, descs, args,
