@@ -110,7 +110,7 @@ BENCH_OPTIONS = {
         '(launch_paged_fwd\'s config=, e.g. \'[{"tma": false, "num_warps": 8}]\')',
     ),
     "page-sizes": (_int_list, "page sizes to run (paged routines)"),
-    "headdims": (_int_list, "dense: head dims instead of 64,128,256; prefill-chunked: instead of 128"),
+    "headdims": (_int_list, "dense, backward: head dims instead of 64,128,256; prefill-chunked: instead of 128"),
     "cases": (str, "engine: comma-separated engine cases (python -m fp8attn.engine.bench --help names them)"),
     "read-ceiling": (bool, "decode: add peer read_ceiling, a kernel that only reads the same KV bytes"),
     "varlen": (bool, "dense: varlen batches on both kernels (FP8ATTN_DENSE_BACKEND=tma / triton) instead of the grid"),

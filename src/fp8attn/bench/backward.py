@@ -103,8 +103,9 @@ def _timed(step, flops):
     return {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None}
 
 
-def run(out_dir=None, quick=False):
-    """Run the sweep; write backward.json into ``out_dir`` (default benchmarks/results/<gpu>/)."""
+def run(out_dir=None, quick=False, headdims=None):
+    """Run the sweep (``headdims``: instead of the grid's); write backward.json into ``out_dir`` (default
+    benchmarks/results/<gpu>/)."""
     import fp8attn
 
     from .. import ops
@@ -122,7 +123,7 @@ def run(out_dir=None, quick=False):
     doc = results_header("backward")
     nheads, tokens = 16, 16384
     seqlens = [4096, 16384] if quick else [1024, 2048, 4096, 8192, 16384]
-    hdims = [128] if quick else [64, 128, 256]
+    hdims = headdims or ([128] if quick else [64, 128, 256])
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for d in hdims:
         for causal in (False, True):

@@ -270,6 +270,7 @@ def run(out_dir=None, quick=False, shard=DEFAULT_SHARD, cfg: TrainConfig | None 
             }
         )
         print(f"  {secs:.0f} s, final (last 100 steps) {_last(loss):.4f}", flush=True)
+        write_results(doc, out_dir)  # after every run, so a cut-short sweep keeps what it trained
     if "sdpa_bf16" in losses and "sdpa_bf16_seed1" in losses:
         doc["goals"] = goals(losses, cfg.warmup)
         print(json.dumps(doc["goals"], indent=1))
