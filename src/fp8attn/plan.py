@@ -555,21 +555,20 @@ def quantize_plan(q, k, granularity, nheads_k, rotate, seed, block_t, v_seq_majo
     def launch_(q, k, v):
         # one launch for the three where every scale group is small (the three launches' bits), else three
         fused = triton_qkv(q, k, v, granularity, nheads_k, rotate, seed, block_t, v_seq_major)
-        if fused is not None:
-            return fused
-        q8, qd = _triton_path(q, granularity, nheads_k, rotate, seed, block_t)
-        k8, kd = _triton_path(k, granularity, nheads_k, rotate, seed, block_t)
-        v8, vd = _triton_path(v, vg, nheads_k, False, seed, 64, seq_major=v_seq_major)
-        return q8, k8, v8, qd, kd, vd
+        if fused is None:
+            q8, qd = _triton_path(q, granularity, nheads_k, rotate, seed, block_t)
+            k8, kd = _triton_path(k, granularity, nheads_k, rotate, seed, block_t)
+            v8, vd = _triton_path(v, vg, nheads_k, False, seed, 64, seq_major=v_seq_major)
+            fused = q8, k8, v8, qd, kd, vd
+        if granularity == "per_tensor":  # one descale, as a stride-0 (batch, nheads_k) view (replayed as one)
+            fused = (*fused[:3], *(d.expand(b, nheads_k) for d in fused[3:]))
+        return fused
 
     launches = Launches(launch_)
 
     def run(q, k, v):
         with launch_device(q):
-            q8, k8, v8, qd, kd, vd = launches(q, k, v)
-        if granularity == "per_tensor":  # one descale, as a stride-0 (batch, nheads_k) view
-            qd, kd, vd = (d.expand(b, nheads_k) for d in (qd, kd, vd))
-        return q8, k8, v8, qd, kd, vd
+            return launches(q, k, v)
 
     run.launches = launches  # type: ignore[attr-defined]
     return run

@@ -380,9 +380,29 @@ def _block_d(d):
 def _empty_fp8(shape, device, seq_major):
     """The e4m3 output of a (batch, seqlen, heads, dim) input: sequence-major when ``seq_major`` (the kernel
     stores through its strides, so it is written that way in the same pass), else row-major."""
-    if seq_major:
-        return empty_seq_major(shape, torch.float8_e4m3fn, device)
-    return torch.empty(shape, device=device, dtype=torch.float8_e4m3fn)
+    return torch.empty_strided(shape, _fp8_strides(shape, seq_major), device=device, dtype=torch.float8_e4m3fn)
+
+
+def _fp8_strides(shape, seq_major):
+    """The strides of ``_empty_fp8``'s (batch, seqlen, heads, dim) output: memory order (batch, heads, dim,
+    seqlen) when ``seq_major`` (``empty_seq_major``'s), else row-major."""
+    b, s, h, d = shape
+    return (h * d * s, 1, d * s, s) if seq_major else (s * h * d, h * d, d, 1)
+
+
+def _carve(dtype, device, layouts):
+    """Dense tensors of ``layouts`` ((shape, strides or None: contiguous) each) carved from one allocation,
+    each starting on a 128-byte boundary: an eager call's outputs for the price of one allocation (every
+    ``torch.empty`` costs a caching-allocator round trip on the host)."""
+    align = 128 // dtype.itemsize
+    buf = torch.empty(sum(-(-math.prod(shape) // align) * align for shape, _ in layouts), dtype=dtype, device=device)
+    out, off = [], 0
+    for shape, strides in layouts:
+        if strides is None:
+            strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        out.append(buf.as_strided(shape, strides, off))
+        off += -(-math.prod(shape) // align) * align
+    return tuple(out)
 
 
 def _rotation_args(rotate, d, seed, device, dtype, unused):
@@ -426,10 +446,10 @@ def triton_qkv(q, k, v, granularity, nheads_k, rotate, seed, block_t, v_seq_majo
     if not qkv_single_ok(xs[0], xs[1], xs[2], granularity, nheads_k, block_t):
         return None
     dev = q.device
-    ys = tuple(_empty_fp8(x.shape, dev, seq_major) for x, seq_major in zip(xs, (False, False, v_seq_major)))
-    dss = tuple(
-        torch.empty(descale_shape(x, granularity, nheads_k, block_t), device=dev, dtype=torch.float32) for x in xs
+    ys = _carve(
+        torch.float8_e4m3fn, dev, [(x.shape, _fp8_strides(x.shape, sm)) for x, sm in zip(xs, (0, 0, v_seq_major))]
     )
+    dss = _carve(torch.float32, dev, [(descale_shape(x, granularity, nheads_k, block_t), None) for x in xs])
     d = xs[0].shape[-1]
     r, r_scale = _rotation_args(rotate, d, seed, dev, q.dtype, ys[0])
     launch_quantize_qkv(

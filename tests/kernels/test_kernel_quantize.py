@@ -152,6 +152,15 @@ def test_one_launch_qkv_equals_three_launches(shape, gran, rotate, seq_major):
     for a, w in zip(got, [w[0] for w in want] + [w[1] for w in want]):
         assert (a.shape, a.stride(), a.dtype) == (w.shape, w.stride(), w.dtype)
         assert torch.equal(_bits(a), _bits(w)) if a.dtype == torch.float8_e4m3fn else torch.equal(a, w)
+    # the three e4m3 outputs carved from one allocation, the three descales from another, each on a 128-byte
+    # boundary and none overlapping the next
+    for group in (got[:3], got[3:]):
+        base = group[0].untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == base and (t.data_ptr() - base) % 128 == 0 for t in group)
+        assert all(
+            group[i + 1].data_ptr() >= group[i].data_ptr() + group[i].numel() * group[i].element_size()
+            for i in range(2)
+        )
 
 
 def test_one_launch_qkv_refuses_large_groups_and_per_block():

@@ -337,3 +337,43 @@ def test_direct_launch_bundles_and_constants_as_addresses(kernel, monkeypatch):
     (px, pscratch, py), pc, n, block = args
     assert (px, py, pc, n, block) == (x2.data_ptr(), y2.data_ptr(), const.data_ptr(), 5, 8)
     assert isinstance(pscratch, int) and pscratch not in (0, x2.data_ptr(), y2.data_ptr(), const.data_ptr())
+
+
+def test_views_carved_from_one_allocation_replay_at_their_offsets(kernel):
+    """Outputs carved from one allocation (as quantize_qkv's are) replay as views of one new buffer at the
+    recorded offsets and strides; a kernel given such a view gets its address (the buffer's plus the offset).
+    A view whose dtype differs from its buffer's, or a descriptor on such a view, is refused."""
+    jf, log = kernel
+
+    def fn(x):
+        buf = torch.empty(96)
+        a, b = buf.as_strided((4, 8), (8, 1), 0), buf.as_strided((2, 16), (1, 2), 64)
+        replay.launch(jf, (1,), x, b, 1, 1.0, BLOCK=8)
+        return a, b
+
+    x = torch.randn(64)
+    _, rp = replay.record(lambda: fn(x), (x,))
+    assert rp is not None
+    log.clear()
+    x2 = torch.randn(64)
+    a2, b2 = rp.run((x2,))
+    assert a2.untyped_storage().data_ptr() == b2.untyped_storage().data_ptr() != x2.data_ptr()
+    assert (a2.shape, a2.stride(), a2.storage_offset()) == ((4, 8), (8, 1), 0)
+    assert (b2.shape, b2.stride(), b2.storage_offset()) == ((2, 16), (1, 2), 64)
+    ((_, args),) = log
+    assert args[0] is x2 and args[1] == b2.data_ptr()
+
+    def other_dtype(x):
+        buf = torch.empty(96)
+        replay.launch(jf, (1,), x, buf, 1, 1.0, BLOCK=8)
+        return buf[8:].view(torch.int32)
+
+    _, rp = replay.record(lambda: other_dtype(x), (x,))
+    assert rp is None and "neither an input nor memory the call allocated" in replay.last_refusal
+
+    def desc_on_view(x):
+        buf = torch.empty(96)
+        replay.launch(jf, (1,), x, replay.HostDesc(buf[32:], [64], [1]), 1, 1.0, BLOCK=8)
+
+    _, rp = replay.record(lambda: desc_on_view(x), (x,))
+    assert rp is None and "descriptor on a view into an allocation" in replay.last_refusal

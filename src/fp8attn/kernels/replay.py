@@ -94,6 +94,7 @@ class _Guard(TorchDispatchMode):
         super().__init__()
         self.allocs: list = []  # (shape, stride, dtype, device) of each allocation, in order
         self.live: dict = {}  # data_ptr -> index of the last allocation at that address
+        self.spans: list = []  # (data_ptr, bytes) of each allocation, in order
         self.other: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -104,9 +105,19 @@ class _Guard(TorchDispatchMode):
                 # replay gives each allocation a buffer of its own)
                 self.live[out.data_ptr()] = len(self.allocs)
                 self.allocs.append((tuple(out.shape), out.stride(), out.dtype, out.device))
+                self.spans.append((out.data_ptr(), out.untyped_storage().nbytes()))
         elif func not in _VIEWS:
             self.other.append(str(func))
         return out
+
+    def inside(self, p):
+        """``(allocation index, byte offset)`` of an address inside an allocation of the call (the latest one
+        holding it: an earlier one there was freed first), or None."""
+        for a in range(len(self.spans) - 1, -1, -1):
+            base, size = self.spans[a]
+            if base <= p < base + size:
+                return a, p - base
+        return None
 
 
 def _holds_tensor(x) -> bool:
@@ -180,13 +191,16 @@ class _Recording:
                 src = self._source(v)
                 if src is None:
                     return f"argument {fn.arg_names[i]}: memory of no known origin"
+                if desc is not None and src[0] == "alloc_at":
+                    return f"argument {fn.arg_names[i]}: a tensor descriptor on a view into an allocation"
                 sources.append((i, src, desc))
                 values[i] = None  # (the replay holds no tensor of this call)
         self.entries.append((ck, g, values, tuple(sources)))
         return None
 
     def _source(self, t):
-        """Where a pointer argument comes from: ("slot", indices), ("alloc", allocation index) or ("const", t)."""
+        """Where a pointer argument comes from: ("slot", indices), ("alloc", allocation index), ("const", t) or
+        ("alloc_at", (allocation index, byte offset))."""
         p = t.data_ptr()
         hits = tuple(i for i, s in enumerate(self.slots) if isinstance(s, torch.Tensor) and s.data_ptr() == p)
         if hits:
@@ -197,6 +211,9 @@ class _Recording:
         c = _CONSTANTS.get(p)
         if c is not None:
             return ("const", c)
+        at = self.guard.inside(p)
+        if at is not None:  # a view into an allocation (several outputs carved from one buffer)
+            return ("alloc_at", at)
         return None
 
 
@@ -204,11 +221,11 @@ def as_tuple(result) -> tuple:
     return () if result is None else result if isinstance(result, tuple) else (result,)
 
 
-def _output_spec(result, slots, live):
+def _output_spec(result, slots, guard):
     """How a replay rebuilds ``fn``'s result (None, a tensor or a tuple of tensors and Nones): per item None,
     ("slot", i), ("alloc", allocation index, shape, strides) (memory the call allocated, possibly viewed) or ("empty",
     shape, strides, dtype, device) (no elements); a string (the reason) when an item is none of these."""
-    spec = []
+    spec, live = [], guard.live
     for t in as_tuple(result):
         if t is None:
             spec.append(None)
@@ -222,6 +239,12 @@ def _output_spec(result, slots, live):
                 spec.append(("slot", hit))
             elif t.data_ptr() in live:
                 spec.append(("alloc", live[t.data_ptr()], tuple(t.shape), t.stride()))
+            elif (
+                (at := guard.inside(t.data_ptr())) is not None
+                and guard.allocs[at[0]][2] == t.dtype
+                and at[1] % t.element_size() == 0
+            ):
+                spec.append(("alloc", at[0], tuple(t.shape), t.stride(), at[1] // t.element_size()))
             else:
                 return "a result that is neither an input nor memory the call allocated"
     return spec
@@ -253,7 +276,7 @@ def record(fn, slots):
         if rec.hook_launches != len(rec.entries) or not rec.entries
         else None
     )
-    spec = _output_spec(result, slots, guard.live) if not why else None
+    spec = _output_spec(result, slots, guard) if not why else None
     if isinstance(spec, str):
         why = spec
     if why:
@@ -353,6 +376,7 @@ class Replay:
 
     def __init__(self, entries, allocs, outputs=()):
         used = {src[1] for *_, sources in entries for _, src, _ in sources if src[0] == "alloc"}
+        used |= {src[1][0] for *_, sources in entries for _, src, _ in sources if src[0] == "alloc_at"}
         used |= {o[1] for o in outputs if o is not None and o[0] == "alloc"}
         self.allocs = tuple(allocs[a] for a in sorted(used))
         index = {a: j for j, a in enumerate(sorted(used))}
@@ -370,6 +394,8 @@ class Replay:
                     subs.append((i, 0, ref[0], desc))
                 elif kind == "alloc":
                     subs.append((i, 1, index[ref], desc))
+                elif kind == "alloc_at":  # (kind 3: an address at a byte offset into a re-allocated buffer)
+                    subs.append((i, 3, (index[ref[0]], ref[1]), desc))
                 else:
                     subs.append((i, 2, ref, desc))
             # (substitutions into a bundle, grouped per argument: one tuple built per argument and call)
@@ -404,26 +430,34 @@ class Replay:
                 args = entry.template.copy()
                 args[3] = stream
                 for p, kind, ref in entry.subs:
-                    args[p] = (slots[ref] if kind == 0 else bufs[ref]).data_ptr()
+                    args[p] = (
+                        (slots[ref] if kind == 0 else bufs[ref]).data_ptr()
+                        if kind < 3
+                        else bufs[ref[0]].data_ptr() + ref[1]
+                    )
                 for p, kind, ref, fill in entry.descs:
                     t = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
                     args[p] = drv.utils.fill_tma_descriptor(t.data_ptr(), *fill)
                 for p, base, items in entry.bundles:
                     b = list(base)
                     for j, kind, ref in items:
-                        b[j] = (slots[ref] if kind == 0 else bufs[ref]).data_ptr()
+                        b[j] = (
+                            (slots[ref] if kind == 0 else bufs[ref]).data_ptr()
+                            if kind < 3
+                            else bufs[ref[0]].data_ptr() + ref[1]
+                        )
                     args[p] = tuple(b)
                 entry.launch(*args)
                 continue
             ck, (g0, g1, g2), values, subs, bundles = entry
             args = values.copy()
             for i, kind, ref, desc in subs:
-                t = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
+                t = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref if kind == 2 else _at(bufs, ref)
                 args[i] = t if desc is None else HostDesc(t, *desc)
             for i, items in bundles:
                 b = list(values[i])
                 for j, kind, ref in items:
-                    b[j] = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
+                    b[j] = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref if kind == 2 else _at(bufs, ref)
                 args[i] = tuple(b)
             ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *args)
         return tuple(self._output(o, slots, bufs) for o in self.outputs)
@@ -437,4 +471,11 @@ class Replay:
         if o[0] == "empty":
             return torch.empty_strided(o[1], o[2], dtype=o[3], device=o[4])
         buf, shape, stride = bufs[o[1]], o[2], o[3]
+        if len(o) > 4:  # a view at an offset (one of several carved from the buffer)
+            return buf.as_strided(shape, stride, o[4])
         return buf if buf.shape == shape and buf.stride() == stride else buf.as_strided(shape, stride)
+
+
+def _at(bufs, ref):
+    """The address at ``ref = (buffer index, byte offset)`` (the launcher takes an int as the address)."""
+    return bufs[ref[0]].data_ptr() + ref[1]
