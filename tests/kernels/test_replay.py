@@ -244,6 +244,20 @@ class CudaLauncher:
         self.launch(g0, g1, g2, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
 
 
+def _compiles_to(jf, launcher):
+    """Make ``jf``'s JIT launch return a compiled kernel whose launcher is ``launcher`` (firing the launch
+    hook, as triton's launch does)."""
+
+    class _CK:
+        function, packed_metadata, run = "fn-handle", "metadata", launcher
+
+    def jit_run(*args, grid, warmup, **kwargs):
+        triton.knobs.runtime.launch_enter_hook(None)
+        return _CK()
+
+    jf.run = jit_run
+
+
 def _desc_body(x_ptr, desc, n, BLOCK: triton.language.constexpr):
     pass
 
@@ -259,15 +273,7 @@ def test_direct_launch_passes_what_the_launcher_would(kernel, monkeypatch, with_
     meta = {"swizzle": 3, "elem_size": 1, "elem_type": 9, "block_size": [64, 128], "fp4_padded": False}
     sig = {"x_ptr": "*fp8e4nv", "desc": "tensordesc<fp8e4nv[64, 128]>", "n": "i32", "BLOCK": "constexpr"}
     launcher = CudaLauncher(sig, [meta] if with_meta else None, c_log)
-
-    class _CK:
-        function, packed_metadata, run = "fn-handle", "metadata", launcher
-
-    def jit_run(*args, grid, warmup, **kwargs):
-        triton.knobs.runtime.launch_enter_hook(None)
-        return _CK()
-
-    djf.run = jit_run
+    _compiles_to(djf, launcher)
 
     class _Utils:
         @staticmethod
@@ -313,15 +319,7 @@ def test_direct_launch_bundles_and_constants_as_addresses(kernel, monkeypatch):
             c_log.append(a)
 
     launcher.launch = _CLauncher()
-
-    class _CK:
-        function, packed_metadata, run = "fn-handle", "metadata", launcher
-
-    def jit_run(*args, grid, warmup, **kwargs):
-        triton.knobs.runtime.launch_enter_hook(None)
-        return _CK()
-
-    jf.run = jit_run
+    _compiles_to(jf, launcher)
     const = replay.constant(torch.randn(8))
 
     def fn(x, y):
