@@ -323,7 +323,7 @@ def _desc_fill_args(meta, desc):
 
 class _Direct:
     """One recorded launch, called through the compiled C launcher: the argument list is built once, and a
-    replay writes into a copy only the stream, the new call's tensors and their TMA descriptors."""
+    replay writes into a copy only the stream, the new call's addresses and their TMA descriptors."""
 
     __slots__ = ("launch", "template", "subs", "descs", "bundles")
 
