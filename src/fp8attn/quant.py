@@ -395,13 +395,14 @@ def _carve(dtype, device, layouts):
     each starting on a 128-byte boundary: an eager call's outputs for the price of one allocation (every
     ``torch.empty`` costs a caching-allocator round trip on the host)."""
     align = 128 // dtype.itemsize
-    buf = torch.empty(sum(-(-math.prod(shape) // align) * align for shape, _ in layouts), dtype=dtype, device=device)
+    sizes = [-(-math.prod(shape) // align) * align for shape, _ in layouts]
+    buf = torch.empty(sum(sizes), dtype=dtype, device=device)
     out, off = [], 0
-    for shape, strides in layouts:
+    for (shape, strides), n in zip(layouts, sizes):
         if strides is None:
             strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
         out.append(buf.as_strided(shape, strides, off))
-        off += -(-math.prod(shape) // align) * align
+        off += n
     return tuple(out)
 
 
