@@ -316,8 +316,8 @@ def empty_seq_major(shape, dtype, device):
     """An uninitialized (batch, seqlen, heads, dim) / varlen (total, heads, dim) tensor whose sequence
     dimension is contiguous: memory order (batch, heads, dim, seqlen) / (heads, dim, total). This is the
     K-major layout Hopper's FP8 P @ V reads V in; attention given such a V runs no transpose pass."""
-    *lead, s, h, d = (1, *shape) if len(shape) == 3 else shape
-    y = torch.empty(*lead, h, d, s, dtype=dtype, device=device).permute(0, 3, 1, 2)
+    shape4 = (1, *shape) if len(shape) == 3 else tuple(shape)
+    y = torch.empty_strided(shape4, _layout_strides(shape4, True), dtype=dtype, device=device)
     return y.squeeze(0) if len(shape) == 3 else y
 
 
@@ -380,13 +380,14 @@ def _block_d(d):
 def _empty_fp8(shape, device, seq_major):
     """The e4m3 output of a (batch, seqlen, heads, dim) input: sequence-major when ``seq_major`` (the kernel
     stores through its strides, so it is written that way in the same pass), else row-major."""
-    return torch.empty_strided(shape, _fp8_strides(shape, seq_major), device=device, dtype=torch.float8_e4m3fn)
+    return torch.empty_strided(shape, _layout_strides(shape, seq_major), device=device, dtype=torch.float8_e4m3fn)
 
 
-def _fp8_strides(shape, seq_major):
-    """The strides of ``_empty_fp8``'s (batch, seqlen, heads, dim) output: memory order (batch, heads, dim,
-    seqlen) when ``seq_major`` (``empty_seq_major``'s), else row-major."""
-    b, s, h, d = shape
+def _layout_strides(shape, seq_major):
+    """The strides of a (batch, seqlen, heads, dim) tensor: memory order (batch, heads, dim, seqlen) when
+    ``seq_major`` (``empty_seq_major``'s layout), else row-major; empty dimensions count as 1, as torch's
+    contiguous strides do."""
+    s, h, d = (max(n, 1) for n in shape[1:])
     return (h * d * s, 1, d * s, s) if seq_major else (s * h * d, h * d, d, 1)
 
 
@@ -400,7 +401,7 @@ def _carve(dtype, device, layouts):
     out, off = [], 0
     for (shape, strides), n in zip(layouts, sizes):
         if strides is None:
-            strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+            strides = tuple(math.prod(max(n, 1) for n in shape[i + 1 :]) for i in range(len(shape)))
         out.append(buf.as_strided(shape, strides, off))
         off += n
     return tuple(out)
@@ -448,7 +449,7 @@ def triton_qkv(q, k, v, granularity, nheads_k, rotate, seed, block_t, v_seq_majo
         return None
     dev = q.device
     ys = _carve(
-        torch.float8_e4m3fn, dev, [(x.shape, _fp8_strides(x.shape, sm)) for x, sm in zip(xs, (0, 0, v_seq_major))]
+        torch.float8_e4m3fn, dev, [(x.shape, _layout_strides(x.shape, sm)) for x, sm in zip(xs, (0, 0, v_seq_major))]
     )
     dss = _carve(torch.float32, dev, [(descale_shape(x, granularity, nheads_k, block_t), None) for x in xs])
     d = xs[0].shape[-1]

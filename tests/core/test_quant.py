@@ -264,3 +264,20 @@ def test_empty_inputs_get_floored_descales():
     assert compute_descale(torch.empty(0, 3)).item() == pytest.approx(DESCALE_FLOOR)
     d = compute_descale(torch.empty(2, 0, 3, 8), "per_head")
     assert d.shape == (2, 3) and (d > 0).all()
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 3, 4), (1, 1, 1, 16), (2, 0, 3, 4), (0, 3, 0, 2), (7, 3, 8), (0, 4, 2)])
+def test_layout_strides_are_torchs(shape):
+    """quant's one definition of the two layouts gives the strides torch gives the same layouts (empty
+    dimensions included): sequence-major as a permuted contiguous (batch, heads, dim, seqlen), row-major as
+    contiguous; so do the e4m3 outputs and views carved from one allocation."""
+    lead = (1, *shape) if len(shape) == 3 else shape
+    b, s, h, d = lead
+    want = torch.empty(b, h, d, s).permute(0, 3, 1, 2)
+    want = want.squeeze(0) if len(shape) == 3 else want
+    got = quant.empty_seq_major(shape, torch.float32, "cpu")
+    assert (got.shape, got.stride()) == (want.shape, want.stride())
+    if len(shape) == 4:
+        assert quant._empty_fp8(shape, "cpu", True).stride() == want.stride()
+        assert quant._empty_fp8(shape, "cpu", False).stride() == torch.empty(shape).stride()
+        assert quant._carve(torch.float8_e4m3fn, "cpu", [(shape, None)])[0].stride() == torch.empty(shape).stride()

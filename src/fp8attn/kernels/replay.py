@@ -430,22 +430,14 @@ class Replay:
                 args = entry.template.copy()
                 args[3] = stream
                 for p, kind, ref in entry.subs:
-                    args[p] = (
-                        (slots[ref] if kind == 0 else bufs[ref]).data_ptr()
-                        if kind < 3
-                        else bufs[ref[0]].data_ptr() + ref[1]
-                    )
+                    args[p] = (slots[ref] if kind == 0 else bufs[ref]).data_ptr() if kind < 3 else _at(bufs, ref)
                 for p, kind, ref, fill in entry.descs:
                     t = slots[ref] if kind == 0 else bufs[ref] if kind == 1 else ref
                     args[p] = drv.utils.fill_tma_descriptor(t.data_ptr(), *fill)
                 for p, base, items in entry.bundles:
                     b = list(base)
                     for j, kind, ref in items:
-                        b[j] = (
-                            (slots[ref] if kind == 0 else bufs[ref]).data_ptr()
-                            if kind < 3
-                            else bufs[ref[0]].data_ptr() + ref[1]
-                        )
+                        b[j] = (slots[ref] if kind == 0 else bufs[ref]).data_ptr() if kind < 3 else _at(bufs, ref)
                     args[p] = tuple(b)
                 entry.launch(*args)
                 continue
