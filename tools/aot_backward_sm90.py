@@ -71,6 +71,7 @@ def capture(case):
             window_right=-1,
             softcap=case.get("softcap", 0.0),
             mode=case["mode"],
+            deterministic=case.get("deterministic", False),
             **kw,
         )
     finally:
@@ -94,6 +95,7 @@ def compile_one(fn, args, kwargs):
         HGMMA=sass.count("HGMMA"),
         async_copy=ttgir.count("async_copy_global_to_local"),
         smem=k.metadata.shared,
+        RED=len(re.findall(r"\bRED", sass)) + len(re.findall(r"\bATOMG?\b", sass)),
         LDL=len(re.findall(r"\bLDL\b", sass)),
         STL=len(re.findall(r"\bSTL\b", sass)),
         res=res,

@@ -238,13 +238,23 @@ def _kernel_args(inp, ref, *, causal, wl, wr, softcap, mode, grad_dtype, lse_shi
 
 
 def _run_and_check(
-    inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized", grad_dtype=torch.float32, rerun=False
+    inp,
+    *,
+    causal=False,
+    wl=-1,
+    wr=-1,
+    softcap=0.0,
+    mode="dequantized",
+    grad_dtype=torch.float32,
+    rerun=False,
+    deterministic=False,
 ):
     ref = _references(inp, inp["q"].shape[-1] ** -0.5, causal, wl, wr, softcap, mode)
     nq, nk = sum(inp["seqs_q"]), sum(inp["seqs_k"])
     views, grads, kw = _kernel_args(
         inp, ref, causal=causal, wl=wl, wr=wr, softcap=softcap, mode=mode, grad_dtype=grad_dtype
     )
+    kw["deterministic"] = deterministic
     launch_attention_bwd(*views, *grads, **kw)
     dq, dk, dv = (g.reshape(-1, *g.shape[-2:]).cpu() for g in grads)
     if inp["varlen"]:
@@ -269,16 +279,18 @@ def _run_and_check(
 # ------------------------------------------------------------------------------------------------
 # CPU (interpreter) tests
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("mode", ["dequantized", "fp8"])
-def test_dense_gqa_noncausal(mode):
+def test_dense_gqa_noncausal(mode, deterministic):
+    # deterministic=False adds dQ atomically in the dK/dV kernel, True runs the separate dQ pass
     inp = _make([37], [37], 4, 2, 64, 64)
-    _run_and_check(inp, mode=mode)
+    _run_and_check(inp, mode=mode, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("mode", ["dequantized", "fp8"])
 def test_dense_mqa_causal_sq_ne_sk(mode):
     inp = _make([21], [40], 3, 1, 64, 64)
-    _run_and_check(inp, causal=True, mode=mode, rerun=True)
+    _run_and_check(inp, causal=True, mode=mode, rerun=True, deterministic=True)
 
 
 def test_causal_more_queries_than_keys_rows_without_keys():
@@ -294,21 +306,31 @@ def test_window_softcap_bf16_grads(wl, wr):
     _run_and_check(inp, wl=wl, wr=wr, softcap=8.0, grad_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("mode", ["dequantized", "fp8"])
-def test_varlen_empty_seq_nan_poison_seqmajor_v(mode):
+def test_varlen_empty_seq_nan_poison_seqmajor_v(mode, deterministic):
     # lengths not multiples of the block, an empty query sequence and an empty key sequence
     inp = _make([19, 0, 29, 5], [21, 9, 35, 0], 4, 2, 64, 64, varlen=True, v_seq_major=True)
-    _run_and_check(inp, causal=True, mode=mode)
+    _run_and_check(inp, causal=True, mode=mode, deterministic=deterministic)
 
 
-def test_headdim_192_128_causal_gqa():
+@pytest.mark.parametrize("mode", ["dequantized", "fp8"])
+def test_fused_dq_16bit_grads_causal_gqa(mode):
+    # dQ added atomically in the dK/dV kernel (fp8 mode; d64 causal in the dequantized mode) into an fp32
+    # accumulator, then copied into the bf16 dq
+    inp = _make([33], [47], 4, 2, 64, 64)
+    _run_and_check(inp, causal=True, mode=mode, grad_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_headdim_192_128_causal_gqa(deterministic):
     inp = _make([18], [27], 2, 1, 192, 128)
-    _run_and_check(inp, causal=True)
+    _run_and_check(inp, causal=True, deterministic=deterministic)
 
 
 def test_16bit_inputs_seqmajor_v():
     inp = _make([26, 26], [31, 31], 2, 1, 64, 64, fp8=False, v_seq_major=True)
-    _run_and_check(inp, causal=True, rerun=True)
+    _run_and_check(inp, causal=True, rerun=True, deterministic=True)
 
 
 def test_bad_mode():
@@ -427,13 +449,15 @@ def test_gpu_gqa_window_softcap_192(hq, hk):
 
 
 @pytest.mark.gpu
-def test_gpu_deterministic():
+@pytest.mark.parametrize("mode", ["dequantized", "fp8"])
+def test_gpu_deterministic(mode):
+    # the separate dQ pass (no atomics): accurate, and bit-identical on a rerun
     torch.manual_seed(0)
     inp = _make_gpu(1, 2048, 2048, 8, 2, 128, 128)
-    for mode in ("dequantized", "fp8"):
-        a = _gpu_launch(inp, causal=True, mode=mode)
-        b = _gpu_launch(inp, causal=True, mode=mode)
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    _gpu_check(inp, causal=True, mode=mode, deterministic=True)
+    a = _gpu_launch(inp, causal=True, mode=mode, deterministic=True)
+    b = _gpu_launch(inp, causal=True, mode=mode, deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _make_gpu(b, sq, sk, hq, hk, d, dv):
@@ -468,7 +492,7 @@ def _gpu_ref(inp, causal, wl, wr, softcap, mode):
     return [torch.stack(x).transpose(1, 2) if i != 1 else torch.stack(x) for i, x in enumerate(res)]
 
 
-def _gpu_launch(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized", fwd=None):
+def _gpu_launch(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized", fwd=None, deterministic=False):
     if fwd is None:
         fwd = _gpu_ref(inp, causal, wl, wr, softcap, mode)
     out, lse = fwd[0].to(torch.bfloat16).contiguous(), fwd[1].float().contiguous()
@@ -490,14 +514,17 @@ def _gpu_launch(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantiz
         window_right=wr,
         softcap=softcap,
         mode=mode,
+        deterministic=deterministic,
     )
     return grads
 
 
-def _gpu_check(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized"):
+def _gpu_check(inp, *, causal=False, wl=-1, wr=-1, softcap=0.0, mode="dequantized", deterministic=False):
     """The CPU tests' rule at real shapes: within 2x the emulated low-precision error of the mode + floor."""
     ref = _gpu_ref(inp, causal, wl, wr, softcap, mode)
-    got = _gpu_launch(inp, causal=causal, wl=wl, wr=wr, softcap=softcap, mode=mode, fwd=ref)
+    got = _gpu_launch(
+        inp, causal=causal, wl=wl, wr=wr, softcap=softcap, mode=mode, fwd=ref, deterministic=deterministic
+    )
     for name, x, r, lo in zip(("dq", "dk", "dv"), got, ref[2:5], ref[5:8]):
         err = (x.double() - r.double()).abs().max().item()
         low = (lo.double() - r.double()).abs().max().item()

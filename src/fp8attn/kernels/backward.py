@@ -81,7 +81,7 @@ AMAX_FLOOR = tl.constexpr(1e-30)  # an all-zero dO/dS tile keeps a finite scale 
 _CFGS_DKDV = {
     (64, False): [(64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3)],
     (64, True): [(64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3)],
-    (128, False): [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
+    (128, False): [(32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
     (128, True): [(64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2)],
     (256, False): [(32, 64, 8, 1), (64, 64, 8, 2)],
     (256, True): [(32, 64, 8, 1), (64, 64, 8, 2)],
@@ -132,7 +132,7 @@ def _pruner(table):
 
 
 _AUTOTUNE_KEY = ["BLOCK_D", "BLOCK_DV", "IS_FP8", "MODE_FP8", "CAUSAL", "HAS_WINDOW", "SOFTCAP", "IS_VARLEN",
-                 "DO_DK", "DO_DV", "seqlen_bucket"]
+                 "DO_DK", "DO_DV", "DO_DQ", "seqlen_bucket"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,15 +336,37 @@ def _ds_accumulate(acc, ds, x, DS_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, MOD
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, w_base, ws_lse_off, stride_qm, stride_qd, stride_dom, stride_dod,
-                offs_n, offs_d, offs_dv, lo, hi, seqlen_q, seqlen_k, head_dim, head_dim_v,
-                qk_scale, vd, softcap, window_left, window_right,
+def _ds_accumulate_both(dk, dsT, q, k, DS_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, MODE_FP8: tl.constexpr):
+    """(dk + dS^T Q, dS K) from one transposed dS tile ((BLOCK_N, BLOCK_M)), rounded once for both
+    products (in MODE_FP8 to e4m3 with one scale per tile); the second is this tile's dQ part, unscaled."""
+    if MODE_FP8:
+        ds_inv = _tile_inv_scale(dsT)
+        ds8 = _to_e4m3(dsT, ds_inv)
+        if IS_FP8:
+            dk += tl.dot(ds8, q) * (1.0 / ds_inv)
+            dq = tl.dot(tl.trans(ds8), k) * (1.0 / ds_inv)
+        else:
+            dk += tl.dot(ds8.to(q.dtype), q) * (1.0 / ds_inv)
+            dq = tl.dot(tl.trans(ds8.to(k.dtype)), k) * (1.0 / ds_inv)
+    else:
+        ds16 = dsT.to(DS_DTYPE)
+        dk = tl.dot(ds16, q.to(DS_DTYPE), dk)
+        dq = tl.dot(tl.trans(ds16), k.to(DS_DTYPE))
+    return dk, dq
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, w_base, dq_base, ws_lse_off, stride_qm, stride_qd, stride_dom,
+                stride_dod, stride_dqm, stride_dqd, offs_n, offs_d, offs_dv, lo, hi, seqlen_q, seqlen_k, head_dim,
+                head_dim_v, qk_scale, vd, dq_scale, softcap, window_left, window_right,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                 IS_FP8: tl.constexpr, MODE_FP8: tl.constexpr, DS_DTYPE: tl.constexpr,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                DO_DK: tl.constexpr, DO_DV: tl.constexpr):
+                DO_DK: tl.constexpr, DO_DV: tl.constexpr, DO_DQ: tl.constexpr):
     """Accumulate one query head's query blocks [lo, hi) into dk, dv ((BLOCK_N, d) fp32, unscaled:
-    dk needs ``softmax_scale * qd`` after the loops). MASKED adds the row-bound loads and logit masks."""
+    dk needs ``softmax_scale * qd`` after the loops). MASKED adds the row-bound loads and logit masks.
+    DO_DQ (with DO_DK): each tile's ``dS K`` times ``dq_scale`` is added atomically to the fp32 rows at
+    ``dq_base``."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         tok = offs_m.to(tl.int64)
@@ -378,7 +400,21 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, w_base, ws_lse_off, stride_qm, st
         if DO_DK:
             dpT = _dp_tile(do, do8, do_inv, v, vd, False, IS_FP8, MODE_FP8)
             dsT = _ds_tile(pT, dpT, delta[None, :], t, SOFTCAP)
-            dk = _ds_accumulate(dk, dsT, q, DS_DTYPE, IS_FP8, MODE_FP8)
+            if DO_DQ:
+                dk, dq = _ds_accumulate_both(dk, dsT, q, k, DS_DTYPE, IS_FP8, MODE_FP8)
+                dq_ptrs = dq_base + tok[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+                if MASKED:
+                    if EVEN_D:
+                        dq_mask = (offs_m < seqlen_q)[:, None]
+                    else:
+                        dq_mask = (offs_m < seqlen_q)[:, None] & (offs_d[None, :] < head_dim)
+                    tl.atomic_add(dq_ptrs, dq * dq_scale, mask=dq_mask, sem="relaxed")
+                elif EVEN_D:
+                    tl.atomic_add(dq_ptrs, dq * dq_scale, sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq * dq_scale, mask=offs_d[None, :] < head_dim, sem="relaxed")
+            else:
+                dk = _ds_accumulate(dk, dsT, q, DS_DTYPE, IS_FP8, MODE_FP8)
     return dk, dv
 
 
@@ -388,15 +424,16 @@ def _bwd_dkdv_kernel(
     IS_FP8: tl.constexpr, MODE_FP8: tl.constexpr, IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DS_DTYPE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-    DO_DK: tl.constexpr, DO_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DO_DK: tl.constexpr, DO_DV: tl.constexpr, DO_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """The dK/dV pass. Run-time arguments in bundles (``launch_attention_bwd`` builds them; triton flattens
-    them into the same parameters in the same order): ptrs (Q, K, V, DO, Ws, DK, DV, QDs, KDs, VDs,
+    """The dK/dV pass (with DO_DQ also dQ, added atomically into fp32 rows). Run-time arguments in bundles
+    (``launch_attention_bwd`` builds them; triton flattens them into the same parameters in the same order): ptrs (Q, K, V, DO, Ws, DK, DV, DQ, QDs, KDs, VDs,
     cu_seqlens_q, cu_seqlens_k); strides ((q: batch, token, head, dim), (k), (v), (do), (workspace: batch,
-    head, LSE offset), (dk), (dv), (descales: q batch, q head, k batch, k head, v batch, v head)); sizes
+    head, LSE offset), (dk), (dv), (dq, fp32; read only with DO_DQ), (descales: q batch, q head, k batch,
+    k head, v batch, v head)); sizes
     (seqlen_q, seqlen_k, head_dim, head_dim_v, qgroup); scalars (softmax_scale, softcap, window_left,
     window_right). ``seqlen_bucket`` and the constexprs stay separate: the tuning keys on them."""
-    Q, K, V, DO, Ws, DK, DV, QDs, KDs, VDs, cu_seqlens_q, cu_seqlens_k = ptrs
+    Q, K, V, DO, Ws, DK, DV, DQ, QDs, KDs, VDs, cu_seqlens_q, cu_seqlens_k = ptrs
     stride_qb, stride_qm, stride_qh, stride_qd = strides[0]
     stride_kb, stride_kn, stride_kh, stride_kd = strides[1]
     stride_vb, stride_vn, stride_vh, stride_vd = strides[2]
@@ -404,7 +441,8 @@ def _bwd_dkdv_kernel(
     stride_wb, stride_wh, ws_lse_off = strides[4]
     stride_dkb, stride_dkn, stride_dkh, stride_dkd = strides[5]
     stride_dvb, stride_dvn, stride_dvh, stride_dvd = strides[6]
-    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h = strides[7]
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd = strides[7]
+    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h = strides[8]
     seqlen_q_static, seqlen_k_static, head_dim, head_dim_v, qgroup = sizes
     softmax_scale, softcap, window_left, window_right = scalars
     pid_n = tl.program_id(0)
@@ -440,16 +478,17 @@ def _bwd_dkdv_kernel(
         q_base = Q + b64 * stride_qb + hq64 * stride_qh + q_start * stride_qm
         do_base = DO + b64 * stride_dob + hq64 * stride_doh + q_start * stride_dom
         w_base = Ws + b64 * stride_wb + hq64 * stride_wh + q_start
+        dq_base = DQ + b64 * stride_dqb + hq64 * stride_dqh + q_start * stride_dqm
         # the diagonal (masked), the fully visible blocks (no masks), the rest (masked): one call each
         for run in tl.static_range(3):
             dk, dv = _dkdv_inner(
-                dk, dv, k, v, q_base, do_base, w_base, ws_lse_off, stride_qm, stride_qd, stride_dom, stride_dod,
-                offs_n, offs_d, offs_dv,
+                dk, dv, k, v, q_base, do_base, w_base, dq_base, ws_lse_off, stride_qm, stride_qd, stride_dom,
+                stride_dod, stride_dqm, stride_dqd, offs_n, offs_d, offs_dv,
                 lo if run == 0 else full_lo if run == 1 else full_hi,
                 full_lo if run == 0 else full_hi if run == 1 else hi,
-                seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, vd, softcap, window_left, window_right,
-                run != 1, CAUSAL, HAS_WINDOW, SOFTCAP, IS_FP8, MODE_FP8, DS_DTYPE, EVEN_D, EVEN_DV, BLOCK_M,
-                DO_DK, DO_DV)
+                seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, vd, softmax_scale * kd, softcap, window_left,
+                window_right, run != 1, CAUSAL, HAS_WINDOW, SOFTCAP, IS_FP8, MODE_FP8, DS_DTYPE, EVEN_D, EVEN_DV,
+                BLOCK_M, DO_DK, DO_DV, DO_DQ)
     if DO_DK:
         dk = dk * (softmax_scale * qd)
         tl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + tok_k[:, None] * stride_dkn
@@ -566,7 +605,14 @@ def _bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
 
 
-_dkdv_tuned = triton.autotune(configs=bwd_configs(_CFGS_DKDV), key=_AUTOTUNE_KEY,
+def _zero_dq(nargs, reset_only=False):
+    """Autotuning reruns a launch: the atomically accumulated dQ starts from zero before every run and
+    after the last."""
+    if nargs.get("DO_DQ"):
+        nargs["ptrs"][7].zero_()
+
+
+_dkdv_tuned = triton.autotune(configs=bwd_configs(_CFGS_DKDV), key=_AUTOTUNE_KEY, pre_hook=_zero_dq,
                               prune_configs_by={"early_config_prune": _pruner(_CFGS_DKDV)})(_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(configs=bwd_configs(_CFGS_DQ), key=_AUTOTUNE_KEY,
                             prune_configs_by={"early_config_prune": _pruner(_CFGS_DQ)})(_bwd_dq_kernel)
@@ -599,6 +645,18 @@ def _launch(plain, tuned, table, grid, args, kwargs):
     tuned[grid](*args, **kwargs)
     best = tuned.best_config
     _TUNED[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+
+
+def _fuse_dq(dclass, mode, causal):
+    """Whether dQ is added atomically in the dK/dV kernel (``deterministic=False``) instead of its own pass.
+
+    Fused, each key block adds its ``dS K`` tiles into fp32 rows, which saves the dQ pass's recomputation
+    of S, P and dP; the order of the additions varies, so ``deterministic`` takes the separate pass. Where
+    the fused form won in a one-process A/B on an H200 (docs/decisions.md, Backward): the fp8 mode (its dK
+    launch computes dS anyway: six products instead of nine) and the dequantized mode at head dim 64 with a
+    causal mask. At head dims 128/256 the dequantized dK/dV kernel already holds 255 registers; the dQ
+    accumulator and its atomics add spills that cost more than the dQ pass."""
+    return mode == "fp8" or (dclass == 64 and causal)
 
 
 def _strides4(t, varlen):
@@ -648,19 +706,20 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
     mode : str
         ``"dequantized"`` or ``"fp8"`` (module docstring: which products run in e4m3 and their scales).
     deterministic : bool
-        Accepted for API parity: this backward has no atomics, every rerun is bit-identical.
+        False (default): dQ is added atomically in the dK/dV kernel (fp32, the order of additions varies,
+        so reruns may differ in the last bits). True: a separate dQ pass, no atomics, bit-identical reruns.
 
     Notes
     -----
-    Three launches (preprocess, dK/dV, dQ; four at head dim 192/256 and in the fp8 mode, one per gradient
-    for dK and dV).
+    Two launches (preprocess, dK/dV/dQ; three at head dim 192/256 and in the fp8 mode, one per gradient for
+    dK and dV), a zeroing of the fp32 dQ accumulator and, for a 16-bit dq, its copy; with ``deterministic``
+    the dQ pass is a launch of its own.
     The main kernels autotune per (head dims, dtype, mode, masks, varlen, seqlen bucket) on the first eager
     call; during CUDA-graph capture they use the config an eager call picked, else the table's default
     (``FP8ATTN_NO_AUTOTUNE=1``: always the default).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}; pass 'dequantized' or 'fp8'")
-    del deterministic  # always deterministic (see module docstring)
     varlen = cu_seqlens_q is not None
     is_fp8 = q.dtype == torch.float8_e4m3fn
     d, dv_dim = q.shape[-1], v.shape[-1]
@@ -707,8 +766,16 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
                   DS_DTYPE=tl.bfloat16 if is_fp8 else _TL_DTYPE[q.dtype],
                   BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=block_d == d, EVEN_DV=block_dv == dv_dim)
 
-    args = ((q, k, v, do, ws, dk, dv, *descs, cu_q, cu_k),
-            (*common_in, tuple(_strides4(dk, varlen)), tuple(_strides4(dv, varlen)), tuple(ds_strides)), *tail)
+    fused = not deterministic and _fuse_dq(_dclass(block_d, block_dv), mode, bool(causal))
+    dq_acc = dummy
+    if fused:
+        if dq.dtype == torch.float32:
+            dq_acc = dq if varlen else dq.zero_()
+        else:
+            dq_acc = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32)
+    args = ((q, k, v, do, ws, dk, dv, dq_acc, *descs, cu_q, cu_k),
+            (*common_in, tuple(_strides4(dk, varlen)), tuple(_strides4(dv, varlen)),
+             tuple(_strides4(dq_acc, varlen)) if fused else (0, 0, 0, 0), tuple(ds_strides)), *tail)
     # One launch per gradient, each recomputing P (five GEMMs instead of four): at d256, where the dK and dV
     # accumulators together outgrow the register file (hundreds of spilled words in every configuration),
     # and in the fp8 mode, where the sm90 code of the fused form fed garbage e4m3 operands into dV (NaN or
@@ -718,7 +785,11 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
     for do_dk, do_dv in ((True, False), (False, True)) if split else ((True, True),):
         _launch(_bwd_dkdv_kernel, _dkdv_tuned, _CFGS_DKDV,
                 lambda meta: (cdiv(sk, meta["BLOCK_N"]), batch, nheads_k), args,
-                dict(kwargs, DO_DK=do_dk, DO_DV=do_dv))
+                dict(kwargs, DO_DK=do_dk, DO_DV=do_dv, DO_DQ=fused and do_dk))
+    if fused:
+        if dq_acc is not dq:
+            dq.copy_(dq_acc)
+        return
     args = ((q, k, v, do, ws, dq, *descs, cu_q, cu_k), (*common_in, tuple(_strides4(dq, varlen)), tuple(ds_strides)),
             *tail)
     _launch(_bwd_dq_kernel, _dq_tuned, _CFGS_DQ,
