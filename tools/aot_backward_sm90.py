@@ -105,7 +105,16 @@ def compile_one(fn, args, kwargs):
 CASES = [
     {"name": "e4m3 d64 causal deq", "s": 4096, "d": 64, "causal": True, "mode": "dequantized"},
     {"name": "e4m3 d128 causal deq", "s": 4096, "d": 128, "causal": True, "mode": "dequantized"},
+    {
+        "name": "e4m3 d64 causal deq det",
+        "s": 4096,
+        "d": 64,
+        "causal": True,
+        "mode": "dequantized",
+        "deterministic": True,
+    },
     {"name": "e4m3 d128 noncausal fp8", "s": 4096, "d": 128, "causal": False, "mode": "fp8"},
+    {"name": "e4m3 d128 noncausal fp8 det", "s": 4096, "d": 128, "causal": False, "mode": "fp8", "deterministic": True},
     {"name": "e4m3 d256 causal deq", "s": 4096, "d": 256, "causal": True, "mode": "dequantized"},
     {"name": "e4m3 d256 causal fp8", "s": 4096, "d": 256, "causal": True, "mode": "fp8"},
     {"name": "e4m3 d192/128 causal deq", "s": 2048, "d": 192, "dv": 128, "causal": True, "mode": "dequantized"},
@@ -120,8 +129,9 @@ CASES = [
     {"name": "e4m3 d128 varlen causal fp8", "s": 1024, "d": 128, "causal": True, "mode": "fp8", "varlen": True},
 ]
 
-# compiled by tests/kernels/test_sm90_compile.py (one case per mode; the default configurations)
-QUICK = [c for c in CASES if c["name"] in ("e4m3 d64 causal deq", "e4m3 d128 noncausal fp8")]
+# compiled by tests/kernels/test_sm90_compile.py (one case per mode, with the atomic dQ and with the dQ pass;
+# the default configurations)
+QUICK = [c for c in CASES if c["name"].startswith(("e4m3 d64 causal deq", "e4m3 d128 noncausal fp8"))]
 
 
 def main():

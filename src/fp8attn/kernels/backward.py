@@ -1,6 +1,6 @@
-"""Attention backward (FP8 e4m3 or 16-bit Q/K/V) for Hopper: FlashAttention-2's two-pass form in Triton.
+"""Attention backward (FP8 e4m3 or 16-bit Q/K/V) for Hopper: FlashAttention-2's form in Triton.
 
-Three kernels, no atomics, so every rerun is bit-identical (``deterministic`` needs no other path):
+Kernels:
 
 1. ``_bwd_preprocess_kernel``: per query row, ``Delta = rowsum(dO * O)`` in fp32 and the LSE moved to
    the log2 domain (``lse * log2(e)``; ``+inf`` for a row that saw no key, so ``exp2(s - lse2) = 0``
@@ -8,8 +8,10 @@ Three kernels, no atomics, so every rerun is bit-identical (``deterministic`` ne
 2. ``_bwd_dkdv_kernel``: one program per (key block, batch, kv head); it loops over the query heads of
    the group and their query blocks, so dK/dV are summed over the group in registers. At head dim 256
    (and 192) it runs twice, once per gradient, as both fp32 accumulators do not fit in registers; in the
-   ``"fp8"`` mode too (the launcher says why).
-3. ``_bwd_dq_kernel``: one program per (query block, batch, query head), looping over key blocks.
+   ``"fp8"`` mode too (the launcher says why). With ``DO_DQ`` (``_fuse_dq`` says where) it also adds each
+   tile's ``dS K`` atomically into fp32 dQ rows: no dQ pass, but the additions come in a varying order.
+3. ``_bwd_dq_kernel``: one program per (query block, batch, query head), looping over key blocks; no
+   atomics, so its dQ is bit-identical on every rerun (``deterministic=True`` always takes it).
 
 Both main kernels recompute ``P = exp2(s * scale * log2(e) - lse2)`` from Q, K and the saved LSE.
 
