@@ -7,7 +7,9 @@ Setup as the dense forward sweep: 16 heads, batch * seqlen = 16k tokens, seqlen 
 * ``fwd_bwd`` -- ``fp8attn.attention`` forward (dynamic quantization inside the timed region) and
   ``torch.autograd.grad`` of its output; the peers the same with ``scaled_dot_product_attention``.
 * ``bwd`` -- the backward alone (``torch.autograd.grad(..., retain_graph=True)`` over one forward);
-  ``ours.ms_op`` is the ``fp8attn::dense_bwd`` op alone (without the straight-through casts).
+  ``ours.ms_op`` is the ``fp8attn::dense_bwd`` op alone (without the straight-through casts), and
+  ``ours.ms_op_deterministic`` the same op with ``deterministic=True`` (the dQ pass without atomics, where
+  the default adds dQ atomically: the two forms side by side in one process).
 
 One case per ``params.mode`` ("dequantized" / "fp8" backward); the peers (``sdpa_cudnn_bf16``,
 ``sdpa_flash_bf16``) are measured once per (head dim, seqlen, causal, pass) and listed in both.
@@ -176,8 +178,9 @@ def run(out_dir=None, quick=False, headdims=None):
                     doc["cases"].append(_case(d, s, causal, "fwd_bwd", mode, b, nheads, ours, peers["fwd_bwd"], errors))
                     o = fwd(*leaves)
                     ours_b = _timed(lambda o=o: torch.autograd.grad(o, leaves, do, retain_graph=True), flops["bwd"])
-                    ours_b["ms_op"] = _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode)
+                    ours_b["ms_op"] = _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode, False)
                     ours_b["tflops_op"] = flops["bwd"] / ours_b["ms_op"] / 1e9
+                    ours_b["ms_op_deterministic"] = _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode, True)
                     o = None
                     doc["cases"].append(_case(d, s, causal, "bwd", mode, b, nheads, ours_b, peers["bwd"], errors))
                     print(
@@ -193,7 +196,7 @@ def run(out_dir=None, quick=False, headdims=None):
     return path
 
 
-def _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode):
+def _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode, deterministic):
     """The ``fp8attn::dense_bwd`` op alone on the quantized inputs (bf16 gradients)."""
     with torch.no_grad():
         q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(*leaves)
@@ -222,7 +225,7 @@ def _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode):
         vd,
         0,
         mode,
-        False,
+        deterministic,
         torch.bfloat16,
     )
     fn = lambda: ops.OPS["dense_bwd"](*args)  # noqa: E731
