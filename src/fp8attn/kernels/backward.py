@@ -429,12 +429,12 @@ def _bwd_dkdv_kernel(
     DO_DK: tl.constexpr, DO_DV: tl.constexpr, DO_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The dK/dV pass (with DO_DQ also dQ, added atomically into fp32 rows). Run-time arguments in bundles
-    (``launch_attention_bwd`` builds them; triton flattens them into the same parameters in the same order): ptrs (Q, K, V, DO, Ws, DK, DV, DQ, QDs, KDs, VDs,
-    cu_seqlens_q, cu_seqlens_k); strides ((q: batch, token, head, dim), (k), (v), (do), (workspace: batch,
-    head, LSE offset), (dk), (dv), (dq, fp32; read only with DO_DQ), (descales: q batch, q head, k batch,
-    k head, v batch, v head)); sizes
-    (seqlen_q, seqlen_k, head_dim, head_dim_v, qgroup); scalars (softmax_scale, softcap, window_left,
-    window_right). ``seqlen_bucket`` and the constexprs stay separate: the tuning keys on them."""
+    (``launch_attention_bwd`` builds them; triton flattens them into the same parameters in the same order):
+    ptrs (Q, K, V, DO, Ws, DK, DV, DQ, QDs, KDs, VDs, cu_seqlens_q, cu_seqlens_k); strides ((q: batch, token,
+    head, dim), (k), (v), (do), (workspace: batch, head, LSE offset), (dk), (dv), (dq, fp32; read only with
+    DO_DQ), (descales: q batch, q head, k batch, k head, v batch, v head)); sizes (seqlen_q, seqlen_k,
+    head_dim, head_dim_v, qgroup); scalars (softmax_scale, softcap, window_left, window_right).
+    ``seqlen_bucket`` and the constexprs stay separate: the tuning keys on them."""
     Q, K, V, DO, Ws, DK, DV, DQ, QDs, KDs, VDs, cu_seqlens_q, cu_seqlens_k = ptrs
     stride_qb, stride_qm, stride_qh, stride_qd = strides[0]
     stride_kb, stride_kn, stride_kh, stride_kd = strides[1]
