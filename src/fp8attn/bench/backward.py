@@ -178,9 +178,8 @@ def run(out_dir=None, quick=False, headdims=None):
                     doc["cases"].append(_case(d, s, causal, "fwd_bwd", mode, b, nheads, ours, peers["fwd_bwd"], errors))
                     o = fwd(*leaves)
                     ours_b = _timed(lambda o=o: torch.autograd.grad(o, leaves, do, retain_graph=True), flops["bwd"])
-                    ours_b["ms_op"] = _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode, False)
+                    ours_b["ms_op"], ours_b["ms_op_deterministic"] = _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode)
                     ours_b["tflops_op"] = flops["bwd"] / ours_b["ms_op"] / 1e9
-                    ours_b["ms_op_deterministic"] = _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode, True)
                     o = None
                     doc["cases"].append(_case(d, s, causal, "bwd", mode, b, nheads, ours_b, peers["bwd"], errors))
                     print(
@@ -196,41 +195,46 @@ def run(out_dir=None, quick=False, headdims=None):
     return path
 
 
-def _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode, deterministic):
-    """The ``fp8attn::dense_bwd`` op alone on the quantized inputs (bf16 gradients)."""
+def _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode):
+    """(ms, ms with ``deterministic=True``) of the ``fp8attn::dense_bwd`` op alone on the quantized inputs
+    (bf16 gradients), both over the same quantization and forward."""
     with torch.no_grad():
         q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(*leaves)
         o, lse = fp8attn.flash_attn_func(
             q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True
         )
     d = leaves[0].shape[-1]
-    args = (
-        do,
-        q8,
-        k8,
-        v8,
-        o,
-        lse,
-        None,
-        None,
-        None,
-        None,
-        d**-0.5,
-        causal,
-        -1,
-        0 if causal else -1,
-        0.0,
-        qd,
-        kd,
-        vd,
-        0,
-        mode,
-        deterministic,
-        torch.bfloat16,
-    )
-    fn = lambda: ops.OPS["dense_bwd"](*args)  # noqa: E731
-    fn()
-    return time_ms(fn)
+
+    def ms(deterministic):
+        args = (
+            do,
+            q8,
+            k8,
+            v8,
+            o,
+            lse,
+            None,
+            None,
+            None,
+            None,
+            d**-0.5,
+            causal,
+            -1,
+            0 if causal else -1,
+            0.0,
+            qd,
+            kd,
+            vd,
+            0,
+            mode,
+            deterministic,
+            torch.bfloat16,
+        )
+        fn = lambda: ops.OPS["dense_bwd"](*args)  # noqa: E731
+        fn()
+        return time_ms(fn)
+
+    return ms(False), ms(True)
 
 
 def _print_table(doc):
