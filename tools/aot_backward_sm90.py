@@ -88,6 +88,11 @@ def compile_one(fn, args, kwargs):
         target=GPUTarget("cuda", 90, 32),
         options=opts,
     )
+    return stats(k)
+
+
+def stats(k):
+    """The counts printed per compiled kernel ``k`` (module docstring)."""
     ttgir = k.asm["ttgir"]
     res, sass = A._res_usage(k.asm["cubin"])
     return dict(
@@ -138,9 +143,34 @@ CASES = [
 QUICK = [c for c in CASES if c["name"].startswith(("e4m3 d64 causal deq", "e4m3 d128 noncausal fp8"))]
 
 
+# the Hopper kernel (kernels/hopper/backward.py): (head dim, causal, e4m3 inputs)
+HOPPER = [(128, False, True), (128, True, True), (64, True, True), (128, True, False)]
+
+
+def hopper_rows():
+    """Compile the Hopper backward kernel's cases; (label, stats or the exception) per case."""
+    from fp8attn.kernels.hopper import backward_launch as H
+
+    rows = []
+    for d, causal, fp8 in HOPPER:
+        label = f"hopper {'e4m3' if fp8 else 'bf16'} d{d} {'causal' if causal else 'noncausal'} deq bwd_tma"
+        try:
+            rows.append((label, stats(H._aot_compile(causal=causal, head_dim=d, fp8=fp8, v_seq_major=fp8))))
+        except Exception as e:  # noqa: BLE001  (reported by main)
+            rows.append((label, e))
+    return rows
+
+
 def main():
     every = "--all" in sys.argv
     failed = 0
+    cfg = (64, 128, 8, 2)  # (query rows, keys, warps, stages) of the Hopper kernel, printed as the others'
+    for label, row in hopper_rows():
+        if isinstance(row, Exception):
+            failed += 1
+            print(f"{label} FAILED cfg={cfg} {type(row).__name__}: {str(row)[:300]}")
+        else:
+            print(f"{label} cfg={cfg} " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     for case in QUICK if "--quick" in sys.argv else CASES:
         for fn, (_grid, args, kwargs) in capture(case):
             table = B._CFGS_DKDV if fn is B._bwd_dkdv_kernel else B._CFGS_DQ

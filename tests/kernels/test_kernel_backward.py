@@ -333,6 +333,63 @@ def test_16bit_inputs_seqmajor_v():
     _run_and_check(inp, causal=True, rerun=True, deterministic=True)
 
 
+def test_hopper_kernel_rules():
+    """Which calls the Hopper kernel takes (``bwd_unsupported_reason``, the sm90 rule given as a capability)."""
+    from fp8attn.kernels.hopper.backward_launch import HAS_GLUON, bwd_unsupported_reason
+
+    if not HAS_GLUON:
+        pytest.skip("this triton has no Gluon")
+    q = torch.empty(2, 256, 8, 128, dtype=E4M3)
+    k = torch.empty(2, 256, 2, 128, dtype=E4M3)
+    v = torch.empty(2, 2, 128, 256, dtype=E4M3).permute(0, 3, 1, 2)  # sequence-major, as quantize_qkv
+    do = torch.empty(2, 256, 8, 128, dtype=torch.bfloat16)
+    grads = [torch.empty(x.shape) for x in (q, k, v)]
+    call = dict(varlen=False, mode="dequantized", deterministic=False, window=False, softcap=False, capability=(9, 0))
+
+    def why(**change):
+        t = dict(do=do, q=q, k=k, v=v)
+        t.update({n: change.pop(n) for n in list(change) if n in t})
+        return bwd_unsupported_reason(t["do"], t["q"], t["k"], t["v"], *grads, **{**call, **change})
+
+    assert why() is None
+    assert why(v=v.contiguous()) is None
+    assert why(q=q.to(torch.bfloat16), k=k.to(torch.bfloat16), v=v.to(torch.bfloat16)) is None
+    for change, word in [
+        (dict(capability=(8, 9)), "sm90"),
+        (dict(varlen=True), "varlen"),
+        (dict(mode="fp8"), "fp8"),
+        (dict(deterministic=True), "deterministic"),
+        (dict(window=True), "window"),
+        (dict(softcap=True), "softcap"),
+        (dict(q=q[..., :96], k=k[..., :96], v=v[..., :96], do=do[..., :96]), "head dims"),
+        (dict(q=q.to(torch.float16), k=k.to(torch.float16), v=v.to(torch.float16)), "differ"),
+        (dict(do=do.transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
+        (dict(v=torch.empty(2, 128, 256, 2, dtype=E4M3).permute(0, 2, 3, 1)), "contiguous"),
+    ]:
+        reason = why(**change)
+        assert reason is not None and word in reason, (change, reason)
+
+
+def test_hopper_backend_refusal_writes_nothing(monkeypatch):
+    """FP8ATTN_BWD_BACKEND=tma on a call the Hopper kernel cannot take raises ValueError naming the reason before
+    any write; an unknown value raises too."""
+    torch.manual_seed(0)
+    inp = _make([40], [40], 2, 1, 32, 32)
+    ref = _references(inp, 32**-0.5, True, 8, -1, 0.0, "dequantized")
+    views, grads, kw = _kernel_args(
+        inp, ref, causal=True, wl=8, wr=-1, softcap=0.0, mode="dequantized", grad_dtype=torch.float32
+    )
+    for t in grads:
+        t.fill_(7.0)
+    monkeypatch.setenv("FP8ATTN_BWD_BACKEND", "tma")
+    with pytest.raises(ValueError, match="FP8ATTN_BWD_BACKEND=tma: the Hopper backward kernel does not take"):
+        launch_attention_bwd(*views, *grads, **kw)
+    assert all(bool((t == 7.0).all()) for t in grads), "a refused call wrote its gradients"
+    monkeypatch.setenv("FP8ATTN_BWD_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="expected auto, triton or tma"):
+        launch_attention_bwd(*views, *grads, **kw)
+
+
 def test_bad_mode():
     inp = _make([16], [16], 1, 1, 64, 64)
     with pytest.raises(ValueError, match="mode"):
@@ -458,6 +515,77 @@ def test_gpu_deterministic(mode):
     a = _gpu_launch(inp, causal=True, mode=mode, deterministic=True)
     b = _gpu_launch(inp, causal=True, mode=mode, deterministic=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "d,causal,b,sq,sk,hq,hk",
+    [
+        (128, False, 2, 1024, 1024, 4, 2),
+        (128, True, 1, 4096, 4096, 4, 2),
+        (64, True, 2, 1024, 1024, 4, 2),
+        (64, False, 2, 777, 777, 8, 1),  # partial query and key blocks, MQA
+        (128, True, 2, 1000, 1500, 6, 2),  # seqlen_q < seqlen_k
+        (128, True, 1, 2048, 1000, 4, 4),  # rows that see no key (zero gradient)
+        (64, True, 2, 777, 1200, 8, 2),
+    ],
+)
+def test_gpu_hopper_kernel(monkeypatch, d, causal, b, sq, sk, hq, hk):
+    """The Hopper kernel (FP8ATTN_BWD_BACKEND=tma: it must take these calls, else ValueError) against the oracle,
+    with its workspace's unused entries (rows padded to 4) NaN-poisoned through the caching allocator."""
+    monkeypatch.setenv("FP8ATTN_BWD_BACKEND", "tma")
+    torch.manual_seed(0)
+    inp = _make_gpu(b, sq, sk, hq, hk, d, d)
+    ref = _gpu_ref(inp, causal, -1, -1, 0.0, "dequantized")
+    n = 2 * b * hq * ((sq + 3) // 4 * 4)
+    torch.full((n,), float("nan"), device=GPU_DEV)  # freed at once: the workspace of the same size reuses it
+    got = _gpu_launch(inp, causal=causal, fwd=ref)
+    for name, x, r, lo in zip(("dq", "dk", "dv"), got, ref[2:5], ref[5:8]):
+        assert_close_fa3(x.float(), r, lo, floor=2e-3 * r.abs().max().item() + 1e-6, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qkv,grad", [("bf16", "bf16"), ("fp16", "fp16"), ("e4m3", "fp16")])
+def test_gpu_hopper_kernel_dtypes_match_triton(monkeypatch, qkv, grad):
+    """16-bit Q/K/V, and e4m3 ones with an fp16 dO: the Hopper kernel against the Triton kernels on the same inputs
+    (the same products; with e4m3 inputs and an fp16 dO the Hopper kernel rounds dS to fp16, the Triton kernel to
+    bf16)."""
+    torch.manual_seed(1)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    b, s, hq, hk, d = 2, 1536, 8, 2, 128
+    if qkv == "e4m3":
+        q, k, v = (torch.randn(b, s, h, d, device=GPU_DEV).to(E4M3) for h in (hq, hk, hk))
+        ds = [torch.rand(b, hk, device=GPU_DEV) + 0.5 for _ in range(3)]
+    else:
+        q, k, v = (torch.randn(b, s, h, d, device=GPU_DEV, dtype=dt[qkv]) for h in (hq, hk, hk))
+        ds = [None] * 3
+    do, out = (torch.randn(b, s, hq, d, device=GPU_DEV, dtype=dt[grad]) for _ in range(2))
+    lse = torch.randn(b, hq, s, device=GPU_DEV) + 8
+    got = {}
+    for backend in ("tma", "triton"):
+        monkeypatch.setenv("FP8ATTN_BWD_BACKEND", backend)
+        got[backend] = [torch.empty(x.shape, device=GPU_DEV) for x in (q, k, v)]
+        launch_attention_bwd(
+            do,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *got[backend],
+            q_descale=ds[0],
+            k_descale=ds[1],
+            v_descale=ds[2],
+            softmax_scale=d**-0.5,
+            causal=True,
+            window_left=-1,
+            window_right=-1,
+            softcap=0.0,
+        )
+    tol = 1e-2 if qkv == "e4m3" else 1e-3
+    for name, x, r in zip(("dq", "dk", "dv"), got["tma"], got["triton"]):
+        rel = ((x - r).norm() / r.norm()).item()
+        assert rel < tol, f"{name}: relative difference {rel:.2e} between the Hopper and the Triton kernels"
 
 
 def _make_gpu(b, sq, sk, hq, hk, d, dv):

@@ -68,13 +68,24 @@ def test_paged_launches_fit_shared_memory():
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is needed for the sm90 compile")
 @background.jobs(_tool_jobs("aot_backward", "aot_backward_sm90.py", "--quick", timeout=900))
 def test_backward_default_configs_compile():
-    """The default launch configurations of both main kernels compile for sm90 (d64 dequantized causal, d128
-    fp8 mode; each with the atomic dQ and with ``deterministic``'s dQ pass), run their products on wgmma (QGMMA in the SASS: the e4m3 operand layouts were accepted), fit
-    the H200's shared memory and barely spill (register-file overflow, which the interpreter cannot show)."""
+    """The default launch configurations of both Triton main kernels compile for sm90 (d64 dequantized causal, d128
+    fp8 mode; each with the atomic dQ and with ``deterministic``'s dQ pass), run their products on wgmma (QGMMA in
+    the SASS: the e4m3 operand layouts were accepted), fit the H200's shared memory and barely spill (register-file
+    overflow, which the interpreter cannot show); so does the Hopper kernel (``kernels/hopper/backward.py``), without
+    spilling at all."""
     argv, kw = _tool_job("aot_backward_sm90.py", "--quick", timeout=900)
     r = background.result("aot_backward", argv, **kw)
-    lines = [ln for ln in r.stdout.splitlines() if " cfg=" in ln]
+    lines = [ln for ln in r.stdout.splitlines() if " cfg=" in ln and not ln.startswith("hopper ")]
+    hopper = [ln for ln in r.stdout.splitlines() if ln.startswith("hopper ")]
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    # the Hopper kernel (its four cases): e4m3 S^T on QGMMA, the other products on HGMMA, the atomic dQ, no spills
+    assert len(hopper) == 4, r.stdout
+    for ln in hopper:
+        vals = dict(re.findall(r"(\w+)=(\d+)", ln))
+        assert int(vals["HGMMA"]) > 0 and int(vals["RED"]) > 0, ln
+        assert (int(vals["QGMMA"]) > 0) == (" e4m3 " in ln), ln
+        assert int(vals["smem"]) <= H200_SMEM_PER_BLOCK, ln
+        assert int(vals["LDL"]) == 0 and int(vals["STL"]) == 0, f"spills: {ln}"
     # d64 dequantized causal: dK/dV/dQ, then dK/dV and dQ; d128 fp8 mode: dK/dQ and dV, then dK, dV and dQ
     assert len(lines) == 8, r.stdout
     assert sum(int(dict(re.findall(r"(\w+)=(\d+)", ln))["RED"]) > 0 for ln in lines) == 2, r.stdout

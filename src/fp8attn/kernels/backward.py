@@ -61,9 +61,10 @@ import triton
 import triton.language as tl
 
 from .common import INTERPRET, LOG2E, causal_window_mask, cdiv, full_tile_range, kv_range, next_pow2, seq_bounds
+from .hopper import backward_launch
 from .planning import window_flags
 
-__all__ = ["launch_attention_bwd", "bwd_configs", "table_configs", "MODES"]
+__all__ = ["launch_attention_bwd", "bwd_configs", "table_configs", "MODES", "bwd_backend"]
 
 MODES = ("dequantized", "fp8")
 E4M3_MAX = tl.constexpr(448.0)
@@ -661,6 +662,23 @@ def _fuse_dq(dclass, mode, causal):
     return mode == "fp8" or (dclass == 64 and causal)
 
 
+def bwd_backend() -> str:
+    """``FP8ATTN_BWD_BACKEND``: ``auto`` (unset: the Hopper kernel where ``hopper.backward_launch`` takes the
+    call, else the Triton kernels), ``triton`` (always the Triton kernels) or ``tma`` (the Hopper kernel;
+    ValueError naming the reason when it cannot take the call)."""
+    backend = os.environ.get("FP8ATTN_BWD_BACKEND", "auto") or "auto"
+    if backend not in ("auto", "triton", "tma"):
+        raise ValueError(f"FP8ATTN_BWD_BACKEND: expected auto, triton or tma, got {backend!r}")
+    return backend
+
+
+def _fp32_acc(dq):
+    """dQ's fp32 accumulator, zeroed: dq itself when it is fp32 with its head dim contiguous."""
+    if dq.dtype == torch.float32 and dq.stride(-1) == 1:
+        return dq.zero_()
+    return torch.zeros(dq.shape, device=dq.device, dtype=torch.float32)
+
+
 def _strides4(t, varlen):
     return (0,) + tuple(t.stride()) if varlen else tuple(t.stride())
 
@@ -726,6 +744,15 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
     is_fp8 = q.dtype == torch.float8_e4m3fn
     d, dv_dim = q.shape[-1], v.shape[-1]
     nheads_q, nheads_k = q.shape[-2], k.shape[-2]
+    causal, wl, wr, has_window = window_flags(causal, (window_left, window_right))
+    why = "FP8ATTN_BWD_BACKEND=triton"
+    backend = bwd_backend()
+    if backend != "triton":
+        why = backward_launch.bwd_unsupported_reason(do, q, k, v, dq, dk, dv, varlen=varlen, mode=mode,
+                                                     deterministic=deterministic, window=has_window,
+                                                     softcap=float(softcap) != 0.0)
+        if why is not None and backend == "tma":
+            raise ValueError(f"FP8ATTN_BWD_BACKEND=tma: the Hopper backward kernel does not take this call: {why}")
     if varlen:
         batch = cu_seqlens_q.numel() - 1
         total_q = q.shape[0]
@@ -738,11 +765,12 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
     else:
         batch, sq, _, _ = q.shape
         sk = k.shape[1]
-        ws = torch.empty(2, batch * nheads_q * sq, device=q.device, dtype=torch.float32)
-        w_strides = (nheads_q * sq, sq)
+        # the Hopper kernel reads each head's rows by TMA from 16-byte aligned starts: rows padded to 4
+        sq_ws = backward_launch.ws_row_len(sq) if why is None else sq
+        ws = torch.empty(2, batch * nheads_q * sq_ws, device=q.device, dtype=torch.float32)
+        w_strides = (nheads_q * sq_ws, sq_ws)
         ls = tuple(lse.stride())
     lse_off = ws.stride(0)
-    causal, wl, wr, has_window = window_flags(causal, (window_left, window_right))
     block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv_dim))
     dummy = ws
     cu_q = cu_seqlens_q if varlen else dummy
@@ -751,6 +779,13 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
     _bwd_preprocess_kernel[(cdiv(sq, PRE_BLOCK_M), batch, nheads_q)](
         out, do, ws, lse, cu_q, *_strides4(out, varlen), *_strides4(do, varlen), *ls, *w_strides, lse_off,
         sq, dv_dim, IS_VARLEN=varlen, BLOCK_M=PRE_BLOCK_M, BLOCK_DV=block_dv, num_warps=4)
+    if why is None:
+        dq_acc = _fp32_acc(dq)
+        backward_launch.launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, q_descale=q_descale, k_descale=k_descale,
+                                       v_descale=v_descale, softmax_scale=softmax_scale, causal=causal)
+        if dq_acc is not dq:
+            dq.copy_(dq_acc)
+        return
 
     if is_fp8:
         descs = (q_descale, k_descale, v_descale)
@@ -771,10 +806,7 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
     fused = not deterministic and _fuse_dq(_dclass(block_d, block_dv), mode, bool(causal))
     dq_acc = dummy
     if fused:
-        if dq.dtype == torch.float32:
-            dq_acc = dq if varlen else dq.zero_()
-        else:
-            dq_acc = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32)
+        dq_acc = dq if varlen and dq.dtype == torch.float32 else _fp32_acc(dq)
     args = ((q, k, v, do, ws, dk, dv, dq_acc, *descs, cu_q, cu_k),
             (*common_in, tuple(_strides4(dk, varlen)), tuple(_strides4(dv, varlen)),
              tuple(_strides4(dq_acc, varlen)) if fused else (0, 0, 0, 0), tuple(ds_strides)), *tail)

@@ -1,0 +1,247 @@
+"""The Hopper attention backward (Gluon): dK, dV and an atomically added dQ in one kernel.
+
+``_bwd_tma_kernel``: one CTA (two 4-warp warpgroups) per (key block of 128, batch, kv head). K and V are
+read once into shared memory (K as e4m3 for ``S^T = K Q^T`` and upcast to bf16 for ``dQ = dS K``, V upcast
+to bf16 for ``dP^T = V dO^T``); the query tiles of 64 rows of every query head of the group stream through
+a ``NUM_STAGES``-deep ring of Q / dO buffers filled by TMA one tile ahead. Per tile, each warpgroup holds
+64 keys' rows of S^T, dP^T and the fp32 dK / dV accumulators (the wgmma accumulators, 128 + 32 + 32
+registers a thread); P^T and dS^T are the register A operands of ``dV += P^T dO`` and ``dK += dS^T Q``;
+dS^T goes through shared memory once more for ``dQ = dS K``, whose 64 x d tile the two warpgroups split
+by columns, and which is added to the fp32 dQ rows with relaxed atomics.
+
+Numerics are the dequantized mode of ``kernels.backward`` (its module docstring): the e4m3 products of
+``K Q^T`` (fp32 accumulation), P and dS rounded to bf16, the FP8 operands upcast exactly, descales folded
+into the tile products and the final scaling.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+_LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.constexpr_function
+def _smem_layout(cols, bits):
+    """The wgmma shared-memory layout of a row-major tile whose rows hold ``cols`` elements of ``bits``."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, cols * bits // 8), element_bitwidth=bits, rank=2)
+
+
+@gluon.constexpr_function
+def _acc_layout(warps_m, warps_n, n, k=16):
+    """A wgmma accumulator layout; ``k`` the instruction's K (16 for 16-bit operands, 32 for e4m3)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, n, k])
+
+
+@gluon.jit
+def _load_kv_tile(ptr, stride_n, stride_d, n_valid, ROWS: gl.constexpr, D: gl.constexpr, layout: gl.constexpr):
+    """(ROWS, D) rows of K or V from ``ptr``; rows past ``n_valid`` read as zeros. ``layout`` reads along the
+    contiguous axis (the head dim, or the keys of a sequence-major V)."""
+    rows = gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, gl.SliceLayout(0, layout))
+    offs = gl.expand_dims(rows.to(gl.int64) * stride_n, 1) + gl.expand_dims(cols.to(gl.int64) * stride_d, 0)
+    return gl.load(ptr + offs, mask=gl.expand_dims(rows < n_valid, 1), other=0.0)
+
+
+@gluon.jit
+def _store_rows(ptr, stride_n, n_valid, x, layout: gl.constexpr):
+    """Store the (rows, D) fp32 accumulator ``x`` (layout ``layout``) cast to ``ptr``'s dtype, rows below
+    ``n_valid`` only."""
+    rows = gl.arange(0, x.shape[0], gl.SliceLayout(1, layout))
+    cols = gl.arange(0, x.shape[1], gl.SliceLayout(0, layout))
+    offs = gl.expand_dims(rows.to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=gl.expand_dims(rows < n_valid, 1))
+
+
+@gluon.jit
+def _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row,
+                BM: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA loads of tile ``i`` (query head ``i // n_m`` of the group, query block ``i % n_m`` from ``lo``) into
+    its ring stage: Q, dO, and the rows' Delta and log2-domain LSE (``w_desc``: the flat workspace, (batch,
+    head) rows of ``ws_row`` entries, the LSE ``ws_lse_off`` later; entries past seqlen_q are masked by the
+    consumer)."""
+    q_smem, do_smem, w_smem, ready = ring
+    s = i % NUM_STAGES
+    hq = hk * qgroup + i // n_m
+    m0 = lo + (i % n_m) * BM
+    row = b * seqlen_q + m0
+    w_row = (b * nheads_q + hq) * ws_row + m0
+    bar = ready.index(s)
+    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, hq * D], bar, q_smem.index(s))
+    tma.async_copy_global_to_shared(do_desc, [row, hq * D], bar, do_smem.index(s))
+    tma.async_copy_global_to_shared(w_desc, [w_row], bar, w_smem.index(2 * s))
+    tma.async_copy_global_to_shared(w_desc, [w_row + ws_lse_off], bar, w_smem.index(2 * s + 1))
+
+
+@gluon.jit
+def _bwd_tma_kernel(q_desc, do_desc, w_desc, K, V, DK, DV, DQ, QDs, KDs, VDs,
+                    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_vd,
+                    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                    stride_dqb, stride_dqm, stride_dqh,
+                    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                    ws_lse_off, ws_row, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale,
+                    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, IS_FP8: gl.constexpr, V_SEQ_MAJOR: gl.constexpr,
+                    NUM_STAGES: gl.constexpr):
+    """dK/dV of key block ``program_id(0)`` of (batch ``program_id(1)``, kv head ``program_id(2)``), summed over
+    the group's query heads, and its dQ parts added atomically (fp32 ``DQ``, zeroed by the launcher).
+
+    ``q_desc`` / ``do_desc``: TMA views (batch * seqlen_q, nheads_q * HEAD_DIM) of Q and dO, boxes of
+    (64, HEAD_DIM); ``w_desc``: 1-D view of ``kernels.backward``'s workspace (Delta in (batch, head) rows of
+    ``ws_row`` entries, a multiple of 4, the log2-domain LSE ``ws_lse_off`` later), boxes of 64; K, V, DK, DV:
+    (batch, seqlen_k, nheads_k,
+    HEAD_DIM) with the head dim contiguous (any other strides), but V sequence-major under V_SEQ_MAJOR (keys
+    contiguous, ``stride_vd`` between head-dim columns: the layout ``quantize_qkv`` returns)."""
+    gl.static_assert(gl.num_warps() == 8)
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    BN: gl.constexpr = 128
+    D: gl.constexpr = HEAD_DIM
+    gl.static_assert(BM == 64)
+    in_dtype: gl.constexpr = q_desc.dtype
+    g_dtype: gl.constexpr = do_desc.dtype  # dO's 16-bit type: every product but K Q^T runs in it
+
+    st_layout: gl.constexpr = _acc_layout(8, 1, BM)  # S^T, dP^T: (BN keys, BM queries)
+    s8_layout: gl.constexpr = _acc_layout(8, 1, BM, 32 if IS_FP8 else 16)  # S^T from the e4m3 wgmma (same registers)
+    kv_layout: gl.constexpr = _acc_layout(8, 1, D)  # dK, dV: (BN, D)
+    dq_layout: gl.constexpr = _acc_layout(4, 2, D // 2)  # dQ: (BM, D), the warpgroups split the columns
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [8, 1], [1, 0])
+    if V_SEQ_MAJOR:
+        v_layout: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 32 // (BN // 8)], [1, 8], [0, 1])
+    else:
+        v_layout: gl.constexpr = ld_layout
+
+    pid_n = gl.program_id(0)
+    b = gl.program_id(1)
+    hk = gl.program_id(2)
+    n0 = pid_n * BN
+    qgroup = nheads_q // nheads_k
+    b64 = b.to(gl.int64)
+    hk64 = hk.to(gl.int64)
+
+    # --- shared memory: Q / dO ring, the bf16 Q of the current tile, K, V, dS^T
+    q_smem = gl.allocate_shared_memory(in_dtype, [NUM_STAGES, BM, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(g_dtype, [NUM_STAGES, BM, D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(in_dtype, [BN, D], _smem_layout(D, in_dtype.primitive_bitwidth))
+    if IS_FP8:
+        qg_smem = gl.allocate_shared_memory(g_dtype, [BM, D], _smem_layout(D, 16))
+        kg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
+    else:
+        qg_smem = q_smem.index(0)  # (unused: the 16-bit Q is read from its stage)
+        kg_smem = k_smem
+    vg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
+    ds_smem = gl.allocate_shared_memory(g_dtype, [BN, BM], _smem_layout(BM, 16))
+    w_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BM], w_desc.layout)  # (stage, Delta / LSE)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    ring = (q_smem, do_smem, w_smem, ready)
+
+    # --- the query tiles: every query head of the group, query blocks from the first that sees a key
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    if CAUSAL:
+        lo = (gl.minimum(gl.maximum(n0 - shift, 0), seqlen_q) // BM) * BM
+    n_m = gl.cdiv(seqlen_q - lo, BM)
+    total = qgroup * n_m
+    for i in gl.static_range(NUM_STAGES - 1):
+        if i < total:
+            _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off,
+                        ws_row, BM, D, NUM_STAGES)
+
+    # --- K and V once (rows past seqlen_k as zeros), upcast copies for the 16-bit products
+    n_valid = seqlen_k - n0
+    k = _load_kv_tile(K + b64 * stride_kb + hk64 * stride_kh + n0.to(gl.int64) * stride_kn, stride_kn, 1, n_valid,
+                      BN, D, ld_layout)
+    v = _load_kv_tile(V + b64 * stride_vb + hk64 * stride_vh + n0.to(gl.int64) * stride_vn, stride_vn, stride_vd,
+                      n_valid, BN, D, v_layout)
+    k_smem.store(k)
+    if IS_FP8:
+        kg_smem.store(k.to(g_dtype))
+    vg_smem.store(v.to(g_dtype))
+    if IS_FP8:
+        qd = gl.load(QDs + b64 * stride_qds_b + hk64 * stride_qds_h)
+        kd = gl.load(KDs + b64 * stride_kds_b + hk64 * stride_kds_h)
+        vd = gl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
+    else:
+        qd = 1.0
+        kd = 1.0
+        vd = 1.0
+    qk_scale = softmax_scale * _LOG2E * qd * kd
+    dq_scale = softmax_scale * kd
+    fence_async_shared()
+    gl.thread_barrier()
+
+    zero_st = gl.zeros([BN, BM], gl.float32, st_layout)
+    zero_s8 = gl.zeros([BN, BM], gl.float32, s8_layout)
+    zero_dq = gl.zeros([BM, D], gl.float32, dq_layout)
+    dk = gl.zeros([BN, D], gl.float32, kv_layout)
+    dv = gl.zeros([BN, D], gl.float32, kv_layout)
+    keys = n0 + gl.arange(0, BN, gl.SliceLayout(1, st_layout))
+    qcols = gl.arange(0, BM, gl.SliceLayout(0, st_layout))
+    dq_rows = gl.arange(0, BM, gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, D, gl.SliceLayout(0, dq_layout))
+    dq_offs = gl.expand_dims(dq_rows.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(dq_cols, 0)
+    for i in range(total):
+        # every warpgroup is done with the stage refilled below and with qg / dS^T of the last tile
+        gl.thread_barrier()
+        if i + NUM_STAGES - 1 < total:
+            _issue_tile(q_desc, do_desc, w_desc, ring, i + NUM_STAGES - 1, n_m, lo, hk, qgroup, b, nheads_q,
+                        seqlen_q, ws_lse_off, ws_row, BM, D, NUM_STAGES)
+        s = i % NUM_STAGES
+        hq64 = (hk * qgroup + i // n_m).to(gl.int64)
+        m0 = lo + (i % n_m) * BM
+        mbarrier.wait(ready.index(s), (i // NUM_STAGES) & 1)
+        q_buf = q_smem.index(s)
+        do_buf = do_smem.index(s)
+        st_tok = warpgroup_mma(k_smem, q_buf.permute((1, 0)), zero_s8, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(vg_smem, do_buf.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        if IS_FP8:
+            qg_smem.store(q_buf.load(ld_layout).to(g_dtype))
+        st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok])
+        st = gl.convert_layout(st, st_layout) * qk_scale
+        rows = m0 + qcols
+        lse2 = gl.where(rows < seqlen_q, w_smem.index(2 * s + 1).load(gl.SliceLayout(0, st_layout)), float("inf"))
+        need_mask = n0 + BN > seqlen_k
+        if CAUSAL:
+            need_mask = need_mask | (m0 < n0 + BN - 1 - shift)
+        if need_mask:
+            keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(rows >= 0, 0)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + shift, 0))
+            st = gl.where(keep, st, float("-inf"))
+        pt = gl.exp2(st - gl.expand_dims(lse2, 0))
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=[dpt_tok])
+        # (entries past seqlen_q are not written: where, as 0 * NaN would be NaN)
+        delta = gl.where(rows < seqlen_q, w_smem.index(2 * s).load(gl.SliceLayout(0, st_layout)), 0.0)
+        # P^T and dS^T rounded to the 16-bit type before the MMAs (the fp32 tiles die here: fewer live registers
+        # than overlapping dV's MMA with dS)
+        dst = (pt * (dpt * vd - gl.expand_dims(delta, 0))).to(g_dtype)
+        pt_op = gl.convert_layout(pt.to(g_dtype), a_layout)
+        ds_smem.store(dst)
+        fence_async_shared()
+        gl.thread_barrier()
+        dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
+        if IS_FP8:
+            dk_tok = warpgroup_mma(gl.convert_layout(dst, a_layout), qg_smem, dk, is_async=True)
+        else:
+            dk_tok = warpgroup_mma(gl.convert_layout(dst, a_layout), q_buf, dk, is_async=True)
+        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), kg_smem, zero_dq, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok, dk_tok, dq_tok])
+        dq_ptr = DQ + b64 * stride_dqb + hq64 * stride_dqh + m0.to(gl.int64) * stride_dqm
+        gl.atomic_add(dq_ptr + dq_offs, dq * dq_scale, mask=gl.expand_dims(m0 + dq_rows < seqlen_q, 1),
+                      sem="relaxed")
+
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+    _store_rows(DK + b64 * stride_dkb + hk64 * stride_dkh + n0.to(gl.int64) * stride_dkn, stride_dkn, n_valid,
+                dk * (softmax_scale * qd), kv_layout)
+    _store_rows(DV + b64 * stride_dvb + hk64 * stride_dvh + n0.to(gl.int64) * stride_dvn, stride_dvn, n_valid,
+                dv, kv_layout)

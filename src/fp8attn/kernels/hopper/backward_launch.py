@@ -1,0 +1,169 @@
+"""Launcher of the Hopper backward kernel (``backward._bwd_tma_kernel``): which calls it takes, and its launch.
+
+It takes the dense calls of ``kernels.backward.launch_attention_bwd`` in the dequantized mode with atomic dQ
+(``deterministic=False``): e4m3 or 16-bit Q/K/V, head dim 64 or 128 (the same for V), a bf16 or fp16 dO of
+Q's 16-bit type, contiguous Q and dO (their TMA views), K and V with the head dim contiguous, a bottom-right
+causal mask or none, no window or softcap, on an sm90 GPU. Everything else stays on the Triton kernels.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .backward import _bwd_tma_kernel
+
+    HAS_GLUON = True
+except ImportError:  # triton without Gluon: the kernel is simply unavailable
+    HAS_GLUON = False
+
+from ..common import cdiv
+from .dense_launch import device_reason
+
+__all__ = ["bwd_unsupported_reason", "launch_bwd_tma", "ws_row_len", "BLOCK_M", "BLOCK_N", "HEAD_DIMS"]
+
+BLOCK_M = 64  # query rows per tile (a TMA box of Q and of dO)
+BLOCK_N = 128  # keys per CTA
+HEAD_DIMS = (64, 128)
+NUM_STAGES = 2
+_16BIT = (torch.bfloat16, torch.float16)
+
+
+def bwd_unsupported_reason(do, q, k, v, dq, dk, dv, *, varlen, mode, deterministic, window, softcap, capability=None):
+    """Why the Hopper backward kernel cannot take a call, or None when it can (``capability``: check only
+    it instead of the tensors' device)."""
+    if not HAS_GLUON:
+        return "this triton has no Gluon"
+    if varlen:
+        return "varlen inputs"
+    if mode != "dequantized":
+        return f"mode {mode!r}"
+    if deterministic:
+        return "deterministic=True (the kernel adds dQ atomically)"
+    if window or softcap:
+        return "sliding window or softcap"
+    d = q.shape[-1]
+    if d not in HEAD_DIMS or v.shape[-1] != d:
+        return f"head dims ({d}, {v.shape[-1]}): expected equal ones in {HEAD_DIMS}"
+    if do.dtype not in _16BIT:
+        return f"dO dtype {do.dtype}"
+    if q.dtype != torch.float8_e4m3fn and q.dtype != do.dtype:
+        return f"16-bit q ({q.dtype}) and dO ({do.dtype}) differ"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "q, k, v dtypes differ"
+    if not (q.is_contiguous() and do.is_contiguous()):
+        return "q and dO must be contiguous (TMA views)"
+    if any(t.stride(-1) != 1 for t in (k, dk, dv)):
+        return "k, dk and dv need the head dim contiguous"
+    if v.stride(-1) != 1 and v.stride(1) != 1:
+        return "v needs the head dim or the sequence contiguous"
+    if 2 * q.numel() // d >= 2 ** 31:
+        return "more than 2**30 query rows (the kernel's row indices are 32-bit)"
+    if q.data_ptr() % 16 or do.data_ptr() % 16:
+        return "q and dO must be 16-byte aligned"
+    return device_reason((q, k, v, do), capability=capability)
+
+
+def ws_row_len(seqlen_q):
+    """Row length of the preprocess workspace for this kernel: seqlen_q rounded up to 4 floats, so that every
+    TMA box of a head's Delta / LSE starts 16-byte aligned (the entries past seqlen_q are never used)."""
+    return (seqlen_q + 3) // 4 * 4
+
+
+@functools.lru_cache(maxsize=None)
+def _box_layout(dtype, d):
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, d], dtype)
+
+
+_GL_DTYPE = {}
+if HAS_GLUON:
+    _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+    _W_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def _desc(t):
+    """The (batch * seqlen, nheads * d) TMA view of a contiguous (batch, seqlen, nheads, d) tensor."""
+    b, s, h, d = t.shape
+    return TensorDescriptor(t, [b * s, h * d], [h * d, 1], [BLOCK_M, d], _box_layout(_GL_DTYPE[t.dtype], d))
+
+
+def launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, *, q_descale, k_descale, v_descale,
+                   softmax_scale, causal):
+    """dK, dV (written) and dQ (added to ``dq_acc``) of one dense call. Call only where
+    ``bwd_unsupported_reason`` is None.
+
+    Parameters
+    ----------
+    do : torch.Tensor
+        (batch, seqlen_q, nheads_q, d), bf16 or fp16, contiguous.
+    q : torch.Tensor
+        (batch, seqlen_q, nheads_q, d), float8_e4m3fn or dO's dtype, contiguous.
+    k, v : torch.Tensor
+        (batch, seqlen_k, nheads_k, d), q's dtype, head dim contiguous.
+    ws : torch.Tensor
+        float32 (2, batch * nheads_q * ws_row_len(seqlen_q)), contiguous: ``kernels.backward``'s preprocess
+        output (Delta, then the log2-domain LSE, (batch, head) rows of ``ws_row_len(seqlen_q)``).
+    dq_acc : torch.Tensor
+        float32 (batch, seqlen_q, nheads_q, d), zeroed (head dim contiguous): dQ is added into it.
+    dk, dv : torch.Tensor
+        Shapes of k, v (head dim contiguous); any float dtype. Summed over each group's query heads.
+    q_descale, k_descale, v_descale : torch.Tensor or None
+        float32 (batch, nheads_k) for e4m3 inputs (broadcast views allowed); None for 16-bit.
+    softmax_scale : float
+    causal : bool
+    """
+    batch, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    is_fp8 = q.dtype == torch.float8_e4m3fn
+    descs = (q_descale, k_descale, v_descale) if is_fp8 else (ws, ws, ws)
+    w_desc = TensorDescriptor(ws, [ws.numel()], [1], [BLOCK_M], _W_LAYOUT)
+    ds_strides = (*q_descale.stride(), *k_descale.stride(), *v_descale.stride()) if is_fp8 else (0,) * 6
+    grid = (cdiv(sk, BLOCK_N), batch, hk)
+    _bwd_tma_kernel[grid](
+        _desc(q), _desc(do), w_desc, k, v, dk, dv, dq_acc, *descs,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), *ds_strides, ws.stride(0), ws_row_len(sq),
+        sq, sk, hq, hk, float(softmax_scale),
+        CAUSAL=bool(causal), HEAD_DIM=d, IS_FP8=is_fp8, V_SEQ_MAJOR=v.stride(-1) != 1, NUM_STAGES=NUM_STAGES,
+        num_warps=8)
+
+
+def _aot_compile(causal=False, head_dim=128, fp8=True, arch=90, stages=NUM_STAGES, v_seq_major=True):
+    """Compile the kernel for ``sm_{arch}`` without a GPU (inspection: registers, spills, SASS)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    in_t = "fp8e4nv" if fp8 else "bf16"
+    in_gl = gl.float8e4nv if fp8 else gl.bfloat16
+
+    def desc(dtype, layout):
+        return f"tensordesc<{dtype}[{BLOCK_M}, {head_dim}],{layout!r}>"
+
+    ints = ["stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh", "stride_vd", "stride_dkb", "stride_dkn",
+            "stride_dkh", "stride_dvb", "stride_dvn", "stride_dvh", "stride_dqb", "stride_dqm", "stride_dqh",
+            "stride_qds_b", "stride_qds_h", "stride_kds_b", "stride_kds_h", "stride_vds_b", "stride_vds_h",
+            "ws_lse_off", "ws_row", "seqlen_q", "seqlen_k", "nheads_q", "nheads_k"]
+    sig = {"q_desc": desc(in_t, _box_layout(in_gl, head_dim)), "do_desc": desc("bf16", _box_layout(gl.bfloat16,
+                                                                                                    head_dim)),
+           "w_desc": f"tensordesc<fp32[{BLOCK_M}],{_W_LAYOUT!r}>", "K": f"*{in_t}", "V": f"*{in_t}", "DK": "*bf16", "DV": "*bf16", "DQ": "*fp32",
+           "QDs": "*fp32", "KDs": "*fp32", "VDs": "*fp32", **{n: "i32" for n in ints}, "softmax_scale": "fp32",
+           "CAUSAL": "constexpr", "HEAD_DIM": "constexpr", "IS_FP8": "constexpr", "V_SEQ_MAJOR": "constexpr",
+           "NUM_STAGES": "constexpr"}
+    consts = {"CAUSAL": bool(causal), "HEAD_DIM": head_dim, "IS_FP8": bool(fp8), "V_SEQ_MAJOR": bool(v_seq_major),
+              "NUM_STAGES": stages}
+    # a launch's specialization of contiguous inputs: pointers and strides divisible by 16
+    from triton.backends.compiler import BaseBackend
+
+    names = list(sig)
+    attrs = {(names.index(n),): BaseBackend.parse_attr("D") for n in names
+             if sig[n].startswith("*") or n.startswith("stride_") and not n.startswith("stride_") or n in (
+                 "stride_kn", "stride_vd", "stride_dkn", "stride_dvn", "stride_dqm", "stride_kb", "stride_vb",
+                 "stride_dkb", "stride_dvb", "stride_dqb", "ws_lse_off", "ws_row")}
+    src = GluonASTSource(fn=_bwd_tma_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
