@@ -1,6 +1,8 @@
 """Attention backward (FP8 e4m3 or 16-bit Q/K/V) for Hopper: FlashAttention-2's form in Triton.
 
-Kernels:
+``launch_attention_bwd`` hands the dense dequantized-mode calls with ``deterministic=False`` at head dims 64 and
+128 to the Gluon kernel of ``hopper.backward_launch`` (K/V in shared memory, dQ added atomically) after the
+preprocess below; ``FP8ATTN_BWD_BACKEND`` (``bwd_backend``) overrides that. The Triton kernels:
 
 1. ``_bwd_preprocess_kernel``: per query row, ``Delta = rowsum(dO * O)`` in fp32 and the LSE moved to
    the log2 domain (``lse * log2(e)``; ``+inf`` for a row that saw no key, so ``exp2(s - lse2) = 0``
@@ -733,8 +735,9 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
     -----
     Two launches (preprocess, dK/dV/dQ; three at head dim 192/256 and in the fp8 mode, one per gradient for
     dK and dV), a zeroing of the fp32 dQ accumulator and, for a 16-bit dq, its copy; with ``deterministic``
-    the dQ pass is a launch of its own.
-    The main kernels autotune per (head dims, dtype, mode, masks, varlen, seqlen bucket) on the first eager
+    the dQ pass is a launch of its own. Where the Hopper kernel takes the call (module docstring): the
+    preprocess, the zeroing and that kernel (no autotuning).
+    The Triton main kernels autotune per (head dims, dtype, mode, masks, varlen, seqlen bucket) on the first eager
     call; during CUDA-graph capture they use the config an eager call picked, else the table's default
     (``FP8ATTN_NO_AUTOTUNE=1``: always the default).
     """

@@ -4,8 +4,8 @@
 read once into shared memory (K as e4m3 for ``S^T = K Q^T`` and upcast to bf16 for ``dQ = dS K``, V upcast
 to bf16 for ``dP^T = V dO^T``); the query tiles of 64 rows of every query head of the group stream through
 a ``NUM_STAGES``-deep ring of Q / dO buffers filled by TMA one tile ahead. Per tile, each warpgroup holds
-64 keys' rows of S^T, dP^T and the fp32 dK / dV accumulators (the wgmma accumulators, 128 + 32 + 32
-registers a thread); P^T and dS^T are the register A operands of ``dV += P^T dO`` and ``dK += dS^T Q``;
+64 keys' rows of S^T, dP^T and the fp32 dK / dV accumulators (the wgmma accumulators; at head dim 128,
+32 + 32 + 128 registers a thread); P^T and dS^T are the register A operands of ``dV += P^T dO`` and ``dK += dS^T Q``;
 dS^T goes through shared memory once more for ``dQ = dS K``, whose 64 x d tile the two warpgroups split
 by columns, and which is added to the fp32 dQ rows with relaxed atomics.
 
