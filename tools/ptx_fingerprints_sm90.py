@@ -6,10 +6,11 @@ configuration and a hash of its PTX with the debug sections and line markers rem
 the source lines). Covers the Triton dense kernel (causal, sliding windows, e4m3 and bf16 inputs), the
 Triton paged kernel (decode, prefill, windows, mixed varlen batches) and the Gluon TMA kernels (dense,
 paged, varlen, V transposed in shared memory; with and without an LSE; head dims 64, 128, 256; the dense
-kernel's three-consumer variant; at head dim 64 both K boxes, plain and key-permuted; qk 192 / v 128).
+kernel's three-consumer variant; at head dim 64 both K boxes, plain and key-permuted; qk 192 / v 128) and the
+backward (the Triton kernels' launches of ``aot_backward_sm90.CASES``, the Gluon kernel's ``HOPPER`` cases).
 
 Usage (repo root): ``python tools/ptx_fingerprints_sm90.py > before.txt``; change; again into
-``after.txt``; ``diff before.txt after.txt``.
+``after.txt``; ``diff before.txt after.txt``. ``--backward``: the backward kernels only; ``--backward --all``: both.
 """
 
 from __future__ import annotations
@@ -123,8 +124,30 @@ def paged_case(causal, window, q_dtype, qlen, page_size=64, varlen=False):
     return _compile_captured(real, cap.calls[0])
 
 
-def main():
+def backward_rows():
+    """(name, fingerprint) of the backward kernels: the launches ``aot_backward_sm90`` captures, and the Hopper
+    kernel's cases."""
+    import aot_backward_sm90 as ab
+
     rows = []
+    for case in ab.CASES:
+        for i, (fn, call) in enumerate(ab.capture(case)):
+            rows.append((f"backward {case['name']} launch {i} {fn.__name__}", _compile_captured(fn, call)))
+    if dense_launch.HAS_GLUON:
+        from fp8attn.kernels.hopper import backward_launch
+
+        for d, causal, fp8 in ab.HOPPER:
+            k = backward_launch._aot_compile(causal=causal, head_dim=d, fp8=fp8, v_seq_major=fp8)
+            rows.append((f"hopper backward d={d} causal={causal} fp8={fp8}", fingerprint(k.asm["ptx"])))
+    return rows
+
+
+def main():
+    rows = backward_rows() if "--backward" in sys.argv else []
+    if "--backward" in sys.argv[1:2] and "--all" not in sys.argv:
+        for name, h in rows:
+            print(h, name, flush=True)
+        return
     for causal, window in ((False, (-1, -1)), (True, (-1, 0)), (True, (64, 0)), (False, (64, 32))):
         for q_dtype in (E4M3, torch.bfloat16):
             rows.append((f"dense causal={causal} window={window} q={q_dtype}", dense_case(causal, window, q_dtype)))

@@ -9,7 +9,9 @@ Setup as the dense forward sweep: 16 heads, batch * seqlen = 16k tokens, seqlen 
 * ``bwd`` -- the backward alone (``torch.autograd.grad(..., retain_graph=True)`` over one forward);
   ``ours.ms_op`` is the ``fp8attn::dense_bwd`` op alone (without the straight-through casts), and
   ``ours.ms_op_deterministic`` the same op with ``deterministic=True`` (the dQ pass without atomics, where
-  the default adds dQ atomically: the two forms side by side in one process).
+  the default adds dQ atomically: the two forms side by side in one process), and ``ours.ms_op_triton`` the
+  op with ``FP8ATTN_BWD_BACKEND=triton`` (the Triton kernels where the default takes the Hopper kernel: its
+  A/B in the same process).
 
 One case per ``params.mode`` ("dequantized" / "fp8" backward); the peers (``sdpa_cudnn_bf16``,
 ``sdpa_flash_bf16``) are measured once per (head dim, seqlen, causal, pass) and listed in both.
@@ -23,6 +25,8 @@ exact attention on the same bf16 inputs, next to ``err_out`` (the forward output
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .common import attn_flops, results_header, time_ms, write_results
@@ -31,6 +35,7 @@ __all__ = ["run"]
 
 MODES = ("dequantized", "fp8")
 ERR_MAX_SEQLEN = 4096
+BWD_BACKEND_ENV = "FP8ATTN_BWD_BACKEND"  # the backward's kernel choice (docs/api.md)
 
 
 def _saved_mb(fn):
@@ -178,7 +183,9 @@ def run(out_dir=None, quick=False, headdims=None):
                     doc["cases"].append(_case(d, s, causal, "fwd_bwd", mode, b, nheads, ours, peers["fwd_bwd"], errors))
                     o = fwd(*leaves)
                     ours_b = _timed(lambda o=o: torch.autograd.grad(o, leaves, do, retain_graph=True), flops["bwd"])
-                    ours_b["ms_op"], ours_b["ms_op_deterministic"] = _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode)
+                    ours_b["ms_op"], ours_b["ms_op_deterministic"], ours_b["ms_op_triton"] = _bwd_op_ms(
+                        fp8attn, ops, leaves, do, causal, mode
+                    )
                     ours_b["tflops_op"] = flops["bwd"] / ours_b["ms_op"] / 1e9
                     o = None
                     doc["cases"].append(_case(d, s, causal, "bwd", mode, b, nheads, ours_b, peers["bwd"], errors))
@@ -196,8 +203,8 @@ def run(out_dir=None, quick=False, headdims=None):
 
 
 def _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode):
-    """(ms, ms with ``deterministic=True``) of the ``fp8attn::dense_bwd`` op alone on the quantized inputs
-    (bf16 gradients), both over the same quantization and forward."""
+    """(ms, ms with ``deterministic=True``, ms with ``FP8ATTN_BWD_BACKEND=triton``) of the ``fp8attn::dense_bwd``
+    op alone on the quantized inputs (bf16 gradients), all over the same quantization and forward."""
     with torch.no_grad():
         q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(*leaves)
         o, lse = fp8attn.flash_attn_func(
@@ -205,7 +212,7 @@ def _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode):
         )
     d = leaves[0].shape[-1]
 
-    def ms(deterministic):
+    def ms(deterministic, backend=None):
         args = (
             do,
             q8,
@@ -231,10 +238,20 @@ def _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode):
             torch.bfloat16,
         )
         fn = lambda: ops.OPS["dense_bwd"](*args)  # noqa: E731
-        fn()
-        return time_ms(fn)
+        before = os.environ.get(BWD_BACKEND_ENV)
+        if backend is not None:
+            os.environ[BWD_BACKEND_ENV] = backend
+        try:
+            fn()
+            return time_ms(fn)
+        finally:
+            if backend is not None:
+                if before is None:
+                    del os.environ[BWD_BACKEND_ENV]
+                else:
+                    os.environ[BWD_BACKEND_ENV] = before
 
-    return ms(False), ms(True)
+    return ms(False), ms(True), ms(False, "triton")
 
 
 def _print_table(doc):
