@@ -138,14 +138,14 @@ def test_mla_pipeline_refuses_the_attention_only_options_before_any_gpu_work():
 
 
 def test_with_env_restores_the_variable(monkeypatch):
-    from fp8attn.bench.dense import _with_env
+    from fp8attn.bench.common import with_env
 
     monkeypatch.setenv("FP8ATTN_DENSE_BACKEND", "triton")
-    assert _with_env("FP8ATTN_DENSE_BACKEND", "tma", lambda: os.environ["FP8ATTN_DENSE_BACKEND"]) == "tma"
+    assert with_env("FP8ATTN_DENSE_BACKEND", "tma", lambda: os.environ["FP8ATTN_DENSE_BACKEND"]) == "tma"
     assert os.environ["FP8ATTN_DENSE_BACKEND"] == "triton"
     monkeypatch.delenv("FP8ATTN_DENSE_RULES", raising=False)
     with pytest.raises(RuntimeError):
-        _with_env("FP8ATTN_DENSE_RULES", "kperm=0", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+        with_env("FP8ATTN_DENSE_RULES", "kperm=0", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     assert "FP8ATTN_DENSE_RULES" not in os.environ
 
 

@@ -25,11 +25,9 @@ exact attention on the same bf16 inputs, next to ``err_out`` (the forward output
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .common import attn_flops, results_header, time_ms, write_results
+from .common import attn_flops, results_header, time_ms, with_env, write_results
 
 __all__ = ["run"]
 
@@ -212,7 +210,7 @@ def _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode):
         )
     d = leaves[0].shape[-1]
 
-    def ms(deterministic, backend=None):
+    def ms(deterministic):
         args = (
             do,
             q8,
@@ -238,20 +236,10 @@ def _bwd_op_ms(fp8attn, ops, leaves, do, causal, mode):
             torch.bfloat16,
         )
         fn = lambda: ops.OPS["dense_bwd"](*args)  # noqa: E731
-        before = os.environ.get(BWD_BACKEND_ENV)
-        if backend is not None:
-            os.environ[BWD_BACKEND_ENV] = backend
-        try:
-            fn()
-            return time_ms(fn)
-        finally:
-            if backend is not None:
-                if before is None:
-                    del os.environ[BWD_BACKEND_ENV]
-                else:
-                    os.environ[BWD_BACKEND_ENV] = before
+        fn()
+        return time_ms(fn)
 
-    return ms(False), ms(True), ms(False, "triton")
+    return ms(False), ms(True), with_env(BWD_BACKEND_ENV, "triton", lambda: ms(False))
 
 
 def _print_table(doc):

@@ -24,6 +24,19 @@ __all__ = [
 ]
 
 
+def with_env(name, value, fn):
+    """``fn()`` with the environment variable ``name`` set to ``value`` (restored after)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = old
+
+
 def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median time of ``fn()`` in milliseconds (CUDA events through triton.testing.do_bench)."""
     import triton.testing

@@ -16,12 +16,11 @@ time).
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import torch
 
-from .common import attn_flops, graph_replay, results_header, time_ms, write_results
+from .common import attn_flops, graph_replay, results_header, time_ms, with_env, write_results
 
 __all__ = ["run", "cudnn_fp8_sdpa"]
 
@@ -256,19 +255,6 @@ VARLEN_CASES = (
 )
 
 
-def _with_env(name, value, fn):
-    """``fn()`` with the environment variable ``name`` set to ``value`` (restored after)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = old
-
-
 def _with_rules(text, fn):
     """``fn()`` under the dense launcher's rule overrides ``text`` (``kernels.hopper.dense_launch.set_dense_rules``; ""
     is the committed rules), restored after."""
@@ -327,7 +313,7 @@ def _run_varlen(hdims):
                         torch.cuda.synchronize()
                         return time_ms(call)
 
-                    return _with_env("FP8ATTN_DENSE_BACKEND", backend, go)
+                    return with_env("FP8ATTN_DENSE_BACKEND", backend, go)
 
                 ms = timed("tma")
                 n0 = lens[0]
@@ -342,7 +328,7 @@ def _run_varlen(hdims):
                     out_dtype=torch.float32,
                 )[0]
                 err = float((out[:n0, :1].float() - ref).norm() / ref.norm())
-                g, graphed = _with_env("FP8ATTN_DENSE_BACKEND", "tma", lambda: graph_replay([call]))
+                g, graphed = with_env("FP8ATTN_DENSE_BACKEND", "tma", lambda: graph_replay([call]))
                 ms_graph = time_ms(g) if graphed else None
                 ours = {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None, "err": err, "ms_graph": ms_graph}
                 ms_t = timed("triton")

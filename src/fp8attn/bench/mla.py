@@ -275,8 +275,8 @@ def run_attention(seqlen, heads, rule_variants=()):
     from .. import mla
     from ..kernels.dense import launch_dense_fwd, transpose_v_kmajor
     from ..reference import attention_ref
-    from .common import kernel_times_us
-    from .dense import _with_env, _with_rules
+    from .common import kernel_times_us, with_env
+    from .dense import _with_rules
 
     dqk, ref_heads = DN + DR, 2
     doc = results_header("mla_attention")
@@ -349,7 +349,7 @@ def run_attention(seqlen, heads, rule_variants=()):
                     "kernel": sorted(kernel_times_us(fn, reps=2)),
                 }
 
-            peers = {"triton": _with_env("FP8ATTN_DENSE_BACKEND", "triton", lambda: measured(ours))}
+            peers = {"triton": with_env("FP8ATTN_DENSE_BACKEND", "triton", lambda: measured(ours))}
             # the same sequence as a one-sequence varlen batch, as mla.prefill attends its new tokens
             cu = torch.tensor([0, seqlen], device="cuda", dtype=torch.int32)
 

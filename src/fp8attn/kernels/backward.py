@@ -64,7 +64,7 @@ import triton.language as tl
 
 from .common import INTERPRET, LOG2E, causal_window_mask, cdiv, full_tile_range, kv_range, next_pow2, seq_bounds
 from .hopper import backward_launch
-from .planning import window_flags
+from .planning import backend_env, window_flags
 
 __all__ = ["launch_attention_bwd", "bwd_configs", "table_configs", "MODES", "bwd_backend"]
 
@@ -668,10 +668,7 @@ def bwd_backend() -> str:
     """``FP8ATTN_BWD_BACKEND``: ``auto`` (unset: the Hopper kernel where ``hopper.backward_launch`` takes the
     call, else the Triton kernels), ``triton`` (always the Triton kernels) or ``tma`` (the Hopper kernel;
     ValueError naming the reason when it cannot take the call)."""
-    backend = os.environ.get("FP8ATTN_BWD_BACKEND", "auto") or "auto"
-    if backend not in ("auto", "triton", "tma"):
-        raise ValueError(f"FP8ATTN_BWD_BACKEND: expected auto, triton or tma, got {backend!r}")
-    return backend
+    return backend_env("FP8ATTN_BWD_BACKEND")
 
 
 def _fp32_acc(dq):

@@ -40,7 +40,7 @@ from .common import (
     seq_bounds,
 )
 from .hopper import dense_launch
-from .planning import window_flags
+from .planning import backend_env, window_flags
 from .replay import launch
 
 __all__ = ["launch_dense_fwd", "dense_fwd_configs", "transpose_v_kmajor", "tma_reason", "dense_backend",
@@ -480,10 +480,7 @@ def launch_dense_fwd(q, k, v, out, lse, *, softmax_scale, causal, window_size, s
 
 def dense_backend() -> str:
     """``FP8ATTN_DENSE_BACKEND``: auto (unset), triton or tma (see ``launch_dense_fwd``)."""
-    backend = os.environ.get("FP8ATTN_DENSE_BACKEND", "auto") or "auto"
-    if backend not in ("auto", "triton", "tma"):
-        raise ValueError(f"FP8ATTN_DENSE_BACKEND: expected auto, triton or tma, got {backend!r}")
-    return backend
+    return backend_env("FP8ATTN_DENSE_BACKEND")
 
 
 def tma_reason(q, k, v, out, lse, *, causal, window_size, softcap, q_descale, k_descale, v_descale, out_scale,

@@ -11,10 +11,11 @@ scale storage padding, the V cache layout predicate). Host modules import them f
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-__all__ = ["cdiv", "next_pow2", "window_flags", "attention_out_dtype", "tma_options_reason", "paged_tma_call_reason",
+__all__ = ["backend_env", "cdiv", "next_pow2", "window_flags", "attention_out_dtype", "tma_options_reason", "paged_tma_call_reason",
            "TMA_QUERY_BLOCK", "PAGED_TMA_HEAD_DIMS", "PAGED_TMA_MIN_PAGE", "PAGED_TMA_SMALL_PAGES",
            "DESCALE_FLOOR", "scale_storage_pad", "is_v_seq_major", "split_partials",
            "decode_shaped", "small_shaped", "decode_row_queries", "paged_precision", "paged_precisions",
@@ -30,6 +31,14 @@ PAGED_TMA_MIN_PAGE = 64
 PAGED_TMA_SMALL_PAGES = (16, 32)
 
 _E4M3 = torch.float8_e4m3fn
+
+
+def backend_env(name: str) -> str:
+    """The kernel choice in the environment variable ``name``: ``auto`` (unset or empty), ``triton`` or ``tma``."""
+    backend = os.environ.get(name, "auto") or "auto"
+    if backend not in ("auto", "triton", "tma"):
+        raise ValueError(f"{name}: expected auto, triton or tma, got {backend!r}")
+    return backend
 
 
 def cdiv(a: int, b: int) -> int:
