@@ -161,9 +161,8 @@ def _aot_compile(causal=False, head_dim=128, fp8=True, arch=90, stages=NUM_STAGE
     from triton.backends.compiler import BaseBackend
 
     names = list(sig)
-    attrs = {(names.index(n),): BaseBackend.parse_attr("D") for n in names
-             if sig[n].startswith("*") or n.startswith("stride_") and not n.startswith("stride_") or n in (
-                 "stride_kn", "stride_vd", "stride_dkn", "stride_dvn", "stride_dqm", "stride_kb", "stride_vb",
-                 "stride_dkb", "stride_dvb", "stride_dqb", "ws_lse_off", "ws_row")}
+    divisible = ("stride_kn", "stride_vd", "stride_dkn", "stride_dvn", "stride_dqm", "stride_kb", "stride_vb",
+                 "stride_dkb", "stride_dvb", "stride_dqb", "ws_lse_off", "ws_row")
+    attrs = {(names.index(n),): BaseBackend.parse_attr("D") for n in names if sig[n].startswith("*") or n in divisible}
     src = GluonASTSource(fn=_bwd_tma_kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
