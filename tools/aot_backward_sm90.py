@@ -4,8 +4,9 @@ Captures the launches ``launch_attention_bwd`` makes (each main kernel's configu
 class, as with FP8ATTN_NO_AUTOTUNE=1 for the first, or all with ``--all``), specializes them like Triton's
 launcher (helpers of aot_paged_sm90.py), compiles for sm90 with the bundled ptxas and prints per case:
 wgmma ops in the TTGIR, QGMMA (FP8) / HGMMA (16-bit) in the SASS, pipelined async copies, shared memory,
-atomic reductions (RED), barriers (BAR), shared-memory stores (STS), float min/max (FMNMX: the amax
-reductions) and cuobjdump's resource usage (registers; LDL/STL = spills). A compile error prints `` FAILED ``.
+atomic reductions (RED), TMA reductions (TMA_RED), barriers (BAR), shared-memory stores (STS), float min/max
+(FMNMX: the amax reductions) and cuobjdump's resource usage (registers; LDL/STL = spills). A compile error
+prints `` FAILED ``.
 Usage: ``python tools/aot_backward_sm90.py [--all] [--quick]`` from the repo root (``--quick``: the
 cases the CPU test compiles).
 """
@@ -102,6 +103,7 @@ def stats(k):
         async_copy=ttgir.count("async_copy_global_to_local"),
         smem=k.metadata.shared,
         RED=len(re.findall(r"\bRED", sass)) + len(re.findall(r"\bATOMG?\b", sass)),
+        TMA_RED=len(re.findall(r"\bUTMAREDG", sass)),
         BAR=len(re.findall(r"\bBAR\b", sass)),
         STS=len(re.findall(r"\bSTS", sass)),
         FMNMX=len(re.findall(r"\bFMNMX", sass)),

@@ -780,11 +780,15 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
         out, do, ws, lse, cu_q, *_strides4(out, varlen), *_strides4(do, varlen), *ls, *w_strides, lse_off,
         sq, dv_dim, IS_VARLEN=varlen, BLOCK_M=PRE_BLOCK_M, BLOCK_DV=block_dv, num_warps=4)
     if why is None:
-        dq_acc = _fp32_acc(dq)
+        rows = backward_launch.dq_acc_rows(sq)
+        if rows == sq and dq.dtype == torch.float32 and dq.is_contiguous():
+            dq_acc = dq.zero_()
+        else:  # (rows padded to whole query tiles for the kernel's TMA reductions)
+            dq_acc = torch.zeros(batch, rows, nheads_q, d, device=dq.device, dtype=torch.float32)
         backward_launch.launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, q_descale=q_descale, k_descale=k_descale,
                                        v_descale=v_descale, softmax_scale=softmax_scale, causal=causal)
         if dq_acc is not dq:
-            dq.copy_(dq_acc)
+            dq.copy_(dq_acc[:, :sq])
         return
 
     if is_fp8:

@@ -1,4 +1,4 @@
-"""The Hopper attention backward (Gluon): dK, dV and an atomically added dQ in one kernel.
+"""The Hopper attention backward (Gluon): dK, dV and a dQ added by TMA reductions in one kernel.
 
 ``_bwd_tma_kernel``: one CTA (two 4-warp warpgroups) per (key block of 128, batch, kv head). K and V are
 read once into shared memory (K as e4m3 for ``S^T = K Q^T`` and upcast to bf16 for ``dQ = dS K``, V upcast
@@ -7,7 +7,9 @@ a ``NUM_STAGES``-deep ring of Q / dO buffers filled by TMA one tile ahead. Per t
 64 keys' rows of S^T, dP^T and the fp32 dK / dV accumulators (the wgmma accumulators; at head dim 128,
 32 + 32 + 128 registers a thread); P^T and dS^T are the register A operands of ``dV += P^T dO`` and ``dK += dS^T Q``;
 dS^T goes through shared memory once more for ``dQ = dS K``, whose 64 x d tile the two warpgroups split
-by columns, and which is added to the fp32 dQ rows with relaxed atomics.
+by columns; the tile is staged in shared memory and added to the fp32 dQ rows by one bulk TMA reduction
+(``cp.reduce.async.bulk.tensor ... add``), which runs while the next tile computes. Two CTA barriers per
+tile: one once dS^T (and the upcast Q) is in shared memory, one once the dQ tile is.
 
 Numerics are the dequantized mode of ``kernels.backward`` (its module docstring): the e4m3 products of
 ``K Q^T`` (fp32 accumulation), P and dS rounded to bf16, the FP8 operands upcast exactly, descales folded
@@ -15,8 +17,10 @@ into the tile products and the final scaling.
 """
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -26,6 +30,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 _LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Start the bulk tensor reduction ``global[coord : coord + box] += src`` (shared memory, fp32) by TMA, in
+    the bulk group that ``tma.store_wait`` waits on. Gluon's hopper ``tma`` module has the copies but not this
+    reduction, whose op the Gluon builder has."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.constexpr_function
@@ -38,6 +51,17 @@ def _smem_layout(cols, bits):
 def _acc_layout(warps_m, warps_n, n, k=16):
     """A wgmma accumulator layout; ``k`` the instruction's K (16 for 16-bit operands, 32 for e4m3)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, n, k])
+
+
+@gluon.jit
+def _upcast(x, dtype: gl.constexpr):
+    """e4m3 ``x`` in ``dtype`` (16-bit), exact. To bf16 through fp32: the direct conversion goes through fp16 with
+    one scalar conversion per element, the fp32 route packs pairs."""
+    if x.dtype == dtype:
+        return x
+    if dtype == gl.bfloat16:
+        return x.to(gl.float32).to(dtype)
+    return x.to(dtype)
 
 
 @gluon.jit
@@ -82,23 +106,24 @@ def _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads
 
 
 @gluon.jit
-def _bwd_tma_kernel(q_desc, do_desc, w_desc, K, V, DK, DV, DQ, QDs, KDs, VDs,
+def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VDs,
                     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_vd,
                     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                    stride_dqb, stride_dqm, stride_dqh,
                     stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                    ws_lse_off, ws_row, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale,
+                    ws_lse_off, ws_row, dq_row, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale,
                     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, IS_FP8: gl.constexpr, V_SEQ_MAJOR: gl.constexpr,
                     NUM_STAGES: gl.constexpr):
     """dK/dV of key block ``program_id(0)`` of (batch ``program_id(1)``, kv head ``program_id(2)``), summed over
-    the group's query heads, and its dQ parts added atomically (fp32 ``DQ``, zeroed by the launcher).
+    the group's query heads, and its dQ parts added by TMA reductions (``dq_desc``).
 
     ``q_desc`` / ``do_desc``: TMA views (batch * seqlen_q, nheads_q * HEAD_DIM) of Q and dO, boxes of
     (64, HEAD_DIM); ``w_desc``: 1-D view of ``kernels.backward``'s workspace (Delta in (batch, head) rows of
-    ``ws_row`` entries, a multiple of 4, the log2-domain LSE ``ws_lse_off`` later), boxes of 64; K, V, DK, DV:
-    (batch, seqlen_k, nheads_k,
-    HEAD_DIM) with the head dim contiguous (any other strides), but V sequence-major under V_SEQ_MAJOR (keys
-    contiguous, ``stride_vd`` between head-dim columns: the layout ``quantize_qkv`` returns)."""
+    ``ws_row`` entries, a multiple of 4, the log2-domain LSE ``ws_lse_off`` later), boxes of 64; ``dq_desc``:
+    TMA view (batch * dq_row, nheads_q * HEAD_DIM) of the zeroed fp32 dQ accumulator, whose ``dq_row`` rows per
+    batch are seqlen_q rounded up to 64 (a tile's box never reaches the next batch; the rows past seqlen_q
+    are not read back); K, V, DK, DV: (batch, seqlen_k, nheads_k, HEAD_DIM) with the head dim
+    contiguous (any other strides), but V sequence-major under V_SEQ_MAJOR (keys contiguous, ``stride_vd``
+    between head-dim columns: the layout ``quantize_qkv`` returns)."""
     gl.static_assert(gl.num_warps() == 8)
     BM: gl.constexpr = q_desc.block_type.shape[0]
     BN: gl.constexpr = 128
@@ -138,6 +163,7 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, K, V, DK, DV, DQ, QDs, KDs, VDs,
         kg_smem = k_smem
     vg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
     ds_smem = gl.allocate_shared_memory(g_dtype, [BN, BM], _smem_layout(BM, 16))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], dq_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BM], w_desc.layout)  # (stage, Delta / LSE)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
@@ -164,8 +190,8 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, K, V, DK, DV, DQ, QDs, KDs, VDs,
                       n_valid, BN, D, v_layout)
     k_smem.store(k)
     if IS_FP8:
-        kg_smem.store(k.to(g_dtype))
-    vg_smem.store(v.to(g_dtype))
+        kg_smem.store(_upcast(k, g_dtype))
+    vg_smem.store(_upcast(v, g_dtype))
     if IS_FP8:
         qd = gl.load(QDs + b64 * stride_qds_b + hk64 * stride_qds_h)
         kd = gl.load(KDs + b64 * stride_kds_b + hk64 * stride_kds_h)
@@ -186,17 +212,12 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, K, V, DK, DV, DQ, QDs, KDs, VDs,
     dv = gl.zeros([BN, D], gl.float32, kv_layout)
     keys = n0 + gl.arange(0, BN, gl.SliceLayout(1, st_layout))
     qcols = gl.arange(0, BM, gl.SliceLayout(0, st_layout))
-    dq_rows = gl.arange(0, BM, gl.SliceLayout(1, dq_layout))
-    dq_cols = gl.arange(0, D, gl.SliceLayout(0, dq_layout))
-    dq_offs = gl.expand_dims(dq_rows.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(dq_cols, 0)
     for i in range(total):
-        # every warpgroup is done with the stage refilled below and with qg / dS^T of the last tile
-        gl.thread_barrier()
         if i + NUM_STAGES - 1 < total:
             _issue_tile(q_desc, do_desc, w_desc, ring, i + NUM_STAGES - 1, n_m, lo, hk, qgroup, b, nheads_q,
                         seqlen_q, ws_lse_off, ws_row, BM, D, NUM_STAGES)
         s = i % NUM_STAGES
-        hq64 = (hk * qgroup + i // n_m).to(gl.int64)
+        hq = hk * qgroup + i // n_m
         m0 = lo + (i % n_m) * BM
         mbarrier.wait(ready.index(s), (i // NUM_STAGES) & 1)
         q_buf = q_smem.index(s)
@@ -204,7 +225,7 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, K, V, DK, DV, DQ, QDs, KDs, VDs,
         st_tok = warpgroup_mma(k_smem, q_buf.permute((1, 0)), zero_s8, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(vg_smem, do_buf.permute((1, 0)), zero_st, use_acc=False, is_async=True)
         if IS_FP8:
-            qg_smem.store(q_buf.load(ld_layout).to(g_dtype))
+            qg_smem.store(_upcast(q_buf.load(ld_layout), g_dtype))
         st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok])
         st = gl.convert_layout(st, st_layout) * qk_scale
         rows = m0 + qcols
@@ -227,17 +248,26 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, K, V, DK, DV, DQ, QDs, KDs, VDs,
         pt_op = gl.convert_layout(pt.to(g_dtype), a_layout)
         ds_smem.store(dst)
         fence_async_shared()
-        gl.thread_barrier()
         dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
+        # the last tile's dQ reduction has read dq_smem (each thread waits for the reductions it started)
+        tma.store_wait(0)
+        # every warpgroup's dS^T (and the upcast Q) is in shared memory
+        gl.thread_barrier()
+        # dQ before dK, so that dK's product runs while dQ is staged and its reduction started
+        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), kg_smem, zero_dq, use_acc=False, is_async=True)
         if IS_FP8:
             dk_tok = warpgroup_mma(gl.convert_layout(dst, a_layout), qg_smem, dk, is_async=True)
         else:
             dk_tok = warpgroup_mma(gl.convert_layout(dst, a_layout), q_buf, dk, is_async=True)
-        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), kg_smem, zero_dq, use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok, dk_tok, dq_tok])
-        dq_ptr = DQ + b64 * stride_dqb + hq64 * stride_dqh + m0.to(gl.int64) * stride_dqm
-        gl.atomic_add(dq_ptr + dq_offs, dq * dq_scale, mask=gl.expand_dims(m0 + dq_rows < seqlen_q, 1),
-                      sem="relaxed")
+        dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=[dv_tok, dq_tok])
+        dq_smem.store(dq * dq_scale)
+        fence_async_shared()
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
+        # dq_smem is whole, and every warpgroup is done with this tile's stage, qg and dS^T (so the next tile
+        # may refill and rewrite them)
+        gl.thread_barrier()
+        _tma_reduce_add(dq_desc, [b * dq_row + m0, hq * D], dq_smem)
+    tma.store_wait(0)
 
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))

@@ -24,7 +24,8 @@ except ImportError:  # triton without Gluon: the kernel is simply unavailable
 from ..common import cdiv
 from .dense_launch import device_reason
 
-__all__ = ["bwd_unsupported_reason", "launch_bwd_tma", "ws_row_len", "BLOCK_M", "BLOCK_N", "HEAD_DIMS"]
+__all__ = ["bwd_unsupported_reason", "launch_bwd_tma", "ws_row_len", "dq_acc_rows", "BLOCK_M", "BLOCK_N",
+           "HEAD_DIMS"]
 
 BLOCK_M = 64  # query rows per tile (a TMA box of Q and of dO)
 BLOCK_N = 128  # keys per CTA
@@ -74,6 +75,12 @@ def ws_row_len(seqlen_q):
     return (seqlen_q + 3) // 4 * 4
 
 
+def dq_acc_rows(seqlen_q):
+    """Rows per batch of the kernel's fp32 dQ accumulator: seqlen_q rounded up to a query tile, so that a tile's
+    TMA reduction never reaches the next batch's rows."""
+    return (seqlen_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+
+
 @functools.lru_cache(maxsize=None)
 def _box_layout(dtype, d):
     return gl.NVMMASharedLayout.get_default_for([BLOCK_M, d], dtype)
@@ -83,12 +90,15 @@ _GL_DTYPE = {}
 if HAS_GLUON:
     _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
     _W_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    # the fp32 dQ tile: 128-byte swizzled column blocks, one TMA box each (the reduction is split among warps)
+    _DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
 
-def _desc(t):
+def _desc(t, layout=None):
     """The (batch * seqlen, nheads * d) TMA view of a contiguous (batch, seqlen, nheads, d) tensor."""
     b, s, h, d = t.shape
-    return TensorDescriptor(t, [b * s, h * d], [h * d, 1], [BLOCK_M, d], _box_layout(_GL_DTYPE[t.dtype], d))
+    layout = layout or _box_layout(_GL_DTYPE[t.dtype], d)
+    return TensorDescriptor(t, [b * s, h * d], [h * d, 1], [BLOCK_M, d], layout)
 
 
 def launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, *, q_descale, k_descale, v_descale,
@@ -108,7 +118,8 @@ def launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, *, q_descale, k_descale, v_d
         float32 (2, batch * nheads_q * ws_row_len(seqlen_q)), contiguous: ``kernels.backward``'s preprocess
         output (Delta, then the log2-domain LSE, (batch, head) rows of ``ws_row_len(seqlen_q)``).
     dq_acc : torch.Tensor
-        float32 (batch, seqlen_q, nheads_q, d), zeroed (head dim contiguous): dQ is added into it.
+        float32 (batch, dq_acc_rows(seqlen_q), nheads_q, d), zeroed, contiguous: dQ is added into its first
+        seqlen_q rows of each batch (the others take what the padded query rows add).
     dk, dv : torch.Tensor
         Shapes of k, v (head dim contiguous); any float dtype. Summed over each group's query heads.
     q_descale, k_descale, v_descale : torch.Tensor or None
@@ -124,10 +135,10 @@ def launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, *, q_descale, k_descale, v_d
     ds_strides = (*q_descale.stride(), *k_descale.stride(), *v_descale.stride()) if is_fp8 else (0,) * 6
     grid = (cdiv(sk, BLOCK_N), batch, hk)
     _bwd_tma_kernel[grid](
-        _desc(q), _desc(do), w_desc, k, v, dk, dv, dq_acc, *descs,
+        _desc(q), _desc(do), w_desc, _desc(dq_acc, _DQ_LAYOUT), k, v, dk, dv, *descs,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), *ds_strides, ws.stride(0), ws_row_len(sq),
+        *ds_strides, ws.stride(0), ws_row_len(sq), dq_acc.shape[1],
         sq, sk, hq, hk, float(softmax_scale),
         CAUSAL=bool(causal), HEAD_DIM=d, IS_FP8=is_fp8, V_SEQ_MAJOR=v.stride(-1) != 1, NUM_STAGES=NUM_STAGES,
         num_warps=8)
@@ -145,13 +156,14 @@ def _aot_compile(causal=False, head_dim=128, fp8=True, arch=90, stages=NUM_STAGE
     def desc(dtype, layout):
         return f"tensordesc<{dtype}[{BLOCK_M}, {head_dim}],{layout!r}>"
 
+    descs = {"q_desc": desc(in_t, _box_layout(in_gl, head_dim)), "do_desc": desc("bf16", _box_layout(gl.bfloat16,
+                                                                                                      head_dim)),
+             "w_desc": f"tensordesc<fp32[{BLOCK_M}],{_W_LAYOUT!r}>", "dq_desc": desc("fp32", _DQ_LAYOUT)}
+
     ints = ["stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh", "stride_vd", "stride_dkb", "stride_dkn",
-            "stride_dkh", "stride_dvb", "stride_dvn", "stride_dvh", "stride_dqb", "stride_dqm", "stride_dqh",
-            "stride_qds_b", "stride_qds_h", "stride_kds_b", "stride_kds_h", "stride_vds_b", "stride_vds_h",
-            "ws_lse_off", "ws_row", "seqlen_q", "seqlen_k", "nheads_q", "nheads_k"]
-    sig = {"q_desc": desc(in_t, _box_layout(in_gl, head_dim)), "do_desc": desc("bf16", _box_layout(gl.bfloat16,
-                                                                                                    head_dim)),
-           "w_desc": f"tensordesc<fp32[{BLOCK_M}],{_W_LAYOUT!r}>", "K": f"*{in_t}", "V": f"*{in_t}", "DK": "*bf16", "DV": "*bf16", "DQ": "*fp32",
+            "stride_dkh", "stride_dvb", "stride_dvn", "stride_dvh", "stride_qds_b", "stride_qds_h", "stride_kds_b", "stride_kds_h", "stride_vds_b", "stride_vds_h",
+            "ws_lse_off", "ws_row", "dq_row", "seqlen_q", "seqlen_k", "nheads_q", "nheads_k"]
+    sig = {**descs, "K": f"*{in_t}", "V": f"*{in_t}", "DK": "*bf16", "DV": "*bf16",
            "QDs": "*fp32", "KDs": "*fp32", "VDs": "*fp32", **{n: "i32" for n in ints}, "softmax_scale": "fp32",
            "CAUSAL": "constexpr", "HEAD_DIM": "constexpr", "IS_FP8": "constexpr", "V_SEQ_MAJOR": "constexpr",
            "NUM_STAGES": "constexpr"}
@@ -161,8 +173,8 @@ def _aot_compile(causal=False, head_dim=128, fp8=True, arch=90, stages=NUM_STAGE
     from triton.backends.compiler import BaseBackend
 
     names = list(sig)
-    divisible = ("stride_kn", "stride_vd", "stride_dkn", "stride_dvn", "stride_dqm", "stride_kb", "stride_vb",
-                 "stride_dkb", "stride_dvb", "stride_dqb", "ws_lse_off", "ws_row")
+    divisible = ("stride_kn", "stride_vd", "stride_dkn", "stride_dvn", "stride_kb", "stride_vb", "stride_dkb",
+                 "stride_dvb", "ws_lse_off", "ws_row", "dq_row")
     attrs = {(names.index(n),): BaseBackend.parse_attr("D") for n in names if sig[n].startswith("*") or n in divisible}
     src = GluonASTSource(fn=_bwd_tma_kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
