@@ -1,7 +1,7 @@
 """Attention backward (FP8 e4m3 or 16-bit Q/K/V) for Hopper: FlashAttention-2's form in Triton.
 
 ``launch_attention_bwd`` hands the dense dequantized-mode calls with ``deterministic=False`` at head dims 64 and
-128 to the Gluon kernel of ``hopper.backward_launch`` (K/V in shared memory, dQ added atomically) after the
+128 to the Gluon kernel of ``hopper.backward_launch`` (K/V in shared memory, dQ added by TMA reductions) after the
 preprocess below; ``FP8ATTN_BWD_BACKEND`` (``bwd_backend``) overrides that. The Triton kernels:
 
 1. ``_bwd_preprocess_kernel``: per query row, ``Delta = rowsum(dO * O)`` in fp32 and the LSE moved to

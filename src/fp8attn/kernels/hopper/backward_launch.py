@@ -1,7 +1,7 @@
 """Launcher of the Hopper backward kernel (``backward._bwd_tma_kernel``): which calls it takes, and its launch.
 
-It takes the dense calls of ``kernels.backward.launch_attention_bwd`` in the dequantized mode with atomic dQ
-(``deterministic=False``): e4m3 or 16-bit Q/K/V, head dim 64 or 128 (the same for V), a bf16 or fp16 dO of
+It takes the dense calls of ``kernels.backward.launch_attention_bwd`` in the dequantized mode with ``deterministic=False``
+(dQ is added in an order that varies): e4m3 or 16-bit Q/K/V, head dim 64 or 128 (the same for V), a bf16 or fp16 dO of
 Q's 16-bit type, contiguous Q and dO (their TMA views), K and V with the head dim contiguous, a bottom-right
 causal mask or none, no window or softcap, on an sm90 GPU. Everything else stays on the Triton kernels.
 """
