@@ -390,6 +390,42 @@ def test_hopper_backend_refusal_writes_nothing(monkeypatch):
         launch_attention_bwd(*views, *grads, **kw)
 
 
+@pytest.mark.parametrize("sq,grad_dtype", [(40, torch.bfloat16), (40, torch.float32), (64, torch.float32)])
+def test_hopper_path_dq_accumulator(monkeypatch, sq, grad_dtype):
+    """The Hopper path's glue on the CPU (the kernel stood in for): the launch gets a zeroed, contiguous fp32 dQ
+    accumulator with rows per batch rounded up to a query tile (dq itself when it is fp32, contiguous and
+    already whole tiles), and only the first seqlen_q rows of each batch come back into dq."""
+    from fp8attn.kernels.hopper import backward_launch
+
+    seen = {}
+
+    def fake_launch(do, q, k, v, ws, dq_acc, dk, dv, **kw):
+        b, rows, h, d = dq_acc.shape
+        seen.update(shape=dq_acc.shape, ptr=dq_acc.data_ptr(), zero=bool((dq_acc == 0).all()))
+        assert dq_acc.dtype == torch.float32 and dq_acc.is_contiguous()
+        dq_acc.copy_(torch.arange(dq_acc.numel(), dtype=torch.float32).view(dq_acc.shape))
+        dq_acc[:, q.shape[1] :] = float("nan")  # the padded rows: never read back
+        dk.fill_(1.0)
+        dv.fill_(2.0)
+
+    monkeypatch.setattr(backward_launch, "bwd_unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(backward_launch, "launch_bwd_tma", fake_launch)
+    torch.manual_seed(0)
+    inp = _make([sq, sq], [sq, sq], 2, 1, 32, 32)
+    ref = _references(inp, 32**-0.5, True, -1, -1, 0.0, "dequantized")
+    views, grads, kw = _kernel_args(
+        inp, ref, causal=True, wl=-1, wr=-1, softcap=0.0, mode="dequantized", grad_dtype=grad_dtype
+    )
+    launch_attention_bwd(*views, *grads, **kw)
+    rows = backward_launch.dq_acc_rows(sq)
+    assert rows % backward_launch.BLOCK_M == 0 and sq <= rows < sq + backward_launch.BLOCK_M
+    assert seen["shape"] == (2, rows, 2, 32) and seen["zero"]
+    assert (seen["ptr"] == grads[0].data_ptr()) == (grad_dtype == torch.float32 and rows == sq)
+    expect = torch.arange(2 * rows * 2 * 32, dtype=torch.float32).view(2, rows, 2, 32)[:, :sq]
+    assert torch.equal(grads[0].float(), expect.to(grad_dtype).float())
+    assert bool((grads[1] == 1.0).all()) and bool((grads[2] == 2.0).all())
+
+
 def test_bad_mode():
     inp = _make([16], [16], 1, 1, 64, 64)
     with pytest.raises(ValueError, match="mode"):
