@@ -365,6 +365,8 @@ def test_hopper_kernel_rules():
         (dict(q=q.to(torch.float16), k=k.to(torch.float16), v=v.to(torch.float16)), "differ"),
         (dict(do=do.transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
         (dict(v=torch.empty(2, 128, 256, 2, dtype=E4M3).permute(0, 2, 3, 1)), "contiguous"),
+        (dict(q=q[:, :0], do=do[:, :0]), "no query or key rows"),
+        (dict(k=k[:, :0], v=v[:, :0]), "no query or key rows"),
     ]:
         reason = why(**change)
         assert reason is not None and word in reason, (change, reason)
@@ -424,6 +426,46 @@ def test_hopper_path_dq_accumulator(monkeypatch, sq, grad_dtype):
     expect = torch.arange(2 * rows * 2 * 32, dtype=torch.float32).view(2, rows, 2, 32)[:, :sq]
     assert torch.equal(grads[0].float(), expect.to(grad_dtype).float())
     assert bool((grads[1] == 1.0).all()) and bool((grads[2] == 2.0).all())
+
+
+@pytest.mark.parametrize("sq,sk", [(0, 16), (16, 0), (0, 0)])
+def test_empty_inputs_zero_gradients_without_launches(monkeypatch, sq, sk):
+    """No query or no key rows: zero gradients (a row that sees no key has none; no query, no dK / dV) and no
+    kernel launched (the Hopper kernel's TMA views cannot be empty)."""
+    import fp8attn.kernels.backward as kb
+
+    def no_launch(*a, **k):
+        raise AssertionError("a kernel was launched for an empty call")
+
+    monkeypatch.setattr(kb.backward_launch, "launch_bwd_tma", no_launch)
+    monkeypatch.setattr(kb, "_bwd_preprocess_kernel", None)  # indexing it (a launch) would raise TypeError
+    b, hq, hk, d = 2, 4, 2, 64
+    q = torch.randn(b, sq, hq, d).to(E4M3)
+    k, v = (torch.randn(b, sk, hk, d).to(E4M3) for _ in range(2))
+    do, out = (torch.randn(b, sq, hq, d, dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.full((b, hq, sq), float("-inf"))
+    grads = [torch.full(x.shape, float("nan")) for x in (q, k, v)]
+    ds = [torch.ones(b, hk) for _ in range(3)]
+    for mode in ("dequantized", "fp8"):
+        launch_attention_bwd(
+            do,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *grads,
+            q_descale=ds[0],
+            k_descale=ds[1],
+            v_descale=ds[2],
+            softmax_scale=0.125,
+            causal=True,
+            window_left=-1,
+            window_right=-1,
+            softcap=0.0,
+            mode=mode,
+        )
+        assert all(bool((g == 0).all()) for g in grads), mode
 
 
 def test_bad_mode():

@@ -730,7 +730,7 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
 
     Notes
     -----
-    Two launches (preprocess, dK/dV/dQ; three at head dim 192/256 and in the fp8 mode, one per gradient for
+    No query or no key rows: zero gradients and no launch. Otherwise two launches (preprocess, dK/dV/dQ; three at head dim 192/256 and in the fp8 mode, one per gradient for
     dK and dV), a zeroing of the fp32 dQ accumulator and, for a 16-bit dq, its copy; with ``deterministic``
     the dQ pass is a launch of its own. Where the Hopper kernel takes the call (module docstring): the
     preprocess, the zeroing and that kernel (no autotuning).
@@ -740,6 +740,10 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}; pass 'dequantized' or 'fp8'")
+    if q.numel() == 0 or k.numel() == 0:  # no query or no key rows: every gradient is zero, nothing to launch
+        for t in (dq, dk, dv):
+            t.zero_()
+        return
     varlen = cu_seqlens_q is not None
     is_fp8 = q.dtype == torch.float8_e4m3fn
     d, dv_dim = q.shape[-1], v.shape[-1]

@@ -47,6 +47,8 @@ def bwd_unsupported_reason(do, q, k, v, dq, dk, dv, *, varlen, mode, determinist
         return "deterministic=True (the kernel adds dQ atomically)"
     if window or softcap:
         return "sliding window or softcap"
+    if q.numel() == 0 or k.numel() == 0:
+        return "no query or key rows (a TMA view needs at least one)"
     d = q.shape[-1]
     if d not in HEAD_DIMS or v.shape[-1] != d:
         return f"head dims ({d}, {v.shape[-1]}): expected equal ones in {HEAD_DIMS}"
