@@ -671,11 +671,15 @@ def bwd_backend() -> str:
     return backend_env("FP8ATTN_BWD_BACKEND")
 
 
-def _fp32_acc(dq):
-    """dQ's fp32 accumulator, zeroed: dq itself when it is fp32 with its head dim contiguous."""
-    if dq.dtype == torch.float32 and dq.stride(-1) == 1:
+def _fp32_acc(dq, rows=None):
+    """dQ's fp32 accumulator, zeroed: dq itself when it is fp32 with its head dim contiguous. ``rows``: the
+    accumulator a TMA view needs instead, (batch, rows, nheads, d) contiguous (dq itself only when it is that)."""
+    if rows is None and dq.dtype == torch.float32 and dq.stride(-1) == 1:
         return dq.zero_()
-    return torch.zeros(dq.shape, device=dq.device, dtype=torch.float32)
+    if rows == dq.shape[1] and dq.dtype == torch.float32 and dq.is_contiguous():
+        return dq.zero_()
+    shape = dq.shape if rows is None else (dq.shape[0], rows, *dq.shape[2:])
+    return torch.zeros(shape, device=dq.device, dtype=torch.float32)
 
 
 def _strides4(t, varlen):
@@ -784,11 +788,7 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
         out, do, ws, lse, cu_q, *_strides4(out, varlen), *_strides4(do, varlen), *ls, *w_strides, lse_off,
         sq, dv_dim, IS_VARLEN=varlen, BLOCK_M=PRE_BLOCK_M, BLOCK_DV=block_dv, num_warps=4)
     if why is None:
-        rows = backward_launch.dq_acc_rows(sq)
-        if rows == sq and dq.dtype == torch.float32 and dq.is_contiguous():
-            dq_acc = dq.zero_()
-        else:  # (rows padded to whole query tiles for the kernel's TMA reductions)
-            dq_acc = torch.zeros(batch, rows, nheads_q, d, device=dq.device, dtype=torch.float32)
+        dq_acc = _fp32_acc(dq, backward_launch.dq_acc_rows(sq))  # rows: whole query tiles (its TMA reductions)
         backward_launch.launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, q_descale=q_descale, k_descale=k_descale,
                                        v_descale=v_descale, softmax_scale=softmax_scale, causal=causal)
         if dq_acc is not dq:

@@ -1,9 +1,10 @@
 """Launcher of the Hopper backward kernel (``backward._bwd_tma_kernel``): which calls it takes, and its launch.
 
-It takes the dense calls of ``kernels.backward.launch_attention_bwd`` in the dequantized mode with ``deterministic=False``
-(dQ is added in an order that varies): e4m3 or 16-bit Q/K/V, head dim 64 or 128 (the same for V), a bf16 or fp16 dO of
-Q's 16-bit type, contiguous Q and dO (their TMA views), K and V with the head dim contiguous, a bottom-right
-causal mask or none, no window or softcap, on an sm90 GPU. Everything else stays on the Triton kernels.
+It takes the dense calls of ``kernels.backward.launch_attention_bwd`` in the dequantized mode with
+``deterministic=False`` (dQ is added in an order that varies): e4m3 or 16-bit Q/K/V, head dim 64 or 128 (the
+same for V), a bf16 or fp16 dO of Q's 16-bit type, contiguous Q and dO (their TMA views), K and V with the head
+dim contiguous, a bottom-right causal mask or none, no window or softcap, on an sm90 GPU. Everything else stays
+on the Triton kernels.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def bwd_unsupported_reason(do, q, k, v, dq, dk, dv, *, varlen, mode, determinist
     if mode != "dequantized":
         return f"mode {mode!r}"
     if deterministic:
-        return "deterministic=True (the kernel adds dQ atomically)"
+        return "deterministic=True (the kernel adds dQ in an order that varies)"
     if window or softcap:
         return "sliding window or softcap"
     if q.numel() == 0 or k.numel() == 0:
