@@ -734,10 +734,11 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
 
     Notes
     -----
-    No query or no key rows: zero gradients and no launch. Otherwise two launches (preprocess, dK/dV/dQ; three at head dim 192/256 and in the fp8 mode, one per gradient for
-    dK and dV), a zeroing of the fp32 dQ accumulator and, for a 16-bit dq, its copy; with ``deterministic``
-    the dQ pass is a launch of its own. Where the Hopper kernel takes the call (module docstring): the
-    preprocess, the zeroing and that kernel (no autotuning).
+    No query or no key rows: zero gradients and no launch. Otherwise two launches (preprocess, dK/dV/dQ; three
+    at head dim 192/256 and in the fp8 mode, one per gradient for dK and dV), a zeroing of the fp32 dQ
+    accumulator and, for a 16-bit dq, its copy; with ``deterministic`` the dQ pass is a launch of its own.
+    Where the Hopper kernel takes the call (module docstring): the preprocess, the zeroing and that kernel (no
+    autotuning).
     The Triton main kernels autotune per (head dims, dtype, mode, masks, varlen, seqlen bucket) on the first eager
     call; during CUDA-graph capture they use the config an eager call picked, else the table's default
     (``FP8ATTN_NO_AUTOTUNE=1``: always the default).

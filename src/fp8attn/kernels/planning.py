@@ -15,7 +15,8 @@ import os
 
 import torch
 
-__all__ = ["backend_env", "cdiv", "next_pow2", "window_flags", "attention_out_dtype", "tma_options_reason", "paged_tma_call_reason",
+__all__ = ["backend_env", "cdiv", "next_pow2", "window_flags", "attention_out_dtype", "tma_options_reason",
+           "paged_tma_call_reason",
            "TMA_QUERY_BLOCK", "PAGED_TMA_HEAD_DIMS", "PAGED_TMA_MIN_PAGE", "PAGED_TMA_SMALL_PAGES",
            "DESCALE_FLOOR", "scale_storage_pad", "is_v_seq_major", "split_partials",
            "decode_shaped", "small_shaped", "decode_row_queries", "paged_precision", "paged_precisions",

@@ -163,13 +163,11 @@ def _aot_compile(causal=False, head_dim=128, fp8=True, arch=90, stages=NUM_STAGE
                                                                                                       head_dim)),
              "w_desc": f"tensordesc<fp32[{BLOCK_M}],{_W_LAYOUT!r}>", "dq_desc": desc("fp32", _DQ_LAYOUT)}
 
-    ints = ["stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn", "stride_vh", "stride_vd", "stride_dkb", "stride_dkn",
-            "stride_dkh", "stride_dvb", "stride_dvn", "stride_dvh", "stride_qds_b", "stride_qds_h", "stride_kds_b", "stride_kds_h", "stride_vds_b", "stride_vds_h",
-            "ws_lse_off", "ws_row", "dq_row", "seqlen_q", "seqlen_k", "nheads_q", "nheads_k"]
-    sig = {**descs, "K": f"*{in_t}", "V": f"*{in_t}", "DK": "*bf16", "DV": "*bf16",
-           "QDs": "*fp32", "KDs": "*fp32", "VDs": "*fp32", **{n: "i32" for n in ints}, "softmax_scale": "fp32",
-           "CAUSAL": "constexpr", "HEAD_DIM": "constexpr", "IS_FP8": "constexpr", "V_SEQ_MAJOR": "constexpr",
-           "NUM_STAGES": "constexpr"}
+    ptrs = {"K": f"*{in_t}", "V": f"*{in_t}", "DK": "*bf16", "DV": "*bf16", "QDs": "*fp32", "KDs": "*fp32",
+            "VDs": "*fp32", "softmax_scale": "fp32"}
+    # the kernel's parameters in order: its descriptors, pointers and scale as above, constexprs, the rest int32
+    sig = {p.name: descs.get(p.name) or ptrs.get(p.name) or ("constexpr" if p.is_constexpr else "i32")
+           for p in _bwd_tma_kernel.params}
     consts = {"CAUSAL": bool(causal), "HEAD_DIM": head_dim, "IS_FP8": bool(fp8), "V_SEQ_MAJOR": bool(v_seq_major),
               "NUM_STAGES": stages}
     # a launch's specialization of contiguous inputs: pointers and strides divisible by 16
