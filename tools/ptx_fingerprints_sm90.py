@@ -144,7 +144,7 @@ def backward_rows():
 
 def main():
     rows = backward_rows() if "--backward" in sys.argv else []
-    if "--backward" in sys.argv[1:2] and "--all" not in sys.argv:
+    if "--backward" in sys.argv and "--all" not in sys.argv:
         for name, h in rows:
             print(h, name, flush=True)
         return
