@@ -145,8 +145,16 @@ CASES = [
 QUICK = [c for c in CASES if c["name"].startswith(("e4m3 d64 causal deq", "e4m3 d128 noncausal fp8"))]
 
 
-# the Hopper kernel (kernels/hopper/backward.py): (head dim, causal, e4m3 inputs)
-HOPPER = [(128, False, True), (128, True, True), (64, True, True), (128, True, False)]
+# the Hopper kernels (kernels/hopper/backward.py): (head dim, causal, e4m3 inputs, mode)
+HOPPER = [
+    (128, False, True, "dequantized"),
+    (128, True, True, "dequantized"),
+    (64, True, True, "dequantized"),
+    (128, True, False, "dequantized"),
+    (128, False, True, "fp8"),
+    (128, True, True, "fp8"),
+    (64, True, True, "fp8"),
+]
 
 
 def hopper_rows():
@@ -154,10 +162,12 @@ def hopper_rows():
     from fp8attn.kernels.hopper import backward_launch as H
 
     rows = []
-    for d, causal, fp8 in HOPPER:
-        label = f"hopper {'e4m3' if fp8 else 'bf16'} d{d} {'causal' if causal else 'noncausal'} deq bwd_tma"
+    for d, causal, fp8, mode in HOPPER:
+        tag = "deq" if mode == "dequantized" else mode
+        label = f"hopper {'e4m3' if fp8 else 'bf16'} d{d} {'causal' if causal else 'noncausal'} {tag} bwd_tma"
         try:
-            rows.append((label, stats(H._aot_compile(causal=causal, head_dim=d, fp8=fp8, v_seq_major=fp8))))
+            k = H._aot_compile(causal=causal, head_dim=d, fp8=fp8, v_seq_major=fp8, mode=mode)
+            rows.append((label, stats(k)))
         except Exception as e:  # noqa: BLE001  (reported by main)
             rows.append((label, e))
     return rows

@@ -354,10 +354,12 @@ def test_hopper_kernel_rules():
     assert why() is None
     assert why(v=v.contiguous()) is None
     assert why(q=q.to(torch.bfloat16), k=k.to(torch.bfloat16), v=v.to(torch.bfloat16)) is None
+    assert why(mode="fp8") is None
     for change, word in [
         (dict(capability=(8, 9)), "sm90"),
         (dict(varlen=True), "varlen"),
-        (dict(mode="fp8"), "fp8"),
+        (dict(mode="fp8", q=q.to(torch.bfloat16), k=k.to(torch.bfloat16), v=v.to(torch.bfloat16)), "16-bit"),
+        (dict(mode="exact"), "mode"),
         (dict(deterministic=True), "deterministic"),
         (dict(window=True), "window"),
         (dict(softcap=True), "softcap"),
@@ -370,6 +372,38 @@ def test_hopper_kernel_rules():
     ]:
         reason = why(**change)
         assert reason is not None and word in reason, (change, reason)
+
+
+@pytest.mark.parametrize("sq,d", [(77, 64), (130, 128)])
+def test_fp8_operands_kernel(sq, d):
+    """The fp8 mode's operand kernel (the Hopper kernel's inputs), under the interpreter: dO scaled by one amax / 448
+    per (query tile of 64, head), its transpose and Q's with zeros past seqlen_q (NaN-poisoned buffers otherwise)."""
+    from fp8attn.kernels import backward as kb
+
+    torch.manual_seed(0)
+    b, h = 2, 3
+    do = torch.randn(b, sq, h, d, dtype=torch.bfloat16) * torch.rand(1, sq, h, 1).to(torch.bfloat16) * 4
+    q = torch.randn(b, sq, h, d).to(E4M3)
+    real_empty = torch.empty
+
+    def poisoned(*shape, **kw):  # every buffer the kernel writes starts as NaN: what it leaves unwritten shows
+        return real_empty(*shape, **kw).fill_(float("nan"))
+
+    kb.torch.empty, saved = poisoned, kb.torch.empty
+    try:
+        do8, dot8, qt8, scales = kb._fp8_operands(do, q)
+    finally:
+        kb.torch.empty = saved
+    st = (sq + 15) // 16 * 16
+    assert dot8.shape == qt8.shape == (b, h, d, st) and scales.shape == (b, h, (sq + 63) // 64)
+    tiles = torch.nn.functional.pad(do.float(), (0, 0, 0, 0, 0, -sq % 64)).reshape(b, -1, 64, h, d)
+    amax = tiles.abs().amax(dim=(2, 4)).transpose(1, 2)  # (b, h, tiles)
+    assert torch.equal(scales, amax / 448)
+    inv = (448 / amax).repeat_interleave(64, dim=2)[:, :, :sq].transpose(1, 2)[..., None]
+    assert torch.equal(do8.float(), (do.float() * inv).to(E4M3).float())
+    assert torch.equal(dot8.float()[..., :sq], do8.float().permute(0, 2, 3, 1))
+    assert torch.equal(qt8.float()[..., :sq], q.float().permute(0, 2, 3, 1))
+    assert (dot8.float()[..., sq:] == 0).all() and (qt8.float()[..., sq:] == 0).all()
 
 
 def test_hopper_backend_refusal_writes_nothing(monkeypatch):
@@ -608,16 +642,18 @@ def test_gpu_deterministic(mode):
         (64, True, 2, 777, 1200, 8, 2),
     ],
 )
-def test_gpu_hopper_kernel(monkeypatch, d, causal, b, sq, sk, hq, hk):
-    """The Hopper kernel (FP8ATTN_BWD_BACKEND=tma: it must take these calls, else ValueError) against the oracle,
-    with its workspace's unused entries (rows padded to 4) NaN-poisoned through the caching allocator."""
+@pytest.mark.parametrize("mode", ["dequantized", "fp8"])
+def test_gpu_hopper_kernel(monkeypatch, d, causal, b, sq, sk, hq, hk, mode):
+    """The Hopper kernels (FP8ATTN_BWD_BACKEND=tma: they must take these calls, else ValueError) against the oracle
+    and the mode's emulation, with the workspace's unused entries (rows padded to 4) NaN-poisoned through the
+    caching allocator."""
     monkeypatch.setenv("FP8ATTN_BWD_BACKEND", "tma")
     torch.manual_seed(0)
     inp = _make_gpu(b, sq, sk, hq, hk, d, d)
-    ref = _gpu_ref(inp, causal, -1, -1, 0.0, "dequantized")
+    ref = _gpu_ref(inp, causal, -1, -1, 0.0, mode)
     n = 2 * b * hq * ((sq + 3) // 4 * 4)
     torch.full((n,), float("nan"), device=GPU_DEV)  # freed at once: the workspace of the same size reuses it
-    got = _gpu_launch(inp, causal=causal, fwd=ref)
+    got = _gpu_launch(inp, causal=causal, fwd=ref, mode=mode)
     for name, x, r, lo in zip(("dq", "dk", "dv"), got, ref[2:5], ref[5:8]):
         assert_close_fa3(x.float(), r, lo, floor=2e-3 * r.abs().max().item() + 1e-6, name=name)
 

@@ -78,15 +78,18 @@ def test_backward_default_configs_compile():
     lines = [ln for ln in r.stdout.splitlines() if " cfg=" in ln and not ln.startswith("hopper ")]
     hopper = [ln for ln in r.stdout.splitlines() if ln.startswith("hopper ")]
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    # the Hopper kernel (its four cases): e4m3 S^T on QGMMA, the other products on HGMMA, dQ added by a TMA
-    # reduction (no per-thread atomics), no spills
-    assert len(hopper) == 4, r.stdout
+    # the Hopper kernels (four dequantized cases, three fp8): e4m3 S^T on QGMMA (every product but dQ's in the fp8
+    # mode), the others on HGMMA, dQ added by a TMA reduction (no per-thread atomics); no spills, but for the fp8
+    # kernel at d128, which holds a few (docs/decisions.md)
+    assert len(hopper) == 7, r.stdout
     for ln in hopper:
         vals = dict(re.findall(r"(\w+)=(\d+)", ln))
         assert int(vals["HGMMA"]) > 0 and int(vals["TMA_RED"]) > 0 and int(vals["RED"]) == 0, ln
         assert (int(vals["QGMMA"]) > 0) == (" e4m3 " in ln), ln
+        assert (int(vals["QGMMA"]) > int(vals["HGMMA"])) == (" fp8 " in ln), ln
         assert int(vals["smem"]) <= H200_SMEM_PER_BLOCK, ln
-        assert int(vals["LDL"]) == 0 and int(vals["STL"]) == 0, f"spills: {ln}"
+        spills = 32 if " fp8 " in ln and " d128 " in ln else 0
+        assert int(vals["LDL"]) <= spills and int(vals["STL"]) <= spills, f"spills: {ln}"
     # d64 dequantized causal: dK/dV/dQ, then dK/dV and dQ; d128 fp8 mode: dK/dQ and dV, then dK, dV and dQ
     assert len(lines) == 8, r.stdout
     assert sum(int(dict(re.findall(r"(\w+)=(\d+)", ln))["RED"]) > 0 for ln in lines) == 2, r.stdout

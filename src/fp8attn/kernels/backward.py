@@ -295,6 +295,36 @@ def _bwd_preprocess_kernel(Out, DO, Ws, Lse, cu_seqlens_q,
 
 
 @triton.jit
+def _fp8_operands_kernel(DO, Q, DO8, DOT8, QT8, DOs,
+                         stride_dob, stride_dom, stride_doh, stride_qb, stride_qm, stride_qh,
+                         seqlen_q, seqlen_t, nheads_q,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The e4m3 operands of the Hopper kernel's FP8-matmul mode, per (query tile, batch, head): dO scaled by one
+    ``amax / 448`` per tile (``DOs[b, h, tile]``, amax floored at AMAX_FLOOR) into DO8 (batch, seqlen_q, nheads_q,
+    d) and its transpose DOT8 (batch, nheads_q, d, seqlen_t); QT8 the same transpose of Q's e4m3 values. Columns
+    ``seqlen_q <= m < seqlen_t`` of the transposes are written as zeros (a TMA box reads them; 0 * NaN = NaN)."""
+    pid_m = tl.program_id(0)
+    b64 = tl.program_id(1).to(tl.int64)
+    h64 = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = (offs_m < seqlen_q)[:, None]
+    do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None].to(tl.int64) * stride_dom
+                 + offs_d[None, :], mask=m_ok, other=0.0).to(tl.float32)
+    q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
+                mask=m_ok, other=0.0)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(do), 1), 0), AMAX_FLOOR)
+    tl.store(DOs + (b64 * nheads_q + h64) * tl.cdiv(seqlen_q, BLOCK_M) + pid_m, amax / E4M3_MAX)
+    do8 = _to_e4m3(do, E4M3_MAX / amax)
+    row = (b64 * seqlen_q + offs_m[:, None]) * nheads_q + h64
+    tl.store(DO8 + row * HEAD_DIM + offs_d[None, :], do8, mask=m_ok)
+    t_ptr = (b64 * nheads_q + h64) * HEAD_DIM * seqlen_t + offs_d[None, :] * seqlen_t + offs_m[:, None]
+    t_ok = (offs_m < seqlen_t)[:, None]
+    tl.store(DOT8 + t_ptr, do8, mask=t_ok)
+    tl.store(QT8 + t_ptr, q, mask=t_ok)
+
+
+@triton.jit
 def _dp_tile(do, do8, do_inv, v, vd, DO_FIRST: tl.constexpr, IS_FP8: tl.constexpr, MODE_FP8: tl.constexpr):
     """dP = dO V^T (DO_FIRST; the dQ pass) or its transpose V dO^T (the dK pass), times the V descale: from
     the e4m3 dO tile ``do8`` (scaled by ``do_inv``) in MODE_FP8, else from the 16-bit ``do``."""
@@ -682,6 +712,22 @@ def _fp32_acc(dq, rows=None):
     return torch.zeros(shape, device=dq.device, dtype=torch.float32)
 
 
+def _fp8_operands(do, q):
+    """The Hopper kernel's e4m3 operands in the fp8 mode (``_fp8_operands_kernel``): dO scaled per (query tile,
+    head), its transpose, Q's transpose and the scales, for a dense contiguous q and dO of head dim 64 or 128."""
+    batch, sq, hq, d = q.shape
+    n_mt = cdiv(sq, backward_launch.BLOCK_M)
+    st = backward_launch.transposed_len(sq)
+    do8 = torch.empty(do.shape, device=do.device, dtype=torch.float8_e4m3fn)
+    dot8 = torch.empty(batch, hq, d, st, device=do.device, dtype=torch.float8_e4m3fn)
+    qt8 = torch.empty_like(dot8)
+    scales = torch.empty(batch, hq, n_mt, device=do.device, dtype=torch.float32)
+    _fp8_operands_kernel[(n_mt, batch, hq)](
+        do, q, do8, dot8, qt8, scales, do.stride(0), do.stride(1), do.stride(2), q.stride(0), q.stride(1),
+        q.stride(2), sq, st, hq, HEAD_DIM=d, BLOCK_M=backward_launch.BLOCK_M, num_warps=4)
+    return do8, dot8, qt8, scales
+
+
 def _strides4(t, varlen):
     return (0,) + tuple(t.stride()) if varlen else tuple(t.stride())
 
@@ -790,8 +836,12 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
         sq, dv_dim, IS_VARLEN=varlen, BLOCK_M=PRE_BLOCK_M, BLOCK_DV=block_dv, num_warps=4)
     if why is None:
         dq_acc = _fp32_acc(dq, backward_launch.dq_acc_rows(sq))  # rows: whole query tiles (its TMA reductions)
-        backward_launch.launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, q_descale=q_descale, k_descale=k_descale,
-                                       v_descale=v_descale, softmax_scale=softmax_scale, causal=causal)
+        scales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, softmax_scale=softmax_scale,
+                      causal=causal)
+        if mode == "fp8":
+            backward_launch.launch_bwd_tma_fp8(*_fp8_operands(do, q), q, k, v, ws, dq_acc, dk, dv, **scales)
+        else:
+            backward_launch.launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, **scales)
         if dq_acc is not dq:
             dq.copy_(dq_acc[:, :sq])
         return

@@ -17,6 +17,7 @@ into the tile products and the final scaling.
 """
 from __future__ import annotations
 
+from triton import language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -275,3 +276,220 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
                 dk * (softmax_scale * qd), kv_layout)
     _store_rows(DV + b64 * stride_dvb + hk64 * stride_dvh + n0.to(gl.int64) * stride_dvn, stride_dvn, n_valid,
                 dv, kv_layout)
+
+
+@gluon.jit
+def _issue_tile_fp8(descs, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row,
+                    BM: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """``_issue_tile`` of the FP8-matmul kernel: Q and dO as e4m3 row tiles (BM, D) and their transposes (D, BM)
+    from ``kernels.backward``'s operand buffers ((batch, head) blocks of D rows), Delta and the LSE."""
+    q_desc, qt_desc, do_desc, dot_desc, w_desc = descs
+    q_smem, qt_smem, do_smem, dot_smem, w_smem, ready = ring
+    s = i % NUM_STAGES
+    hq = hk * qgroup + i // n_m
+    m0 = lo + (i % n_m) * BM
+    row = b * seqlen_q + m0
+    t_row = (b * nheads_q + hq) * D
+    w_row = (b * nheads_q + hq) * ws_row + m0
+    bar = ready.index(s)
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * qt_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, hq * D], bar, q_smem.index(s))
+    tma.async_copy_global_to_shared(do_desc, [row, hq * D], bar, do_smem.index(s))
+    tma.async_copy_global_to_shared(qt_desc, [t_row, m0], bar, qt_smem.index(s))
+    tma.async_copy_global_to_shared(dot_desc, [t_row, m0], bar, dot_smem.index(s))
+    tma.async_copy_global_to_shared(w_desc, [w_row], bar, w_smem.index(2 * s))
+    tma.async_copy_global_to_shared(w_desc, [w_row + ws_lse_off], bar, w_smem.index(2 * s + 1))
+
+
+@gluon.jit
+def _e4m3(x, inv_scale):
+    """Saturating cast of ``x * inv_scale`` to e4m3, NaN kept (``kernels.backward._to_e4m3``)."""
+    y = gl.maximum(x * inv_scale, -448.0, propagate_nan=tl.PropagateNan.ALL)
+    return gl.minimum(y, 448.0, propagate_nan=tl.PropagateNan.ALL).to(gl.float8e4nv)
+
+
+@gluon.jit
+def _add_product(acc, a, b_smem, scale, layout: gl.constexpr):
+    """``acc + (a @ b_smem) * scale``: a fresh e4m3 product (its own accumulator, one tile deep) scaled into the
+    fp32 ``acc`` in registers."""
+    tok = warpgroup_mma(a, b_smem, gl.zeros(acc.shape, gl.float32, layout), use_acc=False, is_async=True)
+    return acc + warpgroup_mma_wait(num_outstanding=0, deps=[tok]) * scale
+
+
+@gluon.jit
+def _bwd_tma_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VDs, DOs,
+                        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_vd,
+                        stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                        ws_lse_off, ws_row, dq_row, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale,
+                        CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, V_SEQ_MAJOR: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, QUEUE_ADDS: gl.constexpr):
+    """``_bwd_tma_kernel`` in the FP8-matmul mode, e4m3 Q/K/V: four of the five products on e4m3 operands.
+
+    ``S^T = K Q^T`` and ``dP^T = V dO^T`` read the e4m3 K, V and the row tiles of Q and of dO (scaled by one
+    ``DOs`` factor per (batch, head, query tile)); ``dV += P^T dO`` and ``dK += dS^T Q`` take P^T (times 2**8)
+    and dS^T (one ``amax / 448`` per key row of the tile) as e4m3 register operands against the transposed
+    tiles of dO and Q. Each of those two is a fresh product per tile, scaled and added to the fp32 dK / dV in
+    registers: Hopper's e4m3 accumulator keeps fewer bits than fp32, so it never spans more than one tile, and
+    the per-tile scales need it. ``dQ = dS K`` stays a 16-bit product (dS rounded to bf16, K upcast exactly):
+    its contraction runs over the key rows, whose dS scales differ.
+
+    ``qt_desc`` / ``dot_desc``: TMA views (batch * nheads_q * HEAD_DIM, seqlen_t) of the transposes (boxes
+    (HEAD_DIM, 64); zeros from seqlen_q on); ``DOs``: fp32 (batch, nheads_q, cdiv(seqlen_q, 64)); the rest as in
+    ``_bwd_tma_kernel``."""
+    gl.static_assert(gl.num_warps() == 8)
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    BN: gl.constexpr = 128
+    D: gl.constexpr = HEAD_DIM
+    gl.static_assert(BM == 64)
+    e4m3: gl.constexpr = gl.float8e4nv
+    g_dtype: gl.constexpr = gl.bfloat16
+
+    st_layout: gl.constexpr = _acc_layout(8, 1, BM, 32)  # S^T, dP^T: (BN keys, BM queries), e4m3 products
+    DH: gl.constexpr = D // 2
+    kv_layout: gl.constexpr = _acc_layout(8, 1, DH, 32)  # halves of dK, dV and of each tile's products: (BN, DH)
+    dq_layout: gl.constexpr = _acc_layout(4, 2, D // 2)  # dQ: (BM, D), the warpgroups split the columns
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=4)
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [8, 1], [1, 0])
+    if V_SEQ_MAJOR:
+        v_layout: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 32 // (BN // 8)], [1, 8], [0, 1])
+    else:
+        v_layout: gl.constexpr = ld_layout
+
+    pid_n = gl.program_id(0)
+    b = gl.program_id(1)
+    hk = gl.program_id(2)
+    n0 = pid_n * BN
+    qgroup = nheads_q // nheads_k
+    b64 = b.to(gl.int64)
+    hk64 = hk.to(gl.int64)
+    n_mt = gl.cdiv(seqlen_q, BM)
+
+    q_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, BM, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, BM, D], do_desc.layout)
+    qt_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, D, BM], qt_desc.layout)
+    dot_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, D, BM], dot_desc.layout)
+    k_smem = gl.allocate_shared_memory(e4m3, [BN, D], _smem_layout(D, 8))
+    v_smem = gl.allocate_shared_memory(e4m3, [BN, D], _smem_layout(D, 8))
+    kg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
+    ds_smem = gl.allocate_shared_memory(g_dtype, [BN, BM], _smem_layout(BM, 16))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], dq_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BM], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    descs = (q_desc, qt_desc, do_desc, dot_desc, w_desc)
+    ring = (q_smem, qt_smem, do_smem, dot_smem, w_smem, ready)
+
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    if CAUSAL:
+        lo = (gl.minimum(gl.maximum(n0 - shift, 0), seqlen_q) // BM) * BM
+    n_m = gl.cdiv(seqlen_q - lo, BM)
+    total = qgroup * n_m
+    for i in gl.static_range(NUM_STAGES - 1):
+        if i < total:
+            _issue_tile_fp8(descs, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row,
+                            BM, D, NUM_STAGES)
+
+    n_valid = seqlen_k - n0
+    k = _load_kv_tile(K + b64 * stride_kb + hk64 * stride_kh + n0.to(gl.int64) * stride_kn, stride_kn, 1, n_valid,
+                      BN, D, ld_layout)
+    v = _load_kv_tile(V + b64 * stride_vb + hk64 * stride_vh + n0.to(gl.int64) * stride_vn, stride_vn, stride_vd,
+                      n_valid, BN, D, v_layout)
+    k_smem.store(k)
+    kg_smem.store(_upcast(k, g_dtype))
+    v_smem.store(v)
+    qd = gl.load(QDs + b64 * stride_qds_b + hk64 * stride_qds_h)
+    kd = gl.load(KDs + b64 * stride_kds_b + hk64 * stride_kds_h)
+    vd = gl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
+    qk_scale = softmax_scale * _LOG2E * qd * kd
+    dq_scale = softmax_scale * kd
+    fence_async_shared()
+    gl.thread_barrier()
+
+    zero_st = gl.zeros([BN, BM], gl.float32, st_layout)
+    zero_dq = gl.zeros([BM, D], gl.float32, dq_layout)
+    # dK and dV by column halves: each tile's product is added through a temporary as large as one half
+    dk_lo = gl.zeros([BN, DH], gl.float32, kv_layout)
+    dk_hi = gl.zeros([BN, DH], gl.float32, kv_layout)
+    dv_lo = gl.zeros([BN, DH], gl.float32, kv_layout)
+    dv_hi = gl.zeros([BN, DH], gl.float32, kv_layout)
+    keys = n0 + gl.arange(0, BN, gl.SliceLayout(1, st_layout))
+    qcols = gl.arange(0, BM, gl.SliceLayout(0, st_layout))
+    for i in range(total):
+        if i + NUM_STAGES - 1 < total:
+            _issue_tile_fp8(descs, ring, i + NUM_STAGES - 1, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q,
+                            ws_lse_off, ws_row, BM, D, NUM_STAGES)
+        s = i % NUM_STAGES
+        hq = hk * qgroup + i // n_m
+        m0 = lo + (i % n_m) * BM
+        mbarrier.wait(ready.index(s), (i // NUM_STAGES) & 1)
+        st_tok = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        do_scale = gl.load(DOs + (b64 * nheads_q + hq) * n_mt + m0 // BM)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok]) * qk_scale
+        rows = m0 + qcols
+        lse2 = gl.where(rows < seqlen_q, w_smem.index(2 * s + 1).load(gl.SliceLayout(0, st_layout)), float("inf"))
+        # masked on every tile: a branch around the mask keeps both paths' registers (sm90: spills)
+        keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(rows >= 0, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + shift, 0))
+        st = gl.where(keep, st, float("-inf"))
+        pt = gl.exp2(st - gl.expand_dims(lse2, 0))
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=[dpt_tok])
+        delta = gl.where(rows < seqlen_q, w_smem.index(2 * s).load(gl.SliceLayout(0, st_layout)), 0.0)
+        dst = pt * (dpt * (vd * do_scale) - gl.expand_dims(delta, 0))
+        pt8 = _e4m3(pt, 256.0)
+        ds_amax = gl.maximum(gl.max(gl.abs(dst), axis=1), 1e-30)  # per key row of the tile
+        ds8 = _e4m3(dst, gl.expand_dims(448.0 / ds_amax, 1))
+        ds_smem.store(dst.to(g_dtype))
+        fence_async_shared()
+        tma.store_wait(0)
+        gl.thread_barrier()
+        a_pt = gl.convert_layout(pt8, a_layout)
+        a_ds = gl.convert_layout(ds8, a_layout)
+        dot_buf = dot_smem.index(s)
+        qt_buf = qt_smem.index(s)
+        dv_scale = do_scale / 256.0
+        ds_scale = gl.expand_dims(gl.convert_layout(ds_amax * (1.0 / 448.0), gl.SliceLayout(1, kv_layout)), 1)
+        if not QUEUE_ADDS:
+            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), kg_smem, zero_dq, use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
+            dq_smem.store(dq * dq_scale)
+            fence_async_shared()
+            dv_lo = _add_product(dv_lo, a_pt, dot_buf.slice(0, DH).permute((1, 0)), dv_scale, kv_layout)
+            dv_hi = _add_product(dv_hi, a_pt, dot_buf.slice(DH, DH).permute((1, 0)), dv_scale, kv_layout)
+            dk_lo = _add_product(dk_lo, a_ds, qt_buf.slice(0, DH).permute((1, 0)), ds_scale, kv_layout)
+            dk_hi = _add_product(dk_hi, a_ds, qt_buf.slice(DH, DH).permute((1, 0)), ds_scale, kv_layout)
+        else:
+            # one product always queued behind the one whose result is being added (one more temporary: at head
+            # dim 128 it spills and loses, docs/decisions.md)
+            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), kg_smem, zero_dq, use_acc=False, is_async=True)
+            t0 = warpgroup_mma(a_pt, dot_buf.slice(0, DH).permute((1, 0)), gl.zeros([BN, DH], gl.float32, kv_layout),
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq_tok])
+            dq_smem.store(dq * dq_scale)
+            fence_async_shared()
+            t1 = warpgroup_mma(a_pt, dot_buf.slice(DH, DH).permute((1, 0)), gl.zeros([BN, DH], gl.float32, kv_layout),
+                               use_acc=False, is_async=True)
+            dv_lo += warpgroup_mma_wait(num_outstanding=1, deps=[t0]) * dv_scale
+            t2 = warpgroup_mma(a_ds, qt_buf.slice(0, DH).permute((1, 0)), gl.zeros([BN, DH], gl.float32, kv_layout),
+                               use_acc=False, is_async=True)
+            dv_hi += warpgroup_mma_wait(num_outstanding=1, deps=[t1]) * dv_scale
+            t3 = warpgroup_mma(a_ds, qt_buf.slice(DH, DH).permute((1, 0)), gl.zeros([BN, DH], gl.float32, kv_layout),
+                               use_acc=False, is_async=True)
+            dk_lo += warpgroup_mma_wait(num_outstanding=1, deps=[t2]) * ds_scale
+            dk_hi += warpgroup_mma_wait(num_outstanding=0, deps=[t3]) * ds_scale
+        gl.thread_barrier()
+        _tma_reduce_add(dq_desc, [b * dq_row + m0, hq * D], dq_smem)
+    tma.store_wait(0)
+
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+    dk_ptr = DK + b64 * stride_dkb + hk64 * stride_dkh + n0.to(gl.int64) * stride_dkn
+    dv_ptr = DV + b64 * stride_dvb + hk64 * stride_dvh + n0.to(gl.int64) * stride_dvn
+    _store_rows(dk_ptr, stride_dkn, n_valid, dk_lo * (softmax_scale * qd), kv_layout)
+    _store_rows(dk_ptr + DH, stride_dkn, n_valid, dk_hi * (softmax_scale * qd), kv_layout)
+    _store_rows(dv_ptr, stride_dvn, n_valid, dv_lo, kv_layout)
+    _store_rows(dv_ptr + DH, stride_dvn, n_valid, dv_hi, kv_layout)

@@ -16,7 +16,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .backward import _bwd_tma_kernel
+    from .backward import _bwd_tma_fp8_kernel, _bwd_tma_kernel
 
     HAS_GLUON = True
 except ImportError:  # triton without Gluon: the kernel is simply unavailable
@@ -25,8 +25,8 @@ except ImportError:  # triton without Gluon: the kernel is simply unavailable
 from ..common import cdiv
 from .dense_launch import device_reason
 
-__all__ = ["bwd_unsupported_reason", "launch_bwd_tma", "ws_row_len", "dq_acc_rows", "BLOCK_M", "BLOCK_N",
-           "HEAD_DIMS"]
+__all__ = ["bwd_unsupported_reason", "launch_bwd_tma", "launch_bwd_tma_fp8", "ws_row_len", "dq_acc_rows",
+           "transposed_len", "BLOCK_M", "BLOCK_N", "HEAD_DIMS"]
 
 BLOCK_M = 64  # query rows per tile (a TMA box of Q and of dO)
 BLOCK_N = 128  # keys per CTA
@@ -42,8 +42,10 @@ def bwd_unsupported_reason(do, q, k, v, dq, dk, dv, *, varlen, mode, determinist
         return "this triton has no Gluon"
     if varlen:
         return "varlen inputs"
-    if mode != "dequantized":
+    if mode not in ("dequantized", "fp8"):
         return f"mode {mode!r}"
+    if mode == "fp8" and q.dtype != torch.float8_e4m3fn:
+        return "the fp8 mode with 16-bit q, k, v (its e4m3 products need e4m3 operands)"
     if deterministic:
         return "deterministic=True (the kernel adds dQ in an order that varies)"
     if window or softcap:
@@ -76,6 +78,12 @@ def ws_row_len(seqlen_q):
     """Row length of the preprocess workspace for this kernel: seqlen_q rounded up to 4 floats, so that every
     TMA box of a head's Delta / LSE starts 16-byte aligned (the entries past seqlen_q are never used)."""
     return (seqlen_q + 3) // 4 * 4
+
+
+def transposed_len(seqlen_q):
+    """Row length of the fp8 mode's transposed e4m3 copies of Q and dO: seqlen_q rounded up to 16 bytes (a TMA
+    view's row stride)."""
+    return (seqlen_q + 15) // 16 * 16
 
 
 def dq_acc_rows(seqlen_q):
@@ -147,35 +155,80 @@ def launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, *, q_descale, k_descale, v_d
         num_warps=8)
 
 
-def _aot_compile(causal=False, head_dim=128, fp8=True, arch=90, stages=NUM_STAGES, v_seq_major=True):
-    """Compile the kernel for ``sm_{arch}`` without a GPU (inspection: registers, spills, SASS)."""
+def launch_bwd_tma_fp8(do8, dot8, qt8, do_scales, q, k, v, ws, dq_acc, dk, dv, *, q_descale, k_descale,
+                       v_descale, softmax_scale, causal):
+    """``launch_bwd_tma`` in the FP8-matmul mode (``backward._bwd_tma_fp8_kernel``), e4m3 q, k, v only.
+
+    Parameters
+    ----------
+    do8 : torch.Tensor
+        float8_e4m3fn (batch, seqlen_q, nheads_q, d), contiguous: dO divided by ``do_scales`` per query tile.
+    dot8, qt8 : torch.Tensor
+        float8_e4m3fn (batch, nheads_q, d, transposed_len(seqlen_q)), contiguous: the transposes of do8 and q,
+        zeros from seqlen_q on.
+    do_scales : torch.Tensor
+        float32 (batch, nheads_q, cdiv(seqlen_q, BLOCK_M)), contiguous: each tile's dO scale.
+    q, k, v, ws, dq_acc, dk, dv, q_descale, k_descale, v_descale, softmax_scale, causal
+        As ``launch_bwd_tma`` (q e4m3; the descales required).
+    """
+    batch, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    st = dot8.shape[-1]
+    w_desc = TensorDescriptor(ws, [ws.numel()], [1], [BLOCK_M], _W_LAYOUT)
+    t_layout = _t_layout(d)
+    qt_desc = TensorDescriptor(qt8, [batch * hq * d, st], [st, 1], [d, BLOCK_M], t_layout)
+    dot_desc = TensorDescriptor(dot8, [batch * hq * d, st], [st, 1], [d, BLOCK_M], t_layout)
+    grid = (cdiv(sk, BLOCK_N), batch, hk)
+    _bwd_tma_fp8_kernel[grid](
+        _desc(q), qt_desc, _desc(do8), dot_desc, w_desc, _desc(dq_acc, _DQ_LAYOUT), k, v, dk, dv,
+        q_descale, k_descale, v_descale, do_scales,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        *q_descale.stride(), *k_descale.stride(), *v_descale.stride(), ws.stride(0), ws_row_len(sq),
+        dq_acc.shape[1], sq, sk, hq, hk, float(softmax_scale),
+        CAUSAL=bool(causal), HEAD_DIM=d, V_SEQ_MAJOR=v.stride(-1) != 1, NUM_STAGES=NUM_STAGES,
+        QUEUE_ADDS=d == 64, num_warps=8)
+
+
+@functools.lru_cache(maxsize=None)
+def _t_layout(d):
+    return gl.NVMMASharedLayout.get_default_for([d, BLOCK_M], gl.float8e4nv)
+
+
+def _aot_compile(causal=False, head_dim=128, fp8=True, arch=90, stages=NUM_STAGES, v_seq_major=True,
+                 mode="dequantized"):
+    """Compile the kernel of ``mode`` (the fp8 one takes e4m3 inputs only) for ``sm_{arch}`` without a GPU
+    (inspection: registers, spills, SASS)."""
     import triton
-    from triton.backends.compiler import GPUTarget
+    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    fp8 = fp8 or mode == "fp8"
+    kernel = _bwd_tma_fp8_kernel if mode == "fp8" else _bwd_tma_kernel
     in_t = "fp8e4nv" if fp8 else "bf16"
     in_gl = gl.float8e4nv if fp8 else gl.bfloat16
+    do_t, do_gl = ("fp8e4nv", gl.float8e4nv) if mode == "fp8" else ("bf16", gl.bfloat16)
 
-    def desc(dtype, layout):
-        return f"tensordesc<{dtype}[{BLOCK_M}, {head_dim}],{layout!r}>"
+    def desc(dtype, layout, shape=(BLOCK_M, head_dim)):
+        return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
-    descs = {"q_desc": desc(in_t, _box_layout(in_gl, head_dim)), "do_desc": desc("bf16", _box_layout(gl.bfloat16,
-                                                                                                      head_dim)),
+    descs = {"q_desc": desc(in_t, _box_layout(in_gl, head_dim)), "do_desc": desc(do_t, _box_layout(do_gl, head_dim)),
              "w_desc": f"tensordesc<fp32[{BLOCK_M}],{_W_LAYOUT!r}>", "dq_desc": desc("fp32", _DQ_LAYOUT)}
+    if mode == "fp8":
+        descs["qt_desc"] = descs["dot_desc"] = desc("fp8e4nv", _t_layout(head_dim), (head_dim, BLOCK_M))
 
     ptrs = {"K": f"*{in_t}", "V": f"*{in_t}", "DK": "*bf16", "DV": "*bf16", "QDs": "*fp32", "KDs": "*fp32",
-            "VDs": "*fp32", "softmax_scale": "fp32"}
+            "VDs": "*fp32", "DOs": "*fp32", "softmax_scale": "fp32"}
     # the kernel's parameters in order: its descriptors, pointers and scale as above, constexprs, the rest int32
     sig = {p.name: descs.get(p.name) or ptrs.get(p.name) or ("constexpr" if p.is_constexpr else "i32")
-           for p in _bwd_tma_kernel.params}
+           for p in kernel.params}
     consts = {"CAUSAL": bool(causal), "HEAD_DIM": head_dim, "IS_FP8": bool(fp8), "V_SEQ_MAJOR": bool(v_seq_major),
-              "NUM_STAGES": stages}
+              "NUM_STAGES": stages, "QUEUE_ADDS": head_dim == 64}
+    consts = {n: c for n, c in consts.items() if n in sig}
     # a launch's specialization of contiguous inputs: pointers and strides divisible by 16
-    from triton.backends.compiler import BaseBackend
-
     names = list(sig)
     divisible = ("stride_kn", "stride_vd", "stride_dkn", "stride_dvn", "stride_kb", "stride_vb", "stride_dkb",
                  "stride_dvb", "ws_lse_off", "ws_row", "dq_row")
     attrs = {(names.index(n),): BaseBackend.parse_attr("D") for n in names if sig[n].startswith("*") or n in divisible}
-    src = GluonASTSource(fn=_bwd_tma_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
