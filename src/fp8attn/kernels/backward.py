@@ -1,8 +1,9 @@
 """Attention backward (FP8 e4m3 or 16-bit Q/K/V) for Hopper: FlashAttention-2's form in Triton.
 
-``launch_attention_bwd`` hands the dense dequantized-mode calls with ``deterministic=False`` at head dims 64 and
-128 to the Gluon kernel of ``hopper.backward_launch`` (K/V in shared memory, dQ added by TMA reductions) after the
-preprocess below; ``FP8ATTN_BWD_BACKEND`` (``bwd_backend``) overrides that. The Triton kernels:
+``launch_attention_bwd`` hands the dense calls with ``deterministic=False`` at head dims 64 and 128 (in the fp8
+mode, those with e4m3 Q/K/V) to the Gluon kernels of ``hopper.backward_launch`` (K/V in shared memory, dQ added by
+TMA reductions) after the preprocess below (and, in the fp8 mode, ``_fp8_operands_kernel``);
+``FP8ATTN_BWD_BACKEND`` (``bwd_backend``) overrides that. The Triton kernels:
 
 1. ``_bwd_preprocess_kernel``: per query row, ``Delta = rowsum(dO * O)`` in fp32 and the LSE moved to
    the log2 domain (``lse * log2(e)``; ``+inf`` for a row that saw no key, so ``exp2(s - lse2) = 0``
@@ -39,7 +40,8 @@ Modes (``mode``):
   product is a fresh dot multiplied by its scalar scales and added to the fp32 accumulator (two-level
   accumulation: Hopper's reduced-precision FP8 accumulator never spans more than one tile). With
   16-bit Q/K/V (no e4m3 x bf16 MMA) the e4m3 dO/dS are upcast to multiply the 16-bit operands, which
-  keeps the same rounding.
+  keeps the same rounding. The Hopper kernel of this mode scales differently (its docstring): dO per (64-row
+  query tile, head) as here, P times 2**8, dS per key row of each tile for dK, and dQ's product in bf16.
 
 Layouts (Hopper FP8 wgmma wants its B operand K-major, i.e. contiguous along the contraction):
 ``K @ Q^T`` (dK/dV pass) and ``Q @ K^T`` (dQ pass) read Q and K with the head dim contiguous, which is

@@ -1,10 +1,11 @@
-"""Launcher of the Hopper backward kernel (``backward._bwd_tma_kernel``): which calls it takes, and its launch.
+"""Launchers of the Hopper backward kernels (``backward._bwd_tma_kernel``, ``backward._bwd_tma_fp8_kernel``):
+which calls they take, and their launches.
 
-It takes the dense calls of ``kernels.backward.launch_attention_bwd`` in the dequantized mode with
-``deterministic=False`` (dQ is added in an order that varies): e4m3 or 16-bit Q/K/V, head dim 64 or 128 (the
-same for V), a bf16 or fp16 dO of Q's 16-bit type, contiguous Q and dO (their TMA views), K and V with the head
-dim contiguous, a bottom-right causal mask or none, no window or softcap, on an sm90 GPU. Everything else stays
-on the Triton kernels.
+They take the dense calls of ``kernels.backward.launch_attention_bwd`` with ``deterministic=False`` (dQ is added
+in an order that varies): in the dequantized mode e4m3 or 16-bit Q/K/V, in the fp8 mode e4m3 ones; head dim 64
+or 128 (the same for V), a bf16 or fp16 dO of Q's 16-bit type, contiguous Q and dO (their TMA views), K and V
+with the head dim contiguous, a bottom-right causal mask or none, no window or softcap, on an sm90 GPU.
+Everything else stays on the Triton kernels.
 """
 from __future__ import annotations
 
