@@ -427,10 +427,12 @@ def test_hopper_backend_refusal_writes_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("sq,grad_dtype", [(40, torch.bfloat16), (40, torch.float32), (64, torch.float32)])
-def test_hopper_path_dq_accumulator(monkeypatch, sq, grad_dtype):
+@pytest.mark.parametrize("mode", ["dequantized", "fp8"])
+def test_hopper_path_dq_accumulator(monkeypatch, sq, grad_dtype, mode):
     """The Hopper path's glue on the CPU (the kernel stood in for): the launch gets a zeroed, contiguous fp32 dQ
     accumulator with rows per batch rounded up to a query tile (dq itself when it is fp32, contiguous and
-    already whole tiles), and only the first seqlen_q rows of each batch come back into dq."""
+    already whole tiles), and only the first seqlen_q rows of each batch come back into dq. In the fp8 mode the
+    launch also gets the e4m3 operands of ``_fp8_operands`` (their values: test_fp8_operands_kernel)."""
     from fp8attn.kernels.hopper import backward_launch
 
     seen = {}
@@ -444,14 +446,20 @@ def test_hopper_path_dq_accumulator(monkeypatch, sq, grad_dtype):
         dk.fill_(1.0)
         dv.fill_(2.0)
 
+    def fake_launch_fp8(do8, dot8, qt8, scales, q, k, v, ws, dq_acc, dk, dv, **kw):
+        b, s, h, d = q.shape
+        st = backward_launch.transposed_len(s)
+        assert do8.shape == q.shape and dot8.shape == qt8.shape == (b, h, d, st)
+        assert {t.dtype for t in (do8, dot8, qt8)} == {E4M3} and scales.shape == (b, h, -(-s // 64))
+        fake_launch(None, q, k, v, ws, dq_acc, dk, dv, **kw)
+
     monkeypatch.setattr(backward_launch, "bwd_unsupported_reason", lambda *a, **k: None)
     monkeypatch.setattr(backward_launch, "launch_bwd_tma", fake_launch)
+    monkeypatch.setattr(backward_launch, "launch_bwd_tma_fp8", fake_launch_fp8)
     torch.manual_seed(0)
     inp = _make([sq, sq], [sq, sq], 2, 1, 32, 32)
-    ref = _references(inp, 32**-0.5, True, -1, -1, 0.0, "dequantized")
-    views, grads, kw = _kernel_args(
-        inp, ref, causal=True, wl=-1, wr=-1, softcap=0.0, mode="dequantized", grad_dtype=grad_dtype
-    )
+    ref = _references(inp, 32**-0.5, True, -1, -1, 0.0, mode)
+    views, grads, kw = _kernel_args(inp, ref, causal=True, wl=-1, wr=-1, softcap=0.0, mode=mode, grad_dtype=grad_dtype)
     launch_attention_bwd(*views, *grads, **kw)
     rows = backward_launch.dq_acc_rows(sq)
     assert rows % backward_launch.BLOCK_M == 0 and sq <= rows < sq + backward_launch.BLOCK_M
