@@ -136,9 +136,10 @@ def backward_rows():
     if dense_launch.HAS_GLUON:
         from fp8attn.kernels.hopper import backward_launch
 
-        for d, causal, fp8 in ab.HOPPER:
-            k = backward_launch._aot_compile(causal=causal, head_dim=d, fp8=fp8, v_seq_major=fp8)
-            rows.append((f"hopper backward d={d} causal={causal} fp8={fp8}", fingerprint(k.asm["ptx"])))
+        for d, causal, fp8, mode in ab.HOPPER:
+            k = backward_launch._aot_compile(causal=causal, head_dim=d, fp8=fp8, v_seq_major=fp8, mode=mode)
+            tag = "" if mode == "dequantized" else f" mode={mode}"  # (the dequantized kernel's names as before)
+            rows.append((f"hopper backward d={d} causal={causal} fp8={fp8}{tag}", fingerprint(k.asm["ptx"])))
     return rows
 
 

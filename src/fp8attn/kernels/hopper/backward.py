@@ -89,6 +89,39 @@ def _store_rows(ptr, stride_n, n_valid, x, layout: gl.constexpr):
 
 
 @gluon.jit
+def _query_tiles(n0, seqlen_q, seqlen_k, qgroup, CAUSAL: gl.constexpr, BM: gl.constexpr):
+    """(shift, lo, n_m, total) of key block ``n0``: the bottom-right causal shift, the first query block that
+    sees a key of the block (a multiple of BM), the query blocks from it per head, and the tiles of the group."""
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    if CAUSAL:
+        lo = (gl.minimum(gl.maximum(n0 - shift, 0), seqlen_q) // BM) * BM
+    n_m = gl.cdiv(seqlen_q - lo, BM)
+    return shift, lo, n_m, qgroup * n_m
+
+
+@gluon.jit
+def _load_kv(K, V, b64, hk64, n0, n_valid, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+             stride_vd, BN: gl.constexpr, D: gl.constexpr, k_layout: gl.constexpr, v_layout: gl.constexpr):
+    """The (BN, D) K and V rows of key block ``n0`` of (batch, kv head), rows past ``n_valid`` as zeros."""
+    k = _load_kv_tile(K + b64 * stride_kb + hk64 * stride_kh + n0.to(gl.int64) * stride_kn, stride_kn, 1, n_valid,
+                      BN, D, k_layout)
+    v = _load_kv_tile(V + b64 * stride_vb + hk64 * stride_vh + n0.to(gl.int64) * stride_vn, stride_vn, stride_vd,
+                      n_valid, BN, D, v_layout)
+    return k, v
+
+
+@gluon.jit
+def _load_descales(QDs, KDs, VDs, b64, hk64, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b,
+                   stride_vds_h):
+    """The (batch, kv head) descales of Q, K and V."""
+    qd = gl.load(QDs + b64 * stride_qds_b + hk64 * stride_qds_h)
+    kd = gl.load(KDs + b64 * stride_kds_b + hk64 * stride_kds_h)
+    vd = gl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
+    return qd, kd, vd
+
+
+@gluon.jit
 def _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row,
                 BM: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr):
     """TMA loads of tile ``i`` (query head ``i // n_m`` of the group, query block ``i % n_m`` from ``lo``) into
@@ -175,12 +208,7 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
     ring = (q_smem, do_smem, w_smem, ready)
 
     # --- the query tiles: every query head of the group, query blocks from the first that sees a key
-    shift = seqlen_k - seqlen_q
-    lo = 0
-    if CAUSAL:
-        lo = (gl.minimum(gl.maximum(n0 - shift, 0), seqlen_q) // BM) * BM
-    n_m = gl.cdiv(seqlen_q - lo, BM)
-    total = qgroup * n_m
+    shift, lo, n_m, total = _query_tiles(n0, seqlen_q, seqlen_k, qgroup, CAUSAL, BM)
     for i in gl.static_range(NUM_STAGES - 1):
         if i < total:
             _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off,
@@ -188,18 +216,15 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
 
     # --- K and V once (rows past seqlen_k as zeros), upcast copies for the 16-bit products
     n_valid = seqlen_k - n0
-    k = _load_kv_tile(K + b64 * stride_kb + hk64 * stride_kh + n0.to(gl.int64) * stride_kn, stride_kn, 1, n_valid,
-                      BN, D, ld_layout)
-    v = _load_kv_tile(V + b64 * stride_vb + hk64 * stride_vh + n0.to(gl.int64) * stride_vn, stride_vn, stride_vd,
-                      n_valid, BN, D, v_layout)
+    k, v = _load_kv(K, V, b64, hk64, n0, n_valid, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                    stride_vd, BN, D, ld_layout, v_layout)
     k_smem.store(k)
     if IS_FP8:
         kg_smem.store(_upcast(k, g_dtype))
     vg_smem.store(_upcast(v, g_dtype))
     if IS_FP8:
-        qd = gl.load(QDs + b64 * stride_qds_b + hk64 * stride_qds_h)
-        kd = gl.load(KDs + b64 * stride_kds_b + hk64 * stride_kds_h)
-        vd = gl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
+        qd, kd, vd = _load_descales(QDs, KDs, VDs, b64, hk64, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
+                                    stride_vds_b, stride_vds_h)
     else:
         qd = 1.0
         kd = 1.0
@@ -385,28 +410,20 @@ def _bwd_tma_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, w_desc, dq_desc, K, 
     descs = (q_desc, qt_desc, do_desc, dot_desc, w_desc)
     ring = (q_smem, qt_smem, do_smem, dot_smem, w_smem, ready)
 
-    shift = seqlen_k - seqlen_q
-    lo = 0
-    if CAUSAL:
-        lo = (gl.minimum(gl.maximum(n0 - shift, 0), seqlen_q) // BM) * BM
-    n_m = gl.cdiv(seqlen_q - lo, BM)
-    total = qgroup * n_m
+    shift, lo, n_m, total = _query_tiles(n0, seqlen_q, seqlen_k, qgroup, CAUSAL, BM)
     for i in gl.static_range(NUM_STAGES - 1):
         if i < total:
             _issue_tile_fp8(descs, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row,
                             BM, D, NUM_STAGES)
 
     n_valid = seqlen_k - n0
-    k = _load_kv_tile(K + b64 * stride_kb + hk64 * stride_kh + n0.to(gl.int64) * stride_kn, stride_kn, 1, n_valid,
-                      BN, D, ld_layout)
-    v = _load_kv_tile(V + b64 * stride_vb + hk64 * stride_vh + n0.to(gl.int64) * stride_vn, stride_vn, stride_vd,
-                      n_valid, BN, D, v_layout)
+    k, v = _load_kv(K, V, b64, hk64, n0, n_valid, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                    stride_vd, BN, D, ld_layout, v_layout)
     k_smem.store(k)
     kg_smem.store(_upcast(k, g_dtype))
     v_smem.store(v)
-    qd = gl.load(QDs + b64 * stride_qds_b + hk64 * stride_qds_h)
-    kd = gl.load(KDs + b64 * stride_kds_b + hk64 * stride_kds_h)
-    vd = gl.load(VDs + b64 * stride_vds_b + hk64 * stride_vds_h)
+    qd, kd, vd = _load_descales(QDs, KDs, VDs, b64, hk64, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
+                                stride_vds_b, stride_vds_h)
     qk_scale = softmax_scale * _LOG2E * qd * kd
     dq_scale = softmax_scale * kd
     fence_async_shared()
