@@ -63,6 +63,14 @@ def _int_list(text: str) -> tuple:
     return vals
 
 
+def _name_list(text: str) -> tuple:
+    """``"a,b"`` -> ``("a", "b")`` (at least one name)."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
 def _shape_list(text: str) -> tuple:
     """``"64x4096,1x131072"`` -> ``((64, 4096), (1, 131072))``: each shape positive integers joined by ``x``."""
     try:
@@ -110,6 +118,7 @@ BENCH_OPTIONS = {
         '(launch_paged_fwd\'s config=, e.g. \'[{"tma": false, "num_warps": 8}]\')',
     ),
     "page-sizes": (_int_list, "page sizes to run (paged routines)"),
+    "runs": (_name_list, "convergence: comma-separated runs to train, in that order, instead of all"),
     "headdims": (_int_list, "dense, backward: head dims instead of 64,128,256; prefill-chunked: instead of 128"),
     "cases": (str, "engine: comma-separated engine cases (python -m fp8attn.engine.bench --help names them)"),
     "read-ceiling": (bool, "decode: add peer read_ceiling, a kernel that only reads the same KV bytes"),

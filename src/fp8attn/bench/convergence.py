@@ -233,8 +233,12 @@ def goals(runs: dict, warmup: int) -> dict:
     return out
 
 
-def run(out_dir=None, quick=False, shard=DEFAULT_SHARD, cfg: TrainConfig | None = None, names=None) -> dict:
-    """Train every run of ``RUNS`` (or ``names``) and write convergence.json + .png; returns the results."""
+def run(out_dir=None, quick=False, shard=DEFAULT_SHARD, cfg: TrainConfig | None = None, runs=None) -> dict:
+    """Train every run of ``RUNS`` (or those named in ``runs``, in that order) and write convergence.json + .png;
+    returns the results. ``goals`` are computed when both bf16 runs are among them."""
+    unknown = [n for n in runs or () if n not in RUNS]
+    if unknown:
+        raise ValueError(f"runs: expected names from {', '.join(RUNS)}, got {', '.join(unknown)}; drop or fix them")
     from .common import results_header, write_results
 
     cfg = cfg or (TrainConfig(steps=200, warmup=20) if quick else TrainConfig())
@@ -245,7 +249,7 @@ def run(out_dir=None, quick=False, shard=DEFAULT_SHARD, cfg: TrainConfig | None 
     doc["data"] = {"source": sh.get("source"), "tokens": int(sh["tokens"].numel())}
     doc["runs"] = []
     losses = {}
-    for name in names or RUNS:
+    for name in runs or RUNS:
         seed, opts = RUNS[name]
         t0 = time.time()
         print(f"{name} (seed {seed})", flush=True)
