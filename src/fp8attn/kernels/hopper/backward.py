@@ -122,16 +122,27 @@ def _load_descales(QDs, KDs, VDs, b64, hk64, stride_qds_b, stride_qds_h, stride_
 
 
 @gluon.jit
+def _tile_at(i, n_m, lo, hk, qgroup, BM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """(ring stage, query head, first query row) of tile ``i``: query head ``i // n_m`` of the group, query block
+    ``i % n_m`` from ``lo``."""
+    return i % NUM_STAGES, hk * qgroup + i // n_m, lo + (i % n_m) * BM
+
+
+@gluon.jit
+def _masked_rows(w_smem, j, rows, seqlen_q, fill, layout: gl.constexpr):
+    """Entry ``j`` of the ring's workspace tiles (Delta or the LSE) for query rows ``rows``, ``fill`` from seqlen_q
+    on (those entries belong to the next head: ``where``, as 0 * NaN would be NaN)."""
+    return gl.where(rows < seqlen_q, w_smem.index(j).load(layout), fill)
+
+
+@gluon.jit
 def _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row,
                 BM: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """TMA loads of tile ``i`` (query head ``i // n_m`` of the group, query block ``i % n_m`` from ``lo``) into
-    its ring stage: Q, dO, and the rows' Delta and log2-domain LSE (``w_desc``: the flat workspace, (batch,
-    head) rows of ``ws_row`` entries, the LSE ``ws_lse_off`` later; entries past seqlen_q are masked by the
-    consumer)."""
+    """TMA loads of tile ``i`` (``_tile_at``) into its ring stage: Q, dO, and the rows' Delta and log2-domain LSE
+    (``w_desc``: the flat workspace, (batch, head) rows of ``ws_row`` entries, the LSE ``ws_lse_off`` later;
+    entries past seqlen_q are masked by the consumer)."""
     q_smem, do_smem, w_smem, ready = ring
-    s = i % NUM_STAGES
-    hq = hk * qgroup + i // n_m
-    m0 = lo + (i % n_m) * BM
+    s, hq, m0 = _tile_at(i, n_m, lo, hk, qgroup, BM, NUM_STAGES)
     row = b * seqlen_q + m0
     w_row = (b * nheads_q + hq) * ws_row + m0
     bar = ready.index(s)
@@ -245,9 +256,7 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
         if i + NUM_STAGES - 1 < total:
             _issue_tile(q_desc, do_desc, w_desc, ring, i + NUM_STAGES - 1, n_m, lo, hk, qgroup, b, nheads_q,
                         seqlen_q, ws_lse_off, ws_row, BM, D, NUM_STAGES)
-        s = i % NUM_STAGES
-        hq = hk * qgroup + i // n_m
-        m0 = lo + (i % n_m) * BM
+        s, hq, m0 = _tile_at(i, n_m, lo, hk, qgroup, BM, NUM_STAGES)
         mbarrier.wait(ready.index(s), (i // NUM_STAGES) & 1)
         q_buf = q_smem.index(s)
         do_buf = do_smem.index(s)
@@ -258,7 +267,7 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
         st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok])
         st = gl.convert_layout(st, st_layout) * qk_scale
         rows = m0 + qcols
-        lse2 = gl.where(rows < seqlen_q, w_smem.index(2 * s + 1).load(gl.SliceLayout(0, st_layout)), float("inf"))
+        lse2 = _masked_rows(w_smem, 2 * s + 1, rows, seqlen_q, float("inf"), gl.SliceLayout(0, st_layout))
         need_mask = n0 + BN > seqlen_k
         if CAUSAL:
             need_mask = need_mask | (m0 < n0 + BN - 1 - shift)
@@ -269,8 +278,7 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
             st = gl.where(keep, st, float("-inf"))
         pt = gl.exp2(st - gl.expand_dims(lse2, 0))
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=[dpt_tok])
-        # (entries past seqlen_q are not written: where, as 0 * NaN would be NaN)
-        delta = gl.where(rows < seqlen_q, w_smem.index(2 * s).load(gl.SliceLayout(0, st_layout)), 0.0)
+        delta = _masked_rows(w_smem, 2 * s, rows, seqlen_q, 0.0, gl.SliceLayout(0, st_layout))
         # P^T and dS^T rounded to the 16-bit type before the MMAs (the fp32 tiles die here: fewer live registers
         # than overlapping dV's MMA with dS)
         dst = (pt * (dpt * vd - gl.expand_dims(delta, 0))).to(g_dtype)
@@ -313,9 +321,7 @@ def _issue_tile_fp8(descs, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, 
     from ``kernels.backward``'s operand buffers ((batch, head) blocks of D rows), Delta and the LSE."""
     q_desc, qt_desc, do_desc, dot_desc, w_desc = descs
     q_smem, qt_smem, do_smem, dot_smem, w_smem, ready = ring
-    s = i % NUM_STAGES
-    hq = hk * qgroup + i // n_m
-    m0 = lo + (i % n_m) * BM
+    s, hq, m0 = _tile_at(i, n_m, lo, hk, qgroup, BM, NUM_STAGES)
     row = b * seqlen_q + m0
     t_row = (b * nheads_q + hq) * D
     w_row = (b * nheads_q + hq) * ws_row + m0
@@ -442,16 +448,14 @@ def _bwd_tma_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, w_desc, dq_desc, K, 
         if i + NUM_STAGES - 1 < total:
             _issue_tile_fp8(descs, ring, i + NUM_STAGES - 1, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q,
                             ws_lse_off, ws_row, BM, D, NUM_STAGES)
-        s = i % NUM_STAGES
-        hq = hk * qgroup + i // n_m
-        m0 = lo + (i % n_m) * BM
+        s, hq, m0 = _tile_at(i, n_m, lo, hk, qgroup, BM, NUM_STAGES)
         mbarrier.wait(ready.index(s), (i // NUM_STAGES) & 1)
         st_tok = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)), zero_st, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)), zero_st, use_acc=False, is_async=True)
         do_scale = gl.load(DOs + (b64 * nheads_q + hq) * n_mt + m0 // BM)
         st = warpgroup_mma_wait(num_outstanding=1, deps=[st_tok]) * qk_scale
         rows = m0 + qcols
-        lse2 = gl.where(rows < seqlen_q, w_smem.index(2 * s + 1).load(gl.SliceLayout(0, st_layout)), float("inf"))
+        lse2 = _masked_rows(w_smem, 2 * s + 1, rows, seqlen_q, float("inf"), gl.SliceLayout(0, st_layout))
         # masked on every tile: a branch around the mask keeps both paths' registers (sm90: spills)
         keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(rows >= 0, 0)
         if CAUSAL:
@@ -459,7 +463,7 @@ def _bwd_tma_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, w_desc, dq_desc, K, 
         st = gl.where(keep, st, float("-inf"))
         pt = gl.exp2(st - gl.expand_dims(lse2, 0))
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=[dpt_tok])
-        delta = gl.where(rows < seqlen_q, w_smem.index(2 * s).load(gl.SliceLayout(0, st_layout)), 0.0)
+        delta = _masked_rows(w_smem, 2 * s, rows, seqlen_q, 0.0, gl.SliceLayout(0, st_layout))
         dst = pt * (dpt * (vd * do_scale) - gl.expand_dims(delta, 0))
         pt8 = _e4m3(pt, 256.0)
         ds_amax = gl.maximum(gl.max(gl.abs(dst), axis=1), 1e-30)  # per key row of the tile
