@@ -187,8 +187,7 @@ def launch_bwd_tma_fp8(do8, dot8, qt8, do_scales, q, k, v, ws, dq_acc, dk, dv, *
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         *q_descale.stride(), *k_descale.stride(), *v_descale.stride(), ws.stride(0), ws_row_len(sq),
         dq_acc.shape[1], sq, sk, hq, hk, float(softmax_scale),
-        CAUSAL=bool(causal), HEAD_DIM=d, V_SEQ_MAJOR=v.stride(-1) != 1, NUM_STAGES=NUM_STAGES,
-        QUEUE_ADDS=d == 64, num_warps=8)
+        CAUSAL=bool(causal), HEAD_DIM=d, V_SEQ_MAJOR=v.stride(-1) != 1, NUM_STAGES=NUM_STAGES, num_warps=8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -224,7 +223,7 @@ def _aot_compile(causal=False, head_dim=128, fp8=True, arch=90, stages=NUM_STAGE
     sig = {p.name: descs.get(p.name) or ptrs.get(p.name) or ("constexpr" if p.is_constexpr else "i32")
            for p in kernel.params}
     consts = {"CAUSAL": bool(causal), "HEAD_DIM": head_dim, "IS_FP8": bool(fp8), "V_SEQ_MAJOR": bool(v_seq_major),
-              "NUM_STAGES": stages, "QUEUE_ADDS": head_dim == 64}
+              "NUM_STAGES": stages}
     consts = {n: c for n, c in consts.items() if n in sig}
     # a launch's specialization of contiguous inputs: pointers and strides divisible by 16
     names = list(sig)
