@@ -5,7 +5,8 @@ class, as with FP8ATTN_NO_AUTOTUNE=1 for the first, or all with ``--all``), spec
 launcher (helpers of aot_paged_sm90.py), compiles for sm90 with the bundled ptxas and prints per case:
 wgmma ops in the TTGIR, QGMMA (FP8) / HGMMA (16-bit) in the SASS, pipelined async copies, shared memory,
 atomic reductions (RED), TMA reductions (TMA_RED), barriers (BAR), shared-memory stores (STS), float min/max
-(FMNMX: the amax reductions), fp32 -> e4m3 conversions in the PTX (CVT_E4M3; CVT_SAT those that saturate) and
+(FMNMX: the amax reductions), fp32 -> e4m3 conversions in the PTX (CVT_E4M3; CVT_SAT those that saturate), the
+largest register count a warp-specialized kernel's partitions raise theirs to (MAXNREG; 0: not warp-specialized) and
 cuobjdump's resource usage (registers; LDL/STL = spills). A compile error
 prints `` FAILED ``.
 Usage: ``python tools/aot_backward_sm90.py [--all] [--quick]`` from the repo root (``--quick``: the
@@ -110,6 +111,7 @@ def stats(k):
         FMNMX=len(re.findall(r"\bFMNMX", sass)),
         CVT_E4M3=len(re.findall(r"cvt\.rn(?:\.satfinite)?\.e4m3x2\.f32", k.asm["ptx"])),
         CVT_SAT=len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", k.asm["ptx"])),
+        MAXNREG=max(map(int, re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])), default=0),
         LDL=len(re.findall(r"\bLDL\b", sass)),
         STL=len(re.findall(r"\bSTL\b", sass)),
         res=res,

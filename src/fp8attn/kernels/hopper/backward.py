@@ -1,21 +1,23 @@
 """The Hopper attention backward (Gluon): dK, dV and a dQ added by TMA reductions in one kernel per mode.
 
-``_bwd_tma_kernel``: one CTA (two 4-warp warpgroups) per (key block of 128, batch, kv head). K and V are
-read once into shared memory (K as e4m3 for ``S^T = K Q^T`` and upcast to bf16 for ``dQ = dS K``, V upcast
-to bf16 for ``dP^T = V dO^T``); the query tiles of 64 rows of every query head of the group stream through
-a ``NUM_STAGES``-deep ring of Q / dO buffers filled by TMA one tile ahead. Per tile, each warpgroup holds
-64 keys' rows of S^T, dP^T and the fp32 dK / dV accumulators (the wgmma accumulators; at head dim 128,
-32 + 32 + 128 registers a thread); P^T and dS^T are the register A operands of ``dV += P^T dO`` and ``dK += dS^T Q``;
-dS^T goes through shared memory once more for ``dQ = dS K``, whose 64 x d tile the two warpgroups split
-by columns; the tile is staged in shared memory and added to the fp32 dQ rows by one bulk TMA reduction
-(``cp.reduce.async.bulk.tensor ... add``), which runs while the next tile computes. Two CTA barriers per
-tile: one once dS^T (and the upcast Q) is in shared memory, one once the dQ tile is.
+``_bwd_tma_kernel``: one CTA (two 4-warp warpgroups, ``_bwd_consumer``, and a producer warp, ``_bwd_loader``) per
+(key block of 128, batch, kv head). K and V are read once into shared memory (K as e4m3 for ``S^T = K Q^T`` and
+upcast to bf16 for ``dQ = dS K``, V upcast to bf16 for ``dP^T = V dO^T``); the query tiles of 64 rows of every
+query head of the group stream through a ``NUM_STAGES``-deep ring of Q / dO buffers that the producer warp fills
+by TMA as the consumers release them. Per tile, each warpgroup holds 64 keys' rows of S^T, dP^T and the fp32
+dK / dV accumulators (the wgmma accumulators; at head dim 128, 32 + 32 + 128 registers a thread); P^T and dS^T
+are the register A operands of ``dV += P^T dO`` and ``dK += dS^T Q``; dS^T goes through shared memory once more
+for ``dQ = dS K``, whose 64 x d tile the two warpgroups split by columns; the tile is staged in shared memory and
+added to the fp32 dQ rows by one bulk TMA reduction (``cp.reduce.async.bulk.tensor ... add``), which runs while
+the next tile computes. Two barriers of the consumer warps per tile: one once dS^T (and the upcast Q) is in
+shared memory, one once the dQ tile is.
 
 Numerics are the dequantized mode of ``kernels.backward`` (its module docstring): the e4m3 products of
 ``K Q^T`` (fp32 accumulation), P and dS rounded to bf16, the FP8 operands upcast exactly, descales folded
 into the tile products and the final scaling.
 
-``_bwd_tma_fp8_kernel``: the same CTA, ring and dQ path in the FP8-matmul mode (e4m3 Q/K/V): four products on
+``_bwd_tma_fp8_kernel``: the same CTA (without the producer warp: its 8 warps issue the loads one tile ahead),
+ring and dQ path in the FP8-matmul mode (e4m3 Q/K/V): four products on
 e4m3 operands, dV and dK added tile by tile into fp32 (its docstring; docs/decisions.md has the layouts, the
 scales and the registers behind them).
 """
@@ -34,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 _LOG2E = gl.constexpr(1.4426950408889634)
+_LOADER_REGS = gl.constexpr(24)  # the producer warp's registers (the 8 consumer warps run at 240)
 
 
 @builtin
@@ -154,31 +157,31 @@ def _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads
 
 
 @gluon.jit
-def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VDs,
-                    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_vd,
-                    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                    ws_lse_off, ws_row, dq_row, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale,
-                    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, IS_FP8: gl.constexpr, V_SEQ_MAJOR: gl.constexpr,
-                    NUM_STAGES: gl.constexpr):
-    """dK/dV of key block ``program_id(0)`` of (batch ``program_id(1)``, kv head ``program_id(2)``), summed over
-    the group's query heads, and its dQ parts added by TMA reductions (``dq_desc``).
+def _bwd_loader(q_desc, do_desc, w_desc, ring, empty, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row,
+                total, BM: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Producer warp of ``_bwd_tma_kernel``: tile ``i`` into ring stage ``i % NUM_STAGES`` once the consumers
+    released the stage's last tile (its ``empty`` barrier; the first NUM_STAGES waits pass on fresh barriers)."""
+    for i in range(total):
+        mbarrier.wait(empty.index(i % NUM_STAGES), ((i // NUM_STAGES) & 1) ^ 1)
+        _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off,
+                    ws_row, BM, D, NUM_STAGES)
 
-    ``q_desc`` / ``do_desc``: TMA views (batch * seqlen_q, nheads_q * HEAD_DIM) of Q and dO, boxes of
-    (64, HEAD_DIM); ``w_desc``: 1-D view of ``kernels.backward``'s workspace (Delta in (batch, head) rows of
-    ``ws_row`` entries, a multiple of 4, the log2-domain LSE ``ws_lse_off`` later), boxes of 64; ``dq_desc``:
-    TMA view (batch * dq_row, nheads_q * HEAD_DIM) of the zeroed fp32 dQ accumulator, whose ``dq_row`` rows per
-    batch are seqlen_q rounded up to 64 (a tile's box never reaches the next batch; the rows past seqlen_q
-    are not read back); K, V, DK, DV: (batch, seqlen_k, nheads_k, HEAD_DIM) with the head dim
-    contiguous (any other strides), but V sequence-major under V_SEQ_MAJOR (keys contiguous, ``stride_vd``
-    between head-dim columns: the layout ``quantize_qkv`` returns)."""
-    gl.static_assert(gl.num_warps() == 8)
-    BM: gl.constexpr = q_desc.block_type.shape[0]
+
+@gluon.jit
+def _bwd_consumer(smem, ring, empty, dq_desc, DK, DV, tiles, out_strides, seqlen_q, seqlen_k, dq_row, scales,
+                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, IS_FP8: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The two warpgroups of ``_bwd_tma_kernel`` (8 warps): every query tile of the ring (``tiles``: b, hk, n0,
+    n_valid, shift, lo, n_m, total, qgroup), then dK / dV (``out_strides``: DK's and DV's batch, row and head
+    strides; ``scales``: S's log2-domain scale, dQ's, V's descale, dK's)."""
+    BM: gl.constexpr = 64
     BN: gl.constexpr = 128
     D: gl.constexpr = HEAD_DIM
-    gl.static_assert(BM == 64)
-    in_dtype: gl.constexpr = q_desc.dtype
-    g_dtype: gl.constexpr = do_desc.dtype  # dO's 16-bit type: every product but K Q^T runs in it
+    k_smem, qg_smem, kg_smem, vg_smem, ds_smem, dq_smem = smem
+    q_smem, do_smem, w_smem, ready = ring
+    b, hk, n0, n_valid, shift, lo, n_m, total, qgroup = tiles
+    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh = out_strides
+    qk_scale, dq_scale, vd, dk_scale = scales
+    g_dtype: gl.constexpr = do_smem.dtype  # dO's 16-bit type: every product but K Q^T runs in it
 
     st_layout: gl.constexpr = _acc_layout(8, 1, BM)  # S^T, dP^T: (BN keys, BM queries)
     s8_layout: gl.constexpr = _acc_layout(8, 1, BM, 32 if IS_FP8 else 16)  # S^T from the e4m3 wgmma (same registers)
@@ -186,64 +189,6 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
     dq_layout: gl.constexpr = _acc_layout(4, 2, D // 2)  # dQ: (BM, D), the warpgroups split the columns
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [8, 1], [1, 0])
-    if V_SEQ_MAJOR:
-        v_layout: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 32 // (BN // 8)], [1, 8], [0, 1])
-    else:
-        v_layout: gl.constexpr = ld_layout
-
-    pid_n = gl.program_id(0)
-    b = gl.program_id(1)
-    hk = gl.program_id(2)
-    n0 = pid_n * BN
-    qgroup = nheads_q // nheads_k
-    b64 = b.to(gl.int64)
-    hk64 = hk.to(gl.int64)
-
-    # --- shared memory: Q / dO ring, the bf16 Q of the current tile, K, V, dS^T
-    q_smem = gl.allocate_shared_memory(in_dtype, [NUM_STAGES, BM, D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(g_dtype, [NUM_STAGES, BM, D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(in_dtype, [BN, D], _smem_layout(D, in_dtype.primitive_bitwidth))
-    if IS_FP8:
-        qg_smem = gl.allocate_shared_memory(g_dtype, [BM, D], _smem_layout(D, 16))
-        kg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
-    else:
-        qg_smem = q_smem.index(0)  # (unused: the 16-bit Q is read from its stage)
-        kg_smem = k_smem
-    vg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
-    ds_smem = gl.allocate_shared_memory(g_dtype, [BN, BM], _smem_layout(BM, 16))
-    dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], dq_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BM], w_desc.layout)  # (stage, Delta / LSE)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    ring = (q_smem, do_smem, w_smem, ready)
-
-    # --- the query tiles: every query head of the group, query blocks from the first that sees a key
-    shift, lo, n_m, total = _query_tiles(n0, seqlen_q, seqlen_k, qgroup, CAUSAL, BM)
-    for i in gl.static_range(NUM_STAGES - 1):
-        if i < total:
-            _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off,
-                        ws_row, BM, D, NUM_STAGES)
-
-    # --- K and V once (rows past seqlen_k as zeros), upcast copies for the 16-bit products
-    n_valid = seqlen_k - n0
-    k, v = _load_kv(K, V, b64, hk64, n0, n_valid, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                    stride_vd, BN, D, ld_layout, v_layout)
-    k_smem.store(k)
-    if IS_FP8:
-        kg_smem.store(_upcast(k, g_dtype))
-    vg_smem.store(_upcast(v, g_dtype))
-    if IS_FP8:
-        qd, kd, vd = _load_descales(QDs, KDs, VDs, b64, hk64, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
-                                    stride_vds_b, stride_vds_h)
-    else:
-        qd = 1.0
-        kd = 1.0
-        vd = 1.0
-    qk_scale = softmax_scale * _LOG2E * qd * kd
-    dq_scale = softmax_scale * kd
-    fence_async_shared()
-    gl.thread_barrier()
 
     zero_st = gl.zeros([BN, BM], gl.float32, st_layout)
     zero_s8 = gl.zeros([BN, BM], gl.float32, s8_layout)
@@ -253,9 +198,6 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
     keys = n0 + gl.arange(0, BN, gl.SliceLayout(1, st_layout))
     qcols = gl.arange(0, BM, gl.SliceLayout(0, st_layout))
     for i in range(total):
-        if i + NUM_STAGES - 1 < total:
-            _issue_tile(q_desc, do_desc, w_desc, ring, i + NUM_STAGES - 1, n_m, lo, hk, qgroup, b, nheads_q,
-                        seqlen_q, ws_lse_off, ws_row, BM, D, NUM_STAGES)
         s, hq, m0 = _tile_at(i, n_m, lo, hk, qgroup, BM, NUM_STAGES)
         mbarrier.wait(ready.index(s), (i // NUM_STAGES) & 1)
         q_buf = q_smem.index(s)
@@ -288,7 +230,7 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
         dv_tok = warpgroup_mma(pt_op, do_buf, dv, is_async=True)
         # the last tile's dQ reduction has read dq_smem (each thread waits for the reductions it started)
         tma.store_wait(0)
-        # every warpgroup's dS^T (and the upcast Q) is in shared memory
+        # every warpgroup's dS^T (and the upcast Q) is in shared memory (a barrier of these 8 warps)
         gl.thread_barrier()
         # dQ before dK, so that dK's product runs while dQ is staged and its reduction started
         dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), kg_smem, zero_dq, use_acc=False, is_async=True)
@@ -300,18 +242,115 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
         dq_smem.store(dq * dq_scale)
         fence_async_shared()
         dk = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
-        # dq_smem is whole, and every warpgroup is done with this tile's stage, qg and dS^T (so the next tile
-        # may refill and rewrite them)
+        # dq_smem is whole, and every warpgroup is done with this tile's stage, qg and dS^T: the loader may
+        # refill the stage, the next tile rewrite the rest
         gl.thread_barrier()
+        mbarrier.arrive(empty.index(s))
         _tma_reduce_add(dq_desc, [b * dq_row + m0, hq * D], dq_smem)
     tma.store_wait(0)
 
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
+    b64 = b.to(gl.int64)
+    hk64 = hk.to(gl.int64)
     _store_rows(DK + b64 * stride_dkb + hk64 * stride_dkh + n0.to(gl.int64) * stride_dkn, stride_dkn, n_valid,
-                dk * (softmax_scale * qd), kv_layout)
+                dk * dk_scale, kv_layout)
     _store_rows(DV + b64 * stride_dvb + hk64 * stride_dvh + n0.to(gl.int64) * stride_dvn, stride_dvn, n_valid,
                 dv, kv_layout)
+
+
+@gluon.jit
+def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VDs,
+                    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_vd,
+                    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                    stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                    ws_lse_off, ws_row, dq_row, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale,
+                    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, IS_FP8: gl.constexpr, V_SEQ_MAJOR: gl.constexpr,
+                    NUM_STAGES: gl.constexpr):
+    """dK/dV of key block ``program_id(0)`` of (batch ``program_id(1)``, kv head ``program_id(2)``), summed over
+    the group's query heads, and its dQ parts added by TMA reductions (``dq_desc``).
+
+    ``q_desc`` / ``do_desc``: TMA views (batch * seqlen_q, nheads_q * HEAD_DIM) of Q and dO, boxes of
+    (64, HEAD_DIM); ``w_desc``: 1-D view of ``kernels.backward``'s workspace (Delta in (batch, head) rows of
+    ``ws_row`` entries, a multiple of 4, the log2-domain LSE ``ws_lse_off`` later), boxes of 64; ``dq_desc``:
+    TMA view (batch * dq_row, nheads_q * HEAD_DIM) of the zeroed fp32 dQ accumulator, whose ``dq_row`` rows per
+    batch are seqlen_q rounded up to 64 (a tile's box never reaches the next batch; the rows past seqlen_q
+    are not read back); K, V, DK, DV: (batch, seqlen_k, nheads_k, HEAD_DIM) with the head dim
+    contiguous (any other strides), but V sequence-major under V_SEQ_MAJOR (keys contiguous, ``stride_vd``
+    between head-dim columns: the layout ``quantize_qkv`` returns).
+
+    Warp-specialized: after K and V are in shared memory, the 8 warps run ``_bwd_consumer`` and one more warp
+    (24 registers) ``_bwd_loader``; they hand the ring's stages over by mbarriers (``ready``: the loads
+    landed; ``empty``: the consumers are done with the stage)."""
+    gl.static_assert(gl.num_warps() == 8)
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    BN: gl.constexpr = 128
+    D: gl.constexpr = HEAD_DIM
+    gl.static_assert(BM == 64)
+    in_dtype: gl.constexpr = q_desc.dtype
+    g_dtype: gl.constexpr = do_desc.dtype
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [8, 1], [1, 0])
+    if V_SEQ_MAJOR:
+        v_layout: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 32 // (BN // 8)], [1, 8], [0, 1])
+    else:
+        v_layout: gl.constexpr = ld_layout
+
+    pid_n = gl.program_id(0)
+    b = gl.program_id(1)
+    hk = gl.program_id(2)
+    n0 = pid_n * BN
+    qgroup = nheads_q // nheads_k
+    b64 = b.to(gl.int64)
+    hk64 = hk.to(gl.int64)
+
+    # --- shared memory: Q / dO ring, the bf16 Q of the current tile, K, V, dS^T, the dQ tile
+    q_smem = gl.allocate_shared_memory(in_dtype, [NUM_STAGES, BM, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(g_dtype, [NUM_STAGES, BM, D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(in_dtype, [BN, D], _smem_layout(D, in_dtype.primitive_bitwidth))
+    if IS_FP8:
+        qg_smem = gl.allocate_shared_memory(g_dtype, [BM, D], _smem_layout(D, 16))
+        kg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
+    else:
+        qg_smem = q_smem.index(0)  # (unused: the 16-bit Q is read from its stage)
+        kg_smem = k_smem
+    vg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
+    ds_smem = gl.allocate_shared_memory(g_dtype, [BN, BM], _smem_layout(BM, 16))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], dq_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BM], w_desc.layout)  # (stage, Delta / LSE)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    ring = (q_smem, do_smem, w_smem, ready)
+    smem = (k_smem, qg_smem, kg_smem, vg_smem, ds_smem, dq_smem)
+
+    # --- K and V once (rows past seqlen_k as zeros), upcast copies for the 16-bit products
+    shift, lo, n_m, total = _query_tiles(n0, seqlen_q, seqlen_k, qgroup, CAUSAL, BM)
+    n_valid = seqlen_k - n0
+    k, v = _load_kv(K, V, b64, hk64, n0, n_valid, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                    stride_vd, BN, D, ld_layout, v_layout)
+    k_smem.store(k)
+    if IS_FP8:
+        kg_smem.store(_upcast(k, g_dtype))
+    vg_smem.store(_upcast(v, g_dtype))
+    if IS_FP8:
+        qd, kd, vd = _load_descales(QDs, KDs, VDs, b64, hk64, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
+                                    stride_vds_b, stride_vds_h)
+    else:
+        qd = 1.0
+        kd = 1.0
+        vd = 1.0
+    scales = (softmax_scale * _LOG2E * qd * kd, softmax_scale * kd, vd, softmax_scale * qd)
+    tiles = (b, hk, n0, n_valid, shift, lo, n_m, total, qgroup)
+    out_strides = (stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh)
+    fence_async_shared()
+    gl.thread_barrier()
+    # (the constexprs stay written out: a constexpr inside a tuple held in a variable loses its flag)
+    gl.warp_specialize([
+        (_bwd_consumer, (smem, ring, empty, dq_desc, DK, DV, tiles, out_strides, seqlen_q, seqlen_k, dq_row, scales,
+                         CAUSAL, HEAD_DIM, IS_FP8, NUM_STAGES)),
+        (_bwd_loader, (q_desc, do_desc, w_desc, ring, empty, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off,
+                       ws_row, total, BM, D, NUM_STAGES)),
+    ], [1], [_LOADER_REGS])
 
 
 @gluon.jit
