@@ -16,10 +16,9 @@ Numerics are the dequantized mode of ``kernels.backward`` (its module docstring)
 ``K Q^T`` (fp32 accumulation), P and dS rounded to bf16, the FP8 operands upcast exactly, descales folded
 into the tile products and the final scaling.
 
-``_bwd_tma_fp8_kernel``: the same CTA (without the producer warp: its 8 warps issue the loads one tile ahead),
-ring and dQ path in the FP8-matmul mode (e4m3 Q/K/V): four products on
-e4m3 operands, dV and dK added tile by tile into fp32 (its docstring; docs/decisions.md has the layouts, the
-scales and the registers behind them).
+``_bwd_tma_fp8_kernel``: the same CTA, producer warp, ring and dQ path in the FP8-matmul mode (e4m3 Q/K/V;
+``_bwd_fp8_consumer``): four products on e4m3 operands, dV and dK added tile by tile into fp32 in column parts
+of 32 (its docstring; docs/decisions.md has the layouts, the scales and the registers behind them).
 """
 from __future__ import annotations
 
@@ -157,14 +156,20 @@ def _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads
 
 
 @gluon.jit
-def _bwd_loader(q_desc, do_desc, w_desc, ring, empty, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row,
-                total, BM: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Producer warp of ``_bwd_tma_kernel``: tile ``i`` into ring stage ``i % NUM_STAGES`` once the consumers
-    released the stage's last tile (its ``empty`` barrier; the first NUM_STAGES waits pass on fresh barriers)."""
+def _bwd_loader(descs, ring, empty, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row, total,
+                BM: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Producer warp of both kernels: tile ``i`` into ring stage ``i % NUM_STAGES`` once the consumers released the
+    stage's last tile (its ``empty`` barrier; the first NUM_STAGES waits pass on fresh barriers). ``descs`` and
+    ``ring`` are ``_issue_tile``'s, or with the transposed tiles ``_issue_tile_fp8``'s."""
     for i in range(total):
         mbarrier.wait(empty.index(i % NUM_STAGES), ((i // NUM_STAGES) & 1) ^ 1)
-        _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off,
-                    ws_row, BM, D, NUM_STAGES)
+        if len(descs) == 3:
+            q_desc, do_desc, w_desc = descs
+            _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off,
+                        ws_row, BM, D, NUM_STAGES)
+        else:
+            _issue_tile_fp8(descs, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row,
+                            BM, D, NUM_STAGES)
 
 
 @gluon.jit
@@ -348,8 +353,8 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
     gl.warp_specialize([
         (_bwd_consumer, (smem, ring, empty, dq_desc, DK, DV, tiles, out_strides, seqlen_q, seqlen_k, dq_row, scales,
                          CAUSAL, HEAD_DIM, IS_FP8, NUM_STAGES)),
-        (_bwd_loader, (q_desc, do_desc, w_desc, ring, empty, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off,
-                       ws_row, total, BM, D, NUM_STAGES)),
+        (_bwd_loader, ((q_desc, do_desc, w_desc), ring, empty, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q,
+                       ws_lse_off, ws_row, total, BM, D, NUM_STAGES)),
     ], [1], [_LOADER_REGS])
 
 
@@ -383,113 +388,77 @@ def _e4m3(x, inv_scale):
 
 
 @gluon.jit
-def _add_product(acc, a, b_smem, scale, layout: gl.constexpr):
-    """``acc + (a @ b_smem) * scale``: a fresh e4m3 product (its own accumulator, one tile deep) scaled into the
-    fp32 ``acc`` in registers."""
-    tok = warpgroup_mma(a, b_smem, gl.zeros(acc.shape, gl.float32, layout), use_acc=False, is_async=True)
-    return acc + warpgroup_mma_wait(num_outstanding=0, deps=[tok]) * scale
+def _zero_parts(rows: gl.constexpr, cols: gl.constexpr, parts: gl.constexpr, layout: gl.constexpr):
+    """A tuple of ``parts`` fp32 zero tiles (rows, cols)."""
+    out = ()
+    for _ in gl.static_range(parts):
+        out = out + (gl.zeros([rows, cols], gl.float32, layout),)
+    return out
 
 
 @gluon.jit
-def _bwd_tma_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VDs, DOs,
-                        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_vd,
-                        stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                        ws_lse_off, ws_row, dq_row, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale,
-                        CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, V_SEQ_MAJOR: gl.constexpr,
-                        NUM_STAGES: gl.constexpr):
-    """``_bwd_tma_kernel`` in the FP8-matmul mode, e4m3 Q/K/V: four of the five products on e4m3 operands.
+def _product(a, buf, j: gl.constexpr, cols: gl.constexpr, layout: gl.constexpr):
+    """Start the fresh e4m3 product ``a @ buf[j * cols : (j + 1) * cols]^T`` (``buf``: a transposed (d, rows) tile)."""
+    zero = gl.zeros([a.shape[0], cols], gl.float32, layout)
+    return warpgroup_mma(a, buf.slice(j * cols, cols).permute((1, 0)), zero, use_acc=False, is_async=True)
 
-    ``S^T = K Q^T`` and ``dP^T = V dO^T`` read the e4m3 K, V and the row tiles of Q and of dO (scaled by one
-    ``DOs`` factor per (batch, head, query tile)); ``dV += P^T dO`` and ``dK += dS^T Q`` take P^T (times 2**8)
-    and dS^T (one ``amax / 448`` per key row of the tile) as e4m3 register operands against the transposed
-    tiles of dO and Q. Each of those two is a fresh product per tile, scaled and added to the fp32 dK / dV in
-    registers: Hopper's e4m3 accumulator keeps fewer bits than fp32, so it never spans more than one tile, and
-    the per-tile scales need it. ``dQ = dS K`` stays a 16-bit product (dS rounded to bf16, K upcast exactly):
-    its contraction runs over the key rows, whose dS scales differ.
 
-    ``qt_desc`` / ``dot_desc``: TMA views (batch * nheads_q * HEAD_DIM, seqlen_t) of the transposes (boxes
-    (HEAD_DIM, 64); zeros from seqlen_q on); ``DOs``: fp32 (batch, nheads_q, cdiv(seqlen_q, 64)); the rest as in
-    ``_bwd_tma_kernel``."""
-    gl.static_assert(gl.num_warps() == 8)
-    BM: gl.constexpr = q_desc.block_type.shape[0]
+@gluon.jit
+def _add_products(dv, dk, a_pt, a_ds, dot_buf, qt_buf, dv_scale, ds_scale, layout: gl.constexpr):
+    """``dv[j] += (P^T dO)[:, part j] * dv_scale`` and ``dk[j] += (dS^T Q)[:, part j] * ds_scale`` for every column
+    part j of the tuples ``dv`` / ``dk``: a fresh e4m3 product per part (its own accumulator, one tile deep), each
+    started before the previous one's result is scaled and added, so that one product always runs behind the
+    additions."""
+    PARTS: gl.constexpr = len(dv)
+    COLS: gl.constexpr = dv[0].shape[1]
+    tok = _product(a_pt, dot_buf, 0, COLS, layout)
+    new_dv = ()
+    new_dk = ()
+    for j in gl.static_range(1, 2 * PARTS):
+        if j < PARTS:
+            nxt = _product(a_pt, dot_buf, j, COLS, layout)
+        else:
+            nxt = _product(a_ds, qt_buf, j - PARTS, COLS, layout)
+        done = warpgroup_mma_wait(num_outstanding=1, deps=[tok])
+        if j - 1 < PARTS:
+            new_dv = new_dv + (dv[j - 1] + done * dv_scale,)
+        else:
+            new_dk = new_dk + (dk[j - 1 - PARTS] + done * ds_scale,)
+        tok = nxt
+    new_dk = new_dk + (dk[PARTS - 1] + warpgroup_mma_wait(num_outstanding=0, deps=[tok]) * ds_scale,)
+    return new_dv, new_dk
+
+
+@gluon.jit
+def _bwd_fp8_consumer(smem, ring, empty, dq_desc, DK, DV, DOs, tiles, out_strides, seqlen_q, seqlen_k, dq_row,
+                      nheads_q, scales, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The two warpgroups of ``_bwd_tma_fp8_kernel`` (8 warps): ``_bwd_consumer``'s loop in the FP8-matmul mode
+    (``tiles``, ``out_strides`` as there; ``scales``: S's log2-domain scale, dQ's, V's descale, dK's)."""
+    BM: gl.constexpr = 64
     BN: gl.constexpr = 128
     D: gl.constexpr = HEAD_DIM
-    gl.static_assert(BM == 64)
-    e4m3: gl.constexpr = gl.float8e4nv
+    DP: gl.constexpr = 32  # the columns of dK / dV one e4m3 product per tile covers (docs/decisions.md)
     g_dtype: gl.constexpr = gl.bfloat16
-    # the next product queued behind the one being added: one more temporary, which fits at d64 only (at d128
-    # it spills and loses, docs/decisions.md)
-    QUEUE_ADDS: gl.constexpr = D == 64
-
+    k_smem, v_smem, kg_smem, ds_smem, dq_smem = smem
+    q_smem, qt_smem, do_smem, dot_smem, w_smem, ready = ring
+    b, hk, n0, n_valid, shift, lo, n_m, total, qgroup = tiles
+    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh = out_strides
+    qk_scale, dq_scale, vd, dk_scale = scales
     st_layout: gl.constexpr = _acc_layout(8, 1, BM, 32)  # S^T, dP^T: (BN keys, BM queries), e4m3 products
-    DH: gl.constexpr = D // 2
-    kv_layout: gl.constexpr = _acc_layout(8, 1, DH, 32)  # halves of dK, dV and of each tile's products: (BN, DH)
+    kv_layout: gl.constexpr = _acc_layout(8, 1, DP, 32)  # column parts of dK, dV and of each tile's products
     dq_layout: gl.constexpr = _acc_layout(4, 2, D // 2)  # dQ: (BM, D), the warpgroups split the columns
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=4)
-    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [8, 1], [1, 0])
-    if V_SEQ_MAJOR:
-        v_layout: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 32 // (BN // 8)], [1, 8], [0, 1])
-    else:
-        v_layout: gl.constexpr = ld_layout
 
-    pid_n = gl.program_id(0)
-    b = gl.program_id(1)
-    hk = gl.program_id(2)
-    n0 = pid_n * BN
-    qgroup = nheads_q // nheads_k
     b64 = b.to(gl.int64)
-    hk64 = hk.to(gl.int64)
     n_mt = gl.cdiv(seqlen_q, BM)
-
-    q_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, BM, D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, BM, D], do_desc.layout)
-    qt_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, D, BM], qt_desc.layout)
-    dot_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, D, BM], dot_desc.layout)
-    k_smem = gl.allocate_shared_memory(e4m3, [BN, D], _smem_layout(D, 8))
-    v_smem = gl.allocate_shared_memory(e4m3, [BN, D], _smem_layout(D, 8))
-    kg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
-    ds_smem = gl.allocate_shared_memory(g_dtype, [BN, BM], _smem_layout(BM, 16))
-    dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], dq_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BM], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    descs = (q_desc, qt_desc, do_desc, dot_desc, w_desc)
-    ring = (q_smem, qt_smem, do_smem, dot_smem, w_smem, ready)
-
-    shift, lo, n_m, total = _query_tiles(n0, seqlen_q, seqlen_k, qgroup, CAUSAL, BM)
-    for i in gl.static_range(NUM_STAGES - 1):
-        if i < total:
-            _issue_tile_fp8(descs, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row,
-                            BM, D, NUM_STAGES)
-
-    n_valid = seqlen_k - n0
-    k, v = _load_kv(K, V, b64, hk64, n0, n_valid, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                    stride_vd, BN, D, ld_layout, v_layout)
-    k_smem.store(k)
-    kg_smem.store(_upcast(k, g_dtype))
-    v_smem.store(v)
-    qd, kd, vd = _load_descales(QDs, KDs, VDs, b64, hk64, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
-                                stride_vds_b, stride_vds_h)
-    qk_scale = softmax_scale * _LOG2E * qd * kd
-    dq_scale = softmax_scale * kd
-    fence_async_shared()
-    gl.thread_barrier()
-
     zero_st = gl.zeros([BN, BM], gl.float32, st_layout)
     zero_dq = gl.zeros([BM, D], gl.float32, dq_layout)
-    # dK and dV by column halves: each tile's product is added through a temporary as large as one half
-    dk_lo = gl.zeros([BN, DH], gl.float32, kv_layout)
-    dk_hi = gl.zeros([BN, DH], gl.float32, kv_layout)
-    dv_lo = gl.zeros([BN, DH], gl.float32, kv_layout)
-    dv_hi = gl.zeros([BN, DH], gl.float32, kv_layout)
+    # dK and dV in column parts of DP: each tile's product is added through a temporary as large as one part
+    dk = _zero_parts(BN, DP, D // DP, kv_layout)
+    dv = _zero_parts(BN, DP, D // DP, kv_layout)
     keys = n0 + gl.arange(0, BN, gl.SliceLayout(1, st_layout))
     qcols = gl.arange(0, BM, gl.SliceLayout(0, st_layout))
     for i in range(total):
-        if i + NUM_STAGES - 1 < total:
-            _issue_tile_fp8(descs, ring, i + NUM_STAGES - 1, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q,
-                            ws_lse_off, ws_row, BM, D, NUM_STAGES)
         s, hq, m0 = _tile_at(i, n_m, lo, hk, qgroup, BM, NUM_STAGES)
         mbarrier.wait(ready.index(s), (i // NUM_STAGES) & 1)
         st_tok = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)), zero_st, use_acc=False, is_async=True)
@@ -512,50 +481,110 @@ def _bwd_tma_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, w_desc, dq_desc, K, 
         ds8 = _e4m3(dst, gl.expand_dims(448.0 / ds_amax, 1))
         ds_smem.store(dst.to(g_dtype))
         fence_async_shared()
+        # the last tile's dQ reduction has read dq_smem; every warpgroup's dS^T is in shared memory
         tma.store_wait(0)
         gl.thread_barrier()
         a_pt = gl.convert_layout(pt8, a_layout)
         a_ds = gl.convert_layout(ds8, a_layout)
-        dot_buf = dot_smem.index(s)
-        qt_buf = qt_smem.index(s)
         dv_scale = do_scale / 256.0
         ds_scale = gl.expand_dims(gl.convert_layout(ds_amax * (1.0 / 448.0), gl.SliceLayout(1, kv_layout)), 1)
-        if not QUEUE_ADDS:
-            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), kg_smem, zero_dq, use_acc=False, is_async=True)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
-            dq_smem.store(dq * dq_scale)
-            fence_async_shared()
-            dv_lo = _add_product(dv_lo, a_pt, dot_buf.slice(0, DH).permute((1, 0)), dv_scale, kv_layout)
-            dv_hi = _add_product(dv_hi, a_pt, dot_buf.slice(DH, DH).permute((1, 0)), dv_scale, kv_layout)
-            dk_lo = _add_product(dk_lo, a_ds, qt_buf.slice(0, DH).permute((1, 0)), ds_scale, kv_layout)
-            dk_hi = _add_product(dk_hi, a_ds, qt_buf.slice(DH, DH).permute((1, 0)), ds_scale, kv_layout)
-        else:
-            # one product always queued behind the one whose result is being added
-            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), kg_smem, zero_dq, use_acc=False, is_async=True)
-            t0 = warpgroup_mma(a_pt, dot_buf.slice(0, DH).permute((1, 0)), gl.zeros([BN, DH], gl.float32, kv_layout),
-                               use_acc=False, is_async=True)
-            dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq_tok])
-            dq_smem.store(dq * dq_scale)
-            fence_async_shared()
-            t1 = warpgroup_mma(a_pt, dot_buf.slice(DH, DH).permute((1, 0)), gl.zeros([BN, DH], gl.float32, kv_layout),
-                               use_acc=False, is_async=True)
-            dv_lo += warpgroup_mma_wait(num_outstanding=1, deps=[t0]) * dv_scale
-            t2 = warpgroup_mma(a_ds, qt_buf.slice(0, DH).permute((1, 0)), gl.zeros([BN, DH], gl.float32, kv_layout),
-                               use_acc=False, is_async=True)
-            dv_hi += warpgroup_mma_wait(num_outstanding=1, deps=[t1]) * dv_scale
-            t3 = warpgroup_mma(a_ds, qt_buf.slice(DH, DH).permute((1, 0)), gl.zeros([BN, DH], gl.float32, kv_layout),
-                               use_acc=False, is_async=True)
-            dk_lo += warpgroup_mma_wait(num_outstanding=1, deps=[t2]) * ds_scale
-            dk_hi += warpgroup_mma_wait(num_outstanding=0, deps=[t3]) * ds_scale
+        dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), kg_smem, zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
+        dq_smem.store(dq * dq_scale)
+        fence_async_shared()
+        dv, dk = _add_products(dv, dk, a_pt, a_ds, dot_smem.index(s), qt_smem.index(s), dv_scale, ds_scale, kv_layout)
+        # dq_smem is whole and every warpgroup is done with the stage and dS^T: the loader may refill the stage
         gl.thread_barrier()
+        mbarrier.arrive(empty.index(s))
         _tma_reduce_add(dq_desc, [b * dq_row + m0, hq * D], dq_smem)
     tma.store_wait(0)
 
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
+    hk64 = hk.to(gl.int64)
     dk_ptr = DK + b64 * stride_dkb + hk64 * stride_dkh + n0.to(gl.int64) * stride_dkn
     dv_ptr = DV + b64 * stride_dvb + hk64 * stride_dvh + n0.to(gl.int64) * stride_dvn
-    _store_rows(dk_ptr, stride_dkn, n_valid, dk_lo * (softmax_scale * qd), kv_layout)
-    _store_rows(dk_ptr + DH, stride_dkn, n_valid, dk_hi * (softmax_scale * qd), kv_layout)
-    _store_rows(dv_ptr, stride_dvn, n_valid, dv_lo, kv_layout)
-    _store_rows(dv_ptr + DH, stride_dvn, n_valid, dv_hi, kv_layout)
+    for j in gl.static_range(D // DP):
+        _store_rows(dk_ptr + j * DP, stride_dkn, n_valid, dk[j] * dk_scale, kv_layout)
+        _store_rows(dv_ptr + j * DP, stride_dvn, n_valid, dv[j], kv_layout)
+
+
+@gluon.jit
+def _bwd_tma_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VDs, DOs,
+                        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_vd,
+                        stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                        stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+                        ws_lse_off, ws_row, dq_row, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale,
+                        CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, V_SEQ_MAJOR: gl.constexpr,
+                        NUM_STAGES: gl.constexpr):
+    """``_bwd_tma_kernel`` in the FP8-matmul mode, e4m3 Q/K/V: four of the five products on e4m3 operands.
+
+    ``S^T = K Q^T`` and ``dP^T = V dO^T`` read the e4m3 K, V and the row tiles of Q and of dO (scaled by one
+    ``DOs`` factor per (batch, head, query tile)); ``dV += P^T dO`` and ``dK += dS^T Q`` take P^T (times 2**8)
+    and dS^T (one ``amax / 448`` per key row of the tile) as e4m3 register operands against the transposed
+    tiles of dO and Q. Each of those two is a fresh product per tile and column part of 32, scaled and added to
+    the fp32 dK / dV in registers (``_add_products``): Hopper's e4m3 accumulator keeps fewer bits than fp32, so
+    it never spans more than one tile, and the per-tile scales need it. ``dQ = dS K`` stays a 16-bit product (dS rounded to bf16, K upcast exactly):
+    its contraction runs over the key rows, whose dS scales differ.
+
+    ``qt_desc`` / ``dot_desc``: TMA views (batch * nheads_q * HEAD_DIM, seqlen_t) of the transposes (boxes
+    (HEAD_DIM, 64); zeros from seqlen_q on); ``DOs``: fp32 (batch, nheads_q, cdiv(seqlen_q, 64)); the rest as in
+    ``_bwd_tma_kernel``, warp-specialized the same way (``_bwd_fp8_consumer``, ``_bwd_loader``)."""
+    gl.static_assert(gl.num_warps() == 8)
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    BN: gl.constexpr = 128
+    D: gl.constexpr = HEAD_DIM
+    gl.static_assert(BM == 64)
+    e4m3: gl.constexpr = gl.float8e4nv
+    g_dtype: gl.constexpr = gl.bfloat16
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [8, 1], [1, 0])
+    if V_SEQ_MAJOR:
+        v_layout: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 32 // (BN // 8)], [1, 8], [0, 1])
+    else:
+        v_layout: gl.constexpr = ld_layout
+
+    pid_n = gl.program_id(0)
+    b = gl.program_id(1)
+    hk = gl.program_id(2)
+    n0 = pid_n * BN
+    qgroup = nheads_q // nheads_k
+    b64 = b.to(gl.int64)
+    hk64 = hk.to(gl.int64)
+
+    q_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, BM, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, BM, D], do_desc.layout)
+    qt_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, D, BM], qt_desc.layout)
+    dot_smem = gl.allocate_shared_memory(e4m3, [NUM_STAGES, D, BM], dot_desc.layout)
+    k_smem = gl.allocate_shared_memory(e4m3, [BN, D], _smem_layout(D, 8))
+    v_smem = gl.allocate_shared_memory(e4m3, [BN, D], _smem_layout(D, 8))
+    kg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
+    ds_smem = gl.allocate_shared_memory(g_dtype, [BN, BM], _smem_layout(BM, 16))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], dq_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BM], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    descs = (q_desc, qt_desc, do_desc, dot_desc, w_desc)
+    ring = (q_smem, qt_smem, do_smem, dot_smem, w_smem, ready)
+    smem = (k_smem, v_smem, kg_smem, ds_smem, dq_smem)
+
+    shift, lo, n_m, total = _query_tiles(n0, seqlen_q, seqlen_k, qgroup, CAUSAL, BM)
+    n_valid = seqlen_k - n0
+    k, v = _load_kv(K, V, b64, hk64, n0, n_valid, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                    stride_vd, BN, D, ld_layout, v_layout)
+    k_smem.store(k)
+    kg_smem.store(_upcast(k, g_dtype))
+    v_smem.store(v)
+    qd, kd, vd = _load_descales(QDs, KDs, VDs, b64, hk64, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
+                                stride_vds_b, stride_vds_h)
+    scales = (softmax_scale * _LOG2E * qd * kd, softmax_scale * kd, vd, softmax_scale * qd)
+    tiles = (b, hk, n0, n_valid, shift, lo, n_m, total, qgroup)
+    out_strides = (stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh)
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.warp_specialize([
+        (_bwd_fp8_consumer, (smem, ring, empty, dq_desc, DK, DV, DOs, tiles, out_strides, seqlen_q, seqlen_k,
+                             dq_row, nheads_q, scales, CAUSAL, HEAD_DIM, NUM_STAGES)),
+        (_bwd_loader, (descs, ring, empty, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row, total,
+                       BM, D, NUM_STAGES)),
+    ], [1], [_LOADER_REGS])
