@@ -138,6 +138,19 @@ def _masked_rows(w_smem, j, rows, seqlen_q, fill, layout: gl.constexpr):
 
 
 @gluon.jit
+def _p_tile(st, keys, rows, lse2, seqlen_k, shift, masked, CAUSAL: gl.constexpr):
+    """P^T = exp2(S^T - LSE) of one (keys, query rows) tile (``lse2``: the rows' log2-domain LSE), S^T first set to
+    -inf where ``masked`` (a run-time flag, or the constant True) for keys from seqlen_k on, query rows before 0
+    and, under CAUSAL, keys past the bottom-right diagonal (``shift``)."""
+    if masked:
+        keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(rows >= 0, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + shift, 0))
+        st = gl.where(keep, st, float("-inf"))
+    return gl.exp2(st - gl.expand_dims(lse2, 0))
+
+
+@gluon.jit
 def _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row,
                 BM: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr):
     """TMA loads of tile ``i`` (``_tile_at``) into its ring stage: Q, dO, and the rows' Delta and log2-domain LSE
@@ -218,12 +231,7 @@ def _bwd_consumer(smem, ring, empty, dq_desc, DK, DV, tiles, out_strides, seqlen
         need_mask = n0 + BN > seqlen_k
         if CAUSAL:
             need_mask = need_mask | (m0 < n0 + BN - 1 - shift)
-        if need_mask:
-            keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(rows >= 0, 0)
-            if CAUSAL:
-                keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + shift, 0))
-            st = gl.where(keep, st, float("-inf"))
-        pt = gl.exp2(st - gl.expand_dims(lse2, 0))
+        pt = _p_tile(st, keys, rows, lse2, seqlen_k, shift, need_mask, CAUSAL)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=[dpt_tok])
         delta = _masked_rows(w_smem, 2 * s, rows, seqlen_q, 0.0, gl.SliceLayout(0, st_layout))
         # P^T and dS^T rounded to the 16-bit type before the MMAs (the fp32 tiles die here: fewer live registers
@@ -468,11 +476,7 @@ def _bwd_fp8_consumer(smem, ring, empty, dq_desc, DK, DV, DOs, tiles, out_stride
         rows = m0 + qcols
         lse2 = _masked_rows(w_smem, 2 * s + 1, rows, seqlen_q, float("inf"), gl.SliceLayout(0, st_layout))
         # masked on every tile: a branch around the mask keeps both paths' registers (sm90: spills)
-        keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(rows >= 0, 0)
-        if CAUSAL:
-            keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + shift, 0))
-        st = gl.where(keep, st, float("-inf"))
-        pt = gl.exp2(st - gl.expand_dims(lse2, 0))
+        pt = _p_tile(st, keys, rows, lse2, seqlen_k, shift, True, CAUSAL)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=[dpt_tok])
         delta = _masked_rows(w_smem, 2 * s, rows, seqlen_q, 0.0, gl.SliceLayout(0, st_layout))
         dst = pt * (dpt * (vd * do_scale) - gl.expand_dims(delta, 0))
