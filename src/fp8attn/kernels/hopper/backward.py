@@ -169,6 +169,18 @@ def _issue_tile(q_desc, do_desc, w_desc, ring, i, n_m, lo, hk, qgroup, b, nheads
 
 
 @gluon.jit
+def _ring_barriers(NUM_STAGES: gl.constexpr):
+    """The ring's (ready, empty) mbarriers, one of each per stage, initialized for one arrival: ``ready`` completes
+    when a stage's TMA loads landed, ``empty`` when the consumers released it (one arrive per partition)."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
 def _bwd_loader(descs, ring, empty, n_m, lo, hk, qgroup, b, nheads_q, seqlen_q, ws_lse_off, ws_row, total,
                 BM: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Producer warp of both kernels: tile ``i`` into ring stage ``i % NUM_STAGES`` once the consumers released the
@@ -328,11 +340,7 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
     ds_smem = gl.allocate_shared_memory(g_dtype, [BN, BM], _smem_layout(BM, 16))
     dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], dq_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BM], w_desc.layout)  # (stage, Delta / LSE)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _ring_barriers(NUM_STAGES)
     ring = (q_smem, do_smem, w_smem, ready)
     smem = (k_smem, qg_smem, kg_smem, vg_smem, ds_smem, dq_smem)
 
@@ -526,8 +534,8 @@ def _bwd_tma_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, w_desc, dq_desc, K, 
     and dS^T (one ``amax / 448`` per key row of the tile) as e4m3 register operands against the transposed
     tiles of dO and Q. Each of those two is a fresh product per tile and column part of 32, scaled and added to
     the fp32 dK / dV in registers (``_add_products``): Hopper's e4m3 accumulator keeps fewer bits than fp32, so
-    it never spans more than one tile, and the per-tile scales need it. ``dQ = dS K`` stays a 16-bit product (dS rounded to bf16, K upcast exactly):
-    its contraction runs over the key rows, whose dS scales differ.
+    it never spans more than one tile, and the per-tile scales need it. ``dQ = dS K`` stays a 16-bit product
+    (dS rounded to bf16, K upcast exactly): its contraction runs over the key rows, whose dS scales differ.
 
     ``qt_desc`` / ``dot_desc``: TMA views (batch * nheads_q * HEAD_DIM, seqlen_t) of the transposes (boxes
     (HEAD_DIM, 64); zeros from seqlen_q on); ``DOs``: fp32 (batch, nheads_q, cdiv(seqlen_q, 64)); the rest as in
@@ -563,11 +571,7 @@ def _bwd_tma_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, w_desc, dq_desc, K, 
     ds_smem = gl.allocate_shared_memory(g_dtype, [BN, BM], _smem_layout(BM, 16))
     dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], dq_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BM], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _ring_barriers(NUM_STAGES)
     descs = (q_desc, qt_desc, do_desc, dot_desc, w_desc)
     ring = (q_smem, qt_smem, do_smem, dot_smem, w_smem, ready)
     smem = (k_smem, v_smem, kg_smem, ds_smem, dq_smem)
