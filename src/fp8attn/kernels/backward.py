@@ -81,7 +81,9 @@ AMAX_FLOOR = tl.constexpr(1e-30)  # an all-zero dO/dS tile keeps a finite scale 
 # spills). dK/dV holds two (BLOCK_N x d) fp32 accumulators plus the K and V tiles (V upcast to 16 bits in
 # the dequantized mode), so its key block shrinks with d; at d256 both together spilled hundreds of words in
 # every configuration, so there it runs once per gradient: the dV part and the fp8-mode dK part at
-# (32, 64, 8, 1) do not spill, the dequantized dK part still does (its 16-bit V and Q operands). dQ holds one
+# (32, 64, 8, 1) do not spill, the dequantized dK part still does (its 16-bit V and Q operands). The fp8 mode
+# at d256 keeps (64, 64, 8, 2) alone: on an H200 (32, 64, 8, 1) with dQ fused put 2.6x the mode's emulated
+# error into dQ (the interpreter did not reproduce it) and was slower (docs/decisions.md). dQ holds one
 # (BLOCK_M x d) accumulator. FP8 wgmma needs its K dimension (BLOCK_M in P^T dO and dS^T Q, BLOCK_N in
 # dS K) a multiple of 32, and an M of 64 per warpgroup (BLOCK_N for dK/dV).
 # ---------------------------------------------------------------------------------------------
@@ -91,7 +93,7 @@ _CFGS_DKDV = {
     (128, False): [(32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
     (128, True): [(64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2)],
     (256, False): [(32, 64, 8, 1), (64, 64, 8, 2)],
-    (256, True): [(32, 64, 8, 1), (64, 64, 8, 2)],
+    (256, True): [(64, 64, 8, 2)],
 }
 _CFGS_DQ = {
     (dcls, fp8): cfgs for fp8 in (False, True) for dcls, cfgs in (
