@@ -333,6 +333,35 @@ def test_16bit_inputs_seqmajor_v():
     _run_and_check(inp, causal=True, rerun=True, deterministic=True)
 
 
+def test_hopper_causal_group_chunk():
+    """The causal grid's group chunk (``backward_launch.group_chunk``): 1 without a mask (every CTA the same
+    work); under one the largest power of two that divides the groups and keeps a chunk within 128 CTAs at d128,
+    256 at d64, so that the heavy key blocks of the last chunks do not end the grid."""
+    from fp8attn.kernels.hopper.backward_launch import HAS_GLUON, group_chunk
+
+    if not HAS_GLUON:
+        pytest.skip("this triton has no Gluon")
+    # (key blocks, groups, head dim) -> chunk: S1k..16k at 16k tokens x 16 heads, odd and small group counts
+    cases = {
+        (8, 256, 128): 16,
+        (16, 128, 128): 8,
+        (32, 64, 128): 4,
+        (64, 32, 128): 2,
+        (128, 16, 128): 1,
+        (8, 256, 64): 32,
+        (32, 64, 64): 8,
+        (128, 16, 64): 2,
+        (256, 8, 64): 1,
+        (32, 6, 64): 2,
+        (32, 3, 128): 1,
+        (300, 64, 64): 1,
+        (1, 1, 128): 1,
+    }
+    for (blocks, groups, d), want in cases.items():
+        assert group_chunk(blocks, groups, d, causal=True) == want, (blocks, groups, d)
+        assert group_chunk(blocks, groups, d, causal=False) == 1
+
+
 def test_hopper_kernel_rules():
     """Which calls the Hopper kernel takes (``bwd_unsupported_reason``, the sm90 rule given as a capability)."""
     from fp8attn.kernels.hopper.backward_launch import HAS_GLUON, bwd_unsupported_reason

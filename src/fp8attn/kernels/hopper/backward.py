@@ -138,6 +138,27 @@ def _masked_rows(w_smem, j, rows, seqlen_q, fill, layout: gl.constexpr):
 
 
 @gluon.jit
+def _cta_coords(seqlen_k, nheads_k, group_chunk, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """(key block, batch, kv head) of this CTA. Without a mask the grid is (key blocks, batch, kv heads). Under
+    CAUSAL it is 1-D over the (batch, kv head) groups ``group_chunk`` at a time: within a chunk the key blocks in
+    order (block 0, which the mask leaves the most query tiles, first), each over the chunk's groups, so that the
+    heavy CTAs start early and the last ones are light (``backward_launch.group_chunk``)."""
+    if CAUSAL:
+        pid = gl.program_id(0)
+        per_chunk = gl.cdiv(seqlen_k, BN) * group_chunk
+        t = pid % per_chunk
+        g = (pid // per_chunk) * group_chunk + t % group_chunk
+        pid_n = t // group_chunk
+        b = g // nheads_k
+        hk = g % nheads_k
+    else:
+        pid_n = gl.program_id(0)
+        b = gl.program_id(1)
+        hk = gl.program_id(2)
+    return pid_n, b, hk
+
+
+@gluon.jit
 def _p_tile(st, keys, rows, lse2, seqlen_k, shift, masked, CAUSAL: gl.constexpr):
     """P^T = exp2(S^T - LSE) of one (keys, query rows) tile (``lse2``: the rows' log2-domain LSE), S^T first set to
     -inf where ``masked`` (a run-time flag, or the constant True) for keys from seqlen_k on, query rows before 0
@@ -287,11 +308,11 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
                     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_vd,
                     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                     stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
-                    ws_lse_off, ws_row, dq_row, seqlen_q, seqlen_k, nheads_q, nheads_k, softmax_scale,
+                    ws_lse_off, ws_row, dq_row, seqlen_q, seqlen_k, nheads_q, nheads_k, group_chunk, softmax_scale,
                     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, IS_FP8: gl.constexpr, V_SEQ_MAJOR: gl.constexpr,
                     NUM_STAGES: gl.constexpr):
-    """dK/dV of key block ``program_id(0)`` of (batch ``program_id(1)``, kv head ``program_id(2)``), summed over
-    the group's query heads, and its dQ parts added by TMA reductions (``dq_desc``).
+    """dK/dV of one key block of one (batch, kv head) (``_cta_coords``), summed over the group's query heads, and
+    its dQ parts added by TMA reductions (``dq_desc``).
 
     ``q_desc`` / ``do_desc``: TMA views (batch * seqlen_q, nheads_q * HEAD_DIM) of Q and dO, boxes of
     (64, HEAD_DIM); ``w_desc``: 1-D view of ``kernels.backward``'s workspace (Delta in (batch, head) rows of
@@ -318,9 +339,7 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
     else:
         v_layout: gl.constexpr = ld_layout
 
-    pid_n = gl.program_id(0)
-    b = gl.program_id(1)
-    hk = gl.program_id(2)
+    pid_n, b, hk = _cta_coords(seqlen_k, nheads_k, group_chunk, BN, CAUSAL)
     n0 = pid_n * BN
     qgroup = nheads_q // nheads_k
     b64 = b.to(gl.int64)

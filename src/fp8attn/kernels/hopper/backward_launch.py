@@ -27,12 +27,15 @@ from ..common import cdiv
 from .dense_launch import device_reason
 
 __all__ = ["bwd_unsupported_reason", "launch_bwd_tma", "launch_bwd_tma_fp8", "ws_row_len", "dq_acc_rows",
-           "transposed_len", "BLOCK_M", "BLOCK_N", "HEAD_DIMS"]
+           "transposed_len", "group_chunk", "BLOCK_M", "BLOCK_N", "HEAD_DIMS"]
 
 BLOCK_M = 64  # query rows per tile (a TMA box of Q and of dO)
 BLOCK_N = 128  # keys per CTA
 HEAD_DIMS = (64, 128)
 NUM_STAGES = 2
+# CTAs per group chunk of a causal call's grid (group_chunk), per head dim: from a one-process A/B of chunk sizes
+# on an H200 (docs/decisions.md)
+_CHUNK_CTAS = {64: 256, 128: 128}
 _16BIT = (torch.bfloat16, torch.float16)
 
 
@@ -145,13 +148,13 @@ def launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, *, q_descale, k_descale, v_d
     descs = (q_descale, k_descale, v_descale) if is_fp8 else (ws, ws, ws)
     w_desc = TensorDescriptor(ws, [ws.numel()], [1], [BLOCK_M], _W_LAYOUT)
     ds_strides = (*q_descale.stride(), *k_descale.stride(), *v_descale.stride()) if is_fp8 else (0,) * 6
-    grid = (cdiv(sk, BLOCK_N), batch, hk)
+    grid, chunk = _grid(sk, batch, hk, d, causal)
     _bwd_tma_kernel[grid](
         _desc(q), _desc(do), w_desc, _desc(dq_acc, _DQ_LAYOUT), k, v, dk, dv, *descs,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         *ds_strides, ws.stride(0), ws_row_len(sq), dq_acc.shape[1],
-        sq, sk, hq, hk, float(softmax_scale),
+        sq, sk, hq, hk, chunk, float(softmax_scale),
         CAUSAL=bool(causal), HEAD_DIM=d, IS_FP8=is_fp8, V_SEQ_MAJOR=v.stride(-1) != 1, NUM_STAGES=NUM_STAGES,
         num_warps=8)
 
@@ -179,8 +182,7 @@ def launch_bwd_tma_fp8(do8, dot8, qt8, do_scales, q, k, v, ws, dq_acc, dk, dv, *
     t_layout = _t_layout(d)
     qt_desc = TensorDescriptor(qt8, [batch * hq * d, st], [st, 1], [d, BLOCK_M], t_layout)
     dot_desc = TensorDescriptor(dot8, [batch * hq * d, st], [st, 1], [d, BLOCK_M], t_layout)
-    grid = (cdiv(sk, BLOCK_N), batch, hk)
-    _bwd_tma_fp8_kernel[grid](
+    _bwd_tma_fp8_kernel[(cdiv(sk, BLOCK_N), batch, hk)](
         _desc(q), qt_desc, _desc(do8), dot_desc, w_desc, _desc(dq_acc, _DQ_LAYOUT), k, v, dk, dv,
         q_descale, k_descale, v_descale, do_scales,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), v.stride(3),
@@ -188,6 +190,29 @@ def launch_bwd_tma_fp8(do8, dot8, qt8, do_scales, q, k, v, ws, dq_acc, dk, dv, *
         *q_descale.stride(), *k_descale.stride(), *v_descale.stride(), ws.stride(0), ws_row_len(sq),
         dq_acc.shape[1], sq, sk, hq, hk, float(softmax_scale),
         CAUSAL=bool(causal), HEAD_DIM=d, V_SEQ_MAJOR=v.stride(-1) != 1, NUM_STAGES=NUM_STAGES, num_warps=8)
+
+
+def group_chunk(n_blocks, groups, head_dim, causal):
+    """How many (batch, kv head) groups the dequantized kernel's grid takes at a time (``backward._cta_coords``).
+    Without a mask every CTA has the same work: 1, the groups one after the other. Under a causal mask key block
+    i sees the query tiles from its diagonal on, so the CTAs of block 0 are the heaviest; taken one group at a
+    time, the grid ends with the last group's heavy blocks whenever it is a few waves long. A chunk starts the
+    heavy blocks of several groups early and leaves light ones for the end: the largest power of two dividing
+    ``groups`` whose chunk holds at most ``_CHUNK_CTAS[head_dim]`` CTAs (larger chunks were slower at d128 S16k).
+    The FP8-matmul kernel keeps the plain grid: the computed coordinates cost it registers (docs/decisions.md)."""
+    chunk = 1
+    if causal:
+        while groups % (2 * chunk) == 0 and 2 * chunk * n_blocks <= _CHUNK_CTAS[head_dim]:
+            chunk *= 2
+    return chunk
+
+
+def _grid(sk, batch, hk, head_dim, causal):
+    """The dequantized kernel's grid and group chunk (``backward._cta_coords``: 1-D under a causal mask)."""
+    n_blocks = cdiv(sk, BLOCK_N)
+    if not causal:
+        return (n_blocks, batch, hk), 1
+    return (n_blocks * batch * hk,), group_chunk(n_blocks, batch * hk, head_dim, causal)
 
 
 @functools.lru_cache(maxsize=None)
