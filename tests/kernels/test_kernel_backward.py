@@ -334,10 +334,11 @@ def test_16bit_inputs_seqmajor_v():
 
 
 def test_hopper_causal_group_chunk():
-    """The causal grid's group chunk (``backward_launch.group_chunk``): 1 without a mask (every CTA the same
-    work); under one the largest power of two that divides the groups and keeps a chunk within 128 CTAs at d128,
-    256 at d64, so that the heavy key blocks of the last chunks do not end the grid."""
-    from fp8attn.kernels.hopper.backward_launch import HAS_GLUON, group_chunk
+    """The dequantized kernel's grid and group chunk (``backward_launch._grid``, ``group_chunk``): without a mask
+    the plain (key blocks, batch, kv heads) grid, chunk 1 (every CTA the same work); under one a 1-D grid, chunked
+    by the largest power of two that divides the groups and keeps a chunk within 128 CTAs at d128, 256 at d64, so
+    that the heavy key blocks of the last chunks do not end the grid."""
+    from fp8attn.kernels.hopper.backward_launch import BLOCK_N, HAS_GLUON, _grid
 
     if not HAS_GLUON:
         pytest.skip("this triton has no Gluon")
@@ -358,8 +359,9 @@ def test_hopper_causal_group_chunk():
         (1, 1, 128): 1,
     }
     for (blocks, groups, d), want in cases.items():
-        assert group_chunk(blocks, groups, d, causal=True) == want, (blocks, groups, d)
-        assert group_chunk(blocks, groups, d, causal=False) == 1
+        sk = blocks * BLOCK_N - 1  # a partial last key block counts as a block
+        assert _grid(sk, groups, 1, d, causal=True) == ((blocks * groups,), want), (blocks, groups, d)
+        assert _grid(sk, groups, 1, d, causal=False) == ((blocks, groups, 1), 1)
 
 
 def test_hopper_kernel_rules():

@@ -192,18 +192,18 @@ def launch_bwd_tma_fp8(do8, dot8, qt8, do_scales, q, k, v, ws, dq_acc, dk, dv, *
         CAUSAL=bool(causal), HEAD_DIM=d, V_SEQ_MAJOR=v.stride(-1) != 1, NUM_STAGES=NUM_STAGES, num_warps=8)
 
 
-def group_chunk(n_blocks, groups, head_dim, causal):
-    """How many (batch, kv head) groups the dequantized kernel's grid takes at a time (``backward._cta_coords``).
-    Without a mask every CTA has the same work: 1, the groups one after the other. Under a causal mask key block
-    i sees the query tiles from its diagonal on, so the CTAs of block 0 are the heaviest; taken one group at a
-    time, the grid ends with the last group's heavy blocks whenever it is a few waves long. A chunk starts the
-    heavy blocks of several groups early and leaves light ones for the end: the largest power of two dividing
-    ``groups`` whose chunk holds at most ``_CHUNK_CTAS[head_dim]`` CTAs (larger chunks were slower at d128 S16k).
-    The FP8-matmul kernel keeps the plain grid: the computed coordinates cost it registers (docs/decisions.md)."""
+def group_chunk(n_blocks, groups, head_dim):
+    """How many (batch, kv head) groups the dequantized kernel's causal grid takes at a time
+    (``backward._cta_coords``; without a mask every CTA has the same work and ``_grid`` keeps the plain grid, the
+    groups one after the other). Under a causal mask key block i sees the query tiles from its diagonal on, so
+    the CTAs of block 0 are the heaviest; taken one group at a time, the grid ends with the last group's heavy
+    blocks whenever it is a few waves long. A chunk starts the heavy blocks of several groups early and leaves
+    light ones for the end: the largest power of two dividing ``groups`` whose chunk holds at most
+    ``_CHUNK_CTAS[head_dim]`` CTAs (larger chunks were slower at d128 S16k). The FP8-matmul kernel keeps the
+    plain grid: the computed coordinates cost it registers (docs/decisions.md)."""
     chunk = 1
-    if causal:
-        while groups % (2 * chunk) == 0 and 2 * chunk * n_blocks <= _CHUNK_CTAS[head_dim]:
-            chunk *= 2
+    while groups % (2 * chunk) == 0 and 2 * chunk * n_blocks <= _CHUNK_CTAS[head_dim]:
+        chunk *= 2
     return chunk
 
 
@@ -212,7 +212,7 @@ def _grid(sk, batch, hk, head_dim, causal):
     n_blocks = cdiv(sk, BLOCK_N)
     if not causal:
         return (n_blocks, batch, hk), 1
-    return (n_blocks * batch * hk,), group_chunk(n_blocks, batch * hk, head_dim, causal)
+    return (n_blocks * batch * hk,), group_chunk(n_blocks, batch * hk, head_dim)
 
 
 @functools.lru_cache(maxsize=None)
