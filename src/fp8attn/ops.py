@@ -1151,7 +1151,11 @@ class QuantizedAttention(torch.autograd.Function):
             block,
             True,
         )
-        o, lse = _dense_impl(*args, None) if _eager_direct(q8, k8, v8) else _dense_op(*args)
+        planned = _planned_fwd(q.dtype, q8, k8, v8, q_descale, k_descale, v_descale, attn)
+        if planned is not None:
+            o, lse = planned
+        else:
+            o, lse = _dense_impl(*args, None) if _eager_direct(q8, k8, v8) else _dense_op(*args)
         ctx.save_for_backward(q8, k8, v8, q_descale, k_descale, v_descale, o, lse, rotation, cu_q, cu_k)
         ctx.attn = attn
         ctx.grad_dtypes = (q.dtype, k.dtype, v.dtype)
@@ -1191,6 +1195,47 @@ class QuantizedAttention(torch.autograd.Function):
             dq = (dq @ rotation.t()).to(ctx.grad_dtypes[0])
             dk = (dk @ rotation.t()).to(ctx.grad_dtypes[1])
         return dq, dk.to(ctx.grad_dtypes[1]), dv.to(ctx.grad_dtypes[2]), None, None, None, None, None, None, None, None
+
+
+def _no_plan(*args):
+    return None
+
+
+def _planned_fwd(out_dtype, q8, k8, v8, qd, kd, vd, attn):
+    """``(out, lse)`` of the forward of a dense ``fp8attn.attention`` call through its eager plan (what a planned
+    ``flash_attn_func`` call runs: the Hopper kernel's recorded launch), or None where the call takes no plan
+    (varlen, per-block descales, compiled or traced, a call the Hopper kernel does not take). The answer per
+    signature is kept, a None too (as ``_no_plan``), so the checks run once."""
+    from . import plan
+
+    cu_q, _, _, _, scale, causal, wl, wr, softcap, block, _, _ = attn
+    if cu_q is not None or block or not q8.is_cuda:
+        return None
+    tensors = (q8, k8, v8, qd, kd, vd)
+    key, run = plan.find("attention_fwd", tensors, (scale, causal, wl, wr, softcap, out_dtype))
+    if run is None:
+        if key is None or not plan.eager_ok(*tensors):
+            return None
+        run = plan.dense_tma_plan(
+            q8,
+            k8,
+            v8,
+            qd,
+            kd,
+            vd,
+            None,
+            None,
+            softmax_scale=scale,
+            causal=causal,
+            window_size=(wl, wr),
+            softcap=softcap,
+            out_dtype=out_dtype,
+            return_lse=True,
+        )
+        plan.store(key, run or _no_plan)
+        if run is None:
+            return None
+    return run(q8, k8, v8, qd, kd, vd, None, None)
 
 
 def _needs_grad(*ts):

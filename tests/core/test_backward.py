@@ -482,3 +482,32 @@ def test_gpu_compiled_forward_backward():
     compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(*leaves), leaves)
     for a, b in zip(eager, compiled):
         assert rel_err(b, a) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "causal,window,planned", [(True, (-1, -1), True), (False, (-1, -1), True), (False, (64, 0), False)]
+)
+def test_gpu_attention_forward_plan(monkeypatch, causal, window, planned):
+    """A dense attention call's forward takes its eager plan (the Hopper kernel's recorded launch, as a planned
+    flash_attn_func call): the same output and LSE bits as the unplanned forward on every call, and the same
+    gradients up to the order of dQ's atomic additions. A call the Hopper kernel does not take (a window) keeps
+    the unplanned forward, its signature remembered as planless."""
+    from fp8attn import plan
+
+    leaves = _bf16_qkv(2, 640, 8, 2, 128, device="cuda")
+    do = torch.randn(2, 640, 8, 128, device="cuda").bfloat16()
+    plan.clear()
+    runs = []
+    for _ in range(3):
+        o, lse = fp8attn.attention(*leaves, causal=causal, window_size=window, return_lse=True)
+        runs.append((o, lse, torch.autograd.grad(o, leaves, do)))
+    kept = [v for k, v in plan._PLANS.items() if k[0] == "attention_fwd"]
+    assert len(kept) == 1 and (kept[0] is not ops._no_plan) == planned
+    monkeypatch.setattr(ops, "_planned_fwd", lambda *a: None)
+    o, lse = fp8attn.attention(*leaves, causal=causal, window_size=window, return_lse=True)
+    want = torch.autograd.grad(o, leaves, do)
+    for ro, rlse, rg in runs:
+        assert torch.equal(ro, o) and torch.equal(rlse, lse)
+        for a, b in zip(rg, want):
+            assert rel_err(a, b) < 1e-3
