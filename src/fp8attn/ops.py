@@ -68,6 +68,7 @@ from .kernels.planning import (
     CPU_NUM_SMS,
     TMA_QUERY_BLOCK,
     attention_out_dtype,
+    dense_out_shapes,
     is_v_seq_major,
     paged_grid,
     paged_precisions,
@@ -136,12 +137,6 @@ def _no_lse(q):
     return q.new_empty((0,), dtype=torch.float32)
 
 
-def _dense_shapes(q, v, varlen):
-    oshape = tuple(q.shape[:-1]) + (v.shape[-1],)
-    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
-    return oshape, lse_shape
-
-
 def _dense_p_model(q, v):
     """The dense kernel's P@V for the reference path: e4m3 P for e4m3 inputs (P_FP8), P in the input
     dtype for 16-bit inputs, exact otherwise."""
@@ -178,7 +173,7 @@ def _dense_impl(
 ):
     varlen = cu_seqlens_q is not None
     dt = _out_dtype(q, out_dtype, out_scale)
-    oshape, lse_shape = _dense_shapes(q, v, varlen)
+    oshape, lse_shape = dense_out_shapes(q, v, varlen)
     window = (int(window_left), int(window_right))
     launch = kernel_for(q, "dense")  # (None: the reference; a CUDA call reports the fallback first)
     if launch is not None:
@@ -393,7 +388,7 @@ def _paged_impl(
 ):
     varlen = cu_seqlens_q is not None
     dt = _out_dtype(q, out_dtype, out_scale)
-    oshape, lse_shape = _dense_shapes(q, v_cache, varlen)
+    oshape, lse_shape = dense_out_shapes(q, v_cache, varlen)
     window = (int(window_left), int(window_right))
     if max_seqlen_q is None:
         max_seqlen_q = q.shape[1] if not varlen else q.shape[0]
@@ -733,12 +728,12 @@ def _lse_fake(q, v, cu_seqlens_q, return_lse):
     without ``return_lse``."""
     if not return_lse:
         return _no_lse(q)
-    return q.new_empty(_dense_shapes(q, v, cu_seqlens_q is not None)[1], dtype=torch.float32)
+    return q.new_empty(dense_out_shapes(q, v, cu_seqlens_q is not None)[1], dtype=torch.float32)
 
 
 def _attn_fake(q, v, cu_seqlens_q, out_scale, out_dtype, return_lse):
     """(out, lse) of an attention op: out is q's shape with v's head dim; lse as ``_lse_fake``."""
-    oshape = _dense_shapes(q, v, cu_seqlens_q is not None)[0]
+    oshape = dense_out_shapes(q, v, cu_seqlens_q is not None)[0]
     return (q.new_empty(oshape, dtype=_out_dtype(q, out_dtype, out_scale)), _lse_fake(q, v, cu_seqlens_q, return_lse))
 
 
@@ -1446,7 +1441,7 @@ def paged_fwd(
     if out is None and split_workspace is None:
         return _paged_op(*args)
     if out is None:  # the workspace is a mutable argument of the out variant only
-        oshape = _dense_shapes(q, v_cache, cu_seqlens_q is not None)[0]
+        oshape = dense_out_shapes(q, v_cache, cu_seqlens_q is not None)[0]
         out = q.new_empty(oshape, dtype=_out_dtype(q, out_dtype, out_scale))
     return out, _paged_out_op(*args, out, *ws)
 

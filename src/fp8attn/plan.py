@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from .ops import _dense_shapes  # (the output and LSE shapes the ops give)
+from .kernels.planning import dense_out_shapes
 
 __all__ = [
     "Launches",
@@ -228,7 +228,7 @@ def _output_alloc(q, v, varlen, out_dtype, out_scale, return_lse):
     float32 LSE when the call returns one."""
     from .kernels.planning import attention_out_dtype
 
-    oshape, lse_shape = _dense_shapes(q, v, varlen)
+    oshape, lse_shape = dense_out_shapes(q, v, varlen)
     odt = attention_out_dtype(q.dtype, out_dtype, out_scale)
     dev = q.device
 

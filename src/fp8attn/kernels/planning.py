@@ -21,7 +21,7 @@ __all__ = ["backend_env", "cdiv", "next_pow2", "window_flags", "attention_out_dt
            "DESCALE_FLOOR", "scale_storage_pad", "is_v_seq_major", "split_partials",
            "decode_shaped", "small_shaped", "decode_row_queries", "paged_precision", "paged_precisions",
            "choose_num_splits", "choose_prefill_splits", "paged_config", "paged_grid", "DECODE_BLOCKS_PER_SM",
-           "PREFILL_BLOCKS_PER_SM", "CPU_NUM_SMS"]
+           "PREFILL_BLOCKS_PER_SM", "CPU_NUM_SMS", "dense_out_shapes"]
 
 # Query rows of one TMA query block: a fixed-length call runs on the paged TMA kernel with a multiple of
 # this many queries; a varlen call sends it its sequences of this many queries or more.
@@ -410,3 +410,11 @@ def _paged_grid(batch, nheads_k, qg, headdim, max_seqlen_q, q_rows, varlen, page
         if num_splits == 2 and not varlen and tiles[:3] == (128, 64, 4) and headdim == 128:
             num_splits = choose_prefill_splits(grid0 * nheads_k, num_sms, capacity)
     return tiles, small_tiles, block_q, two_class, grid0, max(1, num_splits)
+
+
+def dense_out_shapes(q, v, varlen):
+    """``(out shape, LSE shape)`` of a dense call: q's shape with v's head dim; LSE (batch, nheads_q, seqlen_q),
+    varlen (nheads_q, total_q)."""
+    oshape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    return oshape, lse_shape
