@@ -1122,35 +1122,34 @@ class QuantizedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q8, k8, v8, q_descale, k_descale, v_descale, rotation, attn):
         cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = attn
-        args = (
-            q8,
-            k8,
-            v8,
-            cu_q,
-            cu_k,
-            None,
-            None,
-            max_q,
-            max_k,
-            scale,
-            causal,
-            wl,
-            wr,
-            softcap,
-            q_descale,
-            k_descale,
-            v_descale,
-            None,
-            q.dtype,
-            False,
-            block,
-            True,
-        )
-        planned = _planned_fwd(q.dtype, q8, k8, v8, q_descale, k_descale, v_descale, attn)
-        if planned is not None:
-            o, lse = planned
-        else:
-            o, lse = _dense_impl(*args, None) if _eager_direct(q8, k8, v8) else _dense_op(*args)
+        o_lse = _planned_fwd(q.dtype, q8, k8, v8, q_descale, k_descale, v_descale, attn)
+        if o_lse is None:  # no plan: the op (its implementation directly where nothing traces the call)
+            args = (
+                q8,
+                k8,
+                v8,
+                cu_q,
+                cu_k,
+                None,
+                None,
+                max_q,
+                max_k,
+                scale,
+                causal,
+                wl,
+                wr,
+                softcap,
+                q_descale,
+                k_descale,
+                v_descale,
+                None,
+                q.dtype,
+                False,
+                block,
+                True,
+            )
+            o_lse = _dense_impl(*args, None) if _eager_direct(q8, k8, v8) else _dense_op(*args)
+        o, lse = o_lse
         ctx.save_for_backward(q8, k8, v8, q_descale, k_descale, v_descale, o, lse, rotation, cu_q, cu_k)
         ctx.attn = attn
         ctx.grad_dtypes = (q.dtype, k.dtype, v.dtype)
