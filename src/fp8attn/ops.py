@@ -1004,8 +1004,12 @@ def _dense_backward(ctx, grad_out, grad_lse):
         args[_DENSE_NARGS - 1] = True
         with torch.no_grad():
             lse = OPS["dense_fwd"](*args)[1]
-    grads = OPS["dense_bwd"](
-        grad_out.contiguous(),
+    grad_out = grad_out.contiguous()
+    grads = None
+    if cu_q is None and not block and not deterministic:
+        grads = _planned_bwd(grad_out, q, k, v, o, lse, qd, kd, vd, ctx.attrs[2:9], _grad_dtype(q))
+    grads = grads or OPS["dense_bwd"](
+        grad_out,
         q,
         k,
         v,
@@ -1161,8 +1165,12 @@ class QuantizedAttention(torch.autograd.Function):
         q8, k8, v8, qd, kd, vd, o, lse, rotation, cu_q, cu_k = ctx.saved_tensors
         _, _, max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = ctx.attn
         gdt = torch.float32 if rotation is not None else ctx.grad_dtypes[0]
-        dq, dk, dv = OPS["dense_bwd"](
-            grad_out.contiguous(),
+        grad_out = grad_out.contiguous()
+        grads = None
+        if cu_q is None and not block and not deterministic:
+            grads = _planned_bwd(grad_out, q8, k8, v8, o, lse, qd, kd, vd, ctx.attn[4:11], gdt)
+        dq, dk, dv = grads or OPS["dense_bwd"](
+            grad_out,
             q8,
             k8,
             v8,
@@ -1191,32 +1199,21 @@ class QuantizedAttention(torch.autograd.Function):
         return dq, dk.to(ctx.grad_dtypes[1]), dv.to(ctx.grad_dtypes[2]), None, None, None, None, None, None, None, None
 
 
-def _no_plan(*args):
-    return None
-
-
 def _planned_fwd(out_dtype, q8, k8, v8, qd, kd, vd, attn):
     """``(out, lse)`` of the forward of a dense ``fp8attn.attention`` call through its eager plan (what a planned
     ``flash_attn_func`` call runs: the Hopper kernel's recorded launch), or None where the call takes no plan
-    (varlen, per-block descales, compiled or traced, a call the Hopper kernel does not take). The answer per
-    signature is kept, a None too (as ``_no_plan``), so the checks run once."""
+    (varlen, per-block descales, compiled or traced, a call the Hopper kernel does not take; ``plan.obtain``
+    remembers those signatures)."""
     from . import plan
 
     cu_q, _, _, _, scale, causal, wl, wr, softcap, block, _, _ = attn
     if cu_q is not None or block or not q8.is_cuda:
         return None
     tensors = (q8, k8, v8, qd, kd, vd)
-    key, run = plan.find("attention_fwd", tensors, (scale, causal, wl, wr, softcap, out_dtype))
-    if run is None:
-        if key is None or not plan.eager_ok(*tensors):
-            return None
-        run = plan.dense_tma_plan(
-            q8,
-            k8,
-            v8,
-            qd,
-            kd,
-            vd,
+
+    def build():
+        return plan.dense_tma_plan(
+            *tensors,
             None,
             None,
             softmax_scale=scale,
@@ -1226,10 +1223,35 @@ def _planned_fwd(out_dtype, q8, k8, v8, qd, kd, vd, attn):
             out_dtype=out_dtype,
             return_lse=True,
         )
-        plan.store(key, run or _no_plan)
-        if run is None:
-            return None
-    return run(q8, k8, v8, qd, kd, vd, None, None)
+
+    run = plan.obtain("attention_fwd", tensors, (scale, causal, wl, wr, softcap, out_dtype), build)
+    return None if run is None else run(*tensors, None, None)
+
+
+def _planned_bwd(dout, q, k, v, o, lse, qd, kd, vd, attrs, grad_dtype):
+    """``(dq, dk, dv)`` of a dense backward through its eager plan (``plan.dense_bwd_plan``: the Hopper backward
+    kernel's recorded launches), or None where the call takes no plan; ``attrs`` is ``(softmax_scale, causal,
+    window_left, window_right, softcap, descale_block, mode)``."""
+    from . import plan
+
+    if not q.is_cuda:
+        return None
+    tensors = (dout, q, k, v, o, lse, qd, kd, vd)
+    scale, causal, wl, wr, softcap, _block, mode = attrs
+
+    def build():
+        return plan.dense_bwd_plan(
+            *tensors,
+            softmax_scale=scale,
+            causal=causal,
+            window_size=(wl, wr),
+            softcap=softcap,
+            mode=mode,
+            grad_dtype=grad_dtype,
+        )
+
+    run = plan.obtain("attention_bwd", tensors, (*attrs, grad_dtype), build)
+    return None if run is None else run(*tensors)
 
 
 def _needs_grad(*ts):

@@ -36,9 +36,12 @@ __all__ = [
     "lookup",
     "cached",
     "store",
+    "obtain",
+    "no_plan",
     "eager_ok",
     "clear",
     "dense_tma_plan",
+    "dense_bwd_plan",
     "paged_plan",
     "dense_plan",
     "write_kv_plan",
@@ -48,7 +51,13 @@ __all__ = [
 ]
 
 # environment switches the dispatch reads (a plan made under one value never serves another)
-ENV_SWITCHES = ("FP8ATTN_DENSE_BACKEND", "FP8ATTN_FORCE_REFERENCE", "FP8ATTN_FALLBACK", "FP8ATTN_TMA_QK192")
+ENV_SWITCHES = (
+    "FP8ATTN_DENSE_BACKEND",
+    "FP8ATTN_FORCE_REFERENCE",
+    "FP8ATTN_FALLBACK",
+    "FP8ATTN_TMA_QK192",
+    "FP8ATTN_BWD_BACKEND",
+)
 MAX_PLANS = 1024
 
 _PLANS: dict = {}
@@ -167,6 +176,23 @@ def find(kind, tensors, args):
         return None, None
     key = call_key(kind, tensors, args)
     return key, cached(key, tensors)
+
+
+def no_plan(*args):
+    """What a signature that takes no plan keeps (``obtain``): its checks then run once, not on every call."""
+    return None
+
+
+def obtain(kind, tensors, args, build):
+    """The plan of a call: the one stored for its ``call_key``, else ``build()``'s, stored (a None as ``no_plan``).
+    None where the call takes none: compiled or traced (``find``), not ``eager_ok``, or a planless signature."""
+    key, run = find(kind, tensors, args)
+    if run is None:
+        if key is None or not eager_ok(*tensors):
+            return None
+        run = build() or no_plan
+        store(key, run)
+    return None if run is no_plan else run
 
 
 def store(key, plan) -> None:
@@ -313,6 +339,83 @@ def dense_tma_plan(
         with launch_device(q):
             launches(q, k, v, q_descale, k_descale, v_descale, out_scale, o, lse)
         return (o, lse) if return_lse else o
+
+    run.launches = launches  # type: ignore[attr-defined]
+    return run
+
+
+def dense_bwd_plan(do, q, k, v, out, lse, qd, kd, vd, *, softmax_scale, causal, window_size, softcap, mode, grad_dtype):
+    """The plan of a dense (4-D) attention backward that the Hopper backward kernel serves, or None.
+
+    Its launches (the preprocess, which also zeroes the kernel's dQ accumulator; in the fp8 mode the e4m3
+    operands; the kernel; dQ's conversion into a dq of ``grad_dtype``) are recorded on the first call and
+    replayed after. ``run(do, q, k, v, out, lse, qd, kd, vd) -> (dq, dk, dv)``, new gradients of q's, k's and v's
+    shapes in ``grad_dtype``: what ``fp8attn::dense_bwd`` returns for the call (no per-block descales, no
+    ``deterministic``). None where the call needs anything else (varlen, a window or softcap, the Triton kernels,
+    the reference, a fallback report)."""
+    if not q.is_cuda or q.dtype not in (torch.float8_e4m3fn, torch.bfloat16, torch.float16):
+        return None
+    from .capability import kernel_for, launch_device
+
+    launch = kernel_for(q, "backward")
+    if launch is None:
+        return None
+    from .kernels import backward as kb
+    from .kernels.hopper import backward_launch
+    from .kernels.planning import window_flags
+
+    kernel_causal, wl, wr, has_window = window_flags(causal, window_size)
+    dev = q.device
+
+    def alloc():
+        return tuple(torch.empty(t.shape, dtype=grad_dtype, device=dev) for t in (q, k, v))
+
+    why = backward_launch.bwd_unsupported_reason(
+        do,
+        q,
+        k,
+        v,
+        *alloc(),
+        varlen=False,
+        mode=mode,
+        deterministic=False,
+        window=has_window,
+        softcap=float(softcap) != 0.0,
+    )
+    if why is not None or kb.bwd_backend() == "triton":
+        return None
+    scale, cap = float(softmax_scale), float(softcap)
+
+    def launch_(do, q, k, v, out, lse, q_descale, k_descale, v_descale, dq, dk, dv):
+        launch(
+            do,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dq,
+            dk,
+            dv,
+            q_descale=q_descale,
+            k_descale=k_descale,
+            v_descale=v_descale,
+            softmax_scale=scale,
+            causal=kernel_causal,
+            window_left=wl,
+            window_right=wr,
+            softcap=cap,
+            mode=mode,
+            deterministic=False,
+        )
+
+    launches = Launches(launch_)
+
+    def run(do, q, k, v, out, lse, q_descale, k_descale, v_descale):
+        dq, dk, dv = alloc()
+        with launch_device(q):
+            launches(do, q, k, v, out, lse, q_descale, k_descale, v_descale, dq, dk, dv)
+        return dq, dk, dv
 
     run.launches = launches  # type: ignore[attr-defined]
     return run

@@ -503,7 +503,7 @@ def test_gpu_attention_forward_plan(monkeypatch, causal, window, planned):
         o, lse = fp8attn.attention(*leaves, causal=causal, window_size=window, return_lse=True)
         runs.append((o, lse, torch.autograd.grad(o, leaves, do)))
     kept = [v for k, v in plan._PLANS.items() if k[0] == "attention_fwd"]
-    assert len(kept) == 1 and (kept[0] is not ops._no_plan) == planned
+    assert len(kept) == 1 and (kept[0] is not plan.no_plan) == planned
     monkeypatch.setattr(ops, "_planned_fwd", lambda *a: None)
     o, lse = fp8attn.attention(*leaves, causal=causal, window_size=window, return_lse=True)
     want = torch.autograd.grad(o, leaves, do)
@@ -511,3 +511,64 @@ def test_gpu_attention_forward_plan(monkeypatch, causal, window, planned):
         assert torch.equal(ro, o) and torch.equal(rlse, lse)
         for a, b in zip(rg, want):
             assert rel_err(a, b) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "seqlen,causal,window,mode,hadamard,planned",
+    [
+        (640, True, (-1, -1), "dequantized", False, True),
+        (600, False, (-1, -1), "dequantized", False, True),
+        (600, True, (-1, -1), "fp8", False, True),
+        (640, True, (-1, -1), "dequantized", True, True),
+        (600, False, (64, 0), "dequantized", False, False),
+    ],
+)
+def test_gpu_attention_backward_plan(monkeypatch, seqlen, causal, window, mode, hadamard, planned):
+    """A dense attention call's backward takes its eager plan (``plan.dense_bwd_plan``: the Hopper backward's
+    launches recorded on the first call, replayed after): the gradients of the unplanned backward on every call,
+    dK and dV bit for bit, dQ up to the order of its TMA reductions. Query counts off a 64-row tile (dQ converted
+    out of the padded accumulator) and on one, the fp8 mode, a Hadamard call (float32 dq, the accumulator itself).
+    A call the Hopper kernel does not take (a window) keeps the op, its signature remembered as planless."""
+    from fp8attn import plan
+
+    leaves = _bf16_qkv(2, seqlen, 8, 2, 128, device="cuda")
+    do = torch.randn(2, seqlen, 8, 128, device="cuda").bfloat16()
+    kw = dict(causal=causal, window_size=window, fp8_backward=mode, hadamard=hadamard)
+    plan.clear()
+    runs = []
+    for _ in range(3):
+        runs.append(torch.autograd.grad(fp8attn.attention(*leaves, **kw), leaves, do))
+    kept = [v for k, v in plan._PLANS.items() if k[0] == "attention_bwd"]
+    assert len(kept) == 1 and (kept[0] is not plan.no_plan) == planned
+    if planned:
+        from fp8attn.kernels import replay
+
+        assert kept[0].launches.replay is not None, replay.last_refusal
+    monkeypatch.setattr(ops, "_planned_bwd", lambda *a: None)
+    want = torch.autograd.grad(fp8attn.attention(*leaves, **kw), leaves, do)
+    for rg in runs:
+        for name, a, b in zip("qkv", rg, want):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            if name == "q":
+                assert rel_err(a, b) < 1e-4, name
+            else:
+                assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_gpu_flash_attn_backward_plan(monkeypatch):
+    """flash_attn_func on 16-bit leaves takes the same backward plan: the unplanned backward's gradients."""
+    from fp8attn import plan
+
+    leaves = _bf16_qkv(1, 384, 4, 4, 64, device="cuda")
+    do = torch.randn(1, 384, 4, 64, device="cuda").bfloat16()
+    plan.clear()
+    got = [torch.autograd.grad(fp8attn.flash_attn_func(*leaves, causal=True), leaves, do) for _ in range(3)]
+    kept = [v for k, v in plan._PLANS.items() if k[0] == "attention_bwd"]
+    assert len(kept) == 1 and kept[0] is not plan.no_plan and kept[0].launches.replay is not None
+    monkeypatch.setattr(ops, "_planned_bwd", lambda *a: None)
+    want = torch.autograd.grad(fp8attn.flash_attn_func(*leaves, causal=True), leaves, do)
+    for g in got:
+        for name, a, b in zip("qkv", g, want):
+            assert (rel_err(a, b) < 1e-4) if name == "q" else torch.equal(a, b), name

@@ -67,6 +67,7 @@ import triton.language as tl
 from .common import INTERPRET, LOG2E, causal_window_mask, cdiv, full_tile_range, kv_range, next_pow2, seq_bounds
 from .hopper import backward_launch
 from .planning import backend_env, window_flags
+from .replay import launch
 
 __all__ = ["launch_attention_bwd", "bwd_configs", "table_configs", "MODES", "bwd_backend"]
 
@@ -271,17 +272,26 @@ def _bwd_preprocess_kernel(Out, DO, Ws, Lse, cu_seqlens_q,
                            stride_dob, stride_dom, stride_doh, stride_dod,
                            stride_lb, stride_lh, stride_lm,
                            stride_wb, stride_wh, ws_lse_off,
-                           seqlen_q_static, head_dim_v,
-                           IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Ws[0, row] = rowsum(dO * O) (fp32); Ws[1, row] = lse * log2(e), +inf where lse = -inf."""
+                           seqlen_q_static, head_dim_v, DQA, stride_ab, stride_am, stride_ah, acc_rows, head_dim,
+                           IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+                           ZERO_DQ: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Ws[0, row] = rowsum(dO * O) (fp32); Ws[1, row] = lse * log2(e), +inf where lse = -inf. With ZERO_DQ (the
+    Hopper kernel's calls) also zeroes rows ``< acc_rows`` of the fp32 dQ accumulator DQA (batch, acc_rows, heads,
+    head_dim; unit last stride), which the grid then covers: the backward issues no fill of its own (a torch
+    fill would keep its launches from being recorded for replay, ``kernels.replay``)."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
+    b64 = b.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ZERO_DQ:
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.store(DQA + b64 * stride_ab + offs_m.to(tl.int64)[:, None] * stride_am + h * stride_ah + offs_d[None, :],
+                 tl.zeros((BLOCK_M, BLOCK_D), tl.float32),
+                 mask=(offs_m < acc_rows)[:, None] & (offs_d < head_dim)[None, :])
     q_start, _k, seqlen_q, _s = seq_bounds(cu_seqlens_q, cu_seqlens_q, b, seqlen_q_static, 0, IS_VARLEN)
     if pid_m * BLOCK_M >= seqlen_q:
         return
-    b64 = b.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < seqlen_q
     tok = q_start + offs_m.to(tl.int64)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -296,6 +306,23 @@ def _bwd_preprocess_kernel(Out, DO, Ws, Lse, cu_seqlens_q,
     w = Ws + b64 * stride_wb + h * stride_wh + tok
     tl.store(w, delta, mask=m_ok)
     tl.store(w + ws_lse_off, lse2, mask=m_ok)
+
+
+@triton.jit
+def _dq_convert_kernel(SRC, DST, stride_sb, stride_sm, stride_sh, stride_db, stride_dm, stride_dh, stride_dd,
+                       seqlen_q, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """DST[b, m, h, :] = SRC[b, m, h, :] (fp32, unit last stride) in DST's dtype for rows ``m < seqlen_q``: the
+    Hopper kernel's dQ accumulator into a dq of another dtype or row count (a torch copy would keep the backward's
+    launches from being recorded for replay)."""
+    pid_m = tl.program_id(0)
+    b64 = tl.program_id(1).to(tl.int64)
+    h64 = tl.program_id(2).to(tl.int64)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    msk = (offs_m < seqlen_q)[:, None] & (offs_d < head_dim)[None, :]
+    x = tl.load(SRC + b64 * stride_sb + h64 * stride_sh + offs_m[:, None] * stride_sm + offs_d[None, :], mask=msk)
+    tl.store(DST + b64 * stride_db + h64 * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :] * stride_dd,
+             x.to(DST.dtype.element_ty), mask=msk)
 
 
 @triton.jit
@@ -705,15 +732,15 @@ def bwd_backend() -> str:
     return backend_env("FP8ATTN_BWD_BACKEND")
 
 
-def _fp32_acc(dq, rows=None):
-    """dQ's fp32 accumulator, zeroed: dq itself when it is fp32 with its head dim contiguous. ``rows``: the
-    accumulator a TMA view needs instead, (batch, rows, nheads, d) contiguous (dq itself only when it is that)."""
-    if rows is None and dq.dtype == torch.float32 and dq.stride(-1) == 1:
-        return dq.zero_()
-    if rows == dq.shape[1] and dq.dtype == torch.float32 and dq.is_contiguous():
-        return dq.zero_()
+def _fp32_acc(dq, rows=None, zero=True):
+    """dQ's fp32 accumulator, zeroed (uninitialized with ``zero=False``: the caller zeroes it): dq itself when it
+    is fp32 with its head dim contiguous. ``rows``: the accumulator a TMA view needs instead, (batch, rows,
+    nheads, d) contiguous (dq itself only when it is that)."""
+    if (rows is None and dq.dtype == torch.float32 and dq.stride(-1) == 1) or (
+            rows == dq.shape[1] and dq.dtype == torch.float32 and dq.is_contiguous()):
+        return dq.zero_() if zero else dq
     shape = dq.shape if rows is None else (dq.shape[0], rows, *dq.shape[2:])
-    return torch.zeros(shape, device=dq.device, dtype=torch.float32)
+    return (torch.zeros if zero else torch.empty)(shape, device=dq.device, dtype=torch.float32)
 
 
 def _fp8_operands(do, q):
@@ -724,9 +751,9 @@ def _fp8_operands(do, q):
     st = backward_launch.transposed_len(sq)
     do8 = torch.empty(do.shape, device=do.device, dtype=torch.float8_e4m3fn)
     dot8 = torch.empty(batch, hq, d, st, device=do.device, dtype=torch.float8_e4m3fn)
-    qt8 = torch.empty_like(dot8)
+    qt8 = torch.empty(dot8.shape, device=do.device, dtype=torch.float8_e4m3fn)
     scales = torch.empty(batch, hq, n_mt, device=do.device, dtype=torch.float32)
-    _fp8_operands_kernel[(n_mt, batch, hq)](
+    launch(_fp8_operands_kernel, (n_mt, batch, hq),
         do, q, do8, dot8, qt8, scales, do.stride(0), do.stride(1), do.stride(2), q.stride(0), q.stride(1),
         q.stride(2), sq, st, hq, HEAD_DIM=d, BLOCK_M=backward_launch.BLOCK_M, num_warps=4)
     return do8, dot8, qt8, scales
@@ -787,8 +814,10 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
     No query or no key rows: zero gradients and no launch. Otherwise two launches (preprocess, dK/dV/dQ; three
     at head dim 192/256 and in the fp8 mode, one per gradient for dK and dV), a zeroing of the fp32 dQ
     accumulator and, for a 16-bit dq, its copy; with ``deterministic`` the dQ pass is a launch of its own.
-    Where the Hopper kernel takes the call (module docstring): the preprocess, the zeroing and that kernel (no
-    autotuning).
+    Where the Hopper kernel takes the call (module docstring): the preprocess (which also zeroes that kernel's dQ
+    accumulator), that kernel (no autotuning) and, unless dq is the accumulator, the conversion of dQ into dq
+    (``_dq_convert_kernel``); in the fp8 mode ``_fp8_operands_kernel`` before it. Those calls launch through
+    ``replay.launch`` and run no torch operation but allocations, so a plan may record and replay them.
     The Triton main kernels autotune per (head dims, dtype, mode, masks, varlen, seqlen bucket) on the first eager
     call; during CUDA-graph capture they use the config an eager call picked, else the table's default
     (``FP8ATTN_NO_AUTOTUNE=1``: always the default).
@@ -835,11 +864,17 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
     cu_q = cu_seqlens_q if varlen else dummy
     cu_k = cu_seqlens_k if varlen else dummy
 
-    _bwd_preprocess_kernel[(cdiv(sq, PRE_BLOCK_M), batch, nheads_q)](
-        out, do, ws, lse, cu_q, *_strides4(out, varlen), *_strides4(do, varlen), *ls, *w_strides, lse_off,
-        sq, dv_dim, IS_VARLEN=varlen, BLOCK_M=PRE_BLOCK_M, BLOCK_DV=block_dv, num_warps=4)
+    if why is None:  # the Hopper kernel's fp32 dQ accumulator: rows of whole query tiles (its TMA reductions)
+        acc_rows = backward_launch.dq_acc_rows(sq)
+        dq_acc = _fp32_acc(dq, acc_rows, zero=False)  # (zeroed by the preprocess)
+        zero = (dq_acc, *dq_acc.stride()[:3], acc_rows, d)
+    else:
+        acc_rows, zero = sq, (dummy, 0, 0, 0, 0, d)
+    launch(_bwd_preprocess_kernel, (cdiv(acc_rows, PRE_BLOCK_M), batch, nheads_q),
+           out, do, ws, lse, cu_q, *_strides4(out, varlen), *_strides4(do, varlen), *ls, *w_strides, lse_off,
+           sq, dv_dim, *zero, IS_VARLEN=varlen, BLOCK_M=PRE_BLOCK_M, BLOCK_DV=block_dv, ZERO_DQ=why is None,
+           BLOCK_D=block_d, num_warps=4)
     if why is None:
-        dq_acc = _fp32_acc(dq, backward_launch.dq_acc_rows(sq))  # rows: whole query tiles (its TMA reductions)
         scales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, softmax_scale=softmax_scale,
                       causal=causal)
         if mode == "fp8":
@@ -847,7 +882,8 @@ def launch_attention_bwd(do, q, k, v, out, lse, dq, dk, dv, *, q_descale, k_desc
         else:
             backward_launch.launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, **scales)
         if dq_acc is not dq:
-            dq.copy_(dq_acc[:, :sq])
+            launch(_dq_convert_kernel, (cdiv(sq, PRE_BLOCK_M), batch, nheads_q), dq_acc, dq, *dq_acc.stride()[:3],
+                   *dq.stride(), sq, d, BLOCK_M=PRE_BLOCK_M, BLOCK_D=block_d, num_warps=4)
         return
 
     if is_fp8:

@@ -24,6 +24,7 @@ except ImportError:  # triton without Gluon: the kernel is simply unavailable
     HAS_GLUON = False
 
 from ..common import cdiv
+from ..replay import launch
 from .dense_launch import device_reason
 
 __all__ = ["bwd_unsupported_reason", "launch_bwd_tma", "launch_bwd_tma_fp8", "ws_row_len", "dq_acc_rows",
@@ -149,7 +150,7 @@ def launch_bwd_tma(do, q, k, v, ws, dq_acc, dk, dv, *, q_descale, k_descale, v_d
     w_desc = TensorDescriptor(ws, [ws.numel()], [1], [BLOCK_M], _W_LAYOUT)
     ds_strides = (*q_descale.stride(), *k_descale.stride(), *v_descale.stride()) if is_fp8 else (0,) * 6
     grid, chunk = _grid(sk, batch, hk, d, causal)
-    _bwd_tma_kernel[grid](
+    launch(_bwd_tma_kernel, grid,
         _desc(q), _desc(do), w_desc, _desc(dq_acc, _DQ_LAYOUT), k, v, dk, dv, *descs,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
@@ -182,7 +183,7 @@ def launch_bwd_tma_fp8(do8, dot8, qt8, do_scales, q, k, v, ws, dq_acc, dk, dv, *
     t_layout = _t_layout(d)
     qt_desc = TensorDescriptor(qt8, [batch * hq * d, st], [st, 1], [d, BLOCK_M], t_layout)
     dot_desc = TensorDescriptor(dot8, [batch * hq * d, st], [st, 1], [d, BLOCK_M], t_layout)
-    _bwd_tma_fp8_kernel[(cdiv(sk, BLOCK_N), batch, hk)](
+    launch(_bwd_tma_fp8_kernel, (cdiv(sk, BLOCK_N), batch, hk),
         _desc(q), qt_desc, _desc(do8), dot_desc, w_desc, _desc(dq_acc, _DQ_LAYOUT), k, v, dk, dv,
         q_descale, k_descale, v_descale, do_scales,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), v.stride(3),
