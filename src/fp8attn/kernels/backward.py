@@ -7,7 +7,8 @@ TMA reductions) after the preprocess below (and, in the fp8 mode, ``_fp8_operand
 
 1. ``_bwd_preprocess_kernel``: per query row, ``Delta = rowsum(dO * O)`` in fp32 and the LSE moved to
    the log2 domain (``lse * log2(e)``; ``+inf`` for a row that saw no key, so ``exp2(s - lse2) = 0``
-   there and the row contributes nothing), into one fp32 workspace.
+   there and the row contributes nothing), into one fp32 workspace; for the Hopper kernel it also zeroes that
+   kernel's fp32 dQ accumulator, which ``_dq_convert_kernel`` converts into dq afterwards.
 2. ``_bwd_dkdv_kernel``: one program per (key block, batch, kv head); it loops over the query heads of
    the group and their query blocks, so dK/dV are summed over the group in registers. At head dim 256
    (and 192) it runs twice, once per gradient, as both fp32 accumulators do not fit in registers; in the
