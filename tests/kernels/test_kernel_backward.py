@@ -457,6 +457,55 @@ def test_hopper_backend_refusal_writes_nothing(monkeypatch):
         launch_attention_bwd(*views, *grads, **kw)
 
 
+@pytest.mark.parametrize("sq", [128, 70])
+def test_preprocess_zeroes_the_hopper_dq_accumulator(monkeypatch, sq):
+    """Where the Hopper kernel takes a call, the preprocess launch zeroes its fp32 dQ accumulator (every row up to
+    whole query tiles, the padding its TMA reductions reach included; no torch fill, which a plan's recording
+    refuses) and still writes Delta and the log2-scaled LSE. The accumulator starts NaN-poisoned; the Hopper
+    launch is a capture."""
+    import fp8attn.kernels.backward as kb
+
+    seen = {}
+
+    def capture(do, q, k, v, ws, dq_acc, dk, dv, **kw):
+        seen["acc"], seen["ws"] = dq_acc.clone(), ws.clone()
+
+    rows = kb.backward_launch.dq_acc_rows(sq)
+    poisoned = torch.full((2, rows, 4, 64), float("nan"))
+    monkeypatch.setattr(kb.backward_launch, "bwd_unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(kb.backward_launch, "launch_bwd_tma", capture)
+    monkeypatch.setattr(kb.backward_launch, "ws_row_len", lambda s: s)
+    monkeypatch.setattr(kb, "_fp32_acc", lambda dq, rows, zero: poisoned)
+    q = torch.randn(2, sq, 4, 64).to(E4M3)
+    k, v = (torch.randn(2, 32, 2, 64).to(E4M3) for _ in range(2))
+    do, out = (torch.randn(2, sq, 4, 64, dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.randn(2, 4, sq)
+    grads = [torch.full(x.shape, float("nan"), dtype=torch.bfloat16) for x in (q, k, v)]
+    ds = [torch.ones(2, 2) for _ in range(3)]
+    launch_attention_bwd(
+        do,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *grads,
+        q_descale=ds[0],
+        k_descale=ds[1],
+        v_descale=ds[2],
+        softmax_scale=0.125,
+        causal=False,
+        window_left=-1,
+        window_right=-1,
+        softcap=0.0,
+    )
+    assert seen["acc"].shape == (2, rows, 4, 64) and bool((seen["acc"] == 0).all())
+    delta = (do.float() * out.float()).sum(-1).permute(0, 2, 1).reshape(-1)
+    torch.testing.assert_close(seen["ws"][0], delta, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(seen["ws"][1], lse.reshape(-1) * math.log2(math.e), rtol=1e-6, atol=1e-6)
+    assert bool((grads[0] == 0).all())  # dq: the accumulator's zero rows, converted
+
+
 @pytest.mark.parametrize("sq,grad_dtype", [(40, torch.bfloat16), (40, torch.float32), (64, torch.float32)])
 @pytest.mark.parametrize("mode", ["dequantized", "fp8"])
 def test_hopper_path_dq_accumulator(monkeypatch, sq, grad_dtype, mode):
