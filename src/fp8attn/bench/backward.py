@@ -20,19 +20,22 @@ forward + backward 3.5x. ``peak_mb`` (fwd_bwd): the peak allocated memory of one
 inputs; ``saved_mb``: the bytes autograd saves for the backward (FP8 Q/K/V, descales, O and LSE for
 ours). ``err``: the largest relative L2 error of dQ, dK, dV (batch 0, head 0) vs float64 autograd of
 exact attention on the same bf16 inputs, next to ``err_out`` (the forward output's) -- at seqlen <= 4k
-(the float64 oracle's memory); peers carry their own ``err``.
+(the float64 oracle's memory); peers carry their own ``err``. ``kernels_us`` / ``kernels_sum_us`` (fwd_bwd, ours
+and peers): each kernel's GPU time per step under the torch profiler and their sum, so that a step's GPU time
+and its host-bound gaps read apart from ``ms``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .common import attn_flops, results_header, time_ms, with_env, write_results
+from .common import attn_flops, kernel_times_us, results_header, time_ms, with_env, write_results
 
 __all__ = ["run"]
 
 MODES = ("dequantized", "fp8")
 ERR_MAX_SEQLEN = 4096
+KERNEL_REPS = 5  # profiled steps per fwd_bwd case (kernels_us)
 BWD_BACKEND_ENV = "FP8ATTN_BWD_BACKEND"  # the backward's kernel choice (docs/api.md)
 
 
@@ -108,6 +111,13 @@ def _timed(step, flops):
     return {"ms": ms, "tflops": flops / ms / 1e9, "gbps": None}
 
 
+def _gpu_time(step) -> dict:
+    """``kernels_us`` (each kernel's mean GPU microseconds per ``step()`` under the torch profiler) and
+    ``kernels_sum_us`` (their sum: the step's GPU time, beside ``ms``, its wall time with the host's gaps)."""
+    kt = kernel_times_us(step, reps=KERNEL_REPS)
+    return {"kernels_us": kt, "kernels_sum_us": round(sum(kt.values()), 1)}
+
+
 def run(out_dir=None, quick=False, headdims=None):
     """Run the sweep (``headdims``: instead of the grid's); write backward.json into ``out_dir`` (default
     benchmarks/results/<gpu>/)."""
@@ -157,6 +167,7 @@ def run(out_dir=None, quick=False, headdims=None):
                     try:
                         step = lambda fwd=fwd: torch.autograd.grad(fwd(*bl), bl, dot)  # noqa: E731
                         peers["fwd_bwd"][name] = _timed(step, flops["fwd_bwd"])
+                        peers["fwd_bwd"][name].update(_gpu_time(step))
                         peers["fwd_bwd"][name]["peak_mb"] = _peak_mb(step)
                         peers["fwd_bwd"][name]["saved_mb"] = _saved_mb(lambda fwd=fwd: fwd(*bl))[1]
                         o = fwd(*bl)
@@ -173,6 +184,7 @@ def run(out_dir=None, quick=False, headdims=None):
                     fwd = lambda *x, mode=mode: fp8attn.attention(*x, causal=causal, fp8_backward=mode)  # noqa: E731
                     step = lambda fwd=fwd: torch.autograd.grad(fwd(*leaves), leaves, do)  # noqa: E731
                     ours = _timed(step, flops["fwd_bwd"])
+                    ours.update(_gpu_time(step))
                     ours["peak_mb"] = _peak_mb(step)
                     ours["saved_mb"] = _saved_mb(lambda fwd=fwd: fwd(*leaves))[1]
                     ours["err"], ours["err_out"] = (
