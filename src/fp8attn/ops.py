@@ -1004,11 +1004,7 @@ def _dense_backward(ctx, grad_out, grad_lse):
         args[_DENSE_NARGS - 1] = True
         with torch.no_grad():
             lse = OPS["dense_fwd"](*args)[1]
-    grad_out = grad_out.contiguous()
-    grads = None
-    if cu_q is None and not block and not deterministic:
-        grads = _planned_bwd(grad_out, q, k, v, o, lse, qd, kd, vd, ctx.attrs[2:9], _grad_dtype(q))
-    grads = grads or OPS["dense_bwd"](
+    grads = _dense_grads(
         grad_out,
         q,
         k,
@@ -1165,11 +1161,7 @@ class QuantizedAttention(torch.autograd.Function):
         q8, k8, v8, qd, kd, vd, o, lse, rotation, cu_q, cu_k = ctx.saved_tensors
         _, _, max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = ctx.attn
         gdt = torch.float32 if rotation is not None else ctx.grad_dtypes[0]
-        grad_out = grad_out.contiguous()
-        grads = None
-        if cu_q is None and not block and not deterministic:
-            grads = _planned_bwd(grad_out, q8, k8, v8, o, lse, qd, kd, vd, ctx.attn[4:11], gdt)
-        dq, dk, dv = grads or OPS["dense_bwd"](
+        dq, dk, dv = _dense_grads(
             grad_out,
             q8,
             k8,
@@ -1226,6 +1218,20 @@ def _planned_fwd(out_dtype, q8, k8, v8, qd, kd, vd, attn):
 
     run = plan.obtain("attention_fwd", tensors, (scale, causal, wl, wr, softcap, out_dtype), build)
     return None if run is None else run(*tensors, None, None)
+
+
+def _dense_grads(dout, *args):
+    """``(dq, dk, dv)`` of the backward of a dense call, ``args`` being ``dense_bwd``'s after ``dout`` (made
+    contiguous here): through the eager plan of its signature where one takes it (dense, no per-block descales, not
+    ``deterministic``), else the ``dense_bwd`` op. The one backward path of ``flash_attn_func``'s autograd and of
+    ``fp8attn.attention``."""
+    dout = dout.contiguous()
+    q, k, v, o, lse, cu_q, _, _, _, scale, causal, wl, wr, softcap, qd, kd, vd, block, mode, deterministic, gdt = args
+    if cu_q is None and not block and not deterministic:
+        grads = _planned_bwd(dout, q, k, v, o, lse, qd, kd, vd, (scale, causal, wl, wr, softcap, block, mode), gdt)
+        if grads is not None:
+            return grads
+    return OPS["dense_bwd"](dout, *args)
 
 
 def _planned_bwd(dout, q, k, v, o, lse, qd, kd, vd, attrs, grad_dtype):
