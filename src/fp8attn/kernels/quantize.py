@@ -10,7 +10,8 @@ launches with nothing between them:
   twice (the amax, then the quantization).
 * otherwise: pass 1 writes each tile's amax (a partial); pass 2 programs each reduce the partials of their
   group (the few of one (batch, KV head), or all of them per tensor), quantize ``TPP`` tiles, and the
-  group's first program stores the descale.
+  group's first program stores the descale. Pass 2 runs in the reverse of pass 1's order (its first tiles
+  are still in L2).
 
 Descale convention (fp8attn.quant): ``descale = max(amax, DESCALE_FLOOR * 448) / 448`` (an IEEE division,
 as ``quant.descale_from_amax``) and ``x8 = saturate(x / descale)``. A NaN or Inf in a group makes its
@@ -147,6 +148,11 @@ if HAS_TRITON:
             b = tl.program_id(1).to(tl.int64)
             h = tl.program_id(2).to(tl.int64)
             if MODE == 1:  # reduce the group's partials, then quantize TPP tiles
+                # in the reverse of pass 1's launch order: the first programs read the tiles pass 1 read last,
+                # still in L2 (a tensor larger than L2 re-read in the same order misses on every tile)
+                blk0 = tl.num_programs(0) - 1 - blk0
+                b = batch - 1 - b
+                h = nheads - 1 - h
                 if PER_TENSOR:
                     first = tl.zeros((), tl.int64)
                     count = batch * nheads * nblocks
