@@ -998,36 +998,12 @@ def _dense_setup_context(ctx, inputs, output):
 
 def _dense_backward(ctx, grad_out, grad_lse):
     q, k, v, o, lse, cu_q, cu_k, qd, kd, vd = ctx.saved_tensors
-    max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = ctx.attrs
     if ctx.inputs is not None:  # a direct op call without the LSE: one more forward (the Python entry asks for it)
         args = list(ctx.inputs)
         args[_DENSE_NARGS - 1] = True
         with torch.no_grad():
             lse = OPS["dense_fwd"](*args)[1]
-    grads = _dense_grads(
-        grad_out,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        scale,
-        causal,
-        wl,
-        wr,
-        softcap,
-        qd,
-        kd,
-        vd,
-        block,
-        mode,
-        deterministic,
-        _grad_dtype(q),
-    )
+    grads = _dense_grads(grad_out, q, k, v, o, lse, cu_q, cu_k, qd, kd, vd, ctx.attrs, _grad_dtype(q))
     return (*grads,) + (None,) * (_DENSE_NARGS + 2 - 3)
 
 
@@ -1159,32 +1135,9 @@ class QuantizedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q8, k8, v8, qd, kd, vd, o, lse, rotation, cu_q, cu_k = ctx.saved_tensors
-        _, _, max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = ctx.attn
         gdt = torch.float32 if rotation is not None else ctx.grad_dtypes[0]
-        dq, dk, dv = _dense_grads(
-            grad_out,
-            q8,
-            k8,
-            v8,
-            o,
-            lse,
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            scale,
-            causal,
-            wl,
-            wr,
-            softcap,
-            qd,
-            kd,
-            vd,
-            block,
-            mode,
-            deterministic,
-            gdt,
-        )
+        # ctx.attn[2:]: (max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic), dense_fwd's attrs
+        dq, dk, dv = _dense_grads(grad_out, q8, k8, v8, o, lse, cu_q, cu_k, qd, kd, vd, ctx.attn[2:], gdt)
         if rotation is not None:  # x_rot = x @ R  =>  dL/dx = dL/dx_rot @ R^T
             dq = (dq @ rotation.t()).to(ctx.grad_dtypes[0])
             dk = (dk @ rotation.t()).to(ctx.grad_dtypes[1])
@@ -1220,18 +1173,44 @@ def _planned_fwd(out_dtype, q8, k8, v8, qd, kd, vd, attn):
     return None if run is None else run(*tensors, None, None)
 
 
-def _dense_grads(dout, *args):
-    """``(dq, dk, dv)`` of the backward of a dense call, ``args`` being ``dense_bwd``'s after ``dout`` (made
-    contiguous here): through the eager plan of its signature where one takes it (dense, no per-block descales, not
+def _dense_grads(dout, q, k, v, o, lse, cu_q, cu_k, qd, kd, vd, attrs, grad_dtype):
+    """``(dq, dk, dv)`` of the backward of a dense call (``attrs``: ``(max_seqlen_q, max_seqlen_k, softmax_scale,
+    causal, window_left, window_right, softcap, descale_block, mode, deterministic)``; ``dout`` made contiguous
+    here): through the eager plan of its signature where one takes it (dense, no per-block descales, not
     ``deterministic``), else the ``dense_bwd`` op. The one backward path of ``flash_attn_func``'s autograd and of
-    ``fp8attn.attention``."""
+    ``fp8attn.attention``, and the one place that spells the op's argument order."""
     dout = dout.contiguous()
-    q, k, v, o, lse, cu_q, _, _, _, scale, causal, wl, wr, softcap, qd, kd, vd, block, mode, deterministic, gdt = args
+    max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = attrs
     if cu_q is None and not block and not deterministic:
-        grads = _planned_bwd(dout, q, k, v, o, lse, qd, kd, vd, (scale, causal, wl, wr, softcap, block, mode), gdt)
+        grads = _planned_bwd(
+            dout, q, k, v, o, lse, qd, kd, vd, (scale, causal, wl, wr, softcap, block, mode), grad_dtype
+        )
         if grads is not None:
             return grads
-    return OPS["dense_bwd"](dout, *args)
+    return OPS["dense_bwd"](
+        dout,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        scale,
+        causal,
+        wl,
+        wr,
+        softcap,
+        qd,
+        kd,
+        vd,
+        block,
+        mode,
+        deterministic,
+        grad_dtype,
+    )
 
 
 def _planned_bwd(dout, q, k, v, o, lse, qd, kd, vd, attrs, grad_dtype):

@@ -457,6 +457,30 @@ def test_hopper_backend_refusal_writes_nothing(monkeypatch):
         launch_attention_bwd(*views, *grads, **kw)
 
 
+def _launch_unit_descales(do, q, k, v, out, lse, grads, *, causal, **kw):
+    """``launch_attention_bwd`` on e4m3 q, k, v with unit (batch, kv head) descales, softmax scale 1/8, no window
+    or softcap (``kw``: e.g. the mode), writing ``grads`` (dq, dk, dv)."""
+    ds = [torch.ones(q.shape[0], k.shape[2]) for _ in range(3)]
+    launch_attention_bwd(
+        do,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *grads,
+        q_descale=ds[0],
+        k_descale=ds[1],
+        v_descale=ds[2],
+        softmax_scale=0.125,
+        causal=causal,
+        window_left=-1,
+        window_right=-1,
+        softcap=0.0,
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("sq", [128, 70])
 def test_preprocess_zeroes_the_hopper_dq_accumulator(monkeypatch, sq):
     """Where the Hopper kernel takes a call, the preprocess launch zeroes its fp32 dQ accumulator (every row up to
@@ -481,24 +505,7 @@ def test_preprocess_zeroes_the_hopper_dq_accumulator(monkeypatch, sq):
     do, out = (torch.randn(2, sq, 4, 64, dtype=torch.bfloat16) for _ in range(2))
     lse = torch.randn(2, 4, sq)
     grads = [torch.full(x.shape, float("nan"), dtype=torch.bfloat16) for x in (q, k, v)]
-    ds = [torch.ones(2, 2) for _ in range(3)]
-    launch_attention_bwd(
-        do,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        *grads,
-        q_descale=ds[0],
-        k_descale=ds[1],
-        v_descale=ds[2],
-        softmax_scale=0.125,
-        causal=False,
-        window_left=-1,
-        window_right=-1,
-        softcap=0.0,
-    )
+    _launch_unit_descales(do, q, k, v, out, lse, grads, causal=False)
     assert seen["acc"].shape == (2, rows, 4, 64) and bool((seen["acc"] == 0).all())
     delta = (do.float() * out.float()).sum(-1).permute(0, 2, 1).reshape(-1)
     torch.testing.assert_close(seen["ws"][0], delta, rtol=1e-5, atol=1e-5)
@@ -567,26 +574,8 @@ def test_empty_inputs_zero_gradients_without_launches(monkeypatch, sq, sk):
     do, out = (torch.randn(b, sq, hq, d, dtype=torch.bfloat16) for _ in range(2))
     lse = torch.full((b, hq, sq), float("-inf"))
     grads = [torch.full(x.shape, float("nan")) for x in (q, k, v)]
-    ds = [torch.ones(b, hk) for _ in range(3)]
     for mode in ("dequantized", "fp8"):
-        launch_attention_bwd(
-            do,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            *grads,
-            q_descale=ds[0],
-            k_descale=ds[1],
-            v_descale=ds[2],
-            softmax_scale=0.125,
-            causal=True,
-            window_left=-1,
-            window_right=-1,
-            softcap=0.0,
-            mode=mode,
-        )
+        _launch_unit_descales(do, q, k, v, out, lse, grads, causal=True, mode=mode)
         assert all(bool((g == 0).all()) for g in grads), mode
 
 
