@@ -80,14 +80,33 @@ def _load_kv_tile(ptr, stride_n, stride_d, n_valid, ROWS: gl.constexpr, D: gl.co
     return gl.load(ptr + offs, mask=gl.expand_dims(rows < n_valid, 1), other=0.0)
 
 
+@gluon.constexpr_function
+def _row_layout(rows, cols, bits, warps):
+    """A blocked layout whose threads hold 16 contiguous bytes of a row-major (rows, cols) tile, a row's threads
+    side by side: a warp's store covers whole 32-byte sectors."""
+    per_thread = min(cols, 128 // bits)
+    along = min(32, cols // per_thread)
+    return gl.BlockedLayout([1, per_thread], [32 // along, along], [warps, 1], [1, 0])
+
+
 @gluon.jit
 def _store_rows(ptr, stride_n, n_valid, x, layout: gl.constexpr):
-    """Store the (rows, D) fp32 accumulator ``x`` (layout ``layout``) cast to ``ptr``'s dtype, rows below
-    ``n_valid`` only."""
-    rows = gl.arange(0, x.shape[0], gl.SliceLayout(1, layout))
-    cols = gl.arange(0, x.shape[1], gl.SliceLayout(0, layout))
+    """Store the (rows, cols) fp32 accumulator ``x`` (layout ``layout``, a wgmma accumulator's) cast to ``ptr``'s
+    dtype, rows below ``n_valid`` only. A 16-bit output goes through ``_row_layout`` first: in the accumulator's
+    layout a thread's store is 4 bytes of a row, which fills half of each 32-byte sector it touches (fp32 fills
+    it: no conversion, which would need twice the scratch shared memory)."""
+    out_dtype: gl.constexpr = ptr.dtype.element_ty
+    if out_dtype.primitive_bitwidth == 16:
+        row_layout: gl.constexpr = _row_layout(x.shape[0], x.shape[1], 16, gl.num_warps())
+        y = gl.convert_layout(x.to(out_dtype), row_layout)
+        rows = gl.arange(0, x.shape[0], gl.SliceLayout(1, row_layout))
+        cols = gl.arange(0, x.shape[1], gl.SliceLayout(0, row_layout))
+    else:
+        y = x.to(out_dtype)
+        rows = gl.arange(0, x.shape[0], gl.SliceLayout(1, layout))
+        cols = gl.arange(0, x.shape[1], gl.SliceLayout(0, layout))
     offs = gl.expand_dims(rows.to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=gl.expand_dims(rows < n_valid, 1))
+    gl.store(ptr + offs, y, mask=gl.expand_dims(rows < n_valid, 1))
 
 
 @gluon.jit
@@ -355,7 +374,14 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
     else:
         qg_smem = q_smem.index(0)  # (unused: the 16-bit Q is read from its stage)
         kg_smem = k_smem
-    vg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
+    if V_SEQ_MAJOR:
+        # keys contiguous, as a sequence-major V arrives: a thread's 8 upcast keys are one 16-byte store (stored
+        # key-major, they went one row apart, 16 rows of one swizzle phase, one bank, in each warp's store); the
+        # product reads it transposed
+        vg_t = gl.allocate_shared_memory(g_dtype, [D, BN], _smem_layout(BN, 16))
+        vg_smem = vg_t.permute((1, 0))
+    else:
+        vg_smem = gl.allocate_shared_memory(g_dtype, [BN, D], _smem_layout(D, 16))
     ds_smem = gl.allocate_shared_memory(g_dtype, [BN, BM], _smem_layout(BM, 16))
     dq_smem = gl.allocate_shared_memory(gl.float32, [BM, D], dq_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BM], w_desc.layout)  # (stage, Delta / LSE)
@@ -371,7 +397,10 @@ def _bwd_tma_kernel(q_desc, do_desc, w_desc, dq_desc, K, V, DK, DV, QDs, KDs, VD
     k_smem.store(k)
     if IS_FP8:
         kg_smem.store(_upcast(k, g_dtype))
-    vg_smem.store(_upcast(v, g_dtype))
+    if V_SEQ_MAJOR:
+        vg_t.store(gl.permute(_upcast(v, g_dtype), (1, 0)))
+    else:
+        vg_smem.store(_upcast(v, g_dtype))
     if IS_FP8:
         qd, kd, vd = _load_descales(QDs, KDs, VDs, b64, hk64, stride_qds_b, stride_qds_h, stride_kds_b, stride_kds_h,
                                     stride_vds_b, stride_vds_h)
@@ -568,7 +597,10 @@ def _bwd_tma_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, w_desc, dq_desc, K, 
     g_dtype: gl.constexpr = gl.bfloat16
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [8, 1], [1, 0])
     if V_SEQ_MAJOR:
-        v_layout: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 32 // (BN // 8)], [1, 8], [0, 1])
+        # a thread reads 8 keys of one column and stores them one row of v_smem apart: a warp spans 16 columns
+        # and 2 key groups, so that its stores hit 2 rows of one swizzle phase (16 key groups would put 16 rows of
+        # the same phase, one bank, in each store)
+        v_layout: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [8, 1], [0, 1])
     else:
         v_layout: gl.constexpr = ld_layout
 
