@@ -91,8 +91,9 @@ def test_backward_default_configs_compile():
         if " fp8 " in ln:  # its e4m3 casts rely on the conversion's saturation (kernels/hopper/backward.py: _e4m3)
             assert int(vals["CVT_E4M3"]) > 0 and int(vals["CVT_SAT"]) == int(vals["CVT_E4M3"]), ln
         assert int(vals["MAXNREG"]) == 240, ln
-        # d128: the fp8 kernel holds 5-29 spilled words, the dequantized one 8-12 (at 240 registers)
-        spills = (32 if " fp8 " in ln else 16) if " d128 " in ln else 0
+        # d128: the fp8 kernel holds 5-35 spilled words, the dequantized one 3-12 (at 240 registers; the fp8 kernel's
+        # dK / dV store conversion added a few, for a faster kernel: docs/decisions.md)
+        spills = (40 if " fp8 " in ln else 16) if " d128 " in ln else 0
         assert int(vals["LDL"]) <= spills and int(vals["STL"]) <= spills, f"spills: {ln}"
     # d64 dequantized causal: dK/dV/dQ, then dK/dV and dQ; d128 fp8 mode: dK/dQ and dV, then dK, dV and dQ
     assert len(lines) == 8, r.stdout
