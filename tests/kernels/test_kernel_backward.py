@@ -457,10 +457,12 @@ def test_hopper_backend_refusal_writes_nothing(monkeypatch):
         launch_attention_bwd(*views, *grads, **kw)
 
 
-def _launch_unit_descales(do, q, k, v, out, lse, grads, *, causal, **kw):
-    """``launch_attention_bwd`` on e4m3 q, k, v with unit (batch, kv head) descales, softmax scale 1/8, no window
-    or softcap (``kw``: e.g. the mode), writing ``grads`` (dq, dk, dv)."""
-    ds = [torch.ones(q.shape[0], k.shape[2]) for _ in range(3)]
+def _launch_no_window(do, q, k, v, out, lse, grads, *, causal, descales=None, softmax_scale=0.125, **kw):
+    """``launch_attention_bwd`` with no window or softcap (``kw``: e.g. the mode), writing ``grads`` (dq, dk, dv);
+    ``descales`` (q, k, v) None: unit (batch, kv head) ones for e4m3 q, k, v (none for 16-bit ones)."""
+    if descales is None:
+        fp8 = q.dtype == E4M3
+        descales = [torch.ones(q.shape[0], k.shape[2], device=q.device) if fp8 else None for _ in range(3)]
     launch_attention_bwd(
         do,
         q,
@@ -469,10 +471,10 @@ def _launch_unit_descales(do, q, k, v, out, lse, grads, *, causal, **kw):
         out,
         lse,
         *grads,
-        q_descale=ds[0],
-        k_descale=ds[1],
-        v_descale=ds[2],
-        softmax_scale=0.125,
+        q_descale=descales[0],
+        k_descale=descales[1],
+        v_descale=descales[2],
+        softmax_scale=softmax_scale,
         causal=causal,
         window_left=-1,
         window_right=-1,
@@ -505,7 +507,7 @@ def test_preprocess_zeroes_the_hopper_dq_accumulator(monkeypatch, sq):
     do, out = (torch.randn(2, sq, 4, 64, dtype=torch.bfloat16) for _ in range(2))
     lse = torch.randn(2, 4, sq)
     grads = [torch.full(x.shape, float("nan"), dtype=torch.bfloat16) for x in (q, k, v)]
-    _launch_unit_descales(do, q, k, v, out, lse, grads, causal=False)
+    _launch_no_window(do, q, k, v, out, lse, grads, causal=False)
     assert seen["acc"].shape == (2, rows, 4, 64) and bool((seen["acc"] == 0).all())
     delta = (do.float() * out.float()).sum(-1).permute(0, 2, 1).reshape(-1)
     torch.testing.assert_close(seen["ws"][0], delta, rtol=1e-5, atol=1e-5)
@@ -575,7 +577,7 @@ def test_empty_inputs_zero_gradients_without_launches(monkeypatch, sq, sk):
     lse = torch.full((b, hq, sq), float("-inf"))
     grads = [torch.full(x.shape, float("nan")) for x in (q, k, v)]
     for mode in ("dequantized", "fp8"):
-        _launch_unit_descales(do, q, k, v, out, lse, grads, causal=True, mode=mode)
+        _launch_no_window(do, q, k, v, out, lse, grads, causal=True, mode=mode)
         assert all(bool((g == 0).all()) for g in grads), mode
 
 
@@ -756,23 +758,7 @@ def test_gpu_hopper_kernel_dtypes_match_triton(monkeypatch, qkv, grad):
     for backend in ("tma", "triton"):
         monkeypatch.setenv("FP8ATTN_BWD_BACKEND", backend)
         got[backend] = [torch.empty(x.shape, device=GPU_DEV) for x in (q, k, v)]
-        launch_attention_bwd(
-            do,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            *got[backend],
-            q_descale=ds[0],
-            k_descale=ds[1],
-            v_descale=ds[2],
-            softmax_scale=d**-0.5,
-            causal=True,
-            window_left=-1,
-            window_right=-1,
-            softcap=0.0,
-        )
+        _launch_no_window(do, q, k, v, out, lse, got[backend], causal=True, descales=ds, softmax_scale=d**-0.5)
     tol = 1e-2 if qkv == "e4m3" else 1e-3
     for name, x, r in zip(("dq", "dk", "dv"), got["tma"], got["triton"]):
         rel = ((x - r).norm() / r.norm()).item()
