@@ -1065,20 +1065,36 @@ _append_kv_cache_op = OPS["append_kv_cache"]
 
 
 class _RaiseOnBackward(torch.autograd.Function):
-    """Identity on ``out`` that links it to the inputs and raises in backward."""
+    """Identity on ``out`` that links it to the inputs and raises ``NotImplementedError(message)`` in backward."""
 
     @staticmethod
-    def forward(ctx, name, out, *inputs):
-        ctx.op_name = name
+    def forward(ctx, message, out, *inputs):
+        ctx.message = message
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, *grads):
-        raise NotImplementedError(
-            f"fp8attn::{ctx.op_name} has no backward (paged / KV-cache attention and combine are inference ops; "
-            "the dense and varlen attention of flash_attn_func / flash_attn_varlen_func and fp8attn.attention are "
-            "differentiable). Run inference under torch.no_grad() / torch.inference_mode(), or detach the inputs."
-        )
+        raise NotImplementedError(ctx.message)
+
+
+_DOUBLE_BACKWARD = (
+    "fp8attn: the attention backward is not differentiable, so gradients of its gradients (double backward: "
+    "a gradient penalty or a Hessian-vector product through torch.autograd.grad(..., create_graph=True)) cannot "
+    "be computed. Differentiate the attention once (create_graph=False), or compute the second-order term "
+    "with torch.nn.functional.scaled_dot_product_attention."
+)
+
+
+def _first_order_only(grads, out, dout):
+    """The backward's gradients as they are, or, when the backward runs with ``create_graph=True`` (grad mode on
+    inside it), each linked to a node that raises on a second differentiation: they depend on the inputs through
+    kernels autograd does not see, so a second-order gradient through them would silently miss those terms.
+    The link goes through the saved output ``out`` (whose graph reaches every input) and ``dout``, so that
+    ``torch.autograd.grad`` of a gradient penalty with respect to the inputs reaches the node."""
+    links = [t for t in (out, dout) if t.requires_grad]
+    if not torch.is_grad_enabled() or not links:
+        return grads
+    return tuple(g if g is None else _RaiseOnBackward.apply(_DOUBLE_BACKWARD, g, *links) for g in grads)
 
 
 class QuantizedAttention(torch.autograd.Function):
@@ -1177,9 +1193,16 @@ def _dense_grads(dout, q, k, v, o, lse, cu_q, cu_k, qd, kd, vd, attrs, grad_dtyp
     """``(dq, dk, dv)`` of the backward of a dense call (``attrs``: ``(max_seqlen_q, max_seqlen_k, softmax_scale,
     causal, window_left, window_right, softcap, descale_block, mode, deterministic)``; ``dout`` made contiguous
     here): through the eager plan of its signature where one takes it (dense, no per-block descales, not
-    ``deterministic``), else the ``dense_bwd`` op. The one backward path of ``flash_attn_func``'s autograd and of
-    ``fp8attn.attention``, and the one place that spells the op's argument order."""
-    dout = dout.contiguous()
+    ``deterministic``), else the ``dense_bwd`` op (``_dense_grads_of``), outside autograd; a second
+    differentiation of the result raises (``_first_order_only``). The one backward path of ``flash_attn_func``'s
+    autograd and of ``fp8attn.attention``, and the one place that spells the op's argument order."""
+    with torch.no_grad():  # (create_graph=True: the CPU path's torch ops would record a partial graph)
+        grads = _dense_grads_of(dout.contiguous(), q, k, v, o, lse, cu_q, cu_k, qd, kd, vd, attrs, grad_dtype)
+    return _first_order_only(grads, o, dout)
+
+
+def _dense_grads_of(dout, q, k, v, o, lse, cu_q, cu_k, qd, kd, vd, attrs, grad_dtype):
+    """``_dense_grads``'s gradients on a contiguous ``dout``: the eager plan or the ``dense_bwd`` op."""
     max_q, max_k, scale, causal, wl, wr, softcap, block, mode, deterministic = attrs
     if cu_q is None and not block and not deterministic:
         grads = _planned_bwd(
@@ -1253,7 +1276,12 @@ def _no_backward(name, res, grad_inputs, out_given):
     o, lse = res
     if not o.is_floating_point() or o.dtype.itemsize == 1:
         return res  # an FP8 output cannot carry a gradient anyway
-    return _RaiseOnBackward.apply(name, o, *grad_inputs), lse
+    message = (
+        f"fp8attn::{name} has no backward (paged / KV-cache attention and combine are inference ops; the dense and "
+        "varlen attention of flash_attn_func / flash_attn_varlen_func and fp8attn.attention are differentiable). "
+        "Run inference under torch.no_grad() / torch.inference_mode(), or detach the inputs."
+    )
+    return _RaiseOnBackward.apply(message, o, *grad_inputs), lse
 
 
 def _check_grad_call(out, out_scale, seqused_q, seqused_k):

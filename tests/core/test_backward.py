@@ -363,6 +363,36 @@ def test_attention_validation_and_lse():
         fp8attn.attention(q[0], k[0], v[0], cu_seqlens_q=torch.tensor([0, 6], dtype=torch.int32))
 
 
+def _double_backward_refused(device):
+    """create_graph=True keeps the first-order gradients (bit for bit those of a plain backward), and every way of
+    differentiating them again raises, whether the second term's graph reaches the inputs through the gradients
+    alone (a gradient penalty) or also through dO (a loss that is not linear in the output)."""
+    calls = {
+        "attention": lambda q, k, v: fp8attn.attention(q, k, v, causal=True),
+        "attention hadamard per_block": lambda q, k, v: fp8attn.attention(
+            q, k, v, granularity="per_block", hadamard=True
+        ),
+        "flash_attn_func": lambda q, k, v: fp8attn.flash_attn_func(q, k, v, causal=True),
+        "flash_attn_func fp8 mode": lambda q, k, v: fp8attn.flash_attn_func(q, k, v, fp8_backward="fp8"),
+    }
+    for name, call in calls.items():
+        leaves = _bf16_qkv(1, 130, 4, 2, 64, device=device)
+        for loss_of in (lambda o: o.float().sum(), lambda o: o.float().square().sum()):
+            plain = torch.autograd.grad(loss_of(call(*leaves)), leaves)
+            graphed = torch.autograd.grad(loss_of(call(*leaves)), leaves, create_graph=True)
+            for a, b in zip(plain, graphed):
+                assert b.requires_grad and torch.equal(a, b.detach()), name
+            penalty = sum(g.float().square().sum() for g in graphed)
+            with pytest.raises(NotImplementedError, match="double backward"):
+                torch.autograd.grad(penalty, leaves, retain_graph=True)
+            with pytest.raises(NotImplementedError, match="double backward"):  # mixed with a term that works
+                (penalty + sum(x.float().sum() for x in leaves)).backward()
+
+
+def test_double_backward_raises():
+    _double_backward_refused("cpu")
+
+
 def test_compiled_attention_forward_backward_fullgraph():
     """fp8attn.attention forward + backward under torch.compile(fullgraph=True): no graph break (aot_eager keeps
     the CPU test short; the GPU test compiles with Inductor), the same gradients as eager."""
@@ -469,6 +499,11 @@ def test_gpu_attention_goal(granularity, hadamard):
     do = torch.randn(1, 2048, 16, 128, device="cuda").bfloat16()
     fwd, grads, _ = _attention_errors(leaves, do, granularity=granularity, hadamard=hadamard)
     assert max(grads) <= 2 * fwd, (fwd, grads)
+
+
+@pytest.mark.gpu
+def test_gpu_double_backward_raises():
+    _double_backward_refused("cuda")
 
 
 @pytest.mark.gpu
