@@ -204,21 +204,6 @@ def _from_position_ids(pos: torch.Tensor) -> _Varlen | None:
 
 
 # ====================================================================== the attention function
-class _NoBackward(torch.autograd.Function):
-    """Identity on ``out`` linked to q/k/v whose backward raises: gradients never silently skip attention."""
-
-    @staticmethod
-    def forward(ctx, out, *inputs):
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError(
-            "attn_implementation='fp8attn': this fp8attn build has no FP8 backward (fp8attn.attention), so the "
-            "attention gradients cannot be computed. Update fp8attn, or train with another attn_implementation."
-        )
-
-
 def _wants_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
@@ -243,16 +228,14 @@ def _fp8_attention(q, k, v, vl: _Varlen | None, *, scale, causal, window, softca
     ``vl``: quantized to FP8 here, or through ``fp8attn.attention`` (FP8 forward and backward) when
     gradients are wanted."""
     out_dtype = _out_dtype(q.dtype)
-    attn = getattr(fp8attn, "attention", None)
-    grad = _wants_grad(q, k, v)
     common = dict(causal=causal, softmax_scale=scale, window_size=window, softcap=softcap)
-    if grad and attn is not None:
+    if _wants_grad(q, k, v):
         kw = (
             {}
             if vl is None
             else dict(cu_seqlens_q=vl.cu_q, cu_seqlens_k=vl.cu_k, max_seqlen_q=vl.max_q, max_seqlen_k=vl.max_k)
         )
-        out = attn(q, k, v, granularity=opts.granularity, hadamard=opts.hadamard, **common, **kw)
+        out = fp8attn.attention(q, k, v, granularity=opts.granularity, hadamard=opts.hadamard, **common, **kw)
         return out if out.dtype == q.dtype else out.to(q.dtype)
     q8, k8, v8, qd, kd, vd = fp8attn.quantize_qkv(
         q, k, v, granularity=opts.granularity, hadamard=opts.hadamard, block_size=_BLOCK
@@ -282,8 +265,6 @@ def _fp8_attention(q, k, v, vl: _Varlen | None, *, scale, causal, window, softca
             descale_block_size=blk,
             **common,
         )
-    if grad:
-        out = _NoBackward.apply(out, q, k, v)
     return out
 
 
