@@ -364,9 +364,10 @@ def test_attention_validation_and_lse():
 
 
 def _double_backward_refused(device):
-    """create_graph=True keeps the first-order gradients (bit for bit those of a plain backward), and every way of
-    differentiating them again raises, whether the second term's graph reaches the inputs through the gradients
-    alone (a gradient penalty) or also through dO (a loss that is not linear in the output)."""
+    """create_graph=True keeps the first-order gradients (those of a plain backward: bit for bit on the CPU, to
+    dQ's order of additions on a GPU), and every way of differentiating them again raises, whether the second
+    term's graph reaches the inputs through the gradients alone (a gradient penalty) or also through dO (a loss
+    that is not linear in the output)."""
     calls = {
         "attention": lambda q, k, v: fp8attn.attention(q, k, v, causal=True),
         "attention hadamard per_block": lambda q, k, v: fp8attn.attention(
@@ -381,7 +382,8 @@ def _double_backward_refused(device):
             plain = torch.autograd.grad(loss_of(call(*leaves)), leaves)
             graphed = torch.autograd.grad(loss_of(call(*leaves)), leaves, create_graph=True)
             for a, b in zip(plain, graphed):
-                assert b.requires_grad and torch.equal(a, b.detach()), name
+                assert b.requires_grad, name
+                assert torch.equal(a, b.detach()) if device == "cpu" else rel_err(b.detach(), a) < 1e-5, name
             penalty = sum(g.float().square().sum() for g in graphed)
             with pytest.raises(NotImplementedError, match="double backward"):
                 torch.autograd.grad(penalty, leaves, retain_graph=True)
