@@ -1091,8 +1091,10 @@ def _first_order_only(grads, out, dout):
     kernels autograd does not see, so a second-order gradient through them would silently miss those terms.
     The link goes through the saved output ``out`` (whose graph reaches every input) and ``dout``, so that
     ``torch.autograd.grad`` of a gradient penalty with respect to the inputs reaches the node."""
+    if not torch.is_grad_enabled():  # (every backward without create_graph: nothing more to look at)
+        return grads
     links = [t for t in (out, dout) if t.requires_grad]
-    if not torch.is_grad_enabled() or not links:
+    if not links:
         return grads
     return tuple(g if g is None else _RaiseOnBackward.apply(_DOUBLE_BACKWARD, g, *links) for g in grads)
 
